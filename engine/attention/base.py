@@ -1,0 +1,120 @@
+"""The attention backend contract and its registry.
+
+A backend computes attention for one layer over the KV pools.  The model runner
+calls ``init_forward_metadata(forward_batch)`` once per step, before the model
+runs; every layer then calls ``forward`` (which dispatches to
+``forward_extend`` / ``forward_decode``).  Metadata built once per step is
+shared by all layers: a backend must not recompute it per layer.
+
+Contract every backend keeps:
+* ``q`` is ``[num_tokens, num_heads * head_dim]``; ``k`` / ``v`` are
+  ``[num_tokens, num_kv_heads * head_dim]`` for the *new* tokens only.
+* When ``save_kv_cache`` is true the backend writes ``k`` / ``v`` into
+  ``forward_batch.kv_pool`` at ``forward_batch.out_cache_loc`` before reading.
+* A new token at position p attends causally to every position <= p of its own
+  request: the cached prefix (read through ``req_to_token``) and the new tokens.
+* The output is ``[num_tokens, num_heads * head_dim]`` in ``q``'s dtype.
+
+CUDA graphs: ``init_cuda_graph_state`` allocates fixed buffers once for the
+largest captured batch; ``init_forward_metadata_capture_cuda_graph`` points
+the metadata at those buffers for a batch of ``bs`` during capture;
+``init_forward_metadata_replay_cuda_graph`` refreshes their contents in place
+before replay (no new allocations, no host sync beyond what the caller gives).
+Backends that cannot run under CUDA graphs set ``supports_cuda_graph = False``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static shape of one attention layer, given to the backend on every call."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    supports_cuda_graph: bool = False
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build per-step metadata shared by all layers."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Attention for new tokens over cached prefix + themselves (causal)."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Attention for one new token per request over its whole context."""
+
+    # --- CUDA-graph hooks -------------------------------------------------
+    @abstractmethod
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed buffers graphs capture against (once)."""
+
+    @abstractmethod
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 spec_info: object = None) -> None:
+        """Point the metadata at the fixed buffers for a capture of batch ``bs``."""
+
+    @abstractmethod
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+        """Refresh the fixed buffers in place before replaying the graph for ``bs``."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Sequence length written into padded rows of a replayed batch."""
+        return 1
+
+
+_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {}
+# backends living in modules that may need optional packages are imported lazily
+_LAZY_MODULES = {
+    "torch_native": "kvship.engine.attention.torch_native",
+    "triton": "kvship.engine.attention.triton_backend",
+    "flashinfer": "kvship.engine.attention.flashinfer_backend",
+}
+
+
+def register_attention_backend(name: str) -> Callable[[Callable[..., AttentionBackend]], Callable[..., AttentionBackend]]:
+    def deco(factory: Callable[..., AttentionBackend]) -> Callable[..., AttentionBackend]:
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def create_attention_backend(name: str, model_runner: object) -> AttentionBackend:
+    """Instantiate backend ``name`` for ``model_runner`` (imports it on first use)."""
+    if name not in _REGISTRY and name in _LAZY_MODULES:
+        import importlib
+        try:
+            importlib.import_module(_LAZY_MODULES[name])
+        except ImportError as e:
+            raise ValueError(f"attention backend '{name}' is unavailable here: {e}") from e
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend '{name}'; known: {sorted(set(_REGISTRY) | set(_LAZY_MODULES))}")
+    return _REGISTRY[name](model_runner)

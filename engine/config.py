@@ -1,0 +1,203 @@
+"""Frozen configuration dataclasses and the argparse built from them.
+
+Every CLI flag maps 1:1 to a dataclass field (``--max-running-requests`` ->
+``max_running_requests``); the field's ``help`` metadata is the flag's help
+text, so ``kvship serve --help`` documents every field.  Derived values are
+properties; per-rank copies are made with ``dataclasses.replace``.
+
+``ServerArgs`` is the worker's config (unified / prefill / decode).  Other
+components (router, operator, local) keep their own dataclasses and reuse
+``add_dataclass_arguments`` / ``dataclass_from_namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+
+def opt(default: Any, help: str, *, choices: Sequence[Any] | None = None,
+        nargs: str | None = None, flag: str | None = None) -> Any:
+    """A dataclass field carrying its CLI help text (and optional choices)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = list(choices)
+    if nargs is not None:
+        meta["nargs"] = nargs
+    if flag is not None:
+        meta["flag"] = flag
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return tp
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        name = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f.metadata.get("help", "")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if tp is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
+            continue
+        origin = typing.get_origin(tp)
+        if origin in (list, tuple):
+            inner = typing.get_args(tp)[0] if typing.get_args(tp) else str
+            kwargs["type"] = inner
+            kwargs["nargs"] = f.metadata.get("nargs", "*")
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if default not in (None, [], ()) and tp is not bool:
+            help_text = f"{help_text} (default: {default})"
+        parser.add_argument(name, help=help_text, **kwargs)
+
+
+def dataclass_from_namespace(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+              if f.init and hasattr(ns, f.name)}
+    for k, v in list(values.items()):
+        if isinstance(v, list) and typing.get_origin(_base_type(typing.get_type_hints(cls)[k])) is tuple:
+            values[k] = tuple(v)
+    values.update(overrides)
+    return cls(**values)
+
+
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Configuration of one worker process (``kvship serve``)."""
+
+    # Model
+    model_path: Optional[str] = opt(None, "Hugging Face folder, .gguf file, or omitted for the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: Optional[str] = opt(None, "Tokenizer folder if it differs from --model-path")
+    served_model_name: Optional[str] = opt(None, "Model name reported by /v1/models and accepted in requests")
+    load_format: str = opt("auto", "Weight format", choices=("auto", "safetensors", "gguf", "dummy"))
+    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = opt("auto", "KV cache dtype (auto = compute dtype)", choices=("auto", "float32", "bfloat16", "float16"))
+    context_length: Optional[int] = opt(None, "Maximum context length (default: the model's)")
+    trust_remote_code: bool = opt(False, "Allow custom code from the model folder (tokenizer only)")
+    seed: int = opt(0, "Random seed for dummy weights and unseeded sampling")
+
+    # HTTP
+    host: str = opt("127.0.0.1", "Address the HTTP server binds")
+    port: int = opt(30000, "HTTP port")
+    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health")
+    log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
+    max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
+
+    # Device and memory
+    device: str = opt("auto", "Where the model runs", choices=("auto", "cpu", "cuda"))
+    mem_fraction_static: float = opt(0.85, "CUDA: fraction of GPU memory for weights + KV cache")
+    max_total_tokens: Optional[int] = opt(None, "KV pool size in tokens (CPU default: what fits in 2 GiB, at most 65536; CUDA default: from --mem-fraction-static)")
+    max_running_requests: int = opt(64, "Most requests in the running batch")
+    max_queued_requests: int = opt(1024, "Most waiting requests before new ones get 503")
+    page_size: int = opt(1, "KV cache page size in tokens")
+    chunked_prefill_size: int = opt(2048, "Most prompt tokens computed in one extend step (-1 disables chunking)")
+    max_prefill_tokens: int = opt(8192, "Most new tokens in one prefill batch")
+    disable_radix_cache: bool = opt(False, "Disable prefix caching")
+    schedule_policy: str = opt("lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs"))
+
+    # Kernels
+    attention_backend: str = opt("auto", "Attention backend (auto: flashinfer on CUDA when installed, else torch_native)",
+                                 choices=("auto",) + ATTENTION_BACKENDS)
+    sampling_backend: str = opt("auto", "Sampling kernels", choices=("auto", "torch", "flashinfer"))
+    disable_cuda_graph: bool = opt(False, "Run decode eagerly (no CUDA graphs)")
+    cuda_graph_max_bs: int = opt(160, "Largest decode batch captured in a CUDA graph")
+    cuda_graph_bs: list[int] = opt([], "Decode batch sizes to capture (default: 1,2,4,8,16,24,32,... up to --cuda-graph-max-bs)")
+    disable_overlap_schedule: bool = opt(False, "Do not overlap CPU scheduling with GPU work")
+    num_threads: Optional[int] = opt(None, "CPU: torch intra-op threads (default: torch's choice)")
+
+    # Role
+    mode: str = opt("unified", "Worker role", choices=("unified", "prefill", "decode"))
+    disaggregation_bootstrap_port: int = opt(8998, "Prefill: port of the bootstrap endpoint")
+    disaggregation_transfer_backend: str = opt("tcp", "KV transfer backend", choices=TRANSFER_BACKENDS)
+    disaggregation_ib_device: Optional[str] = opt(None, "RDMA device(s) for mooncake, e.g. mlx5_0")
+    disaggregation_bootstrap_timeout: float = opt(300.0, "Seconds a request may wait for its peer to bootstrap")
+    disaggregation_waiting_timeout: float = opt(300.0, "Seconds decode waits for KV once bootstrapped")
+    kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except Exception:  # pragma: no cover - torch is a dependency
+            return "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device == "cuda" else "float32"
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.resolved_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.resolved_device == "cuda":
+            import importlib.util
+            if importlib.util.find_spec("flashinfer") is not None:
+                return "flashinfer"
+            if importlib.util.find_spec("triton") is not None:
+                return "triton"
+        return "torch_native"
+
+    @property
+    def resolved_cuda_graph_bs(self) -> list[int]:
+        if self.cuda_graph_bs:
+            return sorted(set(b for b in self.cuda_graph_bs if b <= self.cuda_graph_max_bs))
+        sizes = [1, 2, 4, 8] + list(range(16, 257, 8))
+        return [b for b in sizes if b <= self.cuda_graph_max_bs]
+
+    def validate(self) -> None:
+        """Raise ValueError with a clear message for inconsistent settings."""
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be -1 or >= --page-size")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError("--context-length must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_arguments(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return dataclass_from_namespace(cls, ns)

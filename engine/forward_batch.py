@@ -1,0 +1,98 @@
+"""What the model runner computes in one step.
+
+Data flow:  ``Req`` (one request, scheduler-owned)
+         -> ``ScheduleBatch`` (CPU lists, built by the scheduler each step)
+         -> ``ForwardBatch`` (tensors on the model's device, this module)
+         -> ``ModelRunner.forward`` -> ``LogitsOutput`` -> sampler.
+
+Layout rules a caller must keep:
+* Tokens of all requests are packed along dim 0 in request order
+  (``input_ids``, ``positions``, ``out_cache_loc`` all have ``num_tokens`` rows).
+* ``seq_lens[i]`` is request i's total length *after* this step (cached prefix
+  + new tokens).  ``extend_prefix_lens[i]`` is the part already in the KV pool;
+  ``extend_seq_lens[i]`` the part computed now.  For DECODE, every request has
+  exactly one new token.
+* ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` must already hold the KV
+  slots of every position, including the new ones (= ``out_cache_loc``), when
+  ``forward`` is called; attention writes the new K/V into ``out_cache_loc``.
+* ``logits_indices`` selects which rows of the final hidden states get logits
+  (default: the last new token of each request).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.attention.base import AttentionBackend
+    from kvship.engine.mem.pools import KVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1         # prefill (possibly a chunk, possibly over a cached prefix)
+    DECODE = 2         # one new token per request
+    MIXED = 3          # extends and decodes in one batch (decodes as 1-token extends)
+    IDLE = 4           # nothing to compute (keeps collective ops in step on EP/TP ranks)
+    TARGET_VERIFY = 5  # speculative decoding: score draft tokens with the target model
+    DRAFT_EXTEND = 6   # speculative decoding: extend the draft model
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor          # [num_tokens] int64
+    positions: torch.Tensor          # [num_tokens] int64
+    req_pool_indices: torch.Tensor   # [bs] int64
+    seq_lens: torch.Tensor           # [bs] int64 (device)
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor      # [num_tokens] int64, KV slot of each new token
+    req_to_token_pool: "ReqToTokenPool"
+    kv_pool: "KVPool"
+    attn_backend: "AttentionBackend"
+    # extend-only
+    extend_seq_lens: Optional[torch.Tensor] = None      # [bs] int64
+    extend_prefix_lens: Optional[torch.Tensor] = None   # [bs] int64
+    extend_start_loc: Optional[torch.Tensor] = None     # [bs] int64, offset of each req in the packed tokens
+    extend_seq_lens_cpu: Optional[list[int]] = None
+    extend_prefix_lens_cpu: Optional[list[int]] = None
+    # rows of the final hidden states to compute logits for (default: last new token per req)
+    logits_indices: Optional[torch.Tensor] = None
+    # speculative decoding / other extensions attach their info here
+    spec_info: Any = None
+    # attention backends keep their per-step metadata here
+    attn_metadata: Any = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return int(sum(self.seq_lens_cpu))
+
+    def default_logits_indices(self) -> torch.Tensor:
+        """Index of the last new token of each request in the packed tokens."""
+        if self.forward_mode.is_decode():
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        assert self.extend_seq_lens is not None
+        return torch.cumsum(self.extend_seq_lens, dim=0) - 1
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor            # [len(logits_indices), vocab] float32
+    hidden_states: Optional[torch.Tensor] = None  # last-layer hidden states when asked (EAGLE)

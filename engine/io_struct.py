@@ -1,0 +1,90 @@
+"""Wire types between the HTTP front end and the scheduler (one hop, in-process queues).
+
+Front end -> scheduler: ``GenerateRequest`` (already tokenized), ``abort(rid)``.
+Scheduler -> front end: ``TokenChunk`` per request per step that produced
+tokens, the last one with ``finished=True``.  Every request gets exactly one
+finished chunk, whatever happens (stop, length, abort, error).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1              # -1 / 0 = no top-k
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a user-facing message when a value is out of range."""
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError("temperature must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError("at most 16 stop strings")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    # PD disaggregation: where the prefill worker's bootstrap endpoint is
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    created_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class TokenChunk:
+    rid: str
+    token_ids: list[int]                         # tokens new since the previous chunk
+    finished: bool = False
+    # {"type": "stop", "matched": <token id or stop string>} | {"type": "length", "length": n}
+    # | {"type": "abort", "message": str}
+    finish_reason: Optional[dict] = None
+    logprobs: Optional[list[float]] = None       # one per token in token_ids
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0                   # total so far
+    cached_tokens: int = 0

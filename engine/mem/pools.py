@@ -1,0 +1,209 @@
+"""KV memory in two levels, plus the slot allocator.
+
+* ``ReqToTokenPool`` ``[max_reqs, max_context]`` maps a request's token
+  positions to KV slots.  A request holds one row from admission to finish.
+* ``KVPool`` (``MHATokenToKVPool``) holds K and V per layer, each
+  ``[num_slots + page_size, kv_heads, head_dim]``.  Page 0 (slots
+  ``0..page_size-1``) is never handed out: padded rows of a batch (CUDA-graph
+  replay) write there harmlessly.
+* ``TokenToKVPoolAllocator`` hands out slots in whole pages.  Position ``p`` of a
+  request lives in slot ``page * page_size + p % page_size``: a request's
+  tokens fill its last page before a new page is taken, so a page is never
+  shared by two requests (the radix cache shares only whole pages).
+
+The allocator and ``ReqToTokenPool`` bookkeeping are pure CPU Python: the
+scheduler uses them without touching the GPU.  Only the tensors live on the
+model's device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self._free: list[int] = list(range(size - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        """One free row, or None when all are taken."""
+        return self._free.pop() if self._free else None
+
+    def free(self, index: int) -> None:
+        if not 0 <= index < self.size:
+            raise ValueError(f"req pool index {index} out of range")
+        if index in self._free:
+            raise ValueError(f"req pool index {index} freed twice")
+        self._free.append(index)
+
+    def write(self, index: int, start: int, slots: torch.Tensor) -> None:
+        """Set ``req_to_token[index, start:start+len(slots)] = slots``."""
+        self.req_to_token[index, start:start + slots.numel()] = slots.to(self.device, torch.int32)
+
+    def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[index, start:end].to(torch.int64)
+
+
+class KVPool:
+    """Per-layer K and V buffers indexed by KV slot (MHA layout)."""
+
+    def __init__(self, num_slots: int, page_size: int, dtype: torch.dtype, num_kv_heads: int,
+                 head_dim: int, num_layers: int, device: str | torch.device):
+        self.page_size = page_size
+        self.num_slots = (num_slots // page_size) * page_size
+        self.dtype = dtype
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        rows = self.num_slots + page_size
+        self.k_buffer = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device)
+                         for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device)
+                         for _ in range(num_layers)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new K/V rows (``[n, kv_heads, head_dim]`` or flat ``[n, kv_heads*head_dim]``)."""
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if k.dtype != self.dtype:
+            k = k.to(self.dtype)
+            v = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v
+
+    @property
+    def bytes_per_slot_per_layer(self) -> int:
+        return self.num_kv_heads * self.head_dim * self.k_buffer[0].element_size()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every K buffer then every V buffer, in layer order (transfer registers these)."""
+        return list(self.k_buffer) + list(self.v_buffer)
+
+    @staticmethod
+    def bytes_needed(num_slots: int, page_size: int, dtype: torch.dtype, num_kv_heads: int,
+                     head_dim: int, num_layers: int) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * (num_slots + page_size) * num_kv_heads * head_dim * elem
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots in whole pages (page_size 1 = per-token slots).
+
+    Rules for callers:
+    * ``alloc_extend`` / ``alloc_decode`` need, per request, the slot of its last
+      already-allocated token (``last_loc``; -1 when it has none) so a partial
+      last page is filled before a new page is taken.
+    * ``free`` takes slots and frees the pages they are on; pass every slot a
+      request owns on pages nobody else references (the radix cache only keeps
+      whole pages, so the request's tail page is always its own).
+    * Nothing here touches CUDA: results are int64 CPU tensors.
+    """
+
+    def __init__(self, num_slots: int, page_size: int):
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        # page 0 is the padding page; pages are 1..num_pages
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+        self._is_free = bytearray(b"\x01" * (self.num_pages + 1))
+        self._is_free[0] = 0
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        """Free slots (whole free pages only)."""
+        return len(self._free_pages) * self.page_size
+
+    def _take_pages(self, n: int) -> Optional[list[int]]:
+        if n > len(self._free_pages):
+            return None
+        if n == 0:
+            return []
+        taken = self._free_pages[-n:]
+        del self._free_pages[-n:]
+        for pg in taken:
+            self._is_free[pg] = 0
+        taken.reverse()
+        return taken
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` fresh slots starting on fresh pages, or None if short."""
+        ps = self.page_size
+        pages = self._take_pages((need_size + ps - 1) // ps)
+        if pages is None:
+            return None
+        if ps == 1:
+            return torch.tensor(pages, dtype=torch.int64)
+        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)
+        # the unused tail of the last page stays owned by the caller (same request)
+        return slots.flatten()[:need_size]
+
+    def pages_needed(self, prefix_lens: Sequence[int], seq_lens: Sequence[int]) -> int:
+        ps = self.page_size
+        return sum((s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens))
+
+    def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int],
+                     last_loc: Sequence[int]) -> Optional[torch.Tensor]:
+        """Slots for positions ``prefix_lens[i]..seq_lens[i]-1`` of each request, packed.
+
+        Returns None (allocating nothing) if there are not enough free pages.
+        """
+        ps = self.page_size
+        if ps == 1:
+            return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        pages = self._take_pages(self.pages_needed(prefix_lens, seq_lens))
+        if pages is None:
+            return None
+        out: list[int] = []
+        pi = 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_loc):
+            pos = p
+            if p % ps:
+                # continue the partially filled last page
+                if last < 0:
+                    raise ValueError("a request with a partial last page must give its last_loc")
+                fill = min(s, (p // ps + 1) * ps) - p
+                out.extend(range(last + 1, last + 1 + fill))
+                pos += fill
+            while pos < s:
+                base = pages[pi] * ps
+                pi += 1
+                n = min(ps, s - pos)
+                out.extend(range(base, base + n))
+                pos += n
+        return torch.tensor(out, dtype=torch.int64)
+
+    def alloc_decode(self, seq_lens: Sequence[int], last_loc: Sequence[int]) -> Optional[torch.Tensor]:
+        """One slot per request for position ``seq_lens[i]-1`` (lengths include the new token)."""
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_loc)
+
+    def free(self, slots: torch.Tensor | Sequence[int]) -> None:
+        if isinstance(slots, torch.Tensor):
+            slots = slots.flatten().tolist()
+        if not slots:
+            return
+        pages = {int(s) // self.page_size for s in slots}
+        if 0 in pages:
+            raise ValueError("slot on the padding page freed")
+        for pg in pages:
+            if self._is_free[pg]:
+                raise ValueError(f"KV page {pg} freed twice")
+            self._is_free[pg] = 1
+        self._free_pages.extend(sorted(pages, reverse=True))
