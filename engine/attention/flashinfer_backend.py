@@ -1,0 +1,245 @@
+"""The ``flashinfer`` attention backend (paged KV, any page size).
+
+The KV pool's per-layer buffers ``[slots, Hkv, D]`` are viewed as FlashInfer's
+NHD paged cache ``[slots / page_size, page_size, Hkv, D]``.  Page lists are
+built on the GPU from ``req_to_token`` by a Triton kernel
+(``triton_ops.kv_indices``); index pointers and last-page lengths come from
+the host-side lengths the ForwardBatch already carries, so planning needs no
+device-to-host sync.
+
+Per step (``init_forward_metadata``), planned once and reused by every layer:
+* decode: ``BatchDecodeWithPagedKVCacheWrapper`` over each request's pages
+  (tensor-core kernels when ``num_heads / num_kv_heads >= 4``);
+* extend without any cached prefix: ``BatchPrefillWithRaggedKVCacheWrapper``
+  over the new tokens (causal);
+* extend with a cached prefix: the ragged pass over the new tokens plus
+  ``BatchPrefillWithPagedKVCacheWrapper`` over the prefix pages (non-causal),
+  joined by their log-sum-exp (``triton_ops.merge_state``).
+
+All wrappers share one float workspace buffer per device.  CUDA graphs: one
+decode wrapper per captured batch size, all pointing at shared fixed index
+buffers; replay rebuilds the page list in place and re-plans on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import flashinfer
+import torch
+
+from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
+from kvship.engine.attention.triton_ops.merge_state import merge_state
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def workspace_buffer(device: torch.device) -> torch.Tensor:
+    """The float workspace shared by every FlashInfer wrapper on ``device`` (zeroed once)."""
+    buf = _WORKSPACES.get(device)
+    if buf is None:
+        buf = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        _WORKSPACES[device] = buf
+    return buf
+
+
+def paged_layout(lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Host ``(indptr [n+1] int32, last_page_len [n] int32, total_pages)`` for token counts ``lens``.
+
+    A request with no tokens has no pages and ``last_page_len`` 0 (FlashInfer
+    then sees a KV length of 0).
+    """
+    pages = [(n + page_size - 1) // page_size for n in lens]
+    indptr = [0] * (len(lens) + 1)
+    for i, p in enumerate(pages):
+        indptr[i + 1] = indptr[i] + p
+    last = [n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)]
+    return torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), indptr[-1]
+
+
+@dataclass
+class FlashInferDecodeMeta:
+    wrapper: "flashinfer.BatchDecodeWithPagedKVCacheWrapper"
+
+
+@dataclass
+class FlashInferExtendMeta:
+    has_prefix: bool
+
+
+@register_attention_backend("flashinfer")
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: object):
+        mc = model_runner.model_config  # type: ignore[attr-defined]
+        self.device = torch.device(model_runner.device)  # type: ignore[attr-defined]
+        if self.device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        self.num_heads = mc.num_attention_heads
+        self.num_kv_heads = mc.num_key_value_heads
+        self.head_dim = mc.head_dim
+        self.sm_scale = self.head_dim ** -0.5
+        self.q_dtype = mc.dtype
+        self.kv_dtype = getattr(model_runner, "kv_dtype", mc.dtype)
+        self.page_size = int(getattr(model_runner, "page_size", 1))
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
+        self.workspace = workspace_buffer(self.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.paged_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
+        self.forward_metadata: Optional[object] = None
+        # CUDA-graph state
+        self._cg_indptr: Optional[torch.Tensor] = None
+        self._cg_last: Optional[torch.Tensor] = None
+        self._cg_indices: Optional[torch.Tensor] = None
+        self._cg_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+
+    # --- planning ----------------------------------------------------------
+    def _plan_decode(self, wrapper, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, seq_lens_cpu: list[int], indices_out: Optional[torch.Tensor]) -> None:
+        indptr, last, total = paged_layout(seq_lens_cpu, self.page_size)
+        indptr_dev = indptr.to(self.device, non_blocking=True)
+        if indices_out is None:
+            indices_out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+        elif total > indices_out.numel():
+            raise ValueError(f"decode batch needs {total} KV pages; the CUDA-graph buffer holds {indices_out.numel()}")
+        build_kv_indices(req_to_token, req_pool_indices, seq_lens, indptr_dev, indices_out, self.page_size)
+        wrapper.plan(indptr, indices_out[:total], last, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.page_size, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_idle():
+            meta: Optional[object] = None
+        elif fb.forward_mode.is_decode():
+            self._plan_decode(self.decode_wrapper, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                              fb.seq_lens, list(fb.seq_lens_cpu), None)
+            meta = FlashInferDecodeMeta(self.decode_wrapper)
+        else:
+            meta = self._plan_extend(fb)
+        self.forward_metadata = meta
+        fb.attn_metadata = meta
+
+    def _plan_extend(self, fb: ForwardBatch) -> FlashInferExtendMeta:
+        ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
+            else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
+        pre = list(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu is not None \
+            else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
+        qo_indptr = [0] * (len(ext) + 1)
+        for i, e in enumerate(ext):
+            qo_indptr[i + 1] = qo_indptr[i] + e
+        qo = torch.tensor(qo_indptr, dtype=torch.int32)
+        self.ragged_wrapper.plan(qo, qo, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                                 sm_scale=self.sm_scale, q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
+        has_prefix = any(p > 0 for p in pre)
+        if has_prefix:
+            indptr, last, total = paged_layout(pre, self.page_size)
+            indptr_dev = indptr.to(self.device, non_blocking=True)
+            indices = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+            prefix_dev = torch.tensor(pre, dtype=torch.int32).to(self.device, non_blocking=True)
+            build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, prefix_dev, indptr_dev,
+                             indices, self.page_size)
+            self.paged_wrapper.plan(qo, indptr, indices[:total], last, self.num_heads, self.num_kv_heads,
+                                    self.head_dim, self.page_size, causal=False, sm_scale=self.sm_scale,
+                                    q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
+        return FlashInferExtendMeta(has_prefix)
+
+    # --- compute -----------------------------------------------------------
+    def _paged_cache(self, fb: ForwardBatch, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = fb.kv_pool.get_key_buffer(layer_id)
+        v = fb.kv_pool.get_value_buffer(layer_id)
+        ps = self.page_size
+        return (k.view(-1, ps, k.shape[-2], k.shape[-1]), v.view(-1, ps, v.shape[-2], v.shape[-1]))
+
+    def _check_layer(self, layer: AttentionLayerSpec) -> None:
+        if abs(layer.scaling - self.sm_scale) > 1e-12 * max(1.0, self.sm_scale):
+            raise ValueError(f"layer {layer.layer_id} uses attention scaling {layer.scaling}, the flashinfer "
+                             f"backend planned with {self.sm_scale}")
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        fb = forward_batch
+        meta: FlashInferExtendMeta = self.forward_metadata  # type: ignore[assignment]
+        self._check_layer(layer)
+        if save_kv_cache:
+            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        qh = q.view(-1, h, d)
+        kh = k.view(-1, hk, d)
+        vh = v.view(-1, hk, d)
+        if not meta.has_prefix:
+            return self.ragged_wrapper.run(qh, kh, vh).view(-1, h * d)
+        o_new, lse_new = self.ragged_wrapper.run(qh, kh, vh, return_lse=True, lse_base="ln")
+        o_pre, lse_pre = self.paged_wrapper.run(qh, self._paged_cache(fb, layer.layer_id), return_lse=True,
+                                                lse_base="ln")
+        out = torch.empty_like(qh)
+        merge_state(o_new, lse_new, o_pre, lse_pre, out)
+        return out.view(-1, h * d)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        fb = forward_batch
+        meta: FlashInferDecodeMeta = self.forward_metadata  # type: ignore[assignment]
+        self._check_layer(layer)
+        if save_kv_cache:
+            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        h, d = layer.num_heads, layer.head_dim
+        out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
+        return out.view(-1, h * d)
+
+    # --- CUDA graphs -------------------------------------------------------
+    def _graph_req_to_token(self) -> torch.Tensor:
+        if self.req_to_token_pool is None:
+            raise RuntimeError("the flashinfer backend was built without a req_to_token_pool; CUDA graphs need it")
+        return self.req_to_token_pool.req_to_token
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed index buffers for graphs of up to ``max_bs`` requests of any length the pool allows."""
+        max_context_len = self._graph_req_to_token().shape[1]
+        max_pages = (max_context_len + self.page_size - 1) // self.page_size
+        self._cg_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._cg_last = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self._cg_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 spec_info: object = None) -> None:
+        if not forward_mode.is_decode():
+            raise ValueError(f"the flashinfer backend captures decode graphs only, not {forward_mode.name}")
+        if self._cg_indices is None or self._cg_indptr is None or self._cg_last is None:
+            raise RuntimeError("init_cuda_graph_state must run before capturing")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
+            paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2")
+        self._cg_wrappers[bs] = wrapper
+        seq_cpu = [int(x) for x in seq_lens[:bs].tolist()]
+        self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
+                          self._cg_indices)
+        self.forward_metadata = FlashInferDecodeMeta(wrapper)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+        if not forward_mode.is_decode():
+            raise ValueError(f"the flashinfer backend replays decode graphs only, not {forward_mode.name}")
+        wrapper = self._cg_wrappers.get(bs)
+        if wrapper is None:
+            raise ValueError(f"no CUDA graph was captured for batch size {bs}")
+        if seq_lens_cpu is None:
+            raise ValueError("the flashinfer backend needs seq_lens_cpu to re-plan a replayed graph")
+        seq_cpu = [int(x) for x in seq_lens_cpu[:bs].tolist()]
+        self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
+                          self._cg_indices)
+        self.forward_metadata = FlashInferDecodeMeta(wrapper)

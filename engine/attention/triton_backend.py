@@ -1,0 +1,146 @@
+"""The ``triton`` attention backend: Triton kernels over the KV pools.
+
+The fallback where FlashInfer is absent, and the reference the FlashInfer
+backend is measured against.  Keys and values are always read through
+``req_to_token``, so any page size works (pages are the allocator's business).
+
+Per step (``init_forward_metadata``, shared by all layers):
+* decode: the number of KV splits (a function of the batch size, see
+  ``triton_ops.decode_attention``) and the split scratch buffers;
+* extend: per-request prefix / extend lengths and packed offsets on the
+  device, and the longest extend (host int, sizes the grid).
+
+CUDA graphs: the scratch buffers are allocated once for the largest captured
+batch; the kernels read ``req_pool_indices`` / ``seq_lens`` straight from the
+graph runner's static input buffers, so replay needs no metadata refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
+from kvship.engine.attention.triton_ops.extend_attention import extend_attention
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class TritonDecodeMeta:
+    num_splits: int
+    mid_out: torch.Tensor   # [bs, H, MAX_KV_SPLITS, D] float32
+    mid_lse: torch.Tensor   # [bs, H, MAX_KV_SPLITS] float32
+
+
+@dataclass
+class TritonExtendMeta:
+    prefix_lens: torch.Tensor    # [bs] int32
+    extend_lens: torch.Tensor    # [bs] int32
+    extend_starts: torch.Tensor  # [bs] int32
+    max_extend_len: int
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+@register_attention_backend("triton")
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: object):
+        mc = model_runner.model_config  # type: ignore[attr-defined]
+        self.device = torch.device(model_runner.device)  # type: ignore[attr-defined]
+        self.num_heads = mc.num_attention_heads
+        self.num_kv_heads = mc.num_key_value_heads
+        self.head_dim = mc.head_dim
+        self.num_sms = _device_sm_count(self.device)
+        self.forward_metadata: Optional[object] = None
+        self._cg_mid_out: Optional[torch.Tensor] = None
+        self._cg_mid_lse: Optional[torch.Tensor] = None
+
+    # --- metadata ----------------------------------------------------------
+    def _scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mid_out = torch.empty((bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32,
+                              device=self.device)
+        mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
+        return mid_out, mid_lse
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_idle():
+            meta = None
+        elif fb.forward_mode.is_decode():
+            mid_out, mid_lse = self._scratch(fb.batch_size)
+            meta = TritonDecodeMeta(num_kv_splits(fb.batch_size, self.num_kv_heads, self.num_sms), mid_out, mid_lse)
+        else:
+            ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
+                else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
+            pre = list(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu is not None \
+                else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
+            starts = [0] * len(ext)
+            for i in range(1, len(ext)):
+                starts[i] = starts[i - 1] + ext[i - 1]
+            host = torch.tensor([pre, ext, starts], dtype=torch.int32)
+            dev = host.to(self.device, non_blocking=True)
+            meta = TritonExtendMeta(dev[0], dev[1], dev[2], max(ext) if ext else 0)
+        self.forward_metadata = meta
+        fb.attn_metadata = meta
+
+    # --- compute -----------------------------------------------------------
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        fb = forward_batch
+        meta: TritonExtendMeta = self.forward_metadata  # type: ignore[assignment]
+        if save_kv_cache:
+            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        qh = q.view(-1, h, d)
+        out = torch.empty_like(qh)
+        extend_attention(qh, k.view(-1, hk, d), v.view(-1, hk, d), out,
+                         fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
+                         fb.req_to_token_pool.req_to_token, fb.req_pool_indices, meta.prefix_lens, meta.extend_lens,
+                         meta.extend_starts, meta.max_extend_len, layer.scaling)
+        return out.view(-1, h * d)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        fb = forward_batch
+        meta: TritonDecodeMeta = self.forward_metadata  # type: ignore[assignment]
+        if save_kv_cache:
+            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        h, d = layer.num_heads, layer.head_dim
+        qh = q.view(-1, h, d)
+        out = torch.empty_like(qh)
+        decode_attention(qh, fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
+                         out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                         meta.mid_out, meta.mid_lse, meta.num_splits, layer.scaling)
+        return out.view(-1, h * d)
+
+    # --- CUDA graphs -------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._cg_mid_out, self._cg_mid_lse = self._scratch(max_bs)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 spec_info: object = None) -> None:
+        if not forward_mode.is_decode():
+            raise ValueError(f"the triton backend captures decode graphs only, not {forward_mode.name}")
+        if self._cg_mid_out is None or self._cg_mid_lse is None:
+            raise RuntimeError("init_cuda_graph_state must run before capturing")
+        self.forward_metadata = TritonDecodeMeta(num_kv_splits(bs, self.num_kv_heads, self.num_sms),
+                                                 self._cg_mid_out[:bs], self._cg_mid_lse[:bs])
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+        # The captured kernels read req_pool_indices / seq_lens from the runner's static
+        # buffers and the split count depends on bs alone: nothing to refresh.
+        if not forward_mode.is_decode():
+            raise ValueError(f"the triton backend replays decode graphs only, not {forward_mode.name}")

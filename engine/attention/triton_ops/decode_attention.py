@@ -1,0 +1,132 @@
+"""Split-KV decode attention in Triton (one new token per request).
+
+Stage 1, grid ``(bs, num_kv_heads, num_splits)``: every program takes the
+query heads that share one KV head (padded to a tensor-core tile of at least
+16 rows) and one contiguous split of the request's context, reads the keys and
+values through ``req_to_token`` and writes an un-normalised partial output
+with its log-sum-exp.  Stage 2, grid ``(bs, num_heads)``: merges the splits.
+
+The number of splits is a function of the batch size alone
+(:func:`num_kv_splits`), so a CUDA graph captured for ``bs`` stays valid for
+any context length: each split simply covers ``ceil(seq_len / num_splits)``
+positions.  ``mid_out`` / ``mid_lse`` are scratch buffers sized for the most
+splits; under graphs they are allocated once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_KV_SPLITS = 16
+
+
+def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits so that ``bs * num_kv_heads * splits`` covers the GPU about twice (1..MAX_KV_SPLITS)."""
+    work = max(1, bs * num_kv_heads)
+    return max(1, min(MAX_KV_SPLITS, (2 * num_sms + work - 1) // work))
+
+
+@triton.jit
+def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
+                   sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    split_len = (seq_len + num_splits - 1) // num_splits
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slot = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        kb = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * sm_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        vb = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    has = end > start
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(has & (l_i > 0), m_i + tl.log(safe_l), float("-inf"))
+    tl.store(mid_out + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :], out,
+             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2(mid_out, mid_lse, o, num_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                   stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    part = tl.load(mid_out + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0, denom, 1.0)
+    out = tl.sum(part * w[:, None], 0) / denom
+    tl.store(o + b * stride_ob + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     mid_out: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, sm_scale: float) -> torch.Tensor:
+    """Decode attention for ``bs`` requests; writes and returns ``o``.
+
+    Shapes: ``q`` / ``o`` ``[bs, H, D]``; ``k_buf`` / ``v_buf`` ``[slots, Hkv, D]``
+    (last dim contiguous); ``mid_out`` ``[>=bs, H, >=num_splits, D]`` float32;
+    ``mid_lse`` ``[>=bs, H, >=num_splits]`` float32.  Request ``b`` attends to
+    positions ``0..seq_lens[b]-1`` whose slots are
+    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    block_h = max(16, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = 32 if block_d >= 256 else 64
+    _decode_stage1[(bs, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=4, num_stages=2)
+    _decode_stage2[(bs, num_heads)](
+        mid_out, mid_lse, o, num_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), num_warps=4)
+    return o

@@ -1,0 +1,166 @@
+"""CUDA-graph capture and replay of decode steps.
+
+``CudaGraphRunner(model_runner, batch_sizes)`` captures one decode forward
+pass per batch size (largest first, all into one shared memory pool) against
+pre-allocated static input buffers.  ``replay(forward_batch)`` copies the
+batch's inputs into those buffers, pads the batch up to the next captured size,
+lets the attention backend refresh its metadata
+(``init_forward_metadata_replay_cuda_graph``), replays the graph and returns
+the first ``bs`` rows of the captured logits.
+
+Padding rows point at request row 0 with sequence length
+``attn_backend.get_cuda_graph_seq_len_fill_value()`` and write their K/V into
+slot 0, which the KV pool reserves for exactly this (page 0 is never handed
+out).  They are reset on every replay, so stale values from a larger batch
+never leak in.
+
+Contract for callers:
+* ``can_run(fb)`` says whether a batch may be replayed: plain DECODE, at most
+  the largest captured size, default logits rows, no speculative info.
+  Everything else (extends, mixed batches, larger batches) runs eagerly.
+* The logits returned by ``replay`` are a view of the graph's static output:
+  valid until the next ``replay`` (the sampler consumes them first).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+
+logger = logging.getLogger(__name__)
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: object, batch_sizes: list[int], show_progress: bool = True):
+        mr = model_runner
+        self.model_runner = mr
+        self.model = mr.model  # type: ignore[attr-defined]
+        self.attn_backend = mr.attn_backend  # type: ignore[attr-defined]
+        self.device = torch.device(mr.device)  # type: ignore[attr-defined]
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if not getattr(self.attn_backend, "supports_cuda_graph", False):
+            raise ValueError(f"attention backend {type(self.attn_backend).__name__} does not support CUDA graphs")
+        sizes = sorted({int(b) for b in batch_sizes if int(b) >= 1})
+        if not sizes:
+            raise ValueError("no CUDA-graph batch sizes to capture")
+        self.batch_sizes = sizes
+        self.max_bs = sizes[-1]
+        self.fill_seq_len = int(self.attn_backend.get_cuda_graph_seq_len_fill_value())
+
+        dev, n = self.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((n,), self.fill_seq_len, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.attn_backend.init_cuda_graph_state(n, n)
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, LogitsOutput] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=dev)
+        self.capture(show_progress)
+
+    # --- capture -------------------------------------------------------------
+    def _forward_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        mr = self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=self.out_cache_loc[:bs],
+            req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool,  # type: ignore[attr-defined]
+            attn_backend=self.attn_backend)
+
+    def capture(self, show_progress: bool = True) -> None:
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        order = list(reversed(self.batch_sizes))  # largest first: later graphs reuse its pool blocks
+        bar = tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=not show_progress)
+        with torch.inference_mode():
+            for bs in bar:
+                bar.set_postfix(bs=bs)
+                self._capture_one(bs)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d decode CUDA graphs (bs %d..%d) in %.1f s, %.0f MiB", len(order),
+                    self.batch_sizes[0], self.max_bs, time.perf_counter() - t0, used / 2 ** 20)
+
+    def _capture_one(self, bs: int) -> None:
+        self.seq_lens[:bs].fill_(self.fill_seq_len)
+        self.req_pool_indices[:bs].zero_()
+        self.out_cache_loc[:bs].zero_()
+        fb = self._forward_batch(bs, [self.fill_seq_len] * bs)
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(
+            bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):  # warm up (autotuning, lazy init) outside the graph
+                self.model(fb.input_ids, fb.positions, fb)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = self.model(fb.input_ids, fb.positions, fb)
+        self.graphs[bs] = graph
+        self.outputs[bs] = out
+
+    # --- replay --------------------------------------------------------------
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return (fb.forward_mode == ForwardMode.DECODE and 1 <= fb.batch_size <= self.max_bs
+                and fb.logits_indices is None and fb.spec_info is None)
+
+    def padded_size(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def replay(self, fb: ForwardBatch) -> LogitsOutput:
+        """Run ``fb`` (``can_run(fb)`` must hold) through the graph of the next captured size."""
+        bs = fb.batch_size
+        gbs = self.padded_size(bs)
+        if gbs != bs:
+            self.input_ids[bs:gbs].zero_()
+            self.positions[bs:gbs].zero_()
+            self.req_pool_indices[bs:gbs].zero_()
+            self.seq_lens[bs:gbs].fill_(self.fill_seq_len)
+            self.out_cache_loc[bs:gbs].zero_()
+        self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(fb.positions, non_blocking=True)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        seq_cpu = list(fb.seq_lens_cpu) + [self.fill_seq_len] * (gbs - bs)
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            gbs, self.req_pool_indices[:gbs], self.seq_lens[:gbs], sum(seq_cpu), ForwardMode.DECODE,
+            seq_lens_cpu=torch.tensor(seq_cpu, dtype=torch.int64))
+        self.graphs[gbs].replay()
+        out = self.outputs[gbs]
+        return LogitsOutput(next_token_logits=out.next_token_logits[:bs],
+                            hidden_states=None if out.hidden_states is None else out.hidden_states[:bs])
+
+
+def maybe_create_cuda_graph_runner(model_runner: object) -> Optional[CudaGraphRunner]:
+    """The runner's graph runner, or None where graphs are off, impossible or unsupported (logged)."""
+    sa = model_runner.server_args  # type: ignore[attr-defined]
+    device = torch.device(model_runner.device)  # type: ignore[attr-defined]
+    if device.type != "cuda" or sa.disable_cuda_graph:
+        return None
+    backend = model_runner.attn_backend  # type: ignore[attr-defined]
+    if not getattr(backend, "supports_cuda_graph", False):
+        logger.warning("attention backend %s does not support CUDA graphs: decode runs eagerly",
+                       type(backend).__name__)
+        return None
+    limit = min(sa.cuda_graph_max_bs, int(getattr(model_runner, "max_running_requests", sa.cuda_graph_max_bs)))
+    sizes = [b for b in sa.resolved_cuda_graph_bs if b <= limit]
+    if not sa.cuda_graph_bs and (not sizes or sizes[-1] < limit):
+        sizes.append(limit)  # the default list must cover every batch the scheduler can form
+    if not sizes:
+        logger.warning("no CUDA-graph batch size <= %d: decode runs eagerly", limit)
+        return None
+    return CudaGraphRunner(model_runner, sizes)

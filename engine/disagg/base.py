@@ -1,0 +1,443 @@
+"""The KV transfer contract between a prefill worker and a decode worker.
+
+Who owns what
+-------------
+* One **KVManager per worker process** (per TP rank), built by
+  :func:`create_kv_manager` with the worker's ``KVPool``.  On prefill it runs the
+  bootstrap server (``--disaggregation-bootstrap-port``) and a few transfer
+  threads; on decode it keeps one control connection per prefill worker it talks
+  to and the backend's receive path.  It registers the pool's K/V buffers with
+  the transfer backend **once**, at construction; the pool must outlive it.
+* One **KVSender per request** on prefill (``manager.create_sender(room)``), one
+  **KVReceiver per request** on decode
+  (``manager.create_receiver(bootstrap_host, bootstrap_port, room)``).  The room
+  is the router's random 63-bit ``bootstrap_room``; it names the request on both
+  sides.
+
+Life cycle of one request
+-------------------------
+Decode (scheduler thread)::
+
+    r = manager.create_receiver(host, port, room)   # Bootstrapping
+    r.init(dst_pages)     # after allocating the prompt's KV pages on decode
+                          # -> registers {room, dst pages, aux slot} with prefill
+    r.poll()              # Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed
+    r.aux                 # after Success: first token id, its logprob, prompt length
+    r.abort(reason)       # any time (client gone, router cancel); then poll() until Failed
+
+Prefill (scheduler thread)::
+
+    s = manager.create_sender(room)   # Bootstrapping until decode registered the room
+    s.poll()                          # -> WaitingForInput: decode's pages are known
+    ... run the prompt's extends, sample the first token, synchronize the device ...
+    s.send(src_pages, AuxInfo(first_token_id, logprob, prompt_len))   # -> Transferring
+    s.poll()                          # -> Success | Failed, then free or cache the pages
+    s.abort(reason)                   # any time
+
+Page lists are KV **page indices** (``slot // page_size``) of each side's own
+pool, in prompt order.  They differ between prefill and decode (each side has its
+own allocator) but their lengths must match, else the request fails with a clear
+reason.  Page 0 is the padding page and is refused.  Whole pages travel, so the
+unused tail of a request's last page is copied too (harmless: it belongs to the
+same request on both sides).  Prefill writes every layer's K and V of those pages
+straight into decode's registered buffers (one descriptor per contiguous page run
+per buffer, all layers of a request in one batch), then the aux record, then the
+done signal.  ``send()`` may be called while the sender is still Bootstrapping;
+the transfer then starts when decode registers.
+
+The rule that keeps slots safe
+------------------------------
+**A terminal state (Success or Failed) means the transfer layer no longer
+touches that request's pages on this side**, so the scheduler frees (or caches)
+them as soon as ``poll()`` returns one, and must not free them before.  After
+``abort()`` a receiver therefore stays in its previous state until prefill has
+acknowledged the abort (no write to those pages is in flight or will start), the
+connection is gone, or ``abort_ack_timeout`` passes; a sender stays Transferring
+until a backend call reading its pages has returned.  Every path ends in a
+terminal state: peer death (connection reset or missed heartbeats), bootstrap
+timeout (no registration / no handshake), waiting timeout (decode registered but
+no KV arrived), layout mismatch at the handshake, page-count mismatch, checksum
+mismatch, backend errors and aborts on either side.  ``failure_reason`` then says
+what happened.
+
+Thread safety
+-------------
+``poll()``, ``send()``, ``init()`` and ``abort()`` may be called from any one
+thread (normally the scheduler's); the manager's own threads update the objects
+under a lock.  ``poll()`` never blocks on the network: it reads state, checks
+the timeouts and (decode, on arrival) reads the aux record and verifies the
+optional checksum.  Before ``send()`` on CUDA the caller must have synchronized
+the stream that wrote the KV (sampling the first token on the host does).
+
+Backends
+--------
+:class:`TransferBackend` is the data plane (how bytes move); the control plane
+(bootstrap handshake, registration, done/fail/abort, heartbeats) is shared and
+lives in ``bootstrap.py`` / ``sender.py`` / ``receiver.py``.  Backends are looked
+up by name (``tcp``, ``mooncake``, ``nixl``) in a registry that imports their
+module lazily, so a CPU install without mooncake or nixl still works and asking
+for a missing one raises :class:`BackendUnavailableError` naming the package.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvship.engine.config import opt
+
+if TYPE_CHECKING:
+    from kvship.engine.disagg.wire import AuxRecord, KVLayout
+
+
+class KVPoll(enum.IntEnum):
+    """Transfer state of one request, as ``poll()`` reports it."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (KVPoll.Failed, KVPoll.Success)
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be carried out (the message says why)."""
+
+
+class BackendUnavailableError(ImportError):
+    """The requested transfer backend's package is not installed or cannot load."""
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Settings of one worker's KV transfer layer (derived from ``ServerArgs``)."""
+
+    backend: str = opt("tcp", "Transfer backend", choices=("tcp", "mooncake", "nixl"))
+    host: str = opt("127.0.0.1", "Address this worker advertises (and binds) for bootstrap and transfer")
+    bootstrap_port: int = opt(8998, "Prefill: bootstrap server port (0 picks a free one)")
+    ib_device: Optional[str] = opt(None, "Mooncake: RDMA device(s); protocol rdma when set, tcp otherwise")
+    bootstrap_timeout: float = opt(300.0, "Seconds until a room must be registered / the handshake done")
+    waiting_timeout: float = opt(300.0, "Decode: seconds from registration until the KV must have arrived")
+    heartbeat_interval: float = opt(5.0, "Seconds between control-connection pings")
+    heartbeat_timeout: float = opt(20.0, "A control connection silent this long is declared dead")
+    abort_ack_timeout: float = opt(30.0, "Decode: most seconds an abort waits for prefill's acknowledgement")
+    connect_timeout: float = opt(10.0, "Decode: TCP connect timeout to a prefill bootstrap server")
+    checksum: bool = opt(False, "Decode asks for a per-request KV checksum and verifies it")
+    transfer_threads: int = opt(2, "Prefill: threads that run transfers")
+    max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
+    tp_size: int = opt(1, "Tensor-parallel size of this worker (must match the peer)")
+    tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
+    debug_corrupt_kv_every: int = field(
+        default_factory=lambda: int(os.environ.get("KVSHIP_DEBUG_CORRUPT_KV_EVERY", "0") or 0),
+        metadata={"help": "Fault injection for tests: prefill writes a wrong page into every Nth transfer "
+                          "(0 = off; env KVSHIP_DEBUG_CORRUPT_KV_EVERY)"})
+
+    def validate(self) -> None:
+        if self.backend not in _BACKEND_PATHS and self.backend not in _REGISTERED:
+            raise ValueError(f"unknown KV transfer backend {self.backend!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}")
+        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_timeout",
+                     "abort_ack_timeout", "connect_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.transfer_threads < 1 or self.max_inflight < 1:
+            raise ValueError("transfer_threads and max_inflight must be >= 1")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError("bootstrap_port must be in 0..65535")
+
+    @classmethod
+    def from_server_args(cls, args, **overrides) -> "KVTransferConfig":
+        """Map ``ServerArgs`` (``--disaggregation-*``, ``--kv-transfer-checksum``) to a config."""
+        values = dict(backend=args.disaggregation_transfer_backend, host=args.host,
+                      bootstrap_port=args.disaggregation_bootstrap_port, ib_device=args.disaggregation_ib_device,
+                      bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+                      waiting_timeout=args.disaggregation_waiting_timeout, checksum=args.kv_transfer_checksum,
+                      max_inflight=max(4096, 2 * args.max_running_requests))
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class AuxInfo:
+    """What prefill hands decode besides the KV: the first sampled token."""
+
+    first_token_id: int
+    first_token_logprob: float
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """One registered buffer: a contiguous tensor's bytes."""
+
+    ptr: int
+    nbytes: int
+    device: str          # "cpu" or "cuda"
+    device_id: int       # CUDA ordinal, 0 for cpu
+    tensor: torch.Tensor = field(repr=False, compare=False)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "MemoryRegion":
+        if not t.is_contiguous():
+            raise ValueError("registered KV buffers must be contiguous")
+        dev = t.device
+        return cls(ptr=t.data_ptr(), nbytes=t.numel() * t.element_size(), device=dev.type,
+                   device_id=(dev.index or 0) if dev.type == "cuda" else 0, tensor=t)
+
+    def bytes_view(self) -> torch.Tensor:
+        """The region as a flat uint8 tensor (same memory)."""
+        return self.tensor.view(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class TransferDescs:
+    """A batch of writes: ``length`` bytes from local region/offset to remote region/offset.
+
+    Regions are indices into each side's region list (KV buffers in
+    ``KVPool.buffers()`` order, then the aux buffer).  Arrays are int64, equal length.
+    """
+
+    src_region: np.ndarray
+    src_off: np.ndarray
+    dst_region: np.ndarray
+    dst_off: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+class TransferBackend(ABC):
+    """The data plane of one worker: moves bytes between registered regions.
+
+    Built once per manager with the local regions (registered at construction:
+    the K/V buffers in ``KVPool.buffers()`` order, then the aux buffer) and the
+    pool's layout.
+    Prefill calls ``add_peer`` when a decode worker's handshake arrives (``info``
+    is that decode's ``local_info()``), ``write`` from its transfer threads (any
+    number concurrently, to the same or different peers), and ``remove_peer``
+    when the control connection is gone and no write to it is in flight.
+    Decode calls ``start_receiving`` once; ``expect_room`` / ``forget_room``
+    bracket each registered room.
+
+    ``write(peer, room, descs, done=True)`` on a backend with ``in_band_done``
+    delivers the done signal for ``room`` to the peer's ``on_done`` callback
+    strictly after that write's data has landed.  Backends without it return from ``write`` only
+    once the data has landed, and the control plane sends the done message.
+    """
+
+    name: ClassVar[str] = ""
+    in_band_done: ClassVar[bool] = False
+
+    def __init__(self, config: KVTransferConfig, role: str, regions: Sequence[MemoryRegion], layout: "KVLayout"):
+        self.config = config
+        self.role = role
+        self.regions = list(regions)
+        self.layout = layout
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise BackendUnavailableError (naming the package to install) if this backend cannot load."""
+
+    @abstractmethod
+    def local_info(self) -> dict:
+        """JSON-serializable description a peer needs to reach this side."""
+
+    @abstractmethod
+    def add_peer(self, peer_id: str, info: dict) -> None:
+        """Prefill: make ``info`` (a decode's ``local_info()``) writable as ``peer_id``."""
+
+    @abstractmethod
+    def remove_peer(self, peer_id: str) -> None:
+        """Prefill: forget a peer (no write to it is in flight)."""
+
+    @abstractmethod
+    def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
+        """Prefill: carry out ``descs`` (all for ``room``) into the peer; raise KVTransferError on failure."""
+
+    def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
+        """Decode: deliver in-band done signals as ``on_done(room, None)``; a backend
+        that detects a bad write for a room reports ``on_done(room, reason)`` instead
+        (and drops that room's later data)."""
+
+    def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
+        """Decode: ``room`` may now be written into ``dst_pages``."""
+
+    def forget_room(self, room: int) -> None:
+        """Decode: ``room`` is finished; late data for it must not land."""
+
+    def close(self) -> None:
+        """Release the engine and its registrations (idempotent)."""
+
+
+# --- registry -------------------------------------------------------------
+
+_BACKEND_PATHS: dict[str, str] = {
+    "tcp": "kvship.engine.disagg.tcp:TcpBackend",
+    "mooncake": "kvship.engine.disagg.mooncake:MooncakeBackend",
+    "nixl": "kvship.engine.disagg.nixl:NixlBackend",
+}
+_REGISTERED: dict[str, type[TransferBackend]] = {}
+
+
+def register_transfer_backend(name: str) -> Callable[[type[TransferBackend]], type[TransferBackend]]:
+    """Class decorator adding a backend under ``name`` (overrides a lazy entry)."""
+
+    def deco(cls: type[TransferBackend]) -> type[TransferBackend]:
+        cls.name = name
+        _REGISTERED[name] = cls
+        return cls
+
+    return deco
+
+
+def get_transfer_backend(name: str) -> type[TransferBackend]:
+    """The backend class for ``name``; BackendUnavailableError if its package is missing."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name not in _BACKEND_PATHS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}")
+    module_name, cls_name = _BACKEND_PATHS[name].split(":")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
+    cls.check_available()
+    return cls
+
+
+def available_transfer_backends() -> list[str]:
+    """Backends whose packages can be imported here, best first (mooncake, nixl, tcp)."""
+    out = []
+    for name in ("mooncake", "nixl", "tcp"):
+        try:
+            get_transfer_backend(name)
+        except BackendUnavailableError:
+            continue
+        out.append(name)
+    return out
+
+
+class KVSender(ABC):
+    """Prefill side of one request (see the module docstring for the life cycle)."""
+
+    room: int
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current state; checks the bootstrap timeout.  Never blocks."""
+
+    @abstractmethod
+    def send(self, src_pages: Sequence[int], aux: AuxInfo) -> None:
+        """Ship these pages (prompt order) and the aux record.  Call once."""
+
+    @abstractmethod
+    def abort(self, reason: str = "aborted") -> None:
+        """Stop the transfer; decode is told.  Idempotent."""
+
+    @property
+    @abstractmethod
+    def failure_reason(self) -> Optional[str]:
+        """Why the state is Failed (None otherwise)."""
+
+
+class KVReceiver(ABC):
+    """Decode side of one request (see the module docstring for the life cycle)."""
+
+    room: int
+
+    @abstractmethod
+    def init(self, dst_pages: Sequence[int]) -> None:
+        """Register the destination pages (prompt order) with prefill.  Call once."""
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current state; checks timeouts, reads aux and verifies the checksum on arrival."""
+
+    @property
+    @abstractmethod
+    def aux(self) -> Optional["AuxRecord"]:
+        """The aux record once Success (first token id, logprob, prompt length, room)."""
+
+    @abstractmethod
+    def abort(self, reason: str = "aborted") -> None:
+        """Give up on this request; prefill is told.  Idempotent."""
+
+    @property
+    @abstractmethod
+    def failure_reason(self) -> Optional[str]:
+        """Why the state is Failed (None otherwise)."""
+
+
+class KVManager(ABC):
+    """One worker's transfer layer: backend, registered pool, control plane, threads."""
+
+    role: str
+    config: KVTransferConfig
+
+    def create_sender(self, room: int) -> KVSender:
+        raise KVTransferError(f"a {self.role} KV manager cannot create senders")
+
+    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVReceiver:
+        raise KVTransferError(f"a {self.role} KV manager cannot create receivers")
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads, close connections, release the backend (idempotent)."""
+
+    def __enter__(self) -> "KVManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager:
+    """Build the prefill or decode manager for ``kv_pool`` with ``config.backend``."""
+    config.validate()
+    backend_cls = get_transfer_backend(config.backend)
+    if role == "prefill":
+        from kvship.engine.disagg.sender import PrefillKVManager
+        return PrefillKVManager(kv_pool, config, backend_cls)
+    if role == "decode":
+        from kvship.engine.disagg.receiver import DecodeKVManager
+        return DecodeKVManager(kv_pool, config, backend_cls)
+    raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
+
+
+def backend_unavailable(name: str, package_hint: str, err: BaseException) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"KV transfer backend {name!r} is not available: {type(err).__name__}: {err}. {package_hint}")
+
+
+def module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def advertise_host(host: str) -> str:
+    """The address peers should use to reach a socket bound on ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        import socket
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    if host == "localhost":
+        return "127.0.0.1"
+    return host

@@ -1,0 +1,264 @@
+"""``tcp``: KV over plain sockets, for machines with neither Mooncake nor NIXL.
+
+Decode runs a data server (``local_info`` = its address); prefill opens one
+data connection per decode peer at the handshake.  One ``write`` is one frame::
+
+    header   <4s B 3x Q Q>   magic "KVT1", flags (1 = done after this frame), room, n descriptors
+    descs    n x <q q q>     destination region, offset, length
+    payload  the n byte ranges, in order
+
+Decode reads each range straight into the destination tensor's memory (CPU
+pools; CUDA pools go through a staging buffer), after checking that KV ranges
+lie on pages registered for that room and that every range is inside its
+region.  Frames for a room decode no longer expects (aborted, finished) are
+read and dropped, so a late write never lands.  A frame with the done flag
+signals ``on_done(room)`` after its bytes are placed: TCP's ordering makes the
+done signal follow all of the room's data.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
+                                       TransferDescs, advertise_host, register_transfer_backend)
+from kvship.engine.disagg.wire import KVLayout
+
+logger = logging.getLogger(__name__)
+
+_HDR = struct.Struct("<4sB3xQQ")
+_MAGIC = b"KVT1"
+_FLAG_DONE = 1
+_DESC = np.dtype([("region", "<i8"), ("off", "<i8"), ("len", "<i8")])
+_IOV_MAX = 512
+_DISCARD = 1 << 20
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    """Send every buffer in ``bufs`` (memoryviews / bytes), batching syscalls."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        for v in batch:
+            if sent >= len(v):
+                sent -= len(v)
+                i += 1
+            else:
+                views[i] = v[sent:]
+                break
+
+
+def _readinto_exact(reader, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = reader.readinto(view[got:])
+        if not k:
+            raise ConnectionError("data connection closed mid-frame")
+        got += k
+
+
+@register_transfer_backend("tcp")
+class TcpBackend(TransferBackend):
+    in_band_done = True
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Plain sockets: always available."""
+
+    def __init__(self, config: KVTransferConfig, role: str, regions: Sequence[MemoryRegion], layout: KVLayout):
+        super().__init__(config, role, regions, layout)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        # prefill side
+        self._peers: dict[str, tuple[socket.socket, threading.Lock]] = {}
+        # decode side
+        self._rooms: dict[int, np.ndarray] = {}  # room -> its sorted destination pages
+        self._on_done: Optional[Callable[[int, Optional[str]], None]] = None
+        self._server: Optional[socket.socket] = None
+        self._conns: set[socket.socket] = set()
+        self._num_kv = len(regions) - 1
+        self._page_bytes = layout.page_bytes
+        if role == "decode":
+            self._server = socket.create_server((config.host if config.host != "localhost" else "127.0.0.1", 0))
+            self._port = self._server.getsockname()[1]
+
+    # -- both sides ------------------------------------------------------------
+    def local_info(self) -> dict:
+        if self._server is None:
+            return {}
+        return {"host": advertise_host(self.config.host), "port": self._port}
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            socks = [s for s, _ in self._peers.values()] + list(self._conns)
+            self._peers.clear()
+        if self._server is not None:
+            try:
+                self._server.close()
+            except OSError:
+                pass
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    # -- prefill side ----------------------------------------------------------
+    def add_peer(self, peer_id: str, info: dict) -> None:
+        try:
+            host, port = str(info["host"]), int(info["port"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"bad tcp endpoint {info!r}") from e
+        sock = socket.create_connection((host, port), timeout=self.config.connect_timeout)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        with self._lock:
+            old = self._peers.pop(peer_id, None)
+            self._peers[peer_id] = (sock, threading.Lock())
+        if old is not None:
+            old[0].close()
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            entry = self._peers.pop(peer_id, None)
+        if entry is not None:
+            try:
+                entry[0].shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            entry[0].close()
+
+    def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
+        with self._lock:
+            entry = self._peers.get(peer_id)
+        if entry is None:
+            raise KVTransferError(f"tcp peer {peer_id} is not connected")
+        sock, lock = entry
+        table = np.empty(len(descs), dtype=_DESC)
+        table["region"], table["off"], table["len"] = descs.dst_region, descs.dst_off, descs.length
+        header = _HDR.pack(_MAGIC, _FLAG_DONE if done else 0, room, len(descs))
+        bufs: list = [header, table.tobytes()]
+        for reg, off, n in zip(descs.src_region.tolist(), descs.src_off.tolist(), descs.length.tolist()):
+            src = self.regions[reg].bytes_view()[off:off + n]
+            bufs.append(src.numpy() if src.device.type == "cpu" else src.cpu().numpy())
+        with lock:
+            try:
+                _sendmsg_all(sock, bufs)
+            except OSError as e:
+                raise KVTransferError(f"tcp data connection to decode lost: {e}") from e
+
+    # -- decode side -----------------------------------------------------------
+    def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
+        self._on_done = on_done
+        threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
+
+    def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
+        with self._lock:
+            self._rooms[room] = np.sort(dst_pages)
+
+    def forget_room(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._closed.is_set():
+            try:
+                sock, addr = self._server.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name=f"kv-tcp-recv-{addr[1]}", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        reader = sock.makefile("rb", buffering=256 << 10)
+        scratch = bytearray(_DISCARD)
+        staging: Optional[torch.Tensor] = None
+        try:
+            while True:
+                head = reader.read(_HDR.size)
+                if len(head) < _HDR.size:
+                    return  # peer closed between frames
+                magic, flags, room, n = _HDR.unpack(head)
+                if magic != _MAGIC:
+                    raise KVTransferError("bad frame magic on tcp data connection")
+                raw = bytearray(n * _DESC.itemsize)
+                _readinto_exact(reader, memoryview(raw))
+                table = np.frombuffer(raw, dtype=_DESC)
+                ok, problem = self._check_frame(room, table)
+                if problem is not None:
+                    logger.warning("room %d: %s", room, problem)
+                    self.forget_room(room)
+                    if self._on_done is not None:
+                        self._on_done(room, problem)
+                for reg, off, length in zip(table["region"].tolist(), table["off"].tolist(), table["len"].tolist()):
+                    if not ok:
+                        self._discard(reader, scratch, length)
+                        continue
+                    dst = self.regions[reg].bytes_view()[off:off + length]
+                    if dst.device.type == "cpu":
+                        _readinto_exact(reader, memoryview(dst.numpy()))
+                    else:
+                        if staging is None or staging.numel() < length:
+                            staging = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
+                        _readinto_exact(reader, memoryview(staging[:length].numpy()))
+                        dst.copy_(staging[:length])
+                if ok and flags & _FLAG_DONE and self._on_done is not None:
+                    if any(r.device == "cuda" for r in self.regions):
+                        torch.cuda.synchronize()
+                    self._on_done(room, None)
+        except (OSError, ConnectionError, KVTransferError) as e:
+            if not self._closed.is_set():
+                logger.warning("tcp data connection ended: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            reader.close()
+            sock.close()
+
+    @staticmethod
+    def _discard(reader, scratch: bytearray, length: int) -> None:
+        view = memoryview(scratch)
+        while length > 0:
+            k = min(length, len(view))
+            _readinto_exact(reader, view[:k])
+            length -= k
+
+    def _check_frame(self, room: int, table: np.ndarray) -> tuple[bool, Optional[str]]:
+        """(accept, problem): the room must still be expected and every range inside
+        its region and, for KV regions, on pages registered for that room."""
+        with self._lock:
+            pages = self._rooms.get(room)
+        if pages is None:
+            return False, None  # aborted or finished: drop silently
+        sizes = np.array([r.nbytes for r in self.regions], dtype=np.int64)
+        reg, off, length = table["region"], table["off"], table["len"]
+        if len(table) and (reg.min() < 0 or reg.max() >= len(sizes) or (off < 0).any() or
+                           ((off + length) > sizes[reg]).any()):
+            return False, "tcp: prefill sent a range outside decode's registered memory"
+        pb = self._page_bytes
+        kv = reg < self._num_kv
+        if kv.any():
+            o, n = off[kv], length[kv]
+            first, count = o // pb, n // pb
+            inside = np.searchsorted(pages, first + count) - np.searchsorted(pages, first) == count
+            if (o % pb).any() or (n % pb).any() or not inside.all():
+                return False, "tcp: prefill sent KV for pages this room did not register"
+        return True, None

@@ -1,0 +1,297 @@
+"""Wire types of the prefill <-> decode control plane (version 1).
+
+Control connection: one TCP connection per (decode worker, prefill worker)
+pair, opened by decode to prefill's bootstrap port.  Frames are a 4-byte
+big-endian length and a UTF-8 JSON object ``{"v": 1, "type": ..., ...}``.
+Page lists travel as base64 of little-endian int32.
+
+    decode -> prefill   Hello        once: decode's layout, region sizes, backend endpoint
+    prefill -> decode   Welcome      prefill's layout (page size, KV dtype, layers,
+                                     KV heads, head dim, TP layout) + backend info
+                        | Refuse     with the reason (layout or backend mismatch)
+    decode -> prefill   Register     per room: destination pages, aux slot, checksum algorithm
+    prefill -> decode   Started      per room, when the write begins
+                        Done         per room (backends whose done is not in-band)
+                        Fail         per room, with the reason
+    both ways           Abort        per room, with the reason
+                        AbortAck     prefill -> decode: nothing for that room is or will be in flight
+    both ways           Ping         heartbeat (any frame counts as a sign of life)
+
+The aux record is not JSON: it is a fixed 64-byte binary record that prefill
+writes into decode's aux buffer at the registered slot, after the KV.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import torch
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20
+_LEN = struct.Struct(">I")
+
+
+class WireError(ValueError):
+    """A frame or record that cannot be decoded (wrong version, garbage, bad field)."""
+
+
+# --- layout -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on before any byte moves."""
+
+    page_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @classmethod
+    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":
+        return cls(page_size=pool.page_size, kv_dtype=str(pool.dtype).removeprefix("torch."),
+                   num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                   tp_size=tp_size, tp_rank=tp_rank)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.kv_dtype)).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one K or V buffer."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def num_buffers(self) -> int:
+        return 2 * self.num_layers
+
+    def mismatch(self, other: "KVLayout") -> Optional[str]:
+        """None if ``other`` can exchange KV with this layout, else what differs."""
+        diffs = []
+        for f in ("page_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank"):
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                diffs.append(f"{f} {a} != {b}")
+        return ", ".join(diffs) or None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        if not isinstance(d, dict) or not isinstance(getattr(torch, str(d.get("kv_dtype")), None), torch.dtype):
+            raise WireError(f"bad KV layout {d!r}: kv_dtype must name a torch dtype")
+        try:
+            return cls(page_size=int(d["page_size"]), kv_dtype=str(d["kv_dtype"]), num_layers=int(d["num_layers"]),
+                       num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
+                       tp_size=int(d.get("tp_size", 1)), tp_rank=int(d.get("tp_rank", 0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"bad KV layout {d!r}: {e}") from e
+
+
+# --- messages ---------------------------------------------------------------
+
+
+def encode_pages(pages: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(pages, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_pages(text: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeError) as e:
+        raise WireError(f"bad page list: {e}") from e
+    if len(raw) % 4:
+        raise WireError("bad page list: length not a multiple of 4")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    peer_id: str
+    backend: str
+    layout: KVLayout
+    region_bytes: list[int]
+    backend_info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    prefill_id: str
+    backend: str
+    layout: KVLayout
+    backend_info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refuse(Message):
+    TYPE: ClassVar[str] = "refuse"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    TYPE: ClassVar[str] = "register"
+    room: int
+    pages: np.ndarray = field(compare=False)
+    aux_slot: int
+    checksum: Optional[str] = None   # algorithm name, None = no checksum
+
+
+@dataclass(frozen=True)
+class Started(Message):
+    TYPE: ClassVar[str] = "started"
+    room: int
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    TYPE: ClassVar[str] = "done"
+    room: int
+
+
+@dataclass(frozen=True)
+class Fail(Message):
+    TYPE: ClassVar[str] = "fail"
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortAck(Message):
+    TYPE: ClassVar[str] = "abort_ack"
+    room: int
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+
+
+_TYPES: dict[str, type[Message]] = {c.TYPE: c for c in
+                                     (Hello, Welcome, Refuse, Register, Started, Done, Fail, Abort, AbortAck, Ping)}
+
+
+def _to_dict(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": WIRE_VERSION, "type": msg.TYPE}
+    for f in fields(msg):
+        v = getattr(msg, f.name)
+        if isinstance(v, KVLayout):
+            v = asdict(v)
+        elif isinstance(v, np.ndarray):
+            v = encode_pages(v)
+        out[f.name] = v
+    return out
+
+
+def encode_frame(msg: Message) -> bytes:
+    """``msg`` as one length-prefixed frame."""
+    body = json.dumps(_to_dict(msg), separators=(",", ":")).encode("utf-8")
+    if len(body) > MAX_FRAME_BYTES:
+        raise WireError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise WireError(f"control frame of {n} bytes exceeds {MAX_FRAME_BYTES} (not a kvship peer?)")
+    return n
+
+
+FRAME_HEADER_BYTES = _LEN.size
+
+
+def decode_body(body: bytes) -> Message:
+    """The message in one frame body; WireError on anything malformed."""
+    try:
+        d = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"control frame is not JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise WireError("control frame is not a JSON object")
+    if d.get("v") != WIRE_VERSION:
+        raise WireError(f"wire version {d.get('v')!r} not supported (this side speaks {WIRE_VERSION})")
+    cls = _TYPES.get(d.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise WireError(f"unknown control message type {d.get('type')!r}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in d:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise WireError(f"{cls.TYPE}: missing field {f.name!r}")
+        v = d[f.name]
+        if f.name == "layout":
+            v = KVLayout.from_dict(v)
+        elif f.name == "pages":
+            v = decode_pages(v)
+        elif f.name in ("room", "aux_slot"):
+            if not isinstance(v, int) or v < 0:
+                raise WireError(f"{cls.TYPE}: {f.name} must be a non-negative integer")
+        kwargs[f.name] = v
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise WireError(f"{cls.TYPE}: {e}") from e
+
+
+# --- aux record -------------------------------------------------------------
+
+AUX_RECORD_BYTES = 64
+_AUX = struct.Struct("<4sHHQqdqqQ")
+_AUX_MAGIC = b"KVAX"
+_AUX_VERSION = 1
+_FLAG_CHECKSUM = 1
+
+
+@dataclass(frozen=True)
+class AuxRecord:
+    """The per-request record written after the KV (64 bytes on the wire)."""
+
+    room: int
+    first_token_id: int
+    first_token_logprob: float
+    prompt_len: int
+    num_pages: int
+    checksum: Optional[int] = None
+
+    def pack(self) -> bytes:
+        flags = _FLAG_CHECKSUM if self.checksum is not None else 0
+        raw = _AUX.pack(_AUX_MAGIC, _AUX_VERSION, flags, self.room, self.first_token_id,
+                        float(self.first_token_logprob), self.prompt_len, self.num_pages,
+                        (self.checksum or 0) & 0xFFFFFFFFFFFFFFFF)
+        return raw + bytes(AUX_RECORD_BYTES - len(raw))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "AuxRecord":
+        if len(data) < _AUX.size:
+            raise WireError("aux record too short")
+        magic, version, flags, room, tok, lp, plen, npages, ck = _AUX.unpack_from(data)
+        if magic != _AUX_MAGIC:
+            raise WireError("aux record missing (no magic): the KV did not arrive in full")
+        if version != _AUX_VERSION:
+            raise WireError(f"aux record version {version} not supported")
+        return cls(room=room, first_token_id=tok, first_token_logprob=lp, prompt_len=plen, num_pages=npages,
+                   checksum=ck if flags & _FLAG_CHECKSUM else None)

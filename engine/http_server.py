@@ -1,0 +1,147 @@
+"""The worker's HTTP server (FastAPI + uvicorn).
+
+``create_app(engine, server_args)`` builds the app around a running
+``Engine``; ``launch_server(server_args)`` builds the engine (loading the
+model before the port opens), serves until SIGINT/SIGTERM, then stops the
+scheduler thread.
+
+Routes (docs/api.md has the full reference and curl examples):
+
+=====================  =====================================================
+POST /v1/chat/completions  OpenAI chat (streaming and not)
+POST /v1/completions       OpenAI completions (string, list, token ids)
+GET  /v1/models            the served model
+POST /generate             SGLang-style native generation
+POST /abort_request        abort a request by ``rid``
+GET  /health               200 while the model loop runs, else 503
+GET  /get_server_info      config, KV slots, running/waiting counts
+GET  /get_model_info       model path, name, architectures, context, vocab
+GET  /metrics              Prometheus text format
+=====================  =====================================================
+
+The event loop never waits on the model: handlers only enqueue requests and
+await their chunk queues (``kvship.engine.engine``).  Request bodies are
+parsed by hand so malformed JSON (400) and schema errors (422) get
+OpenAI-style bodies; see ``kvship.engine.http_errors`` for statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Type, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvship.engine.config import ServerArgs
+from kvship.engine.engine import Engine
+from kvship.engine.http_errors import (APIError, BodyGuardMiddleware, bad_request, error_body,
+                                       install_exception_handlers, parse_json_body)
+from kvship.engine.metrics import CONTENT_TYPE
+from kvship.engine.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
+                                           GenerateReqInput)
+from kvship.engine.serving import MAX_N
+from kvship.engine.serving_generate import GenerateServing
+from kvship.engine.serving_openai import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _parse(request: Request, model: Type[M]) -> M:
+    data = parse_json_body(await request.body())
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    return model.model_validate(data)
+
+
+def create_app(engine: Engine, server_args: Optional[ServerArgs] = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; the caller owns the engine's lifetime."""
+    sa = server_args or engine.server_args
+    app = FastAPI(title="kvship worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    install_exception_handlers(app)
+    app.add_middleware(BodyGuardMiddleware, max_bytes=sa.max_request_bytes, api_key=sa.api_key)
+    openai = OpenAIServing(engine)
+    native = GenerateServing(engine)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai.chat(request, await _parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai.completions(request, await _parse(request, CompletionRequest))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(engine)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id not in (engine.served_model_name, engine.model_path):
+            raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        return _model_card(engine)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await native.generate(request, await _parse(request, GenerateReqInput))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict:
+        body = await _parse(request, AbortRequest)
+        aborted = [r for r in _rid_family(engine, body.rid) if engine.abort(r)]
+        return {"rid": body.rid, "aborted": len(aborted)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(503, f"the model loop is not running: {engine.failure or 'stopped'}",
+                                       code="engine_dead"), status_code=503)
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return engine.server_info()
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return engine.model_info()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {"id": engine.served_model_name, "object": "model", "created": int(engine.start_time),
+            "owned_by": "kvship", "root": engine.model_path, "max_model_len": engine.context_len}
+
+
+def _rid_family(engine: Engine, rid: str) -> list[str]:
+    """``rid`` itself, or the per-choice ids ``rid-0``, ``rid-1``, ... of an n > 1 request."""
+    if engine.has_request(rid):
+        return [rid]
+    return [f"{rid}-{i}" for i in range(MAX_N) if engine.has_request(f"{rid}-{i}")]
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Load the model, serve HTTP until interrupted, then stop the engine. Returns an exit code."""
+    import uvicorn
+
+    engine = Engine(server_args)
+    try:
+        app = create_app(engine, server_args)
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level, access_log=server_args.log_level == "debug",
+                                timeout_keep_alive=30, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        logger.info("serving %s on http://%s:%d", engine.served_model_name, server_args.host, server_args.port)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        engine.shutdown()

@@ -1,0 +1,23 @@
+"""Gated activations over a fused gate/up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedActivation(nn.Module):
+    """``act(gate) * up`` where the input is ``[..., 2*d]`` = ``gate || up`` (SwiGLU for silu)."""
+
+    def __init__(self, act: str = "silu"):
+        super().__init__()
+        if act not in _ACTS:
+            raise ValueError(f"unsupported activation '{act}'; known: {sorted(_ACTS)}")
+        self.act = _ACTS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return self.act(x[..., :d]) * x[..., d:]

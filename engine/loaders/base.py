@@ -1,0 +1,111 @@
+"""Weight loaders behind one interface, keyed by ``--load-format``.
+
+``load_model(model_config, load_format, device)`` builds the model class the
+registry picks for ``model_config.architectures`` directly on ``device``
+(parameters are uninitialised ``torch.empty``), then the loader fills every
+parameter.  A loader must fill all of them: a checkpoint that leaves one
+unset is an error, never silently random weights.
+
+Formats: ``safetensors`` (Hugging Face folder, single or sharded), ``gguf``
+(a llama.cpp file), ``dummy`` (seeded random weights at the real shapes, for
+benchmarks); ``auto`` picks ``gguf`` for a ``.gguf`` path and
+``safetensors`` for a folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoader(ABC):
+    """Fills a freshly built model's parameters from one source."""
+
+    @abstractmethod
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
+        """Fill every parameter of ``model`` (raise ValueError on missing/mismatched tensors)."""
+
+
+_REGISTRY: dict[str, Callable[[], ModelLoader]] = {}
+_LAZY_MODULES = {
+    "safetensors": "kvship.engine.loaders.safetensors_loader",
+    "gguf": "kvship.engine.loaders.gguf_loader",
+    "dummy": "kvship.engine.loaders.dummy",
+}
+
+
+def register_loader(name: str) -> Callable[[Callable[[], ModelLoader]], Callable[[], ModelLoader]]:
+    def deco(factory: Callable[[], ModelLoader]) -> Callable[[], ModelLoader]:
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def get_loader(load_format: str) -> ModelLoader:
+    if load_format not in _REGISTRY and load_format in _LAZY_MODULES:
+        importlib.import_module(_LAZY_MODULES[load_format])
+    if load_format not in _REGISTRY:
+        raise ValueError(f"unknown load format '{load_format}'; known: {sorted(set(_REGISTRY) | set(_LAZY_MODULES))}")
+    return _REGISTRY[load_format]()
+
+
+def resolve_load_format(load_format: str, model_path: str) -> str:
+    """``auto`` -> ``gguf`` / ``safetensors`` by path; explicit formats are checked against the path."""
+    is_gguf = os.path.isfile(model_path) and model_path.endswith(".gguf")
+    is_dir = os.path.isdir(model_path)
+    if not (is_gguf or is_dir):
+        raise FileNotFoundError(f"model path '{model_path}' is neither a folder nor a .gguf file")
+    if load_format == "auto":
+        return "gguf" if is_gguf else "safetensors"
+    if load_format == "gguf" and not is_gguf:
+        raise ValueError(f"--load-format gguf needs a .gguf file, got folder '{model_path}'")
+    if load_format == "safetensors" and not is_dir:
+        raise ValueError(f"--load-format safetensors needs a folder, got '{model_path}'")
+    return load_format
+
+
+def load_model(model_config: ModelConfig, load_format: str, device: str | torch.device,
+               seed: int = 0) -> nn.Module:
+    """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights."""
+    fmt = resolve_load_format(load_format, model_config.model_path)
+    cls = get_model_class(model_config.architectures)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = cls(model_config)
+    get_loader(fmt).load_weights(model, model_config, seed)
+    model.eval()
+    logger.info("loaded %s (%s, %s) on %s in %.1fs", model_config.architecture, fmt,
+                str(model_config.dtype).removeprefix("torch."), device, time.perf_counter() - t0)
+    return model
+
+
+def fill_from_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], total: int,
+                         desc: str) -> None:
+    """Feed ``weights`` to ``model.load_weights`` with a progress bar and check nothing is missing."""
+    bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in weights:
+            yield item
+            bar.update(1)
+
+    try:
+        loaded = model.load_weights(counted())
+    finally:
+        bar.close()
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:5]}")

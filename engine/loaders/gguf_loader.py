@@ -1,0 +1,144 @@
+"""llama.cpp GGUF files, read with the ``gguf`` package.
+
+Every tensor is dequantized (``gguf.quants.dequantize``) to float32 and cast
+to the compute dtype, under its Hugging Face name (``GGUF -> HF`` mapping
+below), so the model's own ``load_weights`` does the rest.
+
+Two llama.cpp conventions are undone here:
+* For the ``llama`` architecture the converter permutes the rows of
+  ``attn_q`` / ``attn_k`` (per head, interleaving the two rotary halves for
+  its RoPE kernel); ``unpermute_qk`` restores Hugging Face's layout.
+* Tied embeddings: the file has no ``output.weight`` (the config says tied).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvship.engine.loaders.base import ModelLoader, fill_from_checkpoint, register_loader
+from kvship.engine.model_config import ModelConfig
+
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# tensors that carry no parameter of ours (RoPE factors are read into ModelConfig)
+_SKIP = {"rope_freqs.weight"}
+# GGUF architectures whose q/k rows llama.cpp permuted
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+@functools.lru_cache(maxsize=2)
+def _reader_cached(path: str, mtime: float) -> Any:
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def gguf_reader(path: str) -> Any:
+    """A (memory-mapped) ``GGUFReader`` for ``path``, cached: opening one takes seconds."""
+    path = os.path.abspath(path)
+    return _reader_cached(path, os.path.getmtime(path))
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Scalar and string metadata as Python values (large arrays like the vocab are skipped,
+    except ``tokenizer.ggml.tokens`` whose length is returned as a list of None)."""
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens",):
+            meta[key] = [None] * len(fld.data)
+            continue
+        if key.startswith("tokenizer.ggml.") and len(fld.data) > 1:
+            continue  # merges, token types, scores
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # pragma: no cover - exotic field types we do not need
+            continue
+    return meta
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name for a GGUF tensor (None for tensors we skip)."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    if gguf_name in _SKIP:
+        return None
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _PER_LAYER:
+        raise ValueError(f"GGUF tensor '{gguf_name}' has no known Hugging Face counterpart")
+    return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's per-head q/k row permutation (works for weights and biases)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def dequantize_tensor(t: Any) -> torch.Tensor:
+    """A GGUF ``ReaderTensor`` as a float32 torch tensor in PyTorch (row-major) shape."""
+    from gguf.quants import dequantize
+    arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    return torch.from_numpy(arr.reshape(shape).copy())
+
+
+def rope_freq_factors(reader: Any) -> list[float] | None:
+    """llama3-style RoPE scaling stored as a ``rope_freqs.weight`` tensor (Llama 3.1+ GGUF files)."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return [float(x) for x in dequantize_tensor(t).flatten().tolist()]
+    return None
+
+
+def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    arch = gguf_metadata_arch(reader)
+    permuted = arch in _PERMUTED_ARCHS
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize_tensor(t)
+        if permuted and ".q_proj." in name:
+            w = unpermute_qk(w, model_config.num_attention_heads)
+        elif permuted and ".k_proj." in name:
+            w = unpermute_qk(w, model_config.num_key_value_heads)
+        yield name, w.to(model_config.dtype)
+
+
+def gguf_metadata_arch(reader: Any) -> str:
+    fld = reader.fields.get("general.architecture")
+    if fld is None:
+        raise ValueError("GGUF file has no general.architecture")
+    return str(fld.contents())
+
+
+@register_loader("gguf")
+class GGUFLoader(ModelLoader):
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
+        reader = gguf_reader(model_config.model_path)
+        n = sum(1 for t in reader.tensors if t.name not in _SKIP)
+        fill_from_checkpoint(model, iterate_gguf(reader, model_config), n, "Loading GGUF")

@@ -1,0 +1,118 @@
+"""Prometheus metrics of one worker (``GET /metrics``).
+
+Series (all labelled ``model_name``):
+
+* counters ``kvship:prompt_tokens_total``, ``kvship:generation_tokens_total``,
+  ``kvship:cached_tokens_total``, ``kvship:requests_total{finish_reason}``
+* histograms ``kvship:time_to_first_token_seconds``,
+  ``kvship:inter_token_latency_seconds``, ``kvship:e2e_request_latency_seconds``
+* gauges read from the scheduler at scrape time:
+  ``kvship:num_running_reqs``, ``kvship:num_queue_reqs``,
+  ``kvship:kv_total_slots``, ``kvship:kv_free_slots``, ``kvship:token_usage``
+  (fraction of KV slots in use), ``kvship:cache_hit_rate``
+
+Each ``EngineMetrics`` owns its own registry, so several engines (tests) never
+collide in the process-global one.  Observations are made on the event loop
+thread; the gauge callback runs on the scrape and must be thread-safe
+(``Scheduler.get_stats`` is).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                    160.0, 320.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                2.0, 5.0)
+
+# gauge name -> (help, keys of Scheduler.get_stats() to try, in order)
+_GAUGES = {
+    "kvship:num_running_reqs": ("Requests in the running batch", ("running", "num_running_reqs")),
+    "kvship:num_queue_reqs": ("Requests waiting for admission", ("waiting", "num_waiting_reqs")),
+    "kvship:kv_total_slots": ("KV cache slots in the pool", ("total_slots",)),
+    "kvship:kv_free_slots": ("KV cache slots free (including evictable cache)", ("free_slots",)),
+    "kvship:token_usage": ("Fraction of KV cache slots in use", ("token_usage", "kv_usage")),
+    "kvship:cache_hit_rate": ("Prefix cache hit rate (cached / prompt tokens)", ("cache_hit_rate",)),
+}
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, stats_fn: Callable[[], dict], model_name: str):
+        self._stats_fn = stats_fn
+        self._model = model_name
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        try:
+            stats = self._stats_fn() or {}
+        except Exception as e:  # a scrape must never fail because the engine is down
+            logger.warning("scheduler stats unavailable for /metrics: %s", e)
+            stats = {}
+        stats = dict(stats)
+        if "token_usage" not in stats and stats.get("total_slots"):
+            stats["token_usage"] = 1.0 - float(stats.get("free_slots", 0)) / float(stats["total_slots"])
+        for name, (help_text, keys) in _GAUGES.items():
+            value = next((stats[k] for k in keys if isinstance(stats.get(k), (int, float))), None)
+            g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            if value is not None:
+                g.add_metric([self._model], float(value))
+            yield g
+
+
+class EngineMetrics:
+    """Token counters and latency histograms; observe from the event loop thread."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("kvship:prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("kvship:generation_tokens", "Generated tokens", labels,
+                                         registry=r).labels(model_name)
+        self.cached_tokens = Counter("kvship:cached_tokens", "Prompt tokens served from the prefix cache", labels,
+                                     registry=r).labels(model_name)
+        self._requests = Counter("kvship:requests", "Finished requests by finish reason",
+                                 labels + ["finish_reason"], registry=r)
+        self.ttft = Histogram("kvship:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("kvship:inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("kvship:e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        r.register(_SchedulerCollector(stats_fn, model_name))
+
+    def observe_tokens(self, n_new: int, now: float, first_token_time: float | None, last_token_time: float | None,
+                       created: float) -> None:
+        """Record ``n_new`` tokens arriving at ``now`` (one chunk)."""
+        if n_new <= 0:
+            return
+        self.generation_tokens.inc(n_new)
+        if first_token_time is None:
+            self.ttft.observe(max(0.0, now - created))
+            n_itl, since = n_new - 1, now
+        else:
+            n_itl, since = n_new, last_token_time or now
+        if n_itl > 0:
+            gap = max(0.0, now - since) / n_itl
+            for _ in range(n_itl):
+                self.itl.observe(gap)
+
+    def observe_finished(self, finish_reason: str, prompt_tokens: int, cached_tokens: int, e2e: float) -> None:
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.cached_tokens.inc(max(0, cached_tokens))
+        self._requests.labels(self.model_name, finish_reason).inc()
+        self.e2e.observe(max(0.0, e2e))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,144 @@
+"""The model runner: weights, KV memory and the attention backend of one worker.
+
+``ModelRunner(server_args)``:
+1. resolves the model path (``None`` -> the embedded SmolLM2 GGUF), device
+   and dtype, and reads ``ModelConfig``;
+2. builds the model and loads its weights (``--load-format``);
+3. sizes the KV pool: on CUDA from ``--mem-fraction-static`` (weights + KV
+   may use that fraction of the GPU: KV gets the free memory after loading
+   minus the ``1 - fraction`` reserve), on CPU from ``--max-total-tokens``
+   (default: what fits in 2 GiB, at most 65536 tokens); ``--max-total-tokens``
+   also caps the CUDA size;
+4. creates ``req_to_token_pool``, ``kv_pool``, ``allocator`` and
+   ``attn_backend``.
+
+Public attributes the scheduler relies on (keep the names): ``device``,
+``dtype``, ``model_config``, ``req_to_token_pool``, ``kv_pool``,
+``allocator``, ``attn_backend``, ``context_len``, ``max_total_tokens``
+(= ``allocator.total_slots``), ``page_size``, ``max_running_requests``.
+
+``forward(forward_batch) -> LogitsOutput``: builds the backend's per-step
+metadata, then runs the model under ``torch.inference_mode``.  Sampling is
+not done here (``kvship.engine.sampler``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from kvship.engine.attention.base import create_attention_backend
+from kvship.engine.config import ServerArgs
+from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.loaders.base import load_model
+from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from kvship.engine.model_config import ModelConfig, parse_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 2 * 1024 ** 3
+CPU_MAX_DEFAULT_TOKENS = 65536
+# extra ReqToTokenPool rows beyond --max-running-requests (chunked prefills, requests being finished)
+REQ_POOL_HEADROOM = 16
+
+
+def resolve_model_path(model_path: Optional[str]) -> str:
+    if model_path is None:
+        from kvship.engine.embedded import embedded_model_path
+        return embedded_model_path()
+    return model_path
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs):
+        server_args.validate()
+        self.server_args = server_args
+        if server_args.num_threads is not None:
+            torch.set_num_threads(server_args.num_threads)
+        self.device = torch.device(server_args.resolved_device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but CUDA is not available")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = parse_dtype(server_args.resolved_dtype)
+        self.kv_dtype = parse_dtype(server_args.resolved_kv_dtype)
+        self.page_size = server_args.page_size
+        self.max_running_requests = server_args.max_running_requests
+
+        self.model_path = resolve_model_path(server_args.model_path)
+        self.model_config = ModelConfig.from_pretrained(self.model_path, dtype=self.dtype,
+                                                        context_length=server_args.context_length)
+        self.context_len = self.model_config.context_len
+
+        free_before = self._cuda_free_bytes()
+        self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        num_slots = self._kv_pool_slots(free_before)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + REQ_POOL_HEADROOM,
+                                                self.context_len + self.page_size, self.device)
+        mc = self.model_config
+        self.kv_pool = KVPool(num_slots, self.page_size, self.kv_dtype, mc.num_key_value_heads, mc.head_dim,
+                              mc.num_hidden_layers, self.device)
+        self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
+        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self)
+        logger.info("model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
+                    mc.architecture, mc.num_hidden_layers, self.context_len, self.weight_bytes / 2 ** 20,
+                    self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.page_size, self.device)
+
+    # --- sizing ------------------------------------------------------------
+    @property
+    def max_total_tokens(self) -> int:
+        return self.allocator.total_slots
+
+    def _bytes_per_token(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _cuda_free_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
+    def _kv_pool_slots(self, free_before_weights: int) -> int:
+        """Slots for the KV pool, a whole number of pages, at least one page."""
+        sa = self.server_args
+        per_token = self._bytes_per_token()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free) - int(total) * (1.0 - sa.mem_fraction_static)
+            tokens = int(budget // per_token)
+            if tokens < self.page_size:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache: {free / 2**30:.2f} GiB free after loading weights, "
+                    f"{(1 - sa.mem_fraction_static) * total / 2**30:.2f} GiB reserved; raise --mem-fraction-static")
+            if sa.max_total_tokens is not None:
+                tokens = min(tokens, sa.max_total_tokens)
+        elif sa.max_total_tokens is not None:
+            tokens = sa.max_total_tokens
+        else:
+            tokens = min(CPU_MAX_DEFAULT_TOKENS, CPU_KV_BUDGET_BYTES // per_token)
+        tokens = (tokens // self.page_size) * self.page_size
+        if tokens < self.page_size:
+            raise ValueError(f"KV pool of {tokens} tokens holds no page of {self.page_size}")
+        return tokens
+
+    # --- compute -----------------------------------------------------------
+    def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        """Logits (float32) for ``forward_batch.logits_indices`` (default: last new token per request).
+
+        The caller must have written every position's slot into
+        ``req_to_token`` (see ``kvship.engine.forward_batch``).
+        """
+        if forward_batch.forward_mode.is_idle():
+            return LogitsOutput(next_token_logits=torch.empty((0, self.model_config.vocab_size),
+                                                              dtype=torch.float32, device=self.device))
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -1,0 +1,185 @@
+"""The Llama family of dense decoders: Llama (incl. llama3 RoPE scaling and
+SmolLM2), Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+One block = RMSNorm -> attention (fused qkv, GQA, RoPE) -> residual ->
+RMSNorm -> SwiGLU MLP (fused gate/up) -> residual.  The differences between
+the architectures are all ModelConfig flags, so one class serves them all.
+Parameter names follow Hugging Face except for the two fused projections;
+``stacked_params_mapping`` says how checkpoint tensors land in them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.layers.activation import GatedActivation
+from kvship.engine.layers.attention import Attention
+from kvship.engine.layers.embedding import LMHead, VocabEmbedding
+from kvship.engine.layers.linear import Linear, StackedLinear
+from kvship.engine.layers.rmsnorm import RMSNorm
+from kvship.engine.layers.rotary import RotaryEmbedding
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.models.registry import register_model
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        dt = config.dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = StackedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                      bias=config.attention_bias, dtype=dt)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dt)
+        self.qk_norm = config.qk_norm
+        # shared by all layers; a list keeps it out of this module's state dict
+        self._rotary = [rotary]
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self._rotary[0](positions, q, k)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        dt = config.dtype
+        self.gate_up_proj = StackedLinear(config.hidden_size, {0: config.intermediate_size, 1: config.intermediate_size},
+                                          bias=config.mlp_bias, dtype=dt)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dt)
+        self.act = GatedActivation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max(config.context_len, 1), config.rope_theta,
+                                          config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary_emb)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    # (parameter suffix, checkpoint suffix, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    # checkpoint tensors that are not parameters here
+    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.dtype,
+                              tied=self.model.embed_tokens if config.tie_word_embeddings else None)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
+        hidden = self.model(input_ids, positions, forward_batch)
+        idx = forward_batch.logits_indices
+        if idx is None:
+            idx = forward_batch.default_logits_indices()
+        return LogitsOutput(next_token_logits=self.lm_head(hidden.index_select(0, idx)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into parameters; returns names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(self.ignored_checkpoint_suffixes):
+                continue
+            if name == "lm_head.weight" and self.lm_head.tied:
+                continue  # some tied checkpoints store the copy anyway
+            for param_part, ckpt_part, shard in self.stacked_params_mapping:
+                if f".{ckpt_part}." in name:
+                    pname = name.replace(f".{ckpt_part}.", f".{param_part}.")
+                    self._load_one(params, pname, tensor, shard, name)
+                    loaded.add(f"{pname}#{shard}")
+                    break
+            else:
+                self._load_one(params, name, tensor, None, name)
+                loaded.add(name)
+        return loaded
+
+    @staticmethod
+    def _load_one(params: dict, pname: str, tensor: torch.Tensor, shard: object, ckpt_name: str) -> None:
+        param = params.get(pname)
+        if param is None:
+            raise ValueError(f"checkpoint tensor '{ckpt_name}' matches no parameter of this model")
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard) if shard is not None \
+                else param.weight_loader(param, tensor.to(param.dtype))
+        except ValueError as e:
+            raise ValueError(f"loading '{ckpt_name}': {e}") from None
+
+    def expected_weights(self) -> set[str]:
+        """What ``load_weights`` must report for a complete checkpoint."""
+        out: set[str] = set()
+        stacked = {p: [] for p, _, _ in self.stacked_params_mapping}
+        for p, _, shard in self.stacked_params_mapping:
+            stacked[p].append(shard)
+        for name, _ in self.named_parameters():
+            part = name.split(".")[-2]
+            if part in stacked:
+                out.update(f"{name}#{s}" for s in stacked[part])
+            else:
+                out.add(name)
+        return out

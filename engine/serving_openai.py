@@ -1,0 +1,314 @@
+"""``/v1/chat/completions`` and ``/v1/completions`` (OpenAI-compatible).
+
+Each handler checks the request, tokenizes (chat: through the model's chat
+template), opens one engine request per choice (``n`` choices per prompt;
+with a ``seed``, choice ``i`` uses ``seed + i`` so choices differ but repeat
+across calls) and answers either one JSON body or a server-sent event
+stream ending in ``data: [DONE]``.
+
+Usage counts each distinct prompt once and every choice's completion;
+``prompt_tokens_details.cached_tokens`` is the prefix-cache hit of the prompt.
+Finish reasons: ``stop`` (EOS, stop token, stop string), ``length``,
+``abort`` (aborted through ``/abort_request``).  If the model loop dies
+during a request, a non-streaming call gets a 503 and a stream gets an error
+event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvship.engine.engine import Engine, RequestHandle, TextDelta
+from kvship.engine.http_errors import APIError, bad_request
+from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, EventStreamResponse, build_sampling_params,
+                                   chat_logprobs, check_max_tokens, check_model, check_n, check_prompt_length,
+                                   check_token_ids, collect, completion_logprobs, merge_streams, new_id,
+                                   normalize_stop, open_requests, run_until_disconnect, sse, usage_dict)
+from kvship.engine.tokenizer import ChatTemplateError
+
+
+def _choice_params(sp: SamplingParams, i: int, n: int) -> SamplingParams:
+    if n == 1 or sp.seed is None:
+        return sp
+    return dataclasses.replace(sp, seed=sp.seed + i)
+
+
+def _rid(base: str, i: int, total: int) -> str:
+    return base if total == 1 else f"{base}-{i}"
+
+
+def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
+    """A 503 when a choice was aborted because the model loop died."""
+    if any(d.finish_reason == "abort" for d in deltas) and not engine.is_alive():
+        msg = next((d.abort_message for d in deltas if d.abort_message), None) or "the model loop died"
+        return APIError(503, msg, code="engine_dead")
+    return None
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        engine = self.engine
+        check_model(engine, body.model)
+        check_n(body.n)
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise bad_request(f"response_format '{body.response_format.type}' is not supported (only 'text')",
+                              "response_format")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice other than 'none' or 'auto' is not supported", "tool_choice")
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if not body.messages:
+            raise bad_request("messages must not be empty", "messages")
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        check_max_tokens(max_tokens, max_param)
+        stops = normalize_stop(body.stop)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = await asyncio.to_thread(
+                engine.tokenizer.encode_chat, messages, add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools, continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
+        sp = build_sampling_params(
+            engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens)
+        cid = body.rid or new_id("chatcmpl")
+        reqs = [GenerateRequest(rid=_rid(cid, i, body.n), input_ids=list(ids), sampling_params=_choice_params(sp, i, body.n),
+                                return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                                stream=body.stream) for i in range(body.n)]
+        handles = open_requests(engine, reqs)
+        model = body.model or engine.served_model_name
+        if body.stream:
+            opts = body.stream_options
+            return EventStreamResponse(
+                self._chat_stream(cid, model, handles, len(ids), bool(opts and opts.include_usage),
+                                  bool(opts and opts.continuous_usage_stats)),
+                on_close=lambda: [h.close() for h in handles])
+        try:
+            results = await run_until_disconnect(request, collect(engine, handles))
+        finally:
+            for h in handles:
+                h.close()
+        if results is None:
+            return Response(status_code=499)
+        finals = [r[-1] for r in results]
+        err = _dead_error(engine, finals)
+        if err:
+            raise err
+        choices = []
+        for i, deltas in enumerate(results):
+            last = deltas[-1]
+            lp = None
+            if body.logprobs:
+                lp = {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                            "logprobs": lp, "finish_reason": last.finish_reason, "matched_stop": last.matched_stop})
+        usage = usage_dict(len(ids), sum(d.completion_tokens for d in finals), max(d.cached_tokens for d in finals))
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                             "choices": choices, "usage": usage})
+
+    async def _chat_stream(self, cid: str, model: str, handles: list[RequestHandle], n_prompt: int,
+                           include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+        engine = self.engine
+        created = int(time.time())
+        completion = [0] * len(handles)
+        cached = 0
+
+        def chunk(choices: list[dict], usage: Optional[dict] = None) -> bytes:
+            payload: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model, "choices": choices}
+            if usage is not None or continuous_usage:
+                payload["usage"] = usage or usage_dict(n_prompt, sum(completion), cached)
+            return sse(payload)
+
+        stream = merge_streams(engine, handles)
+        try:
+            for i in range(len(handles)):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            dead = None
+            async for i, d in stream:
+                completion[i] = d.completion_tokens
+                cached = max(cached, d.cached_tokens)
+                lp = chat_logprobs(engine, d) if d.logprobs is not None else None
+                if not d.text and not d.finished and not (lp and lp["content"]):
+                    continue
+                choice: dict[str, Any] = {"index": i, "delta": {"content": d.text} if d.text else {},
+                                          "logprobs": lp, "finish_reason": d.finish_reason}
+                if d.finished:
+                    choice["matched_stop"] = d.matched_stop
+                    dead = dead or _dead_error(engine, [d])
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], usage_dict(n_prompt, sum(completion), cached))
+            if dead is not None:
+                yield sse(dead.body())
+            yield sse("[DONE]")
+        finally:
+            await stream.aclose()
+
+    # ----------------------------------------------------------- completions
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        engine = self.engine
+        check_model(engine, body.model)
+        check_n(body.n)
+        if body.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request("best_of must equal n (ranking candidates is not supported)", "best_of")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        check_max_tokens(body.max_tokens, "max_tokens")
+        stops = normalize_stop(body.stop)
+        prompts = await self._tokenize_prompts(body.prompt)
+        if len(prompts) * body.n > MAX_N:
+            raise bad_request(f"prompts x n must be at most {MAX_N}", "n")
+        sp_base: Optional[SamplingParams] = None
+        reqs: list[GenerateRequest] = []
+        cid = body.rid or new_id("cmpl")
+        total = len(prompts) * body.n
+        for p, (_, ids) in enumerate(prompts):
+            explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
+            max_new = check_prompt_length(engine, len(ids), explicit, "prompt")
+            if explicit is None and body.max_tokens is not None:  # the default (16) shrinks to fit the context
+                max_new = min(max_new, body.max_tokens)
+            sp_base = build_sampling_params(
+                engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens)
+            for j in range(body.n):
+                k = p * body.n + j
+                reqs.append(GenerateRequest(rid=_rid(cid, k, total), input_ids=list(ids),
+                                            sampling_params=_choice_params(sp_base, j, body.n),
+                                            return_logprob=body.logprobs is not None,
+                                            top_logprobs_num=body.logprobs or 0, stream=body.stream))
+        handles = open_requests(engine, reqs)
+        model = body.model or engine.served_model_name
+        echoes = [text if body.echo else "" for text, _ in prompts for _ in range(body.n)]
+        prompt_lens = [len(ids) for _, ids in prompts]
+        if body.stream:
+            opts = body.stream_options
+            return EventStreamResponse(
+                self._completion_stream(cid, model, handles, echoes, prompt_lens, body.n,
+                                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                on_close=lambda: [h.close() for h in handles])
+        try:
+            results = await run_until_disconnect(request, collect(engine, handles))
+        finally:
+            for h in handles:
+                h.close()
+        if results is None:
+            return Response(status_code=499)
+        finals = [r[-1] for r in results]
+        err = _dead_error(engine, finals)
+        if err:
+            raise err
+        choices = []
+        for k, deltas in enumerate(results):
+            last = deltas[-1]
+            lp = completion_logprobs(engine, deltas, len(echoes[k])) if body.logprobs is not None else None
+            choices.append({"index": k, "text": echoes[k] + "".join(d.text for d in deltas), "logprobs": lp,
+                            "finish_reason": last.finish_reason, "matched_stop": last.matched_stop})
+        cached = [max(finals[p * body.n + j].cached_tokens for j in range(body.n)) for p in range(len(prompts))]
+        usage = usage_dict(sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached))
+        return JSONResponse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                             "choices": choices, "usage": usage})
+
+    async def _tokenize_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+        """(text, ids) per prompt; token-id prompts are checked against the vocabulary."""
+        engine = self.engine
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt", code="empty_prompt")
+        if all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        out = []
+        for i, p in enumerate(prompt):
+            param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+            if isinstance(p, str):
+                if p == "":
+                    raise bad_request("the prompt is empty", param, code="empty_prompt")
+                ids = await asyncio.to_thread(engine.tokenizer.encode, p)
+                out.append((p, ids))
+            else:
+                if not p:
+                    raise bad_request("the prompt is empty", param, code="empty_prompt")
+                check_token_ids(engine, p, param)
+                out.append((engine.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+        return out
+
+    async def _completion_stream(self, cid: str, model: str, handles: list[RequestHandle], echoes: list[str],
+                                 prompt_lens: list[int], n: int, include_usage: bool,
+                                 continuous_usage: bool) -> AsyncIterator[bytes]:
+        engine = self.engine
+        created = int(time.time())
+        completion = [0] * len(handles)
+        cached = [0] * len(handles)
+        offsets = [len(e) for e in echoes]
+
+        def usage() -> dict:
+            per_prompt = [max(cached[p * n:(p + 1) * n]) for p in range(len(prompt_lens))]
+            return usage_dict(sum(prompt_lens), sum(completion), sum(per_prompt))
+
+        def chunk(choices: list[dict], usage_payload: Optional[dict] = None) -> bytes:
+            payload: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                       "choices": choices}
+            if usage_payload is not None or continuous_usage:
+                payload["usage"] = usage_payload or usage()
+            return sse(payload)
+
+        stream = merge_streams(engine, handles)
+        try:
+            for k, e in enumerate(echoes):
+                if e:
+                    yield chunk([{"index": k, "text": e, "logprobs": None, "finish_reason": None}])
+            dead = None
+            async for k, d in stream:
+                completion[k] = d.completion_tokens
+                cached[k] = d.cached_tokens
+                lp = completion_logprobs(engine, [d], offsets[k]) if d.logprobs is not None else None
+                offsets[k] += len(d.text)
+                if not d.text and not d.finished and not (lp and lp["tokens"]):
+                    continue
+                choice: dict[str, Any] = {"index": k, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                if d.finished:
+                    choice["matched_stop"] = d.matched_stop
+                    dead = dead or _dead_error(engine, [d])
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], usage())
+            if dead is not None:
+                yield sse(dead.body())
+            yield sse("[DONE]")
+        finally:
+            await stream.aclose()

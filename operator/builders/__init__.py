@@ -1,0 +1,64 @@
+"""Layer 2: pure builders, a :class:`~kvship.operator.spec.ServiceConfig` -> child manifests.
+
+``build_children(cfg, images)`` returns every object an InferenceService owns,
+as plain dicts ready for the API (owner reference, labels, namespace set).
+No I/O: the same input always gives the same output, which is what
+tests/test_operator_builders.py checks against the official Kubernetes
+schemas.
+
+Children (unified mode has ``worker`` instead of ``prefill`` + ``decode``)::
+
+    ConfigMap        <name>-config
+    Deployment       <name>-prefill, <name>-decode | <name>-worker, <name>-router
+    Service          same names (workers: headless; router: clients call it)
+    ServiceAccount   <name>-router   + Role + RoleBinding (pods get/list/watch)
+    HPA              <name>-<role>   when the role has autoscaling
+    PDB              <name>-<role>   when the role can have 2+ pods
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvship.operator.builders.common import (MANAGED_BY, ROLE_LABEL, Images, child_name, instance_labels,
+                                             role_selector, worker_roles)
+from kvship.operator.builders.extras import autoscaler, config_map, disruption_budget
+from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
+from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
+from kvship.operator.spec import ServiceConfig
+
+# Every kind an InferenceService may own, in the order they are applied.
+CHILD_KINDS: tuple[tuple[str, str], ...] = (
+    ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "Service"), ("apps/v1", "Deployment"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("policy/v1", "PodDisruptionBudget"),
+)
+
+
+def build_children(cfg: ServiceConfig, images: Images) -> list[dict[str, Any]]:
+    """Every child of the service, in apply order (config and RBAC before the pods that use them)."""
+    deployments = [worker_deployment(cfg, role, images) for role in worker_roles(cfg)]
+    deployments.append(router_deployment(cfg, images))
+    argv = {_role_of(d): d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments}
+    out: list[dict[str, Any]] = [config_map(cfg, argv)]
+    out += router_rbac(cfg)
+    out += [worker_service(cfg, role) for role in worker_roles(cfg)]
+    out.append(router_service(cfg))
+    out += deployments
+    scaled = [(role, role_spec(cfg, role)) for role in worker_roles(cfg)] + [("router", cfg.spec.router)]
+    for role, r in scaled:
+        if r.autoscaling is not None:
+            out.append(autoscaler(cfg, role, r.autoscaling))
+    for role, r in scaled:
+        pdb = disruption_budget(cfg, role, r.replicas, r.autoscaling)
+        if pdb is not None:
+            out.append(pdb)
+    return out
+
+
+def _role_of(obj: dict[str, Any]) -> str:
+    return obj["metadata"]["labels"][ROLE_LABEL]
+
+
+__all__ = ["build_children", "CHILD_KINDS", "Images", "MANAGED_BY", "ROLE_LABEL", "child_name", "instance_labels",
+           "role_selector", "worker_roles", "worker_args", "router_args"]

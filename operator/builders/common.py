@@ -1,0 +1,130 @@
+"""Names, labels, owner references and hardened pod pieces shared by every builder.
+
+Child names are deterministic (``<name>-prefill``, ``<name>-decode``,
+``<name>-worker`` for unified workers, ``<name>-router``,
+``<name>-config``), so a restarted operator finds what it made before
+instead of making it twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvship.operator.spec import ServiceConfig
+from kvship.operator.types import API_VERSION, KIND
+
+MANAGED_BY = "kvship-operator"
+APP_NAME = "kvship"
+ROLE_LABEL = "kvship.io/role"
+PORT_ANNOTATION = "kvship.io/port"
+WORKER_PORT = 30000
+ROUTER_PORT = 8000
+RUN_AS = 1000
+ROLES = ("prefill", "decode", "unified", "router")
+
+
+@dataclass(frozen=True)
+class Images:
+    """Images used when the spec names none (the operator's --worker-image / --router-image)."""
+
+    worker: str
+    router: str
+    pull_policy: str = "IfNotPresent"
+
+
+def child_name(cfg: ServiceConfig, role: str) -> str:
+    """``unified`` workers live in ``<name>-worker``; other roles in ``<name>-<role>``."""
+    return f"{cfg.name}-{'worker' if role == 'unified' else role}"
+
+
+def worker_roles(cfg: ServiceConfig) -> tuple[str, ...]:
+    return ("unified",) if cfg.unified else ("prefill", "decode")
+
+
+def instance_labels(cfg: ServiceConfig) -> dict[str, str]:
+    """Labels every child carries; the operator lists its children with them."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": cfg.name,
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def role_selector(cfg: ServiceConfig, role: str) -> dict[str, str]:
+    """The (immutable) Deployment selector of a role; also what the router discovers pods by."""
+    return {"app.kubernetes.io/instance": cfg.name, "app.kubernetes.io/managed-by": MANAGED_BY, ROLE_LABEL: role}
+
+
+def role_labels(cfg: ServiceConfig, role: str) -> dict[str, str]:
+    labels = instance_labels(cfg)
+    labels["app.kubernetes.io/component"] = "worker" if role == "unified" else role
+    labels[ROLE_LABEL] = role
+    return labels
+
+
+def owner_reference(cfg: ServiceConfig) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": cfg.name, "uid": cfg.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def metadata(cfg: ServiceConfig, name: str, labels: dict[str, str],
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": dict(labels),
+                            "ownerReferences": [owner_reference(cfg)]}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def http_probe(path: str, port: str, *, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": timeout,
+            "failureThreshold": failures}
+
+
+def startup_failures(timeout_seconds: int, period: int = 10) -> int:
+    return max(1, math.ceil(timeout_seconds / period))
+
+
+def secret_env(name: str, ref: Any) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def deployment(cfg: ServiceConfig, role: str, pod_spec: dict[str, Any], *, replicas: int | None,
+               pod_annotations: dict[str, str], strategy: dict[str, Any],
+               progress_deadline: int) -> dict[str, Any]:
+    """A Deployment of one role; ``replicas=None`` leaves the count to an HPA."""
+    labels = role_labels(cfg, role)
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": role_selector(cfg, role)},
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": progress_deadline,
+        "strategy": strategy,
+        "template": {"metadata": {"labels": labels, "annotations": dict(pod_annotations)}, "spec": pod_spec},
+    }
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(cfg, child_name(cfg, role), labels), "spec": spec}
+
+
+def scheduling(pod: dict[str, Any], node_selector: dict, tolerations: list, affinity: dict,
+               pull_secrets: list[str]) -> dict[str, Any]:
+    """Adds the pass-through scheduling fields that are set."""
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod["tolerations"] = [dict(t) for t in tolerations]
+    if affinity:
+        pod["affinity"] = dict(affinity)
+    if pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in pull_secrets]
+    return pod

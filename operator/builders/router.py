@@ -1,0 +1,107 @@
+"""Router children: Deployment, Service, and the RBAC its pod discovery needs.
+
+The router finds workers itself by watching pods with the role selectors
+(``--service-discovery --selector ...`` in unified mode, ``--pd
+--prefill-selector ... --decode-selector ...`` in PD mode), so scaling a
+worker role needs no router restart.  Its ServiceAccount may only get, list
+and watch pods in the service's namespace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvship.operator.builders import common
+from kvship.operator.builders.common import (ROUTER_PORT, WORKER_PORT, Images, child_name,
+                                             container_security_context, http_probe, instance_labels, metadata,
+                                             role_labels, role_selector, secret_env)
+from kvship.operator.spec import ServiceConfig
+
+
+def _selector_args(selector: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in sorted(selector.items())]
+
+
+def router_args(cfg: ServiceConfig) -> list[str]:
+    """The router container's argv after the ``kvship`` entrypoint (flags of ``kvship router``)."""
+    r = cfg.spec.router
+    args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--policy", r.policy,
+            "--cache-threshold", repr(float(r.cache_threshold)),
+            "--balance-abs-threshold", str(r.balance_abs_threshold),
+            "--balance-rel-threshold", repr(float(r.balance_rel_threshold)),
+            "--service-discovery", "--namespace", cfg.namespace,
+            "--service-discovery-port", str(WORKER_PORT)]
+    if cfg.unified:
+        args += ["--selector", *_selector_args(role_selector(cfg, "unified"))]
+    else:
+        args += ["--pd",
+                 "--prefill-selector", *_selector_args(role_selector(cfg, "prefill")),
+                 "--decode-selector", *_selector_args(role_selector(cfg, "decode"))]
+        if r.prefill_policy:
+            args += ["--prefill-policy", r.prefill_policy]
+        if r.decode_policy:
+            args += ["--decode-policy", r.decode_policy]
+    return args + list(r.extra_args)
+
+
+def router_deployment(cfg: ServiceConfig, images: Images) -> dict[str, Any]:
+    r = cfg.spec.router
+    pull = cfg.spec.engine.image_pull_policy or images.pull_policy
+    env: list[dict[str, Any]] = []
+    if r.api_key_secret_ref is not None:
+        env.append(secret_env("KVSHIP_API_KEY", r.api_key_secret_ref))
+    env += [dict(e) for e in r.env]
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": r.image or images.router,
+        "imagePullPolicy": pull,
+        "args": router_args(cfg),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "securityContext": container_security_context(),
+        "readinessProbe": http_probe("/health", "http", period=5, timeout=3, failures=3),
+        "livenessProbe": http_probe("/health", "http", period=15, timeout=5, failures=4),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if env:
+        container["env"] = env
+    if r.resources:
+        container["resources"] = {k: dict(v) for k, v in r.resources.items()}
+    pod: dict[str, Any] = {
+        "serviceAccountName": child_name(cfg, "router"),
+        "securityContext": common.pod_security_context(),
+        "terminationGracePeriodSeconds": 45,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, cfg.spec.engine.image_pull_secrets)
+    replicas = None if r.autoscaling is not None else r.replicas
+    return common.deployment(cfg, "router", pod, replicas=replicas, pod_annotations={},
+                             strategy={"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                             progress_deadline=600)
+
+
+def router_service(cfg: ServiceConfig) -> dict[str, Any]:
+    svc = cfg.spec.router.service
+    port: dict[str, Any] = {"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}
+    if svc.node_port is not None:
+        port["nodePort"] = svc.node_port
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(cfg, child_name(cfg, "router"), role_labels(cfg, "router"), svc.annotations),
+            "spec": {"type": svc.type, "selector": role_selector(cfg, "router"), "ports": [port]}}
+
+
+def router_rbac(cfg: ServiceConfig) -> list[dict[str, Any]]:
+    """ServiceAccount + Role (pods: get/list/watch) + RoleBinding for the router's discovery."""
+    name = child_name(cfg, "router")
+    labels = instance_labels(cfg)
+    labels["app.kubernetes.io/component"] = "router"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(cfg, name, labels)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(cfg, name, labels),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata(cfg, name, labels),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}]},
+    ]

@@ -1,0 +1,145 @@
+"""Worker children: one Deployment and one headless Service per worker role.
+
+Unified mode (``prefill.replicas == 0``): role ``unified``, Deployment
+``<name>-worker``, ``kvship serve --mode unified``.  PD mode: roles
+``prefill`` and ``decode`` (``--mode prefill|decode`` plus the KV transfer
+flags).  The container's argv is built flag by flag from typed fields; no
+value from the custom resource ever passes through a shell.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvship.operator.builders import common
+from kvship.operator.builders.common import (WORKER_PORT, Images, child_name, container_security_context,
+                                             http_probe, metadata, role_labels, role_selector, secret_env)
+from kvship.operator.builders.model import CACHE_DIR, cache_volume, plan_models
+from kvship.operator.spec import GPU, ServiceConfig
+from kvship.operator.types import WorkerRole
+
+# `kvship serve` flags not yet in every engine build; emitted only when the feature is asked for.
+TP_FLAG, EP_FLAG = "--tp-size", "--ep-size"
+SPEC_FLAGS = {"algorithm": "--speculative-algorithm", "draft": "--speculative-draft-model-path",
+              "steps": "--speculative-num-steps", "topk": "--speculative-eagle-topk",
+              "tokens": "--speculative-num-draft-tokens"}
+
+
+def role_spec(cfg: ServiceConfig, role: str) -> WorkerRole:
+    return cfg.spec.prefill if role == "prefill" else cfg.spec.decode
+
+
+def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_path: str | None) -> list[str]:
+    """The worker container's argv after the ``kvship`` entrypoint."""
+    spec, r = cfg.spec, role_spec(cfg, role)
+    args = ["serve", "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--mode", role,
+            "--served-model-name", cfg.served_name]
+    if model_path:
+        args += ["--model-path", model_path]
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if spec.model.context_length is not None:
+        args += ["--context-length", str(spec.model.context_length)]
+    eng = spec.engine
+    if eng.attention_backend != "auto":
+        args += ["--attention-backend", eng.attention_backend]
+    if eng.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", eng.kv_cache_dtype]
+    if eng.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", repr(float(eng.mem_fraction_static))]
+    if eng.cuda_graph_max_batch_size is not None:
+        args += ["--cuda-graph-max-bs", str(eng.cuda_graph_max_batch_size)]
+    if r.tensor_parallel_size > 1:
+        args += [TP_FLAG, str(r.tensor_parallel_size)]
+    if r.expert_parallel_size > 1:
+        args += [EP_FLAG, str(r.expert_parallel_size)]
+    if role in ("prefill", "decode"):
+        kv = spec.kv_transfer
+        args += ["--disaggregation-transfer-backend", kv.backend]
+        if role == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(kv.bootstrap_port)]
+        if kv.backend == "mooncake" and kv.rdma_devices:
+            args += ["--disaggregation-ib-device", ",".join(kv.rdma_devices)]
+    sp = spec.decode.speculative
+    if sp is not None and role in ("decode", "unified"):
+        args += [SPEC_FLAGS["algorithm"], sp.algorithm]
+        if draft_path:
+            args += [SPEC_FLAGS["draft"], draft_path]
+        args += [SPEC_FLAGS["steps"], str(sp.num_steps), SPEC_FLAGS["topk"], str(sp.topk),
+                 SPEC_FLAGS["tokens"], str(sp.num_draft_tokens)]
+    return args + list(eng.extra_args) + list(r.extra_args)
+
+
+def _env(cfg: ServiceConfig, r: WorkerRole) -> list[dict[str, Any]]:
+    env = [{"name": "HOME", "value": "/tmp"},
+           {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+           {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+           {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+           {"name": "FLASHINFER_WORKSPACE_BASE", "value": CACHE_DIR},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    kv = cfg.spec.kv_transfer
+    if not cfg.unified and kv.backend == "nixl" and kv.rdma_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(kv.rdma_devices)})
+    if cfg.spec.router.api_key_secret_ref is not None:
+        env.append(secret_env("KVSHIP_API_KEY", cfg.spec.router.api_key_secret_ref))
+    return env + [dict(e) for e in r.env]
+
+
+def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str, Any]:
+    r = role_spec(cfg, role)
+    eng = cfg.spec.engine
+    image = eng.image or images.worker
+    pull = eng.image_pull_policy or images.pull_policy
+    plan = plan_models(cfg, image, pull)
+    ports = [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": cfg.spec.kv_transfer.bootstrap_port, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": image,
+        "imagePullPolicy": pull,
+        "args": worker_args(cfg, role, plan.model_path, plan.draft_path),
+        "ports": ports,
+        "env": _env(cfg, r),
+        "securityContext": container_security_context(),
+        "startupProbe": http_probe("/health", "http", period=10, timeout=5,
+                                   failures=common.startup_failures(eng.startup_timeout_seconds)),
+        "readinessProbe": http_probe("/health", "http", period=5, timeout=3, failures=3),
+        "livenessProbe": http_probe("/health", "http", period=15, timeout=5, failures=4),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "dshm", "mountPath": "/dev/shm"}] + plan.mounts,
+    }
+    if r.resources:
+        container["resources"] = {k: dict(v) for k, v in r.resources.items()}
+    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(cfg),
+               {"name": "dshm", "emptyDir": {"medium": "Memory"}}] + plan.volumes
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": common.pod_security_context(),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if plan.init_containers:
+        pod["initContainers"] = plan.init_containers
+    common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, eng.image_pull_secrets)
+    uses_gpu = GPU in (r.resources.get("limits") or {})
+    # GPU roles never surge (a spare GPU rarely exists); CPU roles surge for zero-downtime rollouts.
+    strategy = {"type": "RollingUpdate", "rollingUpdate": (
+        {"maxSurge": 0, "maxUnavailable": 1} if uses_gpu else {"maxSurge": 1, "maxUnavailable": 0})}
+    annotations = {common.PORT_ANNOTATION: str(WORKER_PORT)}
+    annotations.update(r.pod_annotations)
+    replicas = None if r.autoscaling is not None else r.replicas
+    return common.deployment(cfg, role, pod, replicas=replicas, pod_annotations=annotations, strategy=strategy,
+                             progress_deadline=eng.startup_timeout_seconds + 600)
+
+
+def worker_service(cfg: ServiceConfig, role: str) -> dict[str, Any]:
+    """Headless Service: stable DNS for each worker pod (metrics scraping, debugging)."""
+    ports = [{"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if role == "prefill":
+        port = cfg.spec.kv_transfer.bootstrap_port
+        ports.append({"name": "bootstrap", "port": port, "targetPort": "bootstrap", "protocol": "TCP"})
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
+            "spec": {"clusterIP": "None", "selector": role_selector(cfg, role), "ports": ports}}

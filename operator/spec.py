@@ -1,0 +1,222 @@
+"""Layer 1: parse and validate an InferenceService into a :class:`ServiceConfig`.
+
+``parse_service(body)`` takes the custom resource as the API returns it and
+either returns a ``ServiceConfig`` (the typed spec plus everything derived
+from it: mode, served name, where the weights come from) or raises
+:class:`SpecError` listing *every* problem with its field path, e.g.
+``spec.decode.tensorParallelSize: 2 does not match resources.limits
+nvidia.com/gpu=1``.  Nothing here does I/O.
+
+The schema checks (types, enums, bounds) come from the API types; the
+cross-field rules below are the ones a structural schema cannot express (some
+are also CEL rules in the CRD, so a cluster refuses them at admission; the
+operator checks them again for clusters or clients that skip that).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from kvship.operator.typed import ParseErrors, parse
+from kvship.operator.types import Autoscaling, InferenceServiceSpec, WorkerRole
+
+# `kvship serve` flags the operator owns; extraArgs may not set them.
+MANAGED_WORKER_FLAGS = (
+    "--host", "--port", "--mode", "--model-path", "--served-model-name", "--tokenizer-path", "--api-key",
+    "--dtype", "--kv-cache-dtype", "--context-length", "--attention-backend", "--mem-fraction-static",
+    "--cuda-graph-max-bs", "--tp-size", "--ep-size",
+    "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
+    "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+    "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+)
+MANAGED_ROUTER_FLAGS = (
+    "--host", "--port", "--api-key", "--worker-urls", "--pd", "--prefill", "--decode", "--service-discovery",
+    "--selector", "--prefill-selector", "--decode-selector", "--namespace", "--service-discovery-port",
+    "--kubeconfig", "--policy", "--prefill-policy", "--decode-policy", "--cache-threshold",
+    "--balance-abs-threshold", "--balance-rel-threshold",
+)
+# Longest child-name suffix is "-prefill": names must leave room for it inside a 63-character DNS label.
+MAX_NAME_LENGTH = 63 - len("-prefill")
+NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+GPU = "nvidia.com/gpu"
+BUILTIN_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+class SpecError(ValueError):
+    """The InferenceService is invalid; ``errors`` holds one ``"field.path: problem"`` per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("; ".join(self.errors))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a worker finds weights: ``kind`` hf | pvc | builtin | path."""
+
+    kind: str
+    repo: Optional[str] = None       # hf: OWNER/NAME
+    revision: Optional[str] = None   # hf: branch, tag or commit
+    claim: Optional[str] = None      # pvc: claim name
+    sub_path: str = ""               # pvc: path inside the claim
+    path: Optional[str] = None       # path: absolute path in the image
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "ModelSource":
+        if uri == "builtin:smollm2":
+            return cls(kind="builtin")
+        if uri.startswith("hf://"):
+            repo, _, rev = uri[len("hf://"):].partition("@")
+            return cls(kind="hf", repo=repo, revision=rev or None)
+        if uri.startswith("pvc://"):
+            claim, _, sub = uri[len("pvc://"):].partition("/")
+            return cls(kind="pvc", claim=claim, sub_path=sub.strip("/"))
+        return cls(kind="path", path=uri)
+
+    @property
+    def default_served_name(self) -> str:
+        if self.kind == "builtin":
+            return BUILTIN_SERVED_NAME
+        if self.kind == "hf":
+            return (self.repo or "").rsplit("/", 1)[-1]
+        if self.kind == "pvc":
+            return (self.sub_path.rstrip("/").rsplit("/", 1)[-1] if self.sub_path else self.claim) or "model"
+        return (self.path or "").rstrip("/").rsplit("/", 1)[-1] or "model"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """A valid InferenceService: the typed spec and what follows from it."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: InferenceServiceSpec
+    model: ModelSource
+    draft_model: Optional[ModelSource]
+
+    @property
+    def unified(self) -> bool:
+        """prefill.replicas == 0: decode workers run whole requests (no KV transfer)."""
+        return self.spec.prefill.replicas == 0
+
+    @property
+    def mode(self) -> str:
+        return "unified" if self.unified else "pd"
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.model.default_served_name
+
+
+def parse_service(body: dict) -> ServiceConfig:
+    """The custom resource (metadata + spec) -> :class:`ServiceConfig`, or :class:`SpecError`."""
+    meta = body.get("metadata") or {}
+    errors: list[str] = []
+    name = meta.get("name") or ""
+    if not NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
+        errors.append(f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+                      "(children are named NAME-prefill, NAME-decode, ...)")
+    try:
+        spec: Optional[InferenceServiceSpec] = parse(InferenceServiceSpec, body.get("spec"), "spec")
+    except ParseErrors as e:
+        errors.extend(e.errors)
+        spec = None
+    if spec is not None:
+        errors.extend(cross_field_errors(spec))
+    if errors:
+        raise SpecError(errors)
+    assert spec is not None
+    draft = spec.decode.speculative.draft_model if spec.decode.speculative else None
+    return ServiceConfig(
+        name=name, namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
+        generation=int(meta.get("generation") or 0), spec=spec, model=ModelSource.from_uri(spec.model.uri),
+        draft_model=ModelSource.from_uri(draft) if draft else None)
+
+
+def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
+    """Rules spanning several fields; each message names the field(s) to change."""
+    errors: list[str] = []
+    unified = spec.prefill.replicas == 0
+    roles = (("decode", spec.decode),) if unified else (("prefill", spec.prefill), ("decode", spec.decode))
+    for role, r in roles:
+        errors.extend(_role_errors(role, r))
+    if unified and spec.prefill.autoscaling is not None:
+        errors.append("spec.prefill.autoscaling: needs prefill.replicas > 0 (0 means unified mode: no prefill role)")
+    for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
+        errors.extend(_flag_errors(f"spec.{role}.extraArgs", r.extra_args, MANAGED_WORKER_FLAGS))
+    errors.extend(_flag_errors("spec.engine.extraArgs", spec.engine.extra_args, MANAGED_WORKER_FLAGS))
+    errors.extend(_flag_errors("spec.router.extraArgs", spec.router.extra_args, MANAGED_ROUTER_FLAGS))
+    if spec.router.autoscaling is not None:
+        errors.extend(_autoscaling_errors("spec.router.autoscaling", spec.router.autoscaling))
+    sp = spec.decode.speculative
+    if sp is not None:
+        if sp.algorithm in ("eagle", "draft") and not sp.draft_model:
+            errors.append(f"spec.decode.speculative.draftModel: required for algorithm {sp.algorithm}")
+        if sp.algorithm == "ngram" and sp.draft_model:
+            errors.append("spec.decode.speculative.draftModel: not used by algorithm ngram; remove it")
+        if sp.algorithm == "eagle" and sp.topk > 1 and sp.num_draft_tokens < sp.topk:
+            errors.append("spec.decode.speculative.numDraftTokens: must be >= topk when topk > 1")
+    kv = spec.kv_transfer
+    if kv.rdma_devices and kv.backend == "tcp":
+        errors.append("spec.kvTransfer.rdmaDevices: needs backend mooncake or nixl (backend is tcp)")
+    svc = spec.router.service
+    if svc.node_port is not None and svc.type == "ClusterIP":
+        errors.append("spec.router.service.nodePort: needs type NodePort or LoadBalancer (type is ClusterIP)")
+    if spec.model.cache_volume_claim and spec.model.uri.startswith("pvc://"):
+        if spec.model.uri[len("pvc://"):].split("/", 1)[0] == spec.model.cache_volume_claim:
+            errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
+    return errors
+
+
+def _role_errors(role: str, r: WorkerRole) -> list[str]:
+    errors = []
+    base = f"spec.{role}"
+    if r.tensor_parallel_size % r.expert_parallel_size:
+        errors.append(f"{base}.expertParallelSize: {r.expert_parallel_size} must divide tensorParallelSize "
+                      f"{r.tensor_parallel_size}")
+    gpus = _gpu_count(r.resources)
+    if gpus is not None and gpus != r.tensor_parallel_size:
+        errors.append(f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
+                      f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs)")
+    if gpus is None and r.tensor_parallel_size > 1:
+        errors.append(f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits "
+                      f"{GPU}: {r.tensor_parallel_size}")
+    for part in ("limits", "requests"):
+        if GPU in (r.resources.get(part) or {}) and part == "requests" and GPU not in (r.resources.get("limits") or {}):
+            errors.append(f"{base}.resources.limits: {GPU} must be set in limits (extended resources)")
+    if r.autoscaling is not None:
+        errors.extend(_autoscaling_errors(f"{base}.autoscaling", r.autoscaling))
+    return errors
+
+
+def _gpu_count(resources: dict) -> Optional[int]:
+    value = (resources.get("limits") or {}).get(GPU)
+    if value is None:
+        return None
+    try:
+        return int(str(value))
+    except ValueError:
+        return -1
+
+
+def _autoscaling_errors(path: str, a: Autoscaling) -> list[str]:
+    errors = []
+    if a.min_replicas > a.max_replicas:
+        errors.append(f"{path}.minReplicas: {a.min_replicas} exceeds maxReplicas {a.max_replicas}")
+    if a.metric in ("cpu", "memory"):
+        if isinstance(a.target, str) and not a.target.isdigit() or (isinstance(a.target, int) and a.target < 1):
+            errors.append(f"{path}.target: must be a whole percentage >= 1 for metric {a.metric} (got {a.target!r})")
+    return errors
+
+
+def _flag_errors(path: str, args: list[str], managed: tuple[str, ...]) -> list[str]:
+    errors = []
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in managed:
+            errors.append(f"{path}[{i}]: {flag} is set by the operator from the spec; use the matching field")
+    return errors

@@ -1,0 +1,184 @@
+"""``RouterConfig``: the router's frozen configuration, one field per CLI flag.
+
+The flag names are a contract shared with the operator (it builds the router
+pod's arguments from them): see ``kvship router --help``.  Built with
+``kvship.engine.config.opt`` / ``add_dataclass_arguments`` so that ``--help``
+documents every field.  Importing this module must never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from kvship.engine.config import add_dataclass_arguments, dataclass_from_namespace, opt
+
+POLICY_NAMES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two")
+API_KEY_ENV = "KVSHIP_API_KEY"
+WORKER_API_KEY_ENV = "KVSHIP_WORKER_API_KEY"
+
+
+def parse_selector(items: list[str] | tuple[str, ...], flag: str = "--selector") -> dict[str, str]:
+    """``["app=kvship", "role=decode"]`` -> ``{"app": "kvship", "role": "decode"}``.
+
+    Raises ValueError naming ``flag`` for an item that is not ``key=value``.
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag}: expected key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def selector_string(selector: dict[str, str]) -> str:
+    """A Kubernetes label selector string (``a=b,c=d``) for the API's ``label_selector``."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Configuration of the router process (``kvship router``)."""
+
+    # HTTP
+    host: str = opt("0.0.0.0", "Address the router binds")
+    port: int = opt(8000, "Router HTTP port")
+    log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
+    api_key: Optional[str] = opt(None, f"Require 'Authorization: Bearer <key>' on every route but /health "
+                                       f"(default: env {API_KEY_ENV})")
+    worker_api_key: Optional[str] = opt(None, f"Bearer token the router sends to workers (default: env "
+                                              f"{WORKER_API_KEY_ENV}, else --api-key)")
+    max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
+    request_timeout: float = opt(600.0, "Seconds one request may take end to end, streaming included (504 after)")
+    shutdown_timeout: float = opt(30.0, "Seconds a graceful shutdown (SIGTERM) waits for in-flight streams")
+
+    # Workers and policy
+    worker_urls: list[str] = opt([], "Unified workers (static), e.g. http://10.0.0.5:30000", nargs="+")
+    policy: str = opt("cache_aware", "Routing policy", choices=POLICY_NAMES)
+    cache_threshold: float = opt(0.5, "cache_aware: smallest prefix-match ratio that routes to the matching worker")
+    balance_abs_threshold: int = opt(32, "cache_aware: balance load when max_load - min_load exceeds this ...")
+    balance_rel_threshold: float = opt(1.5, "cache_aware: ... and max_load exceeds this times min_load")
+    max_tree_size: int = opt(1_000_000, "cache_aware: characters kept per worker tree before LRU eviction")
+
+    # PD disaggregation
+    pd: bool = opt(False, "Prefill/decode mode: send each request to a prefill and a decode worker")
+    prefill: list[str] = opt([], "PD: prefill worker URLs (bootstrap port read from their /get_server_info)", nargs="+")
+    decode: list[str] = opt([], "PD: decode worker URLs", nargs="+")
+    prefill_policy: Optional[str] = opt(None, "PD: policy choosing the prefill worker (default: --policy)",
+                                        choices=POLICY_NAMES)
+    decode_policy: Optional[str] = opt(None, "PD: policy choosing the decode worker (default: --policy)",
+                                       choices=POLICY_NAMES)
+
+    # Kubernetes discovery
+    service_discovery: bool = opt(False, "Discover workers by watching Kubernetes pods")
+    selector: list[str] = opt([], "Discovery: label selector of unified worker pods (k=v ...)", nargs="+")
+    prefill_selector: list[str] = opt([], "Discovery (PD): label selector of prefill pods", nargs="+")
+    decode_selector: list[str] = opt([], "Discovery (PD): label selector of decode pods", nargs="+")
+    namespace: Optional[str] = opt(None, "Discovery: namespace to watch (default: the router pod's own, else 'default')")
+    service_discovery_port: int = opt(30000, "Discovery: worker HTTP port (pod annotation kvship.io/port overrides)")
+    kubeconfig: Optional[str] = opt(None, "Discovery: kubeconfig file (default: in-cluster config, then ~/.kube/config)")
+
+    # Health and circuit breaking
+    health_check_interval: float = opt(5.0, "Seconds between health checks of each worker")
+    health_check_timeout: float = opt(2.0, "Seconds a health check may take")
+    health_failure_threshold: int = opt(3, "Consecutive failed checks that mark a worker unhealthy")
+    health_success_threshold: int = opt(1, "Consecutive passed checks that mark it healthy again")
+    circuit_failure_threshold: int = opt(5, "Consecutive request failures that open a worker's circuit (0 = off)")
+    circuit_cooldown: float = opt(30.0, "Seconds an open circuit waits before letting one trial request through")
+
+    # Retries
+    max_retries: int = opt(2, "Retries on another worker when a request fails before its first byte reached the client")
+    retry_backoff_base: float = opt(0.05, "First retry delay in seconds (doubles each retry, with jitter)")
+    retry_backoff_max: float = opt(1.0, "Largest retry delay in seconds")
+
+    # Rate limiting
+    rate_limit_rps: float = opt(0.0, "Token-bucket rate limit in requests/s over all clients (0 = off)")
+    rate_limit_burst: int = opt(0, "Bucket size (0 = max(1, rate-limit-rps))")
+    rate_limit_queue_size: int = opt(100, "Requests that may wait for a token before 429")
+    rate_limit_queue_timeout: float = opt(30.0, "Longest wait for a token in seconds before 429")
+
+    @property
+    def resolved_prefill_policy(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def resolved_decode_policy(self) -> str:
+        return self.decode_policy or self.policy
+
+    @property
+    def resolved_rate_limit_burst(self) -> int:
+        return self.rate_limit_burst if self.rate_limit_burst > 0 else max(1, int(round(self.rate_limit_rps)))
+
+    @property
+    def resolved_worker_api_key(self) -> Optional[str]:
+        return self.worker_api_key or self.api_key
+
+    @property
+    def selector_labels(self) -> dict[str, str]:
+        return parse_selector(self.selector, "--selector")
+
+    @property
+    def prefill_selector_labels(self) -> dict[str, str]:
+        return parse_selector(self.prefill_selector, "--prefill-selector")
+
+    @property
+    def decode_selector_labels(self) -> dict[str, str]:
+        return parse_selector(self.decode_selector, "--decode-selector")
+
+    def validate(self) -> None:
+        """Raise ValueError with a message naming the flag for inconsistent settings."""
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in 0..65535")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("--cache-threshold must be in [0, 1]")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.max_tree_size < 1:
+            raise ValueError("--max-tree-size must be >= 1")
+        for name in ("health_check_interval", "health_check_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
+            raise ValueError("--health-failure-threshold and --health-success-threshold must be >= 1")
+        if self.circuit_failure_threshold < 0 or self.circuit_cooldown < 0:
+            raise ValueError("--circuit-failure-threshold and --circuit-cooldown must be >= 0")
+        if self.max_retries < 0 or self.retry_backoff_base < 0 or self.retry_backoff_max < 0:
+            raise ValueError("--max-retries, --retry-backoff-base and --retry-backoff-max must be >= 0")
+        if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.rate_limit_queue_size < 0:
+            raise ValueError("--rate-limit-rps, --rate-limit-burst and --rate-limit-queue-size must be >= 0")
+        if self.rate_limit_queue_timeout < 0 or self.shutdown_timeout < 0:
+            raise ValueError("--rate-limit-queue-timeout and --shutdown-timeout must be >= 0")
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be >= 1")
+        self.selector_labels, self.prefill_selector_labels, self.decode_selector_labels  # noqa: B018 (validates)
+        if self.pd:
+            if self.worker_urls or self.selector:
+                raise ValueError("--pd uses --prefill/--decode (or --prefill-selector/--decode-selector), "
+                                 "not --worker-urls/--selector")
+            if self.service_discovery and not (self.prefill_selector and self.decode_selector):
+                raise ValueError("--pd with --service-discovery needs --prefill-selector and --decode-selector")
+        else:
+            if self.prefill or self.decode or self.prefill_selector or self.decode_selector:
+                raise ValueError("--prefill/--decode/--prefill-selector/--decode-selector need --pd")
+            if self.service_discovery and not self.selector:
+                raise ValueError("--service-discovery needs --selector k=v")
+        for url in list(self.worker_urls) + list(self.prefill) + list(self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_arguments(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "RouterConfig":
+        """Build from parsed flags, filling the API keys from the environment when not given."""
+        overrides = {}
+        if getattr(ns, "api_key", None) is None and os.environ.get(API_KEY_ENV):
+            overrides["api_key"] = os.environ[API_KEY_ENV]
+        if getattr(ns, "worker_api_key", None) is None and os.environ.get(WORKER_API_KEY_ENV):
+            overrides["worker_api_key"] = os.environ[WORKER_API_KEY_ENV]
+        return dataclass_from_namespace(cls, ns, **overrides)

@@ -1,0 +1,117 @@
+"""PD (prefill/decode) dispatch: one attempt on a (prefill, decode) pair.
+
+Protocol (DESIGN.md "PD protocol"): the router draws a random 63-bit
+``bootstrap_room`` and sends the *same* body, carrying the prefill worker's
+``bootstrap_host`` (its URL's host) / ``bootstrap_port`` (its
+``/get_server_info`` ``disaggregation_bootstrap_port``) / ``bootstrap_room``,
+to both workers at once.  The decode worker's reply is what the client gets
+(streamed chunk by chunk); the prefill worker's reply is read to the end and
+only checked for errors.
+
+Failure handling before the client saw a byte: if the prefill call fails
+first (transport error or error status), the decode call is cancelled (its
+connection closed, so the decode worker aborts the room) and the attempt fails
+blaming the prefill worker; if the decode call fails, the prefill call is
+cancelled and the decode worker is blamed.  5xx / transport errors are
+retried on another pair by ``proxy_request``; 4xx replies go to the client.
+After the decode stream has started, the prefill call finishes in the
+background and only its outcome is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from kvship.router.core import Selection
+from kvship.router.proxy import (RETRYABLE_STATUS, AttemptFailed, DeadlineExceeded, Lease, RequestContext,
+                                 Upstream, _describe, open_upstream, pass_headers)
+from kvship.router.wire import PDBootstrap, RoutingRequest
+from kvship.router.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes) -> None:
+    """Send to the prefill worker and read its reply to the end; raise ``AttemptFailed`` on error.
+
+    Finishes ``lease`` on every path.
+    """
+    client = ctx.router.client
+    assert client is not None
+    try:
+        async with asyncio.timeout_at(ctx.deadline):
+            async with client.post(worker.url + ctx.route, data=content, headers=ctx.headers) as resp:
+                body = await resp.read()
+    except aiohttp.ClientError as e:
+        lease.finish(False, _describe(e))
+        raise AttemptFailed(worker, _describe(e), True) from None
+    except TimeoutError:
+        lease.finish(False, "timeout")
+        raise DeadlineExceeded() from None
+    except BaseException:
+        lease.finish(True)
+        raise
+    if resp.status >= 400:
+        retryable = resp.status in RETRYABLE_STATUS
+        lease.finish(not retryable, f"http_{resp.status}")
+        raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body,
+                            pass_headers(resp))
+    lease.finish(True)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    if not task.done():
+        task.cancel()
+    try:
+        result = await task
+    except BaseException:  # noqa: BLE001 - we only want it gone
+        return
+    if isinstance(result, Upstream):  # the decode stream had opened: close it and release the worker
+        if result.response is not None:
+            result.response.close()
+        result.lease.finish(True)
+
+
+def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.warning("request %s: prefill call failed after decode started: %s", ctx.request_id,
+                       getattr(exc, "reason", repr(exc)))
+
+
+async def pd_attempt(ctx: RequestContext, request: RoutingRequest, sel: Selection) -> Upstream:
+    """One attempt on ``sel.prefill`` + ``sel.decode``; returns the decode worker's ``Upstream``."""
+    p, d = sel.prefill, sel.decode
+    assert p is not None and d is not None
+    assert p.bootstrap_port is not None  # registry refuses prefill workers without one
+    boot = PDBootstrap.for_prefill(p.url, p.bootstrap_port)
+    content = boot.inject(request.body)
+    router = ctx.router
+    p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content))
+    d_task = asyncio.create_task(open_upstream(ctx, d, Lease(router, d), content))
+    try:
+        pending = {p_task, d_task}
+        while d_task in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and p_task.exception() is not None:
+                await _cancel(d_task)
+                raise p_task.exception()  # type: ignore[misc]
+        up = d_task.result()  # raises the decode failure
+    except BaseException:
+        await _cancel(p_task)
+        await _cancel(d_task)
+        raise
+    if p_task.done():
+        _finish_background_prefill(ctx, p_task)
+    else:
+        router.background.add(p_task)
+        p_task.add_done_callback(router.background.discard)
+        p_task.add_done_callback(lambda t: _finish_background_prefill(ctx, t))
+    up.extra_headers = {"x-kvship-prefill": p.url, "x-kvship-decode": d.url}
+    logger.debug("request %s: PD pair %s -> %s room %d", ctx.request_id, p.url, d.url, boot.room)
+    return up

@@ -1,0 +1,208 @@
+"""Wire types of the router <-> worker hop (HTTP + JSON), version ``WIRE_VERSION``.
+
+Router -> worker: the client's request body, unchanged in unified mode; in PD
+mode the same body plus ``bootstrap_host`` / ``bootstrap_port`` /
+``bootstrap_room`` of the chosen prefill worker (``PDBootstrap.inject``).
+Headers: ``x-request-id``, ``Authorization`` when a worker key is set.
+
+Worker -> router, read once on registration:
+``GET /get_model_info`` and ``GET /get_server_info`` (``WorkerInfo.parse``),
+``GET /v1/models`` (served model ids), ``GET /health`` by the health checker.
+
+``RoutingRequest`` is the router's view of one client request: what the
+policies look at (the request text for prefix matching, the model, the
+session) and what the proxy forwards (the raw body).  Parsing validates what
+the router can judge itself so that bad requests get a 4xx without reaching a
+worker.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+WIRE_VERSION = 1
+
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_GENERATE = "/generate"
+PROXY_ROUTES = (ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE)
+
+
+class RequestError(Exception):
+    """A client error the router answers itself: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error",
+                 headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(message: str, status: int, code: str) -> bytes:
+    """The JSON error body every router-made error uses (OpenAI shape)."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+
+
+@dataclass
+class WorkerInfo:
+    """What the router learned about a worker from its info endpoints."""
+
+    models: tuple[str, ...] = ()
+    mode: str = "unified"
+    bootstrap_port: Optional[int] = None
+    model_path: Optional[str] = None
+    raw_server_info: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def parse(cls, model_info: dict, server_info: dict, models_list: Optional[dict]) -> "WorkerInfo":
+        """Combine ``/get_model_info``, ``/get_server_info`` and ``/v1/models`` replies.
+
+        Model ids come from ``/v1/models`` when it lists any, else from
+        ``served_model_name`` / ``model_path``.  Unknown fields are ignored.
+        """
+        ids: list[str] = []
+        if isinstance(models_list, dict):
+            for entry in models_list.get("data") or []:
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    ids.append(entry["id"])
+        if not ids:
+            for src in (server_info, model_info):
+                name = src.get("served_model_name") or None
+                if isinstance(name, str):
+                    ids.append(name)
+                    break
+        model_path = model_info.get("model_path") or server_info.get("model_path")
+        if not ids and isinstance(model_path, str):
+            ids.append(model_path)
+        port = server_info.get("disaggregation_bootstrap_port")
+        mode = server_info.get("mode") or server_info.get("disaggregation_mode") or "unified"
+        return cls(models=tuple(dict.fromkeys(ids)), mode=str(mode),
+                   bootstrap_port=int(port) if isinstance(port, (int, str)) and str(port).isdigit() else None,
+                   model_path=model_path if isinstance(model_path, str) else None,
+                   raw_server_info=server_info)
+
+
+def _text_of_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+        return "".join(parts)
+    return ""
+
+
+def _prompt_text(prompt: Any) -> tuple[str, int]:
+    """(routing text, batch size) of an OpenAI ``prompt`` or native ``text``/``input_ids`` value."""
+    if isinstance(prompt, str):
+        return prompt, 1
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return " ".join(map(str, prompt)), 1
+        if all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt), len(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return "\n".join(" ".join(map(str, p)) for p in prompt), len(prompt)
+    raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of lists of token ids")
+
+
+@dataclass
+class RoutingRequest:
+    """One client request as the router sees it (never logged: ``text`` holds the prompt)."""
+
+    route: str
+    body: dict
+    raw: bytes
+    text: str
+    model: Optional[str]
+    stream: bool
+    session_id: Optional[str]
+    batch_size: int = 1
+
+    @classmethod
+    def parse(cls, route: str, raw: bytes, session_header: Optional[str] = None) -> "RoutingRequest":
+        """Parse and check a body for ``route``; raise ``RequestError`` (400) when malformed."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, "'model' must be a string")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError(400, "'stream' must be true or false")
+        batch = 1
+        if route == ROUTE_CHAT:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError(400, "'messages' must be a non-empty list")
+            parts = []
+            for m in messages:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise RequestError(400, "each message must be an object with a 'role'")
+                parts.append(f"{m['role']}: {_text_of_content(m.get('content'))}\n")
+            text = "".join(parts)
+            if model is None:
+                raise RequestError(400, "'model' is required")
+        elif route == ROUTE_COMPLETIONS:
+            if "prompt" not in body:
+                raise RequestError(400, "'prompt' is required")
+            text, batch = _prompt_text(body["prompt"])
+            if model is None:
+                raise RequestError(400, "'model' is required")
+        elif route == ROUTE_GENERATE:
+            if body.get("text") is not None:
+                text, batch = _prompt_text(body["text"])
+            elif body.get("input_ids") is not None:
+                text, batch = _prompt_text(body["input_ids"])
+            else:
+                raise RequestError(400, "one of 'text' or 'input_ids' is required")
+        else:  # pragma: no cover - routes are fixed by the app
+            raise RequestError(404, f"unknown route {route}")
+        session = body.get("session_id")
+        if session is not None and not isinstance(session, (str, int)):
+            raise RequestError(400, "'session_id' must be a string")
+        session_id = str(session) if session is not None else (session_header or None)
+        return cls(route=route, body=body, raw=raw, text=text, model=model, stream=stream,
+                   session_id=session_id, batch_size=batch)
+
+
+@dataclass(frozen=True)
+class PDBootstrap:
+    """Where the decode worker finds the prefill worker's KV: injected into both requests."""
+
+    host: str
+    port: int
+    room: int
+
+    @classmethod
+    def for_prefill(cls, prefill_url: str, bootstrap_port: int) -> "PDBootstrap":
+        """Bootstrap fields for a prefill worker: its URL's host, its port, a random 63-bit room."""
+        host = urlsplit(prefill_url).hostname or "127.0.0.1"
+        return cls(host=host, port=bootstrap_port, room=random.getrandbits(63))
+
+    def inject(self, body: dict) -> bytes:
+        """The request body for both workers of the pair, as JSON bytes."""
+        out = dict(body)
+        out["bootstrap_host"] = self.host
+        out["bootstrap_port"] = self.port
+        out["bootstrap_room"] = self.room
+        return json.dumps(out).encode()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

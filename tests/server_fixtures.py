@@ -1,0 +1,157 @@
+"""Start real ``kvship`` processes on loopback for tests (importable helper, not a test module).
+
+Usage::
+
+    from server_fixtures import start_server
+
+    with start_server(["--model-path", tiny_llama_dir]) as srv:
+        httpx.get(srv.url + "/health")
+
+API:
+
+* ``free_port() -> int``: a TCP port that was free a moment ago (bind to 0).
+* ``start_kvship(subcommand, args, *, timeout=180, env=None, health_path="/health", port=None)``:
+  context manager running ``python -m kvship.engine.cli <subcommand> <args>
+  --host 127.0.0.1 --port <free port>`` (``--host`` / ``--port`` are added
+  only when ``args`` lacks them), waiting until ``GET <health_path>`` answers
+  200, and yielding a ``ServerHandle``.  On exit (also on errors) the
+  process group gets SIGTERM, then SIGKILL after 10 s: nothing is left
+  running.  If the process exits or the timeout passes before it is healthy,
+  ``ServerStartError`` carries the tail of its log.
+* ``start_server(args, **kw)``: ``start_kvship("serve", args, **kw)`` (a worker).
+* ``ServerHandle``: ``url`` (``http://127.0.0.1:<port>``), ``port``, ``proc``
+  (``subprocess.Popen``), ``log_path``, ``log_tail(n)``, ``alive()``,
+  ``get(path, **kw)`` / ``post(path, json=..., **kw)`` (``httpx`` calls
+  against ``url``, 60 s timeout by default), ``stop()``.
+
+The process's stdout and stderr go to ``log_path`` (a temporary file kept
+until the interpreter exits), never to a pipe that could fill up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ServerStartError(RuntimeError):
+    """The process died or did not become healthy in time (message holds its log tail)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        kw.setdefault("timeout", 60.0)
+        return httpx.get(self.url + path, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        kw.setdefault("timeout", 60.0)
+        return httpx.post(self.url + path, **kw)
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit code."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the process was started in its own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+@contextlib.contextmanager
+def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0,
+                 env: Optional[dict[str, str]] = None, health_path: str = "/health",
+                 port: Optional[int] = None) -> Iterator[ServerHandle]:
+    """Run ``kvship <subcommand> <args>`` until healthy; always stop it on exit."""
+    args = list(args)
+    if not _has_flag(args, "--host"):
+        args += ["--host", "127.0.0.1"]
+    if _has_flag(args, "--port"):
+        i = next(i for i, a in enumerate(args) if a == "--port" or a.startswith("--port="))
+        port = int(args[i + 1] if args[i] == "--port" else args[i].split("=", 1)[1])
+    else:
+        port = port or free_port()
+        args += ["--port", str(port)]
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env.update(env or {})
+    log = tempfile.NamedTemporaryFile(prefix=f"kvship-{subcommand}-{port}-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "kvship.engine.cli", subcommand, *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                            cwd=ROOT, start_new_session=True)
+    log.close()
+    handle = ServerHandle(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log.name)
+    try:
+        _wait_healthy(handle, health_path, timeout, cmd)
+        yield handle
+    finally:
+        handle.stop()
+
+
+def start_server(args: Sequence[str], **kw: Any) -> contextlib.AbstractContextManager[ServerHandle]:
+    """A ``kvship serve`` worker; see ``start_kvship`` for the keyword arguments."""
+    return start_kvship("serve", args, **kw)
+
+
+def _wait_healthy(handle: ServerHandle, health_path: str, timeout: float, cmd: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if handle.proc.poll() is not None:
+            raise ServerStartError(f"{' '.join(cmd)} exited with {handle.proc.returncode} before it was healthy:\n"
+                                   f"{handle.log_tail()}")
+        try:
+            if httpx.get(handle.url + health_path, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{' '.join(cmd)} was not healthy after {timeout:.0f} s:\n{handle.log_tail()}")
+        time.sleep(0.2)
