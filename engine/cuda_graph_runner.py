@@ -64,6 +64,7 @@ class CudaGraphRunner:
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, LogitsOutput] = {}
+        self.replays = 0  # graphs replayed so far (tests and metrics read it)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=dev)
         self.capture(show_progress)
@@ -140,6 +141,7 @@ class CudaGraphRunner:
             gbs, self.req_pool_indices[:gbs], self.seq_lens[:gbs], sum(seq_cpu), ForwardMode.DECODE,
             seq_lens_cpu=torch.tensor(seq_cpu, dtype=torch.int64))
         self.graphs[gbs].replay()
+        self.replays += 1
         out = self.outputs[gbs]
         return LogitsOutput(next_token_logits=out.next_token_logits[:bs],
                             hidden_states=None if out.hidden_states is None else out.hidden_states[:bs])

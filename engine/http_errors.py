@@ -69,21 +69,37 @@ def error_body(status: int, message: str, *, param: Optional[str] = None,
                       "param": param, "code": code if code is not None else status}}
 
 
+_TYPE_TAGS = {"str", "int", "bool", "float", "list", "dict", "none"}
+
+
+def _clean_loc(loc: tuple) -> list[str]:
+    """Field path of a pydantic error without union-member tags (``GenerateSamplingParams``, ``list[str]``)."""
+    out = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+            continue
+        part = str(part)
+        if part == "body" or part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[]'()-"):
+            continue
+        out.append(part)
+    return out
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """A 422 naming the first offending field (``messages.0.role``)."""
+    """A 422 naming the offending field (``messages.0.role``).
+
+    With unions, pydantic reports one error per member; the deepest one is
+    the member the client meant (a dict with a bad key, not "not a list").
+    """
     errors = exc.errors()
     if not errors:
         return APIError(422, "invalid request body")
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # union members add their type name to the location; keep the field path readable
-    loc = [x for x in loc if not any(c in x for c in "[]'") and x not in ("str", "int", "bool", "float",
-                                                                          "list", "dict")]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    best = max(errors, key=lambda e: len(_clean_loc(tuple(e.get("loc", ())))))
+    param = ".".join(_clean_loc(tuple(best.get("loc", ())))) or None
+    msg = best.get("msg", "invalid value")
     where = f"{param}: " if param else ""
-    return APIError(422, f"{where}{msg}{more}", param=param, code="invalid_value")
+    return APIError(422, f"{where}{msg}", param=param, code="invalid_value")
 
 
 def parse_json_body(raw: bytes) -> Any:

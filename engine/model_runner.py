@@ -6,9 +6,10 @@
 2. builds the model and loads its weights (``--load-format``);
 3. sizes the KV pool: on CUDA from ``--mem-fraction-static`` (weights + KV
    may use that fraction of the GPU: KV gets the free memory after loading
-   minus the ``1 - fraction`` reserve), on CPU from ``--max-total-tokens``
-   (default: what fits in 2 GiB, at most 65536 tokens); ``--max-total-tokens``
-   also caps the CUDA size;
+   minus the ``1 - fraction`` reserve, and without ``--max-total-tokens`` at
+   most ``CUDA_MAX_CONTEXTS_PER_ROW`` full contexts per request row), on CPU
+   from ``--max-total-tokens`` (default: what fits in 2 GiB, at most 65536
+   tokens); ``--max-total-tokens`` also caps the CUDA size;
 4. creates ``req_to_token_pool``, ``kv_pool``, ``allocator`` and
    ``attn_backend``.
 
@@ -42,6 +43,9 @@ CPU_KV_BUDGET_BYTES = 2 * 1024 ** 3
 CPU_MAX_DEFAULT_TOKENS = 65536
 # extra ReqToTokenPool rows beyond --max-running-requests (chunked prefills, requests being finished)
 REQ_POOL_HEADROOM = 16
+# CUDA sizing never goes past this many full contexts per request row: beyond it the
+# memory only lengthens prefix-cache retention, and tiny models would take the whole GPU
+CUDA_MAX_CONTEXTS_PER_ROW = 4
 
 
 def resolve_model_path(model_path: Optional[str]) -> str:
@@ -73,11 +77,10 @@ class ModelRunner:
                                                         context_length=server_args.context_length)
         self.context_len = self.model_config.context_len
 
-        free_before = self._cuda_free_bytes()
         self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-        num_slots = self._kv_pool_slots(free_before)
+        num_slots = self._kv_pool_slots()
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + REQ_POOL_HEADROOM,
                                                 self.context_len + self.page_size, self.device)
         mc = self.model_config
@@ -99,18 +102,12 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
 
-    def _cuda_free_bytes(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free)
-
-    def _kv_pool_slots(self, free_before_weights: int) -> int:
+    def _kv_pool_slots(self) -> int:
         """Slots for the KV pool, a whole number of pages, at least one page."""
         sa = self.server_args
         per_token = self._bytes_per_token()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free) - int(total) * (1.0 - sa.mem_fraction_static)
             tokens = int(budget // per_token)
@@ -120,6 +117,9 @@ class ModelRunner:
                     f"{(1 - sa.mem_fraction_static) * total / 2**30:.2f} GiB reserved; raise --mem-fraction-static")
             if sa.max_total_tokens is not None:
                 tokens = min(tokens, sa.max_total_tokens)
+            else:
+                rows = self.max_running_requests + REQ_POOL_HEADROOM
+                tokens = min(tokens, CUDA_MAX_CONTEXTS_PER_ROW * rows * self.context_len)
         elif sa.max_total_tokens is not None:
             tokens = sa.max_total_tokens
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from kvship.router.config import RouterConfig
@@ -44,5 +45,13 @@ def run(args: argparse.Namespace) -> int:
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
         timeout_graceful_shutdown=int(config.shutdown_timeout) if config.shutdown_timeout else None,
         timeout_keep_alive=75, log_config=None))
+    # uvicorn drains, restores the handlers it found, then re-raises the signal it caught: make that a
+    # clean exit (status 0) instead of death by SIGTERM once the drain is done.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped_by_signal)
     server.run()
     return 0 if server.started else 1
+
+
+def _stopped_by_signal(signum: int, _frame) -> None:
+    logging.getLogger(__name__).info("router stopped by signal %d after draining", signum)

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from typing import Any, Iterator, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -208,14 +210,28 @@ def _read_port(proc: subprocess.Popen, timeout: float, what: str) -> int:
     raise RuntimeError(f"{what} did not start: {buf.decode(errors='replace')}")
 
 
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+
+
+def _http_json(url: str, body: Any = None, timeout: float = 5.0) -> Any:
+    """GET (or POST ``body`` as JSON) with the standard library: no client set-up cost per call."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with _OPENER.open(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
 def _wait_http(url: str, timeout: float) -> None:
-    import httpx
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
+            with _OPENER.open(url, timeout=1.0) as resp:
+                if resp.status < 500:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
                 return
-        except httpx.HTTPError:
+        except OSError:
             pass
         time.sleep(0.05)
     raise RuntimeError(f"{url} did not answer within {timeout} s")
@@ -260,12 +276,10 @@ class WorkerDouble:
         return self.proc is not None and self.proc.poll() is None
 
     def control(self, **changes: Any) -> dict:
-        import httpx
-        return httpx.post(self.url + "/_control", json=changes, timeout=5).json()
+        return _http_json(self.url + "/_control", changes)
 
     def requests(self) -> list[dict]:
-        import httpx
-        return httpx.get(self.url + "/_requests", timeout=5).json()
+        return _http_json(self.url + "/_requests")
 
 
 @contextlib.contextmanager

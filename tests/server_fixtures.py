@@ -10,7 +10,8 @@ Usage::
 API:
 
 * ``free_port() -> int``: a TCP port that was free a moment ago (bind to 0).
-* ``start_kvship(subcommand, args, *, timeout=180, env=None, health_path="/health", port=None)``:
+* ``start_kvship(subcommand, args, *, timeout=180, env=None, health_path="/health", port=None,
+  keep_log=False)``:
   context manager running ``python -m kvship.engine.cli <subcommand> <args>
   --host 127.0.0.1 --port <free port>`` (``--host`` / ``--port`` are added
   only when ``args`` lacks them), waiting until ``GET <health_path>`` answers
@@ -24,8 +25,10 @@ API:
   ``get(path, **kw)`` / ``post(path, json=..., **kw)`` (``httpx`` calls
   against ``url``, 60 s timeout by default), ``stop()``.
 
-The process's stdout and stderr go to ``log_path`` (a temporary file kept
-until the interpreter exits), never to a pipe that could fill up.
+The process's stdout and stderr go to ``log_path`` (a temporary file), never
+to a pipe that could fill up.  The log is deleted when the ``with`` block
+ends cleanly and kept (for post-mortems) when it raised, or with
+``keep_log=True``.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
 @contextlib.contextmanager
 def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0,
                  env: Optional[dict[str, str]] = None, health_path: str = "/health",
-                 port: Optional[int] = None) -> Iterator[ServerHandle]:
+                 port: Optional[int] = None, keep_log: bool = False) -> Iterator[ServerHandle]:
     """Run ``kvship <subcommand> <args>`` until healthy; always stop it on exit."""
     args = list(args)
     if not _has_flag(args, "--host"):
@@ -129,11 +132,16 @@ def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0
                             cwd=ROOT, start_new_session=True)
     log.close()
     handle = ServerHandle(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log.name)
+    failed = True
     try:
         _wait_healthy(handle, health_path, timeout, cmd)
         yield handle
+        failed = False
     finally:
         handle.stop()
+        if not failed and not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
 
 
 def start_server(args: Sequence[str], **kw: Any) -> contextlib.AbstractContextManager[ServerHandle]:

@@ -164,3 +164,40 @@ def test_unknown_architecture_is_a_clear_error():
     from kvship.engine.models.registry import get_model_class
     with pytest.raises(ValueError, match="unsupported model architecture"):
         get_model_class(["GPT2LMHeadModel"])
+
+
+# --- ModelConfig from config.json variants ---------------------------------------------
+def _cfg(**kw) -> dict:
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    base.update(kw)
+    return base
+
+
+def test_model_config_reads_old_style_rope_and_merges_eos_ids():
+    from kvship.engine.model_config import ModelConfig
+    cfg = ModelConfig.from_hf_dict(
+        _cfg(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0}, eos_token_id=[7, 8],
+             bos_token_id=1, torch_dtype="bfloat16"),
+        generation_config={"eos_token_id": 9}, context_length=1000)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
+    assert cfg.eos_token_ids == frozenset({7, 8, 9}) and cfg.bos_token_id == 1
+    assert cfg.head_dim == 16 and cfg.context_len == 1000 and cfg.checkpoint_dtype == torch.bfloat16
+
+
+def test_model_config_bias_flags_follow_the_architecture():
+    from kvship.engine.model_config import ModelConfig
+    q2 = ModelConfig.from_hf_dict(_cfg(architectures=["Qwen2ForCausalLM"]))
+    assert q2.attention_bias and not q2.o_proj_bias and not q2.qk_norm
+    q3 = ModelConfig.from_hf_dict(_cfg(architectures=["Qwen3ForCausalLM"], head_dim=32))
+    assert q3.qk_norm and not q3.attention_bias and q3.head_dim == 32
+    ll = ModelConfig.from_hf_dict(_cfg(attention_bias=True))
+    assert ll.attention_bias and ll.o_proj_bias
+    mi = ModelConfig.from_hf_dict(_cfg(architectures=["MistralForCausalLM"], attention_bias=True, sliding_window=1024))
+    assert not mi.attention_bias and mi.context_len == 1024  # clamped to the window
+
+
+def test_unsupported_rope_scaling_is_a_clear_error():
+    from kvship.engine.layers.rotary import RotaryEmbedding
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn", "factor": 4.0})

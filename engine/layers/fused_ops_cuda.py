@@ -1,0 +1,153 @@
+"""Fused small ops for CUDA in Triton: RMSNorm (+ residual add), SiLU-and-mul, in-place RoPE.
+
+Each replaces several PyTorch kernels (and as many passes over the
+activations) with one.  Numerics follow the PyTorch layers they stand in for:
+
+* ``rmsnorm``: the residual sum is rounded to the activation dtype first (as
+  ``x + residual`` is), normalised in float32, rounded, then scaled by the
+  weight (``weight * h.to(dtype)``);
+* ``silu_and_mul``: ``silu(gate)`` rounded to the dtype, times ``up``;
+* ``rope_inplace``: NeoX rotate-half with the float32 cos/sin table, computed in
+  float32 and rounded once (PyTorch's layer rounds each product; the
+  difference is within one bf16 ulp).
+
+Only imported on CUDA, through ``kvship.engine.layers.fused_dispatch``.  The
+kernels also run under Triton's interpreter on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x, res, w, y, res_out, n_cols, eps, stride_x, stride_r, stride_y, stride_ro,
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    xv = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        rv = tl.load(res + row * stride_r + offs, mask=mask, other=0.0)
+        xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+        tl.store(res_out + row * stride_ro + offs, xv, mask=mask)
+    h = xv.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n_cols
+    h = (h * tl.rsqrt(var + eps)).to(xv.dtype)
+    wv = tl.load(w + offs, mask=mask, other=0.0)
+    out = wv.to(tl.float32) * h.to(tl.float32)
+    tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given (new tensors)."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    if residual is None:
+        if rows:
+            _rmsnorm_kernel[(rows,)](x2, x2, weight, y, y, n, eps, x2.stride(0), 0, y.stride(0), 0,
+                                     HAS_RES=False, BLOCK=block, num_warps=warps)
+        return y.view(shape)
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        _rmsnorm_kernel[(rows,)](x2, r2, weight, y, res_out, n, eps, x2.stride(0), r2.stride(0), y.stride(0),
+                                 res_out.stride(0), HAS_RES=True, BLOCK=block, num_warps=warps)
+    return y.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _silu_mul_kernel(x, y, d, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    g = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
+    u = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    out = a.to(tl.float32) * u.to(tl.float32)
+    tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2d]``."""
+    shape = x.shape
+    d = shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_mul_kernel[(rows, triton.cdiv(d, block))](x2, y, d, x2.stride(0), y.stride(0), BLOCK=block,
+                                                        num_warps=4)
+    return y.view(*shape[:-1], d)
+
+
+@triton.jit
+def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    d_mask = offs < HALF
+    cos = tl.load(cos_sin + pos * stride_cs + offs, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)
+    heads = tl.arange(0, BLOCK_H)
+    for h0 in range(0, NUM_Q, BLOCK_H):
+        hh = h0 + heads
+        m = (hh < NUM_Q)[:, None] & d_mask[None, :]
+        p = q + t * stride_qt + hh[:, None] * stride_qh + offs[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
+        tl.store(p + HALF, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=m)
+    for h0 in range(0, NUM_K, BLOCK_H):
+        hh = h0 + heads
+        m = (hh < NUM_K)[:, None] & d_mask[None, :]
+        p = k + t * stride_kt + hh[:, None] * stride_kh + offs[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
+        tl.store(p + HALF, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=m)
+
+
+def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (last dim contiguous); returns them.
+
+    ``cos_sin_cache`` is ``[max_position, D]``: cos of the ``D/2`` frequencies,
+    then their sin.
+    """
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope_inplace needs q and k with a contiguous last dim")
+    if t == 0:
+        return q, k
+    half = d // 2
+    block_h = min(16, triton.next_power_of_2(max(hq, hk)))
+    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       cos_sin_cache.stride(0), NUM_Q=hq, NUM_K=hk, HALF=half, BLOCK_H=block_h,
+                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q, k

@@ -1,0 +1,31 @@
+# kvship operator: kopf + the InferenceService controller. Slim Python, no torch.
+#   docker build -f images/operator.Dockerfile -t REGISTRY/kvship/operator:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+# What `kvship operator` imports at run time (kvship itself goes in without its torch-bearing deps).
+ARG OPERATOR_DEPS="kopf kubernetes httpx pyyaml"
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+COPY pyproject.toml setup.py README* ./
+COPY engine ./engine
+COPY prefill ./prefill
+COPY decode ./decode
+COPY router ./router
+COPY operator ./operator
+
+RUN pip install --no-deps . \
+ && pip install $OPERATOR_DEPS \
+ && rm -rf /src \
+ && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp kvship
+
+USER 1000:1000
+WORKDIR /tmp
+ENV HOME=/tmp
+EXPOSE 8080
+ENTRYPOINT ["kvship"]
+CMD ["operator", "--all-namespaces"]

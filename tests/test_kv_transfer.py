@@ -1,0 +1,457 @@
+"""KV transfer between two real processes, for every backend (tcp, mooncake over tcp, nixl over UCX).
+
+A prefill process and a decode process each host real ``KVPool``s filled with
+known data and KV managers built on them; the test drives both over pipes and
+checks the decode pool's pages byte for byte.  Page sizes 1 and 16,
+non-contiguous destination pages, aux after KV, checksum, aborts, peer death,
+layout mismatch and timeouts.  After each test both sides must hold no room
+and every aux slot must be free again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import socket
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from kvship.engine.disagg.base import BackendUnavailableError, get_transfer_backend
+
+BACKENDS = ["tcp", "mooncake", "nixl"]
+SMALL = dict(num_slots=512, num_kv_heads=2, head_dim=16, num_layers=3, dtype="float32")
+# managers each process hosts: name -> (role, page size, config overrides, fill seed)
+PREFILL_MANAGERS = {"p1": (1, {}, 11), "p16": (16, {}, 12), "p16_corrupt": (16, {"debug_corrupt_kv_every": 1}, 12),
+                    "p16_short": (16, {"bootstrap_timeout": 1.0}, 12)}
+DECODE_MANAGERS = {"d1": (1, {}), "d16": (16, {}), "d16_checksum": (16, {"checksum": True}),
+                   "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0})}
+
+os.environ.setdefault("UCX_MODULES", "^ib")   # Debian's ibverbs-providers makes UCX crash at exit
+
+
+# --- the peer process ------------------------------------------------------------
+
+
+def fill_pool(pool, seed: int) -> None:
+    for i, buf in enumerate(pool.buffers()):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+
+
+def make_pool(page_size: int):
+    from kvship.engine.mem.pools import KVPool
+    kw = dict(SMALL)
+    return KVPool(kw["num_slots"], page_size, getattr(torch, kw["dtype"]), kw["num_kv_heads"], kw["head_dim"],
+                  kw["num_layers"], "cpu")
+
+
+def _peer_main(conn, role: str, backend: str, names) -> None:
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    from kvship.engine.disagg.base import KVPoll, KVTransferConfig, AuxInfo, create_kv_manager
+
+    mgrs, pools, objs, expected = {}, {}, {}, {}
+    specs = PREFILL_MANAGERS if role == "prefill" else DECODE_MANAGERS
+    try:
+        for name, spec in specs.items():
+            if names is not None and name not in names:
+                continue
+            ps, overrides = spec[0], spec[1]
+            pool = make_pool(ps)
+            if role == "prefill":
+                fill_pool(pool, spec[2])
+            pools[name] = pool
+            cfg = KVTransferConfig(backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0,
+                                   **overrides)
+            mgrs[name] = create_kv_manager(role, pool, cfg)
+    except Exception:  # noqa: BLE001 - report to the test
+        conn.send(("err", traceback.format_exc()))
+        return
+    conn.send(("ok", {n: getattr(m, "bootstrap_port", None) for n, m in mgrs.items()}))
+
+    def expected_pool(ps, seed):
+        if (ps, seed) not in expected:
+            expected[(ps, seed)] = make_pool(ps)
+            fill_pool(expected[(ps, seed)], seed)
+        return expected[(ps, seed)]
+
+    def pages_match(mgr, dst_pages, src_seed, src_pages):
+        pool = pools[mgr]
+        ref = expected_pool(pool.page_size, src_seed)
+        ps = pool.page_size
+        for got, want in zip(pool.buffers(), ref.buffers()):
+            for d, s in zip(dst_pages, src_pages):
+                if not torch.equal(got[d * ps:(d + 1) * ps], want[s * ps:(s + 1) * ps]):
+                    return False
+        return True
+
+    def outside_untouched(mgr, dst_pages):
+        pool = pools[mgr]
+        ps = pool.page_size
+        keep = torch.ones(pool.buffers()[0].shape[0], dtype=torch.bool)
+        for d in dst_pages:
+            keep[d * ps:(d + 1) * ps] = False
+        return all(int(b[keep].count_nonzero()) == 0 for b in pool.buffers())
+
+    def wait(room, timeout):
+        o = objs[room]
+        deadline = time.monotonic() + timeout
+        while not o.poll().is_terminal and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return poll(room)
+
+    def poll(room):
+        o = objs[room]
+        st = o.poll()
+        aux = getattr(o, "aux", None)
+        return int(st), o.failure_reason, None if aux is None else (aux.first_token_id, aux.first_token_logprob,
+                                                                    aux.prompt_len, aux.room)
+
+    def wait_checking_order(mgr, room, timeout, src_seed, src_pages):
+        """Poll; the first time the aux record is visible in decode memory, the KV must already be complete."""
+        o, m = objs[room], mgrs[mgr]
+        deadline = time.monotonic() + timeout
+        early = None
+        while time.monotonic() < deadline:
+            slot = o.aux_slot
+            if early is None and slot is not None and bytes(m.aux_buffer[slot, :4].numpy()) == b"KVAX":
+                early = pages_match(mgr, o.pages.tolist(), src_seed, src_pages)
+            if o.poll().is_terminal:
+                break
+            time.sleep(0.0005)
+        return poll(room), early
+
+    def stats(mgr):
+        m = mgrs[mgr]
+        with m.lock:
+            if role == "decode":
+                return {"active": len(m.active), "aux_free": len(m.aux_free), "aux_total": m.num_aux_slots}
+            return {"senders": len(m._senders), "pending": len(m._pending)}
+
+    handlers = {
+        "sender": lambda mgr, room: objs.__setitem__(room, mgrs[mgr].create_sender(room)),
+        "receiver": lambda mgr, port, room: objs.__setitem__(room, mgrs[mgr].create_receiver("127.0.0.1", port, room)),
+        "send": lambda room, pages, aux: objs[room].send(pages, AuxInfo(*aux)),
+        "init": lambda room, pages: objs[room].init(pages),
+        "poll": poll, "wait": wait, "wait_checking_order": wait_checking_order,
+        "abort": lambda room, reason: objs[room].abort(reason),
+        "pages_match": pages_match, "outside_untouched": outside_untouched,
+        "zero": lambda mgr: [b.zero_() for b in pools[mgr].buffers()] and None,
+        "stats": stats,
+    }
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "exit":
+            break
+        try:
+            conn.send(("ok", handlers[msg[0]](*msg[1:])))
+        except Exception:  # noqa: BLE001 - report to the test
+            conn.send(("err", traceback.format_exc()))
+    for m in mgrs.values():
+        m.close()
+    conn.send(("ok", "bye"))
+    os._exit(0)   # skip slow library teardown at interpreter exit (UCX, mooncake)
+
+
+class Peer:
+    """A prefill or decode process driven over a pipe."""
+
+    def __init__(self, role: str, backend: str, names=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, role, backend, names), daemon=True)
+        self.proc.start()
+        self.ports = self._reply(120)
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("peer process did not answer")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer process error:\n{value}")
+        return value
+
+    def __call__(self, *cmd, timeout: float = 60):
+        self.conn.send(cmd)
+        return self._reply(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+                self._reply(20)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+
+
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+_rooms = iter(range(10 ** 6, 2 * 10 ** 6))
+
+
+def new_room() -> int:
+    return next(_rooms) * 7919 + (1 << 62)
+
+
+def _skip_if_unavailable(backend: str) -> None:
+    try:
+        get_transfer_backend(backend)
+    except BackendUnavailableError as e:
+        print(f"SKIP {backend}: {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request):
+    backend = request.param
+    _skip_if_unavailable(backend)
+    p, d = Peer("prefill", backend), Peer("decode", backend)
+    p.backend = d.backend = backend
+    yield p, d
+    p.close()
+    d.close()
+
+
+def wait_state(peer, room, want, timeout=20.0):
+    deadline = time.time() + timeout
+    while True:
+        st, reason, aux = peer("poll", room)
+        if st == want or st in (FAILED, SUCCESS) or time.time() > deadline:
+            return st, reason, aux
+        time.sleep(0.01)
+
+
+def assert_clean(p, d, pm="p16", dm="d16"):
+    deadline = time.time() + 10
+    while True:
+        ps, ds = p("stats", pm), d("stats", dm)
+        ok = ps == {"senders": 0, "pending": 0} and ds["active"] == 0 and ds["aux_free"] == ds["aux_total"]
+        if ok or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert ps == {"senders": 0, "pending": 0}
+    assert ds["active"] == 0 and ds["aux_free"] == ds["aux_total"]
+
+
+def transfer(p, d, pm, dm, src, dst, aux=(7, -0.25, 100)):
+    room = new_room()
+    d("receiver", dm, p.ports[pm], room)
+    p("sender", pm, room)
+    d("init", room, dst)
+    p("send", room, src, aux)
+    return room
+
+
+# --- tests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
+    p, d = pair
+    pm, dm = f"p{page_size}", f"d{page_size}"
+    n_pages = 512 // page_size
+    src = list(range(3, 3 + n_pages // 4)) + [n_pages, 1]             # one long run + stragglers
+    block = list(range(n_pages - 9, n_pages - 5))                      # 4 contiguous destination pages ...
+    others = [int(x) for x in np.random.default_rng(page_size).permutation(np.arange(1, n_pages + 1))
+              if x not in block]
+    dst = block + others[:len(src) - len(block)]                       # ... then scattered ones
+    d("zero", dm)
+    room = transfer(p, d, pm, dm, src, dst, aux=(4242, -1.5, len(src) * page_size - 3))
+    st, reason, aux = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert aux == (4242, -1.5, len(src) * page_size - 3, room)
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", dm, dst, PREFILL_MANAGERS[pm][2], src)
+    assert d("outside_untouched", dm, dst)
+    assert_clean(p, d, pm, dm)
+
+
+def test_aux_record_only_becomes_visible_after_the_kv(pair):
+    p, d = pair
+    src = list(range(1, 31))
+    dst = list(range(31, 1, -1))          # reversed: one descriptor per page and buffer
+    d("zero", "d16")
+    room = new_room()
+    d("receiver", "d16", p.ports["p16"], room)
+    p("sender", "p16", room)
+    d("init", room, dst)
+    p("send", room, src, (1, 0.0, 480))
+    (st, reason, _), early = d("wait_checking_order", "d16", room, 30, PREFILL_MANAGERS["p16"][2], src)
+    assert st == SUCCESS, reason
+    assert early is not False, "the aux record was visible before all KV pages had landed"
+    assert d("pages_match", "d16", dst, PREFILL_MANAGERS["p16"][2], src)
+    assert_clean(p, d)
+
+
+def test_checksum_passes_clean_transfers_and_fails_a_corrupted_page(pair):
+    p, d = pair
+    src, dst = [4, 5, 6, 9], [20, 2, 3, 11]
+    good = transfer(p, d, "p16", "d16_checksum", src, dst)
+    st, reason, _ = d("wait", good, 30)
+    assert st == SUCCESS, reason
+    bad = transfer(p, d, "p16_corrupt", "d16_checksum", src, dst)
+    st, reason, aux = d("wait", bad, 30)
+    assert st == FAILED and aux is None
+    assert "checksum mismatch" in reason
+    assert_clean(p, d, "p16_corrupt", "d16_checksum")
+
+
+def test_abort_on_decode_side_fails_both_and_frees_everything(pair):
+    p, d = pair
+    room = new_room()
+    d("receiver", "d16", p.ports["p16"], room)
+    p("sender", "p16", room)
+    d("init", room, [3, 4])
+    assert wait_state(p, room, WAITING)[0] == WAITING
+    d("abort", room, "client disconnected")
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "client disconnected" in reason
+    st, reason, _ = p("wait", room, 10)
+    assert st == FAILED and "aborted by decode" in reason
+    p("send", room, [1, 2], (1, 0.0, 20))      # prefill finishing late is harmless
+    assert p("poll", room)[0] == FAILED
+    assert_clean(p, d)
+
+
+def test_abort_on_prefill_side_fails_the_receiver(pair):
+    p, d = pair
+    room = new_room()
+    d("receiver", "d16", p.ports["p16"], room)
+    p("sender", "p16", room)
+    d("init", room, [3, 4])
+    assert wait_state(p, room, WAITING)[0] == WAITING
+    p("abort", room, "router cancelled")
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "aborted by prefill" in reason and "router cancelled" in reason
+    assert p("poll", room)[0] == FAILED
+    assert_clean(p, d)
+
+
+def test_page_count_mismatch_fails_with_a_clear_reason(pair):
+    p, d = pair
+    room = transfer(p, d, "p16", "d16", [1, 2, 3], [5, 6])
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "page count mismatch" in reason and "3" in reason and "2" in reason
+    assert p("wait", room, 10)[0] == FAILED
+    assert_clean(p, d)
+
+
+def test_layout_mismatch_is_refused_at_bootstrap(pair):
+    p, d = pair
+    room = new_room()
+    d("receiver", "d1", p.ports["p16"], room)     # decode page size 1 vs prefill 16
+    d("init", room, [1, 2])
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "KV layout mismatch" in reason and "page_size 16 != 1" in reason
+    assert_clean(p, d, "p16", "d1")
+
+
+def test_waiting_timeout_fails_the_receiver_and_tells_prefill(pair):
+    p, d = pair
+    room = new_room()
+    d("receiver", "d16_short", p.ports["p16"], room)
+    p("sender", "p16", room)
+    d("init", room, [3, 4])          # registered, but prefill never sends
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "waiting timeout" in reason
+    st, reason, _ = p("wait", room, 10)
+    assert st == FAILED and "waiting timeout" in reason
+    assert_clean(p, d, "p16", "d16_short")
+
+
+def test_bootstrap_timeouts_on_both_sides(pair):
+    p, d = pair
+    lonely = new_room()
+    p("sender", "p16_short", lonely)         # decode never registers
+    t0 = time.time()
+    st, reason, _ = p("wait", lonely, 10)
+    assert st == FAILED and "bootstrap timeout" in reason and time.time() - t0 < 8
+    mute = socket.create_server(("127.0.0.1", 0))   # accepts, never answers the handshake
+    try:
+        room = new_room()
+        d("receiver", "d16_short", mute.getsockname()[1], room)
+        d("init", room, [3, 4])
+        st, reason, _ = d("wait", room, 10)
+        assert st == FAILED and re.search("timeout|timed out", reason), reason
+    finally:
+        mute.close()
+    assert_clean(p, d, "p16_short", "d16_short")
+
+
+def test_prefill_death_fails_the_receiver_within_the_timeout(pair):
+    _, d = pair
+    victim = Peer("prefill", d.backend, names=["p16"])
+    try:
+        room = new_room()
+        d("receiver", "d16", victim.ports["p16"], room)
+        victim("sender", "p16", room)
+        d("init", room, [7, 8, 9])
+        assert wait_state(d, room, WAITING)[0] == WAITING
+        victim.kill()
+        t0 = time.time()
+        st, reason, _ = d("wait", room, 15)
+        assert st == FAILED and "disconnected" in reason
+        assert time.time() - t0 < 10
+        ds = d("stats", "d16")
+        assert ds["active"] == 0 and ds["aux_free"] == ds["aux_total"]
+    finally:
+        victim.close()
+
+
+def test_decode_death_fails_the_sender(pair):
+    p, _ = pair
+    victim = Peer("decode", p.backend, names=["d16"])
+    try:
+        room = new_room()
+        victim("receiver", "d16", p.ports["p16"], room)
+        p("sender", "p16", room)
+        victim("init", room, [7, 8, 9])
+        assert wait_state(p, room, WAITING)[0] == WAITING
+        victim.kill()
+        st, reason, _ = p("wait", room, 15)
+        assert st == FAILED and "decode peer disconnected" in reason
+        p("send", room, [1, 2, 3], (1, 0.0, 40))
+        assert p("stats", "p16") == {"senders": 0, "pending": 0}
+    finally:
+        victim.close()
+
+
+def test_many_concurrent_rooms_all_arrive_intact(pair):
+    p, d = pair
+    d("zero", "d1")
+    rooms, plans = [], []
+    free = list(np.random.default_rng(7).permutation(np.arange(1, 513)))
+    for i in range(24):
+        n = 1 + (i * 5) % 19
+        src = list(range(1 + i * 3, 1 + i * 3 + n))
+        dst = [int(free.pop()) for _ in range(n)]
+        room = new_room()
+        d("receiver", "d1", p.ports["p1"], room)
+        p("sender", "p1", room)
+        d("init", room, dst)
+        rooms.append(room)
+        plans.append((src, dst))
+    for room, (src, _) in zip(rooms, plans):
+        p("send", room, src, (room % 1000, -0.5, len(src)))
+    for room, (src, dst) in zip(rooms, plans):
+        st, reason, aux = d("wait", room, 30)
+        assert st == SUCCESS, reason
+        assert aux[0] == room % 1000 and aux[3] == room
+    for src, dst in plans:
+        assert d("pages_match", "d1", dst, PREFILL_MANAGERS["p1"][2], src)
+    assert_clean(p, d, "p1", "d1")
