@@ -10,7 +10,9 @@ request (kvship: ``ignore_eos``; transformers: ``min_new_tokens``), at each
   batching; transformers: one left-padded ``generate`` call).
 
 Output tokens per second (prefill included) are printed side by side with
-the ratio kvship / transformers.  Each measured set uses fresh prompts, so
+the ratio kvship / transformers.  ``--rounds`` interleaves the two engines
+and keeps each one's best round (other processes on a shared machine then
+disturb both alike).  Each measured set uses fresh prompts, so
 kvship's prefix cache never helps.  ``--append-md FILE`` appends a results
 section.
 
@@ -116,7 +118,8 @@ class HFEngine:
             folder, name = os.path.split(model_path)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
         elif args.load_format == "dummy":
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+            with torch.device(args.device):  # random weights built where they run (an 8B model on the GPU)
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.model = model.to(args.device).eval()
@@ -154,7 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128, help="longest prompt (prompts are 50-100%% of it)")
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--batch1-requests", type=int, default=3)
+    ap.add_argument("--batch1-requests", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each engine's best round is kept")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (both engines)")
@@ -180,17 +184,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if hf is not None:
         hf.run(warm, 4, "warm")
 
-    results: list[tuple[Result, Optional[Result]]] = []
-    for bs in args.batch_sizes:
-        nsets = args.batch1_requests if bs == 1 else 1
-        sets = [make_prompts(bs, args.input_len, vocab, seed=1000 * bs + k) for k in range(nsets)]
-        logger.info("batch %d: kvship", bs)
-        r_kv = measure(kv, "kvship", bs, sets, args.output_len)
-        r_hf = None
-        if hf is not None:
-            logger.info("batch %d: transformers", bs)
-            r_hf = measure(hf, "transformers", bs, sets, args.output_len)
-        results.append((r_kv, r_hf))
+    # rounds interleave the engines so load from other processes hits both alike; best round wins
+    best: dict[tuple[str, int], Result] = {}
+    for rnd in range(args.rounds):
+        for bs in args.batch_sizes:
+            nsets = args.batch1_requests if bs == 1 else 1
+            sets = [make_prompts(bs, args.input_len, vocab, seed=100_000 * rnd + 1000 * bs + k)
+                    for k in range(nsets)]
+            engines = [("kvship", kv)] + ([("transformers", hf)] if hf is not None else [])
+            for name, engine in engines:
+                logger.info("round %d batch %d: %s", rnd + 1, bs, name)
+                r = measure(engine, name, bs, sets, args.output_len)
+                logger.info("  %.1f tok/s", r.tok_s)
+                if (name, bs) not in best or r.tok_s > best[(name, bs)].tok_s:
+                    best[(name, bs)] = r
+    results = [(best[("kvship", bs)], best.get(("transformers", bs))) for bs in args.batch_sizes]
 
     header = f"{'batch':>5} {'requests':>8} {'kvship tok/s':>13} {'transformers tok/s':>19} {'ratio':>6}"
     lines = [header]
@@ -221,8 +229,9 @@ def append_md(args: argparse.Namespace, results: list[tuple[Result, Optional[Res
             f.write("# Benchmarks\n")
         f.write(f"\n## Offline throughput: kvship vs transformers ({model}, {args.device})\n\n"
                 f"`bench/offline_throughput.py --input-len {args.input_len} --output-len {args.output_len} "
-                f"--batch-sizes {' '.join(map(str, args.batch_sizes))}` on {machine}; greedy, "
-                f"{args.output_len} new tokens per request, output tokens/s including prefill.\n\n")
+                f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}` on {machine}; greedy, "
+                f"{args.output_len} new tokens per request, output tokens/s including prefill, "
+                f"best of {args.rounds} interleaved rounds.\n\n")
         f.write("\n".join(rows) + "\n")
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +42,9 @@ logger = logging.getLogger("router_overhead")
 BODY = {"model": "double-model", "max_tokens": 8,
         "messages": [{"role": "system", "content": "You are a helpful assistant. " * 8},
                      {"role": "user", "content": "Name three prime numbers and say why they are prime."}]}
+
+
+ERROR_KINDS: collections.Counter = collections.Counter()
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Run:
 
 
 async def _one(client: aiohttp.ClientSession, url: str, body: bytes, stream: bool, out: list[float],
-               errors: list[int]) -> None:
+               errors: list[int], kinds: collections.Counter) -> None:
     t0 = time.perf_counter()
     try:
         async with client.post(url, data=body, headers={"content-type": "application/json"}) as r:
@@ -78,8 +81,10 @@ async def _one(client: aiohttp.ClientSession, url: str, body: bytes, stream: boo
                 out.append(t1 - t0)
             else:
                 errors[0] += 1
-    except (aiohttp.ClientError, TimeoutError):
+                kinds[f"http {r.status}"] += 1
+    except (aiohttp.ClientError, TimeoutError) as e:
         errors[0] += 1
+        kinds[type(e).__name__] += 1
 
 
 async def fixed_rate(client: aiohttp.ClientSession, base: str, rate: float, seconds: float, stream: bool) -> Run:
@@ -97,13 +102,20 @@ async def fixed_rate(client: aiohttp.ClientSession, base: str, rate: float, seco
         delay = due - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_one(client, url, body, stream, lat, errors)))
+        tasks.append(asyncio.create_task(_one(client, url, body, stream, lat, errors, ERROR_KINDS)))
     await asyncio.wait(tasks, timeout=seconds + 30)
     elapsed = max(loop.time() - start, seconds)
     return Run(lat, errors[0] + sum(1 for t in tasks if not t.done()), rate, elapsed)
 
 
-async def measure(direct: str, routed: str, args) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(direct: str, routed: str, router_pid: int, args) -> dict:
     # aiohttp, not httpx, drives the load: httpx's pool costs ~6 ms CPU per request at 400 req/s here
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=60)) as client:
@@ -111,17 +123,29 @@ async def measure(direct: str, routed: str, args) -> dict:
             await fixed_rate(client, base, 100, 1.0, False)
             await fixed_rate(client, base, 50, 0.5, True)
         res: dict = {}
+        seq: dict[str, list[float]] = {"direct": [], "router": []}
+        for _ in tqdm(range(args.sequential // 100), desc="one at a time", leave=False):
+            for name, base in (("direct", direct), ("router", routed)):
+                for _ in range(100):
+                    await _one(client, base + "/v1/chat/completions", json.dumps(BODY).encode(), False,
+                               seq[name], [0], ERROR_KINDS)
+        res["sequential"] = {name: Run(lat, 0, 0, 1) for name, lat in seq.items()}
         rounds = max(1, args.rounds)
         for stream in (False, True):
             key = "stream" if stream else "plain"
             runs: dict[str, list[float]] = {"direct": [], "router": []}
             errs = {"direct": 0, "router": 0}
+            router_cpu = 0.0
             for _ in tqdm(range(rounds), desc=f"fixed {args.rate:g} req/s ({key})", leave=False):
                 for name, base in (("direct", direct), ("router", routed)):
+                    cpu0 = cpu_seconds(router_pid)
                     r = await fixed_rate(client, base, args.rate, args.seconds / rounds, stream)
+                    if name == "router":
+                        router_cpu += cpu_seconds(router_pid) - cpu0
                     runs[name].extend(r.latencies)
                     errs[name] += r.errors
             res[key] = {name: Run(lat, errs[name], args.rate, args.seconds) for name, lat in runs.items()}
+            res[key + "_cpu_ms"] = router_cpu / max(1, len(runs["router"]) + errs["router"]) * 1000
         ramp: dict[str, float] = {}
         for name, base in (("direct", direct), ("router", routed)):
             best = 0.0
@@ -140,18 +164,28 @@ async def measure(direct: str, routed: str, args) -> dict:
 
 
 def report(res: dict, args) -> str:
-    lines = [f"Machine: {args.machine}", "",
+    lines = [f"Machine: {args.machine}; load average before the run {res['load_before']:.1f} "
+             f"(other jobs share the box).", "",
              f"Fixed load: {args.rate:g} req/s for {args.seconds:g} s each (in {args.rounds} interleaved rounds), "
              f"non-streaming chat completions of {len(json.dumps(BODY))} bytes and SSE streams (first chunk).", "",
              "| load | path | n | errors | p50 ms | p99 ms | added p50 ms | added p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
+    cpu: dict[str, float] = {}
+    sd, sr = res["sequential"]["direct"], res["sequential"]["router"]
+    lines.append(f"| chat, JSON reply, one request at a time | direct | {len(sd.latencies)} | 0 | {sd.pct(0.5):.2f} | "
+                 f"{sd.pct(0.99):.2f} | - | - |")
+    lines.append(f"| chat, JSON reply, one request at a time | router | {len(sr.latencies)} | 0 | {sr.pct(0.5):.2f} | "
+                 f"{sr.pct(0.99):.2f} | {sr.pct(0.5) - sd.pct(0.5):.2f} | {sr.pct(0.99) - sd.pct(0.99):.2f} |")
     for key, label in (("plain", "chat, JSON reply"), ("stream", "chat, SSE first chunk")):
         d, r = res[key]["direct"], res[key]["router"]
+        cpu[label] = res[key + "_cpu_ms"]
         for name, run in (("direct", d), ("router", r)):
             added = (f"{r.pct(0.5) - d.pct(0.5):.2f} | {r.pct(0.99) - d.pct(0.99):.2f}" if name == "router"
                      else "- | -")
             lines.append(f"| {label} | {name} | {len(run.latencies)} | {run.errors} | {run.pct(0.5):.2f} | "
                          f"{run.pct(0.99):.2f} | {added} |")
+    lines += ["", "Router process CPU per request (whole request, all chunks of a stream): "
+              + ", ".join(f"{label} {ms:.2f} ms" for label, ms in cpu.items()) + "."]
     ramp = res["ramp"]
     ratio = ramp["router"] / ramp["direct"] if ramp["direct"] else float("nan")
     lines += ["", f"Max sustainable rate (offered {', '.join(f'{x:g}' for x in args.ramp)} req/s, "
@@ -169,6 +203,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sequential", type=int, default=1000, help="requests sent one at a time per path")
     p.add_argument("--ramp", type=float, nargs="+", default=[200, 300, 400, 500, 600, 800, 1000, 1200])
     p.add_argument("--ramp-seconds", type=float, default=4.0)
     p.add_argument("--p99-limit-ms", type=float, default=50.0)
@@ -178,9 +213,14 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with start_double(name="fast", tokens=8) as worker:
-        with router_process(["--worker-urls", worker.url, *args.router_args.split()]) as (url, _proc):
-            res = asyncio.run(measure(worker.url, url, args))
+        with router_process(["--worker-urls", worker.url, *args.router_args.split()]) as (url, proc):
+            load_before = os.getloadavg()[0]
+            res = asyncio.run(measure(worker.url, url, proc.pid, args))
+            res["load_before"] = load_before
     text = report(res, args)
+    if ERROR_KINDS:
+        text += f"\nErrors seen by the load generator: {dict(ERROR_KINDS)}."
+    text += f"\nLoad average at the end (other jobs on the box included): {os.getloadavg()[0]:.1f}."
     print(text)
     if args.append_md:
         new = not os.path.exists(args.append_md)

@@ -147,6 +147,18 @@ class CudaGraphRunner:
                             hidden_states=None if out.hidden_states is None else out.hidden_states[:bs])
 
 
+def cuda_graph_batch_sizes(server_args: object, max_running_requests: int) -> list[int]:
+    """The decode batch sizes to capture: ``--cuda-graph-bs`` (or the default list) up to
+    ``min(--cuda-graph-max-bs, max_running_requests)``; the default list also gets that limit itself,
+    so every batch the scheduler can form has a graph.  Empty where nothing fits."""
+    sa = server_args
+    limit = min(sa.cuda_graph_max_bs, int(max_running_requests))  # type: ignore[attr-defined]
+    sizes = [b for b in sa.resolved_cuda_graph_bs if b <= limit]  # type: ignore[attr-defined]
+    if not sa.cuda_graph_bs and limit >= 1 and (not sizes or sizes[-1] < limit):  # type: ignore[attr-defined]
+        sizes.append(limit)
+    return sizes
+
+
 def maybe_create_cuda_graph_runner(model_runner: object) -> Optional[CudaGraphRunner]:
     """The runner's graph runner, or None where graphs are off, impossible or unsupported (logged)."""
     sa = model_runner.server_args  # type: ignore[attr-defined]
@@ -158,11 +170,9 @@ def maybe_create_cuda_graph_runner(model_runner: object) -> Optional[CudaGraphRu
         logger.warning("attention backend %s does not support CUDA graphs: decode runs eagerly",
                        type(backend).__name__)
         return None
-    limit = min(sa.cuda_graph_max_bs, int(getattr(model_runner, "max_running_requests", sa.cuda_graph_max_bs)))
-    sizes = [b for b in sa.resolved_cuda_graph_bs if b <= limit]
-    if not sa.cuda_graph_bs and (not sizes or sizes[-1] < limit):
-        sizes.append(limit)  # the default list must cover every batch the scheduler can form
+    sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests", sa.cuda_graph_max_bs))
     if not sizes:
-        logger.warning("no CUDA-graph batch size <= %d: decode runs eagerly", limit)
+        logger.warning("no CUDA-graph batch size fits --cuda-graph-max-bs / --max-running-requests: "
+                       "decode runs eagerly")
         return None
     return CudaGraphRunner(model_runner, sizes)

@@ -111,6 +111,7 @@ class StopStringMatcher:
         self._held = ""
         self.matched: Optional[str] = None
         self._max_len = max((len(s) for s in self.stops), default=0)
+        self._first_chars = frozenset(s[0] for s in self.stops)
 
     def feed(self, text: str) -> StopMatch:
         if self.matched is not None:
@@ -136,9 +137,17 @@ class StopStringMatcher:
         return out if self.matched is None else ""
 
     def _holdback_len(self, buf: str) -> int:
-        """Length of the longest tail of ``buf`` that is a proper prefix of a stop string."""
-        for n in range(min(len(buf), self._max_len - 1), 0, -1):
-            tail = buf[len(buf) - n:]
+        """Length of the longest tail of ``buf`` that is a proper prefix of a stop string.
+
+        Only tails starting with some stop string's first character are
+        tried, so the usual cost is one scan of the last ``max_len - 1``
+        characters.
+        """
+        start = max(0, len(buf) - (self._max_len - 1))
+        for pos in range(start, len(buf)):
+            if buf[pos] not in self._first_chars:
+                continue
+            tail = buf[pos:]
             if any(s.startswith(tail) for s in self.stops):
-                return n
+                return len(buf) - pos
         return 0

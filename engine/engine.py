@@ -19,8 +19,14 @@ If the scheduler thread dies, every open request gets a finished abort chunk,
 ``is_alive()`` turns False (``/health`` answers 503) and new requests raise
 ``EngineDead``.
 
-``generate_text`` layers the text side on top (incremental detokenizer +
-stop strings) and yields ``TextDelta``s; both HTTP APIs use it.
+``open(reqs)`` admits several requests at once (all or none) and returns
+``RequestHandle``s; ``stream_text(handle)`` / ``generate_text(req)`` layer
+the text side on top (incremental detokenizer + stop strings) and yield
+``TextDelta``s; both HTTP APIs use them.
+
+The scheduler class follows ``--mode`` (``scheduler_class_for_mode``:
+unified ``Scheduler``, ``PrefillScheduler``, ``DecodeScheduler``); they share
+one constructor and the submit / abort / run_forever / get_stats interface.
 """
 
 from __future__ import annotations
@@ -80,12 +86,25 @@ def _finish_kind(reason: Optional[dict]) -> tuple[str, Any, Optional[str]]:
     return "abort", None, str(reason.get("message") or "aborted")
 
 
+def scheduler_class_for_mode(mode: str) -> type:
+    """The scheduler of a worker role (``--mode``); all share ``Scheduler``'s constructor."""
+    if mode == "unified":
+        from kvship.engine.scheduler import Scheduler
+        return Scheduler
+    if mode == "prefill":
+        from kvship.prefill.scheduler import PrefillScheduler
+        return PrefillScheduler
+    if mode == "decode":
+        from kvship.decode.scheduler import DecodeScheduler
+        return DecodeScheduler
+    raise ValueError(f"unknown --mode '{mode}'")
+
+
 class Engine:
     """One worker's model loop plus the asyncio bridge (see module docstring)."""
 
-    def __init__(self, server_args: ServerArgs, *, start: bool = True):
+    def __init__(self, server_args: ServerArgs, *, start: bool = True, scheduler_cls: Optional[type] = None):
         from kvship.engine.model_runner import ModelRunner, resolve_model_path
-        from kvship.engine.scheduler import Scheduler
 
         server_args.validate()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -96,12 +115,14 @@ class Engine:
         self.served_model_name = server_args.served_model_name or self._default_model_name(server_args)
         tok_path = server_args.tokenizer_path or self.model_path
         self.tokenizer: Tokenizer = load_tokenizer(tok_path, trust_remote_code=server_args.trust_remote_code)
+        _ = self.tokenizer.max_chars_per_token  # computed once here, not on the first request
         self.model_runner = ModelRunner(self.server_args)
         self.model_config = self.model_runner.model_config
         self.context_len: int = self.model_runner.context_len
         self.max_total_tokens: int = self.model_runner.max_total_tokens
         self.vocab_size: int = max(self.model_config.vocab_size, 1)
-        self.scheduler = Scheduler(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
+        scheduler_cls = scheduler_cls or scheduler_class_for_mode(server_args.mode)
+        self.scheduler = scheduler_cls(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats)
 
         self._stop_event = threading.Event()
@@ -109,15 +130,20 @@ class Engine:
         self._thread = threading.Thread(target=self._run_scheduler, name="kvship-scheduler", daemon=True)
         self.start_time = time.time()
         if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the scheduler thread (``Engine(..., start=False)`` defers it; idempotent)."""
+        if self._thread.ident is None and not self._stop_event.is_set():
             self._thread.start()
 
     @staticmethod
     def _default_model_name(sa: ServerArgs) -> str:
+        """The embedded model's name, else the model path as given (SGLang's default)."""
         if sa.model_path is None:
             from kvship.engine.embedded import EMBEDDED_MODEL_NAME
             return EMBEDDED_MODEL_NAME
-        path = sa.model_path.rstrip("/")
-        return path
+        return sa.model_path.rstrip("/")
 
     # --- scheduler thread ----------------------------------------------
     def _run_scheduler(self) -> None:
@@ -324,11 +350,15 @@ class Engine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the scheduler thread; open requests get a finished abort chunk."""
+        if self._stop_event.is_set():
+            return
         self._stop_event.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("scheduler thread did not stop within %.0f s", timeout)
+                return
+        logger.info("model loop stopped")
 
 
 class RequestHandle:

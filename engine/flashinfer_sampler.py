@@ -6,9 +6,10 @@ The kernels draw by rejection sampling over the unsorted probabilities (no
 vocab sort) with per-row parameters passed as tensors (``top_k`` int32, the
 form that needs only FlashInfer's ``sampling`` module):
 
-* top-k and/or top-p: ``top_k_top_p_sampling_from_probs`` with
+* top-k and top-p: ``top_k_top_p_sampling_from_probs`` with
   ``filter_apply_order="top_k_first"`` -- top-p over the top-k renormalised
-  mass, the torch sampler's rule;
+  mass, the torch sampler's rule; one of them: ``top_k_sampling_from_probs`` /
+  ``top_p_sampling_from_probs``;
 * min-p (after any top-k / top-p): ``top_k_renorm_probs`` / ``top_p_renorm_probs``
   then ``min_p_sampling_from_probs`` (min-p is relative to the row's largest
   probability, which renormalisation scales like every other entry);
@@ -48,9 +49,13 @@ class FlashInferSampler(TorchSampler):
             if info.need_top_p:
                 probs = fs.top_p_renorm_probs(probs, info.top_ps)
             ids = fs.min_p_sampling_from_probs(probs, info.min_ps, generator=gen)
-        elif info.need_top_k or info.need_top_p:
+        elif info.need_top_k and info.need_top_p:
             ids = fs.top_k_top_p_sampling_from_probs(probs, top_k, info.top_ps, filter_apply_order="top_k_first",
                                                      generator=gen)
+        elif info.need_top_k:  # rows without top-k carry k = vocab, which the kernel treats as "keep all"
+            ids = fs.top_k_sampling_from_probs(probs, top_k, generator=gen)
+        elif info.need_top_p:
+            ids = fs.top_p_sampling_from_probs(probs, info.top_ps, generator=gen)
         else:
             ids = fs.sampling_from_probs(probs, generator=gen)
         return ids.to(torch.int64)

@@ -110,6 +110,8 @@ def parse_json_body(raw: bytes) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body nests JSON too deeply", code="invalid_json") from None
 
 
 def install_exception_handlers(app: FastAPI) -> None:

@@ -27,8 +27,10 @@ OpenAI-style bodies; see ``kvship.engine.http_errors`` for statuses.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from typing import Any, Optional, Type, TypeVar
+from typing import AsyncIterator, Optional, Type, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -40,7 +42,7 @@ from kvship.engine.http_errors import (APIError, BodyGuardMiddleware, bad_reques
                                        install_exception_handlers, parse_json_body)
 from kvship.engine.metrics import CONTENT_TYPE
 from kvship.engine.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
-                                           GenerateReqInput)
+                                           GenerateReqInput, ModelCard, ModelList)
 from kvship.engine.serving import MAX_N
 from kvship.engine.serving_generate import GenerateServing
 from kvship.engine.serving_openai import OpenAIServing
@@ -57,10 +59,24 @@ async def _parse(request: Request, model: Type[M]) -> M:
     return model.model_validate(data)
 
 
-def create_app(engine: Engine, server_args: Optional[ServerArgs] = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; the caller owns the engine's lifetime."""
+def create_app(engine: Engine, server_args: Optional[ServerArgs] = None, *, own_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    The caller owns the engine's lifetime unless ``own_engine`` is set: then
+    the app's lifespan shutdown (SIGINT/SIGTERM under uvicorn, after open
+    connections drain) stops the engine's scheduler thread.
+    """
     sa = server_args or engine.server_args
-    app = FastAPI(title="kvship worker", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if own_engine:
+                await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="kvship worker", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine = engine
     install_exception_handlers(app)
     app.add_middleware(BodyGuardMiddleware, max_bytes=sa.max_request_bytes, api_key=sa.api_key)
@@ -77,13 +93,13 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None) -> Fast
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(engine)]}
+        return ModelList(data=[_model_card(engine)]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
         if model_id not in (engine.served_model_name, engine.model_path):
             raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-        return _model_card(engine)
+        return _model_card(engine).model_dump()
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -117,9 +133,9 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None) -> Fast
     return app
 
 
-def _model_card(engine: Engine) -> dict[str, Any]:
-    return {"id": engine.served_model_name, "object": "model", "created": int(engine.start_time),
-            "owned_by": "kvship", "root": engine.model_path, "max_model_len": engine.context_len}
+def _model_card(engine: Engine) -> ModelCard:
+    return ModelCard(id=engine.served_model_name, created=int(engine.start_time), root=engine.model_path,
+                     max_model_len=engine.context_len)
 
 
 def _rid_family(engine: Engine, rid: str) -> list[str]:
@@ -135,13 +151,13 @@ def launch_server(server_args: ServerArgs) -> int:
 
     engine = Engine(server_args)
     try:
-        app = create_app(engine, server_args)
+        app = create_app(engine, server_args, own_engine=True)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level, access_log=server_args.log_level == "debug",
                                 timeout_keep_alive=30, timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         logger.info("serving %s on http://%s:%d", engine.served_model_name, server_args.host, server_args.port)
-        server.run()
+        server.run()  # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown
         return 0 if server.started else 1
     finally:
         engine.shutdown()

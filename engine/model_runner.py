@@ -88,6 +88,11 @@ class ModelRunner:
                               mc.num_hidden_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self)
+        # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda":
+            from kvship.engine.cuda_graph_runner import maybe_create_cuda_graph_runner
+            self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
         logger.info("model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
                     mc.architecture, mc.num_hidden_layers, self.context_len, self.weight_bytes / 2 ** 20,
                     self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.page_size, self.device)
@@ -140,5 +145,7 @@ class ModelRunner:
             return LogitsOutput(next_token_logits=torch.empty((0, self.model_config.vocab_size),
                                                               dtype=torch.float32, device=self.device))
         with torch.inference_mode():
+            if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+                return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -14,7 +14,9 @@ Rules:
 * Unknown top-level fields are ignored, as OpenAI-compatible servers do;
   unknown keys inside ``/generate``'s ``sampling_params`` are rejected.
 
-Responses are built as these models and serialised with ``model_dump()``.
+Non-streamed responses are built as the response models below and
+serialised with ``model_dump()``; streamed chunks follow the same field
+names (``docs/api.md``) and are written as plain dicts.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     rid: Optional[StrictStr] = None
+    # PD disaggregation (filled in by the router; choice i of n uses room bootstrap_room + i)
+    bootstrap_host: Optional[StrictStr] = None
+    bootstrap_port: Optional[StrictInt] = None
+    bootstrap_room: Optional[StrictInt] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -205,28 +211,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-
-
-class ChatDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Union[int, str, None] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
 class CompletionChoice(BaseModel):

@@ -265,6 +265,10 @@ class Scheduler:
             if req.kv_committed_len + n < len(req.fill_ids):
                 return ScheduleBatch(reqs, ForwardMode.EXTEND)
         n_active = len(self.running) + len(reqs)
+        if (not self.waiting or n_active >= self.max_running or self.req_to_token_pool.available_size() == 0
+                or (budget.rem_memory < self.page_size and self.running)):
+            # nothing more can join (skip ordering the queue, which costs a prefix match per request)
+            return ScheduleBatch(reqs, ForwardMode.EXTEND) if reqs else None
         clip = self.tuning.clip_max_new_tokens
         for req in self.policy.order(self.waiting):
             if n_active >= self.max_running:

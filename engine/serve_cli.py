@@ -44,9 +44,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid settings: %s", e)
         return 2
-    if server_args.mode != "unified":
-        logger.error("--mode %s is not available in this build yet; use --mode unified", server_args.mode)
-        return 2
     from kvship.engine.http_server import launch_server
 
     try:

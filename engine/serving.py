@@ -24,12 +24,14 @@ from starlette.responses import Response
 from kvship.engine.engine import Engine, EngineDead, EngineOverloaded, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.openai_protocol import PromptTokensDetails, UsageInfo
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 128                 # most choices per request (n, batch x n)
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256        # per stop string (stop strings are searched on every step)
 _SEED_MOD = 2 ** 63
 
 T = TypeVar("T")
@@ -58,6 +60,8 @@ def normalize_stop(stop: str | list[str] | None, param: str = "stop") -> list[st
         raise bad_request("stop strings must not be empty", param)
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"a stop string may have at most {MAX_STOP_CHARS} characters", param)
     return stops
 
 
@@ -66,6 +70,14 @@ def check_n(n: int, param: str = "n") -> None:
         raise bad_request("n must be at least 1", param)
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}", param)
+
+
+async def encode_text(engine: Engine, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize off the event loop; a text that cannot fit the context is refused without tokenizing."""
+    if engine.tokenizer.surely_longer_than(text, engine.context_len):
+        raise bad_request(f"the prompt is longer than this model's maximum context length of {engine.context_len} "
+                          f"tokens", param, code="context_length_exceeded")
+    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
 
 
 def check_token_ids(engine: Engine, ids: Sequence[int], param: str) -> None:
@@ -119,7 +131,8 @@ def build_sampling_params(engine: Engine, *, max_new_tokens: int, temperature: O
         max_new_tokens=max_new_tokens,
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
-        top_k=-1 if top_k is None else int(top_k),
+        # a top_k at least the vocabulary size keeps every token: the same as no top-k
+        top_k=-1 if top_k is None or top_k >= engine.vocab_size else int(top_k),
         min_p=0.0 if min_p is None else float(min_p),
         frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
         presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
@@ -141,6 +154,29 @@ def build_sampling_params(engine: Engine, *, max_new_tokens: int, temperature: O
         msg = str(e)
         raise bad_request(msg, param_prefix + msg.split()[0]) from None
     return sp
+
+
+# --------------------------------------------------------------------------- PD roles
+
+_ROOM_MOD = 2 ** 63
+
+
+def choice_room(room: Optional[int], index: int) -> Optional[int]:
+    """PD: the bootstrap room of request ``index`` of a body (choice ``i`` of ``n``, batch item):
+    ``room + index``, computed the same way on the prefill and the decode worker."""
+    return None if room is None else (room + index) % _ROOM_MOD
+
+
+def pd_abort_error(engine: Engine, deltas: Iterable[Optional[TextDelta]]) -> Optional[APIError]:
+    """On a PD worker (``--mode prefill|decode``) an aborted request means the attempt failed (KV
+    transfer failure or timeout, peer gone, corrupted KV): a 503 carrying the reason, so the router
+    can retry on another pair or tell the client.  None in unified mode or when nothing aborted."""
+    if engine.server_args.mode == "unified":
+        return None
+    for d in deltas:
+        if d is not None and d.finished and d.finish_reason == "abort":
+            return APIError(503, d.abort_message or "the request was aborted", code="pd_request_failed")
+    return None
 
 
 # --------------------------------------------------------------------------- running
@@ -341,6 +377,10 @@ def _finite(v: float) -> float:
     return v if v > -1e30 else -9999.0
 
 
+def usage_info(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
 def usage_dict(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return usage_info(prompt, completion, cached).model_dump()

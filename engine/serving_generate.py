@@ -22,7 +22,7 @@ batch, then ``data: [DONE]``.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -34,8 +34,9 @@ from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest
 from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingParams
 from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, EventStreamResponse, build_sampling_params,
-                                   check_max_tokens, check_n, check_prompt_length, check_token_ids, collect,
-                                   merge_streams, new_id, normalize_stop, open_requests, run_until_disconnect, sse)
+                                   check_max_tokens, check_n, check_prompt_length, check_token_ids, choice_room,
+                                   collect, encode_text, merge_streams, new_id, normalize_stop, open_requests,
+                                   pd_abort_error, run_until_disconnect, sse)
 
 
 def _per_item(value: Any, batch: int, name: str, is_list: bool) -> list[Any]:
@@ -127,7 +128,7 @@ class GenerateServing:
                 param = f"text.{i}" if is_batch else "text"
                 if t == "":
                     raise bad_request("the prompt is empty", param, code="empty_prompt")
-                prompts.append((param, await asyncio.to_thread(engine.tokenizer.encode, t)))
+                prompts.append((param, await encode_text(engine, t, param)))
         else:
             ids_in = body.input_ids or []
             is_batch = bool(ids_in) and isinstance(ids_in[0], list)
@@ -152,6 +153,9 @@ class GenerateServing:
         for p in ports:
             if p is not None and not 0 < p < 65536:
                 raise bad_request("bootstrap_port must be in 1..65535", "bootstrap_port")
+        for room in rooms:
+            if room is not None and not 0 <= room < 2 ** 63:
+                raise bad_request("bootstrap_room must be in [0, 2^63)", "bootstrap_room")
 
         reqs: list[GenerateRequest] = []
         outputs: list[_Output] = []
@@ -173,12 +177,14 @@ class GenerateServing:
                 spaces_between_special_tokens=gsp.spaces_between_special_tokens, param_prefix=prefix)
             base = rids[i] or new_id("gen")
             for j in range(gsp.n):
+                # PD: every request of the body gets its own room (per-item rooms: + choice index)
+                room = choice_room(rooms[i], j if isinstance(body.bootstrap_room, list) else len(reqs))
                 rid = base if gsp.n == 1 else f"{base}-{j}"
                 sp_j = sp if gsp.n == 1 or sp.seed is None else _with_seed(sp, sp.seed + j)
                 reqs.append(GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp_j, return_logprob=want_lp[i],
                                             top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
                                             stream=body.stream, bootstrap_host=hosts[i], bootstrap_port=ports[i],
-                                            bootstrap_room=rooms[i], created_time=created))
+                                            bootstrap_room=room, created_time=created))
                 outputs.append(_Output(rid, len(ids), created, want_lp[i], body.top_logprobs_num, gsp.no_stop_trim,
                                        body.return_text_in_logprobs))
         if len(reqs) > MAX_N:
@@ -200,6 +206,9 @@ class GenerateServing:
                 out.add(engine, d)
         if not engine.is_alive() and any(o.last and o.last.finish_reason == "abort" for o in outputs):
             raise APIError(503, engine.failure or "the model loop died", code="engine_dead")
+        pd_err = pd_abort_error(engine, [o.last for o in outputs])
+        if pd_err is not None:
+            raise pd_err
         if many:
             return JSONResponse([o.to_dict() for o in outputs])
         return JSONResponse(outputs[0].to_dict())
@@ -216,11 +225,12 @@ class GenerateServing:
                 yield sse(out.to_dict(i if many else None))
             if not engine.is_alive() and any(o.last and o.last.finish_reason == "abort" for o in outputs):
                 yield sse(APIError(503, engine.failure or "the model loop died", code="engine_dead").body())
+            elif (pd_err := pd_abort_error(engine, [o.last for o in outputs])) is not None:
+                yield sse(pd_err.body())
             yield sse("[DONE]")
         finally:
             await stream.aclose()
 
 
 def _with_seed(sp: Any, seed: int) -> Any:
-    import dataclasses
     return dataclasses.replace(sp, seed=seed)

@@ -27,11 +27,14 @@ from starlette.responses import JSONResponse, Response
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
-from kvship.engine.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvship.engine.openai_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                           ChatLogprobs, ChatResponseMessage, CompletionChoice, CompletionLogprobs,
+                                           CompletionRequest, CompletionResponse)
 from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, EventStreamResponse, build_sampling_params,
                                    chat_logprobs, check_max_tokens, check_model, check_n, check_prompt_length,
-                                   check_token_ids, collect, completion_logprobs, merge_streams, new_id,
-                                   normalize_stop, open_requests, run_until_disconnect, sse, usage_dict)
+                                   check_token_ids, choice_room, collect, completion_logprobs, encode_text,
+                                   merge_streams, new_id, normalize_stop, open_requests, pd_abort_error,
+                                   run_until_disconnect, sse, usage_dict, usage_info)
 from kvship.engine.tokenizer import ChatTemplateError
 
 
@@ -50,7 +53,7 @@ def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
     if any(d.finish_reason == "abort" for d in deltas) and not engine.is_alive():
         msg = next((d.abort_message for d in deltas if d.abort_message), None) or "the model loop died"
         return APIError(503, msg, code="engine_dead")
-    return None
+    return pd_abort_error(engine, deltas)
 
 
 class OpenAIServing:
@@ -82,12 +85,13 @@ class OpenAIServing:
         stops = normalize_stop(body.stop)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = await asyncio.to_thread(
-                engine.tokenizer.encode_chat, messages, add_generation_prompt=body.add_generation_prompt,
+            prompt = await asyncio.to_thread(
+                engine.tokenizer.apply_chat_template, messages, add_generation_prompt=body.add_generation_prompt,
                 tools=body.tools, continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
         max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
         sp = build_sampling_params(
             engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -98,7 +102,9 @@ class OpenAIServing:
         cid = body.rid or new_id("chatcmpl")
         reqs = [GenerateRequest(rid=_rid(cid, i, body.n), input_ids=list(ids), sampling_params=_choice_params(sp, i, body.n),
                                 return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                                stream=body.stream) for i in range(body.n)]
+                                stream=body.stream, bootstrap_host=body.bootstrap_host,
+                                bootstrap_port=body.bootstrap_port, bootstrap_room=choice_room(body.bootstrap_room, i))
+                for i in range(body.n)]
         handles = open_requests(engine, reqs)
         model = body.model or engine.served_model_name
         if body.stream:
@@ -123,12 +129,13 @@ class OpenAIServing:
             last = deltas[-1]
             lp = None
             if body.logprobs:
-                lp = {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]}
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                            "logprobs": lp, "finish_reason": last.finish_reason, "matched_stop": last.matched_stop})
-        usage = usage_dict(len(ids), sum(d.completion_tokens for d in finals), max(d.cached_tokens for d in finals))
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                             "choices": choices, "usage": usage})
+                lp = ChatLogprobs.model_validate(
+                    {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]})
+            choices.append(ChatCompletionChoice(
+                index=i, message=ChatResponseMessage(content="".join(d.text for d in deltas)), logprobs=lp,
+                finish_reason=last.finish_reason, matched_stop=last.matched_stop))
+        usage = usage_info(len(ids), sum(d.completion_tokens for d in finals), max(d.cached_tokens for d in finals))
+        return JSONResponse(ChatCompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
     async def _chat_stream(self, cid: str, model: str, handles: list[RequestHandle], n_prompt: int,
                            include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
@@ -210,7 +217,9 @@ class OpenAIServing:
                 reqs.append(GenerateRequest(rid=_rid(cid, k, total), input_ids=list(ids),
                                             sampling_params=_choice_params(sp_base, j, body.n),
                                             return_logprob=body.logprobs is not None,
-                                            top_logprobs_num=body.logprobs or 0, stream=body.stream))
+                                            top_logprobs_num=body.logprobs or 0, stream=body.stream,
+                                            bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
+                                            bootstrap_room=choice_room(body.bootstrap_room, k)))
         handles = open_requests(engine, reqs)
         model = body.model or engine.served_model_name
         echoes = [text if body.echo else "" for text, _ in prompts for _ in range(body.n)]
@@ -236,12 +245,13 @@ class OpenAIServing:
         for k, deltas in enumerate(results):
             last = deltas[-1]
             lp = completion_logprobs(engine, deltas, len(echoes[k])) if body.logprobs is not None else None
-            choices.append({"index": k, "text": echoes[k] + "".join(d.text for d in deltas), "logprobs": lp,
-                            "finish_reason": last.finish_reason, "matched_stop": last.matched_stop})
+            choices.append(CompletionChoice(
+                index=k, text=echoes[k] + "".join(d.text for d in deltas),
+                logprobs=CompletionLogprobs.model_validate(lp) if lp is not None else None,
+                finish_reason=last.finish_reason, matched_stop=last.matched_stop))
         cached = [max(finals[p * body.n + j].cached_tokens for j in range(body.n)) for p in range(len(prompts))]
-        usage = usage_dict(sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached))
-        return JSONResponse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                             "choices": choices, "usage": usage})
+        usage = usage_info(sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached))
+        return JSONResponse(CompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
     async def _tokenize_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
         """(text, ids) per prompt; token-id prompts are checked against the vocabulary."""
@@ -258,7 +268,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if p == "":
                     raise bad_request("the prompt is empty", param, code="empty_prompt")
-                ids = await asyncio.to_thread(engine.tokenizer.encode, p)
+                ids = await encode_text(engine, p, param)
                 out.append((p, ids))
             else:
                 if not p:

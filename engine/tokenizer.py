@@ -102,6 +102,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any):
         self.hf = hf_tokenizer
+        self._max_piece: Optional[int] = None
         self._byte_level = self._uses_byte_level_decoder()
         self._byte_decoder: Optional[dict[str, int]] = _gpt2_byte_decoder() if self._byte_level else None
 
@@ -134,6 +135,22 @@ class Tokenizer:
                 return True
             return any(has_byte_level(x) for x in d.get("decoders", []) or [] if isinstance(x, dict))
         return has_byte_level(dec)
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """Upper bound on the characters one token covers (longest vocabulary piece)."""
+        if self._max_piece is None:
+            pieces = self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+            self._max_piece = max((len(p) for p in pieces if p), default=1)
+        return self._max_piece
+
+    def surely_longer_than(self, text: str, n_tokens: int) -> bool:
+        """True when ``text`` must encode to more than ``n_tokens`` tokens (checked without encoding).
+
+        Lets the server refuse a huge prompt before spending seconds tokenizing
+        it; the factor 2 leaves room for normalizers that change the length.
+        """
+        return len(text) > 2 * self.max_chars_per_token * (n_tokens + 1)
 
     # --- encode / decode ------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

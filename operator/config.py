@@ -22,7 +22,7 @@ class OperatorConfig:
 
     kubeconfig: Optional[str] = opt(None, "kubeconfig file (default: in-cluster service account, then "
                                           "$KUBECONFIG / ~/.kube/config)")
-    namespace: list[str] = opt([], "Watch only these namespaces (repeatable); default: all namespaces", nargs="+")
+    namespace: list[str] = opt([], "Watch only these namespaces (one or more after the flag); default: all namespaces", nargs="+")
     all_namespaces: bool = opt(False, "Watch InferenceServices in every namespace (the default without --namespace)")
     worker_image: str = opt(DEFAULT_WORKER_IMAGE, "Worker image when spec.engine.image is not set")
     router_image: str = opt(DEFAULT_ROUTER_IMAGE, "Router image when spec.router.image is not set")

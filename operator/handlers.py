@@ -1,31 +1,37 @@
 """Layer 4: thin kopf handlers.  ``register(registry, config)`` adds them to a kopf registry.
 
 * startup: kopf settings (progress in ``kvship.io/*`` annotations, no status
-  storage, events only for warnings and our own notes, watch timeouts) and the
-  API client; login with the operator's own credentials.
-* create / update / resume of an InferenceService, and a resync timer: one
+  storage, events only for our own notes, watch timeouts), the API client and
+  the resync loop; login with the operator's own credentials.
+* create / update / resume of an InferenceService: one
   :func:`~kvship.operator.controller.reconcile` pass.  An invalid spec is
   reported (``Valid=False`` condition + Warning event) and *not* retried; a
   failed apply is retried with backoff.
+* a resync loop (started at startup, not a kopf timer: kopf puts a finalizer
+  on every object that has a timer) reconciles every InferenceService each
+  ``--resync-interval`` seconds: drifted children are re-applied, status refreshed.
 * events of the Deployments the operator manages: refresh the owner's status.
 * no delete handler and no finalizer: children carry owner references, so the
-  garbage collector removes them with the InferenceService.
+  garbage collector removes them with the InferenceService, and uninstalling
+  the operator never leaves objects stuck in deletion.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import kopf
 
 from kvship.operator.builders import MANAGED_BY, Images
 from kvship.operator.config import OperatorConfig
 from kvship.operator.controller import reconcile, refresh_status
-from kvship.operator.kube import KubeClient, connection_info, load_auth
+from kvship.operator.kube import KubeApiError, KubeClient, connection_info, load_auth
 
 RESOURCE = ("kvship.io", "v1alpha1", "inferenceservices")
 RETRY_DELAY = 20.0
+log = logging.getLogger(__name__)
 
 
 def _images(config: OperatorConfig) -> Images:
@@ -41,16 +47,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvship.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="kvship.io", key="last-handled-configuration")
-        settings.persistence.finalizer = "kvship.io/finalizer"
-        settings.posting.level = logging.WARNING
+        settings.persistence.finalizer = "kvship.io/finalizer"  # named, but no handler here needs one
+        # Events: only the explicit notes below (Applied, InvalidSpec, ApplyFailed), not every log line.
+        settings.posting.level = logging.INFO
+        settings.posting.loggers = False
         settings.watching.server_timeout = config.watch_timeout
         settings.watching.client_timeout = config.watch_timeout + 30
         settings.watching.connect_timeout = 30
         settings.networking.request_timeout = 60
         memo.client = KubeClient(lambda: load_auth(config.kubeconfig))
+        memo.resync = asyncio.create_task(resync_loop(memo.client, config, images), name="kvship-resync")
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
+        task: Optional[asyncio.Task] = getattr(memo, "resync", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         client = getattr(memo, "client", None)
         if client is not None:
             await client.aclose()
@@ -79,17 +92,35 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             kopf.warn(body, reason="ApplyFailed", message=message[:1000])
             raise kopf.TemporaryError(message, delay=RETRY_DELAY)
 
-    @kopf.timer(*RESOURCE, interval=config.resync_interval, initial_delay=config.resync_interval,
-                registry=registry)
-    async def resync(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-        outcome = await reconcile(memo.client, dict(body), images)
-        if outcome.applied.changed:
-            logger.info("resync corrected drift: created %s, patched %s, deleted %s", outcome.applied.created,
-                        outcome.applied.patched, outcome.applied.deleted)
-
     @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                    registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == "InferenceService" and ref.get("controller"):
                 await refresh_status(memo.client, body["metadata"]["namespace"], ref["name"])
+
+
+async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images) -> None:
+    """Every ``resync_interval`` seconds, reconcile each InferenceService the operator watches."""
+    namespaces: list[Optional[str]] = [None] if config.clusterwide else list(config.namespace)
+    while True:
+        await asyncio.sleep(config.resync_interval)
+        for ns in namespaces:
+            try:
+                bodies = await client.list("kvship.io/v1alpha1", "InferenceService", ns)
+            except (KubeApiError, OSError) as e:
+                log.warning("resync: listing InferenceServices in %s failed: %s", ns or "all namespaces", e)
+                continue
+            for body in bodies:
+                if body["metadata"].get("deletionTimestamp"):
+                    continue
+                try:
+                    outcome = await reconcile(client, body, images)
+                except Exception as e:  # keep the loop alive; the next pass retries
+                    log.warning("resync of %s/%s failed: %s", body["metadata"].get("namespace"),
+                                body["metadata"]["name"], e)
+                    continue
+                if outcome.applied.changed:
+                    log.info("resync of %s/%s corrected drift: created %s, patched %s, deleted %s",
+                             body["metadata"].get("namespace"), body["metadata"]["name"], outcome.applied.created,
+                             outcome.applied.patched, outcome.applied.deleted)

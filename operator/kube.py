@@ -103,7 +103,7 @@ def resource_path(api_version: str, kind: str, namespace: Optional[str], name: O
     except KeyError:
         raise ValueError(f"the operator does not manage {api_version} {kind}") from None
     base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
-    if namespaced:
+    if namespaced and namespace is not None:  # namespace None: a list across all namespaces
         base += f"/namespaces/{namespace}"
     path = f"{base}/{plural}"
     if name:

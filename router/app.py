@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -35,6 +36,8 @@ from kvship.router.wire import (PROXY_ROUTES, RequestError, RoutingRequest, erro
 from kvship.router.worker import RegistrationError
 
 logger = logging.getLogger(__name__)
+
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # anything else is replaced by a fresh id
 
 
 def _error(status: int, message: str, code: str, headers: Optional[dict[str, str]] = None) -> Response:
@@ -95,7 +98,9 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         return h
 
     async def proxied(request: Request) -> Response:
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request_id = request.headers.get("x-request-id", "")
+        if not _REQUEST_ID_OK.fullmatch(request_id):
+            request_id = new_request_id()
         route = request.url.path
         ctx = RequestContext(router, request_id, route, {})
         denied = unauthorized(request)

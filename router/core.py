@@ -110,7 +110,8 @@ class Router:
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.config.request_timeout)),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"), trust_env=False)
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"), trust_env=False,
+            cookie_jar=aiohttp.DummyCookieJar())
         self.registry.attach(self.client)
         static = [(u, "unified") for u in self.config.worker_urls]
         static += [(u, "prefill") for u in self.config.prefill] + [(u, "decode") for u in self.config.decode]
@@ -135,13 +136,6 @@ class Router:
             await asyncio.wait(self.background, timeout=self.config.shutdown_timeout)
         if self.client is not None:
             await self.client.close()
-
-    def spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` in the background, keeping a reference until it ends."""
-        task = asyncio.create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
 
     # -- membership (admin API) -----------------------------------------
     async def add_worker(self, url: str, role: str) -> Worker:

@@ -26,10 +26,10 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 import aiohttp
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvship.router.circuit import STATE_CODE
 from kvship.router.core import NoWorker, Router
@@ -196,57 +196,71 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-class RelayResponse(StreamingResponse):
-    """Streams an ``Upstream`` to the client chunk by chunk; releases the worker however it ends."""
+class RelayResponse(Response):
+    """Streams an ``Upstream`` to the client chunk by chunk; releases the worker however it ends.
+
+    A plain ASGI loop (read a chunk from the worker, send it) plus one small task
+    watching for the client's ``http.disconnect``: when the client goes, the worker
+    connection is closed at once, which ends the loop and tells the worker.
+    """
 
     def __init__(self, ctx: RequestContext, up: Upstream, headers: dict[str, str]):
+        super().__init__(status_code=up.status, headers=headers)
+        del self.headers["content-length"]  # set by Response for its empty body; streams are chunked
         self.ctx = ctx
         self.up = up
-        self.outcome: Optional[tuple[bool, str]] = None
-        super().__init__(self._chunks(), status_code=up.status, headers=headers)
+        self.client_gone = False
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        up, deadline = self.up, self.ctx.deadline
-        if not up.first:
-            self.outcome = (True, "")
-            return
-        yield up.first
-        assert up.response is not None
-        content = up.response.content
+    async def _watch_disconnect(self, receive) -> None:
         while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    chunk = await content.readany()
-            except aiohttp.ClientError as e:
-                self.outcome = (False, "stream_broken: " + _describe(e))
-                logger.warning("request %s: stream from %s broke: %s", self.ctx.request_id, up.worker.url,
-                               _describe(e))
-                yield _sse_error(f"worker failed mid-stream: {_describe(e)}", "worker_failed")
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.client_gone = True
+                if self.up.response is not None:
+                    self.up.response.close()
                 return
-            except TimeoutError:
-                self.outcome = (True, "")
-                logger.warning("request %s: stream from %s passed --request-timeout", self.ctx.request_id,
-                               up.worker.url)
-                yield _sse_error("request timed out (--request-timeout)", "timeout")
-                return
-            if not chunk:
-                self.outcome = (True, "")
-                return
-            yield chunk
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        up, ctx = self.up, self.ctx
+        resp = up.response
+        assert resp is not None
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        ok, reason, clean_end = True, "", False
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            chunk = up.first
+            content = resp.content
+            while chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                try:
+                    async with asyncio.timeout_at(ctx.deadline):
+                        chunk = await content.readany()
+                except aiohttp.ClientError as e:
+                    if self.client_gone:
+                        break
+                    ok, reason = False, "stream_broken: " + _describe(e)
+                    logger.warning("request %s: stream from %s broke: %s", ctx.request_id, up.worker.url,
+                                   _describe(e))
+                    chunk = b""
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": _sse_error(f"worker failed mid-stream: {_describe(e)}", "worker_failed")})
+                except TimeoutError:
+                    logger.warning("request %s: stream from %s passed --request-timeout", ctx.request_id,
+                                   up.worker.url)
+                    chunk = b""
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": _sse_error("request timed out (--request-timeout)", "timeout")})
+            else:
+                clean_end = ok and content.at_eof()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            resp = self.up.response
-            if resp is not None:
-                if self.outcome is not None and self.outcome[0] and resp.content.at_eof():
-                    resp.release()  # read to the end: the connection goes back to the pool
-                else:
-                    resp.close()
-            ok, reason = self.outcome if self.outcome is not None else (True, "")  # None: client went away
-            self.up.lease.finish(ok, reason)
-            self.ctx.finish(self.up.status, self.up.worker.url)
+            watcher.cancel()
+            if clean_end:
+                resp.release()   # read to the end: the connection goes back to the pool
+            else:
+                resp.close()
+            up.lease.finish(ok, reason)
+            ctx.finish(self.status_code, up.worker.url)
 
 
 def _response_headers(ctx: RequestContext, up: Upstream) -> dict[str, str]:

@@ -66,24 +66,32 @@ class WorkerInfo:
         """Combine ``/get_model_info``, ``/get_server_info`` and ``/v1/models`` replies.
 
         Model ids come from ``/v1/models`` when it lists any, else from
-        ``served_model_name`` / ``model_path``.  Unknown fields are ignored.
+        ``served_model_name`` / ``model_path``.  ``mode`` and
+        ``disaggregation_bootstrap_port`` are read from the top level of the
+        server info or from its ``server_args`` object (kvship workers nest
+        their flags there).  Unknown fields are ignored.
         """
+        args = server_info.get("server_args") if isinstance(server_info.get("server_args"), dict) else {}
+
+        def field_of(name: str) -> Any:
+            value = server_info.get(name)
+            return value if value is not None else args.get(name)
+
         ids: list[str] = []
         if isinstance(models_list, dict):
             for entry in models_list.get("data") or []:
                 if isinstance(entry, dict) and isinstance(entry.get("id"), str):
                     ids.append(entry["id"])
         if not ids:
-            for src in (server_info, model_info):
-                name = src.get("served_model_name") or None
-                if isinstance(name, str):
+            for name in (field_of("served_model_name"), model_info.get("served_model_name")):
+                if isinstance(name, str) and name:
                     ids.append(name)
                     break
-        model_path = model_info.get("model_path") or server_info.get("model_path")
+        model_path = model_info.get("model_path") or field_of("model_path")
         if not ids and isinstance(model_path, str):
             ids.append(model_path)
-        port = server_info.get("disaggregation_bootstrap_port")
-        mode = server_info.get("mode") or server_info.get("disaggregation_mode") or "unified"
+        port = field_of("disaggregation_bootstrap_port")
+        mode = field_of("mode") or field_of("disaggregation_mode") or "unified"
         return cls(models=tuple(dict.fromkeys(ids)), mode=str(mode),
                    bootstrap_port=int(port) if isinstance(port, (int, str)) and str(port).isdigit() else None,
                    model_path=model_path if isinstance(model_path, str) else None,

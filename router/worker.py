@@ -152,6 +152,8 @@ class WorkerRegistry:
         self._workers[url] = worker
         self._publish(worker)
         ok = await self.load_info(worker)
+        if self._workers.get(url) is not worker:   # removed while we read its info
+            return worker
         if ok:
             self._mark_healthy(worker, "registered")
         elif require_reachable:

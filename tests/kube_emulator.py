@@ -53,9 +53,9 @@ import aiohttp.web
 import kmock
 from kmock._internal import rendering
 
-from kube_emulator_api import (ApiError, apply_json_patch, discovery_entry, gv_of, human_age, merge_patch,
-                               parse_path, schema_defaults_prune, select_fields, select_labels, status_body,
-                               table_for, validate_schema)
+from kube_emulator_api import (ApiError, apply_json_patch, as_scale, discovery_entry, find_tool, gv_of, human_age,
+                               merge_patch, openapi_document, parse_path, schema_defaults_prune, select_fields,
+                               select_labels, status_body, table_for, validate_schema)
 
 KEEP_EVENTS = 100_000
 
@@ -137,6 +137,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if info.namespaced is False and t.namespace is not None:
             raise ApiError(404, "NotFound", f"{t.plural} is not namespaced")
         q = request.params
+        if t.subresource == "scale" and t.name:
+            return await self._scale(t, method, request.data, request.headers.get("Content-Type", ""))
         if method == "GET" and q.get("watch") in ("true", "1"):
             return self._watch(t, q)
         if method == "GET" and t.name is None:
@@ -205,38 +207,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "resources": entries}
 
     def _openapi(self, path: str) -> Any:
-        if path.rstrip("/") == "/openapi/v3":
-            paths = {}
-            for (g, _), crd in self._crds.items():
-                for v in crd["spec"]["versions"]:
-                    paths[f"apis/{g}/{v['name']}"] = {"serverRelativeURL": f"/openapi/v3/apis/{g}/{v['name']}"}
-            return {"paths": paths}
-        parts = path.strip("/").split("/")  # openapi v3 apis G V
-        if len(parts) == 5 and parts[2] == "apis":
-            g, v = parts[3], parts[4]
-            schemas, paths = {}, {}
-            for (cg, plural), crd in self._crds.items():
-                if cg != g:
-                    continue
-                names = crd["spec"]["names"]
-                for ver in crd["spec"]["versions"]:
-                    if ver["name"] != v:
-                        continue
-                    rev = ".".join(reversed(g.split(".")))
-                    sch = copy.deepcopy(ver["schema"]["openAPIV3Schema"])
-                    gvk = {"group": g, "version": v, "kind": names["kind"]}
-                    sch["x-kubernetes-group-version-kind"] = [gvk]
-                    ref = f"{rev}.{v}.{names['kind']}"
-                    schemas[ref] = sch
-                    ns = "/namespaces/{namespace}" if crd["spec"].get("scope", "Namespaced") == "Namespaced" else ""
-                    get = {"x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk,
-                           "responses": {"200": {"description": "OK", "content": {"application/json": {
-                               "schema": {"$ref": f"#/components/schemas/{ref}"}}}}}}
-                    paths[f"/apis/{g}/{v}{ns}/{plural}/{{name}}"] = {"get": get}
-            if schemas:
-                return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.35.0"}, "paths": paths,
-                        "components": {"schemas": schemas}}
-        raise ApiError(404, "NotFound", f"no OpenAPI document at {path}")
+        doc = openapi_document(self._crds, path)
+        if doc is None:
+            raise ApiError(404, "NotFound", f"no OpenAPI document at {path}")
+        return doc
 
     # ------------------------------------------------------------ storage helpers
     def _cond(self) -> asyncio.Condition:
@@ -513,6 +487,23 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
         return self._commit(t, old, new, t.subresource)
 
+    async def _scale(self, t, method: str, body: Any, content_type: str) -> dict:
+        """The ``/scale`` subresource (autoscaling/v1 Scale), as kubectl scale and HPAs use it."""
+        whole = type(t)(t.group, t.version, t.plural, t.namespace, t.name, None)
+        old = self._get(whole)
+        if method == "GET":
+            return as_scale(old)
+        if method == "PUT":
+            scale = body
+        elif method == "PATCH":
+            scale = apply_json_patch(as_scale(old), body) if "json-patch" in content_type else merge_patch(as_scale(old), body)
+        else:
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on /scale")
+        replicas = ((scale or {}).get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or replicas < 0:
+            raise ApiError(422, "Invalid", "spec.replicas must be a non-negative integer")
+        return as_scale(self._commit(whole, old, merge_patch(old, {"spec": {"replicas": replicas}}), None))
+
     async def _delete(self, t, propagation: Optional[str]) -> dict:
         obj = self._get(t)
         meta = obj["metadata"]
@@ -565,18 +556,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
                             self._record(group, plural, "MODIFIED", obj, old)
                     else:
                         self._remove(group, plural, key, obj)
-
-
-def find_tool(name: str) -> Optional[str]:
-    """``kubectl`` / ``helm`` from .tools/bin (installed by .ci/install-k8s-tools.sh) or PATH."""
-    import shutil
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".tools", "bin", name)
-    if os.path.isfile(here) and os.access(here, os.X_OK):
-        return here
-    found = shutil.which(name)
-    if found and name == "kubectl" and "google-cloud-sdk" in os.path.realpath(found):
-        return None  # gcloud's dispatcher shim, not a plain kubectl
-    return found
 
 
 def _now() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -334,3 +335,63 @@ def table_for(emulator: Any, t: Target, items: list[dict], rv: int) -> dict:
                                                 "metadata": meta}})
     return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(rv)},
             "columnDefinitions": columns, "rows": rows}
+
+
+# ---------------------------------------------------------------- OpenAPI v3 (kubectl explain)
+def openapi_document(crds: dict, path: str) -> Optional[dict]:
+    """``/openapi/v3`` (index) or ``/openapi/v3/apis/G/V`` built from the CRDs; ``None`` when unknown."""
+    if path.rstrip("/") == "/openapi/v3":
+        paths = {}
+        for (g, _), crd in crds.items():
+            for v in crd["spec"]["versions"]:
+                paths[f"apis/{g}/{v['name']}"] = {"serverRelativeURL": f"/openapi/v3/apis/{g}/{v['name']}"}
+        return {"paths": paths}
+    parts = path.strip("/").split("/")  # openapi v3 apis G V
+    if len(parts) == 5 and parts[2] == "apis":
+        g, v = parts[3], parts[4]
+        schemas, paths = {}, {}
+        for (cg, plural), crd in crds.items():
+            if cg != g:
+                continue
+            names = crd["spec"]["names"]
+            for ver in crd["spec"]["versions"]:
+                if ver["name"] != v:
+                    continue
+                rev = ".".join(reversed(g.split(".")))
+                sch = copy.deepcopy(ver["schema"]["openAPIV3Schema"])
+                gvk = {"group": g, "version": v, "kind": names["kind"]}
+                sch["x-kubernetes-group-version-kind"] = [gvk]
+                ref = f"{rev}.{v}.{names['kind']}"
+                schemas[ref] = sch
+                ns = "/namespaces/{namespace}" if crd["spec"].get("scope", "Namespaced") == "Namespaced" else ""
+                get = {"x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk,
+                       "responses": {"200": {"description": "OK", "content": {"application/json": {
+                           "schema": {"$ref": f"#/components/schemas/{ref}"}}}}}}
+                paths[f"/apis/{g}/{v}{ns}/{plural}/{{name}}"] = {"get": get}
+        if schemas:
+            return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.35.0"}, "paths": paths,
+                    "components": {"schemas": schemas}}
+    return None
+
+
+def as_scale(obj: dict) -> dict:
+    """An autoscaling/v1 Scale view of a Deployment-like object (the ``/scale`` subresource)."""
+    sel = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {k: obj["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                                         "creationTimestamp") if k in obj["metadata"]},
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+            "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
+                       "selector": ",".join(f"{k}={v}" for k, v in sorted(sel.items()))}}
+
+
+def find_tool(name: str) -> Optional[str]:
+    """``kubectl`` / ``helm`` from .tools/bin (installed by .ci/install-k8s-tools.sh) or PATH."""
+    import shutil
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".tools", "bin", name)
+    if os.path.isfile(here) and os.access(here, os.X_OK):
+        return here
+    found = shutil.which(name)
+    if found and name == "kubectl" and "google-cloud-sdk" in os.path.realpath(found):
+        return None  # gcloud's dispatcher shim, not a plain kubectl
+    return found

@@ -8,9 +8,10 @@ in-process app (``create_app`` + httpx's ASGI transport).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
+import signal
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -31,6 +32,10 @@ def server(tiny_llama_dir) -> ServerHandle:
     with start_server(["--model-path", tiny_llama_dir, "--served-model-name", "tiny", "--context-length",
                        str(CONTEXT), "--max-request-bytes", str(MAX_BODY), "--max-total-tokens", "4096"]) as srv:
         yield srv
+        # after all the bad input, SIGTERM still shuts the server down cleanly
+        assert srv.stop() in (0, -signal.SIGTERM), srv.log_tail()  # uvicorn re-raises SIGTERM after shutdown
+        log = open(srv.log_path).read()
+        assert "model loop stopped" in log and "Traceback" not in log, log[-3000:]
 
 
 def chat(**kw):
@@ -49,6 +54,7 @@ def gen(**sp):
 CASES = [
     ("malformed_json", "POST", CHAT, b'{"model": "tiny", "messages": [', 400, None),
     ("empty_body", "POST", CHAT, b"", 400, None),
+    ("deeply_nested_json", "POST", COMP, b"[" * 20000 + b"]" * 20000, 400, None),
     ("json_array_body", "POST", CHAT, b"[1, 2]", 400, None),
     ("invalid_utf8_body", "POST", COMP, b'{"prompt": "\xff\xfe"}', 400, None),
     ("missing_messages", "POST", CHAT, {"model": "tiny"}, 422, "messages"),
@@ -66,6 +72,10 @@ CASES = [
     ("prompt_plus_max_tokens_over_context", "POST", COMP, comp(prompt=[5] * 200, max_tokens=100), 400,
      "max_tokens"),
     ("prompt_longer_than_context", "POST", COMP, comp(prompt=[5] * CONTEXT), 400, "prompt"),
+    ("text_prompt_longer_than_context", "POST", COMP, comp(prompt="fox " * 300), 400, "prompt"),
+    ("huge_text_prompt_refused_untokenized", "POST", GEN, {"text": "x" * 60000}, 400, "text"),
+    ("chat_longer_than_context", "POST", CHAT, chat(messages=[{"role": "user", "content": "fox " * 300}]), 400,
+     "messages"),
     ("max_tokens_wrong_type", "POST", COMP, comp(max_tokens="many"), 422, "max_tokens"),
     ("negative_temperature", "POST", CHAT, chat(temperature=-0.5), 400, "temperature"),
     ("temperature_not_a_number", "POST", CHAT, chat(temperature="hot"), 422, "temperature"),
@@ -92,6 +102,7 @@ CASES = [
     ("stream_not_bool", "POST", COMP, comp(stream="yes"), 422, "stream"),
     ("empty_stop_string", "POST", COMP, comp(stop=["ok", ""]), 400, "stop"),
     ("too_many_stop_strings", "POST", COMP, comp(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("stop_string_too_long", "POST", COMP, comp(stop="x" * 1000), 400, "stop"),
     ("stop_token_id_out_of_vocab", "POST", COMP, comp(stop_token_ids=[100000]), 400, "stop_token_ids"),
     ("seed_not_int", "POST", COMP, comp(seed="abc"), 422, "seed"),
     ("logit_bias_unsupported", "POST", CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias"),
@@ -111,6 +122,7 @@ CASES = [
     ("generate_ids_out_of_vocab", "POST", GEN, {"input_ids": [1, 384]}, 400, "input_ids"),
     ("generate_bad_top_p", "POST", GEN, gen(top_p=0), 400, "sampling_params.top_p"),
     ("generate_bad_bootstrap_port", "POST", GEN, {**gen(), "bootstrap_port": 70000}, 400, "bootstrap_port"),
+    ("generate_negative_bootstrap_room", "POST", GEN, {**gen(), "bootstrap_room": -1}, 400, "bootstrap_room"),
     ("abort_without_rid", "POST", "/abort_request", {}, 422, "rid"),
     ("unknown_route", "POST", "/v1/nothing", {}, 404, None),
     ("unknown_model_card", "GET", "/v1/models/other", None, 404, "model"),
@@ -155,6 +167,14 @@ def test_bad_input_gets_4xx_error_body_and_server_keeps_answering(server, case):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
 
 
+def test_extreme_but_valid_numbers_are_served(server):
+    r = server.post(COMP, json=comp(top_k=10 ** 30, seed=-(10 ** 30), max_tokens=2))
+    assert r.status_code == 200, r.text
+    r = server.post(COMP, json=comp(top_k=10 ** 30, max_tokens=2, temperature=0))
+    g = server.post(COMP, json=comp(max_tokens=2, temperature=0))
+    assert r.json()["choices"][0]["text"] == g.json()["choices"][0]["text"]
+
+
 def test_oversize_chunked_body_without_content_length_is_rejected(server):
     def body():
         for _ in range(MAX_BODY // 1024 + 2):
@@ -179,6 +199,22 @@ def test_errors_leave_no_request_or_slot_behind(server):
     assert info["running"] == 0 and info["waiting"] == 0 and info["active_requests"] == 0
     assert info["free_slots"] == info["total_slots"]
     assert server.alive()
+
+
+def test_invalid_settings_exit_with_code_2():
+    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "serve", "--page-size", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--page-size must be >= 1" in out.stderr
+
+
+def test_missing_model_exits_with_code_1_and_says_why(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "serve", "--model-path", missing],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "cannot start the server" in out.stderr and missing in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------ in-process app

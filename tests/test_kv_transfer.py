@@ -25,11 +25,12 @@ from kvship.engine.disagg.base import BackendUnavailableError, get_transfer_back
 
 BACKENDS = ["tcp", "mooncake", "nixl"]
 SMALL = dict(num_slots=512, num_kv_heads=2, head_dim=16, num_layers=3, dtype="float32")
+BIG = dict(num_slots=4096, num_kv_heads=4, head_dim=64, num_layers=3, dtype="float32")   # "_big" managers
 # managers each process hosts: name -> (role, page size, config overrides, fill seed)
 PREFILL_MANAGERS = {"p1": (1, {}, 11), "p16": (16, {}, 12), "p16_corrupt": (16, {"debug_corrupt_kv_every": 1}, 12),
-                    "p16_short": (16, {"bootstrap_timeout": 1.0}, 12)}
+                    "p16_short": (16, {"bootstrap_timeout": 1.0}, 12), "p16_big": (16, {}, 13)}
 DECODE_MANAGERS = {"d1": (1, {}), "d16": (16, {}), "d16_checksum": (16, {"checksum": True}),
-                   "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0})}
+                   "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0}), "d16_big": (16, {})}
 
 os.environ.setdefault("UCX_MODULES", "^ib")   # Debian's ibverbs-providers makes UCX crash at exit
 
@@ -43,9 +44,9 @@ def fill_pool(pool, seed: int) -> None:
         buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
 
 
-def make_pool(page_size: int):
+def make_pool(page_size: int, big: bool = False):
     from kvship.engine.mem.pools import KVPool
-    kw = dict(SMALL)
+    kw = dict(BIG if big else SMALL)
     return KVPool(kw["num_slots"], page_size, getattr(torch, kw["dtype"]), kw["num_kv_heads"], kw["head_dim"],
                   kw["num_layers"], "cpu")
 
@@ -53,7 +54,7 @@ def make_pool(page_size: int):
 def _peer_main(conn, role: str, backend: str, names) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING)
-    from kvship.engine.disagg.base import KVPoll, KVTransferConfig, AuxInfo, create_kv_manager
+    from kvship.engine.disagg.base import AuxInfo, KVTransferConfig, create_kv_manager
 
     mgrs, pools, objs, expected = {}, {}, {}, {}
     specs = PREFILL_MANAGERS if role == "prefill" else DECODE_MANAGERS
@@ -62,7 +63,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             if names is not None and name not in names:
                 continue
             ps, overrides = spec[0], spec[1]
-            pool = make_pool(ps)
+            pool = make_pool(ps, big=name.endswith("_big"))
             if role == "prefill":
                 fill_pool(pool, spec[2])
             pools[name] = pool
@@ -74,15 +75,15 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         return
     conn.send(("ok", {n: getattr(m, "bootstrap_port", None) for n, m in mgrs.items()}))
 
-    def expected_pool(ps, seed):
-        if (ps, seed) not in expected:
-            expected[(ps, seed)] = make_pool(ps)
-            fill_pool(expected[(ps, seed)], seed)
-        return expected[(ps, seed)]
+    def expected_pool(ps, seed, big):
+        if (ps, seed, big) not in expected:
+            expected[(ps, seed, big)] = make_pool(ps, big)
+            fill_pool(expected[(ps, seed, big)], seed)
+        return expected[(ps, seed, big)]
 
     def pages_match(mgr, dst_pages, src_seed, src_pages):
         pool = pools[mgr]
-        ref = expected_pool(pool.page_size, src_seed)
+        ref = expected_pool(pool.page_size, src_seed, mgr.endswith("_big"))
         ps = pool.page_size
         for got, want in zip(pool.buffers(), ref.buffers()):
             for d, s in zip(dst_pages, src_pages):
@@ -113,17 +114,27 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
                                                                     aux.prompt_len, aux.room)
 
     def wait_checking_order(mgr, room, timeout, src_seed, src_pages):
-        """Poll; the first time the aux record is visible in decode memory, the KV must already be complete."""
+        """Poll; the moment the aux record is visible in decode memory, snapshot the first and last
+        K/V buffers' destination pages (cheap), and check afterwards that they were already complete."""
         o, m = objs[room], mgrs[mgr]
+        pool = pools[mgr]
+        ps = pool.page_size
+        rows = lambda pages: torch.tensor([p * ps + i for p in pages for i in range(ps)])  # noqa: E731
         deadline = time.monotonic() + timeout
-        early = None
+        snap = None
         while time.monotonic() < deadline:
             slot = o.aux_slot
-            if early is None and slot is not None and bytes(m.aux_buffer[slot, :4].numpy()) == b"KVAX":
-                early = pages_match(mgr, o.pages.tolist(), src_seed, src_pages)
+            if snap is None and slot is not None and bytes(m.aux_buffer[slot, :4].numpy()) == b"KVAX":
+                r = rows(o.pages.tolist())
+                snap = [pool.buffers()[i].index_select(0, r) for i in (0, -1)]
             if o.poll().is_terminal:
                 break
-            time.sleep(0.0005)
+            time.sleep(0.0002)
+        early = None
+        if snap is not None:
+            ref = expected_pool(ps, src_seed, mgr.endswith("_big"))
+            early = all(torch.equal(got, ref.buffers()[i].index_select(0, rows(src_pages)))
+                        for got, i in zip(snap, (0, -1)))
         return poll(room), early
 
     def stats(mgr):
@@ -265,7 +276,7 @@ def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
     p, d = pair
     pm, dm = f"p{page_size}", f"d{page_size}"
     n_pages = 512 // page_size
-    src = list(range(3, 3 + n_pages // 4)) + [n_pages, 1]             # one long run + stragglers
+    src = list(range(3, 3 + n_pages // 2)) + [n_pages, 1]             # one long run + stragglers
     block = list(range(n_pages - 9, n_pages - 5))                      # 4 contiguous destination pages ...
     others = [int(x) for x in np.random.default_rng(page_size).permutation(np.arange(1, n_pages + 1))
               if x not in block]
@@ -283,19 +294,19 @@ def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
 
 def test_aux_record_only_becomes_visible_after_the_kv(pair):
     p, d = pair
-    src = list(range(1, 31))
-    dst = list(range(31, 1, -1))          # reversed: one descriptor per page and buffer
-    d("zero", "d16")
+    src = list(range(1, 121))                 # 120 pages x 6 buffers x 16 KiB = 11 MiB
+    dst = list(range(250, 130, -1))           # reversed: one descriptor per page and buffer
+    d("zero", "d16_big")
     room = new_room()
-    d("receiver", "d16", p.ports["p16"], room)
-    p("sender", "p16", room)
+    d("receiver", "d16_big", p.ports["p16_big"], room)
+    p("sender", "p16_big", room)
     d("init", room, dst)
-    p("send", room, src, (1, 0.0, 480))
-    (st, reason, _), early = d("wait_checking_order", "d16", room, 30, PREFILL_MANAGERS["p16"][2], src)
+    p("send", room, src, (1, 0.0, 1920))
+    (st, reason, _), early = d("wait_checking_order", "d16_big", room, 30, PREFILL_MANAGERS["p16_big"][2], src)
     assert st == SUCCESS, reason
     assert early is not False, "the aux record was visible before all KV pages had landed"
-    assert d("pages_match", "d16", dst, PREFILL_MANAGERS["p16"][2], src)
-    assert_clean(p, d)
+    assert d("pages_match", "d16_big", dst, PREFILL_MANAGERS["p16_big"][2], src)
+    assert_clean(p, d, "p16_big", "d16_big")
 
 
 def test_checksum_passes_clean_transfers_and_fails_a_corrupted_page(pair):

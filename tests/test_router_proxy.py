@@ -57,6 +57,16 @@ async def test_router_forwards_request_and_tags_reply_with_worker_and_request_id
     assert r2.json()["text"] == " ".join(reply_words(json.dumps("Say hello."), 3))
 
 
+async def test_unusable_request_ids_are_replaced_by_fresh_ones(doubles):
+    async with running_router(cfg(doubles)) as (url, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(url + "/generate", json={"text": "x"}, headers={"x-request-id": "a b" + "c" * 300})
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and " " not in rid
+    assert len(received(doubles, rid)) == 1
+
+
 async def test_streaming_reaches_the_client_chunk_by_chunk(doubles):
     for d in doubles:
         d.control(chunk_delay=0.3, tokens=5)
@@ -154,14 +164,14 @@ async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(dou
 
 
 async def test_rate_limit_answers_429_with_retry_after_when_the_queue_is_full(doubles):
-    config = cfg(doubles, rate_limit_rps=2, rate_limit_burst=2, rate_limit_queue_size=1,
+    config = cfg(doubles, rate_limit_rps=0.5, rate_limit_burst=2, rate_limit_queue_size=1,
                  rate_limit_queue_timeout=5)
     async with running_router(config) as (url, _):
         async with httpx.AsyncClient(timeout=30) as c:
             rs = await asyncio.gather(*(c.post(url + "/v1/chat/completions", json=CHAT) for _ in range(6)))
             metrics = (await c.get(url + "/metrics")).text
     codes = collections.Counter(r.status_code for r in rs)
-    assert codes == {200: 3, 429: 3}           # burst 2 + 1 queued
+    assert codes == {200: 3, 429: 3}           # burst 2 + 1 queued (its token comes 2 s later)
     limited = [r for r in rs if r.status_code == 429]
     assert all(int(r.headers["retry-after"]) >= 1 for r in limited)
     assert all(r.json()["error"]["code"] == "rate_limited" for r in limited)

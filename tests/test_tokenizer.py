@@ -115,3 +115,12 @@ def test_token_bytes_of_byte_fallback_pieces():
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.parametrize("which", ["tiny_tok", "smol_tok"])
+def test_length_precheck_never_refuses_a_text_that_fits(which, request):
+    tok: Tokenizer = request.getfixturevalue(which)
+    for text in SAMPLES + ["a" * 5000, "🙂" * 2000, " ".join(["word"] * 3000)]:
+        n = len(tok.encode(text))
+        assert not tok.surely_longer_than(text, n)       # never a false refusal
+    assert tok.surely_longer_than("x" * 10 ** 6, 100)

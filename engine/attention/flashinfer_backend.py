@@ -32,6 +32,7 @@ import torch
 
 from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
+from kvship.engine.attention.triton_ops.kv_store import store_kv
 from kvship.engine.attention.triton_ops.merge_state import merge_state
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -72,6 +73,7 @@ class FlashInferDecodeMeta:
 @dataclass
 class FlashInferExtendMeta:
     has_prefix: bool
+    prefix_token_mask: Optional[torch.Tensor] = None  # [T] int8: 1 where the token's request has a prefix
 
 
 @register_attention_backend("flashinfer")
@@ -88,6 +90,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self.head_dim = mc.head_dim
         self.sm_scale = self.head_dim ** -0.5
         self.q_dtype = mc.dtype
+        if self.q_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the flashinfer attention backend runs bfloat16/float16 models, not {self.q_dtype}; "
+                             "use --dtype bfloat16 or another attention backend")
         self.kv_dtype = getattr(model_runner, "kv_dtype", mc.dtype)
         self.page_size = int(getattr(model_runner, "page_size", 1))
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
@@ -152,7 +157,11 @@ class FlashInferAttnBackend(AttentionBackend):
             self.paged_wrapper.plan(qo, indptr, indices[:total], last, self.num_heads, self.num_kv_heads,
                                     self.head_dim, self.page_size, causal=False, sm_scale=self.sm_scale,
                                     q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
-        return FlashInferExtendMeta(has_prefix)
+            # rows of requests without a prefix have no paged keys: the merge ignores their paged output
+            mask = torch.repeat_interleave(torch.tensor([p > 0 for p in pre], dtype=torch.int8),
+                                           torch.tensor(ext, dtype=torch.int64))
+            return FlashInferExtendMeta(True, mask.to(self.device, non_blocking=True))
+        return FlashInferExtendMeta(False)
 
     # --- compute -----------------------------------------------------------
     def _paged_cache(self, fb: ForwardBatch, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +181,7 @@ class FlashInferAttnBackend(AttentionBackend):
         meta: FlashInferExtendMeta = self.forward_metadata  # type: ignore[assignment]
         self._check_layer(layer)
         if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qh = q.view(-1, h, d)
         kh = k.view(-1, hk, d)
@@ -183,7 +192,7 @@ class FlashInferAttnBackend(AttentionBackend):
         o_pre, lse_pre = self.paged_wrapper.run(qh, self._paged_cache(fb, layer.layer_id), return_lse=True,
                                                 lse_base="ln")
         out = torch.empty_like(qh)
-        merge_state(o_new, lse_new, o_pre, lse_pre, out)
+        merge_state(o_new, lse_new, o_pre, lse_pre, out, meta.prefix_token_mask)
         return out.view(-1, h * d)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
@@ -192,7 +201,7 @@ class FlashInferAttnBackend(AttentionBackend):
         meta: FlashInferDecodeMeta = self.forward_metadata  # type: ignore[assignment]
         self._check_layer(layer)
         if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, d = layer.num_heads, layer.head_dim
         out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
         return out.view(-1, h * d)
@@ -210,6 +219,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._cg_last = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self._cg_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
+        # page lists are built here, then plan() copies them into the wrappers' fixed buffer
+        self._cg_indices_scratch = torch.zeros_like(self._cg_indices)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode,
@@ -225,7 +236,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_wrappers[bs] = wrapper
         seq_cpu = [int(x) for x in seq_lens[:bs].tolist()]
         self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
-                          self._cg_indices)
+                          self._cg_indices_scratch)
         self.forward_metadata = FlashInferDecodeMeta(wrapper)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
@@ -241,5 +252,5 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError("the flashinfer backend needs seq_lens_cpu to re-plan a replayed graph")
         seq_cpu = [int(x) for x in seq_lens_cpu[:bs].tolist()]
         self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
-                          self._cg_indices)
+                          self._cg_indices_scratch)
         self.forward_metadata = FlashInferDecodeMeta(wrapper)

@@ -5,8 +5,10 @@ backend is measured against.  Keys and values are always read through
 ``req_to_token``, so any page size works (pages are the allocator's business).
 
 Per step (``init_forward_metadata``, shared by all layers):
-* decode: the number of KV splits (a function of the batch size, see
-  ``triton_ops.decode_attention``) and the split scratch buffers;
+* decode: the number of KV splits (a function of the batch size -- of the
+  CUDA-graph size it would pad to, graphs on or off, so eager and replayed
+  steps compute identically; see ``triton_ops.decode_attention``) and the split
+  scratch buffers;
 * extend: per-request prefix / extend lengths and packed offsets on the
   device, and the longest extend (host int, sizes the grid).
 
@@ -25,6 +27,7 @@ import torch
 from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
 from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
+from kvship.engine.attention.triton_ops.kv_store import store_kv
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -60,6 +63,14 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_heads = mc.num_key_value_heads
         self.head_dim = mc.head_dim
         self.num_sms = _device_sm_count(self.device)
+        # Decode splits follow the CUDA-graph size a batch pads to (graphs on or off), so an eager
+        # step and a replayed graph of the same batch run the very same kernels: identical results.
+        sa = getattr(model_runner, "server_args", None)
+        self._graph_sizes: list[int] = []
+        if sa is not None:
+            from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes
+            self._graph_sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests",
+                                                                   sa.cuda_graph_max_bs))
         self.forward_metadata: Optional[object] = None
         self._cg_mid_out: Optional[torch.Tensor] = None
         self._cg_mid_lse: Optional[torch.Tensor] = None
@@ -71,13 +82,17 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
         return mid_out, mid_lse
 
+    def _num_splits(self, bs: int) -> int:
+        padded = next((b for b in self._graph_sizes if b >= bs), bs)
+        return num_kv_splits(padded, self.num_kv_heads, self.num_sms)
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         if fb.forward_mode.is_idle():
             meta = None
         elif fb.forward_mode.is_decode():
             mid_out, mid_lse = self._scratch(fb.batch_size)
-            meta = TritonDecodeMeta(num_kv_splits(fb.batch_size, self.num_kv_heads, self.num_sms), mid_out, mid_lse)
+            meta = TritonDecodeMeta(self._num_splits(fb.batch_size), mid_out, mid_lse)
         else:
             ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
                 else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
@@ -98,7 +113,7 @@ class TritonAttnBackend(AttentionBackend):
         fb = forward_batch
         meta: TritonExtendMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qh = q.view(-1, h, d)
         out = torch.empty_like(qh)
@@ -113,7 +128,7 @@ class TritonAttnBackend(AttentionBackend):
         fb = forward_batch
         meta: TritonDecodeMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, d = layer.num_heads, layer.head_dim
         qh = q.view(-1, h, d)
         out = torch.empty_like(qh)
@@ -133,8 +148,7 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"the triton backend captures decode graphs only, not {forward_mode.name}")
         if self._cg_mid_out is None or self._cg_mid_lse is None:
             raise RuntimeError("init_cuda_graph_state must run before capturing")
-        self.forward_metadata = TritonDecodeMeta(num_kv_splits(bs, self.num_kv_heads, self.num_sms),
-                                                 self._cg_mid_out[:bs], self._cg_mid_lse[:bs])
+        self.forward_metadata = TritonDecodeMeta(self._num_splits(bs), self._cg_mid_out[:bs], self._cg_mid_lse[:bs])
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,

@@ -60,6 +60,13 @@ no KV arrived), layout mismatch at the handshake, page-count mismatch, checksum
 mismatch, backend errors and aborts on either side.  ``failure_reason`` then says
 what happened.
 
+Timeouts: ``bootstrap_timeout`` counts from ``create_sender`` (until decode's
+registration arrives) and from ``create_receiver`` (until the handshake is done
+and the registration sent); ``waiting_timeout`` counts on decode from the
+registration until the done signal, and aborts the room on prefill too.  A
+sender that decode has registered has no timeout of its own on prefill: abort
+every object you give up on (decode's waiting timeout also ends it).
+
 Thread safety
 -------------
 ``poll()``, ``send()``, ``init()`` and ``abort()`` may be called from any one
@@ -83,7 +90,6 @@ from __future__ import annotations
 
 import enum
 import importlib
-import importlib.util
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -388,6 +394,11 @@ class KVManager(ABC):
     role: str
     config: KVTransferConfig
 
+    @property
+    def bootstrap_port(self) -> Optional[int]:
+        """Prefill: the bootstrap port actually bound (``bootstrap_port=0`` picks one); decode: None."""
+        return None
+
     def create_sender(self, room: int) -> KVSender:
         raise KVTransferError(f"a {self.role} KV manager cannot create senders")
 
@@ -421,13 +432,6 @@ def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager
 def backend_unavailable(name: str, package_hint: str, err: BaseException) -> BackendUnavailableError:
     return BackendUnavailableError(
         f"KV transfer backend {name!r} is not available: {type(err).__name__}: {err}. {package_hint}")
-
-
-def module_present(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def advertise_host(host: str) -> str:

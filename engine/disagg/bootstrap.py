@@ -130,6 +130,7 @@ class BootstrapServer:
         self._handshake_timeout = handshake_timeout
         self._lock = threading.Lock()
         self._conns: set[FramedConnection] = set()
+        self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
         bind_host = host if host not in ("localhost",) else "127.0.0.1"
         try:
@@ -152,8 +153,10 @@ class BootstrapServer:
                 return
             _tune(sock)
             conn = FramedConnection(sock, f"{addr[0]}:{addr[1]}")
-            threading.Thread(target=self._serve, args=(conn,), name=f"kv-bootstrap-conn-{addr[1]}",
-                             daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"kv-bootstrap-conn-{addr[1]}", daemon=True)
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
     def _serve(self, conn: FramedConnection) -> None:
         welcomed = False
@@ -199,11 +202,19 @@ class BootstrapServer:
     def close(self) -> None:
         self._stopped.set()
         try:
+            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the thread blocked in accept() (close alone does not)
+        except OSError:
+            pass
+        try:
             self._sock.close()
         except OSError:
             pass
         for conn in self.connections():
             conn.close("bootstrap server shutting down")
+        with self._lock:
+            threads = list(self._threads)
+        for t in [self._thread] + threads:
+            t.join(timeout=2)
 
 
 class BootstrapLink:
@@ -292,6 +303,9 @@ class BootstrapLink:
             self._on_closed(self, reason)
 
     def close(self, reason: str = "link closed locally") -> None:
+        """Close the connection and wait (briefly) for the link's thread to finish."""
         self._abandoned.set()
         if self.conn is not None:
             self.conn.close(reason)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self._connect_timeout + 2)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 

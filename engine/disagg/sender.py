@@ -93,7 +93,7 @@ class PrefillSender(KVSender):
             try:
                 D.check_pages(pages, self._m.num_pages, "prefill")
             except KVTransferError as e:
-                self._fail_locked(str(e))
+                self._fail_locked(str(e), tell=True, kind="fail")
                 return
             if self.reg is not None:
                 self._enqueue_locked()
@@ -221,6 +221,7 @@ class PrefillKVManager(KVManager):
         for t in self._threads:
             t.join(timeout=5)
         self.backend.close()
+        logger.info("KV transfer prefill side closed")
 
     # -- helpers used by senders (lock held) ----------------------------
     def enqueue(self, s: PrefillSender) -> None:
@@ -314,7 +315,8 @@ class PrefillKVManager(KVManager):
                 if s.peer is peer:
                     s._fail_locked(f"decode peer disconnected: {reason}")
             idle = peer.inflight == 0
-        logger.warning("decode peer %s disconnected: %s", peer.peer_id, reason)
+        logger.log(logging.INFO if self._closed.is_set() else logging.WARNING, "decode peer %s disconnected: %s",
+                   peer.peer_id, reason)
         if idle:
             self.backend.remove_peer(peer.peer_id)
 

@@ -8,7 +8,11 @@ data connection per decode peer at the handshake.  One ``write`` is one frame::
     payload  the n byte ranges, in order
 
 Decode reads each range straight into the destination tensor's memory (CPU
-pools; CUDA pools go through a staging buffer), after checking that KV ranges
+pools; CUDA pools go through a staging buffer).  A frame of many small ranges
+(scattered pages: more than 64, under 256 KiB on average) is instead packed
+page-wise by prefill and unpacked page-wise by decode (numpy row gathers /
+scatters on CPU, torch index_select / index_copy_ on CUDA): the bytes on the
+wire are the same, only the copying differs.  Decode first checks that KV ranges
 lie on pages registered for that room and that every range is inside its
 region.  Frames for a room decode no longer expects (aborted, finished) are
 read and dropped, so a late write never lands.  A frame with the done flag
@@ -39,6 +43,8 @@ _FLAG_DONE = 1
 _DESC = np.dtype([("region", "<i8"), ("off", "<i8"), ("len", "<i8")])
 _IOV_MAX = 512
 _DISCARD = 1 << 20
+_GATHER_MIN_DESCS = 64
+_GATHER_MAX_AVG = 256 << 10
 
 
 def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
@@ -67,6 +73,37 @@ def _readinto_exact(reader, view: memoryview) -> None:
         got += k
 
 
+def _gathered(lengths: np.ndarray) -> bool:
+    """Many small ranges: pack/unpack the payload page-wise with torch instead of one syscall per range."""
+    return lengths.size > _GATHER_MIN_DESCS and int(lengths.sum()) < lengths.size * _GATHER_MAX_AVG
+
+
+def _segments(region: np.ndarray, off: np.ndarray, length: np.ndarray, num_kv: int, page_bytes: int):
+    """Maximal runs ``[a, b)`` of table entries on one region; ``paged`` when they are KV ranges
+    made of whole pages (then one index_select / index_copy_ moves them all)."""
+    paged = (region < num_kv) & (off % page_bytes == 0) & (length % page_bytes == 0)
+    n = region.size
+    brk = np.flatnonzero((np.diff(region) != 0) | (np.diff(paged.astype(np.int8)) != 0)) + 1
+    starts = np.concatenate(([0], brk)).tolist()
+    ends = np.concatenate((brk, [n])).tolist()
+    return [(a, b, int(region[a]), bool(paged[a])) for a, b in zip(starts, ends)]
+
+
+def _page_units(off: np.ndarray, length: np.ndarray, page_bytes: int) -> np.ndarray:
+    """Page indices covered by ranges (``off``, ``length``), in order."""
+    first, counts = off // page_bytes, length // page_bytes
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) + np.repeat(first - (np.cumsum(counts) - counts), counts)
+
+
+class _TcpPeer:
+    """Prefill's data connection to one decode worker; ``lock`` serializes frames on it."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+
 @register_transfer_backend("tcp")
 class TcpBackend(TransferBackend):
     in_band_done = True
@@ -80,14 +117,17 @@ class TcpBackend(TransferBackend):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # prefill side
-        self._peers: dict[str, tuple[socket.socket, threading.Lock]] = {}
+        self._peers: dict[str, _TcpPeer] = {}
         # decode side
         self._rooms: dict[int, np.ndarray] = {}  # room -> its sorted destination pages
         self._on_done: Optional[Callable[[int, Optional[str]], None]] = None
         self._server: Optional[socket.socket] = None
         self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
         self._num_kv = len(regions) - 1
         self._page_bytes = layout.page_bytes
+        # numpy views of host regions: slicing them is cheap (no tensor ops per range)
+        self._np = [r.bytes_view().numpy() if r.device == "cpu" else None for r in regions]
         if role == "decode":
             self._server = socket.create_server((config.host if config.host != "localhost" else "127.0.0.1", 0))
             self._port = self._server.getsockname()[1]
@@ -103,9 +143,13 @@ class TcpBackend(TransferBackend):
             return
         self._closed.set()
         with self._lock:
-            socks = [s for s, _ in self._peers.values()] + list(self._conns)
+            socks = [p.sock for p in self._peers.values()] + list(self._conns)
             self._peers.clear()
         if self._server is not None:
+            try:
+                self._server.shutdown(socket.SHUT_RDWR)   # wakes the accept() thread
+            except OSError:
+                pass
             try:
                 self._server.close()
             except OSError:
@@ -116,6 +160,10 @@ class TcpBackend(TransferBackend):
             except OSError:
                 pass
             s.close()
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=2)
 
     # -- prefill side ----------------------------------------------------------
     def add_peer(self, peer_id: str, info: dict) -> None:
@@ -129,43 +177,76 @@ class TcpBackend(TransferBackend):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         with self._lock:
             old = self._peers.pop(peer_id, None)
-            self._peers[peer_id] = (sock, threading.Lock())
+            self._peers[peer_id] = _TcpPeer(sock)
         if old is not None:
-            old[0].close()
+            old.sock.close()
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
-            entry = self._peers.pop(peer_id, None)
-        if entry is not None:
+            peer = self._peers.pop(peer_id, None)
+        if peer is not None:
             try:
-                entry[0].shutdown(socket.SHUT_RDWR)
+                peer.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            entry[0].close()
+            peer.sock.close()
 
     def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
         with self._lock:
-            entry = self._peers.get(peer_id)
-        if entry is None:
+            peer = self._peers.get(peer_id)
+        if peer is None:
             raise KVTransferError(f"tcp peer {peer_id} is not connected")
-        sock, lock = entry
         table = np.empty(len(descs), dtype=_DESC)
         table["region"], table["off"], table["len"] = descs.dst_region, descs.dst_off, descs.length
         header = _HDR.pack(_MAGIC, _FLAG_DONE if done else 0, room, len(descs))
-        bufs: list = [header, table.tobytes()]
-        for reg, off, n in zip(descs.src_region.tolist(), descs.src_off.tolist(), descs.length.tolist()):
-            src = self.regions[reg].bytes_view()[off:off + n]
-            bufs.append(src.numpy() if src.device.type == "cpu" else src.cpu().numpy())
-        with lock:
+        if _gathered(table["len"]):
+            payload = self._gather(descs)
+        else:
+            payload = []
+            for reg, off, n in zip(descs.src_region.tolist(), descs.src_off.tolist(), descs.length.tolist()):
+                view = self._np[reg]
+                payload.append(view[off:off + n] if view is not None
+                               else self.regions[reg].bytes_view()[off:off + n].cpu().numpy())
+        bufs = [header, table.tobytes(), *payload]
+        with peer.lock:
             try:
-                _sendmsg_all(sock, bufs)
+                _sendmsg_all(peer.sock, bufs)
             except OSError as e:
                 raise KVTransferError(f"tcp data connection to decode lost: {e}") from e
+
+    def _gather(self, descs: TransferDescs) -> list:
+        """Host buffers holding the ranges of ``descs`` in order, packed page-wise per region
+        (numpy row gathers on CPU pools, torch index_select on CUDA pools)."""
+        out: list = []
+        for a, b, reg, paged in _segments(descs.src_region, descs.src_off, descs.length, self._num_kv,
+                                          self._page_bytes):
+            if paged:
+                units = _page_units(descs.src_off[a:b], descs.length[a:b], self._page_bytes)
+                if self._np[reg] is not None:
+                    out.append(np.take(self._rows(reg), units))
+                else:
+                    dev = self.regions[reg].tensor.device
+                    out.append(self._paged(reg).index_select(0, torch.from_numpy(units).to(dev)).cpu().numpy())
+                continue
+            for off, n in zip(descs.src_off[a:b].tolist(), descs.length[a:b].tolist()):
+                view = self._np[reg]
+                out.append(view[off:off + n] if view is not None
+                           else self.regions[reg].bytes_view()[off:off + n].cpu().numpy())
+        return out
+
+    def _rows(self, reg: int) -> np.ndarray:
+        """A host KV region as a 1-D array of page-sized opaque items (fast row gathers/scatters)."""
+        return self._np[reg].view(f"V{self._page_bytes}")
+
+    def _paged(self, reg: int) -> torch.Tensor:
+        return self.regions[reg].bytes_view().view(-1, self._page_bytes)
 
     # -- decode side -----------------------------------------------------------
     def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
         self._on_done = on_done
-        threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
+        t = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._threads.append(t)
+        t.start()
 
     def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
         with self._lock:
@@ -183,9 +264,11 @@ class TcpBackend(TransferBackend):
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve, args=(sock,), name=f"kv-tcp-recv-{addr[1]}", daemon=True)
             with self._lock:
                 self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name=f"kv-tcp-recv-{addr[1]}", daemon=True).start()
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
     def _serve(self, sock: socket.socket) -> None:
         reader = sock.makefile("rb", buffering=256 << 10)
@@ -208,18 +291,20 @@ class TcpBackend(TransferBackend):
                     self.forget_room(room)
                     if self._on_done is not None:
                         self._on_done(room, problem)
-                for reg, off, length in zip(table["region"].tolist(), table["off"].tolist(), table["len"].tolist()):
-                    if not ok:
-                        self._discard(reader, scratch, length)
-                        continue
-                    dst = self.regions[reg].bytes_view()[off:off + length]
-                    if dst.device.type == "cpu":
-                        _readinto_exact(reader, memoryview(dst.numpy()))
-                    else:
+                if not ok:
+                    self._discard(reader, scratch, int(table["len"].sum()))
+                elif _gathered(table["len"]):
+                    staging = self._scatter(reader, table, staging)
+                else:
+                    for reg, off, length in zip(table["region"].tolist(), table["off"].tolist(),
+                                                table["len"].tolist()):
+                        if self._np[reg] is not None:
+                            _readinto_exact(reader, memoryview(self._np[reg][off:off + length]))
+                            continue
                         if staging is None or staging.numel() < length:
                             staging = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
                         _readinto_exact(reader, memoryview(staging[:length].numpy()))
-                        dst.copy_(staging[:length])
+                        self.regions[reg].bytes_view()[off:off + length].copy_(staging[:length])
                 if ok and flags & _FLAG_DONE and self._on_done is not None:
                     if any(r.device == "cuda" for r in self.regions):
                         torch.cuda.synchronize()
@@ -232,6 +317,32 @@ class TcpBackend(TransferBackend):
                 self._conns.discard(sock)
             reader.close()
             sock.close()
+
+    def _scatter(self, reader, table: np.ndarray, staging: Optional[torch.Tensor]) -> torch.Tensor:
+        """Read a frame's whole payload into ``staging`` and place it page-wise (index_copy_)."""
+        total = int(table["len"].sum())
+        if staging is None or staging.numel() < total:
+            staging = torch.empty(max(total, 1 << 20), dtype=torch.uint8)
+        _readinto_exact(reader, memoryview(staging[:total].numpy()))
+        region, off, length = table["region"], table["off"], table["len"]
+        for a, b, reg, paged in _segments(region, off, length, self._num_kv, self._page_bytes):
+            pos = int(length[:a].sum())
+            n = int(length[a:b].sum())
+            if paged and self._np[reg] is not None:
+                rows = staging[pos:pos + n].numpy().view(f"V{self._page_bytes}")
+                self._rows(reg)[_page_units(off[a:b], length[a:b], self._page_bytes)] = rows
+                continue
+            dev = self.regions[reg].tensor.device
+            data = staging[pos:pos + n].to(dev)
+            if paged:
+                idx = torch.from_numpy(_page_units(off[a:b], length[a:b], self._page_bytes)).to(dev)
+                self._paged(reg).index_copy_(0, idx, data.view(-1, self._page_bytes))
+            else:
+                p = 0
+                for o, k in zip(off[a:b].tolist(), length[a:b].tolist()):
+                    self.regions[reg].bytes_view()[o:o + k].copy_(data[p:p + k])
+                    p += k
+        return staging
 
     @staticmethod
     def _discard(reader, scratch: bytearray, length: int) -> None:

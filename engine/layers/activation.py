@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvship.engine.layers.fused_dispatch import cuda_fused_ops
+
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -19,5 +21,9 @@ class GatedActivation(nn.Module):
         self.act = _ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:
+            fused = cuda_fused_ops(x)
+            if fused is not None:  # one Triton kernel on CUDA
+                return fused.silu_and_mul(x)
         d = x.shape[-1] // 2
         return self.act(x[..., :d]) * x[..., d:]

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvship.engine.layers.fused_dispatch import cuda_fused_ops
 from kvship.engine.layers.linear import _param
 
 
@@ -24,6 +25,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without ``residual``: ``norm(x)``.  With it: ``(norm(x + residual), x + residual)``."""
+        fused = cuda_fused_ops(x)
+        if fused is not None:  # one Triton kernel on CUDA (same numerics)
+            return fused.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvship.engine.layers.fused_dispatch import cuda_fused_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = float(scaling["factor"])
@@ -57,6 +59,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` by their token positions ``[T]``."""
+        fused = cuda_fused_ops(q)
+        if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:  # in place, one Triton kernel
+            return fused.rope_inplace(positions, q, k, self.cos_sin_cache)
         cs = self.cos_sin_cache.index_select(0, positions)
         half = self.head_dim // 2
         cos = cs[:, None, :half].to(q.dtype)

@@ -85,6 +85,8 @@ class KVPool:
             k = k.to(self.dtype)
             v = v.to(self.dtype)
         # index_copy_ rather than ``buf[loc] = k``: on CPU advanced-index assignment is ~100x slower
+        if loc.dtype != torch.int64:
+            loc = loc.long()
         self.k_buffer[layer_id].index_copy_(0, loc, k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
 

@@ -156,12 +156,17 @@ def test_merge_state_equals_softmax_over_both_parts(dev):
     lse_a = torch.randn(t, h, device=dev) * 3
     lse_b = torch.randn(t, h, device=dev) * 3
     lse_b[:5] = float("-inf")  # no prefix keys for these tokens
+    o_b[5:9] = float("nan")    # rows a kernel never wrote: b_valid says so
+    lse_b[5:9] = float("nan")
+    valid = torch.ones(t, dtype=torch.int8, device=dev)
+    valid[5:9] = 0
     out = torch.full_like(o_a, float("nan"))
-    merge_state(o_a, lse_a, o_b, lse_b, out)
+    merge_state(o_a, lse_a, o_b, lse_b, out, valid)
     w = torch.stack([lse_a, lse_b]).double().cpu().softmax(0)
     ref = o_a.double().cpu() * w[0][..., None] + o_b.double().cpu() * w[1][..., None]
+    ref[:9] = o_a[:9].double().cpu()
     assert _rel(out, ref) < _tol(dtype)
-    assert torch.equal(out[:5].cpu(), o_a[:5].cpu())
+    assert torch.equal(out[:9].cpu(), o_a[:9].cpu())
 
 
 def test_fused_rmsnorm_matches_the_pytorch_layer(dev):
@@ -208,3 +213,22 @@ def test_fused_rope_rotates_q_and_k_in_place_like_the_pytorch_layer(dev, hq, hk,
     rope_inplace(pos, q, k, rope.cos_sin_cache)
     assert _rel(q, q_ref) < _tol(dtype) and _rel(k, k_ref) < _tol(dtype)
     assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "rope touched v"
+
+
+def test_fused_kv_store_writes_what_set_kv_buffer_writes(dev):
+    if dev.type != "cuda":
+        pytest.skip("the fused store runs on CUDA pools only (CPU pools take set_kv_buffer)")
+    from kvship.engine.attention.triton_ops.kv_store import store_kv
+    from kvship.engine.mem.pools import KVPool
+
+    pools = [KVPool(256, 16, torch.bfloat16, 2, 64, 2, dev) for _ in range(2)]
+    for p in pools:
+        for buf in p.buffers():
+            buf.fill_(7.0)
+    loc = torch.tensor([17, 3, 200, 201, 64], device=dev)
+    k = torch.randn(5, 128, dtype=torch.float32, device=dev)  # float32 rows: cast to the pool dtype
+    v = torch.randn(5, 2, 64, dtype=torch.float32, device=dev)
+    pools[0].set_kv_buffer(1, loc, k, v)
+    store_kv(pools[1], 1, loc, k, v)
+    for a, b in zip(pools[0].buffers(), pools[1].buffers()):
+        assert torch.equal(a, b)

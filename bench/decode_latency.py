@@ -1,0 +1,612 @@
+"""GPU decode benchmark of the model runner at a real model shape, with its baselines measured in the same run.
+
+What one run measures (everything on the same GPU, side by side):
+1. HBM bandwidth: a large device-to-device copy (bytes read + written).
+2. FlashInfer's decode kernel alone at batch 64 x 2048 context (Llama-3.1-8B
+   attention shape, bf16, tensor cores): achieved KV-read bandwidth; and our
+   attention step (the ``flashinfer`` backend's ``forward_decode`` for one
+   layer, plus its per-step plan amortised over the layers) at the same shape.
+3. Decode tokens/s of our runner (dummy bf16 weights built on the GPU) at each
+   batch size, input ``--input-len`` / output ``--output-len``, with CUDA
+   graphs and eagerly, each step including the host work an engine does
+   (slot allocation, batch tensors, greedy argmax, token copy to the host);
+   ``--overlap`` also runs the graph loop with the host work of step N+1
+   overlapping the GPU work of step N.
+4. Hugging Face ``transformers`` ``generate`` (same shape, same GPU, greedy)
+   as the naive baseline.
+5. Batch-1 decode as a fraction of the HBM roofline: (weight bytes + KV bytes
+   read per step) / measured copy bandwidth.
+
+Writes ``decode_latency.json`` and ``decode_latency.md`` under ``--out`` and
+prints the table.  ``python bench/decode_latency.py --help`` for the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger("decode_latency")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000,
+                      eos_token_id=128001, torch_dtype="bfloat16",
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=151643,
+                     eos_token_id=151645, torch_dtype="bfloat16"),
+}
+
+
+def write_model_dir(shape: str, root: str, **overrides: Any) -> str:
+    cfg = dict(SHAPES[shape])
+    cfg.update(overrides)
+    path = os.path.join(root, shape + "".join(f"-{k}{v}" for k, v in sorted(overrides.items())))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 3, rounds: int = 5) -> float:
+    """Seconds per call of ``fn``: CUDA events around ``iters`` back-to-back calls (the host runs
+    ahead, as in a model's forward), median over ``rounds``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        per_call.append(s.elapsed_time(e) * 1e-3 / iters)
+    per_call.sort()
+    return per_call[len(per_call) // 2]
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "python": platform.python_version()}
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = "unknown"
+    for mod in ("flashinfer", "triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - report whatever is missing
+            env[mod] = None
+    return env
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * 2 ** 30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / t
+
+
+# --- attention: kernel alone vs our backend step -----------------------------------------
+def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: float, layers: int) -> dict[str, Any]:
+    """Per-layer decode attention at ``bs`` x ``ctx``: FlashInfer's kernel alone vs our backend's step.
+
+    Our step is ``forward_decode`` (K/V write + kernel) plus the per-step plan
+    (``init_forward_metadata``) divided by the model's ``layers``.
+    """
+    import flashinfer
+
+    from kvship.engine.attention.base import AttentionLayerSpec
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+    from kvship.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(ServerArgs(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
+                                    attention_backend="flashinfer", page_size=page_size,
+                                    max_total_tokens=bs * ctx + 64 * page_size, max_running_requests=bs,
+                                    context_length=ctx + 64, disable_cuda_graph=True))
+    mc = runner.model_config
+    h, hk, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    kbuf, vbuf = runner.kv_pool.get_key_buffer(0), runner.kv_pool.get_value_buffer(0)
+    kbuf.normal_()
+    vbuf.normal_()
+    # every request owns ctx-1 cached tokens on its own scattered pages, plus the new one
+    rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
+    slots = runner.allocator.alloc_extend([0] * bs, [ctx] * bs, [-1] * bs).view(bs, ctx)
+    dev = runner.device
+    r2t = runner.req_to_token_pool.req_to_token
+    r2t[torch.tensor(rows)[:, None].to(dev), torch.arange(ctx, device=dev)[None, :]] = slots.to(dev, torch.int32)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
+                      req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
+                      seq_lens=torch.full((bs,), ctx, dtype=torch.int64, device=dev), seq_lens_cpu=[ctx] * bs,
+                      out_cache_loc=slots[:, -1].to(dev), req_to_token_pool=runner.req_to_token_pool,
+                      kv_pool=runner.kv_pool, attn_backend=runner.attn_backend)
+    backend = runner.attn_backend
+    spec = AttentionLayerSpec(0, h, hk, d, d ** -0.5)
+    q = torch.randn(bs, h * d, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(bs, hk * d, dtype=torch.bfloat16, device=dev)
+    v = torch.randn(bs, hk * d, dtype=torch.bfloat16, device=dev)
+    backend.init_forward_metadata(fb)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):  # host work mostly: time it on the host clock
+        backend.init_forward_metadata(fb)
+    torch.cuda.synchronize()
+    plan_s = (time.perf_counter() - t0) / 20
+    backend.init_forward_metadata(fb)
+    ours_s = cuda_time(lambda: backend.forward_decode(q, k, v, spec, fb), iters=50)
+
+    # the kernel alone: same pages, same cache, wrapper planned once outside the timing
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=h // hk >= 4, backend="fa2")
+    npg = (ctx + page_size - 1) // page_size
+    indptr = torch.arange(0, bs * npg + 1, npg, dtype=torch.int32)
+    indices = (slots[:, ::page_size] // page_size).to(torch.int32).flatten().to(dev)
+    last = torch.full((bs,), ctx - (npg - 1) * page_size, dtype=torch.int32)
+    w.plan(indptr, indices, last, h, hk, d, page_size, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    cache = (kbuf.view(-1, page_size, hk, d), vbuf.view(-1, page_size, hk, d))
+    qh = q.view(bs, h, d)
+    alone_s = cuda_time(lambda: w.run(qh, cache), iters=50)
+    ref = w.run(qh, cache).float()
+    got = backend.forward_decode(q, k, v, spec, fb).view(bs, h, d).float()
+    kv_bytes = bs * ctx * hk * d * 2 * kbuf.element_size()
+    out = {"batch": bs, "context": ctx, "page_size": page_size,
+           "kernel_alone_us": alone_s * 1e6, "kernel_kv_TBps": kv_bytes / alone_s / 1e12,
+           "kernel_frac_hbm": kv_bytes / alone_s / hbm,
+           "ours_layer_us": ours_s * 1e6, "plan_us": plan_s * 1e6,
+           "ours_per_layer_incl_plan_us": (ours_s + plan_s / layers) * 1e6,
+           "ours_vs_kernel": (ours_s + plan_s / layers) / alone_s,
+           "max_abs_diff_vs_kernel": float((got - ref).abs().max()), "layers": layers}
+    del runner, backend, fb, ws, w
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_kernel_choice(shape: str) -> list[dict[str, Any]]:
+    """FlashInfer decode alone, tensor-core vs CUDA-core kernels, at small and large batches (page size 1)."""
+    import flashinfer
+
+    cfg = SHAPES[shape]
+    h, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    out = []
+    for bs, ctx in ((1, 640), (8, 640), (64, 2048)):
+        n = bs * ctx
+        kv = torch.randn(n + 1, 2, 1, hk, d, dtype=torch.bfloat16, device="cuda")
+        indptr = torch.arange(0, n + 1, ctx, dtype=torch.int32)
+        indices = torch.randperm(n, device="cuda").to(torch.int32) + 1
+        last = torch.ones(bs, dtype=torch.int32)
+        q = torch.randn(bs, h, d, dtype=torch.bfloat16, device="cuda")
+        row: dict[str, Any] = {"batch": bs, "context": ctx}
+        for tc in (True, False):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
+            w.plan(indptr, indices, last, h, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            row["tensor_cores_us" if tc else "cuda_cores_us"] = cuda_time(lambda: w.run(q, kv), iters=50) * 1e6
+        out.append(row)
+        del kv
+    del ws
+    torch.cuda.empty_cache()
+    return out
+
+
+def small_m_gemm(shape: str, hbm: float) -> list[dict[str, Any]]:
+    """Batch-1 projections of the shape: F.linear (what the layers call) vs torch.mv vs a pre-transposed
+    weight, as achieved weight-read bandwidth (fraction of measured HBM)."""
+    import torch.nn.functional as F
+
+    cfg = SHAPES[shape]
+    hid, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q = cfg["num_attention_heads"] * d
+    kv = cfg["num_key_value_heads"] * d
+    shapes = {"qkv_proj": (q + 2 * kv, hid), "o_proj": (hid, q), "gate_up_proj": (2 * inter, hid),
+              "down_proj": (hid, inter), "lm_head": (cfg["vocab_size"], hid)}
+    out = []
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(3)]  # rotate: no L2 reuse
+        wts = [w.t().contiguous() for w in ws]
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        it = iter(range(10 ** 9))
+
+        def pick(lst):
+            return lst[next(it) % len(lst)]
+        row: dict[str, Any] = {"layer": name, "n": n, "k": k}
+        for label, fn in (("linear", lambda: F.linear(x, pick(ws))), ("mv", lambda: torch.mv(pick(ws), x[0])),
+                          ("x@wt", lambda: x @ pick(wts))):
+            t = cuda_time(fn, iters=30)
+            row[label + "_us"] = t * 1e6
+            row[label + "_frac_hbm"] = n * k * 2 / t / hbm
+        out.append(row)
+        del ws, wts
+    torch.cuda.empty_cache()
+    return out
+
+
+# --- engine decode -----------------------------------------------------------------------
+class DecodeDriver:
+    """Allocates KV and builds ForwardBatches for a fixed set of requests (what a scheduler does)."""
+
+    def __init__(self, runner: Any, bs: int):
+        self.r = runner
+        self.bs = bs
+        self.rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
+        if any(x is None for x in self.rows):
+            raise RuntimeError("not enough request rows")
+        self.rows_dev = torch.tensor(self.rows, dtype=torch.int64, device=runner.device)
+        self.lens = [0] * bs
+        self.last = [-1] * bs
+        self.slots: list[torch.Tensor] = []
+
+    def _write(self, rows: list[int], starts: list[int], counts: list[int], locs: torch.Tensor) -> torch.Tensor:
+        dev = self.r.device
+        rr = torch.tensor([r for r, n in zip(rows, counts) for _ in range(n)], dtype=torch.int64)
+        pp = torch.tensor([s + i for s, n in zip(starts, counts) for i in range(n)], dtype=torch.int64)
+        host = torch.stack([rr, pp, locs]).pin_memory()
+        d = host.to(dev, non_blocking=True)
+        self.r.req_to_token_pool.req_to_token[d[0], d[1]] = d[2].to(torch.int32)
+        return d
+
+    def prefill(self, prompt_len: int, gen: torch.Generator, chunk_tokens: int = 16384) -> torch.Tensor:
+        from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+        r, dev = self.r, self.r.device
+        per = max(1, chunk_tokens // prompt_len)
+        last_ids = []
+        for lo in range(0, self.bs, per):
+            idx = list(range(lo, min(self.bs, lo + per)))
+            n = len(idx)
+            locs = r.allocator.alloc_extend([0] * n, [prompt_len] * n, [-1] * n)
+            if locs is None:
+                raise RuntimeError("KV pool too small for the prefill")
+            d = self._write([self.rows[i] for i in idx], [0] * n, [prompt_len] * n, locs)
+            ids = torch.randint(3, r.model_config.vocab_size, (n * prompt_len,), generator=gen).to(dev)
+            for j, i in enumerate(idx):
+                self.lens[i] = prompt_len
+                self.last[i] = int(locs[(j + 1) * prompt_len - 1])
+            self.slots.append(locs)
+            ext = torch.full((n,), prompt_len, dtype=torch.int64, device=dev)
+            fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=n, input_ids=ids, positions=d[1],
+                              req_pool_indices=self.rows_dev[lo:lo + n], seq_lens=ext, seq_lens_cpu=[prompt_len] * n,
+                              out_cache_loc=d[2], req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
+                              attn_backend=r.attn_backend, extend_seq_lens=ext,
+                              extend_prefix_lens=torch.zeros(n, dtype=torch.int64, device=dev),
+                              extend_start_loc=torch.arange(0, n * prompt_len, prompt_len, device=dev),
+                              extend_seq_lens_cpu=[prompt_len] * n, extend_prefix_lens_cpu=[0] * n)
+            last_ids.append(r.forward(fb).next_token_logits.argmax(-1))
+        return torch.cat(last_ids)
+
+    def decode_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One decode step fed by ``ids`` (on the GPU); returns the greedy next ids (on the GPU)."""
+        from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+        r, dev = self.r, self.r.device
+        seq = [n + 1 for n in self.lens]
+        locs = r.allocator.alloc_decode(seq, self.last)
+        if locs is None:
+            raise RuntimeError("KV pool exhausted during decode")
+        self.slots.append(locs)
+        d = self._write(self.rows, self.lens, [1] * self.bs, locs)
+        self.lens = seq
+        self.last = locs.tolist()
+        seq_dev = d[1] + 1
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.bs, input_ids=ids, positions=d[1],
+                          req_pool_indices=self.rows_dev, seq_lens=seq_dev, seq_lens_cpu=seq, out_cache_loc=d[2],
+                          req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool, attn_backend=r.attn_backend)
+        return r.forward(fb).next_token_logits.argmax(-1)
+
+    def free(self) -> None:
+        if self.slots:  # one call: slots of one page may come from several steps
+            self.r.allocator.free(torch.cat(self.slots))
+        for row in self.rows:
+            self.r.req_to_token_pool.free(row)
+        self.slots = []
+
+
+def engine_decode(runner: Any, bs: int, input_len: int, output_len: int, mode: str) -> dict[str, Any]:
+    """Decode tokens/s for one batch size; ``mode`` is eager, graph or graph+overlap."""
+    saved = runner.cuda_graph_runner
+    if mode == "eager":
+        runner.cuda_graph_runner = None
+    try:
+        drv = DecodeDriver(runner, bs)
+        gen = torch.Generator().manual_seed(bs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ids = drv.prefill(input_len, gen)
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        tokens: list[list[int]] = []
+        t0 = time.perf_counter()
+        if mode == "graph+overlap":
+            # launch step N+1 (its inputs are on the GPU) before copying step N's tokens to the host
+            pinned = torch.empty((output_len, bs), dtype=torch.int64, pin_memory=True)
+            prev: Optional[tuple[int, torch.cuda.Event]] = None
+            for step in range(output_len):
+                nxt = drv.decode_step(ids)
+                pinned[step].copy_(nxt, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                if prev is not None:
+                    prev[1].synchronize()
+                    tokens.append(pinned[prev[0]].tolist())
+                prev = (step, ev)
+                ids = nxt
+            if prev is not None:
+                prev[1].synchronize()
+                tokens.append(pinned[prev[0]].tolist())
+        else:
+            for _ in range(output_len):
+                ids = drv.decode_step(ids)
+                tokens.append(ids.tolist())  # the per-step token copy an engine makes
+        torch.cuda.synchronize()
+        decode_s = time.perf_counter() - t0
+        drv.free()
+    finally:
+        runner.cuda_graph_runner = saved
+    return {"batch": bs, "mode": mode, "prefill_s": prefill_s, "decode_s": decode_s,
+            "step_ms": decode_s / output_len * 1e3, "decode_tok_s": bs * output_len / decode_s,
+            "sample_tokens": tokens[-1][:4]}
+
+
+def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list[dict[str, Any]]:
+    """Top CUDA kernels of graph decode steps at ``bs`` (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+    drv = DecodeDriver(runner, bs)
+    ids = drv.prefill(input_len, torch.Generator().manual_seed(0))
+    for _ in range(2):
+        ids = drv.decode_step(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            ids = drv.decode_step(ids)
+        torch.cuda.synchronize()
+    drv.free()
+    rows = []
+    total = 0.0
+    cuda_type = torch.autograd.DeviceType.CUDA
+    for ev in prof.key_averages():
+        if getattr(ev, "device_type", cuda_type) != cuda_type:
+            continue
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t > 0 and ev.key:
+            rows.append({"kernel": ev.key[:90], "us_per_step": t / steps, "calls_per_step": ev.count / steps})
+            total += t / steps
+    rows.sort(key=lambda r: -r["us_per_step"])
+    for r in rows:
+        r["share"] = r["us_per_step"] / total if total else 0.0
+    return rows[:15]
+
+
+# --- transformers baseline -----------------------------------------------------------------
+def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
+                out: list[dict[str, Any]], on_result: Callable[[], None]) -> None:
+    """Append one result per batch size to ``out`` (calling ``on_result`` after each)."""
+    import transformers
+
+    cfg = dict(SHAPES[shape])
+    cls_name = cfg.pop("architectures")[0]
+    cfg.pop("model_type")
+    cfg.pop("torch_dtype")
+    conf_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen3ForCausalLM": transformers.Qwen3Config}[cls_name]
+    config = conf_cls(**cfg)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = getattr(transformers, cls_name)(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to(torch.bfloat16).eval()
+    for bs in bs_list:
+        gen = torch.Generator().manual_seed(bs)
+        ids = torch.randint(3, config.vocab_size, (bs, input_len), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+        kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids[:, :16], max_new_tokens=2, min_new_tokens=2, **kw)  # warm up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+            torch.cuda.synchronize()
+            total_s = time.perf_counter() - t0
+        assert res.shape[1] == input_len + output_len
+        decode_s = max(total_s - prefill_s, 1e-9)
+        out.append({"batch": bs, "prefill_s": prefill_s, "total_s": total_s,
+                    "decode_tok_s": bs * (output_len - 1) / decode_s, "end_to_end_tok_s": bs * output_len / total_s})
+        logger.info("transformers bs %d: %.1f decode tok/s", bs, out[-1]["decode_tok_s"])
+        on_result()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# --- report --------------------------------------------------------------------------------
+def markdown(res: dict[str, Any]) -> str:
+    env, a = res["env"], res.get("attention", [])
+    lines = [f"GPU: {env['gpu']} (driver {env['driver']}), torch {env['torch']} (CUDA {env['cuda']}), "
+             f"flashinfer {env['flashinfer']}, triton {env['triton']}, transformers {env['transformers']}.",
+             f"Model shape: {res['shape']} ({res['weight_gb']:.2f} GB bf16 dummy weights), input {res['input_len']} / "
+             f"output {res['output_len']}, attention backend {res['backend']}, page size {res['page_size']}.",
+             f"Measured device copy bandwidth: {res['hbm_TBps']:.2f} TB/s (read + write counted).", ""]
+    hf = {r["batch"]: r for r in res.get("hf", [])}
+    eng: dict[tuple[int, str], dict[str, Any]] = {(r["batch"], r["mode"]): r for r in res.get("engine", [])}
+    modes = [m for m in ("graph", "graph+overlap", "eager") if any(k[1] == m for k in eng)]
+    head = "| batch | " + " | ".join(f"ours {m} tok/s" for m in modes) + " | transformers tok/s | graph / eager | graph / transformers |"
+    lines += [head, "|" + "---|" * (len(modes) + 4)]
+    for bs in sorted({k[0] for k in eng}):
+        cells = [f"{eng[(bs, m)]['decode_tok_s']:.1f}" if (bs, m) in eng else "-" for m in modes]
+        g, e, h = eng.get((bs, "graph")), eng.get((bs, "eager")), hf.get(bs)
+        hf_cell = f"{h['decode_tok_s']:.1f}" if h else "-"
+        ratio_ge = f"{g['decode_tok_s'] / e['decode_tok_s']:.2f}x" if g and e else "-"
+        ratio_gh = f"{g['decode_tok_s'] / h['decode_tok_s']:.1f}x" if g and h else "-"
+        lines.append(f"| {bs} | " + " | ".join(cells) + f" | {hf_cell} | {ratio_ge} | {ratio_gh} |")
+    if "roofline" in res:
+        rf = res["roofline"]
+        lines += ["", f"Batch-1 roofline: {rf['bytes_per_step_GB']:.2f} GB per step (weights {rf['weight_GB']:.2f} + "
+                  f"KV {rf['kv_GB']:.3f}) / {res['hbm_TBps']:.2f} TB/s = {rf['roofline_tok_s']:.1f} tok/s; "
+                  f"ours (best CUDA-graph mode) {rf['ours_tok_s']:.1f} tok/s = {rf['fraction']:.1%} of the roofline."]
+    for x in a:
+        lines += [f"FlashInfer decode kernel alone, batch {x['batch']} x {x['context']} ctx, page {x['page_size']}: "
+                  f"{x['kernel_alone_us']:.1f} us, KV read {x['kernel_kv_TBps']:.2f} TB/s = {x['kernel_frac_hbm']:.1%} "
+                  f"of measured HBM; our attention step {x['ours_layer_us']:.1f} us + plan {x['plan_us']:.1f} us per "
+                  f"step (/{x['layers']} layers) = {x['ours_vs_kernel']:.2f}x the kernel alone."]
+    for x in res.get("small_m_gemm", []):
+        lines.append(f"Batch-1 {x['layer']} [{x['n']}x{x['k']}]: F.linear {x['linear_us']:.1f} us "
+                     f"({x['linear_frac_hbm']:.0%} of HBM), torch.mv {x['mv_us']:.1f} us ({x['mv_frac_hbm']:.0%}), "
+                     f"x @ W^T-contiguous {x['x@wt_us']:.1f} us ({x['x@wt_frac_hbm']:.0%}).")
+    for x in res.get("decode_kernels", []):
+        lines.append(f"FlashInfer decode alone, batch {x['batch']} x {x['context']} ctx, page 1: tensor cores "
+                     f"{x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--attention-backend", default="flashinfer", choices=("flashinfer", "triton"))
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--modes", default="graph,eager", help="comma list of graph, eager, graph+overlap")
+    ap.add_argument("--hf-batch-sizes", default=None, help="transformers baseline batches (default: --batch-sizes)")
+    ap.add_argument("--hf-output-len", type=int, default=None, help="default: --output-len")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_latency needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+
+    bs_list = [int(x) for x in args.batch_sizes.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    res: dict[str, Any] = {"env": environment(), "shape": args.shape, "input_len": args.input_len,
+                           "output_len": args.output_len, "backend": args.attention_backend,
+                           "page_size": args.page_size}
+    os.makedirs(args.out, exist_ok=True)
+
+    def save() -> None:
+        with open(os.path.join(args.out, "decode_latency.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    res["hbm_TBps"] = copy_bandwidth() / 1e12
+    logger.info("device copy bandwidth %.2f TB/s", res["hbm_TBps"])
+    tmp = tempfile.mkdtemp(prefix="kvship-bench-")
+    if not args.skip_attention and args.attention_backend == "flashinfer":
+        one_layer = write_model_dir(args.shape, tmp, num_hidden_layers=1)
+        res["attention"] = []
+        for ps in (16, 1):
+            try:
+                res["attention"].append(attention_bench(one_layer, 64, 2048, ps, res["hbm_TBps"] * 1e12,
+                                                        SHAPES[args.shape]["num_hidden_layers"]))
+                logger.info("attention: %s", res["attention"][-1])
+            except Exception as e:  # noqa: BLE001 - keep the rest of the run
+                logger.exception("attention bench (page %d) failed", ps)
+                res.setdefault("errors", []).append(f"attention ps{ps}: {e!r}")
+        try:
+            res["small_m_gemm"] = small_m_gemm(args.shape, res["hbm_TBps"] * 1e12)
+            logger.info("batch-1 projections: %s", res["small_m_gemm"])
+        except Exception as e:  # noqa: BLE001
+            logger.exception("small-M GEMM comparison failed")
+            res.setdefault("errors", []).append(f"small-M GEMM: {e!r}")
+        try:
+            res["decode_kernels"] = decode_kernel_choice(args.shape)
+            logger.info("decode kernels: %s", res["decode_kernels"])
+        except Exception as e:  # noqa: BLE001
+            logger.exception("decode kernel comparison failed")
+            res.setdefault("errors", []).append(f"decode kernels: {e!r}")
+        save()
+
+    model_dir = write_model_dir(args.shape, tmp)
+    max_bs = max(bs_list)
+    ctx = args.input_len + args.output_len + 8
+    runner = ModelRunner(ServerArgs(
+        model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
+        attention_backend=args.attention_backend, page_size=args.page_size, context_length=ctx,
+        max_total_tokens=max_bs * (ctx + args.page_size) + 4096, max_running_requests=max_bs,
+        cuda_graph_max_bs=max_bs, disable_cuda_graph="graph" not in ",".join(modes)))
+    res["weight_gb"] = runner.weight_bytes / 1e9
+    res["engine"] = []
+    for bs in bs_list:
+        for mode in modes:
+            r = engine_decode(runner, bs, args.input_len, args.output_len, mode)
+            logger.info("ours bs %d %s: %.1f tok/s (%.2f ms/step)", bs, mode, r["decode_tok_s"], r["step_ms"])
+            res["engine"].append(r)
+            save()
+    g1 = next((r for r in res["engine"] if r["batch"] == 1 and r["mode"].startswith("graph")), None)
+    if g1 is not None:
+        mc = runner.model_config
+        avg_ctx = args.input_len + args.output_len / 2
+        kv = avg_ctx * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2 * 2
+        step_bytes = runner.weight_bytes + kv
+        roof = res["hbm_TBps"] * 1e12 / step_bytes
+        best = max(r["decode_tok_s"] for r in res["engine"] if r["batch"] == 1 and r["mode"].startswith("graph"))
+        res["roofline"] = {"weight_GB": runner.weight_bytes / 1e9, "kv_GB": kv / 1e9,
+                           "bytes_per_step_GB": step_bytes / 1e9, "roofline_tok_s": roof, "ours_tok_s": best,
+                           "fraction": best / roof}
+    if args.profile_bs and runner.cuda_graph_runner is not None:
+        res["profile"] = {}
+        for bs in [int(x) for x in args.profile_bs.split(",") if x]:
+            try:
+                res["profile"][bs] = kernel_profile(runner, bs, args.input_len)
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("errors", []).append(f"profile bs{bs}: {e!r}")
+    save()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        hf_bs = [int(x) for x in (args.hf_batch_sizes or args.batch_sizes).split(",") if x]
+        res["hf"] = []
+        try:
+            hf_generate(args.shape, hf_bs, args.input_len, args.hf_output_len or args.output_len, res["hf"], save)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("transformers baseline failed")
+            res.setdefault("errors", []).append(f"hf: {e!r}")
+    save()
+    md = markdown(res)
+    with open(os.path.join(args.out, "decode_latency.md"), "w") as f:
+        f.write(md)
+    print(md)
+    for bs, rows in (res.get("profile") or {}).items():
+        print(f"top kernels, graph decode bs {bs}:")
+        for r in rows[:8]:
+            print(f"  {r['share']:6.1%} {r['us_per_step']:9.1f} us/step  x{r['calls_per_step']:.0f}  {r['kernel']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

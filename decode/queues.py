@@ -1,0 +1,132 @@
+"""The decode worker's three stages before a request joins the running batch.
+
+    PreallocQueue --(KV slots allocated, pages registered)--> TransferQueue
+        --(Success: KV + aux arrived)--> PrebuiltQueue --(admit_prefilled)--> scheduler.running
+
+The queues only poll the transfer layer and move entries; allocation and
+freeing are the scheduler's (``kvship.decode.scheduler``), which passes its
+allocation function to ``PreallocQueue.allocate``.  Everything here runs on
+the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from kvship.engine.disagg import KVManager, KVPoll
+from kvship.engine.schedule_batch import Req
+from kvship.prefill.pd_common import PDEntry, request_pages
+
+
+class PreallocQueue:
+    """Stage 1: a receiver exists for the room; the request waits for KV slots here.
+
+    Entries are served first come, first served: ``allocate`` stops at the
+    first request the scheduler cannot place, so a long prompt is not starved
+    by shorter ones behind it.  An entry holds no KV slots in this stage.
+    """
+
+    def __init__(self, manager: KVManager):
+        self.manager = manager
+        self.entries: dict[str, PDEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, req: Req, host: str, port: int, room: int) -> PDEntry:
+        """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed."""
+        entry = PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room)
+        self.entries[req.rid] = entry
+        return entry
+
+    def get(self, rid: str) -> Optional[PDEntry]:
+        return self.entries.get(rid)
+
+    def remove(self, rid: str) -> Optional[PDEntry]:
+        return self.entries.pop(rid, None)
+
+    def pop_failed(self) -> list[PDEntry]:
+        """Entries whose receiver failed while waiting for memory (bootstrap timeout)."""
+        failed = []
+        for rid, entry in list(self.entries.items()):
+            if entry.transfer.poll() == KVPoll.Failed:
+                del self.entries[rid]
+                failed.append(entry)
+        return failed
+
+    def allocate(self, alloc: Callable[[Req], Optional[torch.Tensor]], page_size: int) -> list[PDEntry]:
+        """Place requests in arrival order with ``alloc`` (slots or None); register their pages.
+
+        Returns the entries that got slots (now registered with prefill), removed from the queue.
+        """
+        moved = []
+        for rid, entry in list(self.entries.items()):
+            slots = alloc(entry.req)
+            if slots is None:
+                break
+            del self.entries[rid]
+            entry.transfer.init(request_pages(slots, page_size))
+            moved.append(entry)
+        return moved
+
+
+class TransferQueue:
+    """Stage 2: slots allocated and registered; prefill writes the KV and the aux record into them.
+
+    ``pop_done`` returns the entries whose receiver reached ``Success`` or
+    ``Failed``: only then may the scheduler free the slots of a failed one.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, PDEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: PDEntry) -> None:
+        self.entries[entry.rid] = entry
+
+    def get(self, rid: str) -> Optional[PDEntry]:
+        return self.entries.get(rid)
+
+    def reqs(self) -> list[Req]:
+        return [e.req for e in self.entries.values()]
+
+    def pop_done(self) -> list[tuple[PDEntry, KVPoll]]:
+        done = []
+        for rid, entry in list(self.entries.items()):
+            state = entry.transfer.poll()
+            if state.is_terminal:
+                del self.entries[rid]
+                done.append((entry, state))
+        return done
+
+
+class PrebuiltQueue:
+    """Stage 3 ("waiting"): the prompt's KV is in place and the first token known.
+
+    The scheduler turns these into running requests (a prebuilt extend: no
+    prompt compute) at the start of its next step.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, PDEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: PDEntry) -> None:
+        self.entries[entry.rid] = entry
+
+    def remove(self, rid: str) -> Optional[PDEntry]:
+        return self.entries.pop(rid, None)
+
+    def reqs(self) -> list[Req]:
+        return [e.req for e in self.entries.values()]
+
+    def pop_all(self) -> list[PDEntry]:
+        out = list(self.entries.values())
+        self.entries.clear()
+        return out

@@ -1,0 +1,393 @@
+"""``kvship local``: a whole PD deployment on this machine (router + N prefill + M decode workers).
+
+What it does, in order:
+
+1. picks the KV transfer backend (``--transfer-backend``, default ``auto``, see
+   ``resolve_transfer_backend``) and fails at once if the one asked for cannot load;
+2. starts every worker as a ``kvship serve --mode prefill|decode`` child process on
+   127.0.0.1 (free HTTP and bootstrap ports), with every worker flag given to
+   ``kvship local`` (``--model-path``, ``--device``, ``--page-size``, ...) passed
+   through unchanged;
+3. waits until each answers ``/health``; if a child exits or misses
+   ``--startup-timeout``, it prints that child's log tail, stops the others and
+   exits 1;
+4. starts ``kvship router --pd`` on ``--host``/``--port`` and waits for its
+   ``/readiness``, then prints the URL (``serving on http://...``);
+5. watches the children: Ctrl-C / SIGTERM stops them all (router first, then the
+   workers; SIGKILL after a grace period) and exits 0.  A worker that dies on
+   its own is reported and the router routes around it; when the router dies or
+   a role has no live worker left, the rest is stopped and the exit status is 1.
+
+Children run in their own sessions (a terminal's Ctrl-C reaches only this
+process, which then stops them in order) and get SIGTERM if this process dies
+without cleaning up (Linux parent-death signal).  Their output goes to one log
+file each under ``--log-dir`` (default: a new temporary folder, printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from kvship.engine.config import (TRANSFER_BACKENDS, ServerArgs, add_dataclass_arguments, dataclass_from_namespace,
+                                  opt)
+
+logger = logging.getLogger("kvship.local")
+
+# ServerArgs fields `kvship local` sets itself for every worker (all others pass through).
+_OWN_WORKER_FIELDS = frozenset({"host", "port", "mode", "disaggregation_bootstrap_port",
+                                "disaggregation_transfer_backend"})
+_ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two")
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """Flags of ``kvship local`` itself (worker flags come from ``ServerArgs``)."""
+
+    host: str = opt("127.0.0.1", "Address the router binds (workers always bind 127.0.0.1)")
+    port: int = opt(8000, "Router HTTP port: the URL clients use")
+    prefill: int = opt(1, "Number of prefill workers")
+    decode: int = opt(1, "Number of decode workers")
+    transfer_backend: str = opt("auto", "KV transfer backend (auto: tcp on CPU; with CUDA nixl if it loads, else "
+                                        "mooncake with --disaggregation-ib-device, else tcp)",
+                                choices=("auto",) + TRANSFER_BACKENDS)
+    policy: str = opt("cache_aware", "Router policy for both roles", choices=_ROUTER_POLICIES)
+    startup_timeout: float = opt(600.0, "Seconds every child may take to become healthy")
+    shutdown_grace: float = opt(15.0, "Seconds children get to exit after SIGTERM before SIGKILL")
+    log_dir: Optional[str] = opt(None, "Folder for the children's logs (default: a new temporary folder)")
+
+    def validate(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+        if self.startup_timeout <= 0 or self.shutdown_grace < 0:
+            raise ValueError("--startup-timeout must be > 0 and --shutdown-grace >= 0")
+
+
+def _worker_flags_class() -> type:
+    """A frozen dataclass of the ServerArgs fields that pass through to the workers."""
+    hints = typing.get_type_hints(ServerArgs)
+    specs = []
+    for f in dataclasses.fields(ServerArgs):
+        if f.name in _OWN_WORKER_FIELDS:
+            continue
+        default: Any = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        kw: dict[str, Any] = {"metadata": f.metadata}
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            kw["default_factory"] = f.default_factory  # type: ignore[misc]
+        else:
+            kw["default"] = default
+        specs.append((f.name, hints[f.name], dataclasses.field(**kw)))
+    return dataclasses.make_dataclass("WorkerFlags", specs, frozen=True)
+
+
+WorkerFlags = _worker_flags_class()
+
+
+def worker_argv(flags: Any) -> list[str]:
+    """``kvship serve`` arguments for the pass-through flags that differ from ServerArgs' defaults."""
+    defaults = ServerArgs()
+    out: list[str] = []
+    for f in dataclasses.fields(flags):
+        value = getattr(flags, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def resolve_transfer_backend(choice: str, device: str, ib_device: Optional[str] = None) -> str:
+    """The backend ``--transfer-backend`` names; ``auto`` picks the fastest for one machine.
+
+    Every worker of ``kvship local`` runs on this host, so ``auto`` follows what
+    ``bench/kv_transfer.py`` measured for two processes on one host
+    (docs/benchmarks.md, "KV transfer"):
+
+    * CPU: ``tcp``.  All three backends copy memory over loopback there; tcp
+      has the lowest per-request cost (~1 ms for 1 MiB vs 2-3 ms), handles
+      page size 1 (the default) well (0.4 s for a fully scattered 4096-token
+      SmolLM2 prompt, where Mooncake's tcp transport takes 11.7 s), and needs
+      no native library (UCX under NIXL busy-polls and crashes at exit with
+      Debian's ibverbs providers).
+    * CUDA: ``nixl`` when it loads (CUDA IPC between the GPUs of one host:
+      ~100 GB/s for that prompt), else ``mooncake`` when an RDMA device is
+      given (``--disaggregation-ib-device``), else ``tcp`` (Mooncake without
+      RDMA falls back to host TCP at 1.2-1.4 GB/s, below our tcp's ~2 GB/s).
+
+    Raises ``RuntimeError`` when an explicitly named backend cannot load.
+    """
+    from kvship.engine.disagg import BackendUnavailableError, available_transfer_backends, get_transfer_backend
+
+    if choice != "auto":
+        try:
+            get_transfer_backend(choice)
+        except BackendUnavailableError as e:
+            raise RuntimeError(str(e)) from None
+        return choice
+    if device == "cpu":
+        return "tcp"
+    usable = available_transfer_backends()
+    if "nixl" in usable:
+        return "nixl"
+    if ib_device and "mooncake" in usable:
+        return "mooncake"
+    return "tcp"
+
+
+def _resolved_device(device: str) -> str:
+    if device != "auto":
+        return device
+    return ServerArgs(device="auto").resolved_device
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM this child when its parent dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+class Child:
+    """One child process (a worker or the router) with its log file."""
+
+    def __init__(self, name: str, argv: list[str], url: str, log_path: str, health_path: str):
+        self.name = name
+        self.argv = argv
+        self.url = url
+        self.log_path = log_path
+        self.health_path = health_path
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvship.engine.cli", *self.argv], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
+
+    def exited(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=2.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or did not become healthy in time."""
+
+
+class _Stop(Exception):
+    """SIGINT / SIGTERM arrived."""
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+class LocalDeployment:
+    """The children of one ``kvship local`` run; ``start`` / ``watch`` / ``stop``."""
+
+    def __init__(self, cfg: LocalConfig, worker_args: list[str], backend: str, log_dir: str):
+        self.cfg = cfg
+        self.backend = backend
+        self.log_dir = log_dir
+        self.workers: list[Child] = []
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for i in range(count):
+                port = free_port()
+                argv = ["serve", "--mode", role, "--host", "127.0.0.1", "--port", str(port),
+                        "--disaggregation-transfer-backend", backend, *worker_args]
+                if role == "prefill":
+                    argv += ["--disaggregation-bootstrap-port", str(free_port())]
+                self.workers.append(Child(f"{role}-{i}", argv, f"http://127.0.0.1:{port}",
+                                          os.path.join(log_dir, f"{role}-{i}.log"), "/health"))
+        prefill_urls = [w.url for w in self.workers if w.name.startswith("prefill")]
+        decode_urls = [w.url for w in self.workers if w.name.startswith("decode")]
+        router_argv = ["router", "--pd", "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
+                       "--shutdown-timeout", str(min(cfg.shutdown_grace, 5.0)),
+                       "--prefill", *prefill_urls, "--decode", *decode_urls]
+        connect_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        self.router = Child("router", router_argv, f"http://{connect_host}:{cfg.port}",
+                            os.path.join(log_dir, "router.log"), "/readiness")
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.router, *self.workers]
+
+    def start(self) -> None:
+        """Start workers, then the router; raises ``ChildFailed`` (the others keep running: call ``stop``)."""
+        from tqdm import tqdm
+
+        for w in self.workers:
+            w.start()
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        with tqdm(total=len(self.workers) + 1, desc="starting kvship local", unit="process",
+                  disable=not sys.stderr.isatty()) as bar:
+            self._wait_healthy(self.workers, deadline, bar)
+            self.router.start()
+            self._wait_healthy([self.router], deadline, bar)
+
+    def _wait_healthy(self, children: Sequence[Child], deadline: float, bar: Any) -> None:
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                code = c.exited()
+                if code is not None:
+                    raise ChildFailed(f"{c.name} exited with status {code} while starting; its log "
+                                      f"({c.log_path}) ends with:\n{c.log_tail()}")
+                if c.healthy():
+                    pending.remove(c)
+                    bar.update(1)
+                    logger.info("%s ready at %s", c.name, c.url)
+            if pending and time.monotonic() > deadline:
+                c = pending[0]
+                raise ChildFailed(f"{c.name} was not healthy after --startup-timeout "
+                                  f"{self.cfg.startup_timeout:g} s; its log ({c.log_path}) ends with:\n{c.log_tail()}")
+            if pending:
+                time.sleep(0.25)
+
+    def watch(self) -> None:
+        """Serve until a signal arrives (``_Stop``).
+
+        A worker that dies is reported (with its log tail) and the router keeps
+        routing around it; ``ChildFailed`` is raised when the router dies or a
+        role has no live worker left.
+        """
+        reported: set[str] = set()
+        while True:
+            code = self.router.exited()
+            if code is not None:
+                raise ChildFailed(f"the router exited with status {code}; its log ({self.router.log_path}) "
+                                  f"ends with:\n{self.router.log_tail()}")
+            for c in self.workers:
+                code = c.exited()
+                if code is not None and c.name not in reported:
+                    reported.add(c.name)
+                    logger.error("%s (%s) exited with status %s; the router routes around it. Its log (%s) ends "
+                                 "with:\n%s", c.name, c.url, code, c.log_path, c.log_tail(20))
+            for role in ("prefill", "decode"):
+                if all(c.exited() is not None for c in self.workers if c.name.startswith(role)):
+                    raise ChildFailed(f"every {role} worker has exited; stopping")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM the router, then the workers; SIGKILL whatever outlives ``--shutdown-grace``."""
+        for group in ([self.router], self.workers):
+            live = [c for c in group if c.proc is not None and c.proc.poll() is None]
+            for c in live:
+                c.signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.shutdown_grace
+            for c in live:
+                assert c.proc is not None
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not exit within %g s; killing it", c.name, self.cfg.shutdown_grace)
+                    c.signal(signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        c.proc.wait(10)
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "local", help="run router + prefill + decode workers on this machine",
+        description="Start a PD deployment on this machine: `kvship router --pd` on --port plus --prefill "
+                    "prefill and --decode decode workers (`kvship serve --mode ...`). Every worker flag below "
+                    "is passed to each worker. Ctrl-C stops everything.")
+    add_dataclass_arguments(parser, LocalConfig)
+    group = parser.add_argument_group("worker flags (passed to every worker)")
+    add_dataclass_arguments(group, WorkerFlags)  # type: ignore[arg-type]
+    parser.set_defaults(func=run, _local_parser=parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvship.engine.serve_cli import setup_logging
+
+    cfg: LocalConfig = dataclass_from_namespace(LocalConfig, args)
+    flags = dataclass_from_namespace(WorkerFlags, args)
+    setup_logging(flags.log_level)
+    try:
+        cfg.validate()
+        ServerArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}).validate()
+        backend = resolve_transfer_backend(cfg.transfer_backend, _resolved_device(flags.device),
+                                           flags.disaggregation_ib_device)
+    except (ValueError, RuntimeError) as e:
+        logger.error("invalid settings: %s", e)
+        return 2
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="kvship-local-")
+    os.makedirs(log_dir, exist_ok=True)
+    deployment = LocalDeployment(cfg, worker_argv(flags), backend, log_dir)
+    logger.info("starting %d prefill + %d decode workers (transfer backend %s); logs in %s",
+                cfg.prefill, cfg.decode, backend, log_dir)
+    old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        deployment.start()
+        print(f"kvship local: serving on {deployment.router.url} ({cfg.prefill} prefill + {cfg.decode} decode "
+              f"workers, KV transfer {backend}; logs in {log_dir}); Ctrl-C stops", flush=True)
+        deployment.watch()
+    except _Stop as e:
+        logger.info("%s received: stopping every child", e)
+    except ChildFailed as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        # A second Ctrl-C must not interrupt the shutdown itself.
+        for sig in old:
+            signal.signal(sig, signal.SIG_IGN)
+        deployment.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    logger.info("kvship local stopped")
+    return code

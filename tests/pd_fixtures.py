@@ -1,0 +1,325 @@
+"""Helpers for the PD tests (test code only; importable, not a test module).
+
+In-process (fast, no HTTP):
+
+* ``Collector``: an ``output_sink`` that keeps every ``TokenChunk``.
+* ``SchedulerThread``: a scheduler stepping in a daemon thread (``stop()`` ends it,
+  which runs its shutdown path).
+* ``InProcessPD(model_dir, ...)``: a ``PrefillScheduler`` and a ``DecodeScheduler``
+  on their own ``ModelRunner``s (new, or reused through ``runners=``) in this process, talking through the real transfer
+  layer on loopback.  ``submit(rid, ids, ...)`` sends a request to both with a fresh
+  room (or only to one side), ``wait(rids)`` waits for the decode side's finished
+  chunks, ``tokens(rid)`` / ``finish(rid)`` read them, ``wait_idle()`` waits until
+  both sides hold no request and every KV slot is free.
+* ``unified_greedy(model_dir, prompts, max_new, **server_args)``: the unified
+  scheduler's greedy outputs (the reference PD must equal), cached per arguments.
+* ``make_prompts(n, seed, lo, hi)``: random token-id prompts for the tiny models.
+
+Real processes (``kvship local`` on loopback):
+
+* ``start_local(args, env=None)``: context manager running ``kvship local <args>
+  --port <free>`` until its router is ready; yields a ``LocalCluster`` with ``url``,
+  ``workers(role)`` (URLs from the router's ``/workers``), ``info(url)``,
+  ``pid(url)``, ``generate(...)`` and ``wait_free(urls)``.  On exit it sends SIGINT
+  (the real Ctrl-C path) and SIGKILLs the process group only as a last resort.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import httpx
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_VOCAB = 384
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 120, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+# ----------------------------------------------------------------------------------- in process
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.lock = threading.Lock()
+
+    def __call__(self, chunks: list) -> None:
+        with self.lock:
+            self.chunks.extend(chunks)
+
+    def tokens(self, rid: str) -> list[int]:
+        with self.lock:
+            return [t for c in self.chunks if c.rid == rid for t in c.token_ids]
+
+    def finished(self, rid: str) -> list:
+        with self.lock:
+            return [c for c in self.chunks if c.rid == rid and c.finished]
+
+
+class SchedulerThread:
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=scheduler.run_forever, args=(self.stop_event,), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "scheduler thread did not stop"
+
+
+def _server_args(model_dir: str, **kw: Any):
+    from kvship.engine.config import ServerArgs
+    args = dict(model_path=model_dir, device="cpu", max_total_tokens=8192)
+    args.update(kw)
+    return ServerArgs(**args)
+
+
+class InProcessPD:
+    """Prefill + decode schedulers in this process (see the module docstring)."""
+
+    _rooms = itertools.count(1000)
+
+    def __init__(self, model_dir: str, *, backend: str = "tcp", prefill_kv: Optional[dict] = None,
+                 decode_kv: Optional[dict] = None, prefill_args: Optional[dict] = None,
+                 decode_args: Optional[dict] = None, runners: Optional[tuple] = None, **common: Any):
+        from kvship.decode.scheduler import DecodeScheduler
+        from kvship.engine.disagg import KVTransferConfig
+        from kvship.engine.model_runner import ModelRunner
+        from kvship.prefill.scheduler import PrefillScheduler
+
+        psa = _server_args(model_dir, mode="prefill", disaggregation_transfer_backend=backend,
+                           **{**common, **(prefill_args or {})})
+        dsa = _server_args(model_dir, mode="decode", disaggregation_transfer_backend=backend,
+                           **{**common, **(decode_args or {})})
+        self.p_out, self.d_out = Collector(), Collector()
+        # ``runners``: (prefill, decode) ModelRunners to reuse (their pools must be empty: run with
+        # disable_radix_cache so no KV stays behind in a cache the next scheduler would not know)
+        p_runner, d_runner = runners if runners is not None else (ModelRunner(psa), ModelRunner(dsa))
+        self.prefill = PrefillScheduler(psa, p_runner, None, self.p_out,
+                                        kv_config=KVTransferConfig(backend=backend, bootstrap_port=0,
+                                                                   **(prefill_kv or {})))
+        try:
+            self.decode = DecodeScheduler(dsa, d_runner, None, self.d_out,
+                                          kv_config=KVTransferConfig(backend=backend, **(decode_kv or {})))
+        except BaseException:
+            self.prefill.close()
+            raise
+        self.p_thread = SchedulerThread(self.prefill)
+        self.d_thread = SchedulerThread(self.decode)
+
+    def close(self) -> None:
+        self.p_thread.stop()
+        self.d_thread.stop()
+
+    def __enter__(self) -> "InProcessPD":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def request(self, rid: str, ids: Sequence[int], room: int, max_new: int = 16, port: Optional[int] = None,
+                **kw: Any):
+        from kvship.engine.io_struct import GenerateRequest, SamplingParams
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        return GenerateRequest(rid=rid, input_ids=list(ids), sampling_params=sp, bootstrap_host="127.0.0.1",
+                               bootstrap_port=port or self.prefill.bootstrap_port, bootstrap_room=room, **kw)
+
+    def submit(self, rid: str, ids: Sequence[int], max_new: int = 16, to: str = "both",
+               room: Optional[int] = None, **kw: Any) -> int:
+        room = next(self._rooms) if room is None else room
+        if to in ("both", "prefill"):
+            self.prefill.submit(self.request(rid, ids, room, max_new, **kw))
+        if to in ("both", "decode"):
+            self.decode.submit(self.request(rid, ids, room, max_new, **kw))
+        return room
+
+    def tokens(self, rid: str) -> list[int]:
+        return self.d_out.tokens(rid)
+
+    def finish(self, rid: str, side: str = "decode") -> Optional[dict]:
+        fin = (self.d_out if side == "decode" else self.p_out).finished(rid)
+        assert len(fin) <= 1, f"{rid} finished {len(fin)} times on {side}"
+        return fin[0].finish_reason if fin else None
+
+    def wait(self, rids: Sequence[str], side: str = "decode", timeout: float = 60.0) -> None:
+        out = self.d_out if side == "decode" else self.p_out
+        deadline = time.monotonic() + timeout
+        while not all(out.finished(r) for r in rids):
+            if time.monotonic() > deadline:
+                missing = [r for r in rids if not out.finished(r)]
+                raise AssertionError(f"{side}: {len(missing)} requests unfinished after {timeout} s: {missing[:5]}")
+            time.sleep(0.02)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Both schedulers hold no request and report every KV slot free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = [s.get_stats() for s in (self.prefill, self.decode)]
+            busy = [s for s in (self.prefill, self.decode) if s.reqs]
+            if not busy and all(st["free_slots"] == st["total_slots"] for st in stats):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle after {timeout} s: prefill {stats[0]}, decode {stats[1]}")
+            time.sleep(0.05)
+
+
+_UNIFIED_CACHE: dict = {}
+
+
+def unified_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new: int, **kw: Any) -> list[list[int]]:
+    """Greedy outputs of the unified scheduler (all prompts submitted at once)."""
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.model_runner import ModelRunner
+    from kvship.engine.scheduler import Scheduler
+
+    key = (model_dir, tuple(map(tuple, prompts)), max_new, tuple(sorted(kw.items())))
+    if key not in _UNIFIED_CACHE:
+        sa = _server_args(model_dir, **kw)
+        out = Collector()
+        sched = Scheduler(sa, ModelRunner(sa), None, out)
+        for i, p in enumerate(prompts):
+            sched.submit(GenerateRequest(rid=f"u{i}", input_ids=list(p),
+                                         sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0)))
+        for _ in range(100000):
+            sched.step()
+            if not sched.has_work() and sched._inbox.empty():
+                break
+        assert all(out.finished(f"u{i}") for i in range(len(prompts)))
+        _UNIFIED_CACHE[key] = [out.tokens(f"u{i}") for i in range(len(prompts))]
+    return _UNIFIED_CACHE[key]
+
+
+# ----------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class LocalCluster:
+    url: str
+    proc: subprocess.Popen
+    log_dir: str
+    stdout_path: str
+
+    def workers(self, role: str) -> list[str]:
+        data = httpx.get(self.url + "/workers", timeout=10).json()
+        return sorted(w["url"] for w in data["workers"] if w["role"] == role)
+
+    @staticmethod
+    def info(url: str) -> dict:
+        return httpx.get(url + "/get_server_info", timeout=10).json()
+
+    def pid(self, url: str) -> int:
+        return int(self.info(url)["pid"])
+
+    def generate(self, ids: Sequence[int], max_new: int = 16, timeout: float = 120.0, **body: Any) -> httpx.Response:
+        payload = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
+        payload.update(body)
+        return httpx.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def wait_free(self, urls: Sequence[str], timeout: float = 30.0) -> None:
+        """Every worker in ``urls`` reports free_slots == total_slots and no request in any queue."""
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = {u: self.info(u) for u in urls}
+            bad = {u: {k: i.get(k) for k in ("free_slots", "total_slots", "running", "waiting", "active_requests",
+                                              "bootstrap_queue", "inflight_queue", "prealloc_queue",
+                                              "transfer_queue", "prebuilt_queue")}
+                   for u, i in infos.items()
+                   if i["free_slots"] != i["total_slots"] or i.get("active_requests", 0) or
+                   any(i.get(q, 0) for q in ("bootstrap_queue", "inflight_queue", "prealloc_queue",
+                                             "transfer_queue", "prebuilt_queue", "running", "waiting"))}
+            if not bad:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold KV or requests after {timeout} s: {bad}")
+            time.sleep(0.1)
+
+    def log(self, name: str, n: int = 60) -> str:
+        path = self.stdout_path if name == "local" else os.path.join(self.log_dir, f"{name}.log")
+        try:
+            with open(path, "rb") as f:
+                return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def start_local(args: Sequence[str], env: Optional[dict[str, str]] = None,
+                timeout: float = 300.0) -> Iterator[LocalCluster]:
+    """Run ``kvship local <args>`` until its router is ready; SIGINT it on exit."""
+    port = free_port()
+    log_dir = tempfile.mkdtemp(prefix="kvship-pd-test-")
+    stdout_path = os.path.join(log_dir, "local.out")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = [sys.executable, "-m", "kvship.engine.cli", "local", "--port", str(port), "--log-dir", log_dir,
+           "--shutdown-grace", "10", *args]
+    with open(stdout_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                                cwd=ROOT, start_new_session=True)
+    cluster = LocalCluster(url=f"http://127.0.0.1:{port}", proc=proc, log_dir=log_dir, stdout_path=stdout_path)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvship local exited with {proc.returncode}:\n{cluster.log('local')}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(cluster.url + "/readiness", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvship local not ready after {timeout} s:\n{cluster.log('local')}")
+            time.sleep(0.3)
+        yield cluster
+    finally:
+        stop_local(proc)
+
+
+def stop_local(proc: subprocess.Popen, timeout: float = 60.0) -> Optional[int]:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0): look at its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,117 @@
+"""The Helm chart lints, renders valid Kubernetes objects, grants only what the operator uses, and runs it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kube_emulator import find_tool
+from kvship.operator.builders import CHILD_KINDS
+from kvship.operator.config import OperatorConfig
+from kvship.operator.crd import render_crd_yaml
+from kvship.operator.kube import KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "kvship-operator"
+HELM = find_tool("helm")
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm not installed: run .ci/install-k8s-tools.sh")
+if HELM is None:
+    print("test_helm: skipped, helm not found (.ci/install-k8s-tools.sh installs it)")
+
+
+def helm(*args: str) -> str:
+    out = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def render(*sets: str, crds: bool = False) -> list[dict]:
+    args = ["template", "kvship", str(CHART), "--namespace", "kvship-system"]
+    if crds:
+        args.append("--include-crds")
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args)) if d]
+
+
+def test_chart_lints():
+    assert "0 chart(s) failed" in helm("lint", str(CHART), "--strict")
+
+
+@pytest.mark.parametrize("sets", [(), ("watch.namespaces={ml,research}",), ("serviceAccount.create=false",
+                                                                              "serviceAccount.name=ops")])
+def test_rendered_objects_pass_the_kubernetes_schema(sets):
+    docs = render(*sets, crds=True)
+    assert any(d["kind"] == "CustomResourceDefinition" for d in docs)
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.35.0", strict=True)
+
+
+def test_chart_crd_is_the_generated_one():
+    assert (CHART / "crds" / "inferenceservices.kvship.io.yaml").read_text() == render_crd_yaml()
+
+
+def _deployment(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "Deployment")
+
+
+def _operator_args(docs: list[dict]) -> argparse.Namespace:
+    args = _deployment(docs)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "operator"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    OperatorConfig.add_cli_args(parser)
+    return parser.parse_args(args[1:])
+
+
+def test_operator_deployment_is_non_root_single_and_probed():
+    dep = _deployment(render())
+    spec = dep["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert c["image"] == "ghcr.io/kvship/operator:0.1.0"
+
+
+def test_cluster_wide_by_default_and_namespaced_when_asked():
+    ns = _operator_args(render())
+    cfg = OperatorConfig(**vars(ns))
+    cfg.validate()
+    assert cfg.clusterwide and cfg.worker_image == "ghcr.io/kvship/worker:0.1.0" and cfg.liveness_port == 8080
+    docs = render("watch.namespaces={ml,research}", "workerImage=reg/w:9")
+    cfg = OperatorConfig(**vars(_operator_args(docs)))
+    assert cfg.namespace == ["ml", "research"] and not cfg.clusterwide and cfg.worker_image == "reg/w:9"
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert {g for r in cluster_role["rules"] for g in r["apiGroups"]} == {"apiextensions.k8s.io", ""}
+
+
+def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+
+
+def test_rbac_covers_what_the_operator_does_and_nothing_more():
+    cluster_role = next(d for d in render() if d["kind"] == "ClusterRole")
+    grants = _grants(cluster_role["rules"])
+    assert not any("*" in g for g in grants), "no wildcards"
+    for api_version, kind in CHILD_KINDS:
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        plural = KINDS[(api_version, kind)][0]
+        for verb in ("get", "list", "create", "patch", "delete"):
+            assert (group, plural, verb) in grants, (group, plural, verb)
+    for verb in ("get", "list", "watch", "patch"):
+        assert ("kvship.io", "inferenceservices", verb) in grants
+    assert ("kvship.io", "inferenceservices/status", "patch") in grants
+    assert ("", "events", "create") in grants
+    assert ("", "pods", "list") in grants and ("", "pods", "create") not in grants
+    assert not any(res == "secrets" for _, res, _ in grants), "the operator never reads Secrets"
+    assert not any(v in ("update", "escalate", "bind", "impersonate") for _, _, v in grants)

@@ -1,0 +1,301 @@
+"""Layer 2: the pure builders emit valid, hardened Kubernetes objects whose argv the workers and router accept."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvship.engine.config import ServerArgs, add_dataclass_arguments
+from kvship.operator.builders import Images, build_children
+from kvship.operator.builders.workers import EP_FLAG, SPEC_FLAGS, TP_FLAG
+from kvship.operator.spec import parse_service
+from kvship.router.config import RouterConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
+EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
+# Worker flags for features whose engine support lands with later issues (tensor/expert parallelism,
+# speculative decoding); the builders emit them only when the spec asks for those features.
+PENDING_WORKER_FLAGS = {TP_FLAG, EP_FLAG, *SPEC_FLAGS.values()}
+
+
+def config(spec: dict, name: str = "svc"):
+    return parse_service({"metadata": {"name": name, "namespace": "ml", "uid": "uid-1", "generation": 1},
+                          "spec": spec})
+
+
+def example(path: str):
+    body = yaml.safe_load(Path(path).read_text())
+    body["metadata"].update(namespace="ml", uid="uid-1", generation=1)
+    return parse_service(body)
+
+
+def by_kind(children: list[dict], kind: str) -> dict[str, dict]:
+    return {c["metadata"]["name"]: c for c in children if c["kind"] == kind}
+
+
+def container(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def server_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+def router_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_dataclass_arguments(p, RouterConfig)
+    return p
+
+
+PD = {"model": {"uri": "hf://org/model"}, "prefill": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+      "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+      "kvTransfer": {"backend": "mooncake", "rdmaDevices": ["mlx5_0", "mlx5_1"], "bootstrapPort": 9000}}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
+def test_every_child_of_every_example_passes_the_kubernetes_schema(path):
+    for obj in build_children(example(path), IMAGES):
+        kubernetes_validate.validate(obj, "1.35.0", strict=True)
+
+
+def test_unified_children_and_names():
+    children = build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES)
+    kinds = sorted((c["kind"], c["metadata"]["name"]) for c in children)
+    assert kinds == [("ConfigMap", "svc-config"), ("Deployment", "svc-router"), ("Deployment", "svc-worker"),
+                     ("Role", "svc-router"), ("RoleBinding", "svc-router"), ("Service", "svc-router"),
+                     ("Service", "svc-worker"), ("ServiceAccount", "svc-router")]
+
+
+def test_pd_children_add_prefill_and_decode_roles():
+    names = {(c["kind"], c["metadata"]["name"]) for c in build_children(config(PD), IMAGES)}
+    assert {("Deployment", "svc-prefill"), ("Deployment", "svc-decode"), ("Service", "svc-prefill"),
+            ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode")} <= names
+    assert ("Deployment", "svc-worker") not in names
+
+
+def test_every_child_is_owned_labelled_and_namespaced():
+    for obj in build_children(config(PD), IMAGES):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{"apiVersion": "kvship.io/v1alpha1", "kind": "InferenceService",
+                                            "name": "svc", "uid": "uid-1", "controller": True,
+                                            "blockOwnerDeletion": True}]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "svc"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvship-operator"
+        assert meta["labels"]["app.kubernetes.io/name"] == "kvship"
+
+
+def test_builders_are_deterministic():
+    assert build_children(config(PD), IMAGES) == build_children(config(PD), IMAGES)
+
+
+def test_unified_worker_and_router_arguments():
+    deps = by_kind(build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES), "Deployment")
+    w = container(deps["svc-worker"])
+    assert w["args"][:8] == ["serve", "--host", "0.0.0.0", "--port", "30000", "--mode", "unified",
+                             "--served-model-name"]
+    assert "--model-path" not in w["args"] and not any(a.startswith("--disaggregation") for a in w["args"])
+    ns = router_parser().parse_args(container(deps["svc-router"])["args"][1:])
+    cfg = RouterConfig(**{k: v for k, v in vars(ns).items()})
+    assert cfg.service_discovery and not cfg.pd and cfg.namespace == "ml"
+    assert cfg.selector_labels == deps["svc-worker"]["spec"]["selector"]["matchLabels"]
+    assert cfg.service_discovery_port == 30000
+
+
+def test_pd_arguments_and_router_selectors_match_the_pods():
+    cfg = config(dict(PD, router={"prefillPolicy": "round_robin", "decodePolicy": "shortest_queue"}))
+    deps = by_kind(build_children(cfg, IMAGES), "Deployment")
+    p, d = container(deps["svc-prefill"])["args"], container(deps["svc-decode"])["args"]
+    assert p[p.index("--mode") + 1] == "prefill" and d[d.index("--mode") + 1] == "decode"
+    for args in (p, d):
+        assert args[args.index("--disaggregation-transfer-backend") + 1] == "mooncake"
+        assert args[args.index("--disaggregation-ib-device") + 1] == "mlx5_0,mlx5_1"
+        assert args[args.index("--model-path") + 1] == "/cache/models/org/model/main"
+    assert p[p.index("--disaggregation-bootstrap-port") + 1] == "9000"
+    assert "--disaggregation-bootstrap-port" not in d
+    ns = router_parser().parse_args(container(deps["svc-router"])["args"][1:])
+    rc = RouterConfig(**vars(ns))
+    assert rc.pd and rc.resolved_prefill_policy == "round_robin" and rc.resolved_decode_policy == "shortest_queue"
+    for role, labels in (("prefill", rc.prefill_selector_labels), ("decode", rc.decode_selector_labels)):
+        pod_labels = deps[f"svc-{role}"]["spec"]["template"]["metadata"]["labels"]
+        assert labels.items() <= pod_labels.items() and labels["kvship.io/role"] == role
+    ports = {pt["name"]: pt["containerPort"] for pt in container(deps["svc-prefill"])["ports"]}
+    assert ports == {"http": 30000, "bootstrap": 9000}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
+def test_worker_arguments_parse_with_the_worker_cli(path):
+    cfg = example(path)
+    for dep in by_kind(build_children(cfg, IMAGES), "Deployment").values():
+        args = container(dep)["args"]
+        if args[0] != "serve":
+            continue
+        ns, unknown = server_parser().parse_known_args(args[1:])
+        flags = {a for a in unknown if a.startswith("--")}
+        assert flags <= PENDING_WORKER_FLAGS, f"flags kvship serve does not know: {flags - PENDING_WORKER_FLAGS}"
+        ServerArgs.from_cli_args(ns).validate()
+        assert ns.served_model_name == cfg.served_name
+
+
+def test_pending_worker_flags_appear_only_when_their_feature_is_asked_for():
+    for args in (container(d)["args"] for d in by_kind(build_children(config(PD), IMAGES), "Deployment").values()):
+        assert not PENDING_WORKER_FLAGS & set(args)
+    spec = {"model": {"uri": "hf://a/b"}, "decode": {"tensorParallelSize": 2, "expertParallelSize": 2,
+                                                     "resources": {"limits": {"nvidia.com/gpu": 2}},
+                                                     "speculative": {"algorithm": "eagle", "draftModel": "hf://a/d"}}}
+    args = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"])["args"]
+    assert args[args.index(TP_FLAG) + 1] == "2" and args[args.index(EP_FLAG) + 1] == "2"
+    assert args[args.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
+    assert args[args.index(SPEC_FLAGS["draft"]) + 1] == "/cache/models/a/d/main"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
+def test_router_arguments_parse_with_the_router_cli(path):
+    cfg = example(path)
+    args = container(by_kind(build_children(cfg, IMAGES), "Deployment")[f"{cfg.name}-router"])["args"]
+    assert args[0] == "router"
+    RouterConfig(**vars(router_parser().parse_args(args[1:]))).validate()
+
+
+def test_values_from_the_resource_stay_single_arguments_without_a_shell():
+    spec = {"model": {"uri": "builtin:smollm2", "servedName": "x; rm -rf / $(id)"},
+            "engine": {"extraArgs": ["--page-size", "16"]}}
+    for obj in build_children(config(spec), IMAGES):
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c.get("command") in (None, ["hf"])
+            assert all(isinstance(a, str) for a in c["args"])
+            assert "sh" not in c["args"] and "-c" not in c["args"]
+    w = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"])["args"]
+    assert w[w.index("--served-model-name") + 1] == "x; rm -rf / $(id)" and w[-2:] == ["--page-size", "16"]
+
+
+def test_pods_run_non_root_read_only_with_probes_and_resources_passed_through():
+    resources = {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}, "requests": {"cpu": "8"}}
+    spec = dict(PD, decode={"replicas": 1, "resources": resources})
+    for dep in by_kind(build_children(config(spec), IMAGES), "Deployment").values():
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+        c = pod["containers"][0]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounts
+        if c["name"] == "worker":
+            assert {"/cache", "/dev/shm"} <= mounts and pod["automountServiceAccountToken"] is False
+            assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
+    decode = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-decode"])
+    assert decode["resources"] == resources
+
+
+def test_gpu_roles_roll_without_surge_and_cpu_roles_surge():
+    deps = by_kind(build_children(config(dict(PD, decode={"replicas": 1})), IMAGES), "Deployment")
+    assert deps["svc-prefill"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert deps["svc-decode"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_autoscaled_roles_leave_replicas_to_their_hpa():
+    spec = dict(PD, decode={"autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metric": "kvship_num_running_requests",
+                                            "target": "32"}},
+                router={"autoscaling": {"maxReplicas": 3, "target": 70}})
+    children = build_children(config(spec), IMAGES)
+    deps, hpas = by_kind(children, "Deployment"), by_kind(children, "HorizontalPodAutoscaler")
+    assert "replicas" not in deps["svc-decode"]["spec"] and deps["svc-prefill"]["spec"]["replicas"] == 2
+    dec = hpas["svc-decode"]["spec"]
+    assert dec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "svc-decode"}
+    assert (dec["minReplicas"], dec["maxReplicas"]) == (2, 8)
+    assert dec["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "kvship_num_running_requests"},
+                                                        "target": {"type": "AverageValue", "averageValue": "32"}}}]
+    assert hpas["svc-router"]["spec"]["metrics"][0]["resource"] == {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
+    assert set(by_kind(children, "PodDisruptionBudget")) == {"svc-prefill", "svc-decode", "svc-router"}
+
+
+def test_single_pod_roles_get_no_disruption_budget():
+    assert not by_kind(build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES), "PodDisruptionBudget")
+
+
+def test_hf_models_download_in_an_init_container_with_the_token_only_there():
+    spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@abc123",
+                      "hfTokenSecretRef": {"name": "hf", "key": "token"}, "cacheVolumeClaim": "cache-pvc"}}
+    pod = by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    target = "/cache/models/meta-llama/Llama-3.1-8B-Instruct/abc123"
+    assert init["command"] == ["hf"]
+    assert init["args"] == ["download", "meta-llama/Llama-3.1-8B-Instruct", "--local-dir", target,
+                            "--revision", "abc123"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
+    worker = pod["containers"][0]
+    assert "HF_TOKEN" not in {e["name"] for e in worker["env"]}
+    assert worker["args"][worker["args"].index("--model-path") + 1] == target
+    assert {"name": "cache", "persistentVolumeClaim": {"claimName": "cache-pvc"}} in pod["volumes"]
+
+
+def test_pvc_models_mount_read_only():
+    pod = by_kind(build_children(config({"model": {"uri": "pvc://weights/llama/8b"}}), IMAGES),
+                  "Deployment")["svc-worker"]["spec"]["template"]["spec"]
+    assert {"name": "weights-0", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    worker = pod["containers"][0]
+    assert {"name": "weights-0", "mountPath": "/weights/weights", "readOnly": True} in worker["volumeMounts"]
+    assert worker["args"][worker["args"].index("--model-path") + 1] == "/weights/weights/llama/8b"
+    assert "initContainers" not in pod
+
+
+def test_api_key_secret_reaches_router_and_workers_by_environment():
+    spec = {"model": {"uri": "builtin:smollm2"}, "router": {"apiKeySecretRef": {"name": "k", "key": "api-key"}}}
+    env = {"name": "KVSHIP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}
+    deps = by_kind(build_children(config(spec), IMAGES), "Deployment")
+    for dep in deps.values():
+        c = container(dep)
+        assert env in c["env"] and "--api-key" not in c["args"]
+
+
+def test_router_rbac_only_reads_pods():
+    children = build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES)
+    role = by_kind(children, "Role")["svc-router"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = by_kind(children, "RoleBinding")["svc-router"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "svc-router", "namespace": "ml"}]
+    pod = by_kind(children, "Deployment")["svc-router"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "svc-router"
+
+
+def test_router_service_type_port_and_config_map_record():
+    spec = {"model": {"uri": "builtin:smollm2"},
+            "router": {"service": {"type": "LoadBalancer", "port": 80, "annotations": {"lb": "internal"}}}}
+    children = build_children(config(spec), IMAGES)
+    svc = by_kind(children, "Service")["svc-router"]
+    assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"] == {"lb": "internal"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert by_kind(children, "Service")["svc-worker"]["spec"]["clusterIP"] == "None"
+    cm = by_kind(children, "ConfigMap")["svc-config"]["data"]
+    argv = json.loads(cm["args.json"])
+    assert argv["unified"] == container(by_kind(children, "Deployment")["svc-worker"])["args"]
+    assert cm["mode"] == "unified"
+
+
+def test_images_default_to_the_operators_and_spec_overrides_them():
+    deps = by_kind(build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES), "Deployment")
+    assert container(deps["svc-worker"])["image"] == "reg/worker:1"
+    assert container(deps["svc-router"])["image"] == "reg/router:1"
+    spec = {"model": {"uri": "builtin:smollm2"}, "engine": {"image": "mine/w:2", "imagePullPolicy": "Always"},
+            "router": {"image": "mine/r:2"}}
+    deps = by_kind(build_children(config(spec), IMAGES), "Deployment")
+    assert (container(deps["svc-worker"])["image"], container(deps["svc-worker"])["imagePullPolicy"]) == \
+        ("mine/w:2", "Always")
+    assert container(deps["svc-router"])["image"] == "mine/r:2"
