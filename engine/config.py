@@ -103,7 +103,7 @@ class ServerArgs:
     # HTTP
     host: str = opt("127.0.0.1", "Address the HTTP server binds")
     port: int = opt(30000, "HTTP port")
-    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health")
+    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health (env: KVSHIP_API_KEY)")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
 

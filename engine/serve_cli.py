@@ -8,7 +8,9 @@ invalid settings (argparse style) and 1 when the model cannot be loaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import sys
 
 from kvship.engine.config import ServerArgs
@@ -38,6 +40,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
 def run(args: argparse.Namespace) -> int:
     server_args = ServerArgs.from_cli_args(args)
+    if server_args.api_key is None and os.environ.get("KVSHIP_API_KEY"):
+        # pods get the key from a Secret through the environment, never on the command line
+        server_args = dataclasses.replace(server_args, api_key=os.environ["KVSHIP_API_KEY"])
     setup_logging(server_args.log_level)
     try:
         server_args.validate()
