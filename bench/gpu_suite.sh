@@ -14,7 +14,8 @@
 #   smoke       bench/decode_latency.py, short run    -> $OUT/decode_latency.{json,md}
 #   offline     bench/offline_throughput.py on cuda   -> $OUT/offline_throughput.log
 #   kvtransfer  bench/kv_transfer.py --device cuda    -> $OUT/kv_transfer.log (if the script exists)
-# Knobs: BENCH_ARGS (extra decode_latency args), TEST_ARGS (extra pytest args), TEST_TIMEOUT (s).
+# Knobs: BENCH_ARGS (extra decode_latency args), TEST_ARGS (extra pytest args), TEST_PATHS (default tests/gpu;
+#        list a file first to run it first), TEST_TIMEOUT, BENCH_TIMEOUT (s).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s); el() { echo $(( $(date +%s) - START )); }
@@ -48,7 +49,7 @@ find /tmp/fiws -name '*.so' 2>/dev/null | sort > /tmp/jit_before.txt
 
 if [[ " $PARTS " == *" tests "* ]]; then
   echo "== tests/gpu [$(el)s]"
-  timeout -k 10 "${TEST_TIMEOUT:-480}" python3 -m pytest tests/gpu -v -rs --timeout 240 -p no:cacheprovider \
+  timeout -k 10 "${TEST_TIMEOUT:-480}" python3 -m pytest ${TEST_PATHS:-tests/gpu} -v -rs --timeout 240 -p no:cacheprovider \
     ${TEST_ARGS:-} > /tmp/gpu_tests.log 2>&1
   echo "pytest rc=$?"
   grep -E "PASSED|FAILED|ERROR|SKIPPED" /tmp/gpu_tests.log | sed 's/ *\[ *[0-9]*%\]//' | cut -c1-220

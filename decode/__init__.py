@@ -15,5 +15,5 @@ Life cycle of a request on a decode worker (one small class per stage)::
                    tokens streamed to the client; finished KV goes to the radix cache
 
 ``DecodeScheduler`` (kvship.decode.scheduler) glues the stages onto the
-unified scheduler.  Speculative decoding lives in ``kvship.decode.spec``.
+unified scheduler.
 """

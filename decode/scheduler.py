@@ -42,7 +42,7 @@ from kvship.engine.io_struct import GenerateRequest, TokenChunk
 from kvship.engine.schedule_batch import Req, ScheduleBatch, finish_abort
 from kvship.engine.schedule_policy import SchedulerTuning
 from kvship.engine.scheduler import Scheduler
-from kvship.prefill.pd_common import PD_POLL_S, PDEntry, make_kv_manager
+from kvship.prefill.pd_common import PDEntry, TransferPollBackoff, make_kv_manager
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class DecodeScheduler(Scheduler):
         self.transfer_queue = TransferQueue()
         self.prebuilt_queue = PrebuiltQueue()
         self.pd_counters: Counter = Counter()
+        self._poll = TransferPollBackoff()
         try:
             super().__init__(server_args, model_runner, tokenizer, output_sink, tuning)
         except BaseException:
@@ -128,7 +129,7 @@ class DecodeScheduler(Scheduler):
 
     def _drain_inbox(self, block_s: float) -> None:
         if self._transfers_pending() and not Scheduler.has_work(self):
-            block_s = PD_POLL_S  # nothing to compute, but transfers to watch: poll soon, without spinning
+            block_s = self._poll.wait_s  # nothing to compute, but transfers to watch: poll soon, without spinning
         super()._drain_inbox(block_s)
 
     def _get_next_batch(self) -> Optional[ScheduleBatch]:
@@ -137,23 +138,42 @@ class DecodeScheduler(Scheduler):
 
     def _advance_transfers(self) -> None:
         """Move requests between the stages according to their receivers' states."""
-        for entry in self.prealloc_queue.pop_failed():
-            self.pd_counters["failed"] += 1
-            self._finish(entry.req, finish_abort(self._failure(entry)), keep_kv=False)
-        for entry in self.prealloc_queue.allocate(self._try_alloc, self.page_size):
+        failed = self.prealloc_queue.pop_failed()
+        placed = self.prealloc_queue.allocate(self._try_alloc, self.page_size)
+        done = self.transfer_queue.pop_done()
+        self._poll.progressed(bool(failed or placed or done))
+        for entry in failed:  # no slots yet
+            self._guarded(entry, self._fail_entry, entry, self._failure(entry))
+        for entry in placed:
             self.transfer_queue.add(entry)
-        for entry, state in self.transfer_queue.pop_done():
+        for entry, state in done:
             problem = self._failure(entry) if state != KVPoll.Success or entry.abort_reason else self._check_aux(entry)
             if problem is None:
                 self.prebuilt_queue.add(entry)
-            else:
-                self.pd_counters["failed"] += 1
-                self._finish(entry.req, finish_abort(problem), keep_kv=False)
+            else:  # terminal: nothing can land in the slots any more
+                self._guarded(entry, self._fail_entry, entry, problem)
         for entry in self.prebuilt_queue.pop_all():
-            aux = entry.transfer.aux
-            self.pd_counters["transferred"] += 1
-            lp = float(aux.first_token_logprob)
-            self.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp)
+            self._guarded(entry, self._join_running, entry)
+
+    def _join_running(self, entry: PDEntry) -> None:
+        """The prebuilt extend: the prompt's KV is in place, the first token comes from prefill."""
+        aux = entry.transfer.aux
+        self.pd_counters["transferred"] += 1
+        lp = float(aux.first_token_logprob)
+        self.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp)
+
+    def _fail_entry(self, entry: PDEntry, reason: str) -> None:
+        self.pd_counters["failed"] += 1
+        self._finish(entry.req, finish_abort(reason), keep_kv=False)
+
+    def _guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
+        """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+            logger.exception("PD request %s failed in a stage transition", entry.rid)
+            if not entry.req.finish_sent:
+                super()._fail_reqs([entry.req], e)
 
     def _check_aux(self, entry: PDEntry) -> Optional[str]:
         aux = entry.transfer.aux

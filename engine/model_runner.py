@@ -26,6 +26,7 @@ not done here (``kvship.engine.sampler``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from kvship.engine.attention.base import create_attention_backend
 from kvship.engine.config import ServerArgs
 from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.layers.linear import K_MAJOR_ENV, store_weights_k_major_
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_config import ModelConfig, parse_dtype
@@ -79,6 +81,8 @@ class ModelRunner:
 
         self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cuda" and os.environ.get(K_MAJOR_ENV) == "1":  # opt-in, see the function
+            logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
         num_slots = self._kv_pool_slots()
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + REQ_POOL_HEADROOM,

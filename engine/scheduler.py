@@ -24,6 +24,11 @@ Life cycle of a request (unified mode)::
 * A failing step (model error, bug) fails only the requests of that batch
   (finish reason abort with the error) and the loop keeps serving.
 
+Overlap scheduling (``kvship.engine.overlap``, on CUDA unless
+``--disable-overlap-schedule``) replaces ``step`` with a loop that launches
+decode step N+1 before processing step N's tokens; it reuses the batch
+building, ``_process_result`` and finishing code below.
+
 Nothing here touches CUDA directly: tensors are built on ``runner.device``
 and the allocator/cache are CPU bookkeeping, so the scheduler is unit-tested
 on CPU with a test-double runner.
@@ -49,6 +54,7 @@ from kvship.engine.config import ServerArgs
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.io_struct import GenerateRequest, TokenChunk
 from kvship.engine.mem.radix_cache import create_prefix_cache
+from kvship.engine.overlap import OverlapScheduler, overlap_enabled
 from kvship.engine.sampler import SamplingBatchInfo, create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from kvship.engine.schedule_policy import PrefillBudget, SchedulePolicy, SchedulerTuning
@@ -96,6 +102,10 @@ class Scheduler:
         self._loop_running = False
         self._thread: Optional[threading.Thread] = None
         self._stats: dict = {}
+        # decode steps chained on the GPU (kvship.engine.overlap): CUDA unless --disable-overlap-schedule
+        self.overlap: Optional[OverlapScheduler] = (OverlapScheduler(self)
+                                                     if overlap_enabled(server_args, torch.device(self.device))
+                                                     else None)
         self._update_stats()
 
     # ------------------------------------------------------------------ public
@@ -144,10 +154,13 @@ class Scheduler:
             self._abort_all(reason)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None)
+        return bool(self.waiting or self.running or self.chunked_req is not None
+                    or (self.overlap is not None and self.overlap.has_pending()))
 
     def step(self, block_s: float = 0.0) -> bool:
         """One scheduling iteration; returns True when a forward ran."""
+        if self.overlap is not None:  # decode steps chained on the GPU (kvship.engine.overlap)
+            return self.overlap.step(block_s)
         self._drain_inbox(block_s)
         batch: Optional[ScheduleBatch] = None
         ran = False
@@ -463,6 +476,8 @@ class Scheduler:
                 self._emit(req)
 
     def _abort_all(self, message: str) -> None:
+        if self.overlap is not None:
+            self.overlap.drop()
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()

@@ -9,9 +9,11 @@
   ``KVReceiver.init`` take).
 * ``PDEntry``: one request inside a PD stage queue (the request, its sender or
   receiver, and the abort asked for while a transfer was in flight).
-* ``PD_POLL_S``: how long an idle scheduler loop sleeps on its inbox while
-  transfers are pending (they make progress on the transfer layer's threads;
-  the scheduler only polls them).
+* ``TransferPollBackoff``: how long an otherwise idle scheduler loop blocks on
+  its inbox while transfers are pending (they progress on the transfer
+  layer's threads; the scheduler only polls them): ``PD_POLL_S`` after any
+  progress, doubling up to ``PD_POLL_MAX_S`` while nothing moves.  New
+  requests and aborts still wake the loop at once (they arrive on the inbox).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ logger = logging.getLogger(__name__)
 
 # Seconds an otherwise idle scheduler blocks on its inbox between two polls of pending transfers.
 PD_POLL_S = 0.002
+PD_POLL_MAX_S = 0.008
+
+
+class TransferPollBackoff:
+    """The inbox wait between polls: short right after progress, longer while nothing moves."""
+
+    def __init__(self) -> None:
+        self.wait_s = PD_POLL_S
+
+    def progressed(self, moved: bool) -> None:
+        self.wait_s = PD_POLL_S if moved else min(PD_POLL_MAX_S, self.wait_s * 2)
 
 
 def make_kv_manager(role: str, server_args: ServerArgs, kv_pool: Any,

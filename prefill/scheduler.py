@@ -37,7 +37,7 @@ from kvship.engine.io_struct import GenerateRequest, TokenChunk
 from kvship.engine.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from kvship.engine.schedule_policy import SchedulerTuning
 from kvship.engine.scheduler import Scheduler
-from kvship.prefill.pd_common import PD_POLL_S, PDEntry, make_kv_manager, nan_if_none, request_pages
+from kvship.prefill.pd_common import PDEntry, TransferPollBackoff, make_kv_manager, nan_if_none, request_pages
 from kvship.prefill.queues import BootstrapQueue, InflightQueue
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class PrefillScheduler(Scheduler):
         self.inflight_queue = InflightQueue()
         self._computing: dict[str, PDEntry] = {}   # stage 2: registered rooms in waiting / extend
         self.pd_counters: Counter = Counter()
+        self._poll = TransferPollBackoff()
         try:
             super().__init__(server_args, model_runner, tokenizer, output_sink, tuning)
         except BaseException:
@@ -100,7 +101,7 @@ class PrefillScheduler(Scheduler):
 
     def _drain_inbox(self, block_s: float) -> None:
         if (self.bootstrap_queue or self.inflight_queue) and not Scheduler.has_work(self):
-            block_s = PD_POLL_S  # nothing to compute, but transfers to watch: poll soon, without spinning
+            block_s = self._poll.wait_s  # nothing to compute, but transfers to watch: poll soon, without spinning
         super()._drain_inbox(block_s)
 
     def _get_next_batch(self) -> Optional[ScheduleBatch]:
@@ -110,19 +111,35 @@ class PrefillScheduler(Scheduler):
     def _advance_transfers(self) -> None:
         """Move requests between the stages according to their senders' states."""
         ready, failed = self.bootstrap_queue.pop_ready()
+        done = self.inflight_queue.pop_done()
+        self._poll.progressed(bool(ready or failed or done))
         for entry in failed:
-            self.pd_counters["failed"] += 1
-            self._finish(entry.req, finish_abort(self._failure(entry)), keep_kv=False)
+            self._guarded(entry, self._fail_entry, entry, False)
         for entry in ready:
             self._computing[entry.rid] = entry
             self.waiting.append(entry.req)
-        for entry, state in self.inflight_queue.pop_done():
+        for entry, state in done:
             if state == KVPoll.Success and entry.abort_reason is None:
-                self.pd_counters["transferred"] += 1
-                self._finish(entry.req, finish_length(0))
-            else:
-                self.pd_counters["failed"] += 1
-                self._finish(entry.req, finish_abort(self._failure(entry)))  # prefill's KV is valid: cache it
+                self._guarded(entry, self._finish_transferred, entry)
+            else:  # prefill's own KV is valid: it still goes to the radix cache
+                self._guarded(entry, self._fail_entry, entry, True)
+
+    def _finish_transferred(self, entry: PDEntry) -> None:
+        self.pd_counters["transferred"] += 1
+        self._finish(entry.req, finish_length(0))
+
+    def _fail_entry(self, entry: PDEntry, keep_kv: bool) -> None:
+        self.pd_counters["failed"] += 1
+        self._finish(entry.req, finish_abort(self._failure(entry)), keep_kv=keep_kv)
+
+    def _guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
+        """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+            logger.exception("PD request %s failed in a stage transition", entry.rid)
+            if not entry.req.finish_sent:
+                super()._fail_reqs([entry.req], e)
 
     @staticmethod
     def _failure(entry: PDEntry) -> str:

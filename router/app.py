@@ -10,7 +10,7 @@ worker), ``GET /metrics``, and the admin API ``GET /workers``,
 
 Checks done here, before any worker is involved: API key (401), rate limit
 (429 + ``Retry-After``), body size (413), JSON shape (400), unknown model
-(404), PD batch (400).  Every response carries ``x-request-id`` (the
+(404).  Every response carries ``x-request-id`` (the
 client's, or a new one); proxied ones also ``x-kvship-worker``.
 """
 
@@ -117,9 +117,6 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
                 known = router.registry.models()
                 raise RequestError(404, f"model {req.model!r} not found; served models: "
                                         f"{', '.join(known) or 'none yet'}", "model_not_found")
-            if config.pd and req.batch_size != 1:
-                raise RequestError(400, "PD mode takes one prompt per request; send a batch as separate "
-                                        "requests", "batch_not_supported")
         except RateLimited as e:
             router.metrics.rate_limited.inc()
             return error_response(ctx, 429, e.reason, "rate_limited", {"retry-after": e.retry_after_header})

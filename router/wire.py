@@ -199,7 +199,11 @@ class PDBootstrap:
 
     @classmethod
     def for_prefill(cls, prefill_url: str, bootstrap_port: int) -> "PDBootstrap":
-        """Bootstrap fields for a prefill worker: its URL's host, its port, a random 63-bit room."""
+        """Bootstrap fields for a prefill worker: its URL's host, its port, a random 63-bit room.
+
+        Workers give item ``i`` of a batch (or choice ``i`` of ``n``) room ``room + i``
+        (mod 2^63) on both sides, so one room per request body is enough.
+        """
         host = urlsplit(prefill_url).hostname or "127.0.0.1"
         return cls(host=host, port=bootstrap_port, room=random.getrandbits(63))
 

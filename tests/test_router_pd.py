@@ -124,7 +124,7 @@ async def test_pd_prefill_client_error_reaches_the_client_and_cancels_decode():
         assert state[decode[0].url]["in_flight"] == 0 and state[prefill[0].url]["in_flight"] == 0
 
 
-async def test_pd_refuses_batches_and_unready_roles():
+async def test_pd_waits_for_both_roles_and_forwards_batches_with_one_room():
     with pd_fleet(1, 1) as (prefill, decode):
         async with running_router(pd_config(prefill, [])) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
@@ -140,5 +140,6 @@ async def test_pd_refuses_batches_and_unready_roles():
         assert wrong.status_code == 400 and "decode" in wrong.json()["error"]["message"]
         assert no_role.status_code == 400
         assert added.status_code == 200 and added.json()["role"] == "decode"
-        assert batch.status_code == 400 and batch.json()["error"]["code"] == "batch_not_supported"
+        assert batch.status_code == 200                    # workers use room + i for item i
+        assert isinstance(batch.json()["bootstrap"]["bootstrap_room"], int)
         assert one.status_code == 200

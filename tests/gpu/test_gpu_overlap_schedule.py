@@ -1,0 +1,118 @@
+"""Overlap scheduling on CUDA: the scheduler's chained decode gives the synchronous loop's tokens.
+
+One ``ModelRunner`` (SmolLM2 where present, CUDA graphs, flashinfer when it
+loads, else triton) serves two schedulers in turn, one with
+``--disable-overlap-schedule`` and one with the default overlap.  Every request
+is submitted at once and decodes up to 64 greedy tokens (batch 17: lengths
+40..64, so the batch shrinks while steps are chained), so both loops run the
+same batch sizes step by step and must agree token for token.  Afterwards
+every KV slot is free.  A third run stops requests on a token taken from the
+synchronous output: each ends at that token's first occurrence (the extra
+chained step of a stopped request is dropped) and the slots are freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+from gpu_common import requires_cuda
+
+from kvship.engine.config import ServerArgs
+from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.model_runner import ModelRunner
+from kvship.engine.scheduler import Scheduler
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    path = os.environ.get("KVSHIP_SMOLLM2_GGUF")
+    if not path:
+        try:
+            from kvship.engine.embedded import embedded_model_path
+            path = embedded_model_path()
+        except FileNotFoundError:
+            from conftest import build_tiny_model
+            path = build_tiny_model(str(tmp_path_factory.mktemp("overlap_model")), "llama", seed=5, hidden_size=256,
+                                    intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    backend = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+    sa = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", attention_backend=backend,
+                    max_total_tokens=16384, max_running_requests=32, context_length=1024, cuda_graph_max_bs=32)
+    return ModelRunner(sa)
+
+
+def serve(runner: ModelRunner, reqs: list[GenerateRequest], overlap: bool) -> tuple[dict, Scheduler]:
+    chunks: list = []
+    sa = dataclasses.replace(runner.server_args, disable_overlap_schedule=not overlap, disable_radix_cache=True,
+                             sampling_backend="torch")
+    sched = Scheduler(sa, runner, None, chunks.extend)
+    assert (sched.overlap is not None) == overlap
+    for r in reqs:
+        sched.submit(dataclasses.replace(r))
+    for _ in range(10 * STEPS):
+        sched.step()
+        if not sched.has_work() and sched._inbox.empty():
+            break
+    torch.cuda.synchronize()
+    out: dict = {}
+    for c in chunks:
+        o = out.setdefault(c.rid, {"tokens": [], "finish": None})
+        o["tokens"] += c.token_ids
+        if c.finished:
+            assert o["finish"] is None, f"{c.rid}: two finished chunks"
+            o["finish"] = c.finish_reason
+    return out, sched
+
+
+def requests(runner: ModelRunner, bs: int, stops: dict | None = None) -> list[GenerateRequest]:
+    gen = torch.Generator().manual_seed(500 + bs)
+    vocab = runner.model_config.vocab_size
+    reqs = []
+    for i in range(bs):
+        n = int(torch.randint(4, 60, (1,), generator=gen))
+        prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        max_new = STEPS if bs < 17 else 40 + (i * 3) % 25
+        stop = [] if stops is None else [stops[f"r{i}"]]
+        reqs.append(GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new,
+                                                                    ignore_eos=True, stop_token_ids=stop)))
+    return reqs
+
+
+def assert_free(sched: Scheduler) -> None:
+    st = sched.get_stats()
+    assert st["free_slots"] == st["total_slots"], st
+    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert not sched.running and not sched.reqs
+    assert sched.overlap is None or not sched.overlap.has_pending()
+
+
+@pytest.mark.parametrize("bs", [1, 3, 17])
+def test_overlapped_scheduler_decodes_the_same_greedy_tokens_and_frees_every_slot(runner, bs):
+    reqs = requests(runner, bs)
+    sync, s_sched = serve(runner, reqs, overlap=False)
+    over, o_sched = serve(runner, reqs, overlap=True)
+    for r in reqs:
+        assert over[r.rid]["tokens"] == sync[r.rid]["tokens"], r.rid
+        assert len(sync[r.rid]["tokens"]) == r.sampling_params.max_new_tokens
+        assert over[r.rid]["finish"] == sync[r.rid]["finish"] == {"type": "length",
+                                                                   "length": r.sampling_params.max_new_tokens}
+    assert o_sched.overlap.launched >= STEPS // 2 - 2
+    assert_free(s_sched)
+    assert_free(o_sched)
+
+    # stop on a token of the middle of each output: ends at its first occurrence, extra step dropped
+    stops = {r.rid: sync[r.rid]["tokens"][len(sync[r.rid]["tokens"]) // 2] for r in reqs}
+    stopped, st_sched = serve(runner, requests(runner, bs, stops), overlap=True)
+    for r in reqs:
+        toks = sync[r.rid]["tokens"]
+        want = toks[:toks.index(stops[r.rid]) + 1]
+        assert stopped[r.rid]["tokens"] == want, r.rid
+        assert stopped[r.rid]["finish"] == {"type": "stop", "matched": stops[r.rid]}
+    assert_free(st_sched)
