@@ -605,11 +605,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     model_dir = write_model_dir(args.shape, tmp)
     max_bs = max(bs_list)
     ctx = args.input_len + args.output_len + 8
-    runner = ModelRunner(ServerArgs(
+    runner_args = ServerArgs(
         model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
         attention_backend=args.attention_backend, page_size=args.page_size, context_length=ctx,
         max_total_tokens=max_bs * (ctx + args.page_size) + 4096, max_running_requests=max_bs,
-        cuda_graph_max_bs=max_bs, disable_cuda_graph="graph" not in ",".join(modes)))
+        cuda_graph_max_bs=max_bs, disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes))
+    runner = ModelRunner(runner_args)
     res["weight_gb"] = runner.weight_bytes / 1e9
     res["engine"] = []
 
