@@ -17,10 +17,10 @@ import torch
 
 from kvship.engine.disagg import KVManager, KVPoll
 from kvship.engine.schedule_batch import Req
-from kvship.prefill.pd_common import PDEntry, request_pages
+from kvship.prefill.pd_common import PDEntry, PDStageQueue, request_pages
 
 
-class PreallocQueue:
+class PreallocQueue(PDStageQueue):
     """Stage 1: a receiver exists for the room; the request waits for KV slots here.
 
     Entries are served first come, first served: ``allocate`` stops at the
@@ -29,23 +29,12 @@ class PreallocQueue:
     """
 
     def __init__(self, manager: KVManager):
+        super().__init__()
         self.manager = manager
-        self.entries: dict[str, PDEntry] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     def add(self, req: Req, host: str, port: int, room: int) -> PDEntry:
         """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed."""
-        entry = PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room)
-        self.entries[req.rid] = entry
-        return entry
-
-    def get(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.get(rid)
-
-    def remove(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.pop(rid, None)
+        return self._put(PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room))
 
     def pop_failed(self) -> list[PDEntry]:
         """Entries whose receiver failed while waiting for memory (bootstrap timeout)."""
@@ -72,59 +61,26 @@ class PreallocQueue:
         return moved
 
 
-class TransferQueue:
+class TransferQueue(PDStageQueue):
     """Stage 2: slots allocated and registered; prefill writes the KV and the aux record into them.
 
     ``pop_done`` returns the entries whose receiver reached ``Success`` or
     ``Failed``: only then may the scheduler free the slots of a failed one.
     """
 
-    def __init__(self) -> None:
-        self.entries: dict[str, PDEntry] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def add(self, entry: PDEntry) -> None:
-        self.entries[entry.rid] = entry
-
-    def get(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.get(rid)
-
-    def reqs(self) -> list[Req]:
-        return [e.req for e in self.entries.values()]
-
-    def pop_done(self) -> list[tuple[PDEntry, KVPoll]]:
-        done = []
-        for rid, entry in list(self.entries.items()):
-            state = entry.transfer.poll()
-            if state.is_terminal:
-                del self.entries[rid]
-                done.append((entry, state))
-        return done
+        self._put(entry)
 
 
-class PrebuiltQueue:
+class PrebuiltQueue(PDStageQueue):
     """Stage 3 ("waiting"): the prompt's KV is in place and the first token known.
 
     The scheduler turns these into running requests (a prebuilt extend: no
     prompt compute) at the start of its next step.
     """
 
-    def __init__(self) -> None:
-        self.entries: dict[str, PDEntry] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def add(self, entry: PDEntry) -> None:
-        self.entries[entry.rid] = entry
-
-    def remove(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.pop(rid, None)
-
-    def reqs(self) -> list[Req]:
-        return [e.req for e in self.entries.values()]
+        self._put(entry)
 
     def pop_all(self) -> list[PDEntry]:
         out = list(self.entries.values())

@@ -30,70 +30,43 @@ Life cycle of a request (see ``kvship.decode`` for the whole picture)::
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
 from kvship.decode.queues import PrebuiltQueue, PreallocQueue, TransferQueue
-from kvship.engine.config import ServerArgs
-from kvship.engine.disagg import KVPoll, KVTransferConfig, KVTransferError
-from kvship.engine.io_struct import GenerateRequest, TokenChunk
-from kvship.engine.schedule_batch import Req, ScheduleBatch, finish_abort
-from kvship.engine.schedule_policy import SchedulerTuning
-from kvship.engine.scheduler import Scheduler
-from kvship.prefill.pd_common import PDEntry, TransferPollBackoff, make_kv_manager
+from kvship.engine.disagg import KVPoll
+from kvship.engine.io_struct import GenerateRequest
+from kvship.engine.schedule_batch import Req, finish_abort
+from kvship.prefill.pd_common import PDEntry, PDScheduler, PDStageQueue
 
 logger = logging.getLogger(__name__)
 
-_MAX_ROOM = (1 << 63) - 1
 
-
-class DecodeScheduler(Scheduler):
+class DecodeScheduler(PDScheduler):
     """Receives prompts' KV from prefill workers and decodes them in one running batch."""
 
     mode = "decode"
 
-    def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any,
-                 output_sink: Callable[[list[TokenChunk]], None], tuning: Optional[SchedulerTuning] = None,
-                 kv_config: Optional[KVTransferConfig] = None):
-        self.kv_manager = make_kv_manager("decode", server_args, model_runner.kv_pool, kv_config)
+    def _init_stages(self) -> tuple[PDStageQueue, ...]:
         self.prealloc_queue = PreallocQueue(self.kv_manager)
         self.transfer_queue = TransferQueue()
         self.prebuilt_queue = PrebuiltQueue()
-        self.pd_counters: Counter = Counter()
-        self._poll = TransferPollBackoff()
-        try:
-            super().__init__(server_args, model_runner, tokenizer, output_sink, tuning)
-        except BaseException:
-            self.kv_manager.close()
-            raise
-
-    def close(self) -> None:
-        """Stop the transfer layer (the loop does this itself when it exits)."""
-        self.kv_manager.close()
+        return self.prealloc_queue, self.transfer_queue, self.prebuilt_queue
 
     # ------------------------------------------------------------ admission
-    def _handle_submit(self, greq: GenerateRequest) -> None:
-        if greq.rid in self.reqs:
-            return super()._handle_submit(greq)  # rejected there as a duplicate
+    def _bootstrap_problem(self, greq: GenerateRequest) -> Optional[str]:
         host, port, room = greq.bootstrap_host, greq.bootstrap_port, greq.bootstrap_room
         if host is None or port is None or room is None:
-            return self._reject(greq, "this is a decode worker (--mode decode): a request needs bootstrap_host, "
-                                      "bootstrap_port and bootstrap_room; send requests through `kvship router --pd`")
-        if not isinstance(room, int) or not 0 <= room <= _MAX_ROOM:
-            return self._reject(greq, f"bootstrap_room must be an integer in [0, 2^63), got {room!r}")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            return self._reject(greq, f"bootstrap_port must be in 1..65535, got {port!r}")
-        super()._handle_submit(greq)
-        req = self.reqs.get(greq.rid)
-        if req is None or not self.waiting or self.waiting[-1] is not req:
-            return  # rejected, or finished at once (max_new_tokens == 0)
-        self.waiting.pop()
-        try:
-            self.prealloc_queue.add(req, host, port, room)
-        except KVTransferError as e:
-            self._finish(req, finish_abort(f"KV transfer: {e}"), keep_kv=False)
+            return ("this is a decode worker (--mode decode): a request needs bootstrap_host, "
+                    "bootstrap_port and bootstrap_room; send requests through `kvship router --pd`")
+        problem = self._room_problem(room)
+        if problem is None and (not isinstance(port, int) or not 0 < port < 65536):
+            problem = f"bootstrap_port must be in 1..65535, got {port!r}"
+        return problem
+
+    def _enter_stages(self, req: Req, greq: GenerateRequest) -> None:
+        self.prealloc_queue.add(req, greq.bootstrap_host, greq.bootstrap_port, greq.bootstrap_room)
 
     def _num_active(self) -> int:
         return (len(self.running) + len(self.transfer_queue) + len(self.prebuilt_queue)
@@ -121,21 +94,6 @@ class DecodeScheduler(Scheduler):
         return self.alloc_prefilled_kv(req)
 
     # ------------------------------------------------------------ stages
-    def has_work(self) -> bool:
-        return super().has_work() or self._transfers_pending()
-
-    def _transfers_pending(self) -> bool:
-        return bool(self.prealloc_queue) or bool(self.transfer_queue) or bool(self.prebuilt_queue)
-
-    def _drain_inbox(self, block_s: float) -> None:
-        if self._transfers_pending() and not Scheduler.has_work(self):
-            block_s = self._poll.wait_s  # nothing to compute, but transfers to watch: poll soon, without spinning
-        super()._drain_inbox(block_s)
-
-    def _get_next_batch(self) -> Optional[ScheduleBatch]:
-        self._advance_transfers()
-        return super()._get_next_batch()
-
     def _advance_transfers(self) -> None:
         """Move requests between the stages according to their receivers' states."""
         failed = self.prealloc_queue.pop_failed()
@@ -166,15 +124,6 @@ class DecodeScheduler(Scheduler):
         self.pd_counters["failed"] += 1
         self._finish(entry.req, finish_abort(reason), keep_kv=False)
 
-    def _guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
-        """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
-            logger.exception("PD request %s failed in a stage transition", entry.rid)
-            if not entry.req.finish_sent:
-                super()._fail_reqs([entry.req], e)
-
     def _check_aux(self, entry: PDEntry) -> Optional[str]:
         aux = entry.transfer.aux
         n = len(entry.req.origin_input_ids)
@@ -187,66 +136,19 @@ class DecodeScheduler(Scheduler):
             return f"prefill sent first token {aux.first_token_id}, outside the vocabulary [0, {self.vocab_size})"
         return None
 
-    @staticmethod
-    def _failure(entry: PDEntry) -> str:
-        if entry.abort_reason is not None:
-            return entry.abort_reason
-        return f"KV transfer failed: {entry.transfer.failure_reason or 'unknown reason'}"
-
     # ------------------------------------------------------------ aborts and failures
-    def _owns(self, rid: str) -> bool:
-        return any(q.get(rid) is not None for q in (self.prealloc_queue, self.transfer_queue)) or \
-            rid in self.prebuilt_queue.entries
-
     def _abort_req(self, rid: str, message: str) -> None:
-        entry = self.prealloc_queue.remove(rid)
-        if entry is not None:  # no slots yet; the receiver was never registered
-            entry.transfer.abort(message)
-            self._finish(entry.req, finish_abort(message), keep_kv=False)
-            return
-        entry = self.transfer_queue.get(rid)
-        if entry is not None:  # the slots are freed once prefill can no longer write into them
-            if entry.abort_reason is None:
-                entry.abort_reason = message
-                entry.transfer.abort(message)
-            return
         entry = self.prebuilt_queue.remove(rid)
-        if entry is not None:
+        if entry is not None:  # KV in place, nothing can land in the slots any more
             self._finish(entry.req, finish_abort(message), keep_kv=False)
             return
-        super()._abort_req(rid, message)
-
-    def _fail_reqs(self, reqs: list[Req], exc: BaseException) -> None:
-        rest = []
-        for req in reqs:
-            if self._owns(req.rid):
-                self._abort_req(req.rid, f"internal error: {type(exc).__name__}: {exc}")
-            else:
-                rest.append(req)
-        super()._fail_reqs(rest, exc)
-
-    def _abort_all(self, message: str) -> None:
-        self.kv_manager.close()  # fails every room; afterwards nothing lands in the pool
-        entries = (list(self.prealloc_queue.entries.values()) + list(self.transfer_queue.entries.values())
-                   + list(self.prebuilt_queue.entries.values()))
-        for entry in entries:
-            try:
-                self._finish(entry.req, finish_abort(message), keep_kv=False)
-            except Exception:  # noqa: BLE001 - keep releasing the others
-                logger.exception("could not release request %s", entry.rid)
-        for q in (self.prealloc_queue, self.transfer_queue, self.prebuilt_queue):
-            q.entries.clear()
-        super()._abort_all(message)
+        super()._abort_req(rid, message)  # the prealloc and transfer stages, then the base scheduler
 
     # ------------------------------------------------------------ stats
-    def _update_stats(self) -> None:
-        super()._update_stats()
-        self._stats.update({
-            "mode": self.mode,
+    def _stage_stats(self) -> dict:
+        return {
             "transfer_backend": self.kv_manager.config.backend,
             "prealloc_queue": len(self.prealloc_queue),
             "transfer_queue": len(self.transfer_queue),
             "prebuilt_queue": len(self.prebuilt_queue),
-            "kv_transfers_ok": self.pd_counters["transferred"],
-            "kv_transfers_failed": self.pd_counters["failed"],
-        })
+        }

@@ -7,12 +7,16 @@
   (``n > 1``, batches) and cancel them all if the consumer goes away;
 * ``run_until_disconnect`` / ``EventStreamResponse``: abort work when the
   HTTP client disconnects, streaming or not;
+* ``choice_rid`` / ``choice_params`` / ``choice_room``: the id, seed and PD
+  room of choice ``i`` of ``n``; ``collect_until_disconnect`` /
+  ``stream_response``: the non-streaming and streaming ends of a handler;
 * logprob formatting in the OpenAI chat and completions shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -167,6 +171,19 @@ def choice_room(room: Optional[int], index: int) -> Optional[int]:
     return None if room is None else (room + index) % _ROOM_MOD
 
 
+def choice_params(sp: SamplingParams, i: int, n: int) -> SamplingParams:
+    """Sampling parameters of choice ``i`` of ``n``: with a seed, choice ``i`` uses ``seed + i``
+    (choices differ but repeat across calls); otherwise ``sp`` itself."""
+    if n == 1 or sp.seed is None:
+        return sp
+    return dataclasses.replace(sp, seed=sp.seed + i)
+
+
+def choice_rid(base: str, i: int, n: int) -> str:
+    """Request id of choice ``i`` of ``n``: ``base`` alone, or ``base-i`` when there are several."""
+    return base if n == 1 else f"{base}-{i}"
+
+
 def pd_abort_error(engine: Engine, deltas: Iterable[Optional[TextDelta]]) -> Optional[APIError]:
     """On a PD worker (``--mode prefill|decode``) an aborted request means the attempt failed (KV
     transfer failure or timeout, peer gone, corrupted KV): a 503 carrying the reason, so the router
@@ -248,6 +265,16 @@ async def collect(engine: Engine, handles: list[RequestHandle]) -> list[list[Tex
     return out
 
 
+async def collect_until_disconnect(request: Request, engine: Engine,
+                                   handles: list[RequestHandle]) -> Optional[list[list[TextDelta]]]:
+    """``collect`` the handles' deltas, or None if the client disconnects first; the handles are closed either way."""
+    try:
+        return await run_until_disconnect(request, collect(engine, handles))
+    finally:
+        for h in handles:
+            h.close()
+
+
 async def _wait_disconnect(receive: Any) -> None:
     while True:
         message = await receive()
@@ -325,6 +352,11 @@ class EventStreamResponse(Response):
             logger.info("stream send failed (%s); client gone", err)
         elif isinstance(err, Exception) and not isinstance(err, asyncio.CancelledError):
             raise err
+
+
+def stream_response(events: AsyncIterator[bytes], handles: list[RequestHandle]) -> EventStreamResponse:
+    """An ``EventStreamResponse`` of ``events`` that closes ``handles`` when the stream ends or the client leaves."""
+    return EventStreamResponse(events, on_close=lambda: [h.close() for h in handles])
 
 
 def error_event(err: APIError) -> bytes:

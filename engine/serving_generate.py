@@ -22,7 +22,6 @@ batch, then ``data: [DONE]``.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -33,10 +32,10 @@ from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest
 from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingParams
-from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, EventStreamResponse, build_sampling_params,
-                                   check_max_tokens, check_n, check_prompt_length, check_token_ids, choice_room,
-                                   collect, encode_text, merge_streams, new_id, normalize_stop, open_requests,
-                                   pd_abort_error, run_until_disconnect, sse)
+from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, build_sampling_params, check_max_tokens, check_n,
+                                   check_prompt_length, check_token_ids, choice_params, choice_rid, choice_room,
+                                   collect_until_disconnect, encode_text, merge_streams, new_id, normalize_stop,
+                                   open_requests, pd_abort_error, sse, stream_response)
 
 
 def _per_item(value: Any, batch: int, name: str, is_list: bool) -> list[Any]:
@@ -179,8 +178,8 @@ class GenerateServing:
             for j in range(gsp.n):
                 # PD: every request of the body gets its own room (per-item rooms: + choice index)
                 room = choice_room(rooms[i], j if isinstance(body.bootstrap_room, list) else len(reqs))
-                rid = base if gsp.n == 1 else f"{base}-{j}"
-                sp_j = sp if gsp.n == 1 or sp.seed is None else _with_seed(sp, sp.seed + j)
+                rid = choice_rid(base, j, gsp.n)
+                sp_j = choice_params(sp, j, gsp.n)
                 reqs.append(GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp_j, return_logprob=want_lp[i],
                                             top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
                                             stream=body.stream, bootstrap_host=hosts[i], bootstrap_port=ports[i],
@@ -192,13 +191,8 @@ class GenerateServing:
         many = is_batch or len(reqs) > 1
         handles = open_requests(engine, reqs)
         if body.stream:
-            return EventStreamResponse(self._stream(handles, outputs, many),
-                                       on_close=lambda: [h.close() for h in handles])
-        try:
-            results = await run_until_disconnect(request, collect(engine, handles))
-        finally:
-            for h in handles:
-                h.close()
+            return stream_response(self._stream(handles, outputs, many), handles)
+        results = await collect_until_disconnect(request, engine, handles)
         if results is None:
             return Response(status_code=499)
         for out, deltas in zip(outputs, results):
@@ -230,7 +224,3 @@ class GenerateServing:
             yield sse("[DONE]")
         finally:
             await stream.aclose()
-
-
-def _with_seed(sp: Any, seed: int) -> Any:
-    return dataclasses.replace(sp, seed=seed)

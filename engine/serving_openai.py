@@ -17,7 +17,6 @@ event before ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -30,22 +29,23 @@ from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.openai_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                            ChatLogprobs, ChatResponseMessage, CompletionChoice, CompletionLogprobs,
                                            CompletionRequest, CompletionResponse)
-from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, EventStreamResponse, build_sampling_params,
-                                   chat_logprobs, check_max_tokens, check_model, check_n, check_prompt_length,
-                                   check_token_ids, choice_room, collect, completion_logprobs, encode_text,
-                                   merge_streams, new_id, normalize_stop, open_requests, pd_abort_error,
-                                   run_until_disconnect, sse, usage_dict, usage_info)
+from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, build_sampling_params, chat_logprobs,
+                                   check_max_tokens, check_model, check_n, check_prompt_length, check_token_ids,
+                                   choice_params, choice_rid, choice_room, collect_until_disconnect,
+                                   completion_logprobs, encode_text, merge_streams, new_id, normalize_stop,
+                                   open_requests, pd_abort_error, sse, stream_response, usage_dict, usage_info)
 from kvship.engine.tokenizer import ChatTemplateError
 
 
-def _choice_params(sp: SamplingParams, i: int, n: int) -> SamplingParams:
-    if n == 1 or sp.seed is None:
-        return sp
-    return dataclasses.replace(sp, seed=sp.seed + i)
-
-
-def _rid(base: str, i: int, total: int) -> str:
-    return base if total == 1 else f"{base}-{i}"
+def _sampling_params(engine: Engine, body: ChatCompletionRequest | CompletionRequest, max_new: int,
+                     stops: list[str]) -> SamplingParams:
+    """The sampling parameters of a chat or completions body (both carry the same sampling fields)."""
+    return build_sampling_params(
+        engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens)
 
 
 def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
@@ -59,6 +59,15 @@ def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
 class OpenAIServing:
     def __init__(self, engine: Engine):
         self.engine = engine
+
+    async def _collect(self, request: Request, handles: list[RequestHandle]) -> Optional[list[list[TextDelta]]]:
+        """Every choice's deltas (None if the client left first); raises the 503 of ``_dead_error``."""
+        results = await collect_until_disconnect(request, self.engine, handles)
+        if results is not None:
+            err = _dead_error(self.engine, [r[-1] for r in results])
+            if err:
+                raise err
+        return results
 
     # ------------------------------------------------------------------ chat
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -93,14 +102,10 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from None
         ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
         max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
-        sp = build_sampling_params(
-            engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-            repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens)
+        sp = _sampling_params(engine, body, max_new, stops)
         cid = body.rid or new_id("chatcmpl")
-        reqs = [GenerateRequest(rid=_rid(cid, i, body.n), input_ids=list(ids), sampling_params=_choice_params(sp, i, body.n),
+        reqs = [GenerateRequest(rid=choice_rid(cid, i, body.n), input_ids=list(ids),
+                                sampling_params=choice_params(sp, i, body.n),
                                 return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                                 stream=body.stream, bootstrap_host=body.bootstrap_host,
                                 bootstrap_port=body.bootstrap_port, bootstrap_room=choice_room(body.bootstrap_room, i))
@@ -109,21 +114,13 @@ class OpenAIServing:
         model = body.model or engine.served_model_name
         if body.stream:
             opts = body.stream_options
-            return EventStreamResponse(
+            return stream_response(
                 self._chat_stream(cid, model, handles, len(ids), bool(opts and opts.include_usage),
-                                  bool(opts and opts.continuous_usage_stats)),
-                on_close=lambda: [h.close() for h in handles])
-        try:
-            results = await run_until_disconnect(request, collect(engine, handles))
-        finally:
-            for h in handles:
-                h.close()
+                                  bool(opts and opts.continuous_usage_stats)), handles)
+        results = await self._collect(request, handles)
         if results is None:
             return Response(status_code=499)
         finals = [r[-1] for r in results]
-        err = _dead_error(engine, finals)
-        if err:
-            raise err
         choices = []
         for i, deltas in enumerate(results):
             last = deltas[-1]
@@ -206,16 +203,11 @@ class OpenAIServing:
             max_new = check_prompt_length(engine, len(ids), explicit, "prompt")
             if explicit is None and body.max_tokens is not None:  # the default (16) shrinks to fit the context
                 max_new = min(max_new, body.max_tokens)
-            sp_base = build_sampling_params(
-                engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
-                spaces_between_special_tokens=body.spaces_between_special_tokens)
+            sp_base = _sampling_params(engine, body, max_new, stops)
             for j in range(body.n):
                 k = p * body.n + j
-                reqs.append(GenerateRequest(rid=_rid(cid, k, total), input_ids=list(ids),
-                                            sampling_params=_choice_params(sp_base, j, body.n),
+                reqs.append(GenerateRequest(rid=choice_rid(cid, k, total), input_ids=list(ids),
+                                            sampling_params=choice_params(sp_base, j, body.n),
                                             return_logprob=body.logprobs is not None,
                                             top_logprobs_num=body.logprobs or 0, stream=body.stream,
                                             bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
@@ -226,21 +218,14 @@ class OpenAIServing:
         prompt_lens = [len(ids) for _, ids in prompts]
         if body.stream:
             opts = body.stream_options
-            return EventStreamResponse(
+            return stream_response(
                 self._completion_stream(cid, model, handles, echoes, prompt_lens, body.n,
                                         bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
-                on_close=lambda: [h.close() for h in handles])
-        try:
-            results = await run_until_disconnect(request, collect(engine, handles))
-        finally:
-            for h in handles:
-                h.close()
+                handles)
+        results = await self._collect(request, handles)
         if results is None:
             return Response(status_code=499)
         finals = [r[-1] for r in results]
-        err = _dead_error(engine, finals)
-        if err:
-            raise err
         choices = []
         for k, deltas in enumerate(results):
             last = deltas[-1]

@@ -11,16 +11,14 @@ scheduler must act on, and the scheduler frees or caches the slots (see
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from kvship.engine.disagg import AuxInfo, KVManager, KVPoll, KVTransferError
 from kvship.engine.schedule_batch import Req
-from kvship.prefill.pd_common import PDEntry
+from kvship.prefill.pd_common import PDEntry, PDStageQueue
 
 
-class BootstrapQueue:
+class BootstrapQueue(PDStageQueue):
     """Stage 1: a sender exists for the room; decode has not registered its pages yet.
 
     ``pop_ready`` returns the entries decode has registered (``WaitingForInput``)
@@ -29,23 +27,12 @@ class BootstrapQueue:
     """
 
     def __init__(self, manager: KVManager):
+        super().__init__()
         self.manager = manager
-        self.entries: dict[str, PDEntry] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     def add(self, req: Req, room: int) -> PDEntry:
         """Create the room's sender; raises ``KVTransferError`` (e.g. the room is already in use)."""
-        entry = PDEntry(req=req, transfer=self.manager.create_sender(room), room=room)
-        self.entries[req.rid] = entry
-        return entry
-
-    def get(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.get(rid)
-
-    def remove(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.pop(rid, None)
+        return self._put(PDEntry(req=req, transfer=self.manager.create_sender(room), room=room))
 
     def pop_ready(self) -> tuple[list[PDEntry], list[PDEntry]]:
         """(registered, failed) entries, both removed from the queue."""
@@ -59,7 +46,7 @@ class BootstrapQueue:
         return ready, failed
 
 
-class InflightQueue:
+class InflightQueue(PDStageQueue):
     """Stage 3: the prompt's KV and the first token are on their way to decode.
 
     ``add`` calls ``sender.send`` (the transfer threads do the work);
@@ -67,27 +54,9 @@ class InflightQueue:
     ``Failed``: only then may their pages be freed or cached.
     """
 
-    def __init__(self) -> None:
-        self.entries: dict[str, PDEntry] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def add(self, entry: PDEntry, pages: np.ndarray, aux: AuxInfo) -> None:
-        self.entries[entry.rid] = entry
+        self._put(entry)
         try:
             entry.transfer.send(pages, aux)
         except KVTransferError as e:  # send() twice is a bug; fail the room rather than the loop
             entry.transfer.abort(f"cannot send: {e}")
-
-    def get(self, rid: str) -> Optional[PDEntry]:
-        return self.entries.get(rid)
-
-    def pop_done(self) -> list[tuple[PDEntry, KVPoll]]:
-        done = []
-        for rid, entry in list(self.entries.items()):
-            state = entry.transfer.poll()
-            if state.is_terminal:
-                del self.entries[rid]
-                done.append((entry, state))
-        return done
