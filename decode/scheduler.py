@@ -110,8 +110,12 @@ class DecodeScheduler(PDScheduler):
                 self.prebuilt_queue.add(entry)
             else:  # terminal: nothing can land in the slots any more
                 self._guarded(entry, self._fail_entry, entry, problem)
-        for entry in self.prebuilt_queue.pop_all():
+        joined = self.prebuilt_queue.pop_all()
+        for entry in joined:
             self._guarded(entry, self._join_running, entry)
+        if joined:
+            # prefill's first token goes out now, not with the first decode step's token (saves a step of TTFT)
+            self._flush()
 
     def _join_running(self, entry: PDEntry) -> None:
         """The prebuilt extend: the prompt's KV is in place, the first token comes from prefill."""
