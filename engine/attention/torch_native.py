@@ -30,6 +30,14 @@ from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, r
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
 
+def _store_and_get_kv(fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tensor, v: torch.Tensor,
+                      save_kv_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new tokens' K/V at ``out_cache_loc`` (when asked) and return the layer's K and V buffers."""
+    if save_kv_cache:
+        fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+    return fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id)
+
+
 @dataclass
 class _ExtendMeta:
     starts: list[int]                   # offset of each request in the packed new tokens
@@ -105,10 +113,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         fb = forward_batch
         meta: _ExtendMeta = fb.attn_metadata
-        if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buf = fb.kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = fb.kv_pool.get_value_buffer(layer.layer_id)
+        k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
         h, d = layer.num_heads, layer.head_dim
         qh = q.view(-1, h, d)
         out = torch.empty_like(qh)
@@ -127,10 +132,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         fb = forward_batch
         meta: _DecodeMeta = fb.attn_metadata
-        if save_kv_cache:
-            fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        k_buf = fb.kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = fb.kv_pool.get_value_buffer(layer.layer_id)
+        k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
         h, d = layer.num_heads, layer.head_dim
         bs, max_len = meta.slots.shape
         flat = meta.slots.reshape(-1)
