@@ -189,28 +189,67 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
     return out
 
 
+def graph_time(fn: Callable[[int], Any], calls: int, rounds: int = 7) -> float:
+    """Seconds per call: ``calls`` calls (``fn(i)``) captured in one CUDA graph (launch cost as in a decode
+    step's graph), median replay over ``rounds``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) * 1e-3 / calls)
+    del g
+    per.sort()
+    return per[len(per) // 2]
+
+
 def decode_kernel_choice(shape: str) -> list[dict[str, Any]]:
-    """FlashInfer decode alone, tensor-core vs CUDA-core kernels, at small and large batches (page size 1)."""
+    """FlashInfer decode alone, tensor-core vs CUDA-core kernels, per layer inside a CUDA graph of one call per
+    layer (each layer its own KV, as in a model), at small and large batches (page size 1)."""
     import flashinfer
 
     cfg = SHAPES[shape]
     h, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layers = cfg["num_hidden_layers"]
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     out = []
-    for bs, ctx in ((1, 640), (8, 640), (64, 2048)):
+    for bs, ctx in ((1, 640), (4, 640), (8, 640), (16, 640), (32, 640), (64, 640), (64, 2048)):
         n = bs * ctx
-        kv = torch.randn(n + 1, 2, 1, hk, d, dtype=torch.bfloat16, device="cuda")
+        per_layer = (n + 1) * 2 * hk * d * 2
+        nl = max(2, min(layers, (2 << 30) // per_layer))  # distinct KV per layer, up to 2 GiB
+        kvs = [torch.randn(n + 1, 2, 1, hk, d, dtype=torch.bfloat16, device="cuda") for _ in range(nl)]
         indptr = torch.arange(0, n + 1, ctx, dtype=torch.int32)
         indices = torch.randperm(n, device="cuda").to(torch.int32) + 1
         last = torch.ones(bs, dtype=torch.int32)
         q = torch.randn(bs, h, d, dtype=torch.bfloat16, device="cuda")
-        row: dict[str, Any] = {"batch": bs, "context": ctx}
+        row: dict[str, Any] = {"batch": bs, "context": ctx, "layers_in_graph": nl}
         for tc in (True, False):
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                paged_kv_indptr_buffer=torch.empty(bs + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buffer=torch.empty(n, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buffer=torch.empty(bs, dtype=torch.int32, device="cuda"), backend="fa2")
             w.plan(indptr, indices, last, h, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-            row["tensor_cores_us" if tc else "cuda_cores_us"] = cuda_time(lambda: w.run(q, kv), iters=50) * 1e6
+            t = graph_time(lambda i, w=w: w.run(q, kvs[i % nl]), calls=nl)
+            row["tensor_cores_us" if tc else "cuda_cores_us"] = t * 1e6
         out.append(row)
-        del kv
+        del kvs
+        torch.cuda.empty_cache()
     del ws
     torch.cuda.empty_cache()
     return out
@@ -442,7 +481,10 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
     rows.sort(key=lambda r: -r["us_per_step"])
     for r in rows:
         r["share"] = r["us_per_step"] / total if total else 0.0
-    return rows[:15]
+    top = rows[:15]
+    top.append({"kernel": "TOTAL (all kernels)", "us_per_step": total, "calls_per_step": sum(
+        r["calls_per_step"] for r in rows), "share": 1.0})
+    return top
 
 
 # --- transformers baseline -----------------------------------------------------------------
@@ -505,6 +547,12 @@ def markdown(res: dict[str, Any]) -> str:
     order = ("graph", "graph+overlap", "sched", "sched+overlap", "sched+overlap+kmajor", "sched+kmajor", "eager")
     modes = [m for m in order if any(k[1] == m for k in eng)]
     modes += sorted({k[1] for k in eng} - set(modes))
+    ratios: dict[str, float] = {}  # default mode over its variant (same batch, same run)
+    for m in [m for m in modes if "+" in m and m.rsplit("+", 1)[0] in modes]:
+        base = m.rsplit("+", 1)[0]
+        for bs in sorted({k[0] for k in eng}):
+            if (bs, m) in eng and (bs, base) in eng:
+                ratios[f"{bs}:{base} / {m}"] = eng[(bs, base)]["decode_tok_s"] / eng[(bs, m)]["decode_tok_s"]
     head = ("| batch | " + " | ".join(f"ours {m} tok/s" for m in modes) + " | transformers tok/s | graph / eager | "
             + " | ".join(f"{m} / transformers" for m in modes if m != "eager") + " |")
     lines += [head, "|" + "---|" * (len(modes) + 3 + len([m for m in modes if m != "eager"]))]
@@ -516,6 +564,9 @@ def markdown(res: dict[str, Any]) -> str:
         vs_hf = [f"{eng[(bs, m)]['decode_tok_s'] / h['decode_tok_s']:.1f}x" if (bs, m) in eng and h else "-"
                  for m in modes if m != "eager"]
         lines.append(f"| {bs} | " + " | ".join(cells) + f" | {hf_cell} | {ratio_ge} | " + " | ".join(vs_hf) + " |")
+    if ratios:
+        lines += ["", "Side by side in this run (same batch, tok/s ratio): " + "; ".join(
+            f"batch {k.split(':', 1)[0]} {k.split(':', 1)[1]} = {v:.3f}x" for k, v in ratios.items())]
     if "roofline" in res:
         rf = res["roofline"]
         lines += ["", f"Batch-1 roofline: {rf['bytes_per_step_GB']:.2f} GB per step (weights {rf['weight_GB']:.2f} + "
@@ -531,9 +582,24 @@ def markdown(res: dict[str, Any]) -> str:
                      f"({x['linear_frac_hbm']:.0%} of HBM), torch.mv {x['mv_us']:.1f} us ({x['mv_frac_hbm']:.0%}), "
                      f"x @ W^T-contiguous {x['x@wt_us']:.1f} us ({x['x@wt_frac_hbm']:.0%}).")
     for x in res.get("decode_kernels", []):
-        lines.append(f"FlashInfer decode alone, batch {x['batch']} x {x['context']} ctx, page 1: tensor cores "
-                     f"{x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us.")
+        lines.append(f"FlashInfer decode alone (per layer, in a CUDA graph), batch {x['batch']} x {x['context']} ctx, "
+                     f"page 1: tensor cores {x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us.")
     return "\n".join(lines) + "\n"
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """``NAME:ENV=VAL[,ENV=VAL]:MODE[;MODE...]`` -> (name, env, modes), e.g. ``cublas:A=1:sched+overlap``."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0]:
+        raise SystemExit(f"--variant {spec!r}: expected NAME:ENV=VAL[,ENV=VAL]:MODES")
+    env: dict[str, str] = {}
+    for kv in parts[1].split(","):
+        if "=" not in kv:
+            raise SystemExit(f"--variant {spec!r}: {kv!r} is not ENV=VAL")
+        k, v = kv.split("=", 1)
+        env[k] = v
+    modes = [m for m in parts[2].split(";") if m]
+    return parts[0], env, modes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -550,6 +616,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(the real Scheduler with CUDA graphs, overlap scheduling off / on)")
     ap.add_argument("--kmajor-modes", default="",
                     help="modes to run again on a runner with K-major Linear weights (KVSHIP_K_MAJOR_WEIGHTS=1)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VAL[,ENV=VAL]:MODES",
+                    help="run MODES (;-separated list, e.g. sched+overlap;graph) again on a runner built with these "
+                         "environment variables set; rows get the suffix +NAME (repeatable).  Example: "
+                         "cublas:KVSHIP_DISABLE_SKINNY_GEMM=1:sched+overlap")
     ap.add_argument("--hf-batch-sizes", default=None, help="transformers baseline batches (default: --batch-sizes)")
     ap.add_argument("--hf-output-len", type=int, default=None, help="default: --output-len")
     ap.add_argument("--skip-hf", action="store_true")
@@ -627,20 +697,43 @@ def main(argv: Optional[list[str]] = None) -> int:
                 res["engine"].append(r)
                 save()
 
+    profile_bs = [int(x) for x in args.profile_bs.split(",") if x]
+
+    def profile_runner(runner: Any, suffix: str) -> None:
+        if not profile_bs or runner.cuda_graph_runner is None:
+            return
+        prof = res.setdefault("profile", {})
+        for bs in profile_bs:
+            try:
+                prof[f"{bs}{suffix}"] = kernel_profile(runner, bs, args.input_len)
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("errors", []).append(f"profile bs{bs}{suffix}: {e!r}")
+        save()
+
     run_modes(runner, modes)
-    kmajor = [m for m in args.kmajor_modes.split(",") if m]
+    profile_runner(runner, "")
+    variants = [("kmajor", {"KVSHIP_K_MAJOR_WEIGHTS": "1"}, [m for m in args.kmajor_modes.split(",") if m])]
+    variants += [parse_variant(v) for v in args.variant]
     mc, weight_bytes = runner.model_config, runner.weight_bytes
-    if kmajor:
-        # a second runner whose Linear weights are stored K-major (before its graphs are captured)
+    for name, env_set, vmodes in variants:
+        if not vmodes:
+            continue
+        # a fresh runner built (and its graphs captured) with the variant's environment
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-        os.environ["KVSHIP_K_MAJOR_WEIGHTS"] = "1"
+        saved = {k: os.environ.get(k) for k in env_set}
+        os.environ.update(env_set)
         try:
             runner = ModelRunner(runner_args)
+            run_modes(runner, vmodes, "+" + name)
+            profile_runner(runner, "+" + name)
         finally:
-            os.environ.pop("KVSHIP_K_MAJOR_WEIGHTS", None)
-        run_modes(runner, kmajor, "+kmajor")
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     graphed = [r for r in res["engine"] if r["batch"] == 1 and r["mode"] != "eager"]
     if graphed:
         avg_ctx = args.input_len + args.output_len / 2
@@ -652,13 +745,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         res["roofline"] = {"weight_GB": weight_bytes / 1e9, "kv_GB": kv / 1e9, "best_mode": best_row["mode"],
                            "bytes_per_step_GB": step_bytes / 1e9, "roofline_tok_s": roof, "ours_tok_s": best,
                            "fraction": best / roof}
-    if args.profile_bs and runner.cuda_graph_runner is not None:
-        res["profile"] = {}
-        for bs in [int(x) for x in args.profile_bs.split(",") if x]:
-            try:
-                res["profile"][bs] = kernel_profile(runner, bs, args.input_len)
-            except Exception as e:  # noqa: BLE001
-                res.setdefault("errors", []).append(f"profile bs{bs}: {e!r}")
     save()
     del runner
     gc.collect()
@@ -677,8 +763,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f.write(md)
     print(md)
     for bs, rows in (res.get("profile") or {}).items():
-        print(f"top kernels, graph decode bs {bs}:")
-        for r in rows[:8]:
+        print(f"top kernels, graph decode bs {bs} (runner loop, GPU time per step):")
+        for r in rows[:12] + rows[-1:]:
             print(f"  {r['share']:6.1%} {r['us_per_step']:9.1f} us/step  x{r['calls_per_step']:.0f}  {r['kernel']}")
     return 0
 

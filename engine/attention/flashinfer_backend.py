@@ -9,7 +9,9 @@ device-to-host sync.
 
 Per step (``init_forward_metadata``), planned once and reused by every layer:
 * decode: ``BatchDecodeWithPagedKVCacheWrapper`` over each request's pages
-  (tensor-core kernels when ``num_heads / num_kv_heads >= 4``);
+  (tensor-core kernels when ``num_heads / num_kv_heads >= 4``, except for
+  batches of ``CUDA_CORE_DECODE_BS`` requests (``KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS``,
+  "lo-hi"), where FlashInfer's CUDA-core decode kernel was faster on an H100);
 * extend without any cached prefix: ``BatchPrefillWithRaggedKVCacheWrapper``
   over the new tokens (causal);
 * extend with a cached prefix: the ragged pass over the new tokens plus
@@ -24,6 +26,7 @@ buffers; replay rebuilds the page list in place and re-plans on the host.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +42,25 @@ from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# Decode batches of this many requests ("lo-hi", "" for none) use FlashInfer's CUDA-core decode kernel even for
+# GQA models.  Measured per layer inside a CUDA graph on an H100 (Llama-3.1-8B attention, 640-token contexts,
+# bench/decode_latency.py): tensor cores / CUDA cores 10.3/10.9 us at batch 1, 13.9/12.5 at 4, 18.2/15.3 at 8,
+# 26.5/25.0 at 16, 40.7/41.4 at 32.  The bounds are CUDA-graph batch sizes, so a padded replay and an eager
+# step of the same requests run the same kernel.
+CUDA_CORE_DECODE_BS = "2-16"
+
+
+def _bs_range(spec: str) -> tuple[int, int]:
+    spec = spec.strip()
+    if not spec:
+        return (1, 0)  # empty range
+    try:
+        lo, _, hi = spec.partition("-")
+        return (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS must look like '2-16', not {spec!r}") from None
+
+
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -96,9 +118,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.kv_dtype = getattr(model_runner, "kv_dtype", mc.dtype)
         self.page_size = int(getattr(model_runner, "page_size", 1))
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
+        self.cuda_core_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
+                                                            CUDA_CORE_DECODE_BS))
         self.workspace = workspace_buffer(self.device)
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
+        # eager decode: one wrapper per kernel kind (tensor cores or not), made on first use
+        self._decode_wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.paged_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
@@ -109,10 +133,27 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_indices: Optional[torch.Tensor] = None
         self._cg_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
 
+    def tensor_cores_for(self, bs: int) -> bool:
+        """Whether decode batches of ``bs`` requests run FlashInfer's tensor-core kernel."""
+        lo, hi = self.cuda_core_decode_bs
+        return self.use_tensor_cores and not lo <= bs <= hi
+
+    def _decode_wrapper(self, bs: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
+        tc = self.tensor_cores_for(bs)
+        w = self._decode_wrappers.get(tc)
+        if w is None:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc,
+                                                              backend="fa2")
+            self._decode_wrappers[tc] = w
+        return w
+
     # --- planning ----------------------------------------------------------
     def _plan_decode(self, wrapper, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, seq_lens_cpu: list[int], indices_out: Optional[torch.Tensor]) -> None:
         indptr, last, total = paged_layout(seq_lens_cpu, self.page_size)
+        # pinned: a copy from pageable memory may wait for the stream, i.e. for the step still running on the
+        # GPU, which would stall the overlap scheduler's launch of the next step (measured: ~0.4 ms a step)
+        indptr, last = indptr.pin_memory(), last.pin_memory()
         indptr_dev = indptr.to(self.device, non_blocking=True)
         if indices_out is None:
             indices_out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
@@ -127,9 +168,10 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.forward_mode.is_idle():
             meta: Optional[object] = None
         elif fb.forward_mode.is_decode():
-            self._plan_decode(self.decode_wrapper, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            wrapper = self._decode_wrapper(fb.batch_size)
+            self._plan_decode(wrapper, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                               fb.seq_lens, list(fb.seq_lens_cpu), None)
-            meta = FlashInferDecodeMeta(self.decode_wrapper)
+            meta = FlashInferDecodeMeta(wrapper)
         else:
             meta = self._plan_extend(fb)
         self.forward_metadata = meta
@@ -230,7 +272,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if self._cg_indices is None or self._cg_indptr is None or self._cg_last is None:
             raise RuntimeError("init_cuda_graph_state must run before capturing")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores_for(bs),
             paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
             paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2")
         self._cg_wrappers[bs] = wrapper

@@ -19,6 +19,7 @@ class GatedActivation(nn.Module):
         if act not in _ACTS:
             raise ValueError(f"unsupported activation '{act}'; known: {sorted(_ACTS)}")
         self.act = _ACTS[act]
+        self.is_silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act is F.silu:

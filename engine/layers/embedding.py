@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvship.engine.layers.linear import _param
+from kvship.engine.layers.linear import _param, linear_forward
 
 
 class VocabEmbedding(nn.Module):
@@ -44,4 +44,4 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 (the matmul runs in the model dtype)."""
-        return F.linear(hidden, self.get_weight()).float()
+        return linear_forward(hidden, self.get_weight()).float()

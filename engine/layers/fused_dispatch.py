@@ -1,12 +1,15 @@
-"""Where the layers find the fused CUDA ops (``fused_ops_cuda``), without importing Triton on CPU.
+"""Where the layers find the Triton CUDA ops, without importing Triton on CPU.
 
-``cuda_fused_ops(t)`` returns the module when ``t`` is a CUDA tensor, Triton
-imports, and ``KVSHIP_DISABLE_FUSED_OPS`` is not set to 1; otherwise None and
-the layer runs its PyTorch code.  The import is attempted once per process.
+``cuda_fused_ops(t)`` returns ``fused_ops_cuda`` (RMSNorm, SiLU-and-mul, RoPE)
+and ``cuda_skinny_gemm(t)`` returns ``skinny_gemm_cuda`` (decode-shaped
+matmuls) when ``t`` is a CUDA tensor, Triton imports, and
+``KVSHIP_DISABLE_FUSED_OPS`` is not set to 1; otherwise None and the layer runs
+its PyTorch code.  Each import is attempted once per process.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from types import ModuleType
@@ -19,21 +22,28 @@ logger = logging.getLogger(__name__)
 _STATE: dict[str, Optional[ModuleType]] = {}
 
 
-def _load() -> Optional[ModuleType]:
-    if "mod" not in _STATE:
+def _load(name: str) -> Optional[ModuleType]:
+    if name not in _STATE:
         mod: Optional[ModuleType] = None
         if os.environ.get("KVSHIP_DISABLE_FUSED_OPS", "0") != "1":
             try:
-                from kvship.engine.layers import fused_ops_cuda as mod  # noqa: PLC0415
+                mod = importlib.import_module(f"kvship.engine.layers.{name}")
             except ImportError as e:  # triton missing: plain PyTorch layers
-                logger.info("fused CUDA ops unavailable (%s); using PyTorch ops", e)
+                logger.info("%s unavailable (%s); using PyTorch ops", name, e)
                 mod = None
-        _STATE["mod"] = mod
-    return _STATE["mod"]
+        _STATE[name] = mod
+    return _STATE[name]
 
 
 def cuda_fused_ops(t: torch.Tensor) -> Optional[ModuleType]:
     """The fused-ops module for CUDA tensor ``t``, or None (CPU, no Triton, or disabled)."""
     if not t.is_cuda:
         return None
-    return _load()
+    return _load("fused_ops_cuda")
+
+
+def cuda_skinny_gemm(t: torch.Tensor) -> Optional[ModuleType]:
+    """The decode-matmul module for CUDA tensor ``t``, or None (CPU, no Triton, or disabled)."""
+    if not t.is_cuda:
+        return None
+    return _load("skinny_gemm_cuda")

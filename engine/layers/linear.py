@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvship.engine.layers.fused_dispatch import cuda_skinny_gemm
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     """Copy ``loaded`` into ``param``; shapes must match exactly."""
@@ -44,10 +46,31 @@ class Linear(nn.Module):
         self.bias: Optional[nn.Parameter] = _param((output_size,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_forward(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x W^T + b``: on CUDA at decode batch sizes our skinny-GEMM kernels where they beat cuBLAS, else F.linear."""
+    skinny = cuda_skinny_gemm(x)
+    if skinny is not None:
+        y = skinny.linear(x, weight, bias)
+        if y is not None:
+            return y
+    return F.linear(x, weight, bias)
+
+
+def gated_linear(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(act(x))`` for a gated activation over ``x = gate || up``; on CUDA at batch 1 the SiLU-and-mul
+    is computed inside the matmul's input (one kernel, no activation tensor)."""
+    skinny = cuda_skinny_gemm(x)
+    if skinny is not None and getattr(act, "is_silu", False):
+        y = skinny.linear(x, layer.weight, layer.bias, act=skinny.ACT_SILU_MUL)
+        if y is not None:
+            return y
+    return layer(act(x))
 
 
 class StackedLinear(Linear):

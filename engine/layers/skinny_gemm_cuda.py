@@ -1,0 +1,241 @@
+"""Decode-shaped matmuls in Triton: a few activation rows against a large weight.
+
+At decode each projection multiplies ``M`` = batch rows (1..64) by a weight
+``W [N, K]`` that is read once from HBM per step: the step is bound by the
+weight bytes, not by FLOPs, and batch-1 decode is a chain of GEMVs.  cuBLAS
+leaves bandwidth on the table for some of these shapes (on an H100, o_proj of
+the Llama-3.1-8B shape ran at 55% of HBM bandwidth, and q/k/v and down_proj
+paid a separate split-K reduction kernel).  Two kernels here:
+
+* ``_gemv_kernel`` (M <= 8, CUDA cores): each program streams ``BLOCK_N`` full
+  weight rows in ``BLOCK_K`` chunks, the way they lie in memory, and keeps a
+  float32 partial product per element that is reduced once at the end.  There
+  is no split over K, so no reduction kernel; enough programs come from small
+  ``BLOCK_N`` instead.  (An RMSNorm prologue, each program recomputing the
+  row's norm, was measured and dropped: it cost ~10 us a call on an H100,
+  more than the separate norm kernel it saved.)
+* ``_skinny_mma_kernel`` (M up to 64, tensor cores): the same weight stream
+  through ``tl.dot`` with the rows of ``x`` padded to ``BLOCK_M``.
+
+Both can compute their input on the fly as ``silu(gate) * up`` from a fused
+gate/up output ``[M, 2K]`` (SwiGLU's down projection), with the same rounding
+as ``fused_ops_cuda.silu_and_mul`` followed by a matmul, which saves that
+kernel and its round trip.
+
+``linear(x, w, bias, act)`` picks a kernel and its tile sizes from
+``pick_config`` (the ``TUNED`` table, measured on an H100 with
+``bench/skinny_gemm.py``) and returns None where these kernels do not apply
+(too many rows, a weight that is not row-contiguous, float32) or cuBLAS was
+faster, so the caller falls back to ``F.linear``.  ``KVSHIP_DISABLE_SKINNY_GEMM=1``
+turns them off (the benchmark's cuBLAS baseline).
+
+Only imported on CUDA, through ``kvship.engine.layers.fused_dispatch``; the
+kernels also run under Triton's interpreter on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_NONE = 0
+ACT_SILU_MUL = 1
+
+# rows up to which the CUDA-core GEMV runs, and up to which the tensor-core kernel runs
+GEMV_MAX_M = 8
+MMA_MAX_M = 64
+
+
+@triton.jit
+def _load_input(x_ptr, k0, K, m_ok, k_ok, ACT: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_K]`` tile of the input; with ``ACT == 1`` it is ``silu(gate) * up``."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    if ACT == 1:
+        g = tl.load(x_ptr + k0, mask=mask, other=0.0)
+        u = tl.load(x_ptr + K + k0, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    else:
+        return tl.load(x_ptr + k0, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_ptr = w + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptr = x + rm[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        if EVEN:
+            wt = tl.load(w_ptr + k0, eviction_policy="evict_first")
+        else:
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        xt = _load_input(x_ptr, k0, K, m_ok, k_ok, ACT)
+        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        out += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + rm[:, None] * stride_ym + rn[None, :], out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
+                       ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_ptr = w + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptr = x + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        if EVEN:
+            wt = tl.load(w_ptr + k0, eviction_policy="evict_first")
+        else:
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        xt = _load_input(x_ptr, k0, K, m_ok, k_ok, ACT)
+        acc = tl.dot(xt, tl.trans(wt), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tile sizes of one launch.  ``mma`` picks the tensor-core kernel (``block_m`` >= 16)."""
+
+    mma: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def grid(self, m: int, n: int) -> tuple[int, ...]:
+        if self.mma:
+            return (triton.cdiv(n, self.block_n), triton.cdiv(m, self.block_m))
+        return (triton.cdiv(n, self.block_n),)
+
+
+def bucket(m: int) -> int:
+    """Row counts share a tuned config per power of two (1, 2, 4, ..., 64)."""
+    return 1 << (max(m, 1) - 1).bit_length()
+
+
+def _gemv(bn: int, bk: int, warps: int, bm: int = 1) -> SkinnyConfig:
+    return SkinnyConfig(False, bm, bn, bk, num_warps=warps)
+
+
+def _mma(bm: int, bn: int, bk: int) -> SkinnyConfig:
+    return SkinnyConfig(True, bm, bn, bk, num_warps=4, num_stages=4)
+
+
+# (N, K, bucket) -> config, or None for cuBLAS.  Measured on an H100 80GB HBM3 with bench/skinny_gemm.py
+# (docs/results/skinny_gemm_h100.json), for the Llama-3.1-8B projections: a config is listed where it beat
+# cuBLAS by >= 3% inside a CUDA graph (down_proj with SiLU-and-mul fused into its input).  Other buckets of
+# these shapes stay on cuBLAS; other shapes use _default_config.
+_QKV, _O, _GATE_UP, _DOWN, _LM_HEAD = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
+TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
+    (*_QKV, 1): _gemv(4, 1024, 4), (*_O, 1): _gemv(2, 2048, 4), (*_GATE_UP, 1): _gemv(2, 2048, 4),
+    (*_DOWN, 1): _gemv(8, 512, 8), (*_LM_HEAD, 1): _gemv(2, 2048, 4),
+    (*_QKV, 2): None, (*_O, 2): _gemv(8, 512, 8, bm=2), (*_GATE_UP, 2): None, (*_DOWN, 2): None,
+    (*_LM_HEAD, 2): _gemv(8, 512, 8, bm=2),
+    (*_QKV, 4): None, (*_O, 4): None, (*_GATE_UP, 4): None, (*_DOWN, 4): None, (*_LM_HEAD, 4): None,
+    (*_QKV, 8): _mma(16, 32, 128), (*_O, 8): _mma(16, 32, 256), (*_GATE_UP, 8): None, (*_DOWN, 8): None,
+    (*_LM_HEAD, 8): _mma(16, 32, 256),
+    (*_QKV, 16): _mma(16, 32, 128), (*_O, 16): _mma(16, 32, 256), (*_GATE_UP, 16): None, (*_DOWN, 16): None,
+    (*_LM_HEAD, 16): _mma(16, 32, 256),
+    (*_QKV, 32): None, (*_O, 32): None, (*_GATE_UP, 32): None, (*_DOWN, 32): None,
+    (*_LM_HEAD, 32): _mma(32, 32, 256),
+    (*_QKV, 64): None, (*_O, 64): None, (*_GATE_UP, 64): None, (*_DOWN, 64): None,
+    (*_LM_HEAD, 64): _mma(64, 32, 128),
+}
+
+
+def _default_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
+    """Shapes nobody tuned: the batch-1 GEMV that won on most H100 shapes; cuBLAS for more rows."""
+    if m != 1:
+        return None
+    return _gemv(2, min(2048, triton.next_power_of_2(k)), 4)
+
+
+def pick_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
+    """The launch config for ``[m, k] x [n, k]^T``, or None where cuBLAS is the better choice."""
+    if m < 1 or m > MMA_MAX_M:
+        return None
+    key = (n, k, bucket(m))
+    return TUNED[key] if key in TUNED else _default_config(m, n, k)
+
+
+def _enabled() -> bool:
+    return os.environ.get("KVSHIP_DISABLE_SKINNY_GEMM", "0") != "1"
+
+
+def applies(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE) -> bool:
+    """Whether ``x`` (rows x features) and ``w`` are something these kernels take (shape, dtype, layout)."""
+    if not _enabled() or x.dim() != 2 or w.dim() != 2:
+        return False
+    m = x.shape[0]
+    k = w.shape[1]
+    if m < 1 or m > MMA_MAX_M or x.dtype != w.dtype:
+        return False
+    # float32 models stay on cuBLAS on the GPU (CPU tensors only get here under Triton's interpreter, in tests)
+    if x.is_cuda and w.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if w.stride(1) != 1 or x.stride(1) != 1:
+        return False
+    return x.shape[1] == (2 * k if act == ACT_SILU_MUL else k)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, act: int,
+           cfg: SkinnyConfig) -> torch.Tensor:
+    """Run ``cfg`` for ``y = act(x) @ w^T (+ bias)``; no checks (``linear`` and the benchmark check)."""
+    m = x.shape[0]
+    n, k = w.shape
+    if not cfg.mma and m > cfg.block_m:
+        raise ValueError(f"a GEMV config of block_m={cfg.block_m} cannot take {m} rows")
+    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    common = dict(ACT=act, HAS_BIAS=bias is not None, EVEN=even, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    b = bias if bias is not None else w
+    if cfg.mma:
+        _skinny_mma_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)
+    else:
+        _gemv_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, act: int = ACT_NONE,
+           cfg: Optional[SkinnyConfig] = None) -> Optional[torch.Tensor]:
+    """``act(x) @ w^T + bias`` for ``x [M, K]`` (``[M, 2K]`` with ``ACT_SILU_MUL``), or None where these kernels
+    do not apply or cuBLAS is faster (the caller then runs PyTorch)."""
+    if not applies(x, w, act):
+        return None
+    m = x.shape[0]
+    n, k = w.shape
+    if cfg is None:
+        cfg = pick_config(m, n, k)
+        if cfg is None:
+            return None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    return launch(x, w, bias, y, act, cfg)
