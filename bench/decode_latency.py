@@ -238,15 +238,16 @@ def decode_kernel_choice(shape: str) -> list[dict[str, Any]]:
         last = torch.ones(bs, dtype=torch.int32)
         q = torch.randn(bs, h, d, dtype=torch.bfloat16, device="cuda")
         row: dict[str, Any] = {"batch": bs, "context": ctx, "layers_in_graph": nl}
-        for tc in (True, False):
+        for tc, no_split in ((True, False), (False, False), (True, True), (False, True)):
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
                 paged_kv_indptr_buffer=torch.empty(bs + 1, dtype=torch.int32, device="cuda"),
                 paged_kv_indices_buffer=torch.empty(n, dtype=torch.int32, device="cuda"),
                 paged_kv_last_page_len_buffer=torch.empty(bs, dtype=torch.int32, device="cuda"), backend="fa2")
-            w.plan(indptr, indices, last, h, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            w.plan(indptr, indices, last, h, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                   disable_split_kv=no_split)
             t = graph_time(lambda i, w=w: w.run(q, kvs[i % nl]), calls=nl)
-            row["tensor_cores_us" if tc else "cuda_cores_us"] = t * 1e6
+            row[("tensor_cores" if tc else "cuda_cores") + ("_no_split" if no_split else "") + "_us"] = t * 1e6
         out.append(row)
         del kvs
         torch.cuda.empty_cache()
@@ -484,7 +485,44 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
     top = rows[:15]
     top.append({"kernel": "TOTAL (all kernels)", "us_per_step": total, "calls_per_step": sum(
         r["calls_per_step"] for r in rows), "share": 1.0})
+    timeline = kernel_timeline(prof, steps)
+    if timeline:
+        top.append(timeline)
     return top
+
+
+def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
+    """The kernels of one profiled step in launch order, each with its duration and the idle gap before it
+    (GPU time between the previous kernel's end and its start): where the step loses time to bubbles."""
+    cuda_type = torch.autograd.DeviceType.CUDA
+    ks = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", cuda_type) != cuda_type or not ev.key:
+            continue
+        tr = getattr(ev, "time_range", None)
+        if tr is None:
+            continue
+        ks.append((tr.start, tr.end, ev.key[:60]))
+    if len(ks) < steps:
+        return None
+    ks.sort()
+    per = len(ks) // steps
+    mid = ks[per * (steps // 2): per * (steps // 2 + 1)]  # one step from the middle of the run
+    seq = []
+    for i, (s, e, name) in enumerate(mid):
+        gap = s - mid[i - 1][1] if i else 0.0
+        seq.append({"kernel": name, "us": e - s, "gap_us": gap})
+    busy = sum(x["us"] for x in seq)
+    span = mid[-1][1] - mid[0][0]
+    # per kernel name: calls, kernel time and the gaps before its launches
+    by: dict[str, dict[str, float]] = {}
+    for x in seq:
+        d = by.setdefault(x["kernel"], {"calls": 0, "us": 0.0, "gap_us": 0.0})
+        d["calls"] += 1
+        d["us"] += x["us"]
+        d["gap_us"] += x["gap_us"]
+    return {"kernel": "TIMELINE (one step)", "us_per_step": span, "calls_per_step": len(seq), "share": 1.0,
+            "busy_us": busy, "gap_us": span - busy, "by_kernel": by, "sequence": seq[:40]}
 
 
 # --- transformers baseline -----------------------------------------------------------------
@@ -583,7 +621,9 @@ def markdown(res: dict[str, Any]) -> str:
                      f"x @ W^T-contiguous {x['x@wt_us']:.1f} us ({x['x@wt_frac_hbm']:.0%}).")
     for x in res.get("decode_kernels", []):
         lines.append(f"FlashInfer decode alone (per layer, in a CUDA graph), batch {x['batch']} x {x['context']} ctx, "
-                     f"page 1: tensor cores {x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us.")
+                     f"page 1: tensor cores {x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us; "
+                     f"without KV split: tensor cores {x.get('tensor_cores_no_split_us', float('nan')):.1f} us, "
+                     f"CUDA cores {x.get('cuda_cores_no_split_us', float('nan')):.1f} us.")
     return "\n".join(lines) + "\n"
 
 
@@ -624,6 +664,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hf-output-len", type=int, default=None, help="default: --output-len")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--decode-kernels-only", action="store_true",
+                    help="of the attention measurements, run only FlashInfer's decode kernel variants")
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -647,7 +689,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     res["hbm_TBps"] = copy_bandwidth() / 1e12
     logger.info("device copy bandwidth %.2f TB/s", res["hbm_TBps"])
     tmp = tempfile.mkdtemp(prefix="kvship-bench-")
-    if not args.skip_attention and args.attention_backend == "flashinfer":
+    if args.decode_kernels_only and args.attention_backend == "flashinfer":
+        res["decode_kernels"] = decode_kernel_choice(args.shape)
+        for x in res["decode_kernels"]:
+            logger.info("decode kernels: %s", x)
+        save()
+    elif not args.skip_attention and args.attention_backend == "flashinfer":
         one_layer = write_model_dir(args.shape, tmp, num_hidden_layers=1)
         res["attention"] = []
         for ps in (16, 1):
@@ -764,8 +811,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(md)
     for bs, rows in (res.get("profile") or {}).items():
         print(f"top kernels, graph decode bs {bs} (runner loop, GPU time per step):")
-        for r in rows[:12] + rows[-1:]:
+        tl = rows[-1] if rows and "by_kernel" in rows[-1] else None
+        plain = [r for r in rows if "by_kernel" not in r]
+        for r in plain[:12] + plain[-1:]:
             print(f"  {r['share']:6.1%} {r['us_per_step']:9.1f} us/step  x{r['calls_per_step']:.0f}  {r['kernel']}")
+        if tl:
+            print(f"  one step: span {tl['us_per_step']:.1f} us, kernels busy {tl['busy_us']:.1f} us, "
+                  f"idle gaps {tl['gap_us']:.1f} us over {tl['calls_per_step']} kernels")
+            for name, d in sorted(tl["by_kernel"].items(), key=lambda kv: -kv[1]["us"] - kv[1]["gap_us"])[:12]:
+                print(f"    x{d['calls']:<4d} busy {d['us']:8.1f} us  gaps before {d['gap_us']:7.1f} us  {name}")
     return 0
 
 

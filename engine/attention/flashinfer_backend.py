@@ -48,6 +48,10 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # 26.5/25.0 at 16, 40.7/41.4 at 32.  The bounds are CUDA-graph batch sizes, so a padded replay and an eager
 # step of the same requests run the same kernel.
 CUDA_CORE_DECODE_BS = "2-16"
+# Decode batches of this many requests ("lo-hi", "" for none; KVSHIP_FLASHINFER_NO_SPLIT_BS) plan without
+# splitting the KV of a request across thread blocks (FlashInfer's disable_split_kv): no merge kernel after
+# the attention kernel, at the price of less parallelism for long contexts.
+NO_SPLIT_DECODE_BS = ""
 
 
 def _bs_range(spec: str) -> tuple[int, int]:
@@ -58,7 +62,7 @@ def _bs_range(spec: str) -> tuple[int, int]:
         lo, _, hi = spec.partition("-")
         return (int(lo), int(hi or lo))
     except ValueError:
-        raise ValueError(f"KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS must look like '2-16', not {spec!r}") from None
+        raise ValueError(f"KVSHIP_FLASHINFER_*_BS ranges must look like '2-16', not {spec!r}") from None
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -120,6 +124,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
         self.cuda_core_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
                                                             CUDA_CORE_DECODE_BS))
+        self.no_split_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_NO_SPLIT_BS", NO_SPLIT_DECODE_BS))
         self.workspace = workspace_buffer(self.device)
         # eager decode: one wrapper per kernel kind (tensor cores or not), made on first use
         self._decode_wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -160,8 +165,11 @@ class FlashInferAttnBackend(AttentionBackend):
         elif total > indices_out.numel():
             raise ValueError(f"decode batch needs {total} KV pages; the CUDA-graph buffer holds {indices_out.numel()}")
         build_kv_indices(req_to_token, req_pool_indices, seq_lens, indptr_dev, indices_out, self.page_size)
+        lo, hi = self.no_split_decode_bs
+        # the choice depends on the (graph) batch size only, so a replay and an eager step plan the same kernel
         wrapper.plan(indptr, indices_out[:total], last, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
+                     self.page_size, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
+                     disable_split_kv=lo <= len(seq_lens_cpu) <= hi)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch

@@ -5,6 +5,14 @@ and ``cuda_skinny_gemm(t)`` returns ``skinny_gemm_cuda`` (decode-shaped
 matmuls) when ``t`` is a CUDA tensor, Triton imports, and
 ``KVSHIP_DISABLE_FUSED_OPS`` is not set to 1; otherwise None and the layer runs
 its PyTorch code.  Each import is attempted once per process.
+
+``use_pdl(t)`` says whether our Triton kernels on ``t``'s device launch with
+programmatic dependent launch (PDL, Hopper and later): a kernel may then be
+scheduled while the one before it drains, does what needs no input of that
+kernel (address math, the first weight tile of a matmul) and waits on
+``griddepcontrol.wait`` before reading any activation or writing anything.
+Each such kernel waits in every program, so the wait chains through a run of
+PDL kernels.  ``KVSHIP_PDL=0`` turns it off (on by default where supported).
 """
 
 from __future__ import annotations
@@ -33,6 +41,22 @@ def _load(name: str) -> Optional[ModuleType]:
                 mod = None
         _STATE[name] = mod
     return _STATE[name]
+
+
+_PDL: dict[int, bool] = {}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether Triton kernels on CUDA tensor ``t``'s device launch with PDL (compute capability >= 9)."""
+    if not t.is_cuda:
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    ok = _PDL.get(idx)
+    if ok is None:
+        ok = (os.environ.get("KVSHIP_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+              and torch.cuda.get_device_capability(idx)[0] >= 9)
+        _PDL[idx] = ok
+    return ok
 
 
 def cuda_fused_ops(t: torch.Tensor) -> Optional[ModuleType]:

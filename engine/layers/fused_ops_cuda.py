@@ -11,6 +11,15 @@ activations) with one.  Numerics follow the PyTorch layers they stand in for:
   float32 and rounded once (PyTorch's layer rounds each product; the
   difference is within one bf16 ulp).
 
+``rope_inplace`` can also write the rotated keys and the values of the new
+tokens into the KV pool's layer buffers in the same kernel (``store=``), which
+saves the separate KV-store kernel of every attention layer.
+
+On Hopper every kernel here launches with programmatic dependent launch
+(``fused_dispatch.use_pdl``): it waits for the previous kernel with
+``griddepcontrol.wait`` before touching memory, then lets the next kernel be
+scheduled at once (``launch_dependents``).
+
 Only imported on CUDA, through ``kvship.engine.layers.fused_dispatch``.  The
 kernels also run under Triton's interpreter on CPU tensors (tests).
 """
@@ -23,13 +32,25 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel has finished and its writes are visible, then let the next
+    kernel be scheduled.  Every program must call it before its first activation load or any store."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 
 @triton.jit
 def _rmsnorm_kernel(x, res, w, y, res_out, n_cols, eps, stride_x, stride_r, stride_y, stride_ro,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    pdl_enter(USE_PDL)
     xv = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         rv = tl.load(res + row * stride_r + offs, mask=mask, other=0.0)
@@ -55,10 +76,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(n)
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    pdl = use_pdl(x)
     if residual is None:
         if rows:
             _rmsnorm_kernel[(rows,)](x2, x2, weight, y, y, n, eps, x2.stride(0), 0, y.stride(0), 0,
-                                     HAS_RES=False, BLOCK=block, num_warps=warps)
+                                     HAS_RES=False, BLOCK=block, num_warps=warps, USE_PDL=pdl, launch_pdl=pdl)
         return y.view(shape)
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -66,15 +88,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         _rmsnorm_kernel[(rows,)](x2, r2, weight, y, res_out, n, eps, x2.stride(0), r2.stride(0), y.stride(0),
-                                 res_out.stride(0), HAS_RES=True, BLOCK=block, num_warps=warps)
+                                 res_out.stride(0), HAS_RES=True, BLOCK=block, num_warps=warps, USE_PDL=pdl,
+                                 launch_pdl=pdl)
     return y.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _silu_mul_kernel(x, y, d, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x, y, d, stride_x, stride_y, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
+    pdl_enter(USE_PDL)
     g = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     u = tl.load(x + row * stride_x + d + offs, mask=mask, other=0.0)
     gf = g.to(tl.float32)
@@ -94,22 +118,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, triton.next_power_of_2(d))
+        pdl = use_pdl(x)
         _silu_mul_kernel[(rows, triton.cdiv(d, block))](x2, y, d, x2.stride(0), y.stride(0), BLOCK=block,
-                                                        num_warps=4)
+                                                        num_warps=4, USE_PDL=pdl, launch_pdl=pdl)
     return y.view(*shape[:-1], d)
 
 
 @triton.jit
 def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 v, k_buf, v_buf, loc, stride_vt, stride_vh, stride_kb, stride_vb,
                  NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
+    heads = tl.arange(0, BLOCK_H)
+    pdl_enter(USE_PDL)
+    pos = tl.load(positions + t).to(tl.int64)
     cos = tl.load(cos_sin + pos * stride_cs + offs, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)
-    heads = tl.arange(0, BLOCK_H)
     for h0 in range(0, NUM_Q, BLOCK_H):
         hh = h0 + heads
         m = (hh < NUM_Q)[:, None] & d_mask[None, :]
@@ -120,6 +147,8 @@ def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stri
         f2 = x2.to(tl.float32)
         tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
         tl.store(p + HALF, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=m)
+    if STORE:
+        slot = tl.load(loc + t).to(tl.int64)
     for h0 in range(0, NUM_K, BLOCK_H):
         hh = h0 + heads
         m = (hh < NUM_K)[:, None] & d_mask[None, :]
@@ -128,16 +157,31 @@ def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stri
         x2 = tl.load(p + HALF, mask=m, other=0.0)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
-        tl.store(p + HALF, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=m)
+        r1 = (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype)
+        r2 = (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype)
+        tl.store(p, r1, mask=m)
+        tl.store(p + HALF, r2, mask=m)
+        if STORE:
+            # the pool row is [Hkv, D] contiguous: head hh starts at hh * 2 * HALF
+            kb = k_buf + slot * stride_kb + hh[:, None] * (2 * HALF) + offs[None, :]
+            tl.store(kb, r1.to(k_buf.dtype.element_ty), mask=m)
+            tl.store(kb + HALF, r2.to(k_buf.dtype.element_ty), mask=m)
+            pv = v + t * stride_vt + hh[:, None] * stride_vh + offs[None, :]
+            vb = v_buf + slot * stride_vb + hh[:, None] * (2 * HALF) + offs[None, :]
+            tl.store(vb, tl.load(pv, mask=m, other=0.0).to(v_buf.dtype.element_ty), mask=m)
+            tl.store(vb + HALF, tl.load(pv + HALF, mask=m, other=0.0).to(v_buf.dtype.element_ty), mask=m)
 
 
-def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (last dim contiguous); returns them.
 
     ``cos_sin_cache`` is ``[max_position, D]``: cos of the ``D/2`` frequencies,
-    then their sin.
+    then their sin.  With ``store=(v, k_buf, v_buf, loc)`` the same kernel also
+    writes the rotated keys and ``v [T, Hk, D]`` into the pool buffers
+    ``k_buf`` / ``v_buf`` ``[slots, Hk, D]`` (contiguous) at slots ``loc [T]``,
+    cast to the pool dtype, as ``KVPool.set_kv_buffer`` would.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -147,7 +191,17 @@ def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return q, k
     half = d // 2
     block_h = min(16, triton.next_power_of_2(max(hq, hk)))
+    if store is not None:
+        v, k_buf, v_buf, loc = store
+        if (v.shape != k.shape or v.stride(-1) != 1 or not k_buf.is_contiguous() or not v_buf.is_contiguous()
+                or tuple(k_buf.shape[1:]) != (hk, d) or tuple(v_buf.shape[1:]) != (hk, d) or loc.numel() != t):
+            raise ValueError("rope_inplace(store=...) needs v shaped like k and [slots, Hk, D] pool buffers")
+        sv = (v, k_buf, v_buf, loc, v.stride(0), v.stride(1), k_buf.stride(0), v_buf.stride(0))
+    else:
+        sv = (k, k, k, positions, 0, 0, 0, 0)
+    pdl = use_pdl(q)
     _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos_sin_cache.stride(0), NUM_Q=hq, NUM_K=hk, HALF=half, BLOCK_H=block_h,
-                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                       cos_sin_cache.stride(0), *sv, NUM_Q=hq, NUM_K=hk, HALF=half, BLOCK_H=block_h,
+                       BLOCK_HALF=triton.next_power_of_2(half), STORE=store is not None, USE_PDL=pdl,
+                       launch_pdl=pdl, num_warps=4)
     return q, k

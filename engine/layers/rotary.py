@@ -9,6 +9,7 @@ The cos/sin table is computed once in float32 for positions
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -67,6 +68,22 @@ class RotaryEmbedding(nn.Module):
         cos = cs[:, None, :half].to(q.dtype)
         sin = cs[:, None, half:].to(q.dtype)
         return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
+
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor) -> bool:
+        """Rotate ``q`` / ``k`` in place and write the rotated keys and ``v [T, Hk, D]`` into the pool buffers
+        at ``loc``, all in one CUDA kernel; returns False (having done nothing) where that kernel does not apply
+        (CPU, no Triton, ``KVSHIP_FUSE_ROPE_KV_STORE=0``, a layout it cannot take): the caller then rotates
+        with ``forward`` and lets the attention backend store the keys and values."""
+        fused = cuda_fused_ops(q)
+        if (fused is None or os.environ.get("KVSHIP_FUSE_ROPE_KV_STORE", "1") == "0" or q.stride(-1) != 1
+                or k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape or not k_buf.is_contiguous()
+                or not v_buf.is_contiguous() or tuple(k_buf.shape[1:]) != tuple(k.shape[1:])
+                or tuple(v_buf.shape[1:]) != tuple(k.shape[1:]) or loc.numel() != q.shape[0]):
+            return False
+        fused.rope_inplace(positions, q, k, self.cos_sin_cache, store=(v, k_buf, v_buf, loc))
+        return True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:

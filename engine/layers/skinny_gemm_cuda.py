@@ -29,6 +29,11 @@ kernel and its round trip.
 faster, so the caller falls back to ``F.linear``.  ``KVSHIP_DISABLE_SKINNY_GEMM=1``
 turns them off (the benchmark's cuBLAS baseline).
 
+On Hopper both launch with programmatic dependent launch
+(``fused_dispatch.use_pdl``): a program loads its first weight tile (weights
+never depend on the previous kernel) before ``griddepcontrol.wait``, so the
+weight stream starts while the kernel before it drains.
+
 Only imported on CUDA, through ``kvship.engine.layers.fused_dispatch``; the
 kernels also run under Triton's interpreter on CPU tensors (tests).
 """
@@ -42,6 +47,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
 
 ACT_NONE = 0
 ACT_SILU_MUL = 1
@@ -68,7 +76,7 @@ def _load_input(x_ptr, k0, K, m_ok, k_ok, ACT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
                  ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -78,7 +86,16 @@ def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
     w_ptr = w + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptr = x + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if USE_PDL:
+        # the first weight tile streams in while the previous kernel finishes; then wait for its output
+        k_ok = rk < K
+        w0 = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        pdl_enter(USE_PDL)
+        x0 = _load_input(x_ptr, 0, K, m_ok, k_ok, ACT)
+        acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         if EVEN:
             wt = tl.load(w_ptr + k0, eviction_policy="evict_first")
@@ -95,7 +112,8 @@ def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
 @triton.jit
 def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
                        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +124,15 @@ def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
     w_ptr = w + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptr = x + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if USE_PDL:
+        k_ok = rk < K
+        w0 = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        pdl_enter(USE_PDL)
+        x0 = _load_input(x_ptr, 0, K, m_ok, k_ok, ACT)
+        acc = tl.dot(x0, tl.trans(w0), acc)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         if EVEN:
             wt = tl.load(w_ptr + k0, eviction_policy="evict_first")
@@ -215,8 +241,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: to
     if not cfg.mma and m > cfg.block_m:
         raise ValueError(f"a GEMV config of block_m={cfg.block_m} cannot take {m} rows")
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    pdl = use_pdl(x)
     common = dict(ACT=act, HAS_BIAS=bias is not None, EVEN=even, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=pdl,
+                  launch_pdl=pdl)
     b = bias if bias is not None else w
     if cfg.mma:
         _skinny_mma_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)

@@ -54,8 +54,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
+        out = self.attn.rope_and_forward(self._rotary[0], positions, q, k,
+                                         v.view(-1, self.num_kv_heads, self.head_dim), forward_batch)
         return self.o_proj(out)
 
 

@@ -118,3 +118,44 @@ def test_page_size_16_graph_replay_equals_eager(model_path, kv_driver):
     eager_runner = make_runner(model_path, "flashinfer", graphs=False, page_size=16, max_bs=24)
     assert greedy_batch(graph_runner, kv_driver, 17, steps=32) == greedy_batch(eager_runner, kv_driver, 17, steps=32)
     _release(graph_runner, eager_runner)
+
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_pdl_and_fused_rope_store_keep_greedy_tokens(model_path, kv_driver, monkeypatch, graphs):
+    """Programmatic dependent launch of our Triton kernels (on by default on Hopper) and the fused RoPE + KV
+    store change no token: 64 greedy steps at batch 3 (a padded graph) and 17 with both on equal those with
+    both off."""
+    requires_flashinfer()
+    from kvship.engine.layers import fused_dispatch
+    from kvship.engine.layers.rotary import RotaryEmbedding
+
+    fused_calls = []
+    real = RotaryEmbedding.rotate_and_store
+
+    def spy(self, *a, **kw):
+        done = real(self, *a, **kw)
+        fused_calls.append(done)
+        return done
+
+    monkeypatch.setattr(RotaryEmbedding, "rotate_and_store", spy)
+
+    def run(flag: str) -> list[list[int]]:
+        monkeypatch.setenv("KVSHIP_PDL", flag)
+        monkeypatch.setenv("KVSHIP_FUSE_ROPE_KV_STORE", flag)
+        fused_dispatch._PDL.clear()
+        try:
+            runner = make_runner(model_path, "flashinfer", graphs=graphs)
+            out = [greedy_batch(runner, kv_driver, bs) for bs in (3, 17)]
+            _release(runner)
+            return out
+        finally:
+            fused_dispatch._PDL.clear()
+
+    on = run("1")
+    assert fused_calls and all(fused_calls), "the fused RoPE + KV store did not run"
+    assert fused_dispatch.use_pdl(torch.empty(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    fused_calls.clear()
+    off = run("0")
+    assert fused_calls and not any(fused_calls)
+    assert on == off

@@ -232,3 +232,34 @@ def test_fused_kv_store_writes_what_set_kv_buffer_writes(dev):
     store_kv(pools[1], 1, loc, k, v)
     for a, b in zip(pools[0].buffers(), pools[1].buffers()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (32, 8, 128)])
+def test_fused_rope_and_kv_store_equals_rope_then_store(dev, hq, hk, d):
+    """One kernel rotating q/k in place and writing the rotated k and v into the pool gives exactly what
+    ``rope_inplace`` followed by ``KVPool.set_kv_buffer`` gives, and leaves every other pool slot alone."""
+    from kvship.engine.layers.fused_ops_cuda import rope_inplace
+    from kvship.engine.layers.rotary import RotaryEmbedding
+
+    dtype = _dtype(dev)
+    rope = RotaryEmbedding(d, 4096, 500000.0).to(dev)
+    t, slots = 13, 300
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype, device=dev)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)  # strided rows, as the fused q/k/v projection leaves them
+    pos = torch.randint(0, 4096, (t,), device=dev)
+    loc = (torch.randperm(slots - 1)[:t] + 1).to(dev)
+    kb_ref = torch.randn(slots, hk, d, dtype=dtype, device=dev)
+    vb_ref = torch.randn(slots, hk, d, dtype=dtype, device=dev)
+    kb, vb = kb_ref.clone(), vb_ref.clone()
+    q_ref, k_ref = rope_inplace(pos, q.clone(), k.clone(), rope.cos_sin_cache)
+    kb_ref[loc] = k_ref
+    vb_ref[loc] = v
+    v_before = v.clone()
+    rope_inplace(pos, q, k, rope.cos_sin_cache, store=(v, kb, vb, loc))
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(kb, kb_ref) and torch.equal(vb, vb_ref)
+    assert torch.equal(v, v_before)
+    with pytest.raises(ValueError):
+        rope_inplace(pos, q, k, rope.cos_sin_cache, store=(v, kb[:, :1], vb, loc))

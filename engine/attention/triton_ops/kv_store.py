@@ -12,16 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
 from kvship.engine.mem.pools import KVPool
 
 
 @triton.jit
 def _store_kv_kernel(k_buf, v_buf, loc, k, v, stride_kb, stride_vb, stride_k, stride_v,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < ROW
+    pdl_enter(USE_PDL)
+    slot = tl.load(loc + t).to(tl.int64)
     kv = tl.load(k + t * stride_k + offs, mask=m)
     vv = tl.load(v + t * stride_v + offs, mask=m)
     tl.store(k_buf + slot * stride_kb + offs, kv.to(k_buf.dtype.element_ty), mask=m)
@@ -41,5 +44,7 @@ def store_kv(kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
     if not plain:
         kv_pool.set_kv_buffer(layer_id, loc, k, v)
         return
+    pdl = use_pdl(k_buf)
     _store_kv_kernel[(n,)](k_buf, v_buf, loc, k2, v2, k_buf.stride(0), v_buf.stride(0), k2.stride(0), v2.stride(0),
-                           ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4 if row >= 512 else 1)
+                           ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4 if row >= 512 else 1,
+                           USE_PDL=pdl, launch_pdl=pdl)
