@@ -47,6 +47,27 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ls /tmp/fiws/.cache/flashinfer 2>/dev/null | head -1 >/dev/null
 find /tmp/fiws -name '*.so' 2>/dev/null | sort > /tmp/jit_before.txt
 
+echo "== PDL probe [$(el)s]"
+# our Triton kernels launch with programmatic dependent launch on Hopper; if that cannot compile or run here,
+# say so loudly and run the rest with it off rather than losing the whole call
+if ! python3 - <<'PY'
+import torch
+from kvship.engine.layers import fused_ops_cuda as f, skinny_gemm_cuda as sg
+x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
+nw = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+h = f.rmsnorm(x, nw, 1e-5)
+y = sg.linear(h, w)
+ref = h.float() @ w.float().t()
+err = ((y.float() - ref).norm() / ref.norm()).item()
+torch.cuda.synchronize()
+print("PDL probe ok: use_pdl", f.use_pdl(x), "rel err", err)
+assert err < 1e-2
+PY
+then
+  echo "!! PDL probe FAILED: running with KVSHIP_PDL=0"; export KVSHIP_PDL=0
+fi
+
 if [[ " $PARTS " == *" tests "* ]]; then
   echo "== tests/gpu [$(el)s]"
   timeout -k 10 "${TEST_TIMEOUT:-480}" python3 -m pytest ${TEST_PATHS:-tests/gpu} -v -rs --timeout 240 -p no:cacheprovider \
