@@ -51,7 +51,7 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
             "lm_head": (c["vocab_size"], h, sg.ACT_NONE)}
 
 
-def candidates(m: int) -> list[sg.SkinnyConfig]:
+def candidates(m: int, wide: bool = False) -> list[sg.SkinnyConfig]:
     """Tile configs worth timing for ``m`` rows."""
     out: list[sg.SkinnyConfig] = []
     if m <= sg.GEMV_MAX_M:
@@ -70,7 +70,16 @@ def candidates(m: int) -> list[sg.SkinnyConfig]:
         for bn in (16, 32, 64):
             for bk in (128, 256):
                 out.append(sg.SkinnyConfig(True, bm, bn, bk, num_warps=4, num_stages=4))
+        if wide:  # deeper pipelines and more warps per tile
+            for bn in (32, 64):
+                for bk in (128, 256):
+                    for warps in (4, 8):
+                        for stages in (3, 5, 6):
+                            out.append(sg.SkinnyConfig(True, bm, bn, bk, num_warps=warps, num_stages=stages))
     return out
+
+
+WIDE = False
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, act: int) -> torch.Tensor:
@@ -109,7 +118,7 @@ def bench_case(name: str, n: int, k: int, act: int, m: int, hbm: float, dev: tor
             del wts
     auto = sg.pick_config(m, n, k)  # None: the table says cuBLAS
     row["auto"] = str(auto)
-    cands = candidates(m)
+    cands = candidates(m, WIDE)
     if auto is not None and auto not in cands:
         cands.append(auto)
     best: Optional[tuple[float, sg.SkinnyConfig]] = None
@@ -172,10 +181,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--ms", default="1,2,4,8,16,32,64", help="row counts (decode batch sizes)")
     ap.add_argument("--layers", default="", help="comma list of projections (default: all)")
+    ap.add_argument("--wide", action="store_true", help="also time deeper-pipelined / 8-warp tensor-core tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter works)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",") if v]
+    global WIDE
+    WIDE = a.wide
     if a.smoke:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -12,7 +12,9 @@ scheduled while the one before it drains, does what needs no input of that
 kernel (address math, the first weight tile of a matmul) and waits on
 ``griddepcontrol.wait`` before reading any activation or writing anything.
 Each such kernel waits in every program, so the wait chains through a run of
-PDL kernels.  ``KVSHIP_PDL=0`` turns it off (on by default where supported).
+PDL kernels.  Opt-in with ``KVSHIP_PDL=1``: on an H100 (Llama-3.1-8B shape,
+CUDA graphs, docs/benchmarks.md) it measured 1.002x at batch 1 and 0.988x at
+batch 32, i.e. no gain beyond run-to-run noise, so it is off by default.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(idx)
     if ok is None:
-        ok = (os.environ.get("KVSHIP_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        ok = (os.environ.get("KVSHIP_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(idx)[0] >= 9)
         _PDL[idx] = ok
     return ok

@@ -15,8 +15,8 @@ activations) with one.  Numerics follow the PyTorch layers they stand in for:
 tokens into the KV pool's layer buffers in the same kernel (``store=``), which
 saves the separate KV-store kernel of every attention layer.
 
-On Hopper every kernel here launches with programmatic dependent launch
-(``fused_dispatch.use_pdl``): it waits for the previous kernel with
+On Hopper every kernel here can launch with programmatic dependent launch
+(``fused_dispatch.use_pdl``, opt-in ``KVSHIP_PDL=1``): it waits for the previous kernel with
 ``griddepcontrol.wait`` before touching memory, then lets the next kernel be
 scheduled at once (``launch_dependents``).
 

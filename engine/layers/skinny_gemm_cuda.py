@@ -29,8 +29,8 @@ kernel and its round trip.
 faster, so the caller falls back to ``F.linear``.  ``KVSHIP_DISABLE_SKINNY_GEMM=1``
 turns them off (the benchmark's cuBLAS baseline).
 
-On Hopper both launch with programmatic dependent launch
-(``fused_dispatch.use_pdl``): a program loads its first weight tile (weights
+On Hopper both can launch with programmatic dependent launch
+(``fused_dispatch.use_pdl``, opt-in): a program loads its first weight tile (weights
 never depend on the previous kernel) before ``griddepcontrol.wait``, so the
 weight stream starts while the kernel before it drains.
 
