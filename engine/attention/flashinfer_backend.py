@@ -34,6 +34,8 @@ import flashinfer
 import torch
 
 from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.engine.attention.triton_backend import DecodeSplits, TritonDecodeMeta
+from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
 from kvship.engine.attention.triton_ops.kv_store import store_kv
 from kvship.engine.attention.triton_ops.merge_state import merge_state
@@ -52,6 +54,10 @@ CUDA_CORE_DECODE_BS = "2-16"
 # splitting the KV of a request across thread blocks (FlashInfer's disable_split_kv): no merge kernel after
 # the attention kernel, at the price of less parallelism for long contexts.
 NO_SPLIT_DECODE_BS = ""
+# Decode batches of this many requests ("lo-hi", "" for none; KVSHIP_FLASHINFER_TRITON_DECODE_BS) run our
+# Triton split-KV decode kernel with the merge folded in (one kernel a layer, no plan on the host) instead
+# of FlashInfer's decode kernel + merge kernel.
+TRITON_DECODE_BS = ""
 
 
 def _bs_range(spec: str) -> tuple[int, int]:
@@ -125,6 +131,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self.cuda_core_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
                                                             CUDA_CORE_DECODE_BS))
         self.no_split_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_NO_SPLIT_BS", NO_SPLIT_DECODE_BS))
+        self.triton_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_TRITON_DECODE_BS", TRITON_DECODE_BS))
+        self.triton_splits = DecodeSplits(model_runner, self.num_kv_heads, self.num_heads, self.head_dim,
+                                          self.device, fused_merge=True)
         self.workspace = workspace_buffer(self.device)
         # eager decode: one wrapper per kernel kind (tensor cores or not), made on first use
         self._decode_wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -137,6 +146,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_last: Optional[torch.Tensor] = None
         self._cg_indices: Optional[torch.Tensor] = None
         self._cg_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+
+    def triton_decode_for(self, bs: int) -> bool:
+        """Whether decode batches of ``bs`` requests (the graph size for a replay) run the Triton kernel."""
+        lo, hi = self.triton_decode_bs
+        return lo <= bs <= hi
 
     def tensor_cores_for(self, bs: int) -> bool:
         """Whether decode batches of ``bs`` requests run FlashInfer's tensor-core kernel."""
@@ -175,6 +189,8 @@ class FlashInferAttnBackend(AttentionBackend):
         fb = forward_batch
         if fb.forward_mode.is_idle():
             meta: Optional[object] = None
+        elif fb.forward_mode.is_decode() and self.triton_decode_for(self._graph_bs(fb.batch_size)):
+            meta = self.triton_splits.eager_meta(fb.batch_size)
         elif fb.forward_mode.is_decode():
             wrapper = self._decode_wrapper(fb.batch_size)
             self._plan_decode(wrapper, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
@@ -253,8 +269,20 @@ class FlashInferAttnBackend(AttentionBackend):
         if save_kv_cache:
             store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, d = layer.num_heads, layer.head_dim
+        if isinstance(meta, TritonDecodeMeta):
+            qh = q.view(-1, h, d)
+            out = torch.empty_like(qh)
+            decode_attention(qh, fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
+                             out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, meta.mid_out,
+                             meta.mid_lse, meta.num_splits, layer.scaling, counters=meta.counters)
+            return out.view(-1, h * d)
         out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
         return out.view(-1, h * d)
+
+    def _graph_bs(self, bs: int) -> int:
+        """The CUDA-graph size a batch of ``bs`` pads to (itself where none is captured): kernel choices follow
+        it, so an eager step and a replay of the same batch compute the same way."""
+        return next((b for b in self.triton_splits.graph_sizes if b >= bs), bs)
 
     # --- CUDA graphs -------------------------------------------------------
     def _graph_req_to_token(self) -> torch.Tensor:
@@ -271,6 +299,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
         # page lists are built here, then plan() copies them into the wrappers' fixed buffer
         self._cg_indices_scratch = torch.zeros_like(self._cg_indices)
+        lo, hi = self.triton_decode_bs
+        if lo <= hi and lo <= max_bs:
+            self.triton_splits.init_graph_scratch(min(max_bs, hi))
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode,
@@ -279,6 +310,10 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(f"the flashinfer backend captures decode graphs only, not {forward_mode.name}")
         if self._cg_indices is None or self._cg_indptr is None or self._cg_last is None:
             raise RuntimeError("init_cuda_graph_state must run before capturing")
+        if self.triton_decode_for(bs):
+            # reads req_pool_indices / seq_lens from the graph runner's static buffers: no replay refresh
+            self.forward_metadata = self.triton_splits.graph_meta(bs)
+            return
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores_for(bs),
             paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
@@ -295,6 +330,9 @@ class FlashInferAttnBackend(AttentionBackend):
                                                 seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the flashinfer backend replays decode graphs only, not {forward_mode.name}")
+        if self.triton_decode_for(bs):
+            self.forward_metadata = self.triton_splits.graph_meta(bs)
+            return
         wrapper = self._cg_wrappers.get(bs)
         if wrapper is None:
             raise ValueError(f"no CUDA graph was captured for batch size {bs}")

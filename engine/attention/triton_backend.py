@@ -36,6 +36,62 @@ class TritonDecodeMeta:
     num_splits: int
     mid_out: torch.Tensor   # [bs, H, MAX_KV_SPLITS, D] float32
     mid_lse: torch.Tensor   # [bs, H, MAX_KV_SPLITS] float32
+    counters: Optional[torch.Tensor] = None  # int32 zeros: merge inside the split kernel (decode_attention)
+
+
+class DecodeSplits:
+    """Split counts and scratch buffers of the Triton split-KV decode kernel, for any backend that runs it.
+
+    Splits follow the CUDA-graph size a batch pads to (graphs on or off), so an eager step and a replayed
+    graph of the same batch run the very same kernels: identical results.  ``fused_merge`` hands the kernel
+    a persistent zeroed counter buffer (the kernel leaves it zeroed), so the merge runs in the same kernel.
+    """
+
+    def __init__(self, model_runner: object, num_kv_heads: int, num_heads: int, head_dim: int,
+                 device: torch.device, fused_merge: bool = False):
+        self.num_kv_heads, self.num_heads, self.head_dim, self.device = num_kv_heads, num_heads, head_dim, device
+        self.num_sms = _device_sm_count(device)
+        sa = getattr(model_runner, "server_args", None)
+        self.max_bs = int(getattr(model_runner, "max_running_requests", 0) or 0)
+        self.graph_sizes: list[int] = []
+        if sa is not None:
+            from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes
+            self.graph_sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests",
+                                                                  sa.cuda_graph_max_bs))
+        self.fused_merge = fused_merge
+        self._counters: Optional[torch.Tensor] = None
+        self._cg: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def num_splits(self, bs: int) -> int:
+        padded = next((b for b in self.graph_sizes if b >= bs), bs)
+        return num_kv_splits(padded, self.num_kv_heads, self.num_sms)
+
+    def scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mid_out = torch.empty((bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32,
+                              device=self.device)
+        mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
+        return mid_out, mid_lse
+
+    def counters(self, bs: int) -> Optional[torch.Tensor]:
+        if not self.fused_merge:
+            return None
+        need = max(bs, self.max_bs, max(self.graph_sizes, default=0)) * self.num_kv_heads
+        if self._counters is None or self._counters.numel() < need:
+            self._counters = torch.zeros(need, dtype=torch.int32, device=self.device)
+        return self._counters
+
+    def eager_meta(self, bs: int) -> TritonDecodeMeta:
+        mid_out, mid_lse = self.scratch(bs)
+        return TritonDecodeMeta(self.num_splits(bs), mid_out, mid_lse, self.counters(bs))
+
+    def init_graph_scratch(self, max_bs: int) -> None:
+        self._cg = self.scratch(max_bs)
+        self.counters(max_bs)
+
+    def graph_meta(self, bs: int) -> TritonDecodeMeta:
+        if self._cg is None:
+            raise RuntimeError("init_cuda_graph_state must run before capturing")
+        return TritonDecodeMeta(self.num_splits(bs), self._cg[0][:bs], self._cg[1][:bs], self.counters(bs))
 
 
 @dataclass
@@ -62,37 +118,16 @@ class TritonAttnBackend(AttentionBackend):
         self.num_heads = mc.num_attention_heads
         self.num_kv_heads = mc.num_key_value_heads
         self.head_dim = mc.head_dim
-        self.num_sms = _device_sm_count(self.device)
-        # Decode splits follow the CUDA-graph size a batch pads to (graphs on or off), so an eager
-        # step and a replayed graph of the same batch run the very same kernels: identical results.
-        sa = getattr(model_runner, "server_args", None)
-        self._graph_sizes: list[int] = []
-        if sa is not None:
-            from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes
-            self._graph_sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests",
-                                                                   sa.cuda_graph_max_bs))
+        self.splits = DecodeSplits(model_runner, self.num_kv_heads, self.num_heads, self.head_dim, self.device)
         self.forward_metadata: Optional[object] = None
-        self._cg_mid_out: Optional[torch.Tensor] = None
-        self._cg_mid_lse: Optional[torch.Tensor] = None
 
     # --- metadata ----------------------------------------------------------
-    def _scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mid_out = torch.empty((bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32,
-                              device=self.device)
-        mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
-        return mid_out, mid_lse
-
-    def _num_splits(self, bs: int) -> int:
-        padded = next((b for b in self._graph_sizes if b >= bs), bs)
-        return num_kv_splits(padded, self.num_kv_heads, self.num_sms)
-
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         if fb.forward_mode.is_idle():
             meta = None
         elif fb.forward_mode.is_decode():
-            mid_out, mid_lse = self._scratch(fb.batch_size)
-            meta = TritonDecodeMeta(self._num_splits(fb.batch_size), mid_out, mid_lse)
+            meta = self.splits.eager_meta(fb.batch_size)
         else:
             ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
                 else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
@@ -134,21 +169,19 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty_like(qh)
         decode_attention(qh, fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
                          out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                         meta.mid_out, meta.mid_lse, meta.num_splits, layer.scaling)
+                         meta.mid_out, meta.mid_lse, meta.num_splits, layer.scaling, counters=meta.counters)
         return out.view(-1, h * d)
 
     # --- CUDA graphs -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._cg_mid_out, self._cg_mid_lse = self._scratch(max_bs)
+        self.splits.init_graph_scratch(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode,
                                                  spec_info: object = None) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the triton backend captures decode graphs only, not {forward_mode.name}")
-        if self._cg_mid_out is None or self._cg_mid_lse is None:
-            raise RuntimeError("init_cuda_graph_state must run before capturing")
-        self.forward_metadata = TritonDecodeMeta(self._num_splits(bs), self._cg_mid_out[:bs], self._cg_mid_lse[:bs])
+        self.forward_metadata = self.splits.graph_meta(bs)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,

@@ -129,12 +129,16 @@ def test_triton_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver
     check_backend(tiny_dirs[model], "triton", page_size, kv_driver, _tol())
 
 
+@pytest.mark.parametrize("triton_decode", ["", "1-64"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("model", sorted(TINY))
-def test_flashinfer_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver, model, page_size):
+def test_flashinfer_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver, model, page_size,
+                                                                 triton_decode, monkeypatch):
+    """Also with every decode batch on the Triton one-kernel decode (``KVSHIP_FLASHINFER_TRITON_DECODE_BS``)."""
     if not HAS_CUDA:
         pytest.skip("flashinfer needs CUDA")
     requires_flashinfer()
+    monkeypatch.setenv("KVSHIP_FLASHINFER_TRITON_DECODE_BS", triton_decode)
     check_backend(tiny_dirs[model], "flashinfer", page_size, kv_driver, _tol())
 
 

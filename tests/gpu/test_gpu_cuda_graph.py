@@ -74,10 +74,13 @@ def _release(*runners) -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
-def test_cuda_graph_replay_equals_eager_token_for_token(model_path, kv_driver, backend):
-    if backend == "flashinfer":
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "flashinfer+triton-decode"])
+def test_cuda_graph_replay_equals_eager_token_for_token(model_path, kv_driver, backend, monkeypatch):
+    if backend.startswith("flashinfer"):
         requires_flashinfer()
+    if backend == "flashinfer+triton-decode":  # batches up to 8 on the Triton one-kernel decode
+        monkeypatch.setenv("KVSHIP_FLASHINFER_TRITON_DECODE_BS", "1-8")
+        backend = "flashinfer"
     graph_runner = make_runner(model_path, backend, graphs=True)
     cgr = graph_runner.cuda_graph_runner
     assert cgr is not None and cgr.batch_sizes == GRAPH_BS

@@ -11,6 +11,13 @@ The number of splits is a function of the batch size alone
 any context length: each split simply covers ``ceil(seq_len / num_splits)``
 positions.  ``mid_out`` / ``mid_lse`` are scratch buffers sized for the most
 splits; under graphs they are allocated once.
+
+With a ``counters`` buffer (``[>= bs * num_kv_heads]`` int32, zero, left zero
+after every call) stage 2 is folded into stage 1: each program publishes its
+partial result, bumps its ``(request, KV head)`` counter, and the program that
+arrives last merges the splits of that KV head's query heads.  One kernel per
+layer instead of two: at batch 1 the decode attention of a layer is then
+mostly one kernel's latency.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
 def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
                    sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
+                   o, counters, stride_ob, stride_oh, num_kv_heads,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,6 +85,33 @@ def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mi
     tl.store(mid_out + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :], out,
              mask=h_mask[:, None] & d_mask[None, :])
     tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    if FUSED_MERGE:
+        # every thread's partial is written (barrier), then one release/acquire bump of the counter; the program
+        # that sees num_splits - 1 is the last one and merges (reading the partials from L2: .cg)
+        tl.debug_barrier()
+        cnt_ptr = counters + b * num_kv_heads + kvh
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_all = tl.zeros([BLOCK_H], tl.float32)
+            acc_all = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            hd_mask = h_mask[:, None] & d_mask[None, :]
+            for sp in range(0, num_splits):
+                lse_s = tl.load(mid_lse + b * stride_lb + heads * stride_lh + sp, mask=h_mask,
+                                other=float("-inf"), cache_modifier=".cg")
+                o_s = tl.load(mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
+                              mask=hd_mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, lse_s)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_all - m_ref)
+                w = tl.exp(lse_s - m_ref)
+                l_all = l_all * alpha + w
+                acc_all = acc_all * alpha[:, None] + o_s * w[:, None]
+                m_all = m_new
+            res = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
+            tl.store(o + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], res.to(o.dtype.element_ty),
+                     mask=hd_mask)
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next layer
 
 
 @triton.jit
@@ -103,14 +138,16 @@ def _decode_stage2(mid_out, mid_lse, o, num_splits, stride_mb, stride_mh, stride
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     mid_out: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, sm_scale: float) -> torch.Tensor:
+                     mid_out: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, sm_scale: float,
+                     counters: "torch.Tensor | None" = None) -> torch.Tensor:
     """Decode attention for ``bs`` requests; writes and returns ``o``.
 
     Shapes: ``q`` / ``o`` ``[bs, H, D]``; ``k_buf`` / ``v_buf`` ``[slots, Hkv, D]``
     (last dim contiguous); ``mid_out`` ``[>=bs, H, >=num_splits, D]`` float32;
     ``mid_lse`` ``[>=bs, H, >=num_splits]`` float32.  Request ``b`` attends to
     positions ``0..seq_lens[b]-1`` whose slots are
-    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
+    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.  With ``counters``
+    (int32 zeros, ``>= bs * Hkv``) the merge runs inside the one kernel.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -118,13 +155,18 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_h = max(16, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
     block_n = 32 if block_d >= 256 else 64
+    if counters is not None and counters.numel() < bs * num_kv_heads:
+        raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
     _decode_stage1[(bs, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, sm_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), num_splits,
+        o, counters if counters is not None else seq_lens, o.stride(0), o.stride(1), num_kv_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=4, num_stages=2)
+        FUSED_MERGE=counters is not None, num_warps=4, num_stages=2)
+    if counters is not None:
+        return o
     _decode_stage2[(bs, num_heads)](
         mid_out, mid_lse, o, num_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), o.stride(0), o.stride(1),
