@@ -525,6 +525,40 @@ def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
             "busy_us": busy, "gap_us": span - busy, "by_kernel": by, "sequence": seq[:40]}
 
 
+def host_profile(runner: Any, bs: int, input_len: int, steps: int = 20) -> dict[str, Any]:
+    """Where the host time of eager decode steps goes: cProfile over ``steps`` eager steps at ``bs`` (the GPU
+    is synchronised every step, as the runner loop does); top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    saved = runner.cuda_graph_runner
+    runner.cuda_graph_runner = None
+    try:
+        drv = DecodeDriver(runner, bs)
+        ids = drv.prefill(input_len, torch.Generator().manual_seed(0))
+        for _ in range(3):
+            ids = drv.decode_step(ids)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            ids = drv.decode_step(ids)
+            ids.tolist()
+        prof.disable()
+        wall = (time.perf_counter() - t0) / steps
+        drv.free()
+    finally:
+        runner.cuda_graph_runner = saved
+    out: dict[str, Any] = {"batch": bs, "steps": steps, "step_ms_under_profiler": wall * 1e3}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(25)
+        out[key] = buf.getvalue()[-6000:]
+    return out
+
+
 # --- transformers baseline -----------------------------------------------------------------
 def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
                 out: list[dict[str, Any]], on_result: Callable[[], None]) -> None:
@@ -667,6 +701,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--decode-kernels-only", action="store_true",
                     help="of the attention measurements, run only FlashInfer's decode kernel variants")
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
+    ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -759,6 +794,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     run_modes(runner, modes)
     profile_runner(runner, "")
+    for bs in [int(x) for x in args.host_profile_bs.split(",") if x]:
+        try:
+            hp = host_profile(runner, bs, args.input_len)
+            res.setdefault("host_profile", []).append(hp)
+            print(f"host profile, eager decode bs {bs}: {hp['step_ms_under_profiler']:.2f} ms/step under cProfile")
+            print(hp["tottime"][:3500])
+        except Exception as e:  # noqa: BLE001
+            res.setdefault("errors", []).append(f"host profile bs{bs}: {e!r}")
+        save()
     variants = [("kmajor", {"KVSHIP_K_MAJOR_WEIGHTS": "1"}, [m for m in args.kmajor_modes.split(",") if m])]
     variants += [parse_variant(v) for v in args.variant]
     mc, weight_bytes = runner.model_config, runner.weight_bytes
