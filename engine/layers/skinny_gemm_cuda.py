@@ -177,7 +177,8 @@ def _mma(bm: int, bn: int, bk: int) -> SkinnyConfig:
 
 
 # (N, K, bucket) -> config, or None for cuBLAS.  Measured on an H100 80GB HBM3 with bench/skinny_gemm.py
-# (docs/results/skinny_gemm_h100.json), for the Llama-3.1-8B projections: a config is listed where it beat
+# (2026-11-22; that run's JSON was not kept.  docs/results/skinny_gemm_h100_m32.json re-checks M = 32 with a wider
+# search, 2026-11-23: cuBLAS still ties or wins there), for the Llama-3.1-8B projections: a config is listed where it beat
 # cuBLAS by >= 3% inside a CUDA graph (down_proj with SiLU-and-mul fused into its input).  Other buckets of
 # these shapes stay on cuBLAS; other shapes use _default_config.
 _QKV, _O, _GATE_UP, _DOWN, _LM_HEAD = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
