@@ -74,6 +74,17 @@ def _load_input(x_ptr, k0, K, m_ok, k_ok, ACT: tl.constexpr):
 
 
 @triton.jit
+def _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Under PDL: the first weight tile streams in while the previous kernel finishes (weights never depend on
+    it), then wait for that kernel and load the first input tile."""
+    k_ok = rk < K
+    w0 = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    pdl_enter(USE_PDL)
+    x0 = _load_input(x_ptr, 0, K, m_ok, k_ok, ACT)
+    return w0, x0
+
+
+@triton.jit
 def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
                  ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -88,11 +99,7 @@ def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
     if USE_PDL:
-        # the first weight tile streams in while the previous kernel finishes; then wait for its output
-        k_ok = rk < K
-        w0 = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        pdl_enter(USE_PDL)
-        x0 = _load_input(x_ptr, 0, K, m_ok, k_ok, ACT)
+        w0, x0 = _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT, USE_PDL)
         acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
@@ -126,10 +133,7 @@ def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = 0
     if USE_PDL:
-        k_ok = rk < K
-        w0 = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        pdl_enter(USE_PDL)
-        x0 = _load_input(x_ptr, 0, K, m_ok, k_ok, ACT)
+        w0, x0 = _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT, USE_PDL)
         acc = tl.dot(x0, tl.trans(w0), acc)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
