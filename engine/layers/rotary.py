@@ -69,7 +69,6 @@ class RotaryEmbedding(nn.Module):
         sin = cs[:, None, half:].to(q.dtype)
         return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
 
-
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor) -> bool:
         """Rotate ``q`` / ``k`` in place and write the rotated keys and ``v [T, Hk, D]`` into the pool buffers
