@@ -559,39 +559,6 @@ def host_profile(runner: Any, bs: int, input_len: int, steps: int = 20) -> dict[
     return out
 
 
-def short_extends(runner: Any, lens: list[int], reps: int = 10) -> list[dict[str, Any]]:
-    """Eager forward time of one short extend (a prompt of ``n`` tokens, batch 1), as served (projections on
-    cuBLAS inside ``cublas_matmuls``) and with our Triton GEMVs left on: median ms over ``reps`` forwards,
-    host clock, synchronised (an extend's time to first token, minus sampling)."""
-    import contextlib
-
-    from kvship.engine import model_runner as mr
-
-    out = []
-    for n in lens:
-        row: dict[str, Any] = {"tokens": n}
-        for label, ctx in (("served", mr.cublas_matmuls), ("triton_gemv", contextlib.nullcontext)):
-            saved = mr.cublas_matmuls
-            mr.cublas_matmuls = ctx
-            try:
-                times = []
-                for i in range(reps + 2):
-                    drv = DecodeDriver(runner, 1)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    drv.prefill(n, torch.Generator().manual_seed(i))
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    drv.free()
-                times = sorted(times[2:])
-                row[label + "_ms"] = times[len(times) // 2] * 1e3
-            finally:
-                mr.cublas_matmuls = saved
-        out.append(row)
-        logger.info("short extend %s", row)
-    return out
-
-
 # --- transformers baseline -----------------------------------------------------------------
 def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
                 out: list[dict[str, Any]], on_result: Callable[[], None]) -> None:
@@ -682,9 +649,6 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{x['kernel_alone_us']:.1f} us, KV read {x['kernel_kv_TBps']:.2f} TB/s = {x['kernel_frac_hbm']:.1%} "
                   f"of measured HBM; our attention step {x['ours_layer_us']:.1f} us + plan {x['plan_us']:.1f} us per "
                   f"step (/{x['layers']} layers) = {x['ours_vs_kernel']:.2f}x the kernel alone."]
-    for x in res.get("short_extends", []):
-        lines.append(f"Eager extend of a {x['tokens']}-token prompt (batch 1): {x['served_ms']:.2f} ms as served "
-                     f"(cuBLAS), {x['triton_gemv_ms']:.2f} ms with our Triton GEMVs.")
     for x in res.get("small_m_gemm", []):
         lines.append(f"Batch-1 {x['layer']} [{x['n']}x{x['k']}]: F.linear {x['linear_us']:.1f} us "
                      f"({x['linear_frac_hbm']:.0%} of HBM), torch.mv {x['mv_us']:.1f} us ({x['mv_frac_hbm']:.0%}), "
@@ -737,7 +701,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--decode-kernels-only", action="store_true",
                     help="of the attention measurements, run only FlashInfer's decode kernel variants")
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
-    ap.add_argument("--short-extends", default="", help="prompt lengths whose eager extend is timed (e.g. 1,4,16)")
     ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -831,12 +794,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     run_modes(runner, modes)
     profile_runner(runner, "")
-    if args.short_extends:
-        try:
-            res["short_extends"] = short_extends(runner, [int(x) for x in args.short_extends.split(",") if x])
-        except Exception as e:  # noqa: BLE001
-            res.setdefault("errors", []).append(f"short extends: {e!r}")
-        save()
     for bs in [int(x) for x in args.host_profile_bs.split(",") if x]:
         try:
             hp = host_profile(runner, bs, args.input_len)

@@ -34,7 +34,6 @@ import torch
 from kvship.engine.attention.base import create_attention_backend
 from kvship.engine.config import ServerArgs
 from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
-from kvship.engine.layers.fused_dispatch import cublas_matmuls
 from kvship.engine.layers.linear import K_MAJOR_ENV, store_weights_k_major_
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -153,7 +152,4 @@ class ModelRunner:
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
-            if self.device.type == "cuda" and not forward_batch.forward_mode.is_decode():
-                with cublas_matmuls():  # eager extends: cuBLAS costs less host time than our Triton GEMVs
-                    return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -22,10 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import threading
-from contextlib import contextmanager
 from types import ModuleType
-from typing import Iterator
 from typing import Optional
 
 import torch
@@ -71,28 +68,8 @@ def cuda_fused_ops(t: torch.Tensor) -> Optional[ModuleType]:
     return _load("fused_ops_cuda")
 
 
-_LOCAL = threading.local()
-
-
-@contextmanager
-def cublas_matmuls() -> Iterator[None]:
-    """Inside this block (this thread only), ``cuda_skinny_gemm`` answers None: projections run on cuBLAS.
-
-    The model runner wraps eager extends in it.  An extend is never graphed, and outside a CUDA graph each of
-    our Triton launches costs ~45 us of Python (measured on the H100 machine: 129 launches a step at batch 1),
-    more than the GEMV saves on the GPU.  Decode keeps the kernels eagerly too, so an eager decode step and a
-    replayed graph of it run the same kernels."""
-    prev = getattr(_LOCAL, "cublas", False)
-    _LOCAL.cublas = True
-    try:
-        yield
-    finally:
-        _LOCAL.cublas = prev
-
-
 def cuda_skinny_gemm(t: torch.Tensor) -> Optional[ModuleType]:
-    """The decode-matmul module for CUDA tensor ``t``, or None (CPU, no Triton, disabled, or inside
-    ``cublas_matmuls``)."""
-    if not t.is_cuda or getattr(_LOCAL, "cublas", False):
+    """The decode-matmul module for CUDA tensor ``t``, or None (CPU, no Triton, or disabled)."""
+    if not t.is_cuda:
         return None
     return _load("skinny_gemm_cuda")

@@ -184,35 +184,3 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
         with torch.no_grad():
             ref = hf(torch.tensor([prompt + follow])).logits[0, len(prompt):].float()
         assert (ours - ref).abs().max().item() < 1e-4
-
-
-def test_eager_extends_run_cublas_and_decode_runs_the_kernels(tiny_model_dirs, kv_driver, monkeypatch):
-    """Extends (never graphed) keep our Triton launches off (their Python cost outweighs the GPU gain there);
-    decode steps, eager or graphed, run them.  CUDA only: on CPU nothing is a CUDA tensor."""
-    if not HAS_CUDA:
-        pytest.skip("needs CUDA: the choice is made for CUDA tensors only")
-    from kvship.engine.config import ServerArgs
-    from kvship.engine.layers import skinny_gemm_cuda
-    from kvship.engine.model_runner import ModelRunner
-
-    calls: list[int] = []
-    real = skinny_gemm_cuda.linear
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(skinny_gemm_cuda, "linear", spy)
-    runner = ModelRunner(ServerArgs(model_path=tiny_model_dirs["llama"], device="cuda", dtype="bfloat16",
-                                    max_total_tokens=256, max_running_requests=2, attention_backend="torch_native",
-                                    disable_cuda_graph=True))
-    drv = kv_driver(runner)
-    req = drv.new()
-    try:
-        drv.extend([req], [[5, 6, 7]])
-        assert not any(calls), "an extend ran the Triton GEMV"
-        drv.decode([req], [8])
-        assert sum(calls) >= 5, "a decode step did not run the Triton GEMV"
-    finally:
-        drv.free(req)
