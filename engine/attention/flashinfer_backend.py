@@ -195,7 +195,8 @@ class FlashInferAttnBackend(AttentionBackend):
         fb = forward_batch
         if fb.forward_mode.is_idle():
             meta: Optional[object] = None
-        elif fb.forward_mode.is_decode() and self.triton_decode_for(self._graph_bs(fb.batch_size)):
+        # the kernel choice follows the graph size a batch pads to: an eager step and a replay compute alike
+        elif fb.forward_mode.is_decode() and self.triton_decode_for(self.triton_splits.padded_bs(fb.batch_size)):
             meta = self.triton_splits.eager_meta(fb.batch_size)
         elif fb.forward_mode.is_decode():
             wrapper = self._decode_wrapper(fb.batch_size)
@@ -284,11 +285,6 @@ class FlashInferAttnBackend(AttentionBackend):
             return out.view(-1, h * d)
         out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
         return out.view(-1, h * d)
-
-    def _graph_bs(self, bs: int) -> int:
-        """The CUDA-graph size a batch of ``bs`` pads to (itself where none is captured): kernel choices follow
-        it, so an eager step and a replay of the same batch compute the same way."""
-        return next((b for b in self.triton_splits.graph_sizes if b >= bs), bs)
 
     # --- CUDA graphs -------------------------------------------------------
     def _graph_req_to_token(self) -> torch.Tensor:

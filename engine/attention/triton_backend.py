@@ -62,9 +62,12 @@ class DecodeSplits:
         self._counters: Optional[torch.Tensor] = None
         self._cg: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
+    def padded_bs(self, bs: int) -> int:
+        """The CUDA-graph size a batch of ``bs`` pads to (itself where none is captured)."""
+        return next((b for b in self.graph_sizes if b >= bs), bs)
+
     def num_splits(self, bs: int) -> int:
-        padded = next((b for b in self.graph_sizes if b >= bs), bs)
-        return num_kv_splits(padded, self.num_kv_heads, self.num_sms)
+        return num_kv_splits(self.padded_bs(bs), self.num_kv_heads, self.num_sms)
 
     def scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         mid_out = torch.empty((bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32,

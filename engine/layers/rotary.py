@@ -52,6 +52,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
+        self.fuse_kv_store = os.environ.get("KVSHIP_FUSE_ROPE_KV_STORE", "1") != "0"
         inv_freq = compute_inv_freq(head_dim, base, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
@@ -76,12 +77,12 @@ class RotaryEmbedding(nn.Module):
         (CPU, no Triton, ``KVSHIP_FUSE_ROPE_KV_STORE=0``, a layout it cannot take): the caller then rotates
         with ``forward`` and lets the attention backend store the keys and values."""
         fused = cuda_fused_ops(q)
-        if (fused is None or os.environ.get("KVSHIP_FUSE_ROPE_KV_STORE", "1") == "0" or q.stride(-1) != 1
-                or k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape or not k_buf.is_contiguous()
-                or not v_buf.is_contiguous() or tuple(k_buf.shape[1:]) != tuple(k.shape[1:])
-                or tuple(v_buf.shape[1:]) != tuple(k.shape[1:]) or loc.numel() != q.shape[0]):
+        if fused is None or not self.fuse_kv_store:
             return False
-        fused.rope_inplace(positions, q, k, self.cos_sin_cache, store=(v, k_buf, v_buf, loc))
+        try:  # rope_inplace checks every layout before it launches anything
+            fused.rope_inplace(positions, q, k, self.cos_sin_cache, store=(v, k_buf, v_buf, loc))
+        except ValueError:
+            return False
         return True
 
 
