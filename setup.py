@@ -3,7 +3,7 @@
 Every folder under a root that holds a ``.py`` file becomes a package, so a
 plain ``pip install .`` ships all of them (tests/test_packaging.py builds the
 wheel and checks).  ``operator/`` has no ``__init__.py`` on purpose: see
-DESIGN.md — it must never shadow the standard library's ``operator``.
+docs/architecture.md — it must never shadow the standard library's ``operator``.
 """
 import os
 
@@ -15,6 +15,8 @@ ROOTS = {
     "decode": "kvship.decode",
     "router": "kvship.router",
     "operator": "kvship.operator",
+    "common": "kvship.common",
+    "app": "kvship.app",
 }
 
 

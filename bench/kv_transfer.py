@@ -97,7 +97,7 @@ def _checksum(pool, pages, device):
 
 def _decode_main(conn, backend: str, device: str, ib_device: str | None) -> None:
     logging.basicConfig(level=logging.ERROR)
-    from kvship.engine.disagg.base import KVPoll, create_kv_manager
+    from kvship.engine.disagg import KVPoll, create_kv_manager
     pool = mgr = None
     while True:
         msg = conn.recv()
@@ -228,7 +228,7 @@ def _memcpy_gbps(nbytes: int, device: str, min_repeats: int, min_seconds: float)
 
 
 def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_device: str | None) -> list[dict]:
-    from kvship.engine.disagg.base import AuxInfo, KVPoll, create_kv_manager
+    from kvship.engine.disagg import AuxInfo, KVPoll, create_kv_manager
     child = DecodeChild(backend, device, ib_device)
     rows = []
     room = 1 << 40

@@ -126,31 +126,38 @@ class Sink:
 def instrument(sched: Any, device: str) -> dict[str, list]:
     """Time ``sched``'s forward steps (and prefill's hand-off to the sender); returns the record lists.
 
-    ``rec["steps"]``: (rids, is_extend, seconds) per ``_run_batch``; ``rec["ship"]``: (rid, t) when
-    prefill hands a computed prompt to its sender.  Bench-only wrappers on this one instance.
+    ``rec["steps"]``: (rids, is_extend, seconds) per launched and processed batch; ``rec["ship"]``: (rid, t)
+    when prefill hands a computed prompt to its sender.  Bench-only wrappers on this one instance (the
+    synchronous loop: ``step`` runs ``process(launch(batch))``).
     """
     rec: dict[str, list] = {"steps": [], "ship": []}
-    run_batch = sched._run_batch
+    launch, process = sched.launch, sched.process
+    started: dict[int, float] = {}
 
-    def timed_run_batch(batch: Any) -> None:
+    def timed_launch(batch: Any, after: Any = None) -> Any:
         _sync(device)
-        t0 = time.perf_counter()
+        started[id(batch)] = time.perf_counter()
+        return launch(batch, after)
+
+    def timed_process(pending: Any) -> None:
+        batch = pending.batch
         try:
-            run_batch(batch)
+            process(pending)
         finally:
             _sync(device)
             rec["steps"].append(([r.rid for r in batch.reqs], batch.forward_mode.is_extend(),
-                                 time.perf_counter() - t0))
+                                 time.perf_counter() - started.pop(id(batch))))
 
-    sched._run_batch = timed_run_batch
-    if hasattr(sched, "_ship"):
-        ship = sched._ship
+    sched.launch, sched.process = timed_launch, timed_process
+    role = sched.role
+    if role.mode == "prefill":
+        on_prompt_done = role.on_prompt_done
 
-        def timed_ship(req: Any, token_id: int, logprob: Optional[float]) -> None:
+        def timed_ship(req: Any, token_id: int, logprob: Optional[float], top: Any) -> bool:
             rec["ship"].append((req.rid, time.perf_counter()))
-            ship(req, token_id, logprob)
+            return on_prompt_done(req, token_id, logprob, top)
 
-        sched._ship = timed_ship
+        role.on_prompt_done = timed_ship
     return rec
 
 

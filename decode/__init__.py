@@ -14,6 +14,6 @@ Life cycle of a request on a decode worker (one small class per stage)::
     4. running     the scheduler's running batch (kvship.engine.scheduler): decode steps,
                    tokens streamed to the client; finished KV goes to the radix cache
 
-``DecodeScheduler`` (kvship.decode.scheduler) glues the stages onto the
-unified scheduler.
+``DecodeRole`` (kvship.decode.scheduler) plugs the stages into the
+scheduler through its role hooks.
 """

@@ -4,7 +4,7 @@
         --(Success: KV + aux arrived)--> PrebuiltQueue --(admit_prefilled)--> scheduler.running
 
 The queues only poll the transfer layer and move entries; allocation and
-freeing are the scheduler's (``kvship.decode.scheduler``), which passes its
+freeing are the role's (``kvship.decode.scheduler``), which passes its
 allocation function to ``PreallocQueue.allocate``.  Everything here runs on
 the scheduler thread.
 """
@@ -17,7 +17,7 @@ import torch
 
 from kvship.engine.disagg import KVManager, KVPoll
 from kvship.engine.schedule_batch import Req
-from kvship.prefill.pd_common import PDEntry, PDStageQueue, request_pages
+from kvship.engine.disagg.stages import PDEntry, PDStageQueue, request_pages
 
 
 class PreallocQueue(PDStageQueue):
@@ -34,7 +34,7 @@ class PreallocQueue(PDStageQueue):
 
     def add(self, req: Req, host: str, port: int, room: int) -> PDEntry:
         """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed."""
-        return self._put(PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room))
+        return self.put(PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room))
 
     def pop_failed(self) -> list[PDEntry]:
         """Entries whose receiver failed while waiting for memory (bootstrap timeout)."""
@@ -69,7 +69,7 @@ class TransferQueue(PDStageQueue):
     """
 
     def add(self, entry: PDEntry) -> None:
-        self._put(entry)
+        self.put(entry)
 
 
 class PrebuiltQueue(PDStageQueue):
@@ -80,9 +80,4 @@ class PrebuiltQueue(PDStageQueue):
     """
 
     def add(self, entry: PDEntry) -> None:
-        self._put(entry)
-
-    def pop_all(self) -> list[PDEntry]:
-        out = list(self.entries.values())
-        self.entries.clear()
-        return out
+        self.put(entry)

@@ -1,4 +1,4 @@
-"""``DecodeScheduler``: the scheduler of a ``--mode decode`` worker.
+"""The decode role: the scheduler hooks of a ``--mode decode`` worker.
 
 Life cycle of a request (see ``kvship.decode`` for the whole picture)::
 
@@ -10,15 +10,15 @@ Life cycle of a request (see ``kvship.decode`` for the whole picture)::
   ``bootstrap_room`` (the router injects them); without them it is rejected.
 * Pre-allocation: a request gets slots for its whole prompt only when the
   pool can also keep the running (and transferring) requests decoding (the
-  same reservation rule as the unified scheduler's admission), a request row
-  is free, and fewer than ``--max-running-requests`` are active; otherwise it
-  waits in ``PreallocQueue``.  An idle worker always takes its first request.
+  ``KVBudget`` reserve, as in unified admission), a request row is free, and
+  fewer than ``--max-running-requests`` are active; otherwise it waits in
+  ``PreallocQueue``.  An idle worker always takes its first request.
 * When the KV and the aux record arrived, the request joins the running
   batch through ``Scheduler.admit_prefilled`` with prefill's first token:
   no prompt token is recomputed here.
-* Retracted requests (decode ran short of KV) go to the base scheduler's
-  ``waiting`` queue and are recomputed locally, as in unified mode; while
-  any wait, no new request is pre-allocated.
+* Retracted requests (decode ran short of KV) go to the scheduler's waiting
+  queue and are recomputed locally, as in unified mode; while any wait, no
+  new request is pre-allocated.
 * Slots: a failed, timed-out or aborted transfer frees the prompt's slots
   only once the receiver reports a terminal state (nothing can land in them
   any more).  Finished requests hand their KV to the radix cache.
@@ -36,97 +36,88 @@ import torch
 
 from kvship.decode.queues import PrebuiltQueue, PreallocQueue, TransferQueue
 from kvship.engine.disagg import KVPoll
-from kvship.engine.io_struct import GenerateRequest
-from kvship.engine.schedule_batch import Req, finish_abort
-from kvship.prefill.pd_common import PDEntry, PDScheduler, PDStageQueue
+from kvship.engine.disagg.pd_role import PDRole, PDScheduler
+from kvship.engine.disagg.stages import PDEntry, PDStageQueue, room_problem
+from kvship.engine.io_struct import FinishReason, GenerateRequest
+from kvship.engine.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(PDScheduler):
-    """Receives prompts' KV from prefill workers and decodes them in one running batch."""
+class DecodeRole(PDRole):
+    """Receives prompts' KV from prefill workers and decodes them in the scheduler's running batch."""
 
     mode = "decode"
 
-    def _init_stages(self) -> tuple[PDStageQueue, ...]:
+    def init_stages(self) -> tuple[PDStageQueue, ...]:
         self.prealloc_queue = PreallocQueue(self.kv_manager)
         self.transfer_queue = TransferQueue()
         self.prebuilt_queue = PrebuiltQueue()
         return self.prealloc_queue, self.transfer_queue, self.prebuilt_queue
 
     # ------------------------------------------------------------ admission
-    def _bootstrap_problem(self, greq: GenerateRequest) -> Optional[str]:
-        host, port, room = greq.bootstrap_host, greq.bootstrap_port, greq.bootstrap_room
+    def bootstrap_problem(self, request: GenerateRequest) -> Optional[str]:
+        host, port, room = request.bootstrap_host, request.bootstrap_port, request.bootstrap_room
         if host is None or port is None or room is None:
             return ("this is a decode worker (--mode decode): a request needs bootstrap_host, "
                     "bootstrap_port and bootstrap_room; send requests through `kvship router --pd`")
-        problem = self._room_problem(room)
+        problem = room_problem(room)
         if problem is None and (not isinstance(port, int) or not 0 < port < 65536):
             problem = f"bootstrap_port must be in 1..65535, got {port!r}"
         return problem
 
-    def _enter_stages(self, req: Req, greq: GenerateRequest) -> None:
-        self.prealloc_queue.add(req, greq.bootstrap_host, greq.bootstrap_port, greq.bootstrap_room)
+    def enter_stages(self, req: Req, request: GenerateRequest) -> None:
+        self.prealloc_queue.add(req, request.bootstrap_host, request.bootstrap_port, request.bootstrap_room)
 
     def _num_active(self) -> int:
-        return (len(self.running) + len(self.transfer_queue) + len(self.prebuilt_queue)
-                + (1 if self.chunked_req is not None else 0))
-
-    def _pending_reserve(self) -> int:
-        """Decode headroom promised to requests whose KV is arriving (slots already held)."""
-        clip = self.tuning.clip_max_new_tokens
-        reqs = self.transfer_queue.reqs() + self.prebuilt_queue.reqs()
-        return int(sum(min(r.max_new_tokens, clip) for r in reqs) * self.new_token_ratio)
+        return self.s.queues.num_active() + len(self.transfer_queue) + len(self.prebuilt_queue)
 
     def _try_alloc(self, req: Req) -> Optional[torch.Tensor]:
         """Slots for ``req``'s prompt when the rules of the module docstring allow, else None."""
-        if self._num_active() >= self.max_running:
+        s = self.s
+        if self._num_active() >= s.max_running:
             return None
-        alone = self._num_active() == 0 and not self.waiting
-        if self.waiting and not alone:
+        alone = self._num_active() == 0 and not s.waiting
+        if s.waiting and not alone:
             return None  # retracted requests are recomputed first
         if not alone:
-            ps = self.page_size
-            need = (len(req.origin_input_ids) + ps - 1) // ps * ps
-            reserve = int(min(req.max_new_tokens, self.tuning.clip_max_new_tokens) * self.new_token_ratio)
-            if need + reserve > self._memory_left() - self._pending_reserve():
+            kv = s.kv
+            arriving = self.transfer_queue.reqs() + self.prebuilt_queue.reqs()  # slots held, decode promised
+            need = kv.round_up(len(req.origin_input_ids)) + kv.reserve([req])
+            if need > kv.memory_left(s.running) - kv.reserve(arriving):
                 return None
-        return self.alloc_prefilled_kv(req)
+        return s.alloc_prefilled_kv(req)
 
     # ------------------------------------------------------------ stages
-    def _advance_transfers(self) -> None:
+    def advance(self) -> None:
         """Move requests between the stages according to their receivers' states."""
         failed = self.prealloc_queue.pop_failed()
-        placed = self.prealloc_queue.allocate(self._try_alloc, self.page_size)
+        placed = self.prealloc_queue.allocate(self._try_alloc, self.s.page_size)
         done = self.transfer_queue.pop_done()
-        self._poll.progressed(bool(failed or placed or done))
+        self.poll.progressed(bool(failed or placed or done))
         for entry in failed:  # no slots yet
-            self._guarded(entry, self._fail_entry, entry, self._failure(entry))
+            self.guarded(entry, self.fail_entry, entry, entry.failure(), False)
         for entry in placed:
             self.transfer_queue.add(entry)
         for entry, state in done:
-            problem = self._failure(entry) if state != KVPoll.Success or entry.abort_reason else self._check_aux(entry)
+            problem = entry.failure() if state != KVPoll.Success or entry.abort_reason else self._check_aux(entry)
             if problem is None:
                 self.prebuilt_queue.add(entry)
             else:  # terminal: nothing can land in the slots any more
-                self._guarded(entry, self._fail_entry, entry, problem)
+                self.guarded(entry, self.fail_entry, entry, problem, False)
         joined = self.prebuilt_queue.pop_all()
         for entry in joined:
-            self._guarded(entry, self._join_running, entry)
+            self.guarded(entry, self._join_running, entry)
         if joined:
             # prefill's first token goes out now, not with the first decode step's token (saves a step of TTFT)
-            self._flush()
+            self.s.flush()
 
     def _join_running(self, entry: PDEntry) -> None:
         """The prebuilt extend: the prompt's KV is in place, the first token comes from prefill."""
         aux = entry.transfer.aux
-        self.pd_counters["transferred"] += 1
+        self.counters["transferred"] += 1
         lp = float(aux.first_token_logprob)
-        self.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp)
-
-    def _fail_entry(self, entry: PDEntry, reason: str) -> None:
-        self.pd_counters["failed"] += 1
-        self._finish(entry.req, finish_abort(reason), keep_kv=False)
+        self.s.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp)
 
     def _check_aux(self, entry: PDEntry) -> Optional[str]:
         aux = entry.transfer.aux
@@ -136,23 +127,29 @@ class DecodeScheduler(PDScheduler):
         if aux.prompt_len != n:
             return (f"prefill computed a prompt of {aux.prompt_len} tokens but this request has {n}: the workers "
                     f"tokenized differently (same model, tokenizer and chat template on both?)")
-        if not 0 <= aux.first_token_id < self.vocab_size:
-            return f"prefill sent first token {aux.first_token_id}, outside the vocabulary [0, {self.vocab_size})"
+        if not 0 <= aux.first_token_id < self.s.vocab_size:
+            return f"prefill sent first token {aux.first_token_id}, outside the vocabulary [0, {self.s.vocab_size})"
         return None
 
-    # ------------------------------------------------------------ aborts and failures
-    def _abort_req(self, rid: str, message: str) -> None:
+    # ------------------------------------------------------------ aborts
+    def abort(self, rid: str, message: str) -> bool:
         entry = self.prebuilt_queue.remove(rid)
         if entry is not None:  # KV in place, nothing can land in the slots any more
-            self._finish(entry.req, finish_abort(message), keep_kv=False)
-            return
-        super()._abort_req(rid, message)  # the prealloc and transfer stages, then the base scheduler
+            self.s.finish(entry.req, FinishReason.abort(message), keep_kv=False)
+            return True
+        return super().abort(rid, message)  # the prealloc and transfer stages
 
-    # ------------------------------------------------------------ stats
-    def _stage_stats(self) -> dict:
+    def stage_stats(self) -> dict:
         return {
             "transfer_backend": self.kv_manager.config.backend,
             "prealloc_queue": len(self.prealloc_queue),
             "transfer_queue": len(self.transfer_queue),
             "prebuilt_queue": len(self.prebuilt_queue),
         }
+
+
+class DecodeScheduler(PDScheduler):
+    """A ``Scheduler`` with the decode role."""
+
+    role_cls = DecodeRole
+    role: DecodeRole

@@ -1,7 +1,7 @@
 """CUDA-graph capture and replay of decode steps.
 
-``CudaGraphRunner(model_runner, batch_sizes)`` captures one decode forward
-pass per batch size (largest first, all into one shared memory pool) against
+``CudaGraphRunner(model, attn_backend, ctx, kv_pool, batch_sizes)`` captures
+one decode forward pass per batch size (largest first, all into one shared memory pool) against
 pre-allocated static input buffers.  ``replay(forward_batch)`` copies the
 batch's inputs into those buffers, pads the batch up to the next captured size,
 lets the attention backend refresh its metadata
@@ -15,9 +15,11 @@ out).  They are reset on every replay, so stale values from a larger batch
 never leak in.
 
 Contract for callers:
-* ``can_run(fb)`` says whether a batch may be replayed: plain DECODE, at most
-  the largest captured size, default logits rows, no speculative info.
-  Everything else (extends, mixed batches, larger batches) runs eagerly.
+* ``can_run(fb)`` says whether a batch may be replayed: DECODE, at most the
+  largest captured size, default logits rows.  Everything else (extends,
+  larger batches) runs eagerly.
+* The model runner captures exactly ``AttentionContext.cuda_graph_bs``, the
+  sizes backends choose their kernels by, so eager and replayed steps agree.
 * The logits returned by ``replay`` are a view of the graph's static output:
   valid until the next ``replay`` (the sampler consumes them first).
 """
@@ -27,25 +29,32 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+from torch import nn
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.attention.base import AttentionBackend, AttentionContext
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.mem.pools import KVPool
 
 logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: object, batch_sizes: list[int], show_progress: bool = True):
-        mr = model_runner
-        self.model_runner = mr
-        self.model = mr.model  # type: ignore[attr-defined]
-        self.attn_backend = mr.attn_backend  # type: ignore[attr-defined]
-        self.device = torch.device(mr.device)  # type: ignore[attr-defined]
+    def __init__(self, model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext",
+                 kv_pool: "KVPool", batch_sizes: Sequence[int], show_progress: bool = True):
+        self.model = model
+        self.attn_backend = attn_backend
+        self.req_to_token_pool = ctx.req_to_token_pool
+        self.kv_pool = kv_pool
+        self.device = ctx.device
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        if not getattr(self.attn_backend, "supports_cuda_graph", False):
+        if not self.attn_backend.supports_cuda_graph:
             raise ValueError(f"attention backend {type(self.attn_backend).__name__} does not support CUDA graphs")
         sizes = sorted({int(b) for b in batch_sizes if int(b) >= 1})
         if not sizes:
@@ -71,13 +80,11 @@ class CudaGraphRunner:
 
     # --- capture -------------------------------------------------------------
     def _forward_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        mr = self.model_runner
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
             positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=self.out_cache_loc[:bs],
-            req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool,  # type: ignore[attr-defined]
-            attn_backend=self.attn_backend)
+            req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
 
     def capture(self, show_progress: bool = True) -> None:
         from tqdm import tqdm
@@ -116,7 +123,7 @@ class CudaGraphRunner:
     # --- replay --------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
         return (fb.forward_mode == ForwardMode.DECODE and 1 <= fb.batch_size <= self.max_bs
-                and fb.logits_indices is None and fb.spec_info is None)
+                and fb.logits_indices is None)
 
     def padded_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
@@ -142,37 +149,33 @@ class CudaGraphRunner:
             seq_lens_cpu=torch.tensor(seq_cpu, dtype=torch.int64))
         self.graphs[gbs].replay()
         self.replays += 1
-        out = self.outputs[gbs]
-        return LogitsOutput(next_token_logits=out.next_token_logits[:bs],
-                            hidden_states=None if out.hidden_states is None else out.hidden_states[:bs])
+        return LogitsOutput(next_token_logits=self.outputs[gbs].next_token_logits[:bs])
 
 
-def cuda_graph_batch_sizes(server_args: object, max_running_requests: int) -> list[int]:
+def cuda_graph_batch_sizes(server_args: "ServerArgs", max_running_requests: int) -> list[int]:
     """The decode batch sizes to capture: ``--cuda-graph-bs`` (or the default list) up to
     ``min(--cuda-graph-max-bs, max_running_requests)``; the default list also gets that limit itself,
     so every batch the scheduler can form has a graph.  Empty where nothing fits."""
     sa = server_args
-    limit = min(sa.cuda_graph_max_bs, int(max_running_requests))  # type: ignore[attr-defined]
-    sizes = [b for b in sa.resolved_cuda_graph_bs if b <= limit]  # type: ignore[attr-defined]
-    if not sa.cuda_graph_bs and limit >= 1 and (not sizes or sizes[-1] < limit):  # type: ignore[attr-defined]
+    limit = min(sa.cuda_graph_max_bs, int(max_running_requests))
+    sizes = [b for b in sa.resolved_cuda_graph_bs if b <= limit]
+    if not sa.cuda_graph_bs and limit >= 1 and (not sizes or sizes[-1] < limit):
         sizes.append(limit)
     return sizes
 
 
-def maybe_create_cuda_graph_runner(model_runner: object) -> Optional[CudaGraphRunner]:
-    """The runner's graph runner, or None where graphs are off, impossible or unsupported (logged)."""
-    sa = model_runner.server_args  # type: ignore[attr-defined]
-    device = torch.device(model_runner.device)  # type: ignore[attr-defined]
-    if device.type != "cuda" or sa.disable_cuda_graph:
+def maybe_create_cuda_graph_runner(model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext",
+                                   kv_pool: "KVPool", disable: bool) -> Optional[CudaGraphRunner]:
+    """A graph runner for ``ctx.cuda_graph_bs``, or None where graphs are off (``disable``), impossible
+    (not CUDA) or unsupported by the backend or by the sizes (logged)."""
+    if ctx.device.type != "cuda" or disable:
         return None
-    backend = model_runner.attn_backend  # type: ignore[attr-defined]
-    if not getattr(backend, "supports_cuda_graph", False):
+    if not attn_backend.supports_cuda_graph:
         logger.warning("attention backend %s does not support CUDA graphs: decode runs eagerly",
-                       type(backend).__name__)
+                       type(attn_backend).__name__)
         return None
-    sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests", sa.cuda_graph_max_bs))
-    if not sizes:
+    if not ctx.cuda_graph_bs:
         logger.warning("no CUDA-graph batch size fits --cuda-graph-max-bs / --max-running-requests: "
                        "decode runs eagerly")
         return None
-    return CudaGraphRunner(model_runner, sizes)
+    return CudaGraphRunner(model, attn_backend, ctx, kv_pool, ctx.cuda_graph_bs)

@@ -24,9 +24,10 @@ If the scheduler thread dies, every open request gets a finished abort chunk,
 the text side on top (incremental detokenizer + stop strings) and yield
 ``TextDelta``s; both HTTP APIs use them.
 
-The scheduler class follows ``--mode`` (``scheduler_class_for_mode``:
-unified ``Scheduler``, ``PrefillScheduler``, ``DecodeScheduler``); they share
-one constructor and the submit / abort / run_forever / get_stats interface.
+``scheduler_factory`` builds the scheduler (the app shell maps ``--mode`` to
+the role's scheduler: ``kvship.app.roles``); the default is the unified
+``Scheduler``.  All share one constructor and the submit / abort /
+run_forever / get_stats interface.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from kvship.engine.io_struct import GenerateRequest, TokenChunk
+from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.metrics import EngineMetrics
-from kvship.engine.scheduler import SchedulerClosedError
+from kvship.engine.scheduler import Scheduler, SchedulerClosedError
 from kvship.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,44 +67,45 @@ class TextDelta:
     token_ids: list[int]
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    finished: bool = False
-    finish_reason: Optional[str] = None      # "stop" | "length" | "abort"
-    matched_stop: Any = None                 # token id or stop string, when finish_reason == "stop"
-    abort_message: Optional[str] = None
+    reason: Optional[FinishReason] = None    # set on the last delta of a request
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
+    @classmethod
+    def of_chunk(cls, chunk: TokenChunk, text: str, reason: Optional[FinishReason] = None) -> "TextDelta":
+        """The delta for ``chunk`` with ``text``; ``reason`` when the request ends here."""
+        return cls(text=text, token_ids=list(chunk.token_ids), logprobs=chunk.logprobs,
+                   top_logprobs=chunk.top_logprobs, reason=reason, prompt_tokens=chunk.prompt_tokens,
+                   completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens)
 
-def _finish_kind(reason: Optional[dict]) -> tuple[str, Any, Optional[str]]:
-    if not reason:
-        return "abort", None, "finished without a reason"
-    kind = reason.get("type", "abort")
-    if kind == "stop":
-        return "stop", reason.get("matched"), None
-    if kind == "length":
-        return "length", None, None
-    return "abort", None, str(reason.get("message") or "aborted")
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop" | "length" | "abort" on the last delta, else None (OpenAI's ``finish_reason``)."""
+        return None if self.reason is None else self.reason.kind
+
+    @property
+    def matched_stop(self) -> Any:
+        """The stop token id or stop string that ended the request, if one did."""
+        return self.reason.matched if self.reason is not None and self.reason.kind == "stop" else None
+
+    @property
+    def abort_message(self) -> Optional[str]:
+        return self.reason.message if self.reason is not None and self.reason.is_abort else None
 
 
-def scheduler_class_for_mode(mode: str) -> type:
-    """The scheduler of a worker role (``--mode``); all share ``Scheduler``'s constructor."""
-    if mode == "unified":
-        from kvship.engine.scheduler import Scheduler
-        return Scheduler
-    if mode == "prefill":
-        from kvship.prefill.scheduler import PrefillScheduler
-        return PrefillScheduler
-    if mode == "decode":
-        from kvship.decode.scheduler import DecodeScheduler
-        return DecodeScheduler
-    raise ValueError(f"unknown --mode '{mode}'")
+SchedulerFactory = Callable[..., Any]
 
 
 class Engine:
     """One worker's model loop plus the asyncio bridge (see module docstring)."""
 
-    def __init__(self, server_args: ServerArgs, *, start: bool = True, scheduler_cls: Optional[type] = None):
+    def __init__(self, server_args: ServerArgs, *, start: bool = True,
+                 scheduler_factory: Optional[SchedulerFactory] = None):
         from kvship.engine.model_runner import ModelRunner, resolve_model_path
 
         server_args.validate()
@@ -121,8 +123,8 @@ class Engine:
         self.context_len: int = self.model_runner.context_len
         self.max_total_tokens: int = self.model_runner.max_total_tokens
         self.vocab_size: int = max(self.model_config.vocab_size, 1)
-        scheduler_cls = scheduler_cls or scheduler_class_for_mode(server_args.mode)
-        self.scheduler = scheduler_cls(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
+        factory = scheduler_factory or Scheduler
+        self.scheduler = factory(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats)
 
         self._stop_event = threading.Event()
@@ -161,8 +163,7 @@ class Engine:
         with self._lock:
             items = list(self._queues.items())
         for rid, (loop, q) in items:
-            chunk = TokenChunk(rid=rid, token_ids=[], finished=True,
-                               finish_reason={"type": "abort", "message": message})
+            chunk = TokenChunk(rid=rid, token_ids=[], finished=True, finish_reason=FinishReason.abort(message))
             try:
                 loop.call_soon_threadsafe(q.put_nowait, chunk)
             except RuntimeError:  # loop closed
@@ -294,27 +295,22 @@ class Engine:
             async for chunk in agen:
                 ids = list(chunk.token_ids)
                 text_ids = ids
-                kind, matched, message = _finish_kind(chunk.finish_reason) if chunk.finished else (None, None, None)
-                if chunk.finished and kind == "stop" and isinstance(matched, int) and ids and ids[-1] == matched \
-                        and matched in stop_ids:
+                reason = FinishReason.from_wire(chunk.finish_reason) if chunk.finished else None
+                if reason is not None and reason.kind == "stop" and isinstance(reason.matched, int) and ids \
+                        and ids[-1] == reason.matched and reason.matched in stop_ids:
                     text_ids = ids[:-1]
                 raw = detok.add(text_ids)
                 if chunk.finished:
                     raw += detok.finish()
                 m = matcher.feed(raw)
-                text = m.text
                 if m.matched is not None:
                     handle.close(reason="stop")  # the scheduler may still be generating: stop it now
-                    yield TextDelta(text, ids, chunk.logprobs, chunk.top_logprobs, True, "stop", m.matched,
-                                    None, chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+                    yield TextDelta.of_chunk(chunk, m.text, FinishReason.stop(m.matched))
                     return
-                if chunk.finished:
-                    text += matcher.flush()
-                    yield TextDelta(text, ids, chunk.logprobs, chunk.top_logprobs, True, kind, matched, message,
-                                    chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+                if reason is not None:
+                    yield TextDelta.of_chunk(chunk, m.text + matcher.flush(), reason)
                     return
-                yield TextDelta(text, ids, chunk.logprobs, chunk.top_logprobs, False, None, None, None,
-                                chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+                yield TextDelta.of_chunk(chunk, m.text)
         finally:
             await agen.aclose()
             handle.close()
@@ -395,7 +391,7 @@ class RequestHandle:
                     last_t = now
                 if chunk.finished:
                     self.finished = True
-                    kind, _, _ = _finish_kind(chunk.finish_reason)
+                    kind = FinishReason.from_wire(chunk.finish_reason).kind
                     m.observe_finished(kind, chunk.prompt_tokens, chunk.cached_tokens, now - created)
                 yield chunk
         finally:

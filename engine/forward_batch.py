@@ -35,19 +35,16 @@ if TYPE_CHECKING:  # pragma: no cover
 class ForwardMode(enum.IntEnum):
     EXTEND = 1         # prefill (possibly a chunk, possibly over a cached prefix)
     DECODE = 2         # one new token per request
-    MIXED = 3          # extends and decodes in one batch (decodes as 1-token extends)
-    IDLE = 4           # nothing to compute (keeps collective ops in step on EP/TP ranks)
-    TARGET_VERIFY = 5  # speculative decoding: score draft tokens with the target model
-    DRAFT_EXTEND = 6   # speculative decoding: extend the draft model
+    # nothing produces these yet: kept for speculative decoding (the next issue)
+    TARGET_VERIFY = 5  # score draft tokens with the target model
+    DRAFT_EXTEND = 6   # extend the draft model
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+        """Runs as an extend: new tokens packed per request over a cached prefix."""
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
-
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
 
 
 @dataclass
@@ -71,18 +68,8 @@ class ForwardBatch:
     extend_prefix_lens_cpu: Optional[list[int]] = None
     # rows of the final hidden states to compute logits for (default: last new token per req)
     logits_indices: Optional[torch.Tensor] = None
-    # speculative decoding / other extensions attach their info here
-    spec_info: Any = None
     # attention backends keep their per-step metadata here
     attn_metadata: Any = field(default=None, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def seq_lens_sum(self) -> int:
-        return int(sum(self.seq_lens_cpu))
 
     def default_logits_indices(self) -> torch.Tensor:
         """Index of the last new token of each request in the packed tokens."""
@@ -95,4 +82,3 @@ class ForwardBatch:
 @dataclass
 class LogitsOutput:
     next_token_logits: torch.Tensor            # [len(logits_indices), vocab] float32
-    hidden_states: Optional[torch.Tensor] = None  # last-layer hidden states when asked (EAGLE)

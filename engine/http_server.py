@@ -1,9 +1,10 @@
 """The worker's HTTP server (FastAPI + uvicorn).
 
 ``create_app(engine, server_args)`` builds the app around a running
-``Engine``; ``launch_server(server_args)`` builds the engine (loading the
-model before the port opens), serves until SIGINT/SIGTERM, then stops the
-scheduler thread.
+``Engine``; ``serve_engine(engine, server_args)`` serves it until
+SIGINT/SIGTERM, then stops the engine.  The caller builds the engine (the app
+shell, ``kvship.app.serve``, picks the role's scheduler), so the model is
+loaded before the port opens.
 
 Routes (docs/api.md has the full reference and curl examples):
 
@@ -145,11 +146,10 @@ def _rid_family(engine: Engine, rid: str) -> list[str]:
     return [f"{rid}-{i}" for i in range(MAX_N) if engine.has_request(f"{rid}-{i}")]
 
 
-def launch_server(server_args: ServerArgs) -> int:
-    """Load the model, serve HTTP until interrupted, then stop the engine. Returns an exit code."""
+def serve_engine(engine: Engine, server_args: ServerArgs) -> int:
+    """Serve ``engine`` over HTTP until interrupted, then shut it down (always). Returns an exit code."""
     import uvicorn
 
-    engine = Engine(server_args)
     try:
         app = create_app(engine, server_args, own_engine=True)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,

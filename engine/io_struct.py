@@ -9,8 +9,11 @@ finished chunk, whatever happens (stop, length, abort, error).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Iterator, Literal, Optional, Union
+
+FinishKind = Literal["stop", "length", "abort"]
 
 
 @dataclass
@@ -75,14 +78,75 @@ class GenerateRequest:
     created_time: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, eq=False)
+class FinishReason(Mapping):
+    """Why a request finished; also a read-only mapping in SGLang's wire shape.
+
+    ``{"type": "stop", "matched": <token id or stop string>}``,
+    ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": str}``:
+    ``dict(reason)`` is what ``meta_info.finish_reason`` carries, and a reason
+    compares equal to that dict.  Build one with ``stop`` / ``length`` /
+    ``abort``; read ``kind`` / ``matched`` / ``length`` / ``message``.
+    """
+
+    kind: FinishKind
+    matched: Union[int, str, None] = None
+    length: int = 0
+    message: str = ""
+
+    @classmethod
+    def stop(cls, matched: Union[int, str, None]) -> "FinishReason":
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, length: int) -> "FinishReason":
+        return cls("length", length=int(length))
+
+    @classmethod
+    def abort(cls, message: str) -> "FinishReason":
+        return cls("abort", message=str(message))
+
+    @classmethod
+    def from_wire(cls, d: Optional[Mapping]) -> "FinishReason":
+        """The reverse of ``dict(reason)``; a missing or unknown shape is an abort saying so."""
+        if isinstance(d, FinishReason):
+            return d
+        if not d:
+            return cls.abort("finished without a reason")
+        kind = d.get("type")
+        if kind == "stop":
+            return cls.stop(d.get("matched"))
+        if kind == "length":
+            return cls.of_length(int(d.get("length") or 0))
+        return cls.abort(str(d.get("message") or "aborted"))
+
+    @property
+    def is_abort(self) -> bool:
+        return self.kind == "abort"
+
+    def _wire(self) -> dict[str, Any]:
+        if self.kind == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.kind == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._wire()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._wire())
+
+    def __len__(self) -> int:
+        return 2
+
+
 @dataclass
 class TokenChunk:
     rid: str
     token_ids: list[int]                         # tokens new since the previous chunk
     finished: bool = False
-    # {"type": "stop", "matched": <token id or stop string>} | {"type": "length", "length": n}
-    # | {"type": "abort", "message": str}
-    finish_reason: Optional[dict] = None
+    finish_reason: Optional[FinishReason] = None
     logprobs: Optional[list[float]] = None       # one per token in token_ids
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     prompt_tokens: int = 0

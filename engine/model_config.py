@@ -194,7 +194,7 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, gguf_path: str, *, dtype: str | torch.dtype = "float32",
                   context_length: Optional[int] = None) -> "ModelConfig":
-        from kvship.engine.loaders.gguf_loader import gguf_metadata, gguf_reader, rope_freq_factors
+        from kvship.engine.loaders.gguf_file import gguf_metadata, gguf_reader, rope_freq_factors
         reader = gguf_reader(gguf_path)
         cfg = cls.from_gguf_metadata(gguf_metadata(reader), {t.name for t in reader.tensors},
                                      model_path=gguf_path, dtype=dtype, context_length=context_length)

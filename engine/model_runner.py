@@ -10,8 +10,10 @@
    most ``CUDA_MAX_CONTEXTS_PER_ROW`` full contexts per request row), on CPU
    from ``--max-total-tokens`` (default: what fits in 2 GiB, at most 65536
    tokens); ``--max-total-tokens`` also caps the CUDA size;
-4. creates ``req_to_token_pool``, ``kv_pool``, ``allocator`` and
-   ``attn_backend``.
+4. creates ``req_to_token_pool``, ``kv_pool`` and ``allocator``, then the
+   ``attn_context`` (``AttentionContext``: all an attention backend learns of
+   this runner) and from it ``attn_backend`` and, on CUDA, the decode
+   ``cuda_graph_runner`` (capturing ``attn_context.cuda_graph_bs``).
 
 Public attributes the scheduler relies on (keep the names): ``device``,
 ``dtype``, ``model_config``, ``req_to_token_pool``, ``kv_pool``,
@@ -26,15 +28,16 @@ not done here (``kvship.engine.sampler``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
-from kvship.engine.attention.base import create_attention_backend
+from kvship.common.envs import ENV
+from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.config import ServerArgs
+from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create_cuda_graph_runner
 from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
-from kvship.engine.layers.linear import K_MAJOR_ENV, store_weights_k_major_
+from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_config import ModelConfig, parse_dtype
@@ -81,7 +84,7 @@ class ModelRunner:
 
         self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.device.type == "cuda" and os.environ.get(K_MAJOR_ENV) == "1":  # opt-in, see the function
+        if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
         num_slots = self._kv_pool_slots()
@@ -91,12 +94,15 @@ class ModelRunner:
         self.kv_pool = KVPool(num_slots, self.page_size, self.kv_dtype, mc.num_key_value_heads, mc.head_dim,
                               mc.num_hidden_layers, self.device)
         self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
-        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self)
+        self.attn_context = AttentionContext(
+            device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, num_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, page_size=self.page_size,
+            req_to_token_pool=self.req_to_token_pool, max_running_requests=self.max_running_requests,
+            cuda_graph_bs=tuple(cuda_graph_batch_sizes(server_args, self.max_running_requests)))
+        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
-        self.cuda_graph_runner = None
-        if self.device.type == "cuda":
-            from kvship.engine.cuda_graph_runner import maybe_create_cuda_graph_runner
-            self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
+        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self.model, self.attn_backend, self.attn_context,
+                                                                self.kv_pool, server_args.disable_cuda_graph)
         logger.info("model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
                     mc.architecture, mc.num_hidden_layers, self.context_len, self.weight_bytes / 2 ** 20,
                     self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.page_size, self.device)
@@ -145,9 +151,6 @@ class ModelRunner:
         The caller must have written every position's slot into
         ``req_to_token`` (see ``kvship.engine.forward_batch``).
         """
-        if forward_batch.forward_mode.is_idle():
-            return LogitsOutput(next_token_logits=torch.empty((0, self.model_config.vocab_size),
-                                                              dtype=torch.float32, device=self.device))
         with torch.inference_mode():
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)

@@ -29,25 +29,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
-from kvship.engine.io_struct import GenerateRequest, SamplingParams, TokenChunk
+from kvship.engine.io_struct import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.mem.radix_cache import BasePrefixCache
 
 # stop strings are searched in the decoded text of this many trailing tokens per stop-string character
 _STOP_TAIL_TOKENS_PER_CHAR = 4
-
-
-def finish_stop(matched: Any) -> dict:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_length(length: int) -> dict:
-    return {"type": "length", "length": length}
-
-
-def finish_abort(message: str) -> dict:
-    return {"type": "abort", "message": message}
 
 
 class Req:
@@ -87,7 +75,7 @@ class Req:
         self.cached_tokens = 0        # prompt tokens served by the prefix cache at first admission
         self.admitted = False
         self.retractions = 0
-        self.finished_reason: Optional[dict] = None
+        self.finished_reason: Optional[FinishReason] = None
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.sent_len = 0             # output tokens already handed to the output sink
@@ -148,17 +136,17 @@ class Req:
             return
         last = self.output_ids[-1]
         if last in self.eos_token_ids or last in self.stop_token_ids:
-            self.finished_reason = finish_stop(last)
+            self.finished_reason = FinishReason.stop(last)
             return
         if self.stop_strs and tokenizer is not None:
             tail = tokenizer.decode(self.output_ids[-self._stop_tail:],
                                     skip_special_tokens=self.sampling_params.skip_special_tokens)
             for s in self.stop_strs:
                 if s in tail:
-                    self.finished_reason = finish_stop(s)
+                    self.finished_reason = FinishReason.stop(s)
                     return
         if len(self.output_ids) >= self.max_new_tokens:
-            self.finished_reason = finish_length(len(self.output_ids))
+            self.finished_reason = FinishReason.of_length(len(self.output_ids))
 
     def take_chunk(self) -> Optional[TokenChunk]:
         """The output chunk for tokens not sent yet (and the finish, once); None if nothing new."""
@@ -192,10 +180,11 @@ class ScheduleBatch:
     """The requests of one forward step and their CPU-side layout.
 
     ``prepare_for_extend`` / ``prepare_for_decode`` allocate KV slots (evicting
-    cache entries if the allocator is short), write them into
-    ``req_to_token`` and update each request's ``kv_allocated_len``; then
-    ``to_forward_batch`` moves the layout to ``device``.  ``extend_input_len``
-    of each request must be set before ``prepare_for_extend``.
+    cache entries if the allocator is short) and update each request's
+    ``kv_allocated_len``; ``prepare_for_extend`` also writes ``req_to_token``
+    and the inputs, and ``to_forward_batch`` moves an extend's layout to
+    ``device`` (decode batches are built by ``kvship.engine.scheduler.launch``).
+    ``extend_input_len`` of each request must be set before ``prepare_for_extend``.
     """
 
     reqs: list[Req]
@@ -217,8 +206,8 @@ class ScheduleBatch:
     def sampling_reqs(self) -> list[Req]:
         return [r for r, m in zip(self.reqs, self.sample_mask) if m]
 
-    def _alloc(self, allocator: Any, cache: "BasePrefixCache",
-               alloc: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
+    def alloc_slots(self, allocator: Any, cache: "BasePrefixCache",
+                    alloc: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
         """Run ``alloc``; if the allocator is short, evict cache entries and retry once."""
         out = alloc()
         if out is None:
@@ -237,8 +226,8 @@ class ScheduleBatch:
         last_locs = [r.last_loc for r in self.reqs]
         if any(e <= 0 for e in self.extend_lens):
             raise ValueError("every request of an extend batch needs at least one new token")
-        loc = self._alloc(allocator, cache,
-                          lambda: allocator.alloc_extend(self.prefix_lens, self.seq_lens, last_locs))
+        loc = self.alloc_slots(allocator, cache,
+                               lambda: allocator.alloc_extend(self.prefix_lens, self.seq_lens, last_locs))
         self.out_cache_loc = loc
         offset = 0
         self.input_ids, self.positions, self.sample_mask = [], [], []
@@ -253,24 +242,25 @@ class ScheduleBatch:
             r.is_chunked = p + e < len(fill)
             self.sample_mask.append(not r.is_chunked)
 
-    def prepare_for_decode(self, allocator: Any, req_to_token_pool: Any, cache: "BasePrefixCache") -> None:
+    def prepare_for_decode(self, allocator: Any, cache: "BasePrefixCache") -> list[int]:
+        """Allocate one slot per request for its next position; returns the slots.
+
+        The caller writes them into ``req_to_token`` and builds the input ids
+        (the newest token of each request, possibly still on the device).
+        """
         self.prefix_lens = [r.kv_committed_len for r in self.reqs]
         self.seq_lens = [p + 1 for p in self.prefix_lens]
         self.extend_lens = [1] * len(self.reqs)
         last_locs = [r.last_loc for r in self.reqs]
-        loc = self._alloc(allocator, cache, lambda: allocator.alloc_decode(self.seq_lens, last_locs))
+        loc = self.alloc_slots(allocator, cache, lambda: allocator.alloc_decode(self.seq_lens, last_locs))
         self.out_cache_loc = loc
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        cols = torch.tensor(self.prefix_lens, dtype=torch.int64)
-        table = req_to_token_pool.req_to_token
-        table[rows.to(table.device), cols.to(table.device)] = loc.to(table.device, table.dtype)
         locs = loc.tolist()
         for r, s, l in zip(self.reqs, self.seq_lens, locs):
             r.kv_allocated_len = s
             r.last_loc = l
-        self.input_ids = [r.output_ids[-1] for r in self.reqs]
         self.positions = list(self.prefix_lens)
         self.sample_mask = [True] * len(self.reqs)
+        return locs
 
     def commit(self) -> None:
         """The forward succeeded: every allocated position now has computed K/V."""

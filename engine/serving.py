@@ -29,6 +29,7 @@ from kvship.engine.engine import Engine, EngineDead, EngineOverloaded, RequestHa
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.openai_protocol import PromptTokensDetails, UsageInfo
+from kvship.engine.scheduler.admission import check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +96,9 @@ def check_prompt_length(engine: Engine, n_prompt: int, max_new_tokens: Optional[
                         max_tokens_param: str = "max_tokens") -> int:
     """Validate prompt + completion against the context; return the resolved ``max_new_tokens``."""
     ctx = engine.context_len
-    if n_prompt == 0:
-        raise bad_request("the prompt is empty", param, code="empty_prompt")
-    if n_prompt >= ctx:
-        raise bad_request(f"the prompt has {n_prompt} tokens but this model's maximum context length is {ctx} "
-                          f"tokens (the prompt must leave room for at least one new token)", param,
-                          code="context_length_exceeded")
-    kv = engine.max_total_tokens
-    if n_prompt + 1 > kv:
-        raise bad_request(f"the prompt has {n_prompt} tokens but the KV cache holds only {kv} "
-                          f"(--max-total-tokens)", param, code="context_length_exceeded")
+    problem = check_prompt(n_prompt, ctx, engine.max_total_tokens)
+    if problem is not None:
+        raise bad_request(problem.message, param, code=problem.code)
     if max_new_tokens is None:
         return ctx - n_prompt
     if max_new_tokens > ctx:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
-from kvship.engine.io_struct import GenerateRequest
+from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingParams
 from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, build_sampling_params, check_max_tokens, check_n,
                                    check_prompt_length, check_token_ids, choice_params, choice_rid, choice_room,
@@ -83,11 +83,9 @@ class _Output:
         d = self.last
         if d is None or not d.finished:
             return None
-        if d.finish_reason == "stop":
-            return {"type": "stop", "matched": d.matched_stop}
         if d.finish_reason == "length":
-            return {"type": "length", "length": d.completion_tokens}
-        return {"type": "abort", "message": d.abort_message or "aborted"}
+            return dict(FinishReason.of_length(d.completion_tokens))
+        return dict(FinishReason.from_wire(d.reason))
 
     def to_dict(self, index: Optional[int] = None) -> dict:
         d = self.last

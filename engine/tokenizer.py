@@ -26,6 +26,8 @@ import shutil
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
+from kvship.common.envs import ENV
+
 logger = logging.getLogger(__name__)
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -38,7 +40,7 @@ class ChatTemplateError(ValueError):
 def _gguf_cache_dir(gguf_path: str) -> str:
     st = os.stat(gguf_path)
     key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("KVSHIP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvship")
+    root = ENV.CACHE_DIR or os.path.join(os.path.expanduser("~"), ".cache", "kvship")
     return os.path.join(root, "gguf-tokenizers", key)
 
 

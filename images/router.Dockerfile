@@ -17,6 +17,8 @@ COPY prefill ./prefill
 COPY decode ./decode
 COPY router ./router
 COPY operator ./operator
+COPY common ./common
+COPY app ./app
 
 RUN pip install --no-deps . \
  && pip install $ROUTER_DEPS \

@@ -31,6 +31,8 @@ COPY prefill ./prefill
 COPY decode ./decode
 COPY router ./router
 COPY operator ./operator
+COPY common ./common
+COPY app ./app
 
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}" \
  && pip install ".[gpu]" \

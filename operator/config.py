@@ -1,7 +1,7 @@
 """``OperatorConfig``: the operator's frozen configuration, one field per ``kvship operator`` flag.
 
-Importing this module never imports torch or the engine's runtime (only the
-light ``kvship.engine.config`` argparse helpers).
+Importing this module never imports torch or the engine (the argparse
+helpers come from ``kvship.common.cli_args``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from kvship.engine.config import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvship/worker:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kvship/router:0.1.0"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
 from kvship.operator.typed import api_field
 
 GROUP = "kvship.io"
@@ -25,7 +26,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
-POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two")
 SPEC_ALGORITHMS = ("eagle", "ngram", "draft")
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady")
@@ -204,11 +204,11 @@ class RouterSpec:
     env: list[dict[str, Any]] = api_field("Extra environment variables of the router container.", [], kube="env")
     autoscaling: Optional[Autoscaling] = api_field("Scale the router with a HorizontalPodAutoscaler.")
     policy: str = api_field("How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
-                            "round_robin, random, shortest_queue or power_of_two.", "cache_aware", enum=POLICIES)
+                            "round_robin, random, shortest_queue or power_of_two.", DEFAULT_POLICY, enum=POLICY_NAMES)
     prefill_policy: Optional[str] = api_field("PD: policy choosing the prefill worker (default: policy).",
-                                              enum=POLICIES)
+                                              enum=POLICY_NAMES)
     decode_policy: Optional[str] = api_field("PD: policy choosing the decode worker (default: policy).",
-                                             enum=POLICIES)
+                                             enum=POLICY_NAMES)
     cache_threshold: float = api_field("cache_aware: smallest prefix-match ratio that routes to the matching "
                                        "worker.", 0.5, minimum=0, maximum=1)
     balance_abs_threshold: int = api_field("cache_aware: balance load when the busiest worker has this many more "

@@ -5,15 +5,15 @@ Life cycle of a request on a prefill worker (one small class per stage)::
     1. bootstrap   BootstrapQueue (kvship.prefill.queues)
                    a KVSender exists for the router's bootstrap_room; the request waits
                    until the decode worker has registered its destination pages
-    2. waiting     the scheduler's waiting queue + chunked prefill (kvship.engine.scheduler)
+    2. waiting     the scheduler's waiting queue + chunked prefill (kvship.engine.scheduler.admission)
                    prefix match in the radix cache, extend(s), first token sampled
     3. inflight    InflightQueue (kvship.prefill.queues)
                    KV pages + aux record (first token, logprob, prompt length) on their way;
                    polled until Success / Failed, then the KV goes to the radix cache
                    and the HTTP reply (status/metadata only) is sent
 
-``PrefillScheduler`` (kvship.prefill.scheduler) glues the stages onto the
-unified scheduler; ``kvship.prefill.pd_common`` holds what prefill and decode
-share.  The transfer layer itself (bootstrap server, senders, backends) is
+``PrefillRole`` (kvship.prefill.scheduler) plugs the stages into the
+scheduler through its role hooks; ``kvship.engine.disagg.pd_role`` and
+``kvship.engine.disagg.stages`` hold what prefill and decode share.  The transfer layer itself (bootstrap server, senders, backends) is
 ``kvship.engine.disagg``.
 """

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvship.engine.disagg import AuxInfo, KVManager, KVPoll, KVTransferError
 from kvship.engine.schedule_batch import Req
-from kvship.prefill.pd_common import PDEntry, PDStageQueue
+from kvship.engine.disagg.stages import PDEntry, PDStageQueue
 
 
 class BootstrapQueue(PDStageQueue):
@@ -32,7 +32,7 @@ class BootstrapQueue(PDStageQueue):
 
     def add(self, req: Req, room: int) -> PDEntry:
         """Create the room's sender; raises ``KVTransferError`` (e.g. the room is already in use)."""
-        return self._put(PDEntry(req=req, transfer=self.manager.create_sender(room), room=room))
+        return self.put(PDEntry(req=req, transfer=self.manager.create_sender(room), room=room))
 
     def pop_ready(self) -> tuple[list[PDEntry], list[PDEntry]]:
         """(registered, failed) entries, both removed from the queue."""
@@ -55,7 +55,7 @@ class InflightQueue(PDStageQueue):
     """
 
     def add(self, entry: PDEntry, pages: np.ndarray, aux: AuxInfo) -> None:
-        self._put(entry)
+        self.put(entry)
         try:
             entry.transfer.send(pages, aux)
         except KVTransferError as e:  # send() twice is a bug; fail the room rather than the loop

@@ -30,8 +30,9 @@ from starlette.responses import JSONResponse, Response
 
 from kvship.router.config import RouterConfig
 from kvship.router.core import Router
-from kvship.router.proxy import RequestContext, error_response, proxy_request
+from kvship.router.proxy import error_response, proxy_request
 from kvship.router.ratelimit import RateLimited
+from kvship.router.upstream import RequestContext
 from kvship.router.wire import (PROXY_ROUTES, RequestError, RoutingRequest, error_body, new_request_id)
 from kvship.router.worker import RegistrationError
 

@@ -2,22 +2,24 @@
 
 The flag names are a contract shared with the operator (it builds the router
 pod's arguments from them): see ``kvship router --help``.  Built with
-``kvship.engine.config.opt`` / ``add_dataclass_arguments`` so that ``--help``
-documents every field.  Importing this module must never import torch.
+``kvship.common.cli_args`` (``opt`` / ``add_dataclass_arguments``) so that
+``--help`` documents every field.  ``--api-key`` / ``--worker-api-key``
+default to ``KVSHIP_API_KEY`` / ``KVSHIP_WORKER_API_KEY`` (read through
+``kvship.common.envs.ENV``).  Importing this module must never import torch
+or the engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-from kvship.engine.config import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.common.envs import ENV
+from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
 
-POLICY_NAMES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two")
-API_KEY_ENV = "KVSHIP_API_KEY"
-WORKER_API_KEY_ENV = "KVSHIP_WORKER_API_KEY"
+__all__ = ["POLICY_NAMES", "RouterConfig", "parse_selector", "selector_string"]
 
 
 def parse_selector(items: list[str] | tuple[str, ...], flag: str = "--selector") -> dict[str, str]:
@@ -47,17 +49,17 @@ class RouterConfig:
     host: str = opt("0.0.0.0", "Address the router binds")
     port: int = opt(8000, "Router HTTP port")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
-    api_key: Optional[str] = opt(None, f"Require 'Authorization: Bearer <key>' on every route but /health "
-                                       f"(default: env {API_KEY_ENV})")
-    worker_api_key: Optional[str] = opt(None, f"Bearer token the router sends to workers (default: env "
-                                              f"{WORKER_API_KEY_ENV}, else --api-key)")
+    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health "
+                                       "(default: env KVSHIP_API_KEY)")
+    worker_api_key: Optional[str] = opt(None, "Bearer token the router sends to workers (default: env "
+                                             "KVSHIP_WORKER_API_KEY, else --api-key)")
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
     request_timeout: float = opt(600.0, "Seconds one request may take end to end, streaming included (504 after)")
     shutdown_timeout: float = opt(30.0, "Seconds a graceful shutdown (SIGTERM) waits for in-flight streams")
 
     # Workers and policy
     worker_urls: list[str] = opt([], "Unified workers (static), e.g. http://10.0.0.5:30000", nargs="+")
-    policy: str = opt("cache_aware", "Routing policy", choices=POLICY_NAMES)
+    policy: str = opt(DEFAULT_POLICY, "Routing policy", choices=POLICY_NAMES)
     cache_threshold: float = opt(0.5, "cache_aware: smallest prefix-match ratio that routes to the matching worker")
     balance_abs_threshold: int = opt(32, "cache_aware: balance load when max_load - min_load exceeds this ...")
     balance_rel_threshold: float = opt(1.5, "cache_aware: ... and max_load exceeds this times min_load")
@@ -177,8 +179,9 @@ class RouterConfig:
     def from_cli_args(cls, ns: argparse.Namespace) -> "RouterConfig":
         """Build from parsed flags, filling the API keys from the environment when not given."""
         overrides = {}
-        if getattr(ns, "api_key", None) is None and os.environ.get(API_KEY_ENV):
-            overrides["api_key"] = os.environ[API_KEY_ENV]
-        if getattr(ns, "worker_api_key", None) is None and os.environ.get(WORKER_API_KEY_ENV):
-            overrides["worker_api_key"] = os.environ[WORKER_API_KEY_ENV]
+        api_key, worker_api_key = ENV.API_KEY, ENV.WORKER_API_KEY
+        if getattr(ns, "api_key", None) is None and api_key:
+            overrides["api_key"] = api_key
+        if getattr(ns, "worker_api_key", None) is None and worker_api_key:
+            overrides["worker_api_key"] = worker_api_key
         return dataclass_from_namespace(cls, ns, **overrides)

@@ -1,9 +1,7 @@
 """``Router``: the state one router process owns and the choice of worker(s) for a request.
 
-Owns the pooled ``aiohttp.ClientSession`` (keep-alive to every worker; see
-``docs/router.md`` for why not httpx: measured 15x less CPU per request and no
-collapse under concurrency), the
-``WorkerRegistry``, one policy per role (unified, or prefill + decode in PD
+Owns the pooled ``aiohttp.ClientSession`` (keep-alive to every worker;
+``docs/router.md`` says why not httpx), the ``WorkerRegistry``, one policy per role (unified, or prefill + decode in PD
 mode), the session-affinity table, the rate limiter, the health checker and
 Kubernetes discovery.  ``start()`` / ``stop()`` run in the app's lifespan.
 

@@ -1,6 +1,6 @@
 """PD (prefill/decode) dispatch: one attempt on a (prefill, decode) pair.
 
-Protocol (DESIGN.md "PD protocol"): the router draws a random 63-bit
+Protocol (docs/architecture.md, "PD protocol"): the router draws a random 63-bit
 ``bootstrap_room`` and sends the *same* body, carrying the prefill worker's
 ``bootstrap_host`` (its URL's host) / ``bootstrap_port`` (its
 ``/get_server_info`` ``disaggregation_bootstrap_port``) / ``bootstrap_room``,
@@ -26,8 +26,8 @@ import logging
 import aiohttp
 
 from kvship.router.core import Selection
-from kvship.router.proxy import (RETRYABLE_STATUS, AttemptFailed, DeadlineExceeded, Lease, RequestContext,
-                                 Upstream, _describe, open_upstream, pass_headers)
+from kvship.router.upstream import (RETRYABLE_STATUS, AttemptFailed, DeadlineExceeded, Lease, RequestContext,
+                                    Upstream, describe_error, open_upstream, pass_headers)
 from kvship.router.wire import PDBootstrap, RoutingRequest
 from kvship.router.worker import Worker
 
@@ -46,8 +46,8 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
             async with client.post(worker.url + ctx.route, data=content, headers=ctx.headers) as resp:
                 body = await resp.read()
     except aiohttp.ClientError as e:
-        lease.finish(False, _describe(e))
-        raise AttemptFailed(worker, _describe(e), True) from None
+        lease.finish(False, describe_error(e))
+        raise AttemptFailed(worker, describe_error(e), True) from None
     except TimeoutError:
         lease.finish(False, "timeout")
         raise DeadlineExceeded() from None

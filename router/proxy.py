@@ -15,7 +15,9 @@ with jitter); 4xx replies are the client's and are passed through.  Once a
 stream has started, a worker failure ends it with an SSE ``error`` event.
 
 Accounting: every attempt holds a ``Lease`` on its worker (in-flight count,
-circuit-breaker outcome) that is finished exactly once, on every path.
+circuit-breaker outcome) that is finished exactly once, on every path.  The
+attempt itself (``open_upstream``, ``Lease``, ``RequestContext``) lives in
+``kvship.router.upstream``, shared with the PD path.
 """
 
 from __future__ import annotations
@@ -25,170 +27,20 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import aiohttp
 from starlette.responses import Response
 
-from kvship.router.circuit import STATE_CODE
-from kvship.router.core import NoWorker, Router
+from kvship.router.core import NoWorker
+from kvship.router.pd import pd_attempt
+from kvship.router.upstream import (AttemptFailed, DeadlineExceeded, Lease, RequestContext, Upstream, describe_error,
+                                    open_upstream)
 from kvship.router.wire import RoutingRequest, error_body
-from kvship.router.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
-_DROP_RESPONSE_HEADERS = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "content-length", "proxy-authenticate",
-    "proxy-authorization", "te", "trailer", "upgrade", "server", "date"})
-
-
-class DeadlineExceeded(Exception):
-    """The request ran past ``--request-timeout`` (answered 504, never retried)."""
-
-
-@dataclass
-class RequestContext:
-    """Per-request bookkeeping: id, route, timing, and what the worker call sends."""
-
-    router: Router
-    request_id: str
-    route: str
-    headers: dict[str, str]
-    started: float = field(default_factory=time.perf_counter)
-    deadline: float = 0.0  # event-loop time
-    attempts: int = 0
-
-    def finish(self, status: int, worker: str) -> None:
-        m = self.router.metrics
-        elapsed = time.perf_counter() - self.started
-        m.requests.labels(self.route, str(status), worker).inc()
-        m.latency.labels(self.route).observe(elapsed)
-        logger.info("request %s %s -> %s status %d in %.1f ms (%d attempt%s)", self.request_id, self.route,
-                    worker or "-", status, elapsed * 1000, self.attempts, "" if self.attempts == 1 else "s")
-
-
-class Lease:
-    """One attempt's hold on a worker: ``finish(ok)`` exactly once (later calls do nothing)."""
-
-    __slots__ = ("router", "worker", "done")
-
-    def __init__(self, router: Router, worker: Worker):
-        self.router = router
-        self.worker = worker
-        self.done = False
-        worker.in_flight += 1
-        worker.total_requests += 1
-        worker.breaker.on_attempt()
-        router.metrics.in_flight.labels(worker.url).set(worker.in_flight)
-
-    def finish(self, ok: bool, reason: str = "") -> None:
-        if self.done:
-            return
-        self.done = True
-        w, m = self.worker, self.router.metrics
-        w.in_flight -= 1
-        if ok:
-            w.breaker.record_success()
-        else:
-            w.breaker.record_failure()
-            w.total_failures += 1
-            w.last_error = reason
-            m.worker_failures.labels(w.url, reason.split(":", 1)[0] or "error").inc()
-        m.in_flight.labels(w.url).set(w.in_flight)
-        m.circuit.labels(w.url).set(STATE_CODE[w.breaker.state])
-
-
-class AttemptFailed(Exception):
-    """An attempt that produced nothing for the client.  ``response`` (if any) is the worker's own reply."""
-
-    def __init__(self, worker: Worker, reason: str, retryable: bool, status: Optional[int] = None,
-                 body: bytes = b"", headers: Optional[list[tuple[str, str]]] = None):
-        super().__init__(reason)
-        self.worker = worker
-        self.reason = reason
-        self.retryable = retryable
-        self.status = status
-        self.body = body
-        self.headers = headers or []
-
-
-@dataclass
-class Upstream:
-    """A successful attempt: a complete body, or an open stream whose first chunk has arrived."""
-
-    worker: Worker
-    lease: Lease
-    status: int
-    headers: list[tuple[str, str]]
-    body: Optional[bytes] = None
-    response: Optional[aiohttp.ClientResponse] = None
-    first: bytes = b""
-    extra_headers: dict[str, str] = field(default_factory=dict)
-
-
-def pass_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
-    """The worker's response headers the client gets (bodies pass undecoded, so content-encoding stays)."""
-    out = []
-    for k, v in resp.headers.items():
-        lk = k.lower()
-        if lk in _DROP_RESPONSE_HEADERS or lk.startswith("x-kvship-") or lk == "x-request-id":
-            continue
-        out.append((lk, v))
-    return out
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-async def open_upstream(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes) -> Upstream:
-    """Send one attempt to ``worker`` and wait until something can be given to the client.
-
-    Finishes ``lease`` on every path except a returned stream (the relay finishes it then).
-    Raises ``AttemptFailed`` or ``DeadlineExceeded``.
-    """
-    client = ctx.router.client
-    assert client is not None
-    resp: Optional[aiohttp.ClientResponse] = None
-    try:
-        async with asyncio.timeout_at(ctx.deadline):
-            resp = await client.post(worker.url + ctx.route, data=content, headers=ctx.headers)
-            status = resp.status
-            if status in RETRYABLE_STATUS:
-                body = await resp.read()
-                raise AttemptFailed(worker, f"http_{status}", True, status, body, pass_headers(resp))
-            streaming = status == 200 and resp.headers.get("content-type", "").startswith("text/event-stream")
-            if not streaming:
-                body = await resp.read()
-                resp.release()
-                lease.finish(True)
-                return Upstream(worker, lease, status, pass_headers(resp), body=body)
-            first = await resp.content.readany()
-            return Upstream(worker, lease, status, pass_headers(resp), response=resp, first=first)
-    except AttemptFailed as e:
-        lease.finish(False, e.reason)
-        _close(resp)
-        raise
-    except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's socket timeouts subclass both
-        lease.finish(False, _describe(e))
-        _close(resp)
-        raise AttemptFailed(worker, _describe(e), True) from None
-    except TimeoutError:
-        lease.finish(False, "timeout")
-        _close(resp)
-        raise DeadlineExceeded() from None
-    except BaseException:
-        lease.finish(True)
-        _close(resp)
-        raise
-
-
-def _close(resp: Optional[aiohttp.ClientResponse]) -> None:
-    """Drop the connection of a response that may not have been read to the end (the worker sees it go)."""
-    if resp is not None:
-        resp.close()
+__all__ = ["RelayResponse", "backoff_delay", "error_response", "proxy_request"]
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -238,12 +90,12 @@ class RelayResponse(Response):
                 except aiohttp.ClientError as e:
                     if self.client_gone:
                         break
-                    ok, reason = False, "stream_broken: " + _describe(e)
+                    ok, reason = False, "stream_broken: " + describe_error(e)
                     logger.warning("request %s: stream from %s broke: %s", ctx.request_id, up.worker.url,
-                                   _describe(e))
+                                   describe_error(e))
                     chunk = b""
                     await send({"type": "http.response.body", "more_body": True,
-                                "body": _sse_error(f"worker failed mid-stream: {_describe(e)}", "worker_failed")})
+                                "body": _sse_error(f"worker failed mid-stream: {describe_error(e)}", "worker_failed")})
                 except TimeoutError:
                     logger.warning("request %s: stream from %s passed --request-timeout", ctx.request_id,
                                    up.worker.url)
@@ -311,7 +163,6 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
         ctx.attempts += 1
         try:
             if cfg.pd:
-                from kvship.router.pd import pd_attempt
                 up = await pd_attempt(ctx, request, sel)
             else:
                 assert sel.worker is not None

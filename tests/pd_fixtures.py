@@ -207,7 +207,7 @@ def unified_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new: in
                                          sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0)))
         for _ in range(100000):
             sched.step()
-            if not sched.has_work() and sched._inbox.empty():
+            if sched.idle():
                 break
         assert all(out.finished(f"u{i}") for i in range(len(prompts)))
         _UNIFIED_CACHE[key] = [out.tokens(f"u{i}") for i in range(len(prompts))]
@@ -275,7 +275,7 @@ def start_local(args: Sequence[str], env: Optional[dict[str, str]] = None,
     log_dir = tempfile.mkdtemp(prefix="kvship-pd-test-")
     stdout_path = os.path.join(log_dir, "local.out")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "kvship.engine.cli", "local", "--port", str(port), "--log-dir", log_dir,
+    cmd = [sys.executable, "-m", "kvship.app.cli", "local", "--port", str(port), "--log-dir", log_dir,
            "--shutdown-grace", "10", *args]
     with open(stdout_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,

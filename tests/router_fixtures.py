@@ -348,7 +348,7 @@ async def running_router(config):
 def router_process(args: list[str], env: Optional[dict] = None, timeout: float = 30.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``kvship router --host 127.0.0.1 --port <free> *args`` as a subprocess; yield ``(url, proc)``."""
     port = free_port()
-    cmd = [PYTHON, "-m", "kvship.engine.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [PYTHON, "-m", "kvship.app.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stderr=log)
     proc.log = log  # type: ignore[attr-defined]  # read with router_log(proc)

@@ -12,7 +12,7 @@ API:
 * ``free_port() -> int``: a TCP port that was free a moment ago (bind to 0).
 * ``start_kvship(subcommand, args, *, timeout=180, env=None, health_path="/health", port=None,
   keep_log=False)``:
-  context manager running ``python -m kvship.engine.cli <subcommand> <args>
+  context manager running ``python -m kvship.app.cli <subcommand> <args>
   --host 127.0.0.1 --port <free port>`` (``--host`` / ``--port`` are added
   only when ``args`` lacks them), waiting until ``GET <health_path>`` answers
   200, and yielding a ``ServerHandle``.  On exit (also on errors) the
@@ -127,7 +127,7 @@ def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     full_env.update(env or {})
     log = tempfile.NamedTemporaryFile(prefix=f"kvship-{subcommand}-{port}-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "kvship.engine.cli", subcommand, *args]
+    cmd = [sys.executable, "-m", "kvship.app.cli", subcommand, *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
                             cwd=ROOT, start_new_session=True)
     log.close()

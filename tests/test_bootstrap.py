@@ -17,8 +17,8 @@ import torch
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.disagg import descriptors as D
-from kvship.engine.disagg.base import (BackendUnavailableError, KVPoll, KVTransferConfig, KVTransferError,
-                                       create_kv_manager, get_transfer_backend)
+from kvship.engine.disagg import (BackendUnavailableError, KVPoll, KVTransferConfig, KVTransferError,
+                                  create_kv_manager, get_transfer_backend)
 from kvship.engine.disagg.bootstrap import BootstrapLink, BootstrapServer
 from kvship.engine.disagg.checksum import kv_checksum
 from kvship.engine.disagg.wire import (AUX_RECORD_BYTES, Abort, AbortAck, AuxRecord, Done, Fail, Hello, KVLayout,

@@ -34,7 +34,7 @@ def test_crd_files_match_the_generator():
 
 
 def test_print_crd_cli_prints_the_same_yaml_without_importing_torch():
-    code = ("import sys; from kvship.engine.cli import main; rc = main(['operator', '--print-crd']); "
+    code = ("import sys; from kvship.app.cli import main; rc = main(['operator', '--print-crd']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr

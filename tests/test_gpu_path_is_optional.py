@@ -42,7 +42,7 @@ _BLOCKED_RUN = textwrap.dedent("""
     assert create_sampler("auto", "cpu").name == "torch"
     for name in ("triton", "flashinfer"):
         try:
-            create_attention_backend(name, r)
+            create_attention_backend(name, r.attn_context)
         except ValueError as e:
             assert "unavailable" in str(e), e
         else:

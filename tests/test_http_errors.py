@@ -202,7 +202,7 @@ def test_errors_leave_no_request_or_slot_behind(server):
 
 
 def test_invalid_settings_exit_with_code_2():
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "serve", "--page-size", "0"],
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "serve", "--page-size", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--page-size must be >= 1" in out.stderr
@@ -210,7 +210,7 @@ def test_invalid_settings_exit_with_code_2():
 
 def test_missing_model_exits_with_code_1_and_says_why(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "serve", "--model-path", missing],
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", missing],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
     assert "cannot start the server" in out.stderr and missing in out.stderr

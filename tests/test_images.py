@@ -66,7 +66,7 @@ def test_copy_sources_exist_and_are_not_docker_ignored(name):
                 continue  # optional globs (README*)
             assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
             assert src.rstrip("/") not in ignored, f"{name}: COPY {src} is excluded by .dockerignore"
-    for folder in ("engine", "prefill", "decode", "router", "operator"):
+    for folder in ("engine", "prefill", "decode", "router", "operator", "common", "app"):
         assert any(f"COPY {folder} " in f"COPY {rest}" for rest in copies), f"{name} misses {folder}/"
 
 

@@ -27,8 +27,9 @@ BACKENDS = ["tcp", "mooncake", "nixl"]
 SMALL = dict(num_slots=512, num_kv_heads=2, head_dim=16, num_layers=3, dtype="float32")
 BIG = dict(num_slots=4096, num_kv_heads=4, head_dim=64, num_layers=3, dtype="float32")   # "_big" managers
 # managers each process hosts: name -> (role, page size, config overrides, fill seed)
-PREFILL_MANAGERS = {"p1": (1, {}, 11), "p16": (16, {}, 12), "p16_corrupt": (16, {"debug_corrupt_kv_every": 1}, 12),
+PREFILL_MANAGERS = {"p1": (1, {}, 11), "p16": (16, {}, 12), "p16_corrupt": (16, {}, 12),
                     "p16_short": (16, {"bootstrap_timeout": 1.0}, 12), "p16_big": (16, {}, 13)}
+CORRUPT_EVERY = {"p16_corrupt": 1}   # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
 DECODE_MANAGERS = {"d1": (1, {}), "d16": (16, {}), "d16_checksum": (16, {"checksum": True}),
                    "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0}), "d16_big": (16, {})}
 
@@ -54,7 +55,8 @@ def make_pool(page_size: int, big: bool = False):
 def _peer_main(conn, role: str, backend: str, names) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING)
-    from kvship.engine.disagg.base import AuxInfo, KVTransferConfig, create_kv_manager
+    from kv_faults import corrupt_kv_every
+    from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
 
     mgrs, pools, objs, expected = {}, {}, {}, {}
     specs = PREFILL_MANAGERS if role == "prefill" else DECODE_MANAGERS
@@ -70,6 +72,8 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             cfg = KVTransferConfig(backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0,
                                    **overrides)
             mgrs[name] = create_kv_manager(role, pool, cfg)
+            if name in CORRUPT_EVERY:
+                corrupt_kv_every(mgrs[name], CORRUPT_EVERY[name])
     except Exception:  # noqa: BLE001 - report to the test
         conn.send(("err", traceback.format_exc()))
         return

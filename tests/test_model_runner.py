@@ -7,7 +7,7 @@ import torch
 
 from kvship.engine.attention.torch_native import TorchNativeAttnBackend
 from kvship.engine.config import ServerArgs
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_runner import (CPU_KV_BUDGET_BYTES, CPU_MAX_DEFAULT_TOKENS, REQ_POOL_HEADROOM,
                                         ModelRunner)
@@ -58,16 +58,6 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         ModelRunner(ServerArgs(model_path=str(tmp_path / "nope"), max_total_tokens=64))
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelRunner(ServerArgs(model_path=str(tmp_path), max_total_tokens=64))
-
-
-def test_idle_batch_returns_no_logits(tiny_llama_dir):
-    r = ModelRunner(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=64))
-    empty = torch.empty(0, dtype=torch.int64)
-    fb = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, positions=empty,
-                      req_pool_indices=empty, seq_lens=empty, seq_lens_cpu=[], out_cache_loc=empty,
-                      req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool, attn_backend=r.attn_backend)
-    out = r.forward(fb)
-    assert out.next_token_logits.shape == (0, r.model_config.vocab_size)
 
 
 def test_torch_native_backend_refuses_cuda_graphs_clearly(tiny_llama_dir):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvship.engine.cli import build_parser
+from kvship.app.cli import build_parser
 from kvship.operator.config import OperatorConfig
 
 
@@ -39,6 +39,6 @@ def test_inconsistent_flags_are_refused_with_the_flag_named(argv, flag):
 
 
 def test_cli_exits_2_with_a_message_instead_of_starting():
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "operator", "--all-namespaces", "--namespace",
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "operator", "--all-namespaces", "--namespace",
                           "x"], capture_output=True, text=True, timeout=60, cwd="/")
     assert out.returncode == 2 and "mutually exclusive" in out.stderr

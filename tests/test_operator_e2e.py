@@ -48,7 +48,7 @@ class Operator:
     def start(self) -> None:
         log = self.workdir / f"operator-{len(self.logs)}.log"
         self.logs.append(log)
-        cmd = [sys.executable, "-m", "kvship.engine.cli", "operator", "--kubeconfig", self.kubeconfig,
+        cmd = [sys.executable, "-m", "kvship.app.cli", "operator", "--kubeconfig", self.kubeconfig,
                "--namespace", NS, "--liveness-port", str(self.port), "--resync-interval", "2",
                "--worker-image", "reg.example/kvship/worker:test", "--router-image", "reg.example/kvship/router:test"]
         self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log.open("w"), stderr=subprocess.STDOUT)

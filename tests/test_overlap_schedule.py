@@ -1,4 +1,4 @@
-"""Overlap scheduling (``kvship.engine.overlap``) on CPU: the same tokens as the synchronous loop.
+"""Overlap scheduling (``kvship.engine.scheduler.overlap``) on CPU: the same tokens as the synchronous loop.
 
 The overlapped loop is on by default only on CUDA; ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``
 turns it on here, so its bookkeeping (future input ids gathered from the pending
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
-from kvship.engine.overlap import FORCE_ENV
-from kvship.engine.schedule_policy import SchedulerTuning
+from kvship.engine.scheduler.overlap import FORCE_ENV
+from kvship.engine.scheduler.policy import SchedulerTuning
 from test_scheduler import EOS, FakeRunner, assert_all_free, greedy, make, prompt, reference, run
 
 

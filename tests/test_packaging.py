@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"engine": "kvship/engine", "prefill": "kvship/prefill", "decode": "kvship/decode",
-           "router": "kvship/router", "operator": "kvship/operator"}
+           "router": "kvship/router", "operator": "kvship/operator", "common": "kvship/common", "app": "kvship/app"}
 
 
 def test_operator_folder_has_no_top_level_init():
@@ -27,7 +27,7 @@ def test_stdlib_operator_and_json_import_from_repo_root():
 
 
 def test_cli_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "--help"], cwd="/",
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "--help"], cwd="/",
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for cmd in ("serve", "router", "local", "operator"):

@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from kv_faults import corrupt_kv_env
 from pd_fixtures import make_prompts, start_local, unified_greedy
 
 pytestmark = pytest.mark.timeout(400)
@@ -183,8 +184,8 @@ def test_decode_killed_mid_stream_router_reports_it_and_prefill_frees(cluster):
 def test_corrupted_page_is_detected_by_checksum_and_the_request_fails_cleanly(tiny_llama_dir):
     args = ["--transfer-backend", "tcp", "--model-path", tiny_llama_dir, "--device", "cpu", "--page-size", "16",
             "--max-total-tokens", "8192", "--kv-transfer-checksum"]
-    # test hook honoured only by the sender's fault-injection path: every transfer gets a wrong page
-    with start_local(args, env={"KVSHIP_DEBUG_CORRUPT_KV_EVERY": "1"}) as c:
+    # test-only hook (tests/kv_faults.py) loaded into the workers: every transfer gets a wrong page
+    with start_local(args, env=corrupt_kv_env(every=1)) as c:
         resp = c.generate(list(range(5, 70)), max_new=4)
         assert resp.status_code == 503, resp.text
         assert "checksum mismatch" in _error_message(resp)

@@ -16,15 +16,15 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from kvship.engine import local_cli
+    from kvship.app import local
     parser = argparse.ArgumentParser()
-    local_cli.add_parser(parser.add_subparsers())
+    local.add_parser(parser.add_subparsers())
     return parser.parse_args(["local", *argv])
 
 
 def test_worker_flags_pass_through_and_local_flags_stay_local():
     from kvship.engine.config import dataclass_from_namespace
-    from kvship.engine.local_cli import LocalConfig, WorkerFlags, worker_argv
+    from kvship.app.local import LocalConfig, WorkerFlags, worker_argv
     ns = _parse(["--port", "9000", "--prefill", "2", "--page-size", "16", "--disable-radix-cache",
                  "--cuda-graph-bs", "1", "2", "--model-path", "/m", "--kv-transfer-checksum"])
     cfg = dataclass_from_namespace(LocalConfig, ns)
@@ -36,7 +36,7 @@ def test_worker_flags_pass_through_and_local_flags_stay_local():
 
 
 def test_transfer_backend_auto_is_tcp_on_cpu_and_explicit_choices_are_checked():
-    from kvship.engine.local_cli import resolve_transfer_backend
+    from kvship.app.local import resolve_transfer_backend
     from kvship.engine.disagg import available_transfer_backends
     assert resolve_transfer_backend("auto", "cpu") == "tcp"
     assert resolve_transfer_backend("tcp", "cpu") == "tcp"
@@ -47,7 +47,7 @@ def test_transfer_backend_auto_is_tcp_on_cpu_and_explicit_choices_are_checked():
 
 
 def test_kvship_local_refuses_bad_settings_before_starting_anything():
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "local", "--prefill", "0"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "local", "--prefill", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--prefill and --decode must be >= 1" in out.stderr
@@ -70,7 +70,7 @@ def _children_with_arg(marker: str) -> list[int]:
 def test_kvship_local_fails_fast_with_the_log_of_a_worker_that_cannot_start(tmp_path):
     missing = str(tmp_path / "no-such-model")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "kvship.engine.cli", "local", "--model-path", missing,
+    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "local", "--model-path", missing,
                           "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1, out.stderr

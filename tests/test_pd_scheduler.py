@@ -162,8 +162,9 @@ def test_transfer_timeouts_fail_the_request_and_free_its_slots(tiny_llama_dir):
 
 
 def test_corrupted_page_is_caught_by_the_kv_checksum(tiny_llama_dir):
-    with InProcessPD(tiny_llama_dir, page_size=16, prefill_kv=dict(debug_corrupt_kv_every=2),
-                     decode_kv=dict(checksum=True)) as pd:
+    from kv_faults import corrupting_prefill_managers
+    with corrupting_prefill_managers(every=2), InProcessPD(tiny_llama_dir, page_size=16,
+                                                           decode_kv=dict(checksum=True)) as pd:
         prompts = make_prompts(4, seed=5, lo=40, hi=60)
         rids = [f"c{i}" for i in range(4)]
         for rid, p in zip(rids, prompts):

@@ -1,7 +1,6 @@
 """RadixCache: match/insert/split, page alignment, locks, LRU eviction, request hand-off."""
 
 import pytest
-import torch
 
 from kvship.engine.io_struct import SamplingParams
 from kvship.engine.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator

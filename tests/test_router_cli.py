@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from kvship.engine.cli import build_parser, main
+from kvship.app.cli import build_parser, main
 from kvship.router.config import RouterConfig
 from router_fixtures import REPO, router_process, start_double
 
@@ -89,7 +89,7 @@ def test_inconsistent_flags_exit_with_a_clear_error(argv, message, capsys):
 
 
 def test_kvship_router_never_imports_torch():
-    code = ("import sys; from kvship.engine.cli import build_parser; "
+    code = ("import sys; from kvship.app.cli import build_parser; "
             "from kvship.router.config import RouterConfig; "
             "a = build_parser(['router', '--worker-urls', 'http://127.0.0.1:1']).parse_args(['router', '--worker-urls', "
             "'http://127.0.0.1:1']); from kvship.router.app import create_app; "

@@ -24,7 +24,7 @@ from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.schedule_batch import Req
-from kvship.engine.schedule_policy import SchedulerTuning
+from kvship.engine.scheduler.policy import SchedulerTuning
 from kvship.engine.scheduler import Scheduler, SchedulerClosedError
 
 VOCAB = 64
@@ -144,7 +144,7 @@ def greedy(max_new, **kw):
 def run(sched, max_steps=5000):
     for _ in range(max_steps):
         sched.step()
-        if not sched.has_work() and sched._inbox.empty():
+        if sched.idle():
             return
     raise AssertionError("scheduler did not drain")
 

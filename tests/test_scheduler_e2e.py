@@ -72,7 +72,7 @@ def make(model_dir, **kw):
 def drain(sched, max_steps=20000):
     for _ in range(max_steps):
         sched.step()
-        if not sched.has_work() and sched._inbox.empty():
+        if sched.idle():
             return
     raise AssertionError("scheduler did not drain")
 

@@ -21,6 +21,12 @@ the metadata at those buffers for a batch of ``bs`` during capture;
 ``init_forward_metadata_replay_cuda_graph`` refreshes their contents in place
 before replay (no new allocations, no host sync beyond what the caller gives).
 Backends that cannot run under CUDA graphs set ``supports_cuda_graph = False``.
+
+Construction: a backend is built from an ``AttentionContext`` (the static
+facts of the worker it serves) through the registry
+(``@register_attention_backend("name")`` / ``create_attention_backend``); it
+reads nothing else of the model runner.  Environment knobs a backend has are
+read once, in its constructor, through ``kvship.common.envs.ENV``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,46 @@ from typing import Callable, Optional
 import torch
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.mem.pools import ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """The static facts of a worker an attention backend is built for (the model runner makes one).
+
+    Invariants the runner keeps: ``num_heads`` is a multiple of ``num_kv_heads``;
+    the KV pool of every ForwardBatch has ``num_kv_heads x head_dim`` rows of
+    ``kv_dtype`` in pages of ``page_size`` slots; ``req_to_token_pool`` is the
+    table every ForwardBatch carries (captured CUDA graphs read it in place);
+    no decode batch has more than ``max_running_requests`` requests.
+
+    ``cuda_graph_bs`` (ascending) are the decode batch sizes a CUDA graph is
+    captured for -- given also when graphs are off, so that a backend can choose
+    its kernels by the size a batch *would* pad to and eager and replayed steps
+    compute alike.  Empty where no size fits.
+    """
+
+    device: torch.device
+    dtype: torch.dtype      # of q / k / v and of the output
+    kv_dtype: torch.dtype   # of the KV pool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    req_to_token_pool: ReqToTokenPool
+    max_running_requests: int
+    cuda_graph_bs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads do not group over {self.num_kv_heads} KV heads")
+        if list(self.cuda_graph_bs) != sorted(set(self.cuda_graph_bs)):
+            raise ValueError(f"cuda_graph_bs must be ascending and distinct, got {self.cuda_graph_bs}")
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -75,14 +121,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
-                                                 spec_info: object = None) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
         """Point the metadata at the fixed buffers for a capture of batch ``bs``."""
 
     @abstractmethod
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                forward_mode: ForwardMode,
                                                 seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
         """Refresh the fixed buffers in place before replaying the graph for ``bs``."""
 
@@ -91,7 +136,9 @@ class AttentionBackend(ABC):
         return 1
 
 
-_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {}
+BackendFactory = Callable[[AttentionContext], AttentionBackend]
+
+_REGISTRY: dict[str, BackendFactory] = {}
 # backends living in modules that may need optional packages are imported lazily
 _LAZY_MODULES = {
     "torch_native": "kvship.engine.attention.torch_native",
@@ -100,15 +147,18 @@ _LAZY_MODULES = {
 }
 
 
-def register_attention_backend(name: str) -> Callable[[Callable[..., AttentionBackend]], Callable[..., AttentionBackend]]:
-    def deco(factory: Callable[..., AttentionBackend]) -> Callable[..., AttentionBackend]:
+def register_attention_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def deco(factory: BackendFactory) -> BackendFactory:
         _REGISTRY[name] = factory
         return factory
     return deco
 
 
-def create_attention_backend(name: str, model_runner: object) -> AttentionBackend:
-    """Instantiate backend ``name`` for ``model_runner`` (imports it on first use)."""
+def create_attention_backend(name: str, ctx: AttentionContext) -> AttentionBackend:
+    """Instantiate backend ``name`` for ``ctx`` (imports its module on first use).
+
+    ValueError when the name is unknown or its module cannot be imported here
+    (e.g. ``flashinfer`` without the package)."""
     if name not in _REGISTRY and name in _LAZY_MODULES:
         import importlib
         try:
@@ -117,4 +167,4 @@ def create_attention_backend(name: str, model_runner: object) -> AttentionBacken
             raise ValueError(f"attention backend '{name}' is unavailable here: {e}") from e
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend '{name}'; known: {sorted(set(_REGISTRY) | set(_LAZY_MODULES))}")
-    return _REGISTRY[name](model_runner)
+    return _REGISTRY[name](ctx)

@@ -8,35 +8,45 @@ the host-side lengths the ForwardBatch already carries, so planning needs no
 device-to-host sync.
 
 Per step (``init_forward_metadata``), planned once and reused by every layer:
-* decode of up to ``TRITON_DECODE_BS`` requests: our Triton split-KV kernel with
-  the merge inside (``triton_ops.decode_attention`` with counters; nothing to
-  plan: it reads ``req_to_token`` / ``seq_lens`` on the GPU);
-* larger decode batches: ``BatchDecodeWithPagedKVCacheWrapper`` over each request's pages
-  (tensor-core kernels when ``num_heads / num_kv_heads >= 4``, except for
-  batches of ``CUDA_CORE_DECODE_BS`` requests (``KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS``,
-  "lo-hi"), where FlashInfer's CUDA-core decode kernel was faster on an H100);
+* decode of a batch whose graph size is in ``TRITON_DECODE_BS``: our Triton
+  split-KV kernel with the merge inside (``triton_ops.decode_attention`` with
+  counters; nothing to plan: it reads ``req_to_token`` / ``seq_lens`` on the GPU);
+* other decode batches: ``BatchDecodeWithPagedKVCacheWrapper`` over each
+  request's pages (tensor-core kernels when ``num_heads / num_kv_heads >= 4``,
+  except for graph sizes in ``CUDA_CORE_DECODE_BS``; planned without KV split
+  for graph sizes in ``NO_SPLIT_DECODE_BS``);
 * extend without any cached prefix: ``BatchPrefillWithRaggedKVCacheWrapper``
   over the new tokens (causal);
 * extend with a cached prefix: the ragged pass over the new tokens plus
   ``BatchPrefillWithPagedKVCacheWrapper`` over the prefix pages (non-causal),
   joined by their log-sum-exp (``triton_ops.merge_state``).
 
+Invariant: every kernel choice depends on the CUDA-graph size a batch pads to
+(``AttentionContext.cuda_graph_bs``), never on its context lengths, so an
+eager step and a replayed graph of the same requests run the same kernels.
+
 All wrappers share one float workspace buffer per device.  CUDA graphs: one
 decode wrapper per captured batch size, all pointing at shared fixed index
 buffers; replay rebuilds the page list in place and re-plans on the host.
+
+Knobs (read once, in the constructor, through ``ENV``; unset = the constant
+here): ``FLASHINFER_TRITON_DECODE_BS``, ``FLASHINFER_CUDA_CORE_DECODE_BS``,
+``FLASHINFER_NO_SPLIT_BS``, each a range ``"lo-hi"`` (or ``"n"``) of batch
+sizes, or ``"none"``.  Why the defaults are what they are: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import flashinfer
 import torch
 
-from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.common.envs import ENV
+from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
+                                         register_attention_backend)
 from kvship.engine.attention.triton_backend import DecodeSplits, TritonDecodeMeta
 from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
@@ -47,34 +57,27 @@ from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
-# Decode batches of this many requests ("lo-hi", "" for none) use FlashInfer's CUDA-core decode kernel even for
-# GQA models.  Measured per layer inside a CUDA graph on an H100 (Llama-3.1-8B attention, 640-token contexts,
-# bench/decode_latency.py): tensor cores / CUDA cores 10.3/10.9 us at batch 1, 13.9/12.5 at 4, 18.2/15.3 at 8,
-# 26.5/25.0 at 16, 40.7/41.4 at 32.  The bounds are CUDA-graph batch sizes, so a padded replay and an eager
-# step of the same requests run the same kernel.
+# Batch-size ranges ("lo-hi", "n", or "none"), by CUDA-graph size (the size a batch pads to):
+# decode on FlashInfer's CUDA-core kernel even for GQA models (ENV.FLASHINFER_CUDA_CORE_DECODE_BS)
 CUDA_CORE_DECODE_BS = "2-16"
-# Decode batches of this many requests ("lo-hi", "" for none; KVSHIP_FLASHINFER_NO_SPLIT_BS) plan without
-# splitting the KV of a request across thread blocks (FlashInfer's disable_split_kv): no merge kernel after
-# the attention kernel, at the price of less parallelism for long contexts.
-NO_SPLIT_DECODE_BS = ""
-# Decode batches of this many requests ("lo-hi", "" for none; KVSHIP_FLASHINFER_TRITON_DECODE_BS) run our
-# Triton split-KV decode kernel with the merge folded in (one kernel a layer, no plan on the host) instead
-# of FlashInfer's decode kernel + merge kernel.  Measured on an H100 (Llama-3.1-8B shape, 512-768-token
-# contexts, CUDA graphs, docs/benchmarks.md): batch 1 attention 310 us a step against 354 us (kernel + merge)
-# and 5.72 ms of GPU time a step against 5.82; the synchronous runner loop 1.08x at batch 1 and 1.06x at
-# batch 8 (no FlashInfer plan on the host); the overlapped scheduler the same within noise.
+# decode planned without splitting a request's KV across thread blocks (FlashInfer's disable_split_kv: no
+# merge kernel, less parallelism for long contexts; ENV.FLASHINFER_NO_SPLIT_BS)
+NO_SPLIT_DECODE_BS = "none"
+# decode on our Triton split-KV kernel with the merge folded in (one kernel a layer, no host plan) instead of
+# FlashInfer's decode + merge kernels (ENV.FLASHINFER_TRITON_DECODE_BS)
 TRITON_DECODE_BS = "1-8"
 
 
-def _bs_range(spec: str) -> tuple[int, int]:
-    spec = spec.strip()
-    if not spec:
+def _bs_range(knob: Optional[str], default: str) -> tuple[int, int]:
+    """``(lo, hi)`` of a batch-size range knob (``default`` where unset); ``lo > hi`` for none."""
+    spec = (default if knob is None else knob).strip()
+    if spec.lower() in ("", "none"):
         return (1, 0)  # empty range
     try:
         lo, _, hi = spec.partition("-")
         return (int(lo), int(hi or lo))
     except ValueError:
-        raise ValueError(f"KVSHIP_FLASHINFER_*_BS ranges must look like '2-16', not {spec!r}") from None
+        raise ValueError(f"KVSHIP_FLASHINFER_*_BS ranges look like '2-16', '4' or 'none', not {spec!r}") from None
 
 
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -118,34 +121,31 @@ class FlashInferExtendMeta:
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, model_runner: object):
-        mc = model_runner.model_config  # type: ignore[attr-defined]
-        self.device = torch.device(model_runner.device)  # type: ignore[attr-defined]
+    def __init__(self, ctx: AttentionContext):
+        self.device = ctx.device
         if self.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        self.num_heads = mc.num_attention_heads
-        self.num_kv_heads = mc.num_key_value_heads
-        self.head_dim = mc.head_dim
+        self.num_heads = ctx.num_heads
+        self.num_kv_heads = ctx.num_kv_heads
+        self.head_dim = ctx.head_dim
         self.sm_scale = self.head_dim ** -0.5
-        self.q_dtype = mc.dtype
+        self.q_dtype = ctx.dtype
         if self.q_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the flashinfer attention backend runs bfloat16/float16 models, not {self.q_dtype}; "
                              "use --dtype bfloat16 or another attention backend")
-        self.kv_dtype = getattr(model_runner, "kv_dtype", mc.dtype)
-        self.page_size = int(getattr(model_runner, "page_size", 1))
-        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
-        self.cuda_core_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
-                                                            CUDA_CORE_DECODE_BS))
-        self.no_split_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_NO_SPLIT_BS", NO_SPLIT_DECODE_BS))
-        self.triton_decode_bs = _bs_range(os.environ.get("KVSHIP_FLASHINFER_TRITON_DECODE_BS", TRITON_DECODE_BS))
-        self.triton_splits = DecodeSplits(model_runner, self.num_kv_heads, self.num_heads, self.head_dim,
-                                          self.device, fused_merge=True)
+        self.kv_dtype = ctx.kv_dtype
+        self.page_size = ctx.page_size
+        self.use_tensor_cores = ctx.gqa_group >= 4
+        self.cuda_core_decode_bs = _bs_range(ENV.FLASHINFER_CUDA_CORE_DECODE_BS, CUDA_CORE_DECODE_BS)
+        self.no_split_decode_bs = _bs_range(ENV.FLASHINFER_NO_SPLIT_BS, NO_SPLIT_DECODE_BS)
+        self.triton_decode_bs = _bs_range(ENV.FLASHINFER_TRITON_DECODE_BS, TRITON_DECODE_BS)
+        self.triton_splits = DecodeSplits(ctx, fused_merge=True)
         self.workspace = workspace_buffer(self.device)
         # eager decode: one wrapper per kernel kind (tensor cores or not), made on first use
         self._decode_wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.paged_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-        self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
+        self.req_to_token_pool = ctx.req_to_token_pool
         self.forward_metadata: Optional[object] = None
         # CUDA-graph state
         self._cg_indptr: Optional[torch.Tensor] = None
@@ -177,7 +177,7 @@ class FlashInferAttnBackend(AttentionBackend):
                      seq_lens: torch.Tensor, seq_lens_cpu: list[int], indices_out: Optional[torch.Tensor]) -> None:
         indptr, last, total = paged_layout(seq_lens_cpu, self.page_size)
         # pinned: a copy from pageable memory may wait for the stream, i.e. for the step still running on the
-        # GPU, which would stall the overlap scheduler's launch of the next step (measured: ~0.4 ms a step)
+        # GPU, which would stall the overlap scheduler's launch of the next step
         indptr, last = indptr.pin_memory(), last.pin_memory()
         indptr_dev = indptr.to(self.device, non_blocking=True)
         if indices_out is None:
@@ -193,10 +193,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        if fb.forward_mode.is_idle():
-            meta: Optional[object] = None
+        meta: object
         # the kernel choice follows the graph size a batch pads to: an eager step and a replay compute alike
-        elif fb.forward_mode.is_decode() and self.triton_decode_for(self.triton_splits.padded_bs(fb.batch_size)):
+        if fb.forward_mode.is_decode() and self.triton_decode_for(self.triton_splits.padded_bs(fb.batch_size)):
             meta = self.triton_splits.eager_meta(fb.batch_size)
         elif fb.forward_mode.is_decode():
             wrapper = self._decode_wrapper(fb.batch_size)
@@ -287,14 +286,9 @@ class FlashInferAttnBackend(AttentionBackend):
         return out.view(-1, h * d)
 
     # --- CUDA graphs -------------------------------------------------------
-    def _graph_req_to_token(self) -> torch.Tensor:
-        if self.req_to_token_pool is None:
-            raise RuntimeError("the flashinfer backend was built without a req_to_token_pool; CUDA graphs need it")
-        return self.req_to_token_pool.req_to_token
-
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Fixed index buffers for graphs of up to ``max_bs`` requests of any length the pool allows."""
-        max_context_len = self._graph_req_to_token().shape[1]
+        max_context_len = self.req_to_token_pool.max_context_len
         max_pages = (max_context_len + self.page_size - 1) // self.page_size
         self._cg_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._cg_last = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
@@ -306,8 +300,7 @@ class FlashInferAttnBackend(AttentionBackend):
             self.triton_splits.init_graph_scratch(min(max_bs, hi))
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
-                                                 spec_info: object = None) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the flashinfer backend captures decode graphs only, not {forward_mode.name}")
         if self._cg_indices is None or self._cg_indptr is None or self._cg_last is None:
@@ -322,13 +315,13 @@ class FlashInferAttnBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2")
         self._cg_wrappers[bs] = wrapper
         seq_cpu = [int(x) for x in seq_lens[:bs].tolist()]
-        self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
-                          self._cg_indices_scratch)
+        r2t = self.req_to_token_pool.req_to_token
+        self._plan_decode(wrapper, r2t, req_pool_indices[:bs], seq_lens[:bs], seq_cpu, self._cg_indices_scratch)
         self.forward_metadata = FlashInferDecodeMeta(wrapper)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                forward_mode: ForwardMode,
                                                 seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the flashinfer backend replays decode graphs only, not {forward_mode.name}")
@@ -341,6 +334,6 @@ class FlashInferAttnBackend(AttentionBackend):
         if seq_lens_cpu is None:
             raise ValueError("the flashinfer backend needs seq_lens_cpu to re-plan a replayed graph")
         seq_cpu = [int(x) for x in seq_lens_cpu[:bs].tolist()]
-        self._plan_decode(wrapper, self._graph_req_to_token(), req_pool_indices[:bs], seq_lens[:bs], seq_cpu,
-                          self._cg_indices_scratch)
+        r2t = self.req_to_token_pool.req_to_token
+        self._plan_decode(wrapper, r2t, req_pool_indices[:bs], seq_lens[:bs], seq_cpu, self._cg_indices_scratch)
         self.forward_metadata = FlashInferDecodeMeta(wrapper)

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
+                                         register_attention_backend)
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -56,15 +57,12 @@ class _DecodeMeta:
 class TorchNativeAttnBackend(AttentionBackend):
     supports_cuda_graph = False
 
-    def __init__(self, model_runner: object = None):
-        self.device = getattr(model_runner, "device", None)
+    def __init__(self, ctx: AttentionContext):
+        pass  # everything it needs comes with each ForwardBatch
 
     # --- metadata ----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        if fb.forward_mode.is_idle():
-            fb.attn_metadata = None
-            return
         r2t = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
             fb.attn_metadata = self._decode_meta(r2t, fb)
@@ -152,12 +150,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         raise self._no_graphs()
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
-                                                 spec_info: object = None) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
         raise self._no_graphs()
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                forward_mode: ForwardMode,
                                                 seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
         raise self._no_graphs()

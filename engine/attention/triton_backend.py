@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from kvship.engine.attention.base import AttentionBackend, AttentionLayerSpec, register_attention_backend
+from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
+                                         register_attention_backend)
 from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
 from kvship.engine.attention.triton_ops.kv_store import store_kv
@@ -47,17 +48,12 @@ class DecodeSplits:
     a persistent zeroed counter buffer (the kernel leaves it zeroed), so the merge runs in the same kernel.
     """
 
-    def __init__(self, model_runner: object, num_kv_heads: int, num_heads: int, head_dim: int,
-                 device: torch.device, fused_merge: bool = False):
-        self.num_kv_heads, self.num_heads, self.head_dim, self.device = num_kv_heads, num_heads, head_dim, device
-        self.num_sms = _device_sm_count(device)
-        sa = getattr(model_runner, "server_args", None)
-        self.max_bs = int(getattr(model_runner, "max_running_requests", 0) or 0)
-        self.graph_sizes: list[int] = []
-        if sa is not None:
-            from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes
-            self.graph_sizes = cuda_graph_batch_sizes(sa, getattr(model_runner, "max_running_requests",
-                                                                  sa.cuda_graph_max_bs))
+    def __init__(self, ctx: AttentionContext, fused_merge: bool = False):
+        self.num_kv_heads, self.num_heads, self.head_dim = ctx.num_kv_heads, ctx.num_heads, ctx.head_dim
+        self.device = ctx.device
+        self.num_sms = _device_sm_count(self.device)
+        self.max_bs = ctx.max_running_requests
+        self.graph_sizes = ctx.cuda_graph_bs
         self.fused_merge = fused_merge
         self._counters: Optional[torch.Tensor] = None
         self._cg: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -115,21 +111,16 @@ def _device_sm_count(device: torch.device) -> int:
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, model_runner: object):
-        mc = model_runner.model_config  # type: ignore[attr-defined]
-        self.device = torch.device(model_runner.device)  # type: ignore[attr-defined]
-        self.num_heads = mc.num_attention_heads
-        self.num_kv_heads = mc.num_key_value_heads
-        self.head_dim = mc.head_dim
-        self.splits = DecodeSplits(model_runner, self.num_kv_heads, self.num_heads, self.head_dim, self.device)
+    def __init__(self, ctx: AttentionContext):
+        self.device = ctx.device
+        self.splits = DecodeSplits(ctx)
         self.forward_metadata: Optional[object] = None
 
     # --- metadata ----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        if fb.forward_mode.is_idle():
-            meta = None
-        elif fb.forward_mode.is_decode():
+        meta: object
+        if fb.forward_mode.is_decode():
             meta = self.splits.eager_meta(fb.batch_size)
         else:
             ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
@@ -180,15 +171,14 @@ class TritonAttnBackend(AttentionBackend):
         self.splits.init_graph_scratch(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
-                                                 spec_info: object = None) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the triton backend captures decode graphs only, not {forward_mode.name}")
         self.forward_metadata = self.splits.graph_meta(bs)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode, spec_info: object = None,
+                                                forward_mode: ForwardMode,
                                                 seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
         # The captured kernels read req_pool_indices / seq_lens from the runner's static
         # buffers and the split count depends on bs alone: nothing to refresh.

@@ -1,96 +1,35 @@
 """The KV transfer contract between a prefill worker and a decode worker.
 
-Who owns what
--------------
-* One **KVManager per worker process** (per TP rank), built by
-  :func:`create_kv_manager` with the worker's ``KVPool``.  On prefill it runs the
-  bootstrap server (``--disaggregation-bootstrap-port``) and a few transfer
-  threads; on decode it keeps one control connection per prefill worker it talks
-  to and the backend's receive path.  It registers the pool's K/V buffers with
-  the transfer backend **once**, at construction; the pool must outlive it.
-* One **KVSender per request** on prefill (``manager.create_sender(room)``), one
-  **KVReceiver per request** on decode
-  (``manager.create_receiver(bootstrap_host, bootstrap_port, room)``).  The room
-  is the router's random 63-bit ``bootstrap_room``; it names the request on both
-  sides.
+* One :class:`KVManager` per worker process (per TP rank) owns the transfer
+  backend, the registered ``KVPool`` buffers and the control plane; it is built
+  by ``kvship.engine.disagg.create_kv_manager``.
+* One :class:`KVSender` per request on prefill, one :class:`KVReceiver` per
+  request on decode, both named by the router's random 63-bit
+  ``bootstrap_room``.  Their class docstrings give each side's life cycle.
+* :class:`TransferBackend` is the data plane (how bytes move), looked up by name
+  (``tcp``, ``mooncake``, ``nixl``) in a registry that imports its module
+  lazily; a missing package raises :class:`BackendUnavailableError` naming it.
 
-Life cycle of one request
--------------------------
-Decode (scheduler thread)::
+Invariants every implementation keeps:
 
-    r = manager.create_receiver(host, port, room)   # Bootstrapping
-    r.init(dst_pages)     # after allocating the prompt's KV pages on decode
-                          # -> registers {room, dst pages, aux slot} with prefill
-    r.poll()              # Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed
-    r.aux                 # after Success: first token id, its logprob, prompt length
-    r.abort(reason)       # any time (client gone, router cancel); then poll() until Failed
-
-Prefill (scheduler thread)::
-
-    s = manager.create_sender(room)   # Bootstrapping until decode registered the room
-    s.poll()                          # -> WaitingForInput: decode's pages are known
-    ... run the prompt's extends, sample the first token, synchronize the device ...
-    s.send(src_pages, AuxInfo(first_token_id, logprob, prompt_len))   # -> Transferring
-    s.poll()                          # -> Success | Failed, then free or cache the pages
-    s.abort(reason)                   # any time
-
-Page lists are KV **page indices** (``slot // page_size``) of each side's own
-pool, in prompt order.  They differ between prefill and decode (each side has its
-own allocator) but their lengths must match, else the request fails with a clear
-reason.  Page 0 is the padding page and is refused.  Whole pages travel, so the
-unused tail of a request's last page is copied too (harmless: it belongs to the
-same request on both sides).  Prefill writes every layer's K and V of those pages
-straight into decode's registered buffers (one descriptor per contiguous page run
-per buffer, all layers of a request in one batch), then the aux record, then the
-done signal.  ``send()`` may be called while the sender is still Bootstrapping;
-the transfer then starts when decode registers.
-
-The rule that keeps slots safe
-------------------------------
-**A terminal state (Success or Failed) means the transfer layer no longer
-touches that request's pages on this side**, so the scheduler frees (or caches)
-them as soon as ``poll()`` returns one, and must not free them before.  After
-``abort()`` a receiver therefore stays in its previous state until prefill has
-acknowledged the abort (no write to those pages is in flight or will start), the
-connection is gone, or ``abort_ack_timeout`` passes; a sender stays Transferring
-until a backend call reading its pages has returned.  Every path ends in a
-terminal state: peer death (connection reset or missed heartbeats), bootstrap
-timeout (no registration / no handshake), waiting timeout (decode registered but
-no KV arrived), layout mismatch at the handshake, page-count mismatch, checksum
-mismatch, backend errors and aborts on either side.  ``failure_reason`` then says
-what happened.
-
-Timeouts: ``bootstrap_timeout`` counts from ``create_sender`` (until decode's
-registration arrives) and from ``create_receiver`` (until the handshake is done
-and the registration sent); ``waiting_timeout`` counts on decode from the
-registration until the done signal, and aborts the room on prefill too.  A
-sender that decode has registered has no timeout of its own on prefill: abort
-every object you give up on (decode's waiting timeout also ends it).
-
-Thread safety
--------------
-``poll()``, ``send()``, ``init()`` and ``abort()`` may be called from any one
-thread (normally the scheduler's); the manager's own threads update the objects
-under a lock.  ``poll()`` never blocks on the network: it reads state, checks
-the timeouts and (decode, on arrival) reads the aux record and verifies the
-optional checksum.  Before ``send()`` on CUDA the caller must have synchronized
-the stream that wrote the KV (sampling the first token on the host does).
-
-Backends
---------
-:class:`TransferBackend` is the data plane (how bytes move); the control plane
-(bootstrap handshake, registration, done/fail/abort, heartbeats) is shared and
-lives in ``bootstrap.py`` / ``sender.py`` / ``receiver.py``.  Backends are looked
-up by name (``tcp``, ``mooncake``, ``nixl``) in a registry that imports their
-module lazily, so a CPU install without mooncake or nixl still works and asking
-for a missing one raises :class:`BackendUnavailableError` naming the package.
+* **A terminal state (Success or Failed) means the transfer layer no longer
+  touches that request's pages on this side.**  The scheduler frees (or caches)
+  them as soon as ``poll()`` returns one, and must not free them before.
+* Every path ends in a terminal state (peer death, timeouts, layout or
+  page-count mismatch, checksum mismatch, backend errors, aborts on either
+  side); ``failure_reason`` then says why.
+* ``poll()`` never blocks on the network.  ``poll()``, ``send()``, ``init()``
+  and ``abort()`` are called from one thread (normally the scheduler's); the
+  manager's own threads update the objects under a lock.
+* Page lists are KV **page indices** (``slot // page_size``) of each side's own
+  pool, in prompt order; both sides' lists have the same length and never name
+  page 0 (the padding page).  Whole pages travel.
 """
 
 from __future__ import annotations
 
 import enum
 import importlib
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Sequence
@@ -98,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Sequence
 import numpy as np
 import torch
 
-from kvship.engine.config import opt
+from kvship.common.cli_args import opt
 
 if TYPE_CHECKING:
     from kvship.engine.disagg.wire import AuxRecord, KVLayout
@@ -145,10 +84,6 @@ class KVTransferConfig:
     max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
     tp_size: int = opt(1, "Tensor-parallel size of this worker (must match the peer)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
-    debug_corrupt_kv_every: int = field(
-        default_factory=lambda: int(os.environ.get("KVSHIP_DEBUG_CORRUPT_KV_EVERY", "0") or 0),
-        metadata={"help": "Fault injection for tests: prefill writes a wrong page into every Nth transfer "
-                          "(0 = off; env KVSHIP_DEBUG_CORRUPT_KV_EVERY)"})
 
     def validate(self) -> None:
         if self.backend not in _BACKEND_PATHS and self.backend not in _REGISTERED:
@@ -315,13 +250,13 @@ def register_transfer_backend(name: str) -> Callable[[type[TransferBackend]], ty
 def get_transfer_backend(name: str) -> type[TransferBackend]:
     """The backend class for ``name``; BackendUnavailableError if its package is missing."""
     if name in _REGISTERED:
-        return _REGISTERED[name]
-    if name not in _BACKEND_PATHS:
+        cls = _REGISTERED[name]
+    elif name in _BACKEND_PATHS:
+        module_name, cls_name = _BACKEND_PATHS[name].split(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    else:
         raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}")
-    module_name, cls_name = _BACKEND_PATHS[name].split(":")
-    module = importlib.import_module(module_name)
-    cls = getattr(module, cls_name)
-    cls.check_available()
+    cls.check_available()   # every lookup: a registered backend's package may still be missing
     return cls
 
 
@@ -338,7 +273,25 @@ def available_transfer_backends() -> list[str]:
 
 
 class KVSender(ABC):
-    """Prefill side of one request (see the module docstring for the life cycle)."""
+    """Prefill side of one request: ``manager.create_sender(room)``.
+
+    Life cycle (scheduler thread)::
+
+        s = manager.create_sender(room)   # Bootstrapping until decode registered the room
+        s.poll()                          # -> WaitingForInput: decode's pages are known
+        ... run the prompt's extends, sample the first token, synchronize the device ...
+        s.send(src_pages, AuxInfo(first_token_id, logprob, prompt_len))   # -> Transferring
+        s.poll()                          # -> Success | Failed, then free or cache the pages
+        s.abort(reason)                   # any time
+
+    ``send()`` may be called while still Bootstrapping; the transfer starts when
+    decode registers.  Before ``send()`` on CUDA the caller has synchronized the
+    stream that wrote the KV (sampling the first token on the host does).  After
+    ``abort()`` the sender stays Transferring until no backend call reads its
+    pages any more.  ``bootstrap_timeout`` counts from ``create_sender`` until
+    decode's registration; once registered, the sender has no timeout of its
+    own (decode's waiting timeout ends it): abort every sender you give up on.
+    """
 
     room: int
 
@@ -361,7 +314,27 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side of one request (see the module docstring for the life cycle)."""
+    """Decode side of one request: ``manager.create_receiver(bootstrap_host, bootstrap_port, room)``.
+
+    Life cycle (scheduler thread)::
+
+        r = manager.create_receiver(host, port, room)   # Bootstrapping
+        r.init(dst_pages)     # after allocating the prompt's KV pages on decode
+                              # -> registers {room, dst pages, aux slot} with prefill
+        r.poll()              # Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed
+        r.aux                 # after Success: first token id, its logprob, prompt length
+        r.abort(reason)       # any time (client gone, router cancel); then poll() until Failed
+
+    Prefill writes every layer's K and V of the pages into decode's registered
+    buffers, then the aux record, then the done signal; ``poll()`` reads the aux
+    record and verifies the optional checksum on arrival.  After ``abort()`` the
+    receiver keeps its state until prefill has acknowledged the abort (no write
+    to the pages is in flight or will start), the connection is gone, or
+    ``abort_ack_timeout`` passes.  ``bootstrap_timeout`` counts from
+    ``create_receiver`` until the handshake is done and the registration sent;
+    ``waiting_timeout`` from the registration until the done signal (it aborts
+    the room on prefill too).
+    """
 
     room: int
 
@@ -389,7 +362,13 @@ class KVReceiver(ABC):
 
 
 class KVManager(ABC):
-    """One worker's transfer layer: backend, registered pool, control plane, threads."""
+    """One worker's transfer layer: backend, registered pool, control plane, threads.
+
+    It registers the pool's K/V buffers with the backend once, at construction;
+    the pool must outlive it.  On prefill it runs the bootstrap server
+    (``--disaggregation-bootstrap-port``) and the transfer threads; on decode it
+    keeps one control connection per prefill worker it talks to.
+    """
 
     role: str
     config: KVTransferConfig
@@ -414,19 +393,6 @@ class KVManager(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager:
-    """Build the prefill or decode manager for ``kv_pool`` with ``config.backend``."""
-    config.validate()
-    backend_cls = get_transfer_backend(config.backend)
-    if role == "prefill":
-        from kvship.engine.disagg.sender import PrefillKVManager
-        return PrefillKVManager(kv_pool, config, backend_cls)
-    if role == "decode":
-        from kvship.engine.disagg.receiver import DecodeKVManager
-        return DecodeKVManager(kv_pool, config, backend_cls)
-    raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
 
 
 def backend_unavailable(name: str, package_hint: str, err: BaseException) -> BackendUnavailableError:

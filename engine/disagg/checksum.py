@@ -11,7 +11,7 @@ Two algorithms, picked by decode (it says which in its registration) to suit
 its pool's device; prefill computes whichever was asked:
 
 * ``crc32`` (CPU pools): ``zlib.crc32`` chained over the page runs, reading the
-  tensors' memory in place (no copy; zlib releases the GIL).  ~3 GB/s on one core.
+  tensors' memory in place (no copy; zlib releases the GIL).
 * ``wsum64`` (CUDA pools): a weighted sum computed with torch on the device, so
   no bytes leave the GPU: every 32-bit word times an odd per-column weight,
   summed per page, times an odd per-position page weight, folded per buffer.

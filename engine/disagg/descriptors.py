@@ -86,22 +86,3 @@ def check_descs(descs: TransferDescs, local_sizes: Sequence[int], remote_sizes: 
         limit = np.asarray(sizes, dtype=np.int64)[region]
         if (off < 0).any() or ((off + descs.length) > limit).any():
             raise KVTransferError(f"{side} descriptor outside its registered region")
-
-
-def misroute_first_page(descs: TransferDescs, page_bytes: int) -> TransferDescs:
-    """Fault injection: the first page of the first run is read from the padding page instead.
-
-    Used by ``debug_corrupt_kv_every`` to check that decode's checksum catches a
-    page that arrived wrong; prefill's own memory is not touched.
-    """
-    first_len = int(descs.length[0])
-    head = dict(src_region=descs.src_region[:1], src_off=np.zeros(1, np.int64), dst_region=descs.dst_region[:1],
-                dst_off=descs.dst_off[:1], length=np.array([page_bytes], np.int64))
-    parts = [head]
-    if first_len > page_bytes:
-        parts.append(dict(src_region=descs.src_region[:1], src_off=descs.src_off[:1] + page_bytes,
-                          dst_region=descs.dst_region[:1], dst_off=descs.dst_off[:1] + page_bytes,
-                          length=np.array([first_len - page_bytes], np.int64)))
-    parts.append(dict(src_region=descs.src_region[1:], src_off=descs.src_off[1:], dst_region=descs.dst_region[1:],
-                      dst_off=descs.dst_off[1:], length=descs.length[1:]))
-    return TransferDescs(**{k: np.concatenate([p[k] for p in parts]) for k in head})

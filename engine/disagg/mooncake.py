@@ -11,10 +11,10 @@ prefill turns descriptors into absolute addresses and calls
 memory), so the done signal travels on the control connection afterwards
 (``in_band_done = False``).
 
-Measured on mooncake-transfer-engine-non-cuda 0.3.13 (tcp protocol): a batch of
-more than ~2048 descriptors overflows the TCP lane queue and leaves the engine
-failing later batches too, so writes go out in chunks of at most
-``KVSHIP_MOONCAKE_MAX_BATCH`` (1024) descriptors, one chunk at a time per peer.
+Mooncake's tcp protocol (0.3.13) overflows its lane queue on a batch of more
+than ~2048 descriptors and then fails later batches too, so writes go out in
+chunks of at most ``KVSHIP_MOONCAKE_MAX_BATCH`` (default 1024) descriptors,
+one chunk at a time per peer.
 
 Packages: ``mooncake-transfer-engine-non-cuda`` on CPU machines (needs Debian's
 ``libibverbs1``, installed with ``--no-install-recommends``) or
@@ -24,12 +24,12 @@ Packages: ``mooncake-transfer-engine-non-cuda`` on CPU machines (needs Debian's
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Sequence
 
 import numpy as np
 
+from kvship.common.envs import ENV
 from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
                                        TransferDescs, advertise_host, backend_unavailable, register_transfer_backend)
 from kvship.engine.disagg.wire import KVLayout
@@ -59,7 +59,7 @@ class MooncakeBackend(TransferBackend):
     def __init__(self, config: KVTransferConfig, role: str, regions: Sequence[MemoryRegion], layout: KVLayout):
         super().__init__(config, role, regions, layout)
         engine_cls = _import_engine()
-        self.max_batch = int(os.environ.get("KVSHIP_MOONCAKE_MAX_BATCH", "1024"))
+        self.max_batch = ENV.MOONCAKE_MAX_BATCH
         self.protocol = "rdma" if config.ib_device else "tcp"
         host = advertise_host(config.host)
         self.engine = engine_cls()

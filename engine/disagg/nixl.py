@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from kvship.common.envs import ENV
 from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
                                        TransferDescs, backend_unavailable, register_transfer_backend)
 from kvship.engine.disagg.wire import KVLayout
@@ -76,10 +76,10 @@ class NixlBackend(TransferBackend):
         super().__init__(config, role, regions, layout)
         agent_cls, conf_cls, strict = _import_nixl()
         self.agent_name = f"kvship-{role}-{uuid.uuid4().hex[:16]}"
-        # NIXL's UCX progress thread busy-polls a whole core per agent (measured: 0.94 CPU-s per s while
-        # idle).  Both our sides poll anyway (prefill checks its transfers, decode fetches notifications),
-        # which drives UCX progress, so it stays off unless KVSHIP_NIXL_PROGRESS_THREAD=1.
-        kwargs = {"backends": ["UCX"], "enable_prog_thread": os.environ.get("KVSHIP_NIXL_PROGRESS_THREAD") == "1"}
+        # NIXL's UCX progress thread busy-polls a whole core per agent, even idle.  Both our sides poll
+        # anyway (prefill checks its transfers, decode fetches notifications), which drives UCX progress,
+        # so it stays off unless KVSHIP_NIXL_PROGRESS_THREAD=1.
+        kwargs = {"backends": ["UCX"], "enable_prog_thread": ENV.NIXL_PROGRESS_THREAD}
         if strict is not None:
             kwargs["sync_mode"] = strict
         conf = conf_cls(**kwargs)

@@ -172,7 +172,6 @@ class PrefillKVManager(KVManager):
         self._pending: dict[int, _PendingRegistration] = {}
         self._peers: dict[str, _DecodePeer] = {}
         self._queue: "queue.Queue[Optional[PrefillSender]]" = queue.Queue()
-        self._transfers = 0
         self._closed = threading.Event()
         try:
             self.server = BootstrapServer(config.host, config.bootstrap_port, on_hello=self._on_hello,
@@ -333,12 +332,9 @@ class PrefillKVManager(KVManager):
                 s._busy = True
                 peer, reg, (src_pages, aux) = s.peer, s.reg, s._payload  # type: ignore[misc]
                 peer.inflight += 1  # type: ignore[union-attr]
-                self._transfers += 1
-                corrupt = self.config.debug_corrupt_kv_every > 0 and \
-                    self._transfers % self.config.debug_corrupt_kv_every == 0
             error: Optional[str] = None
             try:
-                self._transfer(index, s, peer, reg, src_pages, aux, corrupt)  # type: ignore[arg-type]
+                self._transfer(index, s, peer, reg, src_pages, aux)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
                 error = f"transfer to decode {peer.peer_id} failed: {e}"  # type: ignore[union-attr]
                 if not isinstance(e, KVTransferError):
@@ -364,7 +360,7 @@ class PrefillKVManager(KVManager):
             return s._failed is not None
 
     def _transfer(self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray,
-                  aux: AuxInfo, corrupt: bool) -> None:
+                  aux: AuxInfo) -> None:
         layout = self.layout
         peer.conn.send(Started(room=s.room))
         runs = D.page_runs(src_pages, reg.pages)
@@ -372,9 +368,6 @@ class PrefillKVManager(KVManager):
         if reg.checksum is not None:
             checksum = kv_checksum(self.buffers, src_pages, layout.page_size, reg.checksum)
         descs = D.kv_descs(runs, layout.num_buffers, layout.page_bytes)
-        if corrupt:
-            logger.warning("fault injection: room %d gets a wrong page (debug_corrupt_kv_every)", s.room)
-            descs = D.misroute_first_page(descs, layout.page_bytes)
         D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
         if self._cancelled(s):
             return

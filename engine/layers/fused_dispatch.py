@@ -12,9 +12,8 @@ scheduled while the one before it drains, does what needs no input of that
 kernel (address math, the first weight tile of a matmul) and waits on
 ``griddepcontrol.wait`` before reading any activation or writing anything.
 Each such kernel waits in every program, so the wait chains through a run of
-PDL kernels.  Opt-in with ``KVSHIP_PDL=1``: on an H100 (Llama-3.1-8B shape,
-CUDA graphs, docs/benchmarks.md) it measured 1.002x at batch 1 and 0.988x at
-batch 32, i.e. no gain beyond run-to-run noise, so it is off by default.
+PDL kernels.  Opt-in with ``KVSHIP_PDL=1`` (off by default: no measured gain,
+docs/benchmarks.md).  The knobs are read once per process, at first use.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from kvship.common.envs import ENV
+
 logger = logging.getLogger(__name__)
 
 _STATE: dict[str, Optional[ModuleType]] = {}
@@ -35,7 +36,7 @@ _STATE: dict[str, Optional[ModuleType]] = {}
 def _load(name: str) -> Optional[ModuleType]:
     if name not in _STATE:
         mod: Optional[ModuleType] = None
-        if os.environ.get("KVSHIP_DISABLE_FUSED_OPS", "0") != "1":
+        if not ENV.DISABLE_FUSED_OPS:
             try:
                 mod = importlib.import_module(f"kvship.engine.layers.{name}")
             except ImportError as e:  # triton missing: plain PyTorch layers
@@ -55,7 +56,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(idx)
     if ok is None:
-        ok = (os.environ.get("KVSHIP_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        ok = (ENV.PDL and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(idx)[0] >= 9)
         _PDL[idx] = ok
     return ok

@@ -103,30 +103,3 @@ class StackedLinear(Linear):
             raise ValueError(f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}")
         with torch.no_grad():
             target.copy_(loaded)
-
-
-K_MAJOR_ENV = "KVSHIP_K_MAJOR_WEIGHTS"
-
-
-def store_weights_k_major_(model: nn.Module) -> int:
-    """Re-store the weight of every ``Linear`` (and an untied ``LMHead``) K-major, in place; returns the count.
-
-    The parameter keeps its shape ``[out, in]`` and values; only its memory
-    order changes (strides ``(1, out)``), so ``F.linear(x, W)`` becomes the
-    contiguous product ``x @ W^T`` for cuBLAS.  Measured on an H100 for batch-1
-    decode of the Llama-3.1-8B shape: the five projections 0.28 ms faster per
-    step (o_proj 55% -> 70% of HBM bandwidth).  Opt-in (``KVSHIP_K_MAJOR_WEIGHTS=1``,
-    CUDA only, applied by ``ModelRunner`` after loading and before CUDA-graph
-    capture, which records the weights' addresses); a weight loader must not run
-    afterwards (it expects the checkpoint layout).  Peak memory grows by one
-    weight while it is copied.
-    """
-    from kvship.engine.layers.embedding import LMHead
-
-    n = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None) if isinstance(m, (Linear, LMHead)) else None
-        if isinstance(w, nn.Parameter) and w.dim() == 2 and w.is_contiguous():
-            w.data = w.data.t().contiguous().t()
-            n += 1
-    return n

@@ -9,12 +9,12 @@ The cos/sin table is computed once in float32 for positions
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from kvship.common.envs import ENV
 from kvship.engine.layers.fused_dispatch import cuda_fused_ops
 
 
@@ -52,7 +52,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        self.fuse_kv_store = os.environ.get("KVSHIP_FUSE_ROPE_KV_STORE", "1") != "0"
+        self.fuse_kv_store = ENV.FUSE_ROPE_KV_STORE
         inv_freq = compute_inv_freq(head_dim, base, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))

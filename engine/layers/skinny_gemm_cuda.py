@@ -3,17 +3,14 @@
 At decode each projection multiplies ``M`` = batch rows (1..64) by a weight
 ``W [N, K]`` that is read once from HBM per step: the step is bound by the
 weight bytes, not by FLOPs, and batch-1 decode is a chain of GEMVs.  cuBLAS
-leaves bandwidth on the table for some of these shapes (on an H100, o_proj of
-the Llama-3.1-8B shape ran at 55% of HBM bandwidth, and q/k/v and down_proj
-paid a separate split-K reduction kernel).  Two kernels here:
+leaves bandwidth on the table for some of these shapes (docs/benchmarks.md).
+Two kernels here:
 
 * ``_gemv_kernel`` (M <= 8, CUDA cores): each program streams ``BLOCK_N`` full
   weight rows in ``BLOCK_K`` chunks, the way they lie in memory, and keeps a
   float32 partial product per element that is reduced once at the end.  There
   is no split over K, so no reduction kernel; enough programs come from small
-  ``BLOCK_N`` instead.  (An RMSNorm prologue, each program recomputing the
-  row's norm, was measured and dropped: it cost ~10 us a call on an H100,
-  more than the separate norm kernel it saved.)
+  ``BLOCK_N`` instead.
 * ``_skinny_mma_kernel`` (M up to 64, tensor cores): the same weight stream
   through ``tl.dot`` with the rows of ``x`` padded to ``BLOCK_M``.
 
@@ -23,8 +20,7 @@ as ``fused_ops_cuda.silu_and_mul`` followed by a matmul, which saves that
 kernel and its round trip.
 
 ``linear(x, w, bias, act)`` picks a kernel and its tile sizes from
-``pick_config`` (the ``TUNED`` table, measured on an H100 with
-``bench/skinny_gemm.py``) and returns None where these kernels do not apply
+``pick_config`` (the ``TUNED`` table, from ``bench/skinny_gemm.py``) and returns None where these kernels do not apply
 (too many rows, a weight that is not row-contiguous, float32) or cuBLAS was
 faster, so the caller falls back to ``F.linear``.  ``KVSHIP_DISABLE_SKINNY_GEMM=1``
 turns them off (the benchmark's cuBLAS baseline).
@@ -40,7 +36,6 @@ kernels also run under Triton's interpreter on CPU tensors (tests).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.common.envs import ENV
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter
 
@@ -180,11 +176,10 @@ def _mma(bm: int, bn: int, bk: int) -> SkinnyConfig:
     return SkinnyConfig(True, bm, bn, bk, num_warps=4, num_stages=4)
 
 
-# (N, K, bucket) -> config, or None for cuBLAS.  Measured on an H100 80GB HBM3 with bench/skinny_gemm.py
-# (2026-11-22; that run's JSON was not kept.  docs/results/skinny_gemm_h100_m32.json re-checks M = 32 with a wider
-# search, 2026-11-23: cuBLAS still ties or wins there), for the Llama-3.1-8B projections: a config is listed where it beat
-# cuBLAS by >= 3% inside a CUDA graph (down_proj with SiLU-and-mul fused into its input).  Other buckets of
-# these shapes stay on cuBLAS; other shapes use _default_config.
+# (N, K, bucket) -> config, or None for cuBLAS, for the Llama-3.1-8B projections on an H100 (bench/skinny_gemm.py;
+# docs/benchmarks.md): a config is listed where it beat cuBLAS by >= 3% inside a CUDA graph (down_proj with
+# SiLU-and-mul fused into its input).  Other buckets of these shapes stay on cuBLAS; other shapes use
+# _default_config.
 _QKV, _O, _GATE_UP, _DOWN, _LM_HEAD = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
 TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (*_QKV, 1): _gemv(4, 1024, 4), (*_O, 1): _gemv(2, 2048, 4), (*_GATE_UP, 1): _gemv(2, 2048, 4),
@@ -219,7 +214,7 @@ def pick_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
 
 
 def _enabled() -> bool:
-    return os.environ.get("KVSHIP_DISABLE_SKINNY_GEMM", "0") != "1"
+    return not ENV.DISABLE_SKINNY_GEMM
 
 
 def applies(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE) -> bool:

@@ -13,16 +13,14 @@ Two llama.cpp conventions are undone here:
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
 from kvship.engine.loaders.base import ModelLoader, fill_from_checkpoint, register_loader
+from kvship.engine.loaders.gguf_file import dequantize_tensor, gguf_metadata_arch, gguf_reader
 from kvship.engine.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -50,35 +48,6 @@ _SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-@functools.lru_cache(maxsize=2)
-def _reader_cached(path: str, mtime: float) -> Any:
-    from gguf import GGUFReader
-    return GGUFReader(path)
-
-
-def gguf_reader(path: str) -> Any:
-    """A (memory-mapped) ``GGUFReader`` for ``path``, cached: opening one takes seconds."""
-    path = os.path.abspath(path)
-    return _reader_cached(path, os.path.getmtime(path))
-
-
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Scalar and string metadata as Python values (large arrays like the vocab are skipped,
-    except ``tokenizer.ggml.tokens`` whose length is returned as a list of None)."""
-    meta: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens",):
-            meta[key] = [None] * len(fld.data)
-            continue
-        if key.startswith("tokenizer.ggml.") and len(fld.data) > 1:
-            continue  # merges, token types, scores
-        try:
-            meta[key] = fld.contents()
-        except Exception:  # pragma: no cover - exotic field types we do not need
-            continue
-    return meta
-
-
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face checkpoint name for a GGUF tensor (None for tensors we skip)."""
     if gguf_name in _TOP_LEVEL:
@@ -98,22 +67,6 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def dequantize_tensor(t: Any) -> torch.Tensor:
-    """A GGUF ``ReaderTensor`` as a float32 torch tensor in PyTorch (row-major) shape."""
-    from gguf.quants import dequantize
-    arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    shape = tuple(int(x) for x in reversed(list(t.shape)))
-    return torch.from_numpy(arr.reshape(shape).copy())
-
-
-def rope_freq_factors(reader: Any) -> list[float] | None:
-    """llama3-style RoPE scaling stored as a ``rope_freqs.weight`` tensor (Llama 3.1+ GGUF files)."""
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            return [float(x) for x in dequantize_tensor(t).flatten().tolist()]
-    return None
-
-
 def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     arch = gguf_metadata_arch(reader)
     permuted = arch in _PERMUTED_ARCHS
@@ -127,13 +80,6 @@ def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, 
         elif permuted and ".k_proj." in name:
             w = unpermute_qk(w, model_config.num_key_value_heads)
         yield name, w.to(model_config.dtype)
-
-
-def gguf_metadata_arch(reader: Any) -> str:
-    fld = reader.fields.get("general.architecture")
-    if fld is None:
-        raise ValueError("GGUF file has no general.architecture")
-    return str(fld.contents())
 
 
 @register_loader("gguf")

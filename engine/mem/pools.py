@@ -23,6 +23,16 @@ from typing import Optional, Sequence
 import torch
 
 
+def num_pages(n: int, page_size: int) -> int:
+    """Pages that ``n`` positions starting on a page boundary occupy."""
+    return (n + page_size - 1) // page_size
+
+
+def page_round_up(n: int, page_size: int) -> int:
+    """Slots that ``n`` positions starting on a page boundary occupy (whole pages)."""
+    return num_pages(n, page_size) * page_size
+
+
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str | torch.device):
         self.size = size
@@ -84,25 +94,15 @@ class KVPool:
         if k.dtype != self.dtype:
             k = k.to(self.dtype)
             v = v.to(self.dtype)
-        # index_copy_ rather than ``buf[loc] = k``: on CPU advanced-index assignment is ~100x slower
+        # index_copy_ rather than ``buf[loc] = k``: on CPU advanced-index assignment is far slower
         if loc.dtype != torch.int64:
             loc = loc.long()
         self.k_buffer[layer_id].index_copy_(0, loc, k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
 
-    @property
-    def bytes_per_slot_per_layer(self) -> int:
-        return self.num_kv_heads * self.head_dim * self.k_buffer[0].element_size()
-
     def buffers(self) -> list[torch.Tensor]:
         """Every K buffer then every V buffer, in layer order (transfer registers these)."""
         return list(self.k_buffer) + list(self.v_buffer)
-
-    @staticmethod
-    def bytes_needed(num_slots: int, page_size: int, dtype: torch.dtype, num_kv_heads: int,
-                     head_dim: int, num_layers: int) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * (num_slots + page_size) * num_kv_heads * head_dim * elem
 
 
 class TokenToKVPoolAllocator:
@@ -149,7 +149,7 @@ class TokenToKVPoolAllocator:
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """``need_size`` fresh slots starting on fresh pages, or None if short."""
         ps = self.page_size
-        pages = self._take_pages((need_size + ps - 1) // ps)
+        pages = self._take_pages(num_pages(need_size, ps))
         if pages is None:
             return None
         if ps == 1:
@@ -160,7 +160,7 @@ class TokenToKVPoolAllocator:
 
     def pages_needed(self, prefix_lens: Sequence[int], seq_lens: Sequence[int]) -> int:
         ps = self.page_size
-        return sum((s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens))
+        return sum(num_pages(s, ps) - num_pages(p, ps) for p, s in zip(prefix_lens, seq_lens))
 
     def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int],
                      last_loc: Sequence[int]) -> Optional[torch.Tensor]:

@@ -383,18 +383,6 @@ class RadixCache(BasePrefixCache):
         if req.kv_allocated_len == aligned:
             req.last_loc = int(match.indices[-1])
 
-    def pretty(self) -> str:
-        """The tree as indented lines (debugging aid)."""
-        lines: list[str] = []
-
-        def walk(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                lines.append(f"{'  ' * depth}{child.key[:8]}{'...' if len(child.key) > 8 else ''} "
-                             f"len={len(child.key)} lock={child.lock_ref}")
-                walk(child, depth + 1)
-        walk(self.root, 0)
-        return "\n".join(lines)
-
 
 def create_prefix_cache(disable: bool, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                         page_size: int) -> BasePrefixCache:

@@ -129,7 +129,7 @@ def test_triton_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver
     check_backend(tiny_dirs[model], "triton", page_size, kv_driver, _tol())
 
 
-@pytest.mark.parametrize("triton_decode", ["", "1-64"])
+@pytest.mark.parametrize("triton_decode", ["none", "1-64"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("model", sorted(TINY))
 def test_flashinfer_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver, model, page_size,

@@ -109,8 +109,8 @@ def test_batches_graphs_cannot_take_run_eagerly(model_path, kv_driver):
     req = d.new()
     d.extend([req], [[5, 6, 7]])  # extends never replay
     assert cgr.replays == before
-    assert not cgr.can_run(type("FB", (), {"forward_mode": ForwardMode.MIXED, "batch_size": 1,
-                                           "logits_indices": None, "spec_info": None})())
+    assert not cgr.can_run(type("FB", (), {"forward_mode": ForwardMode.EXTEND, "batch_size": 1,
+                                           "logits_indices": None})())
     d.free(req)
     _release(runner)
 

@@ -58,7 +58,7 @@ def serve(runner: ModelRunner, reqs: list[GenerateRequest], overlap: bool) -> tu
         sched.submit(dataclasses.replace(r))
     for _ in range(10 * STEPS):
         sched.step()
-        if not sched.has_work() and sched._inbox.empty():
+        if sched.idle():
             break
     torch.cuda.synchronize()
     out: dict = {}

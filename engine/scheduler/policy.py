@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from kvship.engine.mem.pools import page_round_up
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.mem.radix_cache import BasePrefixCache
     from kvship.engine.schedule_batch import Req
@@ -83,11 +85,10 @@ class PrefillBudget:
         return cap // self.page_size * self.page_size
 
     def take(self, extend_len: int, reserve: int) -> None:
-        ps = self.page_size
         self.rem_input -= extend_len
         if self.rem_chunk is not None:
             self.rem_chunk -= extend_len
-        used = (extend_len + ps - 1) // ps * ps + reserve
+        used = page_round_up(extend_len, self.page_size) + reserve
         self.consumed += used
         self.rem_memory -= used
 

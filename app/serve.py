@@ -1,8 +1,13 @@
 """``kvship serve``: run one worker (HTTP server + model loop).
 
-Every flag comes from ``ServerArgs`` (``kvship serve --help``).  The process
-logs to stderr at ``--log-level``; it exits 0 after SIGINT/SIGTERM, 2 for
-invalid settings (argparse style) and 1 when the model cannot be loaded.
+Every flag comes from ``ServerArgs`` (``kvship serve --help``); the API key
+may also come from ``KVSHIP_API_KEY`` (pods get it from a Secret, never on the
+command line).  The worker's role (``--mode``) picks its scheduler through
+``kvship.app.roles.scheduler_for_mode``; the engine itself knows no role.
+
+Exit status: 0 after SIGINT/SIGTERM, 2 for invalid settings (argparse style),
+1 when the model or the role's scheduler cannot be set up.  The process logs
+to stderr at ``--log-level``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 
+from kvship.common.envs import ENV
 from kvship.engine.config import ServerArgs
 
 logger = logging.getLogger("kvship.serve")
@@ -38,21 +43,30 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def server_args_from_cli(args: argparse.Namespace) -> ServerArgs:
+    """``ServerArgs`` from the parsed flags, the API key filled from ``KVSHIP_API_KEY`` when not given."""
     server_args = ServerArgs.from_cli_args(args)
-    if server_args.api_key is None and os.environ.get("KVSHIP_API_KEY"):
-        # pods get the key from a Secret through the environment, never on the command line
-        server_args = dataclasses.replace(server_args, api_key=os.environ["KVSHIP_API_KEY"])
+    env_key = ENV.API_KEY
+    if server_args.api_key is None and env_key:
+        server_args = dataclasses.replace(server_args, api_key=env_key)
+    return server_args
+
+
+def run(args: argparse.Namespace) -> int:
+    server_args = server_args_from_cli(args)
     setup_logging(server_args.log_level)
     try:
         server_args.validate()
     except ValueError as e:
         logger.error("invalid settings: %s", e)
         return 2
-    from kvship.engine.http_server import launch_server
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.engine import Engine
+    from kvship.engine.http_server import serve_engine
 
     try:
-        return launch_server(server_args)
+        engine = Engine(server_args, scheduler_factory=scheduler_for_mode(server_args.mode))
+        return serve_engine(engine, server_args)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         logger.error("cannot start the server: %s", e)
         return 1

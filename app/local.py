@@ -44,15 +44,15 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from kvship.engine.config import (TRANSFER_BACKENDS, ServerArgs, add_dataclass_arguments, dataclass_from_namespace,
-                                  opt)
+from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
+from kvship.engine.config import TRANSFER_BACKENDS, ServerArgs
 
 logger = logging.getLogger("kvship.local")
 
 # ServerArgs fields `kvship local` sets itself for every worker (all others pass through).
 _OWN_WORKER_FIELDS = frozenset({"host", "port", "mode", "disaggregation_bootstrap_port",
                                 "disaggregation_transfer_backend"})
-_ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class LocalConfig:
     transfer_backend: str = opt("auto", "KV transfer backend (auto: tcp on CPU; with CUDA nixl if it loads, else "
                                         "mooncake with --disaggregation-ib-device, else tcp)",
                                 choices=("auto",) + TRANSFER_BACKENDS)
-    policy: str = opt("cache_aware", "Router policy for both roles", choices=_ROUTER_POLICIES)
+    policy: str = opt(DEFAULT_POLICY, "Router policy for both roles", choices=POLICY_NAMES)
     startup_timeout: float = opt(600.0, "Seconds every child may take to become healthy")
     shutdown_grace: float = opt(15.0, "Seconds children get to exit after SIGTERM before SIGKILL")
     log_dir: Optional[str] = opt(None, "Folder for the children's logs (default: a new temporary folder)")
@@ -121,20 +121,10 @@ def worker_argv(flags: Any) -> list[str]:
 def resolve_transfer_backend(choice: str, device: str, ib_device: Optional[str] = None) -> str:
     """The backend ``--transfer-backend`` names; ``auto`` picks the fastest for one machine.
 
-    Every worker of ``kvship local`` runs on this host, so ``auto`` follows what
-    ``bench/kv_transfer.py`` measured for two processes on one host
-    (docs/benchmarks.md, "KV transfer"):
-
-    * CPU: ``tcp``.  All three backends copy memory over loopback there; tcp
-      has the lowest per-request cost (~1 ms for 1 MiB vs 2-3 ms), handles
-      page size 1 (the default) well (0.4 s for a fully scattered 4096-token
-      SmolLM2 prompt, where Mooncake's tcp transport takes 11.7 s), and needs
-      no native library (UCX under NIXL busy-polls and crashes at exit with
-      Debian's ibverbs providers).
-    * CUDA: ``nixl`` when it loads (CUDA IPC between the GPUs of one host:
-      ~100 GB/s for that prompt), else ``mooncake`` when an RDMA device is
-      given (``--disaggregation-ib-device``), else ``tcp`` (Mooncake without
-      RDMA falls back to host TCP at 1.2-1.4 GB/s, below our tcp's ~2 GB/s).
+    ``auto`` (every worker of ``kvship local`` runs on this host): ``tcp`` on
+    CPU; on CUDA ``nixl`` when it loads, else ``mooncake`` when an RDMA device
+    is given (``--disaggregation-ib-device``), else ``tcp``.  The measurements
+    behind this order are in docs/benchmarks.md ("KV transfer").
 
     Raises ``RuntimeError`` when an explicitly named backend cannot load.
     """
@@ -190,7 +180,7 @@ class Child:
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvship.engine.cli", *self.argv], stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "kvship.app.cli", *self.argv], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                 preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
 
@@ -352,7 +342,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvship.engine.serve_cli import setup_logging
+    from kvship.app.serve import setup_logging
 
     cfg: LocalConfig = dataclass_from_namespace(LocalConfig, args)
     flags = dataclass_from_namespace(WorkerFlags, args)

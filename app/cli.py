@@ -14,9 +14,9 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "serve": ("kvship.engine.serve_cli", "run a worker (unified, prefill or decode)"),
+    "serve": ("kvship.app.serve", "run a worker (unified, prefill or decode)"),
     "router": ("kvship.router.cli", "run the OpenAI-compatible router"),
-    "local": ("kvship.engine.local_cli", "run router + prefill + decode workers on this machine"),
+    "local": ("kvship.app.local", "run router + prefill + decode workers on this machine"),
     "operator": ("kvship.operator.cli", "run the Kubernetes operator"),
 }
 

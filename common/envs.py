@@ -1,0 +1,95 @@
+"""Every ``KVSHIP_*`` environment knob, typed, in one place.
+
+Read a knob as an attribute of ``ENV`` (``ENV.PDL``); each access parses the
+current environment, so a component reads the knobs it needs once, when it
+is built (a backend in its constructor, a layer at model load), and tests may
+set a variable before building the component.  Nothing else in the project
+reads ``os.environ`` for a ``KVSHIP_*`` name.  ``ENV.describe()`` lists them
+(name, type, default, help) for the docs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1, got {raw!r}")
+
+
+def _opt_str(raw: str) -> Optional[str]:
+    return raw or None
+
+
+@dataclass(frozen=True)
+class Knob(Generic[T]):
+    """One environment variable: its full name, parser, default and meaning."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r}: {e}") from None
+
+    def __get__(self, obj: Any, owner: Any = None) -> T:
+        return self.get()
+
+
+class _Env:
+    """The knobs (attribute name = variable name without ``KVSHIP_``)."""
+
+    API_KEY = Knob("KVSHIP_API_KEY", _opt_str, None,
+                   "API key a worker or router requires from clients (same as --api-key)")
+    WORKER_API_KEY = Knob("KVSHIP_WORKER_API_KEY", _opt_str, None,
+                          "API key the router sends to workers (same as --worker-api-key)")
+    CACHE_DIR = Knob("KVSHIP_CACHE_DIR", _opt_str, None,
+                     "where converted tokenizers are cached (default ~/.cache/kvship)")
+    FORCE_OVERLAP_SCHEDULE = Knob("KVSHIP_FORCE_OVERLAP_SCHEDULE", _bool, False,
+                                  "run the overlapped scheduler loop off CUDA too (tests)")
+    DISABLE_FUSED_OPS = Knob("KVSHIP_DISABLE_FUSED_OPS", _bool, False,
+                             "use the torch ops instead of our Triton kernels for norms/activations")
+    DISABLE_SKINNY_GEMM = Knob("KVSHIP_DISABLE_SKINNY_GEMM", _bool, False,
+                               "decode projections on cuBLAS instead of our Triton skinny GEMMs")
+    PDL = Knob("KVSHIP_PDL", _bool, False, "programmatic dependent launch for our Triton kernels (Hopper)")
+    FUSE_ROPE_KV_STORE = Knob("KVSHIP_FUSE_ROPE_KV_STORE", _bool, True,
+                              "RoPE and the KV-cache store in one kernel on CUDA")
+    K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False,
+                           "store Linear weights K-major for the decode GEMVs")
+    FLASHINFER_CUDA_CORE_DECODE_BS = Knob("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS", _opt_str, None,
+                                          "decode batch sizes ('lo-hi') on FlashInfer's CUDA-core decode")
+    FLASHINFER_NO_SPLIT_BS = Knob("KVSHIP_FLASHINFER_NO_SPLIT_BS", _opt_str, None,
+                                  "decode batch sizes ('lo-hi') planned without KV split")
+    FLASHINFER_TRITON_DECODE_BS = Knob("KVSHIP_FLASHINFER_TRITON_DECODE_BS", _opt_str, None,
+                                       "decode batch sizes ('lo-hi') on our one-kernel Triton decode")
+    MOONCAKE_MAX_BATCH = Knob("KVSHIP_MOONCAKE_MAX_BATCH", int, 1024,
+                              "descriptors per Mooncake batch transfer")
+    NIXL_PROGRESS_THREAD = Knob("KVSHIP_NIXL_PROGRESS_THREAD", _bool, False,
+                                "NIXL's own UCX progress thread")
+
+    @classmethod
+    def knobs(cls) -> list[Knob]:
+        return [v for v in vars(cls).values() if isinstance(v, Knob)]
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any, str]]:
+        return [(k.name, getattr(k.parse, "__name__", "str").lstrip("_"), k.default, k.help) for k in cls.knobs()]
+
+
+ENV = _Env()

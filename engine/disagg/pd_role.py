@@ -1,0 +1,156 @@
+"""``PDRole`` / ``PDScheduler``: the part of the prefill and decode roles that does not depend on the role.
+
+A role is the ``RoleHooks`` of a scheduler (``kvship.engine.scheduler.role``).
+This base owns the transfer layer's life time, checks bootstrap fields at
+submit, advances the stages before each step, isolates per-entry failures,
+aborts staged requests and reports the PD stats.  Its stage queues come in
+stage order:
+
+* ``stages[0]``: requests that hold no KV slots the transfer layer can touch
+  (an abort there aborts the transfer and finishes the request at once);
+* ``stages[1]``: requests whose transfer may still touch their pages (an abort
+  there is recorded in ``abort_reason`` and asked of the transfer; the slots
+  are freed once ``poll()`` is terminal);
+* further stages belong to the role (it handles aborts there itself).
+
+The transfer layer is built first; if the role cannot be built it is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import Any, Callable, Optional
+
+from kvship.engine.disagg import KVTransferConfig, KVTransferError
+from kvship.engine.disagg.stages import PDEntry, PDStageQueue, TransferPollBackoff, make_kv_manager
+from kvship.engine.io_struct import FinishReason, GenerateRequest
+from kvship.engine.schedule_batch import Req
+
+from kvship.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PDRole(ABC):
+    mode: str
+
+    def __init__(self, sched: "Scheduler", kv_config: Optional[KVTransferConfig] = None):
+        self.s = sched
+        self.kv_manager = make_kv_manager(self.mode, sched.server_args, sched.runner.kv_pool, kv_config)
+        self.counters: Counter = Counter()
+        self.poll = TransferPollBackoff()
+        try:
+            self.stages: tuple[PDStageQueue, ...] = tuple(self.init_stages())
+        except BaseException:
+            self.kv_manager.close()
+            raise
+
+    # ------------------------------------------------------------ what a role declares
+    @abstractmethod
+    def init_stages(self) -> tuple[PDStageQueue, ...]:
+        """Create the stage queues and return them in stage order (see the module docstring)."""
+
+    @abstractmethod
+    def bootstrap_problem(self, request: GenerateRequest) -> Optional[str]:
+        """Why ``request`` cannot be served (missing or bad bootstrap fields), or None."""
+
+    @abstractmethod
+    def enter_stages(self, req: Req, request: GenerateRequest) -> None:
+        """Put an admitted request into the first stage; may raise ``KVTransferError``."""
+
+    @abstractmethod
+    def advance(self) -> None:
+        """Move entries between stages (runs before each step); report progress to ``self.poll``."""
+
+    @abstractmethod
+    def stage_stats(self) -> dict:
+        """The role's entries of ``get_stats()``."""
+
+    # ------------------------------------------------------------ RoleHooks
+    def check(self, request: GenerateRequest) -> Optional[str]:
+        return self.bootstrap_problem(request)
+
+    def admit(self, req: Req, request: GenerateRequest) -> bool:
+        try:
+            self.enter_stages(req, request)
+        except KVTransferError as e:
+            self.s.finish(req, FinishReason.abort(f"KV transfer: {e}"), keep_kv=False)
+        return True
+
+    def before_schedule(self) -> None:
+        self.advance()
+
+    def on_prompt_done(self, req: Req, token_id: int, logprob: Optional[float],
+                       top_logprobs: Optional[list[tuple[int, float]]]) -> bool:
+        return False
+
+    def abort(self, rid: str, message: str) -> bool:
+        entry = self.stages[0].remove(rid)
+        if entry is not None:  # no slots yet, or none the transfer layer can touch
+            entry.transfer.abort(message)
+            self.s.finish(entry.req, FinishReason.abort(message), keep_kv=False)
+            return True
+        entry = self.stages[1].get(rid)
+        if entry is not None:  # the slots are freed once the transfer layer lets go of them
+            if entry.abort_reason is None:
+                entry.abort_reason = message
+                entry.transfer.abort(message)
+            return True
+        return False
+
+    def on_finish(self, req: Req) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return any(self.stages)
+
+    def poll_wait_s(self) -> Optional[float]:
+        return self.poll.wait_s
+
+    def close(self, message: str) -> None:
+        self.kv_manager.close()  # fails every room; afterwards no transfer thread touches the pool
+        for entry in [e for q in self.stages for e in q.pop_all()]:
+            try:
+                self.s.finish(entry.req, FinishReason.abort(message), keep_kv=False)
+            except Exception:  # noqa: BLE001 - keep releasing the others
+                logger.exception("could not release request %s", entry.rid)
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, **self.stage_stats(),
+                "kv_transfers_ok": self.counters["transferred"], "kv_transfers_failed": self.counters["failed"]}
+
+    # ------------------------------------------------------------ helpers for the roles
+    def guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
+        """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+            logger.exception("PD request %s failed in a stage transition", entry.rid)
+            if not entry.req.finish_sent:
+                self.s.fail([entry.req], e)
+
+    def fail_entry(self, entry: PDEntry, reason: str, keep_kv: bool) -> None:
+        self.counters["failed"] += 1
+        self.s.finish(entry.req, FinishReason.abort(reason), keep_kv=keep_kv)
+
+
+class PDScheduler(Scheduler):
+    """A ``Scheduler`` whose role is ``role_cls``; adds only the constructor and the transfer layer's handle."""
+
+    role_cls: type[PDRole]
+    role: PDRole
+
+    def __init__(self, server_args: Any, model_runner: Any, tokenizer: Any, output_sink: Any,
+                 tuning: Any = None, kv_config: Optional[KVTransferConfig] = None):
+        super().__init__(server_args, model_runner, tokenizer, output_sink, tuning,
+                         role=lambda sched: self.role_cls(sched, kv_config))
+
+    @property
+    def kv_manager(self) -> Any:
+        return self.role.kv_manager
+
+    def close(self) -> None:
+        """Stop the transfer layer (the loop does this itself when it exits)."""
+        self.role.kv_manager.close()

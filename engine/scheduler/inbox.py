@@ -1,0 +1,63 @@
+"""Messages into the scheduler thread and the queue that carries them.
+
+``submit`` / ``abort`` may be called from any thread; the scheduler drains
+the inbox at the start of each step.  After ``close`` no submit is accepted
+(``SchedulerClosedError``); aborts are always accepted (and ignored once the
+loop is gone).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from kvship.engine.io_struct import GenerateRequest
+
+
+class SchedulerClosedError(RuntimeError):
+    """``submit`` after the scheduler loop has exited."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+Message = Union[Submit, Abort]
+
+
+class Inbox:
+    """A thread-safe FIFO of ``Submit`` / ``Abort`` messages."""
+
+    def __init__(self) -> None:
+        self._q: "queue.SimpleQueue[Message]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, msg: Message) -> None:
+        """Enqueue ``msg``; a ``Submit`` after ``close`` raises ``SchedulerClosedError``."""
+        with self._lock:
+            if self._closed and isinstance(msg, Submit):
+                raise SchedulerClosedError("the scheduler is not running")
+            self._q.put(msg)
+
+    def get(self, block_s: float = 0.0) -> Optional[Message]:
+        """The next message, waiting up to ``block_s`` seconds; None when there is none."""
+        try:
+            return self._q.get(timeout=block_s) if block_s > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def empty(self) -> bool:
+        return self._q.empty()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True

@@ -1,0 +1,167 @@
+"""Launching a batch on the model and reading its sampled tokens back.
+
+``Launcher.launch(batch, after=None)`` allocates the batch's KV slots, builds
+its ``ForwardBatch``, runs the model and the sampler, and returns a
+``Pending`` without waiting for the device: the sampled ids stay on the
+device (``Pending.next_ids``) and are copied to (pinned) host memory behind
+an event.  ``Pending.results()`` waits for that copy.
+
+Contract:
+
+* The batch is committed at launch (``kv_committed_len`` covers every
+  position it computes): once launched, a step counts as done for KV
+  bookkeeping; if ``results()`` or the processing fails, the caller fails the
+  batch's requests.
+* ``after``: a decode launched while ``after`` (the previous decode) is not
+  processed yet.  A request of ``after`` takes its input id from
+  ``after.next_ids`` on the device (its newest token is not known on the
+  host); the others feed their host-side newest token.  GPU work is ordered
+  on one stream, so the chained step reads ids that are written before it.
+* Decode inputs go to the device in one non-blocking copy from pinned
+  memory, and so do the sampling tensors, unless a request samples from a
+  seeded per-request generator or uses penalties (``needs_host_state``),
+  whose tensors are built on the device directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
+from kvship.engine.schedule_batch import Req, ScheduleBatch
+
+Results = tuple[list[int], Optional[list[float]], Optional[list[list[tuple[int, float]]]]]
+
+
+def needs_host_state(req: Req) -> bool:
+    """Sampling that reads the output tokens on the host (seeds, penalties): cannot run a step ahead."""
+    p = req.sampling_params
+    seeded = p.seed is not None and not p.is_greedy
+    penalties = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+    return seeded or penalties
+
+
+@dataclass
+class Pending:
+    """A launched batch whose sampled tokens the host has not processed yet."""
+
+    batch: ScheduleBatch
+    next_ids: Optional[torch.Tensor]       # [n sampled] int64 on the device; None when nothing was sampled
+    host: Optional[SampleOutput]           # the same outputs in host memory, filled by async copies
+    top_nums: list[int]
+    event: Optional[Any]                   # torch.cuda.Event recorded after the copies (None off CUDA)
+    index: dict[int, int]                  # id(req) -> row in next_ids (decode batches)
+
+    def results(self) -> Results:
+        """Wait for the host copies; (ids, logprobs, top logprobs) per sampled request, in batch order."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host is None:
+            return [], None, None
+        return self.host.to_lists(self.top_nums)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class Launcher:
+    """Turns ``ScheduleBatch``es into model forwards (see the module docstring)."""
+
+    def __init__(self, runner: Any, sampler: Any, vocab_size: int, cache: Any):
+        self.runner = runner
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.cache = cache
+        self.device = torch.device(runner.device)
+        self.cuda = self.device.type == "cuda"
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        if not self.cuda:
+            return t.clone()
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        return h
+
+    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None) -> Pending:
+        runner = self.runner
+        if batch.forward_mode.is_decode():
+            fb = self._decode_forward_batch(batch, after)
+        else:
+            batch.prepare_for_extend(runner.allocator, runner.req_to_token_pool, self.cache)
+            fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
+        reqs = batch.sampling_reqs
+        info = self._sampling_info(reqs) if reqs else None
+        out = host = None
+        with torch.inference_mode():
+            logits = runner.forward(fb).next_token_logits
+            if logits.shape[0] != len(reqs):
+                raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
+            if info is not None:
+                out = self.sampler(logits[:, :self.vocab_size], info)
+                host = SampleOutput(next_token_ids=self._to_host(out.next_token_ids),
+                                    logprobs=self._to_host(out.logprobs),
+                                    top_logprobs=self._to_host(out.top_logprobs),
+                                    top_logprob_ids=self._to_host(out.top_logprob_ids))
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        batch.commit()
+        return Pending(batch=batch, next_ids=None if out is None else out.next_token_ids, host=host,
+                       top_nums=[] if info is None else info.top_logprobs_nums, event=event,
+                       index={id(r): j for j, r in enumerate(reqs)})
+
+    def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        if any(needs_host_state(r) for r in reqs):
+            return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+        info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, "cpu")
+        for f in fields(info):
+            v = getattr(info, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(info, f.name, self._to_device(v))
+        return info
+
+    def _decode_forward_batch(self, batch: ScheduleBatch, after: Optional[Pending]) -> ForwardBatch:
+        runner = self.runner
+        reqs = batch.reqs
+        n = len(reqs)
+        locs = batch.prepare_for_decode(runner.allocator, self.cache)
+        # input ids: rows of ``after`` come from its device ids, the others from the host
+        prev_ids = None if after is None else after.next_ids
+        n_prev = 0 if prev_ids is None else int(prev_ids.shape[0])
+        src, host_ids, shown = [], [], []
+        for r in reqs:
+            j = None if after is None else after.index.get(id(r))
+            if j is None:
+                src.append(n_prev + len(host_ids))
+                host_ids.append(r.output_ids[-1])
+                shown.append(r.output_ids[-1])
+            else:
+                src.append(j)
+                shown.append(-1)  # known only on the device until ``after`` is processed
+        batch.input_ids = shown
+        rows = [r.req_pool_idx for r in reqs]
+        host = torch.tensor(batch.prefix_lens + rows + batch.seq_lens + locs + src + host_ids, dtype=torch.int64)
+        d = self._to_device(host)
+        positions, rows_d, seq_d = d[0:n], d[n:2 * n], d[2 * n:3 * n]
+        loc_d, src_d, hid_d = d[3 * n:4 * n], d[4 * n:5 * n], d[5 * n:]
+        ids_pool = hid_d if prev_ids is None else torch.cat([prev_ids, hid_d])
+        input_ids = ids_pool.index_select(0, src_d)
+        table = runner.req_to_token_pool.req_to_token
+        table[rows_d, positions] = loc_d.to(table.dtype)
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=n, input_ids=input_ids, positions=positions,
+                            req_pool_indices=rows_d, seq_lens=seq_d, seq_lens_cpu=list(batch.seq_lens),
+                            out_cache_loc=loc_d, req_to_token_pool=runner.req_to_token_pool, kv_pool=runner.kv_pool,
+                            attn_backend=runner.attn_backend)

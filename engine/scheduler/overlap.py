@@ -1,0 +1,116 @@
+"""The overlapped loop: the host work of decode step N runs while the device computes step N+1.
+
+Built from the scheduler's public steps (``recv``, ``schedule``, ``launch``,
+``process``, ``end_step``); ``Scheduler.step`` is the synchronous loop::
+
+    launch N+1 (its input ids are step N's sampled ids, still on the device)
+    -> process N (its tokens were copied to pinned host memory behind an event)
+    -> schedule and launch N+2 ...
+
+Invariants:
+
+* Between steps a request of the pending step has K/V for every token of
+  ``fill_ids`` (the synchronous loop has one less) and its next token in
+  flight.  A request that finishes when step N is processed already took
+  part in step N+1; its slot of N+1 lies inside ``kv_allocated_len``, so
+  finishing frees (or caches) it, and ``process`` skips finished requests
+  when N+1 resolves.  Requests known to stop by length once N is processed
+  are left out of N+1.
+* Anything that needs the true host state first processes the pending step
+  and runs synchronously: extend batches, a decode that might retract (KV
+  short even after evicting the cache), and batches with a request that is
+  seeded or uses penalties (``needs_host_state``).
+* Greedy output equals the synchronous loop's token for token.
+
+On CUDA unless ``--disable-overlap-schedule``; ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``
+runs it anywhere (tests use it on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from kvship.engine.scheduler.launch import Pending, needs_host_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.schedule_batch import ScheduleBatch
+    from kvship.engine.scheduler.core import Scheduler
+
+FORCE_ENV = "KVSHIP_FORCE_OVERLAP_SCHEDULE"
+
+
+class OverlapLoop:
+    """``step`` for a scheduler with overlap on (see the module docstring)."""
+
+    def __init__(self, sched: "Scheduler"):
+        self.s = sched
+        self.pending: Optional[Pending] = None
+        self._processing: Optional[Pending] = None  # the step being processed (failed with it on error)
+        self.launched = 0   # decode steps launched ahead of their predecessor's processing
+        self.synced = 0     # steps that had to process the pending step first
+
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    @staticmethod
+    def _chainable(batch: Optional["ScheduleBatch"]) -> bool:
+        return (batch is not None and batch.forward_mode.is_decode()
+                and not any(needs_host_state(r) for r in batch.reqs))
+
+    def step(self, block_s: float = 0.0) -> bool:
+        """One iteration of the overlapped loop; True when a forward ran."""
+        s = self.s
+        s.recv(0.0 if self.pending is not None else block_s)
+        batch = None
+        ran = False
+        try:
+            if self.pending is not None and not s.kv.fits_decode(s.running):
+                self.sync()
+            batch = s.schedule()
+            if self._chainable(batch):
+                prev = self.pending
+                if prev is not None:  # requests that stop by length once ``prev`` is processed need no step
+                    batch.reqs = [r for r in batch.reqs
+                                  if not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)]
+                self.pending = s.launch(batch, after=prev) if batch.reqs else None
+                ran = self.pending is not None
+                self.launched += int(ran and prev is not None)
+                batch = None  # launched: it is ``self.pending`` from here on
+                self._process(prev)
+            else:
+                self.sync()
+                if batch is not None:
+                    # a decode built before the pending step was processed may hold finished requests
+                    batch.reqs = [r for r in batch.reqs if not r.finished]
+                    if batch.reqs:
+                        s.process(s.launch(batch))
+                        ran = True
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+            failed = list(batch.reqs) if batch is not None else []
+            for p in (self._processing, self.pending):  # their host state is half-updated: fail them too
+                if p is not None:
+                    failed += [r for r in p.batch.reqs if r not in failed]
+            self.pending = self._processing = None
+            s.fail_step(e, failed if failed or batch is not None else None)
+        s.end_step()
+        return ran
+
+    def sync(self) -> None:
+        """Process the pending step now (nothing is chained behind it)."""
+        if self.pending is not None:
+            self.synced += 1
+            p, self.pending = self.pending, None
+            self._process(p)
+
+    def _process(self, p: Optional[Pending]) -> None:
+        if p is None:
+            return
+        self._processing = p
+        self.s.process(p)
+        self._processing = None
+
+    def drop(self) -> None:
+        """Forget the pending step (shutdown: its requests are being aborted)."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            p.wait()
