@@ -5,6 +5,7 @@ plain ``pip install .`` ships all of them (tests/test_packaging.py builds the
 wheel and checks).  ``operator/`` has no ``__init__.py`` on purpose: see
 docs/architecture.md — it must never shadow the standard library's ``operator``.
 """
+
 import os
 
 from setuptools import setup

@@ -51,8 +51,9 @@ from kvship.engine.config import TRANSFER_BACKENDS, ServerArgs
 logger = logging.getLogger("kvship.local")
 
 # ServerArgs fields `kvship local` sets itself for every worker (all others pass through).
-_OWN_WORKER_FIELDS = frozenset({"host", "port", "mode", "disaggregation_bootstrap_port",
-                                "disaggregation_transfer_backend"})
+_OWN_WORKER_FIELDS = frozenset(
+    {"host", "port", "mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend"}
+)
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,12 @@ class LocalConfig:
     port: int = opt(8000, "Router HTTP port: the URL clients use")
     prefill: int = opt(1, "Number of prefill workers")
     decode: int = opt(1, "Number of decode workers")
-    transfer_backend: str = opt("auto", "KV transfer backend (auto: tcp on CPU; with CUDA nixl if it loads, else "
-                                        "mooncake with --disaggregation-ib-device, else tcp)",
-                                choices=("auto",) + TRANSFER_BACKENDS)
+    transfer_backend: str = opt(
+        "auto",
+        "KV transfer backend (auto: tcp on CPU; with CUDA nixl if it loads, else "
+        "mooncake with --disaggregation-ib-device, else tcp)",
+        choices=("auto",) + TRANSFER_BACKENDS,
+    )
     policy: str = opt(DEFAULT_POLICY, "Router policy for both roles", choices=POLICY_NAMES)
     startup_timeout: float = opt(600.0, "Seconds every child may take to become healthy")
     shutdown_grace: float = opt(15.0, "Seconds children get to exit after SIGTERM before SIGKILL")
@@ -180,9 +184,14 @@ class Child:
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvship.app.cli", *self.argv], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
+                [sys.executable, "-m", "kvship.app.cli", *self.argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None,
+            )
 
     def exited(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
@@ -235,20 +244,55 @@ class LocalDeployment:
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
                 port = free_port()
-                argv = ["serve", "--mode", role, "--host", "127.0.0.1", "--port", str(port),
-                        "--disaggregation-transfer-backend", backend, *worker_args]
+                argv = [
+                    "serve",
+                    "--mode",
+                    role,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--disaggregation-transfer-backend",
+                    backend,
+                    *worker_args,
+                ]
                 if role == "prefill":
                     argv += ["--disaggregation-bootstrap-port", str(free_port())]
-                self.workers.append(Child(f"{role}-{i}", argv, f"http://127.0.0.1:{port}",
-                                          os.path.join(log_dir, f"{role}-{i}.log"), "/health"))
+                self.workers.append(
+                    Child(
+                        f"{role}-{i}",
+                        argv,
+                        f"http://127.0.0.1:{port}",
+                        os.path.join(log_dir, f"{role}-{i}.log"),
+                        "/health",
+                    )
+                )
         prefill_urls = [w.url for w in self.workers if w.name.startswith("prefill")]
         decode_urls = [w.url for w in self.workers if w.name.startswith("decode")]
-        router_argv = ["router", "--pd", "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
-                       "--shutdown-timeout", str(min(cfg.shutdown_grace, 5.0)),
-                       "--prefill", *prefill_urls, "--decode", *decode_urls]
+        router_argv = [
+            "router",
+            "--pd",
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.port),
+            "--policy",
+            cfg.policy,
+            "--shutdown-timeout",
+            str(min(cfg.shutdown_grace, 5.0)),
+            "--prefill",
+            *prefill_urls,
+            "--decode",
+            *decode_urls,
+        ]
         connect_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-        self.router = Child("router", router_argv, f"http://{connect_host}:{cfg.port}",
-                            os.path.join(log_dir, "router.log"), "/readiness")
+        self.router = Child(
+            "router",
+            router_argv,
+            f"http://{connect_host}:{cfg.port}",
+            os.path.join(log_dir, "router.log"),
+            "/readiness",
+        )
 
     @property
     def children(self) -> list[Child]:
@@ -261,8 +305,9 @@ class LocalDeployment:
         for w in self.workers:
             w.start()
         deadline = time.monotonic() + self.cfg.startup_timeout
-        with tqdm(total=len(self.workers) + 1, desc="starting kvship local", unit="process",
-                  disable=not sys.stderr.isatty()) as bar:
+        with tqdm(
+            total=len(self.workers) + 1, desc="starting kvship local", unit="process", disable=not sys.stderr.isatty()
+        ) as bar:
             self._wait_healthy(self.workers, deadline, bar)
             self.router.start()
             self._wait_healthy([self.router], deadline, bar)
@@ -273,16 +318,20 @@ class LocalDeployment:
             for c in list(pending):
                 code = c.exited()
                 if code is not None:
-                    raise ChildFailed(f"{c.name} exited with status {code} while starting; its log "
-                                      f"({c.log_path}) ends with:\n{c.log_tail()}")
+                    raise ChildFailed(
+                        f"{c.name} exited with status {code} while starting; its log "
+                        f"({c.log_path}) ends with:\n{c.log_tail()}"
+                    )
                 if c.healthy():
                     pending.remove(c)
                     bar.update(1)
                     logger.info("%s ready at %s", c.name, c.url)
             if pending and time.monotonic() > deadline:
                 c = pending[0]
-                raise ChildFailed(f"{c.name} was not healthy after --startup-timeout "
-                                  f"{self.cfg.startup_timeout:g} s; its log ({c.log_path}) ends with:\n{c.log_tail()}")
+                raise ChildFailed(
+                    f"{c.name} was not healthy after --startup-timeout "
+                    f"{self.cfg.startup_timeout:g} s; its log ({c.log_path}) ends with:\n{c.log_tail()}"
+                )
             if pending:
                 time.sleep(0.25)
 
@@ -297,14 +346,22 @@ class LocalDeployment:
         while True:
             code = self.router.exited()
             if code is not None:
-                raise ChildFailed(f"the router exited with status {code}; its log ({self.router.log_path}) "
-                                  f"ends with:\n{self.router.log_tail()}")
+                raise ChildFailed(
+                    f"the router exited with status {code}; its log ({self.router.log_path}) "
+                    f"ends with:\n{self.router.log_tail()}"
+                )
             for c in self.workers:
                 code = c.exited()
                 if code is not None and c.name not in reported:
                     reported.add(c.name)
-                    logger.error("%s (%s) exited with status %s; the router routes around it. Its log (%s) ends "
-                                 "with:\n%s", c.name, c.url, code, c.log_path, c.log_tail(20))
+                    logger.error(
+                        "%s (%s) exited with status %s; the router routes around it. Its log (%s) ends with:\n%s",
+                        c.name,
+                        c.url,
+                        code,
+                        c.log_path,
+                        c.log_tail(20),
+                    )
             for role in ("prefill", "decode"):
                 if all(c.exited() is not None for c in self.workers if c.name.startswith(role)):
                     raise ChildFailed(f"every {role} worker has exited; stopping")
@@ -330,10 +387,12 @@ class LocalDeployment:
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "local", help="run router + prefill + decode workers on this machine",
+        "local",
+        help="run router + prefill + decode workers on this machine",
         description="Start a PD deployment on this machine: `kvship router --pd` on --port plus --prefill "
-                    "prefill and --decode decode workers (`kvship serve --mode ...`). Every worker flag below "
-                    "is passed to each worker. Ctrl-C stops everything.")
+        "prefill and --decode decode workers (`kvship serve --mode ...`). Every worker flag below "
+        "is passed to each worker. Ctrl-C stops everything.",
+    )
     add_dataclass_arguments(parser, LocalConfig)
     group = parser.add_argument_group("worker flags (passed to every worker)")
     add_dataclass_arguments(group, WorkerFlags)  # type: ignore[arg-type]
@@ -350,22 +409,31 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
         ServerArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}).validate()
-        backend = resolve_transfer_backend(cfg.transfer_backend, _resolved_device(flags.device),
-                                           flags.disaggregation_ib_device)
+        backend = resolve_transfer_backend(
+            cfg.transfer_backend, _resolved_device(flags.device), flags.disaggregation_ib_device
+        )
     except (ValueError, RuntimeError) as e:
         logger.error("invalid settings: %s", e)
         return 2
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="kvship-local-")
     os.makedirs(log_dir, exist_ok=True)
     deployment = LocalDeployment(cfg, worker_argv(flags), backend, log_dir)
-    logger.info("starting %d prefill + %d decode workers (transfer backend %s); logs in %s",
-                cfg.prefill, cfg.decode, backend, log_dir)
+    logger.info(
+        "starting %d prefill + %d decode workers (transfer backend %s); logs in %s",
+        cfg.prefill,
+        cfg.decode,
+        backend,
+        log_dir,
+    )
     old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
         deployment.start()
-        print(f"kvship local: serving on {deployment.router.url} ({cfg.prefill} prefill + {cfg.decode} decode "
-              f"workers, KV transfer {backend}; logs in {log_dir}); Ctrl-C stops", flush=True)
+        print(
+            f"kvship local: serving on {deployment.router.url} ({cfg.prefill} prefill + {cfg.decode} decode "
+            f"workers, KV transfer {backend}; logs in {log_dir}); Ctrl-C stops",
+            flush=True,
+        )
         deployment.watch()
     except _Stop as e:
         logger.info("%s received: stopping every child", e)

@@ -27,17 +27,20 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def setup_logging(level: str) -> None:
     """Log records of every kvship module (and uvicorn's) to stderr at ``level``."""
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr,
-                        force=True)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr, force=True
+    )
     for noisy in ("httpx", "httpcore", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "serve", help="run a worker (unified, prefill or decode)",
+        "serve",
+        help="run a worker (unified, prefill or decode)",
         description="Serve a model over HTTP (OpenAI-compatible /v1 API and SGLang-style /generate). "
-                    "Without --model-path, the embedded SmolLM2-135M-Instruct is served.")
+        "Without --model-path, the embedded SmolLM2-135M-Instruct is served.",
+    )
     ServerArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
     return parser

@@ -40,18 +40,51 @@ import torch
 logger = logging.getLogger("decode_latency")
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                      rope_theta=500000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000,
-                      eos_token_id=128001, torch_dtype="bfloat16",
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                     rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=151643,
-                     eos_token_id=151645, torch_dtype="bfloat16"),
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        torch_dtype="bfloat16",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -85,11 +118,19 @@ def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 3, rounds: int = 
 
 
 def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "python": platform.python_version()}
+    env: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
     try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=30).stdout.strip()
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         env["driver"] = "unknown"
     for mod in ("flashinfer", "triton", "transformers"):
@@ -102,7 +143,7 @@ def environment() -> dict[str, Any]:
 
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    n = int(gib * 2 ** 30)
+    n = int(gib * 2**30)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), iters=10)
@@ -125,10 +166,20 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
     from kvship.engine.forward_batch import ForwardBatch, ForwardMode
     from kvship.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(ServerArgs(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
-                                    attention_backend="flashinfer", page_size=page_size,
-                                    max_total_tokens=bs * ctx + 64 * page_size, max_running_requests=bs,
-                                    context_length=ctx + 64, disable_cuda_graph=True))
+    runner = ModelRunner(
+        ServerArgs(
+            model_path=model_dir,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flashinfer",
+            page_size=page_size,
+            max_total_tokens=bs * ctx + 64 * page_size,
+            max_running_requests=bs,
+            context_length=ctx + 64,
+            disable_cuda_graph=True,
+        )
+    )
     mc = runner.model_config
     h, hk, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     kbuf, vbuf = runner.kv_pool.get_key_buffer(0), runner.kv_pool.get_value_buffer(0)
@@ -140,15 +191,21 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
     dev = runner.device
     r2t = runner.req_to_token_pool.req_to_token
     r2t[torch.tensor(rows)[:, None].to(dev), torch.arange(ctx, device=dev)[None, :]] = slots.to(dev, torch.int32)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
-                      input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
-                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
-                      req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
-                      seq_lens=torch.full((bs,), ctx, dtype=torch.int64, device=dev), seq_lens_cpu=[ctx] * bs,
-                      out_cache_loc=slots[:, -1].to(dev), req_to_token_pool=runner.req_to_token_pool,
-                      kv_pool=runner.kv_pool, attn_backend=runner.attn_backend)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+        positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
+        seq_lens=torch.full((bs,), ctx, dtype=torch.int64, device=dev),
+        seq_lens_cpu=[ctx] * bs,
+        out_cache_loc=slots[:, -1].to(dev),
+        req_to_token_pool=runner.req_to_token_pool,
+        kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend,
+    )
     backend = runner.attn_backend
-    spec = AttentionLayerSpec(0, h, hk, d, d ** -0.5)
+    spec = AttentionLayerSpec(0, h, hk, d, d**-0.5)
     q = torch.randn(bs, h * d, dtype=torch.bfloat16, device=dev)
     k = torch.randn(bs, hk * d, dtype=torch.bfloat16, device=dev)
     v = torch.randn(bs, hk * d, dtype=torch.bfloat16, device=dev)
@@ -176,13 +233,20 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
     ref = w.run(qh, cache).float()
     got = backend.forward_decode(q, k, v, spec, fb).view(bs, h, d).float()
     kv_bytes = bs * ctx * hk * d * 2 * kbuf.element_size()
-    out = {"batch": bs, "context": ctx, "page_size": page_size,
-           "kernel_alone_us": alone_s * 1e6, "kernel_kv_TBps": kv_bytes / alone_s / 1e12,
-           "kernel_frac_hbm": kv_bytes / alone_s / hbm,
-           "ours_layer_us": ours_s * 1e6, "plan_us": plan_s * 1e6,
-           "ours_per_layer_incl_plan_us": (ours_s + plan_s / layers) * 1e6,
-           "ours_vs_kernel": (ours_s + plan_s / layers) / alone_s,
-           "max_abs_diff_vs_kernel": float((got - ref).abs().max()), "layers": layers}
+    out = {
+        "batch": bs,
+        "context": ctx,
+        "page_size": page_size,
+        "kernel_alone_us": alone_s * 1e6,
+        "kernel_kv_TBps": kv_bytes / alone_s / 1e12,
+        "kernel_frac_hbm": kv_bytes / alone_s / hbm,
+        "ours_layer_us": ours_s * 1e6,
+        "plan_us": plan_s * 1e6,
+        "ours_per_layer_incl_plan_us": (ours_s + plan_s / layers) * 1e6,
+        "ours_vs_kernel": (ours_s + plan_s / layers) / alone_s,
+        "max_abs_diff_vs_kernel": float((got - ref).abs().max()),
+        "layers": layers,
+    }
     del runner, backend, fb, ws, w
     gc.collect()
     torch.cuda.empty_cache()
@@ -240,12 +304,27 @@ def decode_kernel_choice(shape: str) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"batch": bs, "context": ctx, "layers_in_graph": nl}
         for tc, no_split in ((True, False), (False, False), (True, True), (False, True)):
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tc,
                 paged_kv_indptr_buffer=torch.empty(bs + 1, dtype=torch.int32, device="cuda"),
                 paged_kv_indices_buffer=torch.empty(n, dtype=torch.int32, device="cuda"),
-                paged_kv_last_page_len_buffer=torch.empty(bs, dtype=torch.int32, device="cuda"), backend="fa2")
-            w.plan(indptr, indices, last, h, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-                   disable_split_kv=no_split)
+                paged_kv_last_page_len_buffer=torch.empty(bs, dtype=torch.int32, device="cuda"),
+                backend="fa2",
+            )
+            w.plan(
+                indptr,
+                indices,
+                last,
+                h,
+                hk,
+                d,
+                1,
+                q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16,
+                disable_split_kv=no_split,
+            )
             t = graph_time(lambda i, w=w: w.run(q, kvs[i % nl]), calls=nl)
             row[("tensor_cores" if tc else "cuda_cores") + ("_no_split" if no_split else "") + "_us"] = t * 1e6
         out.append(row)
@@ -265,20 +344,29 @@ def small_m_gemm(shape: str, hbm: float) -> list[dict[str, Any]]:
     hid, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q = cfg["num_attention_heads"] * d
     kv = cfg["num_key_value_heads"] * d
-    shapes = {"qkv_proj": (q + 2 * kv, hid), "o_proj": (hid, q), "gate_up_proj": (2 * inter, hid),
-              "down_proj": (hid, inter), "lm_head": (cfg["vocab_size"], hid)}
+    shapes = {
+        "qkv_proj": (q + 2 * kv, hid),
+        "o_proj": (hid, q),
+        "gate_up_proj": (2 * inter, hid),
+        "down_proj": (hid, inter),
+        "lm_head": (cfg["vocab_size"], hid),
+    }
     out = []
     for name, (n, k) in shapes.items():
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(3)]  # rotate: no L2 reuse
         wts = [w.t().contiguous() for w in ws]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        it = iter(range(10 ** 9))
+        it = iter(range(10**9))
 
         def pick(lst):
             return lst[next(it) % len(lst)]
+
         row: dict[str, Any] = {"layer": name, "n": n, "k": k}
-        for label, fn in (("linear", lambda: F.linear(x, pick(ws))), ("mv", lambda: torch.mv(pick(ws), x[0])),
-                          ("x@wt", lambda: x @ pick(wts))):
+        for label, fn in (
+            ("linear", lambda: F.linear(x, pick(ws))),
+            ("mv", lambda: torch.mv(pick(ws), x[0])),
+            ("x@wt", lambda: x @ pick(wts)),
+        ):
             t = cuda_time(fn, iters=30)
             row[label + "_us"] = t * 1e6
             row[label + "_frac_hbm"] = n * k * 2 / t / hbm
@@ -314,6 +402,7 @@ class DecodeDriver:
 
     def prefill(self, prompt_len: int, gen: torch.Generator, chunk_tokens: int = 16384) -> torch.Tensor:
         from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
         r, dev = self.r, self.r.device
         per = max(1, chunk_tokens // prompt_len)
         last_ids = []
@@ -330,20 +419,32 @@ class DecodeDriver:
                 self.last[i] = int(locs[(j + 1) * prompt_len - 1])
             self.slots.append(locs)
             ext = torch.full((n,), prompt_len, dtype=torch.int64, device=dev)
-            fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=n, input_ids=ids, positions=d[1],
-                              req_pool_indices=self.rows_dev[lo:lo + n], seq_lens=ext, seq_lens_cpu=[prompt_len] * n,
-                              out_cache_loc=d[2], req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
-                              attn_backend=r.attn_backend, extend_seq_lens=ext,
-                              extend_prefix_lens=torch.zeros(n, dtype=torch.int64, device=dev),
-                              extend_start_loc=torch.arange(0, n * prompt_len, prompt_len, device=dev),
-                              extend_seq_lens_cpu=[prompt_len] * n, extend_prefix_lens_cpu=[0] * n)
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.EXTEND,
+                batch_size=n,
+                input_ids=ids,
+                positions=d[1],
+                req_pool_indices=self.rows_dev[lo : lo + n],
+                seq_lens=ext,
+                seq_lens_cpu=[prompt_len] * n,
+                out_cache_loc=d[2],
+                req_to_token_pool=r.req_to_token_pool,
+                kv_pool=r.kv_pool,
+                attn_backend=r.attn_backend,
+                extend_seq_lens=ext,
+                extend_prefix_lens=torch.zeros(n, dtype=torch.int64, device=dev),
+                extend_start_loc=torch.arange(0, n * prompt_len, prompt_len, device=dev),
+                extend_seq_lens_cpu=[prompt_len] * n,
+                extend_prefix_lens_cpu=[0] * n,
+            )
             last_ids.append(r.forward(fb).next_token_logits.argmax(-1))
         return torch.cat(last_ids)
 
     def decode_step(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step fed by ``ids`` (on the GPU); returns the greedy next ids (on the GPU)."""
         from kvship.engine.forward_batch import ForwardBatch, ForwardMode
-        r, dev = self.r, self.r.device
+
+        r = self.r
         seq = [n + 1 for n in self.lens]
         locs = r.allocator.alloc_decode(seq, self.last)
         if locs is None:
@@ -353,9 +454,19 @@ class DecodeDriver:
         self.lens = seq
         self.last = locs.tolist()
         seq_dev = d[1] + 1
-        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.bs, input_ids=ids, positions=d[1],
-                          req_pool_indices=self.rows_dev, seq_lens=seq_dev, seq_lens_cpu=seq, out_cache_loc=d[2],
-                          req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool, attn_backend=r.attn_backend)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=self.bs,
+            input_ids=ids,
+            positions=d[1],
+            req_pool_indices=self.rows_dev,
+            seq_lens=seq_dev,
+            seq_lens_cpu=seq,
+            out_cache_loc=d[2],
+            req_to_token_pool=r.req_to_token_pool,
+            kv_pool=r.kv_pool,
+            attn_backend=r.attn_backend,
+        )
         return r.forward(fb).next_token_logits.argmax(-1)
 
     def free(self) -> None:
@@ -407,9 +518,15 @@ def engine_decode(runner: Any, bs: int, input_len: int, output_len: int, mode: s
         drv.free()
     finally:
         runner.cuda_graph_runner = saved
-    return {"batch": bs, "mode": mode, "prefill_s": prefill_s, "decode_s": decode_s,
-            "step_ms": decode_s / output_len * 1e3, "decode_tok_s": bs * output_len / decode_s,
-            "sample_tokens": tokens[-1][:4]}
+    return {
+        "batch": bs,
+        "mode": mode,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "step_ms": decode_s / output_len * 1e3,
+        "decode_tok_s": bs * output_len / decode_s,
+        "sample_tokens": tokens[-1][:4],
+    }
 
 
 def scheduler_decode(runner: Any, bs: int, input_len: int, output_len: int, overlap: bool) -> dict[str, Any]:
@@ -421,16 +538,24 @@ def scheduler_decode(runner: Any, bs: int, input_len: int, output_len: int, over
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
     from kvship.engine.scheduler import Scheduler
 
-    sa = dataclasses.replace(runner.server_args, disable_overlap_schedule=not overlap, disable_radix_cache=True,
-                             chunked_prefill_size=16384, max_prefill_tokens=16384)
+    sa = dataclasses.replace(
+        runner.server_args,
+        disable_overlap_schedule=not overlap,
+        disable_radix_cache=True,
+        chunked_prefill_size=16384,
+        max_prefill_tokens=16384,
+    )
     chunks: list = []
     sched = Scheduler(sa, runner, None, chunks.extend)
     gen = torch.Generator().manual_seed(bs)
     vocab = runner.model_config.vocab_size
     for i in range(bs):
         ids = torch.randint(3, vocab, (input_len,), generator=gen).tolist()
-        sched.submit(GenerateRequest(f"b{bs}-{i}", ids, SamplingParams(temperature=0.0, max_new_tokens=output_len,
-                                                                       ignore_eos=True)))
+        sched.submit(
+            GenerateRequest(
+                f"b{bs}-{i}", ids, SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+            )
+        )
     t0 = time.perf_counter()
     while sched.waiting or sched.chunked_req is not None or not sched.inbox.empty():
         sched.step()
@@ -448,9 +573,16 @@ def scheduler_decode(runner: Any, bs: int, input_len: int, output_len: int, over
         raise RuntimeError(f"scheduler bench leaked KV slots: {st}")
     n = sched.counters["generation_tokens"] - gen0
     steps = sched.counters["decode_steps"] - steps0
-    out = {"batch": bs, "mode": "sched+overlap" if overlap else "sched", "prefill_s": prefill_s,
-           "decode_s": decode_s, "step_ms": decode_s / max(steps, 1) * 1e3, "decode_tok_s": n / decode_s,
-           "decode_steps": steps, "generated": n}
+    out = {
+        "batch": bs,
+        "mode": "sched+overlap" if overlap else "sched",
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "step_ms": decode_s / max(steps, 1) * 1e3,
+        "decode_tok_s": n / decode_s,
+        "decode_steps": steps,
+        "generated": n,
+    }
     if overlap:
         out["chained_steps"] = sched.overlap.launched
     return out
@@ -459,6 +591,7 @@ def scheduler_decode(runner: Any, bs: int, input_len: int, output_len: int, over
 def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list[dict[str, Any]]:
     """Top CUDA kernels of graph decode steps at ``bs`` (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
+
     drv = DecodeDriver(runner, bs)
     ids = drv.prefill(input_len, torch.Generator().manual_seed(0))
     for _ in range(2):
@@ -483,8 +616,14 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
     for r in rows:
         r["share"] = r["us_per_step"] / total if total else 0.0
     top = rows[:15]
-    top.append({"kernel": "TOTAL (all kernels)", "us_per_step": total, "calls_per_step": sum(
-        r["calls_per_step"] for r in rows), "share": 1.0})
+    top.append(
+        {
+            "kernel": "TOTAL (all kernels)",
+            "us_per_step": total,
+            "calls_per_step": sum(r["calls_per_step"] for r in rows),
+            "share": 1.0,
+        }
+    )
     timeline = kernel_timeline(prof, steps)
     if timeline:
         top.append(timeline)
@@ -507,7 +646,7 @@ def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
         return None
     ks.sort()
     per = len(ks) // steps
-    mid = ks[per * (steps // 2): per * (steps // 2 + 1)]  # one step from the middle of the run
+    mid = ks[per * (steps // 2) : per * (steps // 2 + 1)]  # one step from the middle of the run
     seq = []
     for i, (s, e, name) in enumerate(mid):
         gap = s - mid[i - 1][1] if i else 0.0
@@ -521,8 +660,16 @@ def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
         d["calls"] += 1
         d["us"] += x["us"]
         d["gap_us"] += x["gap_us"]
-    return {"kernel": "TIMELINE (one step)", "us_per_step": span, "calls_per_step": len(seq), "share": 1.0,
-            "busy_us": busy, "gap_us": span - busy, "by_kernel": by, "sequence": seq[:40]}
+    return {
+        "kernel": "TIMELINE (one step)",
+        "us_per_step": span,
+        "calls_per_step": len(seq),
+        "share": 1.0,
+        "busy_us": busy,
+        "gap_us": span - busy,
+        "by_kernel": by,
+        "sequence": seq[:40],
+    }
 
 
 def host_profile(runner: Any, bs: int, input_len: int, steps: int = 20) -> dict[str, Any]:
@@ -560,8 +707,14 @@ def host_profile(runner: Any, bs: int, input_len: int, steps: int = 20) -> dict[
 
 
 # --- transformers baseline -----------------------------------------------------------------
-def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
-                out: list[dict[str, Any]], on_result: Callable[[], None]) -> None:
+def hf_generate(
+    shape: str,
+    bs_list: list[int],
+    input_len: int,
+    output_len: int,
+    out: list[dict[str, Any]],
+    on_result: Callable[[], None],
+) -> None:
     """Append one result per batch size to ``out`` (calling ``on_result`` after each)."""
     import transformers
 
@@ -597,8 +750,15 @@ def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
             total_s = time.perf_counter() - t0
         assert res.shape[1] == input_len + output_len
         decode_s = max(total_s - prefill_s, 1e-9)
-        out.append({"batch": bs, "prefill_s": prefill_s, "total_s": total_s,
-                    "decode_tok_s": bs * (output_len - 1) / decode_s, "end_to_end_tok_s": bs * output_len / total_s})
+        out.append(
+            {
+                "batch": bs,
+                "prefill_s": prefill_s,
+                "total_s": total_s,
+                "decode_tok_s": bs * (output_len - 1) / decode_s,
+                "end_to_end_tok_s": bs * output_len / total_s,
+            }
+        )
         logger.info("transformers bs %d: %.1f decode tok/s", bs, out[-1]["decode_tok_s"])
         on_result()
     del model
@@ -609,11 +769,14 @@ def hf_generate(shape: str, bs_list: list[int], input_len: int, output_len: int,
 # --- report --------------------------------------------------------------------------------
 def markdown(res: dict[str, Any]) -> str:
     env, a = res["env"], res.get("attention", [])
-    lines = [f"GPU: {env['gpu']} (driver {env['driver']}), torch {env['torch']} (CUDA {env['cuda']}), "
-             f"flashinfer {env['flashinfer']}, triton {env['triton']}, transformers {env['transformers']}.",
-             f"Model shape: {res['shape']} ({res['weight_gb']:.2f} GB bf16 dummy weights), input {res['input_len']} / "
-             f"output {res['output_len']}, attention backend {res['backend']}, page size {res['page_size']}.",
-             f"Measured device copy bandwidth: {res['hbm_TBps']:.2f} TB/s (read + write counted).", ""]
+    lines = [
+        f"GPU: {env['gpu']} (driver {env['driver']}), torch {env['torch']} (CUDA {env['cuda']}), "
+        f"flashinfer {env['flashinfer']}, triton {env['triton']}, transformers {env['transformers']}.",
+        f"Model shape: {res['shape']} ({res['weight_gb']:.2f} GB bf16 dummy weights), input {res['input_len']} / "
+        f"output {res['output_len']}, attention backend {res['backend']}, page size {res['page_size']}.",
+        f"Measured device copy bandwidth: {res['hbm_TBps']:.2f} TB/s (read + write counted).",
+        "",
+    ]
     hf = {r["batch"]: r for r in res.get("hf", [])}
     eng: dict[tuple[int, str], dict[str, Any]] = {(r["batch"], r["mode"]): r for r in res.get("engine", [])}
     order = ("graph", "graph+overlap", "sched", "sched+overlap", "sched+overlap+kmajor", "sched+kmajor", "eager")
@@ -625,39 +788,59 @@ def markdown(res: dict[str, Any]) -> str:
         for bs in sorted({k[0] for k in eng}):
             if (bs, m) in eng and (bs, base) in eng:
                 ratios[f"{bs}:{base} / {m}"] = eng[(bs, base)]["decode_tok_s"] / eng[(bs, m)]["decode_tok_s"]
-    head = ("| batch | " + " | ".join(f"ours {m} tok/s" for m in modes) + " | transformers tok/s | graph / eager | "
-            + " | ".join(f"{m} / transformers" for m in modes if m != "eager") + " |")
+    head = (
+        "| batch | "
+        + " | ".join(f"ours {m} tok/s" for m in modes)
+        + " | transformers tok/s | graph / eager | "
+        + " | ".join(f"{m} / transformers" for m in modes if m != "eager")
+        + " |"
+    )
     lines += [head, "|" + "---|" * (len(modes) + 3 + len([m for m in modes if m != "eager"]))]
     for bs in sorted({k[0] for k in eng}):
         cells = [f"{eng[(bs, m)]['decode_tok_s']:.1f}" if (bs, m) in eng else "-" for m in modes]
         g, e, h = eng.get((bs, "graph")), eng.get((bs, "eager")), hf.get(bs)
         hf_cell = f"{h['decode_tok_s']:.1f}" if h else "-"
         ratio_ge = f"{g['decode_tok_s'] / e['decode_tok_s']:.2f}x" if g and e else "-"
-        vs_hf = [f"{eng[(bs, m)]['decode_tok_s'] / h['decode_tok_s']:.1f}x" if (bs, m) in eng and h else "-"
-                 for m in modes if m != "eager"]
+        vs_hf = [
+            f"{eng[(bs, m)]['decode_tok_s'] / h['decode_tok_s']:.1f}x" if (bs, m) in eng and h else "-"
+            for m in modes
+            if m != "eager"
+        ]
         lines.append(f"| {bs} | " + " | ".join(cells) + f" | {hf_cell} | {ratio_ge} | " + " | ".join(vs_hf) + " |")
     if ratios:
-        lines += ["", "Side by side in this run (same batch, tok/s ratio): " + "; ".join(
-            f"batch {k.split(':', 1)[0]} {k.split(':', 1)[1]} = {v:.3f}x" for k, v in ratios.items())]
+        lines += [
+            "",
+            "Side by side in this run (same batch, tok/s ratio): "
+            + "; ".join(f"batch {k.split(':', 1)[0]} {k.split(':', 1)[1]} = {v:.3f}x" for k, v in ratios.items()),
+        ]
     if "roofline" in res:
         rf = res["roofline"]
-        lines += ["", f"Batch-1 roofline: {rf['bytes_per_step_GB']:.2f} GB per step (weights {rf['weight_GB']:.2f} + "
-                  f"KV {rf['kv_GB']:.3f}) / {res['hbm_TBps']:.2f} TB/s = {rf['roofline_tok_s']:.1f} tok/s; "
-                  f"ours (best CUDA-graph mode, {rf.get('best_mode', '?')}) {rf['ours_tok_s']:.1f} tok/s = {rf['fraction']:.1%} of the roofline."]
+        lines += [
+            "",
+            f"Batch-1 roofline: {rf['bytes_per_step_GB']:.2f} GB per step (weights {rf['weight_GB']:.2f} + "
+            f"KV {rf['kv_GB']:.3f}) / {res['hbm_TBps']:.2f} TB/s = {rf['roofline_tok_s']:.1f} tok/s; "
+            f"ours (best CUDA-graph mode, {rf.get('best_mode', '?')}) {rf['ours_tok_s']:.1f} tok/s = {rf['fraction']:.1%} of the roofline.",
+        ]
     for x in a:
-        lines += [f"FlashInfer decode kernel alone, batch {x['batch']} x {x['context']} ctx, page {x['page_size']}: "
-                  f"{x['kernel_alone_us']:.1f} us, KV read {x['kernel_kv_TBps']:.2f} TB/s = {x['kernel_frac_hbm']:.1%} "
-                  f"of measured HBM; our attention step {x['ours_layer_us']:.1f} us + plan {x['plan_us']:.1f} us per "
-                  f"step (/{x['layers']} layers) = {x['ours_vs_kernel']:.2f}x the kernel alone."]
+        lines += [
+            f"FlashInfer decode kernel alone, batch {x['batch']} x {x['context']} ctx, page {x['page_size']}: "
+            f"{x['kernel_alone_us']:.1f} us, KV read {x['kernel_kv_TBps']:.2f} TB/s = {x['kernel_frac_hbm']:.1%} "
+            f"of measured HBM; our attention step {x['ours_layer_us']:.1f} us + plan {x['plan_us']:.1f} us per "
+            f"step (/{x['layers']} layers) = {x['ours_vs_kernel']:.2f}x the kernel alone."
+        ]
     for x in res.get("small_m_gemm", []):
-        lines.append(f"Batch-1 {x['layer']} [{x['n']}x{x['k']}]: F.linear {x['linear_us']:.1f} us "
-                     f"({x['linear_frac_hbm']:.0%} of HBM), torch.mv {x['mv_us']:.1f} us ({x['mv_frac_hbm']:.0%}), "
-                     f"x @ W^T-contiguous {x['x@wt_us']:.1f} us ({x['x@wt_frac_hbm']:.0%}).")
+        lines.append(
+            f"Batch-1 {x['layer']} [{x['n']}x{x['k']}]: F.linear {x['linear_us']:.1f} us "
+            f"({x['linear_frac_hbm']:.0%} of HBM), torch.mv {x['mv_us']:.1f} us ({x['mv_frac_hbm']:.0%}), "
+            f"x @ W^T-contiguous {x['x@wt_us']:.1f} us ({x['x@wt_frac_hbm']:.0%})."
+        )
     for x in res.get("decode_kernels", []):
-        lines.append(f"FlashInfer decode alone (per layer, in a CUDA graph), batch {x['batch']} x {x['context']} ctx, "
-                     f"page 1: tensor cores {x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us; "
-                     f"without KV split: tensor cores {x.get('tensor_cores_no_split_us', float('nan')):.1f} us, "
-                     f"CUDA cores {x.get('cuda_cores_no_split_us', float('nan')):.1f} us.")
+        lines.append(
+            f"FlashInfer decode alone (per layer, in a CUDA graph), batch {x['batch']} x {x['context']} ctx, "
+            f"page 1: tensor cores {x['tensor_cores_us']:.1f} us, CUDA cores {x['cuda_cores_us']:.1f} us; "
+            f"without KV split: tensor cores {x.get('tensor_cores_no_split_us', float('nan')):.1f} us, "
+            f"CUDA cores {x.get('cuda_cores_no_split_us', float('nan')):.1f} us."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -685,21 +868,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--attention-backend", default="flashinfer", choices=("flashinfer", "triton"))
     ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--modes", default="graph,eager",
-                    help="comma list of graph, eager, graph+overlap (runner loop), sched, sched+overlap "
-                         "(the real Scheduler with CUDA graphs, overlap scheduling off / on)")
-    ap.add_argument("--kmajor-modes", default="",
-                    help="modes to run again on a runner with K-major Linear weights (KVSHIP_K_MAJOR_WEIGHTS=1)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VAL[,ENV=VAL]:MODES",
-                    help="run MODES (;-separated list, e.g. sched+overlap;graph) again on a runner built with these "
-                         "environment variables set; rows get the suffix +NAME (repeatable).  Example: "
-                         "cublas:KVSHIP_DISABLE_SKINNY_GEMM=1:sched+overlap")
+    ap.add_argument(
+        "--modes",
+        default="graph,eager",
+        help="comma list of graph, eager, graph+overlap (runner loop), sched, sched+overlap "
+        "(the real Scheduler with CUDA graphs, overlap scheduling off / on)",
+    )
+    ap.add_argument(
+        "--kmajor-modes",
+        default="",
+        help="modes to run again on a runner with K-major Linear weights (KVSHIP_K_MAJOR_WEIGHTS=1)",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:ENV=VAL[,ENV=VAL]:MODES",
+        help="run MODES (;-separated list, e.g. sched+overlap;graph) again on a runner built with these "
+        "environment variables set; rows get the suffix +NAME (repeatable).  Example: "
+        "cublas:KVSHIP_DISABLE_SKINNY_GEMM=1:sched+overlap",
+    )
     ap.add_argument("--hf-batch-sizes", default=None, help="transformers baseline batches (default: --batch-sizes)")
     ap.add_argument("--hf-output-len", type=int, default=None, help="default: --output-len")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
-    ap.add_argument("--decode-kernels-only", action="store_true",
-                    help="of the attention measurements, run only FlashInfer's decode kernel variants")
+    ap.add_argument(
+        "--decode-kernels-only",
+        action="store_true",
+        help="of the attention measurements, run only FlashInfer's decode kernel variants",
+    )
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
     ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -712,9 +909,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     bs_list = [int(x) for x in args.batch_sizes.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
-    res: dict[str, Any] = {"env": environment(), "shape": args.shape, "input_len": args.input_len,
-                           "output_len": args.output_len, "backend": args.attention_backend,
-                           "page_size": args.page_size}
+    res: dict[str, Any] = {
+        "env": environment(),
+        "shape": args.shape,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "backend": args.attention_backend,
+        "page_size": args.page_size,
+    }
     os.makedirs(args.out, exist_ok=True)
 
     def save() -> None:
@@ -734,8 +936,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         res["attention"] = []
         for ps in (16, 1):
             try:
-                res["attention"].append(attention_bench(one_layer, 64, 2048, ps, res["hbm_TBps"] * 1e12,
-                                                        SHAPES[args.shape]["num_hidden_layers"]))
+                res["attention"].append(
+                    attention_bench(
+                        one_layer, 64, 2048, ps, res["hbm_TBps"] * 1e12, SHAPES[args.shape]["num_hidden_layers"]
+                    )
+                )
                 logger.info("attention: %s", res["attention"][-1])
             except Exception as e:  # noqa: BLE001 - keep the rest of the run
                 logger.exception("attention bench (page %d) failed", ps)
@@ -758,10 +963,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_bs = max(bs_list)
     ctx = args.input_len + args.output_len + 8
     runner_args = ServerArgs(
-        model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
-        attention_backend=args.attention_backend, page_size=args.page_size, context_length=ctx,
-        max_total_tokens=max_bs * (ctx + args.page_size) + 4096, max_running_requests=max_bs,
-        cuda_graph_max_bs=max_bs, disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes))
+        model_path=model_dir,
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=args.attention_backend,
+        page_size=args.page_size,
+        context_length=ctx,
+        max_total_tokens=max_bs * (ctx + args.page_size) + 4096,
+        max_running_requests=max_bs,
+        cuda_graph_max_bs=max_bs,
+        disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes),
+    )
     runner = ModelRunner(runner_args)
     res["weight_gb"] = runner.weight_bytes / 1e9
     res["engine"] = []
@@ -774,8 +987,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 else:
                     r = engine_decode(runner, bs, args.input_len, args.output_len, mode)
                 r["mode"] += suffix
-                logger.info("ours bs %d %s: %.1f tok/s (%.2f ms/step)", bs, r["mode"], r["decode_tok_s"],
-                            r["step_ms"])
+                logger.info("ours bs %d %s: %.1f tok/s (%.2f ms/step)", bs, r["mode"], r["decode_tok_s"], r["step_ms"])
                 res["engine"].append(r)
                 save()
 
@@ -833,9 +1045,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         roof = res["hbm_TBps"] * 1e12 / step_bytes
         best_row = max(graphed, key=lambda r: r["decode_tok_s"])
         best = best_row["decode_tok_s"]
-        res["roofline"] = {"weight_GB": weight_bytes / 1e9, "kv_GB": kv / 1e9, "best_mode": best_row["mode"],
-                           "bytes_per_step_GB": step_bytes / 1e9, "roofline_tok_s": roof, "ours_tok_s": best,
-                           "fraction": best / roof}
+        res["roofline"] = {
+            "weight_GB": weight_bytes / 1e9,
+            "kv_GB": kv / 1e9,
+            "best_mode": best_row["mode"],
+            "bytes_per_step_GB": step_bytes / 1e9,
+            "roofline_tok_s": roof,
+            "ours_tok_s": best,
+            "fraction": best / roof,
+        }
     save()
     del runner
     gc.collect()
@@ -860,8 +1078,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for r in plain[:12] + plain[-1:]:
             print(f"  {r['share']:6.1%} {r['us_per_step']:9.1f} us/step  x{r['calls_per_step']:.0f}  {r['kernel']}")
         if tl:
-            print(f"  one step: span {tl['us_per_step']:.1f} us, kernels busy {tl['busy_us']:.1f} us, "
-                  f"idle gaps {tl['gap_us']:.1f} us over {tl['calls_per_step']} kernels")
+            print(
+                f"  one step: span {tl['us_per_step']:.1f} us, kernels busy {tl['busy_us']:.1f} us, "
+                f"idle gaps {tl['gap_us']:.1f} us over {tl['calls_per_step']} kernels"
+            )
             for name, d in sorted(tl["by_kernel"].items(), key=lambda kv: -kv[1]["us"] - kv[1]["gap_us"])[:12]:
                 print(f"    x{d['calls']:<4d} busy {d['us']:8.1f} us  gaps before {d['gap_us']:7.1f} us  {name}")
     return 0

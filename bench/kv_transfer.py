@@ -42,21 +42,23 @@ import numpy as np
 import torch
 
 
-
 def _ensure_kvship() -> None:
     """Make ``kvship.engine`` importable from a bare checkout (e.g. on the GPU machine, not pip-installed)."""
     try:
         import kvship.engine  # noqa: F401
+
         return
     except ImportError:
         pass
     import importlib.util
     import types
+
     root = Path(__file__).resolve().parent.parent
     pkg = sys.modules.setdefault("kvship", types.ModuleType("kvship"))
     pkg.__path__ = []  # type: ignore[attr-defined]
-    spec = importlib.util.spec_from_file_location("kvship.engine", root / "engine" / "__init__.py",
-                                                  submodule_search_locations=[str(root / "engine")])
+    spec = importlib.util.spec_from_file_location(
+        "kvship.engine", root / "engine" / "__init__.py", submodule_search_locations=[str(root / "engine")]
+    )
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules["kvship.engine"] = mod
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
@@ -77,18 +79,34 @@ def _dtype(device: str, kind: str) -> torch.dtype:
 
 def make_pool(spec: dict, device: str):
     from kvship.engine.mem.pools import KVPool
-    return KVPool(spec["num_slots"], spec["page_size"], getattr(torch, spec["dtype"]), spec["num_kv_heads"],
-                  spec["head_dim"], spec["num_layers"], device)
+
+    return KVPool(
+        spec["num_slots"],
+        spec["page_size"],
+        getattr(torch, spec["dtype"]),
+        spec["num_kv_heads"],
+        spec["head_dim"],
+        spec["num_layers"],
+        device,
+    )
 
 
 def _config(backend: str, ib_device: str | None):
     from kvship.engine.disagg.base import KVTransferConfig
-    return KVTransferConfig(backend=backend, bootstrap_port=0, ib_device=ib_device, bootstrap_timeout=120.0,
-                            waiting_timeout=120.0, transfer_threads=1)
+
+    return KVTransferConfig(
+        backend=backend,
+        bootstrap_port=0,
+        ib_device=ib_device,
+        bootstrap_timeout=120.0,
+        waiting_timeout=120.0,
+        transfer_threads=1,
+    )
 
 
 def _checksum(pool, pages, device):
     from kvship.engine.disagg.checksum import default_algorithm, kv_checksum
+
     return kv_checksum(pool.buffers(), np.asarray(pages), pool.page_size, default_algorithm(device))
 
 
@@ -98,6 +116,7 @@ def _checksum(pool, pages, device):
 def _decode_main(conn, backend: str, device: str, ib_device: str | None) -> None:
     logging.basicConfig(level=logging.ERROR)
     from kvship.engine.disagg import KVPoll, create_kv_manager
+
     pool = mgr = None
     while True:
         msg = conn.recv()
@@ -172,8 +191,9 @@ def build_cases(device: str, sizes_mib: list[int], tokens: int) -> list[dict]:
         n_tok = mib * (1 << 20) // tok_bytes
         n_pages = max(1, n_tok // sw["page_size"])
         pages = list(range(1, n_pages + 1))
-        cases.append(dict(name=f"sweep {mib} MiB", kind="sweep", pool=dict(sw, num_slots=max_tokens + 64),
-                          src=pages, dst=pages))
+        cases.append(
+            dict(name=f"sweep {mib} MiB", kind="sweep", pool=dict(sw, num_slots=max_tokens + 64), src=pages, dst=pages)
+        )
     dt = str(_dtype(device, "request")).removeprefix("torch.")
     for ps in (16, 1):
         n_pages = -(-tokens // ps)
@@ -182,8 +202,9 @@ def build_cases(device: str, sizes_mib: list[int], tokens: int) -> list[dict]:
         contiguous = list(range(n_pages + 1, 2 * n_pages + 1))
         scattered = [int(x) for x in np.random.default_rng(ps).permutation(np.arange(1, 2 * n_pages + 1))[:n_pages]]
         for label, dst in (("contiguous", contiguous), ("scattered", scattered)):
-            cases.append(dict(name=f"SmolLM2 {tokens} tok, page {ps}, {label}", kind="request", pool=spec,
-                              src=src, dst=dst))
+            cases.append(
+                dict(name=f"SmolLM2 {tokens} tok, page {ps}, {label}", kind="request", pool=spec, src=src, dst=dst)
+            )
     return cases
 
 
@@ -195,6 +216,7 @@ def payload_bytes(case: dict) -> int:
 
 def n_descriptors(case: dict) -> int:
     from kvship.engine.disagg.descriptors import page_runs
+
     return len(page_runs(np.asarray(case["src"]), np.asarray(case["dst"]))) * 2 * case["pool"]["num_layers"]
 
 
@@ -202,7 +224,7 @@ def memcpy_gbps(nbytes: int, device: str, min_repeats: int = 5, min_seconds: flo
     """Best-of-N ``dst.copy_(src)`` of ``nbytes`` (warm buffers; at least ``min_seconds`` of samples)."""
     threads = torch.get_num_threads()
     if device == "cpu":
-        torch.set_num_threads(1)   # one stream, like one transfer; also steadier on a shared host
+        torch.set_num_threads(1)  # one stream, like one transfer; also steadier on a shared host
     try:
         return _memcpy_gbps(nbytes, device, min_repeats, min_seconds)
     finally:
@@ -229,11 +251,13 @@ def _memcpy_gbps(nbytes: int, device: str, min_repeats: int, min_seconds: float)
 
 def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_device: str | None) -> list[dict]:
     from kvship.engine.disagg import AuxInfo, KVPoll, create_kv_manager
+
     child = DecodeChild(backend, device, ib_device)
     rows = []
     room = 1 << 40
     try:
         from tqdm import tqdm
+
         bar = tqdm(cases, desc=f"{backend}", file=sys.stderr, leave=False)
     except ImportError:  # pragma: no cover - tqdm is a kvship dependency
         bar = cases
@@ -251,7 +275,7 @@ def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_d
                 child.call("setup", case["pool"])
                 last_spec = case["pool"]
             times, failure = [], None
-            for rep in range(repeats + 1):   # first one warms connections and caches
+            for rep in range(repeats + 1):  # first one warms connections and caches
                 room += 1
                 s = mgr.create_sender(room)
                 child.call("recv", mgr.bootstrap_port, room, case["dst"])
@@ -270,17 +294,28 @@ def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_d
                 if rep:
                     times.append(t1 - t0)
             nbytes = payload_bytes(case)
-            row = dict(backend=backend, case=case["name"], kind=case["kind"], payload_mib=round(nbytes / 2 ** 20, 2),
-                       descriptors=n_descriptors(case))
+            row = dict(
+                backend=backend,
+                case=case["name"],
+                kind=case["kind"],
+                payload_mib=round(nbytes / 2**20, 2),
+                descriptors=n_descriptors(case),
+            )
             if failure:
                 row.update(error=failure)
             else:
                 ok = child.call("checksum", case["dst"])[1] == _checksum(pool, case["src"], device)
                 best, med = min(times), statistics.median(times)
                 base = memcpy_gbps(nbytes, device)
-                row.update(best_ms=round(best * 1e3, 3), median_ms=round(med * 1e3, 3),
-                           gbps=round(nbytes / best / 1e9, 3), median_gbps=round(nbytes / med / 1e9, 3),
-                           memcpy_gbps=round(base, 2), ratio=round(nbytes / best / 1e9 / base, 4), verified=ok)
+                row.update(
+                    best_ms=round(best * 1e3, 3),
+                    median_ms=round(med * 1e3, 3),
+                    gbps=round(nbytes / best / 1e9, 3),
+                    median_gbps=round(nbytes / med / 1e9, 3),
+                    memcpy_gbps=round(base, 2),
+                    ratio=round(nbytes / best / 1e9 / base, 4),
+                    verified=ok,
+                )
             rows.append(row)
             logger.info("%s", row)
     finally:
@@ -291,18 +326,25 @@ def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_d
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"Device: {result['device_name']}; {result['note']}", "",
-             "| backend | case | payload MiB | descriptors | best ms | GB/s (best) | GB/s (median) | memcpy GB/s | ratio "
-             "| data verified |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Device: {result['device_name']}; {result['note']}",
+        "",
+        "| backend | case | payload MiB | descriptors | best ms | GB/s (best) | GB/s (median) | memcpy GB/s | ratio "
+        "| data verified |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['case']} | {r['payload_mib']} | {r['descriptors']} | — | "
-                         f"failed: {r['error']} | | | | |")
+            lines.append(
+                f"| {r['backend']} | {r['case']} | {r['payload_mib']} | {r['descriptors']} | — | "
+                f"failed: {r['error']} | | | | |"
+            )
             continue
-        lines.append(f"| {r['backend']} | {r['case']} | {r['payload_mib']} | {r['descriptors']} | {r['best_ms']} | "
-                     f"{r['gbps']} | {r['median_gbps']} | {r['memcpy_gbps']} | {r['ratio']} | "
-                     f"{'yes' if r['verified'] else 'NO'} |")
+        lines.append(
+            f"| {r['backend']} | {r['case']} | {r['payload_mib']} | {r['descriptors']} | {r['best_ms']} | "
+            f"{r['gbps']} | {r['median_gbps']} | {r['memcpy_gbps']} | {r['ratio']} | "
+            f"{'yes' if r['verified'] else 'NO'} |"
+        )
     for b, why in result["skipped"].items():
         lines.append(f"\n{b}: not run ({why})")
     return "\n".join(lines) + "\n"
@@ -311,7 +353,9 @@ def to_markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--backends", default=None, help="comma list (default: tcp,mooncake,nixl on cpu; mooncake,nixl on cuda)")
+    ap.add_argument(
+        "--backends", default=None, help="comma list (default: tcp,mooncake,nixl on cpu; mooncake,nixl on cuda)"
+    )
     ap.add_argument("--sizes-mib", default="1,4,16,64,256")
     ap.add_argument("--request-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
@@ -327,6 +371,7 @@ def main(argv=None) -> int:
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
     from kvship.engine.disagg.base import BackendUnavailableError, get_transfer_backend
+
     backends = (args.backends or ("mooncake,nixl" if args.device == "cuda" else "tcp,mooncake,nixl")).split(",")
     cases = build_cases(args.device, [int(x) for x in args.sizes_mib.split(",")], args.request_tokens)
     if args.only:
@@ -340,12 +385,21 @@ def main(argv=None) -> int:
             print(f"skipping {b}: {e}", file=sys.stderr)
             continue
         rows += run_backend(b, cases, args.device, args.repeats, args.ib_device)
-    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else \
-        f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
-    result = dict(device=args.device, device_name=dev_name, repeats=args.repeats, rows=rows, skipped=skipped,
-                  note="two processes on one host; time = send() on prefill until Success on decode; "
-                       "ratio = GB/s / same-size torch memcpy GB/s",
-                  versions={"python": platform.python_version(), "torch": torch.__version__})
+    dev_name = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    )
+    result = dict(
+        device=args.device,
+        device_name=dev_name,
+        repeats=args.repeats,
+        rows=rows,
+        skipped=skipped,
+        note="two processes on one host; time = send() on prefill until Success on decode; "
+        "ratio = GB/s / same-size torch memcpy GB/s",
+        versions={"python": platform.python_version(), "torch": torch.__version__},
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

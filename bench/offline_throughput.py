@@ -75,12 +75,18 @@ class KvshipEngine:
 
         max_bs = max(args.batch_sizes)
         total = max_bs * (args.input_len + args.output_len + 16) * 2
-        self.server_args = ServerArgs(model_path=args.model_path, device=args.device, dtype=args.dtype,
-                                      load_format=args.load_format, max_total_tokens=total,
-                                      max_running_requests=max(max_bs, 1), page_size=args.page_size,
-                                      chunked_prefill_size=args.chunked_prefill_size,
-                                      max_prefill_tokens=max(8192, max_bs * args.input_len),
-                                      attention_backend=args.attention_backend)
+        self.server_args = ServerArgs(
+            model_path=args.model_path,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            max_total_tokens=total,
+            max_running_requests=max(max_bs, 1),
+            page_size=args.page_size,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=max(8192, max_bs * args.input_len),
+            attention_backend=args.attention_backend,
+        )
         t = time.perf_counter()
         self.runner = ModelRunner(self.server_args)
         logger.info("kvship loaded in %.1f s", time.perf_counter() - t)
@@ -111,8 +117,12 @@ class HFEngine:
     def __init__(self, args: argparse.Namespace, model_path: str):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        dtype = {"auto": torch.bfloat16 if args.device == "cuda" else torch.float32, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        dtype = {
+            "auto": torch.bfloat16 if args.device == "cuda" else torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[args.dtype]
         t = time.perf_counter()
         if model_path.endswith(".gguf"):
             folder, name = os.path.split(model_path)
@@ -132,10 +142,16 @@ class HFEngine:
         ids = torch.zeros((len(prompts), width), dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                                  max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        out = self.model.generate(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=0,
+        )
         sync(self.device)
         return int((out.shape[1] - width) * len(prompts))
 
@@ -172,6 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.num_threads)
     if args.model_path is None:
         from kvship.engine.embedded import embedded_model_path
+
         args.model_path = embedded_model_path()
 
     kv = KvshipEngine(args)
@@ -189,8 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for rnd in range(args.rounds):
         for bs in args.batch_sizes:
             nsets = args.batch1_requests if bs == 1 else 1
-            sets = [make_prompts(bs, args.input_len, vocab, seed=100_000 * rnd + 1000 * bs + k)
-                    for k in range(nsets)]
+            sets = [make_prompts(bs, args.input_len, vocab, seed=100_000 * rnd + 1000 * bs + k) for k in range(nsets)]
             engines = [("kvship", kv)] + ([("transformers", hf)] if hf is not None else [])
             for name, engine in engines:
                 logger.info("round %d batch %d: %s", rnd + 1, bs, name)
@@ -220,18 +236,21 @@ def append_md(args: argparse.Namespace, results: list[tuple[Result, Optional[Res
     rows = ["| batch | requests | kvship tok/s | transformers tok/s | ratio |", "|---|---|---|---|---|"]
     for r_kv, r_hf in results:
         ratio = f"{r_kv.tok_s / r_hf.tok_s:.2f}x" if r_hf and r_hf.tok_s else "-"
-        rows.append(f"| {r_kv.batch} | {r_kv.requests} | {r_kv.tok_s:.1f} | "
-                    f"{f'{r_hf.tok_s:.1f}' if r_hf else '-'} | {ratio} |")
+        rows.append(
+            f"| {r_kv.batch} | {r_kv.requests} | {r_kv.tok_s:.1f} | {f'{r_hf.tok_s:.1f}' if r_hf else '-'} | {ratio} |"
+        )
     path = args.append_md
     exists = os.path.exists(path)
     with open(path, "a", encoding="utf-8") as f:
         if not exists:
             f.write("# Benchmarks\n")
-        f.write(f"\n## Offline throughput: kvship vs transformers ({model}, {args.device})\n\n"
-                f"`bench/offline_throughput.py --input-len {args.input_len} --output-len {args.output_len} "
-                f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}` on {machine}; greedy, "
-                f"{args.output_len} new tokens per request, output tokens/s including prefill, "
-                f"best of {args.rounds} interleaved rounds.\n\n")
+        f.write(
+            f"\n## Offline throughput: kvship vs transformers ({model}, {args.device})\n\n"
+            f"`bench/offline_throughput.py --input-len {args.input_len} --output-len {args.output_len} "
+            f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}` on {machine}; greedy, "
+            f"{args.output_len} new tokens per request, output tokens/s including prefill, "
+            f"best of {args.rounds} interleaved rounds.\n\n"
+        )
         f.write("\n".join(rows) + "\n")
 
 

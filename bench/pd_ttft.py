@@ -68,6 +68,7 @@ def _ensure_kvship() -> None:
     """Make ``kvship`` importable from a checkout that is not pip-installed (folders linked under a temp dir)."""
     try:
         import kvship.engine.config  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -145,8 +146,13 @@ def instrument(sched: Any, device: str) -> dict[str, list]:
             process(pending)
         finally:
             _sync(device)
-            rec["steps"].append(([r.rid for r in batch.reqs], batch.forward_mode.is_extend(),
-                                 time.perf_counter() - started.pop(id(batch))))
+            rec["steps"].append(
+                (
+                    [r.rid for r in batch.reqs],
+                    batch.forward_mode.is_extend(),
+                    time.perf_counter() - started.pop(id(batch)),
+                )
+            )
 
     sched.launch, sched.process = timed_launch, timed_process
     role = sched.role
@@ -195,12 +201,23 @@ class Bench:
         self.args = args
         self.device = args.device
         n = args.prompt_len
-        common = dict(model_path=model_dir, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                      page_size=args.page_size, max_total_tokens=args.max_total_tokens or 3 * n + 1024,
-                      context_length=n + 64, max_running_requests=8, disable_radix_cache=True,
-                      disable_overlap_schedule=True, chunked_prefill_size=args.chunked_prefill_size,
-                      max_prefill_tokens=max(8192, n), cuda_graph_max_bs=8,
-                      disable_cuda_graph=args.disable_cuda_graph, num_threads=args.num_threads)
+        common = dict(
+            model_path=model_dir,
+            load_format=args.load_format,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens or 3 * n + 1024,
+            context_length=n + 64,
+            max_running_requests=8,
+            disable_radix_cache=True,
+            disable_overlap_schedule=True,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=max(8192, n),
+            cuda_graph_max_bs=8,
+            disable_cuda_graph=args.disable_cuda_graph,
+            num_threads=args.num_threads,
+        )
         if args.attention_backend:
             common["attention_backend"] = args.attention_backend
         self.common = common
@@ -219,11 +236,18 @@ class Bench:
 
     def request(self, rid: str, ids: list[int], room: Optional[int] = None, port: Optional[int] = None):
         from kvship.engine.io_struct import GenerateRequest, SamplingParams
+
         sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
         if room is None:
             return GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp)
-        return GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp, bootstrap_host="127.0.0.1",
-                               bootstrap_port=port, bootstrap_room=room)
+        return GenerateRequest(
+            rid=rid,
+            input_ids=ids,
+            sampling_params=sp,
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=port,
+            bootstrap_room=room,
+        )
 
     def _check_free(self, runner: Any, who: str) -> None:
         a = runner.allocator
@@ -238,11 +262,17 @@ class Bench:
 
         a = self.args
         p_sink, d_sink = Sink(), Sink()
-        prefill = PrefillScheduler(self.sa["prefill"], self.p_runner, None, p_sink,
-                                   kv_config=KVTransferConfig(backend=backend, bootstrap_port=0))
+        prefill = PrefillScheduler(
+            self.sa["prefill"],
+            self.p_runner,
+            None,
+            p_sink,
+            kv_config=KVTransferConfig(backend=backend, bootstrap_port=0),
+        )
         try:
-            decode = DecodeScheduler(self.sa["decode"], self.d_runner, None, d_sink,
-                                     kv_config=KVTransferConfig(backend=backend))
+            decode = DecodeScheduler(
+                self.sa["decode"], self.d_runner, None, d_sink, kv_config=KVTransferConfig(backend=backend)
+            )
         except BaseException:
             prefill.close()
             raise
@@ -290,12 +320,21 @@ class Bench:
                 if d_sink.done[rid].get("type") == "abort":
                     raise RuntimeError(f"{backend}: {rid} aborted: {d_sink.done[rid]}")
                 t_ready = dict(p_rec["ship"])[rid]
-                row = dict(prefill=step_time(p_rec, rid, True), transfer=t_success - t_ready,
-                           decode_step=step_time(d_rec, rid, False), stepped_ttft=d_sink.first[rid] - t0)
+                row = dict(
+                    prefill=step_time(p_rec, rid, True),
+                    transfer=t_success - t_ready,
+                    decode_step=step_time(d_rec, rid, False),
+                    stepped_ttft=d_sink.first[rid] - t0,
+                )
                 if i >= a.warmup:
                     rows.append(row)
-                logger.info("%s breakdown %s%s: %s", backend, rid, " (warm-up)" if i < a.warmup else "",
-                            {k: round(v * 1e3, 3) for k, v in row.items()})
+                logger.info(
+                    "%s breakdown %s%s: %s",
+                    backend,
+                    rid,
+                    " (warm-up)" if i < a.warmup else "",
+                    {k: round(v * 1e3, 3) for k, v in row.items()},
+                )
             # --- end to end: the real scheduler loops
             loops = [LoopThread(prefill, "pd-prefill"), LoopThread(decode, "pd-decode")]
             e2e: list[dict[str, float]] = []
@@ -312,8 +351,13 @@ class Bench:
                 row = dict(pd_ttft=d_sink.first[rid] - t0, pd_prefill_in_loop=step_time(p_rec, rid, True))
                 if i >= a.warmup:
                     e2e.append(row)
-                logger.info("%s end to end %s%s: %s", backend, rid, " (warm-up)" if i < a.warmup else "",
-                            {k: round(v * 1e3, 3) for k, v in row.items()})
+                logger.info(
+                    "%s end to end %s%s: %s",
+                    backend,
+                    rid,
+                    " (warm-up)" if i < a.warmup else "",
+                    {k: round(v * 1e3, 3) for k, v in row.items()},
+                )
         finally:
             for lp in loops:
                 lp.stop()
@@ -331,6 +375,7 @@ class Bench:
     def unified(self) -> list[dict[str, float]]:
         """Unified TTFT samples (after warm-up) on the prefill runner."""
         from kvship.engine.scheduler import Scheduler
+
         a = self.args
         sink = Sink()
         sched = Scheduler(self.sa["unified"], self.p_runner, None, sink)
@@ -349,8 +394,12 @@ class Bench:
                 row = dict(unified_ttft=sink.first[rid] - t0, unified_extend=step_time(rec, rid, True))
                 if i >= a.warmup:
                     rows.append(row)
-                logger.info("unified %s%s: %s", rid, " (warm-up)" if i < a.warmup else "",
-                            {k: round(v * 1e3, 3) for k, v in row.items()})
+                logger.info(
+                    "unified %s%s: %s",
+                    rid,
+                    " (warm-up)" if i < a.warmup else "",
+                    {k: round(v * 1e3, 3) for k, v in row.items()},
+                )
         finally:
             loop.stop()
         self._check_free(self.p_runner, "unified")
@@ -361,14 +410,25 @@ class Bench:
 
 
 def environment(device: str) -> dict[str, Any]:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-           "cpu_count": os.cpu_count()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name(0)
     from importlib.metadata import PackageNotFoundError, version
-    dists = {"flashinfer": ("flashinfer-python",), "nixl": ("nixl", "nixl-cu13", "nixl-cu12"),
-             "mooncake": ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine",
-                          "mooncake-transfer-engine-non-cuda")}
+
+    dists = {
+        "flashinfer": ("flashinfer-python",),
+        "nixl": ("nixl", "nixl-cu13", "nixl-cu12"),
+        "mooncake": (
+            "mooncake-transfer-engine-cuda13",
+            "mooncake-transfer-engine",
+            "mooncake-transfer-engine-non-cuda",
+        ),
+    }
     for pkg, names in dists.items():
         for name in names:
             with contextlib.suppress(PackageNotFoundError):
@@ -380,49 +440,71 @@ def environment(device: str) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     u = res["unified"]
     ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
-    lines = [f"## PD TTFT breakdown ({res['model']}, prompt {res['prompt_len']} tokens, page {res['page_size']}, "
-             f"{res['device']}{' ' + res['env'].get('gpu', '') if res['device'] == 'cuda' else ''})", "",
-             f"Medians of {res['repeats']} requests per phase (after {res['warmup']} warm-up; unified: "
-             f"{2 * res['repeats']}, half before and half after the PD runs). Unified TTFT "
-             f"{ms(u['unified_ttft'])} ms (its extend {ms(u['unified_extend'])} ms).", "",
-             "| backend | (a) prefill ms | (b) KV transfer ms | (c) first decode step ms | a+b+c ms | "
-             "PD TTFT ms (e2e) | e2e - (a+b+c) ms | unified TTFT ms | PD / unified | transfer / PD TTFT |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## PD TTFT breakdown ({res['model']}, prompt {res['prompt_len']} tokens, page {res['page_size']}, "
+        f"{res['device']}{' ' + res['env'].get('gpu', '') if res['device'] == 'cuda' else ''})",
+        "",
+        f"Medians of {res['repeats']} requests per phase (after {res['warmup']} warm-up; unified: "
+        f"{2 * res['repeats']}, half before and half after the PD runs). Unified TTFT "
+        f"{ms(u['unified_ttft'])} ms (its extend {ms(u['unified_extend'])} ms).",
+        "",
+        "| backend | (a) prefill ms | (b) KV transfer ms | (c) first decode step ms | a+b+c ms | "
+        "PD TTFT ms (e2e) | e2e - (a+b+c) ms | unified TTFT ms | PD / unified | transfer / PD TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for b, r in res["backends"].items():
         if "error" in r:
             lines.append(f"| {b} | failed: {r['error']} | | | | | | | | |")
             continue
         abc = r["prefill"] + r["transfer"] + r["decode_step"]
-        lines.append(f"| {b} | {ms(r['prefill'])} | {ms(r['transfer'])} | {ms(r['decode_step'])} | {ms(abc)} | "
-                     f"{ms(r['pd_ttft'])} | {ms(r['pd_ttft'] - abc)} | {ms(u['unified_ttft'])} | "
-                     f"{r['pd_ttft'] / u['unified_ttft']:.2f}x | "
-                     f"{r['transfer'] / r['pd_ttft']:.1%} |")
+        lines.append(
+            f"| {b} | {ms(r['prefill'])} | {ms(r['transfer'])} | {ms(r['decode_step'])} | {ms(abc)} | "
+            f"{ms(r['pd_ttft'])} | {ms(r['pd_ttft'] - abc)} | {ms(u['unified_ttft'])} | "
+            f"{r['pd_ttft'] / u['unified_ttft']:.2f}x | "
+            f"{r['transfer'] / r['pd_ttft']:.1%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", action="append", choices=("tcp", "mooncake", "nixl"),
-                    help="transfer backend (repeatable; default: tcp, mooncake, nixl)")
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=("tcp", "mooncake", "nixl"),
+        help="transfer backend (repeatable; default: tcp, mooncake, nixl)",
+    )
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--model-path", default=None,
-                    help="model folder / .gguf (default: --shape's dummy config on cuda, the embedded SmolLM2 on cpu)")
-    ap.add_argument("--shape", default=None, help="write this bench/decode_latency.py shape's config.json "
-                                                  "(e.g. llama3-8b) and use it with --load-format dummy")
+    ap.add_argument(
+        "--model-path",
+        default=None,
+        help="model folder / .gguf (default: --shape's dummy config on cuda, the embedded SmolLM2 on cpu)",
+    )
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="write this bench/decode_latency.py shape's config.json "
+        "(e.g. llama3-8b) and use it with --load-format dummy",
+    )
     ap.add_argument("--load-format", default=None, help="default: dummy with --shape, else auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunked-prefill-size", type=int, default=2048, help="as the server's flag (-1: off)")
     ap.add_argument("--attention-backend", default=None, help="default: the server's auto")
-    ap.add_argument("--max-total-tokens", type=int, default=None,
-                    help="KV pool of each runner (default 3 x prompt + 1024)")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV pool of each runner (default 3 x prompt + 1024)"
+    )
     ap.add_argument("--disable-cuda-graph", action="store_true")
-    ap.add_argument("--num-threads", type=int, default=None,
-                    help="torch intra-op threads (default: 1 on cpu, where each scheduler thread gets its own "
-                         "OpenMP team and teams of several threads spin against each other, which swamps the "
-                         "timings; torch's choice on cuda)")
+    ap.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: 1 on cpu, where each scheduler thread gets its own "
+        "OpenMP team and teams of several threads spin against each other, which swamps the "
+        "timings; torch's choice on cuda)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -453,12 +535,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     bench = Bench(args, model_dir)
     res: dict[str, Any] = {
-        "env": environment(args.device), "device": args.device, "prompt_len": args.prompt_len,
-        "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
-        "model": args.shape or os.path.basename(str(bench.p_runner.model_path)), "load_format": args.load_format,
-        "dtype": str(bench.p_runner.dtype), "repeats": args.repeats, "warmup": args.warmup,
-        "max_total_tokens": bench.common["max_total_tokens"], "num_threads": torch.get_num_threads(),
-        "backends": {}}
+        "env": environment(args.device),
+        "device": args.device,
+        "prompt_len": args.prompt_len,
+        "page_size": args.page_size,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "model": args.shape or os.path.basename(str(bench.p_runner.model_path)),
+        "load_format": args.load_format,
+        "dtype": str(bench.p_runner.dtype),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "max_total_tokens": bench.common["max_total_tokens"],
+        "num_threads": torch.get_num_threads(),
+        "backends": {},
+    }
     os.makedirs(args.out, exist_ok=True)
     unified = bench.unified()  # before and after the PD runs: drift of the machine shows in both
     for b in backends:

@@ -39,9 +39,14 @@ from router_fixtures import router_process, start_double  # noqa: E402
 
 logger = logging.getLogger("router_overhead")
 
-BODY = {"model": "double-model", "max_tokens": 8,
-        "messages": [{"role": "system", "content": "You are a helpful assistant. " * 8},
-                     {"role": "user", "content": "Name three prime numbers and say why they are prime."}]}
+BODY = {
+    "model": "double-model",
+    "max_tokens": 8,
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant. " * 8},
+        {"role": "user", "content": "Name three prime numbers and say why they are prime."},
+    ],
+}
 
 
 ERROR_KINDS: collections.Counter = collections.Counter()
@@ -49,7 +54,7 @@ ERROR_KINDS: collections.Counter = collections.Counter()
 
 @dataclass
 class Run:
-    latencies: list[float]   # seconds, completed requests only
+    latencies: list[float]  # seconds, completed requests only
     errors: int
     offered: float
     elapsed: float
@@ -65,8 +70,15 @@ class Run:
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-async def _one(client: aiohttp.ClientSession, url: str, body: bytes, stream: bool, out: list[float],
-               errors: list[int], kinds: collections.Counter) -> None:
+async def _one(
+    client: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    stream: bool,
+    out: list[float],
+    errors: list[int],
+    kinds: collections.Counter,
+) -> None:
     t0 = time.perf_counter()
     try:
         async with client.post(url, data=body, headers={"content-type": "application/json"}) as r:
@@ -117,8 +129,9 @@ def cpu_seconds(pid: int) -> float:
 
 async def measure(direct: str, routed: str, router_pid: int, args) -> dict:
     # aiohttp, not httpx, drives the load: httpx's pool costs ~6 ms CPU per request at 400 req/s here
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=60)) as client:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+    ) as client:
         for base in (direct, routed):  # warm up connections and code paths
             await fixed_rate(client, base, 100, 1.0, False)
             await fixed_rate(client, base, 50, 0.5, True)
@@ -127,8 +140,15 @@ async def measure(direct: str, routed: str, router_pid: int, args) -> dict:
         for _ in tqdm(range(args.sequential // 100), desc="one at a time", leave=False):
             for name, base in (("direct", direct), ("router", routed)):
                 for _ in range(100):
-                    await _one(client, base + "/v1/chat/completions", json.dumps(BODY).encode(), False,
-                               seq[name], [0], ERROR_KINDS)
+                    await _one(
+                        client,
+                        base + "/v1/chat/completions",
+                        json.dumps(BODY).encode(),
+                        False,
+                        seq[name],
+                        [0],
+                        ERROR_KINDS,
+                    )
         res["sequential"] = {name: Run(lat, 0, 0, 1) for name, lat in seq.items()}
         rounds = max(1, args.rounds)
         for stream in (False, True):
@@ -151,10 +171,21 @@ async def measure(direct: str, routed: str, router_pid: int, args) -> dict:
             best = 0.0
             for rate in tqdm(args.ramp, desc=f"ramp {name}", leave=False):
                 r = await fixed_rate(client, base, rate, args.ramp_seconds, False)
-                ok = (r.errors == 0 and len(r.latencies) >= 0.97 * rate * args.ramp_seconds
-                      and r.pct(0.99) <= args.p99_limit_ms)
-                logger.info("ramp %s %g req/s: achieved %.0f, p50 %.2f ms, p99 %.2f ms, errors %d -> %s",
-                            name, rate, r.achieved, r.pct(0.5), r.pct(0.99), r.errors, "ok" if ok else "over")
+                ok = (
+                    r.errors == 0
+                    and len(r.latencies) >= 0.97 * rate * args.ramp_seconds
+                    and r.pct(0.99) <= args.p99_limit_ms
+                )
+                logger.info(
+                    "ramp %s %g req/s: achieved %.0f, p50 %.2f ms, p99 %.2f ms, errors %d -> %s",
+                    name,
+                    rate,
+                    r.achieved,
+                    r.pct(0.5),
+                    r.pct(0.99),
+                    r.errors,
+                    "ok" if ok else "over",
+                )
                 if not ok:
                     break
                 best = rate
@@ -164,37 +195,52 @@ async def measure(direct: str, routed: str, router_pid: int, args) -> dict:
 
 
 def report(res: dict, args) -> str:
-    lines = [f"Machine: {args.machine}; load average before the run {res['load_before']:.1f} "
-             f"(other jobs share the box).", "",
-             f"Fixed load: {args.rate:g} req/s for {args.seconds:g} s each (in {args.rounds} interleaved rounds), "
-             f"non-streaming chat completions of {len(json.dumps(BODY))} bytes and SSE streams (first chunk).", "",
-             "| load | path | n | errors | p50 ms | p99 ms | added p50 ms | added p99 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {args.machine}; load average before the run {res['load_before']:.1f} (other jobs share the box).",
+        "",
+        f"Fixed load: {args.rate:g} req/s for {args.seconds:g} s each (in {args.rounds} interleaved rounds), "
+        f"non-streaming chat completions of {len(json.dumps(BODY))} bytes and SSE streams (first chunk).",
+        "",
+        "| load | path | n | errors | p50 ms | p99 ms | added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     cpu: dict[str, float] = {}
     sd, sr = res["sequential"]["direct"], res["sequential"]["router"]
-    lines.append(f"| chat, JSON reply, one request at a time | direct | {len(sd.latencies)} | 0 | {sd.pct(0.5):.2f} | "
-                 f"{sd.pct(0.99):.2f} | - | - |")
-    lines.append(f"| chat, JSON reply, one request at a time | router | {len(sr.latencies)} | 0 | {sr.pct(0.5):.2f} | "
-                 f"{sr.pct(0.99):.2f} | {sr.pct(0.5) - sd.pct(0.5):.2f} | {sr.pct(0.99) - sd.pct(0.99):.2f} |")
+    lines.append(
+        f"| chat, JSON reply, one request at a time | direct | {len(sd.latencies)} | 0 | {sd.pct(0.5):.2f} | "
+        f"{sd.pct(0.99):.2f} | - | - |"
+    )
+    lines.append(
+        f"| chat, JSON reply, one request at a time | router | {len(sr.latencies)} | 0 | {sr.pct(0.5):.2f} | "
+        f"{sr.pct(0.99):.2f} | {sr.pct(0.5) - sd.pct(0.5):.2f} | {sr.pct(0.99) - sd.pct(0.99):.2f} |"
+    )
     for key, label in (("plain", "chat, JSON reply"), ("stream", "chat, SSE first chunk")):
         d, r = res[key]["direct"], res[key]["router"]
         cpu[label] = res[key + "_cpu_ms"]
         for name, run in (("direct", d), ("router", r)):
-            added = (f"{r.pct(0.5) - d.pct(0.5):.2f} | {r.pct(0.99) - d.pct(0.99):.2f}" if name == "router"
-                     else "- | -")
-            lines.append(f"| {label} | {name} | {len(run.latencies)} | {run.errors} | {run.pct(0.5):.2f} | "
-                         f"{run.pct(0.99):.2f} | {added} |")
-    lines += ["", "Router process CPU per request (whole request, all chunks of a stream): "
-              + ", ".join(f"{label} {ms:.2f} ms" for label, ms in cpu.items()) + "."]
+            added = f"{r.pct(0.5) - d.pct(0.5):.2f} | {r.pct(0.99) - d.pct(0.99):.2f}" if name == "router" else "- | -"
+            lines.append(
+                f"| {label} | {name} | {len(run.latencies)} | {run.errors} | {run.pct(0.5):.2f} | "
+                f"{run.pct(0.99):.2f} | {added} |"
+            )
+    lines += [
+        "",
+        "Router process CPU per request (whole request, all chunks of a stream): "
+        + ", ".join(f"{label} {ms:.2f} ms" for label, ms in cpu.items())
+        + ".",
+    ]
     ramp = res["ramp"]
     ratio = ramp["router"] / ramp["direct"] if ramp["direct"] else float("nan")
-    lines += ["", f"Max sustainable rate (offered {', '.join(f'{x:g}' for x in args.ramp)} req/s, "
-                  f"{args.ramp_seconds:g} s each; >= 97% done, no errors, p99 <= {args.p99_limit_ms:g} ms): "
-                  f"direct {ramp['direct']:g} req/s, through the router {ramp['router']:g} req/s "
-                  f"(ratio {ratio:.2f}).",
-              f"Goal p50 added <= 2 ms at 200 req/s: "
-              f"{'met' if res['plain']['router'].pct(0.5) - res['plain']['direct'].pct(0.5) <= 2.0 else 'NOT met'} "
-              f"at {args.rate:g} req/s."]
+    lines += [
+        "",
+        f"Max sustainable rate (offered {', '.join(f'{x:g}' for x in args.ramp)} req/s, "
+        f"{args.ramp_seconds:g} s each; >= 97% done, no errors, p99 <= {args.p99_limit_ms:g} ms): "
+        f"direct {ramp['direct']:g} req/s, through the router {ramp['router']:g} req/s "
+        f"(ratio {ratio:.2f}).",
+        f"Goal p50 added <= 2 ms at 200 req/s: "
+        f"{'met' if res['plain']['router'].pct(0.5) - res['plain']['direct'].pct(0.5) <= 2.0 else 'NOT met'} "
+        f"at {args.rate:g} req/s.",
+    ]
     return "\n".join(lines)
 
 
@@ -227,9 +273,11 @@ def main() -> None:
         with open(args.append_md, "a") as f:
             if new:
                 f.write("# Benchmarks\n")
-            f.write(f"\n## Router overhead\n\n`python bench/router_overhead.py {' '.join(sys.argv[1:])}` "
-                    f"({time.strftime('%Y-%m-%d')}); router flags: defaults (cache_aware, log level info)"
-                    f"{' + ' + args.router_args if args.router_args else ''}.\n\n{text}\n")
+            f.write(
+                f"\n## Router overhead\n\n`python bench/router_overhead.py {' '.join(sys.argv[1:])}` "
+                f"({time.strftime('%Y-%m-%d')}); router flags: defaults (cache_aware, log level info)"
+                f"{' + ' + args.router_args if args.router_args else ''}.\n\n{text}\n"
+            )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,13 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
     d = c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     h, i = c["hidden_size"], c["intermediate_size"]
-    return {"qkv_proj": (q + 2 * kv, h, sg.ACT_NONE), "o_proj": (h, q, sg.ACT_NONE),
-            "gate_up_proj": (2 * i, h, sg.ACT_NONE), "down_proj": (h, i, sg.ACT_SILU_MUL),
-            "lm_head": (c["vocab_size"], h, sg.ACT_NONE)}
+    return {
+        "qkv_proj": (q + 2 * kv, h, sg.ACT_NONE),
+        "o_proj": (h, q, sg.ACT_NONE),
+        "gate_up_proj": (2 * i, h, sg.ACT_NONE),
+        "down_proj": (h, i, sg.ACT_SILU_MUL),
+        "lm_head": (c["vocab_size"], h, sg.ACT_NONE),
+    }
 
 
 def candidates(m: int, wide: bool = False) -> list[sg.SkinnyConfig]:
@@ -84,12 +88,13 @@ WIDE = False
 
 def reference(x: torch.Tensor, w: torch.Tensor, act: int) -> torch.Tensor:
     if act == sg.ACT_SILU_MUL:
-        x = silu_and_mul(x) if x.is_cuda else F.silu(x[:, : w.shape[1]]) * x[:, w.shape[1]:]
+        x = silu_and_mul(x) if x.is_cuda else F.silu(x[:, : w.shape[1]]) * x[:, w.shape[1] :]
     return x.float() @ w.float().t()
 
 
-def bench_case(name: str, n: int, k: int, act: int, m: int, hbm: float, dev: torch.device, dtype: torch.dtype,
-               smoke: bool) -> dict[str, Any]:
+def bench_case(
+    name: str, n: int, k: int, act: int, m: int, hbm: float, dev: torch.device, dtype: torch.dtype, smoke: bool
+) -> dict[str, Any]:
     wbytes = n * k * torch.tensor([], dtype=dtype).element_size()
     copies = 1 if smoke else max(2, -(-(256 << 20) // wbytes))  # > 5x the H100's 50 MB L2
     gen = torch.Generator(device=dev).manual_seed(n * 31 + k)
@@ -154,25 +159,40 @@ def bench_case(name: str, n: int, k: int, act: int, m: int, hbm: float, dev: tor
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"GPU: {res['env'].get('gpu')}, torch {res['env'].get('torch')}, triton {res['env'].get('triton')}; "
-             f"copy bandwidth {res['hbm_TBps']:.2f} TB/s; shape {res['shape']}; times are per call inside a CUDA "
-             "graph; % = weight bytes / time / copy bandwidth.", "",
-             "| layer | M | cuBLAS us (%) | cuBLAS K-major us (%) | ours, best us (%) | ours, auto us (%) | "
-             "cuBLAS / best | best config |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU: {res['env'].get('gpu')}, torch {res['env'].get('torch')}, triton {res['env'].get('triton')}; "
+        f"copy bandwidth {res['hbm_TBps']:.2f} TB/s; shape {res['shape']}; times are per call inside a CUDA "
+        "graph; % = weight bytes / time / copy bandwidth.",
+        "",
+        "| layer | M | cuBLAS us (%) | cuBLAS K-major us (%) | ours, best us (%) | ours, auto us (%) | "
+        "cuBLAS / best | best config |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
+
         def cell(key: str) -> str:
             us = r.get(key + "_us")
             return f"{us:.1f} ({100 * r[key + '_frac']:.0f}%)" if us is not None else "-"
+
         cub = "cublas_with_act" if "cublas_with_act_us" in r else "cublas"
         bc = r.get("best_cfg") or {}
-        cfg = (f"{'mma' if bc.get('mma') else 'gemv'} m{bc.get('block_m')} n{bc.get('block_n')} k{bc.get('block_k')} "
-               f"w{bc.get('num_warps')} s{bc.get('num_stages')}") if bc else "-"
+        cfg = (
+            (
+                f"{'mma' if bc.get('mma') else 'gemv'} m{bc.get('block_m')} n{bc.get('block_n')} k{bc.get('block_k')} "
+                f"w{bc.get('num_warps')} s{bc.get('num_stages')}"
+            )
+            if bc
+            else "-"
+        )
         ratio = r.get("cublas_over_best")
-        lines.append(f"| {r['layer']} | {r['m']} | {cell(cub)} | {cell('cublas_kmajor')} | {cell('best')} | "
-                     f"{cell('auto')} | {f'{ratio:.2f}x' if ratio else '-'} | {cfg} |")
+        lines.append(
+            f"| {r['layer']} | {r['m']} | {cell(cub)} | {cell('cublas_kmajor')} | {cell('best')} | "
+            f"{cell('auto')} | {f'{ratio:.2f}x' if ratio else '-'} | {cfg} |"
+        )
     lines.append("")
-    lines.append("down_proj's cuBLAS column includes the separate SiLU-and-mul kernel; ours computes it in the "
-                 "matmul's input.")
+    lines.append(
+        "down_proj's cuBLAS column includes the separate SiLU-and-mul kernel; ours computes it in the matmul's input."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -209,8 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 # the candidate tiles are sized for real shapes; shrink them to the tiny ones
                 row = {"layer": name, "m": m, "configs": []}
                 for cfg in candidates(m):
-                    small = sg.SkinnyConfig(cfg.mma, cfg.block_m, min(cfg.block_n, 16), min(cfg.block_k, 64),
-                                            cfg.num_warps, cfg.num_stages)
+                    small = sg.SkinnyConfig(
+                        cfg.mma, cfg.block_m, min(cfg.block_n, 16), min(cfg.block_k, 64), cfg.num_warps, cfg.num_stages
+                    )
                     x = torch.randn(m, 2 * k if act else k, dtype=dtype, device=dev)
                     w = torch.randn(n, k, dtype=dtype, device=dev)
                     y = sg.launch(x, w, None, torch.empty(m, n, dtype=dtype, device=dev), act, small)
@@ -228,10 +249,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 row["auto_us"] = row.get("cublas_with_act_us", row["cublas_us"])
                 row["auto_frac"] = row.get("cublas_with_act_frac", row["cublas_frac"])
             res["rows"].append(row)
-            print(f"[{time.time() - t0:6.1f}s] {name:13s} m={m:3d} cublas {row.get('cublas_us', 0):8.1f}us "
-                  f"({100 * row.get('cublas_frac', 0):3.0f}%)  kmajor {row.get('cublas_kmajor_us', 0):8.1f}us  "
-                  f"best {row.get('best_us', 0):8.1f}us ({100 * row.get('best_frac', 0):3.0f}%) "
-                  f"{row.get('best_cfg')}  auto {row.get('auto_us', 0):8.1f}us", flush=True)
+            print(
+                f"[{time.time() - t0:6.1f}s] {name:13s} m={m:3d} cublas {row.get('cublas_us', 0):8.1f}us "
+                f"({100 * row.get('cublas_frac', 0):3.0f}%)  kmajor {row.get('cublas_kmajor_us', 0):8.1f}us  "
+                f"best {row.get('best_us', 0):8.1f}us ({100 * row.get('best_frac', 0):3.0f}%) "
+                f"{row.get('best_cfg')}  auto {row.get('auto_us', 0):8.1f}us",
+                flush=True,
+            )
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "skinny_gemm.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -66,6 +66,7 @@ def main() -> int:
     src = args.src
     if src is None:
         from kvship.engine.embedded import embedded_model_path
+
         src = embedded_model_path()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     size = write_subset(src, args.out, args.layers)

@@ -20,8 +20,9 @@ from dataclasses import field
 from typing import Any, Sequence
 
 
-def opt(default: Any, help: str, *, choices: Sequence[Any] | None = None,
-        nargs: str | None = None, flag: str | None = None) -> Any:
+def opt(
+    default: Any, help: str, *, choices: Sequence[Any] | None = None, nargs: str | None = None, flag: str | None = None
+) -> Any:
     """A dataclass field carrying its CLI help text (and optional choices)."""
     meta = {"help": help}
     if choices is not None:
@@ -73,8 +74,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def dataclass_from_namespace(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
     """``cls`` built from the parsed flags its fields name (lists become tuples where the field is a tuple)."""
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
-              if f.init and hasattr(ns, f.name)}
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(ns, f.name)}
     for k, v in list(values.items()):
         if isinstance(v, list) and typing.get_origin(_base_type(typing.get_type_hints(cls)[k])) is tuple:
             values[k] = tuple(v)

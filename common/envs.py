@@ -55,33 +55,49 @@ class Knob(Generic[T]):
 class _Env:
     """The knobs (attribute name = variable name without ``KVSHIP_``)."""
 
-    API_KEY = Knob("KVSHIP_API_KEY", _opt_str, None,
-                   "API key a worker or router requires from clients (same as --api-key)")
-    WORKER_API_KEY = Knob("KVSHIP_WORKER_API_KEY", _opt_str, None,
-                          "API key the router sends to workers (same as --worker-api-key)")
-    CACHE_DIR = Knob("KVSHIP_CACHE_DIR", _opt_str, None,
-                     "where converted tokenizers are cached (default ~/.cache/kvship)")
-    FORCE_OVERLAP_SCHEDULE = Knob("KVSHIP_FORCE_OVERLAP_SCHEDULE", _bool, False,
-                                  "run the overlapped scheduler loop off CUDA too (tests)")
-    DISABLE_FUSED_OPS = Knob("KVSHIP_DISABLE_FUSED_OPS", _bool, False,
-                             "use the torch ops instead of our Triton kernels for norms/activations")
-    DISABLE_SKINNY_GEMM = Knob("KVSHIP_DISABLE_SKINNY_GEMM", _bool, False,
-                               "decode projections on cuBLAS instead of our Triton skinny GEMMs")
+    API_KEY = Knob(
+        "KVSHIP_API_KEY", _opt_str, None, "API key a worker or router requires from clients (same as --api-key)"
+    )
+    WORKER_API_KEY = Knob(
+        "KVSHIP_WORKER_API_KEY", _opt_str, None, "API key the router sends to workers (same as --worker-api-key)"
+    )
+    CACHE_DIR = Knob(
+        "KVSHIP_CACHE_DIR", _opt_str, None, "where converted tokenizers are cached (default ~/.cache/kvship)"
+    )
+    FORCE_OVERLAP_SCHEDULE = Knob(
+        "KVSHIP_FORCE_OVERLAP_SCHEDULE", _bool, False, "run the overlapped scheduler loop off CUDA too (tests)"
+    )
+    DISABLE_FUSED_OPS = Knob(
+        "KVSHIP_DISABLE_FUSED_OPS",
+        _bool,
+        False,
+        "use the torch ops instead of our Triton kernels for norms/activations",
+    )
+    DISABLE_SKINNY_GEMM = Knob(
+        "KVSHIP_DISABLE_SKINNY_GEMM", _bool, False, "decode projections on cuBLAS instead of our Triton skinny GEMMs"
+    )
     PDL = Knob("KVSHIP_PDL", _bool, False, "programmatic dependent launch for our Triton kernels (Hopper)")
-    FUSE_ROPE_KV_STORE = Knob("KVSHIP_FUSE_ROPE_KV_STORE", _bool, True,
-                              "RoPE and the KV-cache store in one kernel on CUDA")
-    K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False,
-                           "store Linear weights K-major for the decode GEMVs")
-    FLASHINFER_CUDA_CORE_DECODE_BS = Knob("KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS", _opt_str, None,
-                                          "decode batch sizes ('lo-hi') on FlashInfer's CUDA-core decode")
-    FLASHINFER_NO_SPLIT_BS = Knob("KVSHIP_FLASHINFER_NO_SPLIT_BS", _opt_str, None,
-                                  "decode batch sizes ('lo-hi') planned without KV split")
-    FLASHINFER_TRITON_DECODE_BS = Knob("KVSHIP_FLASHINFER_TRITON_DECODE_BS", _opt_str, None,
-                                       "decode batch sizes ('lo-hi') on our one-kernel Triton decode")
-    MOONCAKE_MAX_BATCH = Knob("KVSHIP_MOONCAKE_MAX_BATCH", int, 1024,
-                              "descriptors per Mooncake batch transfer")
-    NIXL_PROGRESS_THREAD = Knob("KVSHIP_NIXL_PROGRESS_THREAD", _bool, False,
-                                "NIXL's own UCX progress thread")
+    FUSE_ROPE_KV_STORE = Knob(
+        "KVSHIP_FUSE_ROPE_KV_STORE", _bool, True, "RoPE and the KV-cache store in one kernel on CUDA"
+    )
+    K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False, "store Linear weights K-major for the decode GEMVs")
+    FLASHINFER_CUDA_CORE_DECODE_BS = Knob(
+        "KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
+        _opt_str,
+        None,
+        "decode batch sizes ('lo-hi') on FlashInfer's CUDA-core decode",
+    )
+    FLASHINFER_NO_SPLIT_BS = Knob(
+        "KVSHIP_FLASHINFER_NO_SPLIT_BS", _opt_str, None, "decode batch sizes ('lo-hi') planned without KV split"
+    )
+    FLASHINFER_TRITON_DECODE_BS = Knob(
+        "KVSHIP_FLASHINFER_TRITON_DECODE_BS",
+        _opt_str,
+        None,
+        "decode batch sizes ('lo-hi') on our one-kernel Triton decode",
+    )
+    MOONCAKE_MAX_BATCH = Knob("KVSHIP_MOONCAKE_MAX_BATCH", int, 1024, "descriptors per Mooncake batch transfer")
+    NIXL_PROGRESS_THREAD = Knob("KVSHIP_NIXL_PROGRESS_THREAD", _bool, False, "NIXL's own UCX progress thread")
 
     @classmethod
     def knobs(cls) -> list[Knob]:

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 import torch
 
 from kvship.engine.disagg import KVManager, KVPoll
-from kvship.engine.schedule_batch import Req
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, request_pages
+from kvship.engine.schedule_batch import Req
 
 
 class PreallocQueue(PDStageQueue):

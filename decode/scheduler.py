@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from kvship.decode.queues import PrebuiltQueue, PreallocQueue, TransferQueue
+from kvship.decode.queues import PreallocQueue, PrebuiltQueue, TransferQueue
 from kvship.engine.disagg import KVPoll
 from kvship.engine.disagg.pd_role import PDRole, PDScheduler
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, room_problem
@@ -59,8 +59,10 @@ class DecodeRole(PDRole):
     def bootstrap_problem(self, request: GenerateRequest) -> Optional[str]:
         host, port, room = request.bootstrap_host, request.bootstrap_port, request.bootstrap_room
         if host is None or port is None or room is None:
-            return ("this is a decode worker (--mode decode): a request needs bootstrap_host, "
-                    "bootstrap_port and bootstrap_room; send requests through `kvship router --pd`")
+            return (
+                "this is a decode worker (--mode decode): a request needs bootstrap_host, "
+                "bootstrap_port and bootstrap_room; send requests through `kvship router --pd`"
+            )
         problem = room_problem(room)
         if problem is None and (not isinstance(port, int) or not 0 < port < 65536):
             problem = f"bootstrap_port must be in 1..65535, got {port!r}"
@@ -125,8 +127,10 @@ class DecodeRole(PDRole):
         if aux is None:
             return "KV transfer finished without an aux record"
         if aux.prompt_len != n:
-            return (f"prefill computed a prompt of {aux.prompt_len} tokens but this request has {n}: the workers "
-                    f"tokenized differently (same model, tokenizer and chat template on both?)")
+            return (
+                f"prefill computed a prompt of {aux.prompt_len} tokens but this request has {n}: the workers "
+                f"tokenized differently (same model, tokenizer and chat template on both?)"
+            )
         if not 0 <= aux.first_token_id < self.s.vocab_size:
             return f"prefill sent first token {aux.first_token_id}, outside the vocabulary [0, {self.s.vocab_size})"
         return None

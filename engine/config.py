@@ -27,13 +27,20 @@ class ServerArgs:
     """Configuration of one worker process (``kvship serve``)."""
 
     # Model
-    model_path: Optional[str] = opt(None, "Hugging Face folder, .gguf file, or omitted for the embedded SmolLM2-135M-Instruct")
+    model_path: Optional[str] = opt(
+        None, "Hugging Face folder, .gguf file, or omitted for the embedded SmolLM2-135M-Instruct"
+    )
     tokenizer_path: Optional[str] = opt(None, "Tokenizer folder if it differs from --model-path")
     served_model_name: Optional[str] = opt(None, "Model name reported by /v1/models and accepted in requests")
     load_format: str = opt("auto", "Weight format", choices=("auto", "safetensors", "gguf", "dummy"))
-    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
-                     choices=("auto", "float32", "bfloat16", "float16"))
-    kv_cache_dtype: str = opt("auto", "KV cache dtype (auto = compute dtype)", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = opt(
+        "auto",
+        "Compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_cache_dtype: str = opt(
+        "auto", "KV cache dtype (auto = compute dtype)", choices=("auto", "float32", "bfloat16", "float16")
+    )
     context_length: Optional[int] = opt(None, "Maximum context length (default: the model's)")
     trust_remote_code: bool = opt(False, "Allow custom code from the model folder (tokenizer only)")
     seed: int = opt(0, "Random seed for dummy weights and unseeded sampling")
@@ -41,29 +48,41 @@ class ServerArgs:
     # HTTP
     host: str = opt("127.0.0.1", "Address the HTTP server binds")
     port: int = opt(30000, "HTTP port")
-    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health (env: KVSHIP_API_KEY)")
+    api_key: Optional[str] = opt(
+        None, "Require 'Authorization: Bearer <key>' on every route but /health (env: KVSHIP_API_KEY)"
+    )
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
 
     # Device and memory
     device: str = opt("auto", "Where the model runs", choices=("auto", "cpu", "cuda"))
     mem_fraction_static: float = opt(0.85, "CUDA: fraction of GPU memory for weights + KV cache")
-    max_total_tokens: Optional[int] = opt(None, "KV pool size in tokens (CPU default: what fits in 2 GiB, at most 65536; CUDA default: from --mem-fraction-static)")
+    max_total_tokens: Optional[int] = opt(
+        None,
+        "KV pool size in tokens (CPU default: what fits in 2 GiB, at most 65536; CUDA default: from --mem-fraction-static)",
+    )
     max_running_requests: int = opt(64, "Most requests in the running batch")
     max_queued_requests: int = opt(1024, "Most waiting requests before new ones get 503")
     page_size: int = opt(1, "KV cache page size in tokens")
     chunked_prefill_size: int = opt(2048, "Most prompt tokens computed in one extend step (-1 disables chunking)")
     max_prefill_tokens: int = opt(8192, "Most new tokens in one prefill batch")
     disable_radix_cache: bool = opt(False, "Disable prefix caching")
-    schedule_policy: str = opt("lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs"))
+    schedule_policy: str = opt(
+        "lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs")
+    )
 
     # Kernels
-    attention_backend: str = opt("auto", "Attention backend (auto: flashinfer on CUDA when installed, else torch_native)",
-                                 choices=("auto",) + ATTENTION_BACKENDS)
+    attention_backend: str = opt(
+        "auto",
+        "Attention backend (auto: flashinfer on CUDA when installed, else torch_native)",
+        choices=("auto",) + ATTENTION_BACKENDS,
+    )
     sampling_backend: str = opt("auto", "Sampling kernels", choices=("auto", "torch", "flashinfer"))
     disable_cuda_graph: bool = opt(False, "Run decode eagerly (no CUDA graphs)")
     cuda_graph_max_bs: int = opt(160, "Largest decode batch captured in a CUDA graph")
-    cuda_graph_bs: list[int] = opt([], "Decode batch sizes to capture (default: 1,2,4,8,16,24,32,... up to --cuda-graph-max-bs)")
+    cuda_graph_bs: list[int] = opt(
+        [], "Decode batch sizes to capture (default: 1,2,4,8,16,24,32,... up to --cuda-graph-max-bs)"
+    )
     disable_overlap_schedule: bool = opt(False, "Do not overlap CPU scheduling with GPU work")
     num_threads: Optional[int] = opt(None, "CPU: torch intra-op threads (default: torch's choice)")
 
@@ -82,6 +101,7 @@ class ServerArgs:
             return self.device
         try:
             import torch
+
             return "cuda" if torch.cuda.is_available() else "cpu"
         except Exception:  # pragma: no cover - torch is a dependency
             return "cpu"
@@ -102,6 +122,7 @@ class ServerArgs:
             return self.attention_backend
         if self.resolved_device == "cuda":
             import importlib.util
+
             if importlib.util.find_spec("flashinfer") is not None:
                 return "flashinfer"
             if importlib.util.find_spec("triton") is not None:

@@ -45,8 +45,15 @@ logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext",
-                 kv_pool: "KVPool", batch_sizes: Sequence[int], show_progress: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        attn_backend: "AttentionBackend",
+        ctx: "AttentionContext",
+        kv_pool: "KVPool",
+        batch_sizes: Sequence[int],
+        show_progress: bool = True,
+    ):
         self.model = model
         self.attn_backend = attn_backend
         self.req_to_token_pool = ctx.req_to_token_pool
@@ -81,10 +88,18 @@ class CudaGraphRunner:
     # --- capture -------------------------------------------------------------
     def _forward_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=self.out_cache_loc[:bs],
-            req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
 
     def capture(self, show_progress: bool = True) -> None:
         from tqdm import tqdm
@@ -99,8 +114,14 @@ class CudaGraphRunner:
                 self._capture_one(bs)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d decode CUDA graphs (bs %d..%d) in %.1f s, %.0f MiB", len(order),
-                    self.batch_sizes[0], self.max_bs, time.perf_counter() - t0, used / 2 ** 20)
+        logger.info(
+            "captured %d decode CUDA graphs (bs %d..%d) in %.1f s, %.0f MiB",
+            len(order),
+            self.batch_sizes[0],
+            self.max_bs,
+            time.perf_counter() - t0,
+            used / 2**20,
+        )
 
     def _capture_one(self, bs: int) -> None:
         self.seq_lens[:bs].fill_(self.fill_seq_len)
@@ -108,7 +129,8 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].zero_()
         fb = self._forward_batch(bs, [self.fill_seq_len] * bs)
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
-            bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE)
+            bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE
+        )
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up (autotuning, lazy init) outside the graph
@@ -122,8 +144,7 @@ class CudaGraphRunner:
 
     # --- replay --------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        return (fb.forward_mode == ForwardMode.DECODE and 1 <= fb.batch_size <= self.max_bs
-                and fb.logits_indices is None)
+        return fb.forward_mode == ForwardMode.DECODE and 1 <= fb.batch_size <= self.max_bs and fb.logits_indices is None
 
     def padded_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
@@ -145,8 +166,13 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
         seq_cpu = list(fb.seq_lens_cpu) + [self.fill_seq_len] * (gbs - bs)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
-            gbs, self.req_pool_indices[:gbs], self.seq_lens[:gbs], sum(seq_cpu), ForwardMode.DECODE,
-            seq_lens_cpu=torch.tensor(seq_cpu, dtype=torch.int64))
+            gbs,
+            self.req_pool_indices[:gbs],
+            self.seq_lens[:gbs],
+            sum(seq_cpu),
+            ForwardMode.DECODE,
+            seq_lens_cpu=torch.tensor(seq_cpu, dtype=torch.int64),
+        )
         self.graphs[gbs].replay()
         self.replays += 1
         return LogitsOutput(next_token_logits=self.outputs[gbs].next_token_logits[:bs])
@@ -164,18 +190,21 @@ def cuda_graph_batch_sizes(server_args: "ServerArgs", max_running_requests: int)
     return sizes
 
 
-def maybe_create_cuda_graph_runner(model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext",
-                                   kv_pool: "KVPool", disable: bool) -> Optional[CudaGraphRunner]:
+def maybe_create_cuda_graph_runner(
+    model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext", kv_pool: "KVPool", disable: bool
+) -> Optional[CudaGraphRunner]:
     """A graph runner for ``ctx.cuda_graph_bs``, or None where graphs are off (``disable``), impossible
     (not CUDA) or unsupported by the backend or by the sizes (logged)."""
     if ctx.device.type != "cuda" or disable:
         return None
     if not attn_backend.supports_cuda_graph:
-        logger.warning("attention backend %s does not support CUDA graphs: decode runs eagerly",
-                       type(attn_backend).__name__)
+        logger.warning(
+            "attention backend %s does not support CUDA graphs: decode runs eagerly", type(attn_backend).__name__
+        )
         return None
     if not ctx.cuda_graph_bs:
-        logger.warning("no CUDA-graph batch size fits --cuda-graph-max-bs / --max-running-requests: "
-                       "decode runs eagerly")
+        logger.warning(
+            "no CUDA-graph batch size fits --cuda-graph-max-bs / --max-running-requests: decode runs eagerly"
+        )
         return None
     return CudaGraphRunner(model, attn_backend, ctx, kv_pool, ctx.cuda_graph_bs)

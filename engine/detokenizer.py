@@ -33,15 +33,14 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Per-request streaming decoder; not thread-safe (one owner)."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._spaces = spaces_between_special_tokens
         self.ids: list[int] = []
-        self._prefix_offset = 0   # start of the decode window
-        self._read_offset = 0     # tokens before this are already emitted as text
-        self.text = ""            # everything emitted so far
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # tokens before this are already emitted as text
+        self.text = ""  # everything emitted so far
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -59,8 +58,8 @@ class IncrementalDetokenizer:
         self.ids.extend(int(t) for t in new_ids)
         if not new_ids:
             return ""
-        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.ids[self._prefix_offset:])
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset :])
         if full_text.endswith(_REPLACEMENT):
             return ""  # incomplete multi-byte character: wait for more tokens
         delta = self._diff(prefix_text, full_text)
@@ -73,8 +72,8 @@ class IncrementalDetokenizer:
         """Flush held-back tokens (the output is over); return the last delta."""
         if self._read_offset == len(self.ids):
             return ""
-        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.ids[self._prefix_offset:])
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset :])
         delta = self._diff(prefix_text, full_text)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.ids)
@@ -83,18 +82,18 @@ class IncrementalDetokenizer:
 
     def _diff(self, prefix_text: str, full_text: str) -> str:
         if full_text.startswith(prefix_text):
-            return full_text[len(prefix_text):]
+            return full_text[len(prefix_text) :]
         # The window's decode was not a prefix of the longer decode (rare
         # normalisations): re-derive the delta from the whole output.
         whole = self._decode(self.ids)
         if whole.startswith(self.text):
-            return whole[len(self.text):]
-        return full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+            return whole[len(self.text) :]
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 
 
 @dataclass
 class StopMatch:
-    text: str                    # text safe to emit now
+    text: str  # text safe to emit now
     matched: Optional[str] = None  # the stop string that ended the output
 
 
@@ -129,8 +128,8 @@ class StopStringMatcher:
             self._held = ""
             return StopMatch(buf[:best_pos], best_stop)
         hold = self._holdback_len(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return StopMatch(buf[:len(buf) - hold])
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return StopMatch(buf[: len(buf) - hold])
 
     def flush(self) -> str:
         out, self._held = self._held, ""

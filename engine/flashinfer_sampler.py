@@ -50,8 +50,9 @@ class FlashInferSampler(TorchSampler):
                 probs = fs.top_p_renorm_probs(probs, info.top_ps)
             ids = fs.min_p_sampling_from_probs(probs, info.min_ps, generator=gen)
         elif info.need_top_k and info.need_top_p:
-            ids = fs.top_k_top_p_sampling_from_probs(probs, top_k, info.top_ps, filter_apply_order="top_k_first",
-                                                     generator=gen)
+            ids = fs.top_k_top_p_sampling_from_probs(
+                probs, top_k, info.top_ps, filter_apply_order="top_k_first", generator=gen
+            )
         elif info.need_top_k:  # rows without top-k carry k = vocab, which the kernel treats as "keep all"
             ids = fs.top_k_sampling_from_probs(probs, top_k, generator=gen)
         elif info.need_top_p:

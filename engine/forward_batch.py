@@ -33,11 +33,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class ForwardMode(enum.IntEnum):
-    EXTEND = 1         # prefill (possibly a chunk, possibly over a cached prefix)
-    DECODE = 2         # one new token per request
+    EXTEND = 1  # prefill (possibly a chunk, possibly over a cached prefix)
+    DECODE = 2  # one new token per request
     # nothing produces these yet: kept for speculative decoding (the next issue)
     TARGET_VERIFY = 5  # score draft tokens with the target model
-    DRAFT_EXTEND = 6   # extend the draft model
+    DRAFT_EXTEND = 6  # extend the draft model
 
     def is_extend(self) -> bool:
         """Runs as an extend: new tokens packed per request over a cached prefix."""
@@ -51,19 +51,19 @@ class ForwardMode(enum.IntEnum):
 class ForwardBatch:
     forward_mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor          # [num_tokens] int64
-    positions: torch.Tensor          # [num_tokens] int64
-    req_pool_indices: torch.Tensor   # [bs] int64
-    seq_lens: torch.Tensor           # [bs] int64 (device)
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64 (device)
     seq_lens_cpu: list[int]
-    out_cache_loc: torch.Tensor      # [num_tokens] int64, KV slot of each new token
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
     req_to_token_pool: "ReqToTokenPool"
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
     # extend-only
-    extend_seq_lens: Optional[torch.Tensor] = None      # [bs] int64
-    extend_prefix_lens: Optional[torch.Tensor] = None   # [bs] int64
-    extend_start_loc: Optional[torch.Tensor] = None     # [bs] int64, offset of each req in the packed tokens
+    extend_seq_lens: Optional[torch.Tensor] = None  # [bs] int64
+    extend_prefix_lens: Optional[torch.Tensor] = None  # [bs] int64
+    extend_start_loc: Optional[torch.Tensor] = None  # [bs] int64, offset of each req in the packed tokens
     extend_seq_lens_cpu: Optional[list[int]] = None
     extend_prefix_lens_cpu: Optional[list[int]] = None
     # rows of the final hidden states to compute logits for (default: last new token per req)
@@ -81,4 +81,4 @@ class ForwardBatch:
 
 @dataclass
 class LogitsOutput:
-    next_token_logits: torch.Tensor            # [len(logits_indices), vocab] float32
+    next_token_logits: torch.Tensor  # [len(logits_indices), vocab] float32

@@ -33,18 +33,35 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-          503: "service_unavailable_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
 
 
 class APIError(Exception):
     """An error with an HTTP status that becomes an OpenAI-style JSON body."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str | int] = None, type: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str | int] = None,
+        type: Optional[str] = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -63,10 +80,22 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
-def error_body(status: int, message: str, *, param: Optional[str] = None,
-               code: Optional[str | int] = None, type: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+def error_body(
+    status: int,
+    message: str,
+    *,
+    param: Optional[str] = None,
+    code: Optional[str | int] = None,
+    type: Optional[str] = None,
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type or _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 _TYPE_TAGS = {"str", "int", "bool", "float", "list", "dict", "none"}
@@ -129,10 +158,10 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: "no such route", 405: "method not allowed on this route"}.get(
-            exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(
+            error_body(exc.status_code, message), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -159,8 +188,12 @@ class BodyGuardMiddleware:
             await self.app(scope, receive, send)
             return
         if self.api_key and scope.get("path") not in self.OPEN_PATHS and not self._authorized(scope):
-            await self._reply(send, APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                             code="invalid_api_key"))
+            await self._reply(
+                send,
+                APIError(
+                    401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+                ),
+            )
             return
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
@@ -208,14 +241,19 @@ class BodyGuardMiddleware:
         for name, value in scope.get("headers") or []:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "replace"),
-                                                                        (self.api_key or "").encode("utf-8"))
+                return scheme.lower() == "bearer" and hmac.compare_digest(
+                    token.strip().encode("utf-8", "replace"), (self.api_key or "").encode("utf-8")
+                )
         return False
 
     @staticmethod
     async def _reply(send: Any, err: APIError) -> None:
         payload = json.dumps(err.body()).encode()
-        await send({"type": "http.response.start", "status": err.status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Optional, Type, TypeVar
+from typing import AsyncIterator, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,11 +39,23 @@ from pydantic import BaseModel
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.engine import Engine
-from kvship.engine.http_errors import (APIError, BodyGuardMiddleware, bad_request, error_body,
-                                       install_exception_handlers, parse_json_body)
+from kvship.engine.http_errors import (
+    APIError,
+    BodyGuardMiddleware,
+    bad_request,
+    error_body,
+    install_exception_handlers,
+    parse_json_body,
+)
 from kvship.engine.metrics import CONTENT_TYPE
-from kvship.engine.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
-                                           GenerateReqInput, ModelCard, ModelList)
+from kvship.engine.openai_protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateReqInput,
+    ModelCard,
+    ModelList,
+)
 from kvship.engine.serving import MAX_N
 from kvship.engine.serving_generate import GenerateServing
 from kvship.engine.serving_openai import OpenAIServing
@@ -53,7 +65,7 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 
-async def _parse(request: Request, model: Type[M]) -> M:
+async def _parse(request: Request, model: type[M]) -> M:
     data = parse_json_body(await request.body())
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
@@ -116,8 +128,10 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None, *, own_
     async def health() -> Response:
         if engine.is_alive():
             return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body(503, f"the model loop is not running: {engine.failure or 'stopped'}",
-                                       code="engine_dead"), status_code=503)
+        return JSONResponse(
+            error_body(503, f"the model loop is not running: {engine.failure or 'stopped'}", code="engine_dead"),
+            status_code=503,
+        )
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
@@ -135,8 +149,12 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None, *, own_
 
 
 def _model_card(engine: Engine) -> ModelCard:
-    return ModelCard(id=engine.served_model_name, created=int(engine.start_time), root=engine.model_path,
-                     max_model_len=engine.context_len)
+    return ModelCard(
+        id=engine.served_model_name,
+        created=int(engine.start_time),
+        root=engine.model_path,
+        max_model_len=engine.context_len,
+    )
 
 
 def _rid_family(engine: Engine, rid: str) -> list[str]:
@@ -152,9 +170,15 @@ def serve_engine(engine: Engine, server_args: ServerArgs) -> int:
 
     try:
         app = create_app(engine, server_args, own_engine=True)
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-                                timeout_keep_alive=30, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            log_level=server_args.log_level,
+            access_log=server_args.log_level == "debug",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,
+        )
         server = uvicorn.Server(config)
         logger.info("serving %s on http://%s:%d", engine.served_model_name, server_args.host, server_args.port)
         server.run()  # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown

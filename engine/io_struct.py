@@ -21,7 +21,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1              # -1 / 0 = no top-k
+    top_k: int = -1  # -1 / 0 = no top-k
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -144,11 +144,11 @@ class FinishReason(Mapping):
 @dataclass
 class TokenChunk:
     rid: str
-    token_ids: list[int]                         # tokens new since the previous chunk
+    token_ids: list[int]  # tokens new since the previous chunk
     finished: bool = False
     finish_reason: Optional[FinishReason] = None
-    logprobs: Optional[list[float]] = None       # one per token in token_ids
+    logprobs: Optional[list[float]] = None  # one per token in token_ids
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0                   # total so far
+    completion_tokens: int = 0  # total so far
     cached_tokens: int = 0

@@ -30,10 +30,8 @@ logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                    160.0, 320.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                2.0, 5.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 # gauge name -> (help, keys of Scheduler.get_stats() to try, in order)
 _GAUGES = {
@@ -76,24 +74,36 @@ class EngineMetrics:
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
-        self.prompt_tokens = Counter("kvship:prompt_tokens", "Prompt tokens of finished requests", labels,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("kvship:generation_tokens", "Generated tokens", labels,
-                                         registry=r).labels(model_name)
-        self.cached_tokens = Counter("kvship:cached_tokens", "Prompt tokens served from the prefix cache", labels,
-                                     registry=r).labels(model_name)
-        self._requests = Counter("kvship:requests", "Finished requests by finish reason",
-                                 labels + ["finish_reason"], registry=r)
-        self.ttft = Histogram("kvship:time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("kvship:inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("kvship:e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter(
+            "kvship:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter("kvship:generation_tokens", "Generated tokens", labels, registry=r).labels(
+            model_name
+        )
+        self.cached_tokens = Counter(
+            "kvship:cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=r
+        ).labels(model_name)
+        self._requests = Counter(
+            "kvship:requests", "Finished requests by finish reason", labels + ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvship:time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "kvship:inter_token_latency_seconds", "Time between output tokens", labels, buckets=_ITL_BUCKETS, registry=r
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "kvship:e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         r.register(_SchedulerCollector(stats_fn, model_name))
 
-    def observe_tokens(self, n_new: int, now: float, first_token_time: float | None, last_token_time: float | None,
-                       created: float) -> None:
+    def observe_tokens(
+        self, n_new: int, now: float, first_token_time: float | None, last_token_time: float | None, created: float
+    ) -> None:
         """Record ``n_new`` tokens arriving at ``now`` (one chunk)."""
         if n_new <= 0:
             return

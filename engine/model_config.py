@@ -29,12 +29,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 # GGUF ``general.architecture`` -> the Hugging Face architecture name we register models under.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # Architectures whose q/k/v projections carry a bias even when config.json does not say so.
 _QKV_BIAS_ARCHS = {"Qwen2ForCausalLM"}
@@ -81,16 +90,16 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     rope_scaling: Optional[dict] = field(default=None, compare=False, hash=False)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False        # bias on q/k/v (Qwen2 always; Llama when config says so)
-    o_proj_bias: bool = False           # bias on o_proj (Llama's attention_bias also covers it)
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama when config says so)
+    o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers it)
     mlp_bias: bool = False
-    qk_norm: bool = False               # Qwen3: RMSNorm over head_dim on q and k
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     hidden_act: str = "silu"
     sliding_window: Optional[int] = None
     eos_token_ids: frozenset[int] = frozenset()
     bos_token_id: Optional[int] = None
     checkpoint_dtype: Optional[torch.dtype] = None
-    source_format: str = "hf"           # "hf" (config.json) or "gguf"
+    source_format: str = "hf"  # "hf" (config.json) or "gguf"
 
     @property
     def architecture(self) -> str:
@@ -106,8 +115,9 @@ class ModelConfig:
 
     # --- construction ---------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_path: str, *, dtype: str | torch.dtype = "float32",
-                        context_length: Optional[int] = None) -> "ModelConfig":
+    def from_pretrained(
+        cls, model_path: str, *, dtype: str | torch.dtype = "float32", context_length: Optional[int] = None
+    ) -> "ModelConfig":
         """From a Hugging Face folder or a ``.gguf`` file (picked by the path)."""
         if os.path.isfile(model_path) and model_path.endswith(".gguf"):
             return cls.from_gguf(model_path, dtype=dtype, context_length=context_length)
@@ -116,8 +126,9 @@ class ModelConfig:
         raise FileNotFoundError(f"model path '{model_path}' is neither a folder nor a .gguf file")
 
     @classmethod
-    def from_hf_dir(cls, model_dir: str, *, dtype: str | torch.dtype = "float32",
-                    context_length: Optional[int] = None) -> "ModelConfig":
+    def from_hf_dir(
+        cls, model_dir: str, *, dtype: str | torch.dtype = "float32", context_length: Optional[int] = None
+    ) -> "ModelConfig":
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{model_dir} has no config.json")
@@ -128,12 +139,20 @@ class ModelConfig:
         if os.path.isfile(gen_path):
             with open(gen_path) as f:
                 gen = json.load(f)
-        return cls.from_hf_dict(cfg, model_path=model_dir, generation_config=gen, dtype=dtype,
-                                context_length=context_length)
+        return cls.from_hf_dict(
+            cfg, model_path=model_dir, generation_config=gen, dtype=dtype, context_length=context_length
+        )
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, *, model_path: str = "", generation_config: Optional[dict] = None,
-                     dtype: str | torch.dtype = "float32", context_length: Optional[int] = None) -> "ModelConfig":
+    def from_hf_dict(
+        cls,
+        cfg: dict,
+        *,
+        model_path: str = "",
+        generation_config: Optional[dict] = None,
+        dtype: str | torch.dtype = "float32",
+        context_length: Optional[int] = None,
+    ) -> "ModelConfig":
         archs = tuple(cfg.get("architectures") or ())
         if not archs:
             raise ValueError(f"config.json of {model_path or 'the model'} names no 'architectures'")
@@ -192,21 +211,34 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, gguf_path: str, *, dtype: str | torch.dtype = "float32",
-                  context_length: Optional[int] = None) -> "ModelConfig":
+    def from_gguf(
+        cls, gguf_path: str, *, dtype: str | torch.dtype = "float32", context_length: Optional[int] = None
+    ) -> "ModelConfig":
         from kvship.engine.loaders.gguf_file import gguf_metadata, gguf_reader, rope_freq_factors
+
         reader = gguf_reader(gguf_path)
-        cfg = cls.from_gguf_metadata(gguf_metadata(reader), {t.name for t in reader.tensors},
-                                     model_path=gguf_path, dtype=dtype, context_length=context_length)
+        cfg = cls.from_gguf_metadata(
+            gguf_metadata(reader),
+            {t.name for t in reader.tensors},
+            model_path=gguf_path,
+            dtype=dtype,
+            context_length=context_length,
+        )
         factors = rope_freq_factors(reader)
         if factors is not None:
             cfg = replace(cfg, rope_scaling={"rope_type": "freq_factors", "freq_factors": factors})
         return cfg
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str], *, model_path: str = "",
-                           dtype: str | torch.dtype = "float32",
-                           context_length: Optional[int] = None) -> "ModelConfig":
+    def from_gguf_metadata(
+        cls,
+        meta: dict[str, Any],
+        tensor_names: set[str],
+        *,
+        model_path: str = "",
+        dtype: str | torch.dtype = "float32",
+        context_length: Optional[int] = None,
+    ) -> "ModelConfig":
         """From GGUF key/values (``general.architecture``, ``<arch>.*``, ``tokenizer.ggml.*``).
 
         Facts the metadata does not state are read off ``tensor_names``: tied

@@ -44,7 +44,7 @@ from kvship.engine.model_config import ModelConfig, parse_dtype
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_BUDGET_BYTES = 2 * 1024 ** 3
+CPU_KV_BUDGET_BYTES = 2 * 1024**3
 CPU_MAX_DEFAULT_TOKENS = 65536
 # extra ReqToTokenPool rows beyond --max-running-requests (chunked prefills, requests being finished)
 REQ_POOL_HEADROOM = 16
@@ -56,6 +56,7 @@ CUDA_MAX_CONTEXTS_PER_ROW = 4
 def resolve_model_path(model_path: Optional[str]) -> str:
     if model_path is None:
         from kvship.engine.embedded import embedded_model_path
+
         return embedded_model_path()
     return model_path
 
@@ -78,8 +79,9 @@ class ModelRunner:
         self.max_running_requests = server_args.max_running_requests
 
         self.model_path = resolve_model_path(server_args.model_path)
-        self.model_config = ModelConfig.from_pretrained(self.model_path, dtype=self.dtype,
-                                                        context_length=server_args.context_length)
+        self.model_config = ModelConfig.from_pretrained(
+            self.model_path, dtype=self.dtype, context_length=server_args.context_length
+        )
         self.context_len = self.model_config.context_len
 
         self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
@@ -88,24 +90,48 @@ class ModelRunner:
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
         num_slots = self._kv_pool_slots()
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + REQ_POOL_HEADROOM,
-                                                self.context_len + self.page_size, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + REQ_POOL_HEADROOM, self.context_len + self.page_size, self.device
+        )
         mc = self.model_config
-        self.kv_pool = KVPool(num_slots, self.page_size, self.kv_dtype, mc.num_key_value_heads, mc.head_dim,
-                              mc.num_hidden_layers, self.device)
+        self.kv_pool = KVPool(
+            num_slots,
+            self.page_size,
+            self.kv_dtype,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            mc.num_hidden_layers,
+            self.device,
+        )
         self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
         self.attn_context = AttentionContext(
-            device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, num_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, page_size=self.page_size,
-            req_to_token_pool=self.req_to_token_pool, max_running_requests=self.max_running_requests,
-            cuda_graph_bs=tuple(cuda_graph_batch_sizes(server_args, self.max_running_requests)))
+            device=self.device,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            num_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            page_size=self.page_size,
+            req_to_token_pool=self.req_to_token_pool,
+            max_running_requests=self.max_running_requests,
+            cuda_graph_bs=tuple(cuda_graph_batch_sizes(server_args, self.max_running_requests)),
+        )
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
-        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self.model, self.attn_backend, self.attn_context,
-                                                                self.kv_pool, server_args.disable_cuda_graph)
-        logger.info("model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
-                    mc.architecture, mc.num_hidden_layers, self.context_len, self.weight_bytes / 2 ** 20,
-                    self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.page_size, self.device)
+        self.cuda_graph_runner = maybe_create_cuda_graph_runner(
+            self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
+        )
+        logger.info(
+            "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
+            mc.architecture,
+            mc.num_hidden_layers,
+            self.context_len,
+            self.weight_bytes / 2**20,
+            self.max_total_tokens,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.page_size,
+            self.device,
+        )
 
     # --- sizing ------------------------------------------------------------
     @property
@@ -129,7 +155,8 @@ class ModelRunner:
             if tokens < self.page_size:
                 raise RuntimeError(
                     f"no GPU memory left for the KV cache: {free / 2**30:.2f} GiB free after loading weights, "
-                    f"{(1 - sa.mem_fraction_static) * total / 2**30:.2f} GiB reserved; raise --mem-fraction-static")
+                    f"{(1 - sa.mem_fraction_static) * total / 2**30:.2f} GiB reserved; raise --mem-fraction-static"
+                )
             if sa.max_total_tokens is not None:
                 tokens = min(tokens, sa.max_total_tokens)
             else:

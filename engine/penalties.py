@@ -31,7 +31,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device:
     ids = torch.full((bs, width), vocab_size, dtype=torch.int64)
     for i, toks in enumerate(token_lists):
         if toks:
-            ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.int64).clamp_(0, vocab_size)
+            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64).clamp_(0, vocab_size)
     ids = ids.to(device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
@@ -39,16 +39,23 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device:
 
 @dataclass
 class PenaltyInfo:
-    frequency: Optional[torch.Tensor]      # [bs, 1]
-    presence: Optional[torch.Tensor]       # [bs, 1]
-    repetition: Optional[torch.Tensor]     # [bs, 1]
+    frequency: Optional[torch.Tensor]  # [bs, 1]
+    presence: Optional[torch.Tensor]  # [bs, 1]
+    repetition: Optional[torch.Tensor]  # [bs, 1]
     output_counts: Optional[torch.Tensor]  # [bs, vocab] counts of generated tokens
-    seen: Optional[torch.Tensor]           # [bs, vocab] bool, token in prompt or output
+    seen: Optional[torch.Tensor]  # [bs, vocab] bool, token in prompt or output
 
     @classmethod
-    def build(cls, prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
-              frequency: Sequence[float], presence: Sequence[float], repetition: Sequence[float],
-              vocab_size: int, device: torch.device | str) -> Optional["PenaltyInfo"]:
+    def build(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        frequency: Sequence[float],
+        presence: Sequence[float],
+        repetition: Sequence[float],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> Optional["PenaltyInfo"]:
         """None when no row has a penalty (the common case costs nothing)."""
         device = torch.device(device)
         use_fp = any(f != 0.0 for f in frequency) or any(p != 0.0 for p in presence)
@@ -64,8 +71,13 @@ class PenaltyInfo:
         if use_rep:
             both = [list(p) + list(o) for p, o in zip(prompt_ids, output_ids)]
             seen = _token_counts(both, vocab_size, device) > 0
-        return cls(frequency=col(frequency) if use_fp else None, presence=col(presence) if use_fp else None,
-                   repetition=col(repetition) if use_rep else None, output_counts=out_counts, seen=seen)
+        return cls(
+            frequency=col(frequency) if use_fp else None,
+            presence=col(presence) if use_fp else None,
+            repetition=col(repetition) if use_rep else None,
+            output_counts=out_counts,
+            seen=seen,
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalised copy of ``logits`` (``[bs, vocab]`` float32)."""

@@ -51,11 +51,11 @@ def step_seed(seed: int, step: int) -> int:
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor        # [bs, 1] float32 (1.0 on greedy rows)
-    top_ks: torch.Tensor              # [bs] int64 (vocab size where disabled)
-    top_ps: torch.Tensor              # [bs] float32
-    min_ps: torch.Tensor              # [bs] float32
-    greedy_mask: torch.Tensor         # [bs] bool
+    temperatures: torch.Tensor  # [bs, 1] float32 (1.0 on greedy rows)
+    top_ks: torch.Tensor  # [bs] int64 (vocab size where disabled)
+    top_ps: torch.Tensor  # [bs] float32
+    min_ps: torch.Tensor  # [bs] float32
+    greedy_mask: torch.Tensor  # [bs] bool
     is_all_greedy: bool
     need_top_k: bool
     need_top_p: bool
@@ -94,9 +94,14 @@ class SamplingBatchInfo:
             r.generator.manual_seed(step_seed(int(p.seed), len(r.output_ids)))
             generators.append(r.generator)
         penalties = PenaltyInfo.build(
-            [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-            [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
-            [p.repetition_penalty for p in params], vocab_size, device)
+            [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.repetition_penalty for p in params],
+            vocab_size,
+            device,
+        )
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
@@ -116,13 +121,14 @@ class SamplingBatchInfo:
 
 @dataclass
 class SampleOutput:
-    next_token_ids: torch.Tensor                  # [bs] int64
-    logprobs: Optional[torch.Tensor] = None       # [bs] float32, chosen token
-    top_logprobs: Optional[torch.Tensor] = None   # [bs, k] float32
+    next_token_ids: torch.Tensor  # [bs] int64
+    logprobs: Optional[torch.Tensor] = None  # [bs] float32, chosen token
+    top_logprobs: Optional[torch.Tensor] = None  # [bs, k] float32
     top_logprob_ids: Optional[torch.Tensor] = None  # [bs, k] int64
 
-    def to_lists(self, top_nums: Sequence[int]) -> tuple[list[int], Optional[list[float]],
-                                                         Optional[list[list[tuple[int, float]]]]]:
+    def to_lists(
+        self, top_nums: Sequence[int]
+    ) -> tuple[list[int], Optional[list[float]], Optional[list[list[tuple[int, float]]]]]:
         """(token ids, chosen logprobs, per-row top-k (id, logprob) lists cut to ``top_nums``)."""
         ids = self.next_token_ids.tolist()
         lps = self.logprobs.tolist() if self.logprobs is not None else None
@@ -169,8 +175,12 @@ class Sampler(ABC):
         row's top-k / top-p / min-p filters, drawing from ``info.generators``."""
 
 
-def exponential_noise(shape: tuple[int, int], generators: Sequence[Optional[torch.Generator]],
-                      shared: torch.Generator, device: torch.device) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: Sequence[Optional[torch.Generator]],
+    shared: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
     """Exp(1) noise, each seeded row from its own generator, the others from ``shared``."""
     noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=shared)
     for i, g in enumerate(generators):
@@ -228,6 +238,7 @@ def register_sampling_backend(name: str) -> Callable[[Callable[..., Sampler]], C
     def deco(factory: Callable[..., Sampler]) -> Callable[..., Sampler]:
         _REGISTRY[name] = factory
         return factory
+
     return deco
 
 

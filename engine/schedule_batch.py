@@ -41,10 +41,19 @@ _STOP_TAIL_TOKENS_PER_CHAR = 4
 class Req:
     """One generation request as the scheduler tracks it."""
 
-    def __init__(self, rid: str, origin_input_ids: Sequence[int], sampling_params: SamplingParams, *,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
-                 eos_token_ids: Iterable[int] = (), max_new_tokens: Optional[int] = None,
-                 created_time: Optional[float] = None):
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        eos_token_ids: Iterable[int] = (),
+        max_new_tokens: Optional[int] = None,
+        created_time: Optional[float] = None,
+    ):
         self.rid = rid
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
@@ -69,25 +78,34 @@ class Req:
         self.last_loc = -1
         # the step being built
         self.extend_input_len = 0
-        self.is_chunked = False       # this extend does not reach the end of fill_ids
+        self.is_chunked = False  # this extend does not reach the end of fill_ids
 
         # accounting
-        self.cached_tokens = 0        # prompt tokens served by the prefix cache at first admission
+        self.cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted = False
         self.retractions = 0
         self.finished_reason: Optional[FinishReason] = None
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.sent_len = 0             # output tokens already handed to the output sink
+        self.sent_len = 0  # output tokens already handed to the output sink
         self.finish_sent = False
         self.generator: Optional[torch.Generator] = None  # per-request RNG (seeded requests; made by the sampler)
 
     @classmethod
-    def from_generate_request(cls, greq: GenerateRequest, eos_token_ids: Iterable[int],
-                              max_new_tokens: Optional[int] = None) -> "Req":
-        return cls(greq.rid, greq.input_ids, greq.sampling_params, return_logprob=greq.return_logprob,
-                   top_logprobs_num=greq.top_logprobs_num, stream=greq.stream, eos_token_ids=eos_token_ids,
-                   max_new_tokens=max_new_tokens, created_time=greq.created_time)
+    def from_generate_request(
+        cls, greq: GenerateRequest, eos_token_ids: Iterable[int], max_new_tokens: Optional[int] = None
+    ) -> "Req":
+        return cls(
+            greq.rid,
+            greq.input_ids,
+            greq.sampling_params,
+            return_logprob=greq.return_logprob,
+            top_logprobs_num=greq.top_logprobs_num,
+            stream=greq.stream,
+            eos_token_ids=eos_token_ids,
+            max_new_tokens=max_new_tokens,
+            created_time=greq.created_time,
+        )
 
     # --- sequences -------------------------------------------------------------
     @property
@@ -114,8 +132,13 @@ class Req:
         self.is_chunked = False
 
     # --- generation ------------------------------------------------------------
-    def append_token(self, token_id: int, tokenizer: Any = None, logprob: Optional[float] = None,
-                     top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
+    def append_token(
+        self,
+        token_id: int,
+        tokenizer: Any = None,
+        logprob: Optional[float] = None,
+        top_logprobs: Optional[list[tuple[int, float]]] = None,
+    ) -> None:
         """Append one generated token, record its logprobs, then check the stop conditions."""
         self.output_ids.append(int(token_id))
         if self.return_logprob:
@@ -139,8 +162,9 @@ class Req:
             self.finished_reason = FinishReason.stop(last)
             return
         if self.stop_strs and tokenizer is not None:
-            tail = tokenizer.decode(self.output_ids[-self._stop_tail:],
-                                    skip_special_tokens=self.sampling_params.skip_special_tokens)
+            tail = tokenizer.decode(
+                self.output_ids[-self._stop_tail :], skip_special_tokens=self.sampling_params.skip_special_tokens
+            )
             for s in self.stop_strs:
                 if s in tail:
                     self.finished_reason = FinishReason.stop(s)
@@ -150,25 +174,32 @@ class Req:
 
     def take_chunk(self) -> Optional[TokenChunk]:
         """The output chunk for tokens not sent yet (and the finish, once); None if nothing new."""
-        new = self.output_ids[self.sent_len:]
+        new = self.output_ids[self.sent_len :]
         done = self.finished and not self.finish_sent
         if not new and not done:
             return None
-        chunk = TokenChunk(rid=self.rid, token_ids=list(new), finished=self.finished,
-                           finish_reason=self.finished_reason if self.finished else None,
-                           prompt_tokens=len(self.origin_input_ids), completion_tokens=len(self.output_ids),
-                           cached_tokens=self.cached_tokens)
+        chunk = TokenChunk(
+            rid=self.rid,
+            token_ids=list(new),
+            finished=self.finished,
+            finish_reason=self.finished_reason if self.finished else None,
+            prompt_tokens=len(self.origin_input_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+        )
         if self.return_logprob:
-            chunk.logprobs = self.output_token_logprobs[self.sent_len:]
+            chunk.logprobs = self.output_token_logprobs[self.sent_len :]
             if self.top_logprobs_num > 0:
-                chunk.top_logprobs = self.output_top_logprobs[self.sent_len:]
+                chunk.top_logprobs = self.output_top_logprobs[self.sent_len :]
         self.sent_len = len(self.output_ids)
         self.finish_sent = self.finished
         return chunk
 
     def __repr__(self) -> str:
-        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
-                f"kv={self.kv_committed_len}/{self.kv_allocated_len}, cached={self.cache_protected_len})")
+        return (
+            f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+            f"kv={self.kv_committed_len}/{self.kv_allocated_len}, cached={self.cache_protected_len})"
+        )
 
 
 class KVAllocationError(RuntimeError):
@@ -206,8 +237,9 @@ class ScheduleBatch:
     def sampling_reqs(self) -> list[Req]:
         return [r for r, m in zip(self.reqs, self.sample_mask) if m]
 
-    def alloc_slots(self, allocator: Any, cache: "BasePrefixCache",
-                    alloc: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
+    def alloc_slots(
+        self, allocator: Any, cache: "BasePrefixCache", alloc: Callable[[], Optional[torch.Tensor]]
+    ) -> torch.Tensor:
         """Run ``alloc``; if the allocator is short, evict cache entries and retry once."""
         out = alloc()
         if out is None:
@@ -215,8 +247,9 @@ class ScheduleBatch:
             cache.evict(need - allocator.available_size())
             out = alloc()
         if out is None:
-            raise KVAllocationError(f"{self.forward_mode.name}: KV pool exhausted "
-                                    f"({allocator.available_size()} slots free)")
+            raise KVAllocationError(
+                f"{self.forward_mode.name}: KV pool exhausted ({allocator.available_size()} slots free)"
+            )
         return out
 
     def prepare_for_extend(self, allocator: Any, req_to_token_pool: Any, cache: "BasePrefixCache") -> None:
@@ -226,18 +259,19 @@ class ScheduleBatch:
         last_locs = [r.last_loc for r in self.reqs]
         if any(e <= 0 for e in self.extend_lens):
             raise ValueError("every request of an extend batch needs at least one new token")
-        loc = self.alloc_slots(allocator, cache,
-                               lambda: allocator.alloc_extend(self.prefix_lens, self.seq_lens, last_locs))
+        loc = self.alloc_slots(
+            allocator, cache, lambda: allocator.alloc_extend(self.prefix_lens, self.seq_lens, last_locs)
+        )
         self.out_cache_loc = loc
         offset = 0
         self.input_ids, self.positions, self.sample_mask = [], [], []
         for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            req_to_token_pool.write(r.req_pool_idx, p, loc[offset:offset + e])
+            req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + e])
             r.kv_allocated_len = p + e
             r.last_loc = int(loc[offset + e - 1])
             offset += e
             fill = r.fill_ids
-            self.input_ids.extend(fill[p:p + e])
+            self.input_ids.extend(fill[p : p + e])
             self.positions.extend(range(p, p + e))
             r.is_chunked = p + e < len(fill)
             self.sample_mask.append(not r.is_chunked)
@@ -267,8 +301,9 @@ class ScheduleBatch:
         for r in self.reqs:
             r.kv_committed_len = r.kv_allocated_len
 
-    def to_forward_batch(self, device: torch.device | str, req_to_token_pool: Any, kv_pool: Any,
-                         attn_backend: Any) -> ForwardBatch:
+    def to_forward_batch(
+        self, device: torch.device | str, req_to_token_pool: Any, kv_pool: Any, attn_backend: Any
+    ) -> ForwardBatch:
         def t(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 

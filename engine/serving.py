@@ -33,11 +33,11 @@ from kvship.engine.scheduler.admission import check_prompt
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128                 # most choices per request (n, batch x n)
+MAX_N = 128  # most choices per request (n, batch x n)
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256        # per stop string (stop strings are searched on every step)
-_SEED_MOD = 2 ** 63
+MAX_STOP_CHARS = 256  # per stop string (stop strings are searched on every step)
+_SEED_MOD = 2**63
 
 T = TypeVar("T")
 
@@ -53,8 +53,12 @@ def check_model(engine: Engine, model: Optional[str]) -> None:
     """404 unless ``model`` is omitted or names the served model (its name or path)."""
     if model is None or model in (engine.served_model_name, engine.model_path, engine.server_args.model_path):
         return
-    raise APIError(404, f"the model '{model}' does not exist; this server serves '{engine.served_model_name}'",
-                   param="model", code="model_not_found")
+    raise APIError(
+        404,
+        f"the model '{model}' does not exist; this server serves '{engine.served_model_name}'",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def normalize_stop(stop: str | list[str] | None, param: str = "stop") -> list[str]:
@@ -80,8 +84,11 @@ def check_n(n: int, param: str = "n") -> None:
 async def encode_text(engine: Engine, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     """Tokenize off the event loop; a text that cannot fit the context is refused without tokenizing."""
     if engine.tokenizer.surely_longer_than(text, engine.context_len):
-        raise bad_request(f"the prompt is longer than this model's maximum context length of {engine.context_len} "
-                          f"tokens", param, code="context_length_exceeded")
+        raise bad_request(
+            f"the prompt is longer than this model's maximum context length of {engine.context_len} tokens",
+            param,
+            code="context_length_exceeded",
+        )
     return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
 
 
@@ -92,8 +99,9 @@ def check_token_ids(engine: Engine, ids: Sequence[int], param: str) -> None:
             raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})", param)
 
 
-def check_prompt_length(engine: Engine, n_prompt: int, max_new_tokens: Optional[int], param: str,
-                        max_tokens_param: str = "max_tokens") -> int:
+def check_prompt_length(
+    engine: Engine, n_prompt: int, max_new_tokens: Optional[int], param: str, max_tokens_param: str = "max_tokens"
+) -> int:
     """Validate prompt + completion against the context; return the resolved ``max_new_tokens``."""
     ctx = engine.context_len
     problem = check_prompt(n_prompt, ctx, engine.max_total_tokens)
@@ -102,13 +110,18 @@ def check_prompt_length(engine: Engine, n_prompt: int, max_new_tokens: Optional[
     if max_new_tokens is None:
         return ctx - n_prompt
     if max_new_tokens > ctx:
-        raise bad_request(f"{max_tokens_param} is {max_new_tokens}, more than this model's maximum context length "
-                          f"of {ctx} tokens", max_tokens_param)
+        raise bad_request(
+            f"{max_tokens_param} is {max_new_tokens}, more than this model's maximum context length of {ctx} tokens",
+            max_tokens_param,
+        )
     if n_prompt + max_new_tokens > ctx:
-        raise bad_request(f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_new_tokens} "
-                          f"were requested ({n_prompt} in the prompt, {max_new_tokens} for the completion); "
-                          f"reduce the prompt or {max_tokens_param}", max_tokens_param,
-                          code="context_length_exceeded")
+        raise bad_request(
+            f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_new_tokens} "
+            f"were requested ({n_prompt} in the prompt, {max_new_tokens} for the completion); "
+            f"reduce the prompt or {max_tokens_param}",
+            max_tokens_param,
+            code="context_length_exceeded",
+        )
     return max_new_tokens
 
 
@@ -117,13 +130,25 @@ def check_max_tokens(value: Optional[int], param: str, minimum: int = 1) -> None
         raise bad_request(f"{param} must be at least {minimum}", param)
 
 
-def build_sampling_params(engine: Engine, *, max_new_tokens: int, temperature: Optional[float] = None,
-                          top_p: Optional[float] = None, top_k: Optional[int] = None,
-                          min_p: Optional[float] = None, frequency_penalty: Optional[float] = None,
-                          presence_penalty: Optional[float] = None, repetition_penalty: Optional[float] = None,
-                          stop: Sequence[str] = (), stop_token_ids: Optional[Sequence[int]] = None,
-                          ignore_eos: bool = False, seed: Optional[int] = None, skip_special_tokens: bool = True,
-                          spaces_between_special_tokens: bool = True, param_prefix: str = "") -> SamplingParams:
+def build_sampling_params(
+    engine: Engine,
+    *,
+    max_new_tokens: int,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    min_p: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Optional[Sequence[int]] = None,
+    ignore_eos: bool = False,
+    seed: Optional[int] = None,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    param_prefix: str = "",
+) -> SamplingParams:
     """A verified ``SamplingParams``; out-of-range values become a 400 naming the field."""
     sp = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -156,7 +181,7 @@ def build_sampling_params(engine: Engine, *, max_new_tokens: int, temperature: O
 
 # --------------------------------------------------------------------------- PD roles
 
-_ROOM_MOD = 2 ** 63
+_ROOM_MOD = 2**63
 
 
 def choice_room(room: Optional[int], index: int) -> Optional[int]:
@@ -259,8 +284,9 @@ async def collect(engine: Engine, handles: list[RequestHandle]) -> list[list[Tex
     return out
 
 
-async def collect_until_disconnect(request: Request, engine: Engine,
-                                   handles: list[RequestHandle]) -> Optional[list[list[TextDelta]]]:
+async def collect_until_disconnect(
+    request: Request, engine: Engine, handles: list[RequestHandle]
+) -> Optional[list[list[TextDelta]]]:
     """``collect`` the handles' deltas, or None if the client disconnects first; the handles are closed either way."""
     try:
         return await run_until_disconnect(request, collect(engine, handles))
@@ -310,8 +336,12 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: Optional[dict[str, str]] = None,
-                 on_close: Optional[Callable[[], Any]] = None):
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: Optional[dict[str, str]] = None,
+        on_close: Optional[Callable[[], Any]] = None,
+    ):
         self.body_iterator = body
         self.on_close = on_close
         self.status_code = 200
@@ -368,11 +398,17 @@ def chat_logprobs(engine: Engine, d: TextDelta) -> Optional[dict]:
     content = []
     tops = d.top_logprobs or [[] for _ in d.token_ids]
     for tid, lp, top in zip(d.token_ids, d.logprobs, tops):
-        content.append({
-            "token": tok.token_text(tid), "logprob": _finite(lp), "bytes": tok.token_bytes(tid),
-            "top_logprobs": [{"token": tok.token_text(t), "logprob": _finite(v), "bytes": tok.token_bytes(t)}
-                             for t, v in (top or [])],
-        })
+        content.append(
+            {
+                "token": tok.token_text(tid),
+                "logprob": _finite(lp),
+                "bytes": tok.token_bytes(tid),
+                "top_logprobs": [
+                    {"token": tok.token_text(t), "logprob": _finite(v), "bytes": tok.token_bytes(t)}
+                    for t, v in (top or [])
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -404,8 +440,12 @@ def _finite(v: float) -> float:
 
 
 def usage_info(prompt: int, completion: int, cached: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict:

@@ -32,10 +32,27 @@ from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingParams
-from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, build_sampling_params, check_max_tokens, check_n,
-                                   check_prompt_length, check_token_ids, choice_params, choice_rid, choice_room,
-                                   collect_until_disconnect, encode_text, merge_streams, new_id, normalize_stop,
-                                   open_requests, pd_abort_error, sse, stream_response)
+from kvship.engine.serving import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    build_sampling_params,
+    check_max_tokens,
+    check_n,
+    check_prompt_length,
+    check_token_ids,
+    choice_params,
+    choice_rid,
+    choice_room,
+    collect_until_disconnect,
+    encode_text,
+    merge_streams,
+    new_id,
+    normalize_stop,
+    open_requests,
+    pd_abort_error,
+    sse,
+    stream_response,
+)
 
 
 def _per_item(value: Any, batch: int, name: str, is_list: bool) -> list[Any]:
@@ -50,8 +67,16 @@ def _per_item(value: Any, batch: int, name: str, is_list: bool) -> list[Any]:
 class _Output:
     """Accumulates one request's deltas into SGLang's output object."""
 
-    def __init__(self, rid: str, n_prompt: int, created: float, want_logprob: bool, top_n: int,
-                 keep_stop: bool, text_in_logprobs: bool):
+    def __init__(
+        self,
+        rid: str,
+        n_prompt: int,
+        created: float,
+        want_logprob: bool,
+        top_n: int,
+        keep_stop: bool,
+        text_in_logprobs: bool,
+    ):
         self.rid = rid
         self.n_prompt = n_prompt
         self.created = created
@@ -90,7 +115,8 @@ class _Output:
     def to_dict(self, index: Optional[int] = None) -> dict:
         d = self.last
         meta: dict[str, Any] = {
-            "id": self.rid, "prompt_tokens": self.n_prompt,
+            "id": self.rid,
+            "prompt_tokens": self.n_prompt,
             "completion_tokens": d.completion_tokens if d else 0,
             "cached_tokens": d.cached_tokens if d else 0,
             "finish_reason": self.finish_reason(),
@@ -138,8 +164,12 @@ class GenerateServing:
                 check_token_ids(engine, ids, param)
                 prompts.append((param, list(ids)))
         batch = len(prompts)
-        sps = _per_item(body.sampling_params if body.sampling_params is not None else GenerateSamplingParams(),
-                        batch, "sampling_params", isinstance(body.sampling_params, list))
+        sps = _per_item(
+            body.sampling_params if body.sampling_params is not None else GenerateSamplingParams(),
+            batch,
+            "sampling_params",
+            isinstance(body.sampling_params, list),
+        )
         rids = _per_item(body.rid, batch, "rid", isinstance(body.rid, list))
         want_lp = _per_item(body.return_logprob, batch, "return_logprob", isinstance(body.return_logprob, list))
         hosts = _per_item(body.bootstrap_host, batch, "bootstrap_host", isinstance(body.bootstrap_host, list))
@@ -151,7 +181,7 @@ class GenerateServing:
             if p is not None and not 0 < p < 65536:
                 raise bad_request("bootstrap_port must be in 1..65535", "bootstrap_port")
         for room in rooms:
-            if room is not None and not 0 <= room < 2 ** 63:
+            if room is not None and not 0 <= room < 2**63:
                 raise bad_request("bootstrap_room must be in [0, 2^63)", "bootstrap_room")
 
         reqs: list[GenerateRequest] = []
@@ -166,24 +196,54 @@ class GenerateServing:
             if explicit is None and gsp.max_new_tokens is not None:  # the default shrinks to fit the context
                 max_new = min(max_new, gsp.max_new_tokens)
             sp = build_sampling_params(
-                engine, max_new_tokens=max_new, temperature=gsp.temperature, top_p=gsp.top_p, top_k=gsp.top_k,
-                min_p=gsp.min_p, frequency_penalty=gsp.frequency_penalty, presence_penalty=gsp.presence_penalty,
-                repetition_penalty=gsp.repetition_penalty, stop=normalize_stop(gsp.stop, prefix + "stop"),
-                stop_token_ids=gsp.stop_token_ids, ignore_eos=gsp.ignore_eos, seed=gsp.seed,
+                engine,
+                max_new_tokens=max_new,
+                temperature=gsp.temperature,
+                top_p=gsp.top_p,
+                top_k=gsp.top_k,
+                min_p=gsp.min_p,
+                frequency_penalty=gsp.frequency_penalty,
+                presence_penalty=gsp.presence_penalty,
+                repetition_penalty=gsp.repetition_penalty,
+                stop=normalize_stop(gsp.stop, prefix + "stop"),
+                stop_token_ids=gsp.stop_token_ids,
+                ignore_eos=gsp.ignore_eos,
+                seed=gsp.seed,
                 skip_special_tokens=gsp.skip_special_tokens,
-                spaces_between_special_tokens=gsp.spaces_between_special_tokens, param_prefix=prefix)
+                spaces_between_special_tokens=gsp.spaces_between_special_tokens,
+                param_prefix=prefix,
+            )
             base = rids[i] or new_id("gen")
             for j in range(gsp.n):
                 # PD: every request of the body gets its own room (per-item rooms: + choice index)
                 room = choice_room(rooms[i], j if isinstance(body.bootstrap_room, list) else len(reqs))
                 rid = choice_rid(base, j, gsp.n)
                 sp_j = choice_params(sp, j, gsp.n)
-                reqs.append(GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp_j, return_logprob=want_lp[i],
-                                            top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
-                                            stream=body.stream, bootstrap_host=hosts[i], bootstrap_port=ports[i],
-                                            bootstrap_room=room, created_time=created))
-                outputs.append(_Output(rid, len(ids), created, want_lp[i], body.top_logprobs_num, gsp.no_stop_trim,
-                                       body.return_text_in_logprobs))
+                reqs.append(
+                    GenerateRequest(
+                        rid=rid,
+                        input_ids=ids,
+                        sampling_params=sp_j,
+                        return_logprob=want_lp[i],
+                        top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
+                        stream=body.stream,
+                        bootstrap_host=hosts[i],
+                        bootstrap_port=ports[i],
+                        bootstrap_room=room,
+                        created_time=created,
+                    )
+                )
+                outputs.append(
+                    _Output(
+                        rid,
+                        len(ids),
+                        created,
+                        want_lp[i],
+                        body.top_logprobs_num,
+                        gsp.no_stop_trim,
+                        body.return_text_in_logprobs,
+                    )
+                )
         if len(reqs) > MAX_N:
             raise bad_request(f"a batch may hold at most {MAX_N} requests (items x n)", "text")
         many = is_batch or len(reqs) > 1

@@ -26,26 +26,67 @@ from starlette.responses import JSONResponse, Response
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
-from kvship.engine.openai_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                           ChatLogprobs, ChatResponseMessage, CompletionChoice, CompletionLogprobs,
-                                           CompletionRequest, CompletionResponse)
-from kvship.engine.serving import (MAX_N, MAX_TOP_LOGPROBS, build_sampling_params, chat_logprobs,
-                                   check_max_tokens, check_model, check_n, check_prompt_length, check_token_ids,
-                                   choice_params, choice_rid, choice_room, collect_until_disconnect,
-                                   completion_logprobs, encode_text, merge_streams, new_id, normalize_stop,
-                                   open_requests, pd_abort_error, sse, stream_response, usage_dict, usage_info)
+from kvship.engine.openai_protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from kvship.engine.serving import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    build_sampling_params,
+    chat_logprobs,
+    check_max_tokens,
+    check_model,
+    check_n,
+    check_prompt_length,
+    check_token_ids,
+    choice_params,
+    choice_rid,
+    choice_room,
+    collect_until_disconnect,
+    completion_logprobs,
+    encode_text,
+    merge_streams,
+    new_id,
+    normalize_stop,
+    open_requests,
+    pd_abort_error,
+    sse,
+    stream_response,
+    usage_dict,
+    usage_info,
+)
 from kvship.engine.tokenizer import ChatTemplateError
 
 
-def _sampling_params(engine: Engine, body: ChatCompletionRequest | CompletionRequest, max_new: int,
-                     stops: list[str]) -> SamplingParams:
+def _sampling_params(
+    engine: Engine, body: ChatCompletionRequest | CompletionRequest, max_new: int, stops: list[str]
+) -> SamplingParams:
     """The sampling parameters of a chat or completions body (both carry the same sampling fields)."""
     return build_sampling_params(
-        engine, max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-        repetition_penalty=body.repetition_penalty, stop=stops, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
-        spaces_between_special_tokens=body.spaces_between_special_tokens)
+        engine,
+        max_new_tokens=max_new,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop=stops,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        seed=body.seed,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+    )
 
 
 def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
@@ -77,8 +118,9 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if body.response_format is not None and body.response_format.type != "text":
-            raise bad_request(f"response_format '{body.response_format.type}' is not supported (only 'text')",
-                              "response_format")
+            raise bad_request(
+                f"response_format '{body.response_format.type}' is not supported (only 'text')", "response_format"
+            )
         if body.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice other than 'none' or 'auto' is not supported", "tool_choice")
         if body.top_logprobs is not None:
@@ -95,28 +137,48 @@ class OpenAIServing:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = await asyncio.to_thread(
-                engine.tokenizer.apply_chat_template, messages, add_generation_prompt=body.add_generation_prompt,
-                tools=body.tools, continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs)
+                engine.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
         max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
         sp = _sampling_params(engine, body, max_new, stops)
         cid = body.rid or new_id("chatcmpl")
-        reqs = [GenerateRequest(rid=choice_rid(cid, i, body.n), input_ids=list(ids),
-                                sampling_params=choice_params(sp, i, body.n),
-                                return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                                stream=body.stream, bootstrap_host=body.bootstrap_host,
-                                bootstrap_port=body.bootstrap_port, bootstrap_room=choice_room(body.bootstrap_room, i))
-                for i in range(body.n)]
+        reqs = [
+            GenerateRequest(
+                rid=choice_rid(cid, i, body.n),
+                input_ids=list(ids),
+                sampling_params=choice_params(sp, i, body.n),
+                return_logprob=body.logprobs,
+                top_logprobs_num=body.top_logprobs or 0,
+                stream=body.stream,
+                bootstrap_host=body.bootstrap_host,
+                bootstrap_port=body.bootstrap_port,
+                bootstrap_room=choice_room(body.bootstrap_room, i),
+            )
+            for i in range(body.n)
+        ]
         handles = open_requests(engine, reqs)
         model = body.model or engine.served_model_name
         if body.stream:
             opts = body.stream_options
             return stream_response(
-                self._chat_stream(cid, model, handles, len(ids), bool(opts and opts.include_usage),
-                                  bool(opts and opts.continuous_usage_stats)), handles)
+                self._chat_stream(
+                    cid,
+                    model,
+                    handles,
+                    len(ids),
+                    bool(opts and opts.include_usage),
+                    bool(opts and opts.continuous_usage_stats),
+                ),
+                handles,
+            )
         results = await self._collect(request, handles)
         if results is None:
             return Response(status_code=499)
@@ -127,23 +189,42 @@ class OpenAIServing:
             lp = None
             if body.logprobs:
                 lp = ChatLogprobs.model_validate(
-                    {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]})
-            choices.append(ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content="".join(d.text for d in deltas)), logprobs=lp,
-                finish_reason=last.finish_reason, matched_stop=last.matched_stop))
+                    {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]}
+                )
+            choices.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatResponseMessage(content="".join(d.text for d in deltas)),
+                    logprobs=lp,
+                    finish_reason=last.finish_reason,
+                    matched_stop=last.matched_stop,
+                )
+            )
         usage = usage_info(len(ids), sum(d.completion_tokens for d in finals), max(d.cached_tokens for d in finals))
         return JSONResponse(ChatCompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
-    async def _chat_stream(self, cid: str, model: str, handles: list[RequestHandle], n_prompt: int,
-                           include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+    async def _chat_stream(
+        self,
+        cid: str,
+        model: str,
+        handles: list[RequestHandle],
+        n_prompt: int,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
         cached = 0
 
         def chunk(choices: list[dict], usage: Optional[dict] = None) -> bytes:
-            payload: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": choices}
+            payload: dict[str, Any] = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if usage is not None or continuous_usage:
                 payload["usage"] = usage or usage_dict(n_prompt, sum(completion), cached)
             return sse(payload)
@@ -151,8 +232,16 @@ class OpenAIServing:
         stream = merge_streams(engine, handles)
         try:
             for i in range(len(handles)):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             dead = None
             async for i, d in stream:
                 completion[i] = d.completion_tokens
@@ -160,8 +249,12 @@ class OpenAIServing:
                 lp = chat_logprobs(engine, d) if d.logprobs is not None else None
                 if not d.text and not d.finished and not (lp and lp["content"]):
                     continue
-                choice: dict[str, Any] = {"index": i, "delta": {"content": d.text} if d.text else {},
-                                          "logprobs": lp, "finish_reason": d.finish_reason}
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "delta": {"content": d.text} if d.text else {},
+                    "logprobs": lp,
+                    "finish_reason": d.finish_reason,
+                }
                 if d.finished:
                     choice["matched_stop"] = d.matched_stop
                     dead = dead or _dead_error(engine, [d])
@@ -206,12 +299,19 @@ class OpenAIServing:
             sp_base = _sampling_params(engine, body, max_new, stops)
             for j in range(body.n):
                 k = p * body.n + j
-                reqs.append(GenerateRequest(rid=choice_rid(cid, k, total), input_ids=list(ids),
-                                            sampling_params=choice_params(sp_base, j, body.n),
-                                            return_logprob=body.logprobs is not None,
-                                            top_logprobs_num=body.logprobs or 0, stream=body.stream,
-                                            bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
-                                            bootstrap_room=choice_room(body.bootstrap_room, k)))
+                reqs.append(
+                    GenerateRequest(
+                        rid=choice_rid(cid, k, total),
+                        input_ids=list(ids),
+                        sampling_params=choice_params(sp_base, j, body.n),
+                        return_logprob=body.logprobs is not None,
+                        top_logprobs_num=body.logprobs or 0,
+                        stream=body.stream,
+                        bootstrap_host=body.bootstrap_host,
+                        bootstrap_port=body.bootstrap_port,
+                        bootstrap_room=choice_room(body.bootstrap_room, k),
+                    )
+                )
         handles = open_requests(engine, reqs)
         model = body.model or engine.served_model_name
         echoes = [text if body.echo else "" for text, _ in prompts for _ in range(body.n)]
@@ -219,9 +319,18 @@ class OpenAIServing:
         if body.stream:
             opts = body.stream_options
             return stream_response(
-                self._completion_stream(cid, model, handles, echoes, prompt_lens, body.n,
-                                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
-                handles)
+                self._completion_stream(
+                    cid,
+                    model,
+                    handles,
+                    echoes,
+                    prompt_lens,
+                    body.n,
+                    bool(opts and opts.include_usage),
+                    bool(opts and opts.continuous_usage_stats),
+                ),
+                handles,
+            )
         results = await self._collect(request, handles)
         if results is None:
             return Response(status_code=499)
@@ -230,10 +339,15 @@ class OpenAIServing:
         for k, deltas in enumerate(results):
             last = deltas[-1]
             lp = completion_logprobs(engine, deltas, len(echoes[k])) if body.logprobs is not None else None
-            choices.append(CompletionChoice(
-                index=k, text=echoes[k] + "".join(d.text for d in deltas),
-                logprobs=CompletionLogprobs.model_validate(lp) if lp is not None else None,
-                finish_reason=last.finish_reason, matched_stop=last.matched_stop))
+            choices.append(
+                CompletionChoice(
+                    index=k,
+                    text=echoes[k] + "".join(d.text for d in deltas),
+                    logprobs=CompletionLogprobs.model_validate(lp) if lp is not None else None,
+                    finish_reason=last.finish_reason,
+                    matched_stop=last.matched_stop,
+                )
+            )
         cached = [max(finals[p * body.n + j].cached_tokens for j in range(body.n)) for p in range(len(prompts))]
         usage = usage_info(sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached))
         return JSONResponse(CompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
@@ -262,9 +376,17 @@ class OpenAIServing:
                 out.append((engine.tokenizer.decode(p, skip_special_tokens=False), list(p)))
         return out
 
-    async def _completion_stream(self, cid: str, model: str, handles: list[RequestHandle], echoes: list[str],
-                                 prompt_lens: list[int], n: int, include_usage: bool,
-                                 continuous_usage: bool) -> AsyncIterator[bytes]:
+    async def _completion_stream(
+        self,
+        cid: str,
+        model: str,
+        handles: list[RequestHandle],
+        echoes: list[str],
+        prompt_lens: list[int],
+        n: int,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
@@ -272,12 +394,17 @@ class OpenAIServing:
         offsets = [len(e) for e in echoes]
 
         def usage() -> dict:
-            per_prompt = [max(cached[p * n:(p + 1) * n]) for p in range(len(prompt_lens))]
+            per_prompt = [max(cached[p * n : (p + 1) * n]) for p in range(len(prompt_lens))]
             return usage_dict(sum(prompt_lens), sum(completion), sum(per_prompt))
 
         def chunk(choices: list[dict], usage_payload: Optional[dict] = None) -> bytes:
-            payload: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                       "choices": choices}
+            payload: dict[str, Any] = {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if usage_payload is not None or continuous_usage:
                 payload["usage"] = usage_payload or usage()
             return sse(payload)

@@ -55,8 +55,7 @@ def _load_hf_tokenizer(path: str, trust_remote_code: bool) -> Any:
             except Exception as e:  # a damaged cache: rebuild it
                 logger.warning("ignoring tokenizer cache %s: %s", cache, e)
         logger.info("converting the GGUF tokenizer of %s (cached afterwards)", path)
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
         _write_cache(tok, cache)
         return tok
     if os.path.isdir(path):
@@ -128,6 +127,7 @@ class Tokenizer:
             return False
         try:
             import json
+
             dec = json.loads(backend.to_str()).get("decoder") or {}
         except Exception:
             return False
@@ -136,6 +136,7 @@ class Tokenizer:
             if d.get("type") == "ByteLevel":
                 return True
             return any(has_byte_level(x) for x in d.get("decoders", []) or [] if isinstance(x, dict))
+
         return has_byte_level(dec)
 
     @property
@@ -180,9 +181,15 @@ class Tokenizer:
         return list(piece.replace("\u2581", " ").encode("utf-8"))
 
     # --- chat -----------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None, continue_final_message: bool = False,
-                            template_kwargs: Optional[dict] = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
+        continue_final_message: bool = False,
+        template_kwargs: Optional[dict] = None,
+    ) -> str:
         """Render an OpenAI-style conversation to the model's prompt text."""
         if not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template; use /v1/completions instead")
@@ -200,8 +207,12 @@ class Tokenizer:
             kwargs["tools"] = tools
         try:
             return self.hf.apply_chat_template(
-                rendered, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **kwargs)
+                rendered,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
         except ChatTemplateError:
             raise
         except Exception as e:  # jinja's raise_exception(...) and template errors are the client's
@@ -215,8 +226,11 @@ class Tokenizer:
 @lru_cache(maxsize=1)
 def _gpt2_byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's byte -> printable-character map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
     chars = list(printable)
     extra = 0
     for b in range(256):

@@ -125,7 +125,9 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def owned_by(obj: dict, uid: str) -> bool:
-    return any(r.get("uid") == uid and r.get("controller") for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+    return any(
+        r.get("uid") == uid and r.get("controller") for r in (obj.get("metadata") or {}).get("ownerReferences") or []
+    )
 
 
 async def apply_one(client: KubeClient, cfg: ServiceConfig, desired: dict, result: ApplyResult) -> None:
@@ -144,16 +146,18 @@ async def apply_one(client: KubeClient, cfg: ServiceConfig, desired: dict, resul
             if live is None:  # created and deleted meanwhile: the next pass recreates it
                 raise
     if not owned_by(live, cfg.uid):
-        result.errors.append(f"{_label(desired)} already exists and is not owned by InferenceService {cfg.name}; "
-                             "delete or rename it")
+        result.errors.append(
+            f"{_label(desired)} already exists and is not owned by InferenceService {cfg.name}; delete or rename it"
+        )
         return
     patch = compute_patch(live, desired)
     if patch is None:
         result.live[key] = live
         result.unchanged.append(_label(desired))
         return
-    result.live[key] = await client.merge_patch(desired["apiVersion"], desired["kind"], meta.get("namespace"),
-                                                meta["name"], patch)
+    result.live[key] = await client.merge_patch(
+        desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"], patch
+    )
     result.patched.append(_label(desired))
 
 

@@ -17,9 +17,12 @@ from kvship.operator.config import OperatorConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("operator", help="run the Kubernetes operator",
-                                   description="Run the kvship operator: InferenceService -> prefill/decode/router "
-                                               "Deployments, Services, RBAC, autoscalers.")
+    parser = subparsers.add_parser(
+        "operator",
+        help="run the Kubernetes operator",
+        description="Run the kvship operator: InferenceService -> prefill/decode/router "
+        "Deployments, Services, RBAC, autoscalers.",
+    )
     OperatorConfig.add_cli_args(parser)
     parser.add_argument("--print-crd", action="store_true", help="print the InferenceService CRD YAML and exit")
     parser.set_defaults(func=main)
@@ -29,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def main(args: argparse.Namespace) -> int:
     if args.print_crd:
         from kvship.operator.crd import render_crd_yaml
+
         sys.stdout.write(render_crd_yaml())
         return 0
     config = OperatorConfig.from_cli_args(args)
@@ -37,8 +41,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvship operator: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.log_level != "debug":  # one line per API call is debug detail
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -54,8 +57,13 @@ def run(config: OperatorConfig) -> int:
     registry = kopf.OperatorRegistry()
     register(registry, config)
     logging.getLogger(__name__).info(
-        "kvship operator watching %s", "all namespaces" if config.clusterwide else ", ".join(config.namespace))
-    kopf.run(registry=registry, standalone=True, clusterwide=config.clusterwide,
-             namespaces=() if config.clusterwide else tuple(config.namespace),
-             liveness_endpoint=config.liveness_endpoint)
+        "kvship operator watching %s", "all namespaces" if config.clusterwide else ", ".join(config.namespace)
+    )
+    kopf.run(
+        registry=registry,
+        standalone=True,
+        clusterwide=config.clusterwide,
+        namespaces=() if config.clusterwide else tuple(config.namespace),
+        liveness_endpoint=config.liveness_endpoint,
+    )
     return 0

@@ -20,17 +20,26 @@ DEFAULT_ROUTER_IMAGE = "ghcr.io/kvship/router:0.1.0"
 class OperatorConfig:
     """Configuration of the operator process (``kvship operator``)."""
 
-    kubeconfig: Optional[str] = opt(None, "kubeconfig file (default: in-cluster service account, then "
-                                          "$KUBECONFIG / ~/.kube/config)")
-    namespace: list[str] = opt([], "Watch only these namespaces (one or more after the flag); default: all namespaces", nargs="+")
+    kubeconfig: Optional[str] = opt(
+        None, "kubeconfig file (default: in-cluster service account, then $KUBECONFIG / ~/.kube/config)"
+    )
+    namespace: list[str] = opt(
+        [], "Watch only these namespaces (one or more after the flag); default: all namespaces", nargs="+"
+    )
     all_namespaces: bool = opt(False, "Watch InferenceServices in every namespace (the default without --namespace)")
     worker_image: str = opt(DEFAULT_WORKER_IMAGE, "Worker image when spec.engine.image is not set")
     router_image: str = opt(DEFAULT_ROUTER_IMAGE, "Router image when spec.router.image is not set")
-    image_pull_policy: str = opt("IfNotPresent", "Pull policy when spec.engine.imagePullPolicy is not set",
-                                 choices=("Always", "IfNotPresent", "Never"))
+    image_pull_policy: str = opt(
+        "IfNotPresent",
+        "Pull policy when spec.engine.imagePullPolicy is not set",
+        choices=("Always", "IfNotPresent", "Never"),
+    )
     liveness_port: int = opt(8080, "Port of the liveness endpoint GET /healthz (0 = off)")
-    resync_interval: float = opt(30.0, "Seconds between level-based reconciles of each InferenceService "
-                                       "(re-applies drifted children, refreshes status)")
+    resync_interval: float = opt(
+        30.0,
+        "Seconds between level-based reconciles of each InferenceService "
+        "(re-applies drifted children, refreshes status)",
+    )
     watch_timeout: float = opt(300.0, "Seconds one watch request lasts before it is renewed")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
 

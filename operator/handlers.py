@@ -46,7 +46,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvship.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="kvship.io", key="last-handled-configuration")
+            prefix="kvship.io", key="last-handled-configuration"
+        )
         settings.persistence.finalizer = "kvship.io/finalizer"  # named, but no handler here needs one
         # Events: only the explicit notes below (Applied, InvalidSpec, ApplyFailed), not every log line.
         settings.posting.level = logging.INFO
@@ -84,16 +85,22 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             return
         applied = outcome.applied
         if applied.changed:
-            note = "; ".join(f"{what}: {', '.join(items)}" for what, items in (
-                ("created", applied.created), ("patched", applied.patched), ("deleted", applied.deleted)) if items)
+            note = "; ".join(
+                f"{what}: {', '.join(items)}"
+                for what, items in (
+                    ("created", applied.created),
+                    ("patched", applied.patched),
+                    ("deleted", applied.deleted),
+                )
+                if items
+            )
             kopf.info(body, reason="Applied", message=note[:1000])
         if applied.errors:
             message = "; ".join(applied.errors)
             kopf.warn(body, reason="ApplyFailed", message=message[:1000])
             raise kopf.TemporaryError(message, delay=RETRY_DELAY)
 
-    @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-                   registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY}, registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == "InferenceService" and ref.get("controller"):
@@ -117,10 +124,16 @@ async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images
                 try:
                     outcome = await reconcile(client, body, images)
                 except Exception as e:  # keep the loop alive; the next pass retries
-                    log.warning("resync of %s/%s failed: %s", body["metadata"].get("namespace"),
-                                body["metadata"]["name"], e)
+                    log.warning(
+                        "resync of %s/%s failed: %s", body["metadata"].get("namespace"), body["metadata"]["name"], e
+                    )
                     continue
                 if outcome.applied.changed:
-                    log.info("resync of %s/%s corrected drift: created %s, patched %s, deleted %s",
-                             body["metadata"].get("namespace"), body["metadata"]["name"], outcome.applied.created,
-                             outcome.applied.patched, outcome.applied.deleted)
+                    log.info(
+                        "resync of %s/%s corrected drift: created %s, patched %s, deleted %s",
+                        body["metadata"].get("namespace"),
+                        body["metadata"]["name"],
+                        outcome.applied.created,
+                        outcome.applied.patched,
+                        outcome.applied.deleted,
+                    )

@@ -83,21 +83,36 @@ def load_auth(kubeconfig: Optional[str] = None) -> KubeAuth:
             namespace = None
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     token = header.split(" ", 1)[-1] if header else None
-    return KubeAuth(server=cfg.host.rstrip("/"), token=token, ca_file=cfg.ssl_ca_cert or None,
-                    cert_file=cfg.cert_file or None, key_file=cfg.key_file or None, verify=bool(cfg.verify_ssl),
-                    default_namespace=namespace)
+    return KubeAuth(
+        server=cfg.host.rstrip("/"),
+        token=token,
+        ca_file=cfg.ssl_ca_cert or None,
+        cert_file=cfg.cert_file or None,
+        key_file=cfg.key_file or None,
+        verify=bool(cfg.verify_ssl),
+        default_namespace=namespace,
+    )
 
 
 def connection_info(auth: KubeAuth) -> Any:
     """The same credentials as kopf's ``ConnectionInfo`` (for ``@kopf.on.login``)."""
     import kopf
-    return kopf.ConnectionInfo(server=auth.server, token=auth.token, scheme="Bearer" if auth.token else None,
-                               ca_path=auth.ca_file, insecure=not auth.verify, certificate_path=auth.cert_file,
-                               private_key_path=auth.key_file, default_namespace=auth.default_namespace)
+
+    return kopf.ConnectionInfo(
+        server=auth.server,
+        token=auth.token,
+        scheme="Bearer" if auth.token else None,
+        ca_path=auth.ca_file,
+        insecure=not auth.verify,
+        certificate_path=auth.cert_file,
+        private_key_path=auth.key_file,
+        default_namespace=auth.default_namespace,
+    )
 
 
-def resource_path(api_version: str, kind: str, namespace: Optional[str], name: Optional[str] = None,
-                  subresource: Optional[str] = None) -> str:
+def resource_path(
+    api_version: str, kind: str, namespace: Optional[str], name: Optional[str] = None, subresource: Optional[str] = None
+) -> str:
     try:
         plural, namespaced = KINDS[(api_version, kind)]
     except KeyError:
@@ -130,8 +145,9 @@ class KubeClient:
             cert = (a.cert_file, a.key_file) if a.cert_file and a.key_file else None
             headers = {"Authorization": f"Bearer {a.token}"} if a.token else {}
             headers["User-Agent"] = "kvship-operator"
-            self._http = httpx.AsyncClient(base_url=a.server, verify=verify, cert=cert, headers=headers,
-                                           timeout=self._timeout)
+            self._http = httpx.AsyncClient(
+                base_url=a.server, verify=verify, cert=cert, headers=headers, timeout=self._timeout
+            )
         return self._http
 
     async def aclose(self) -> None:
@@ -139,12 +155,24 @@ class KubeClient:
             await self._http.aclose()
             self._http = None
 
-    async def request(self, method: str, path: str, *, body: Any = None, params: Optional[dict] = None,
-                      content_type: str = "application/json") -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Optional[dict] = None,
+        content_type: str = "application/json",
+    ) -> Any:
         for attempt in (1, 2):
             client = self._client()
-            resp = await client.request(method, path, params=params, json=body,
-                                        headers={"Content-Type": content_type, "Accept": "application/json"})
+            resp = await client.request(
+                method,
+                path,
+                params=params,
+                json=body,
+                headers={"Content-Type": content_type, "Accept": "application/json"},
+            )
             if resp.status_code == 401 and attempt == 1:  # token rotated: log in again once
                 await self.aclose()
                 continue
@@ -154,8 +182,11 @@ class KubeClient:
                 data = resp.json()
             except ValueError:
                 data = {}
-            raise KubeApiError(resp.status_code, str(data.get("reason") or resp.reason_phrase),
-                               str(data.get("message") or resp.text[:500]))
+            raise KubeApiError(
+                resp.status_code,
+                str(data.get("reason") or resp.reason_phrase),
+                str(data.get("message") or resp.text[:500]),
+            )
         return resp.json() if resp.content else None
 
     async def get(self, api_version: str, kind: str, namespace: Optional[str], name: str) -> Optional[dict]:
@@ -166,26 +197,40 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, api_version: str, kind: str, namespace: Optional[str],
-                   label_selector: str = "") -> list[dict]:
+    async def list(self, api_version: str, kind: str, namespace: Optional[str], label_selector: str = "") -> list[dict]:
         params = {"labelSelector": label_selector} if label_selector else None
         data = await self.request("GET", resource_path(api_version, kind, namespace), params=params)
         return list((data or {}).get("items") or [])
 
     async def create(self, obj: dict) -> dict:
         meta = obj["metadata"]
-        return await self.request("POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")),
-                                  body=obj)
+        return await self.request(
+            "POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj
+        )
 
-    async def merge_patch(self, api_version: str, kind: str, namespace: Optional[str], name: str, patch: dict,
-                          subresource: Optional[str] = None) -> dict:
-        return await self.request("PATCH", resource_path(api_version, kind, namespace, name, subresource),
-                                  body=patch, content_type="application/merge-patch+json")
+    async def merge_patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: Optional[str],
+        name: str,
+        patch: dict,
+        subresource: Optional[str] = None,
+    ) -> dict:
+        return await self.request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name, subresource),
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
 
     async def delete(self, api_version: str, kind: str, namespace: Optional[str], name: str) -> None:
         try:
-            await self.request("DELETE", resource_path(api_version, kind, namespace, name),
-                               body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})
+            await self.request(
+                "DELETE",
+                resource_path(api_version, kind, namespace, name),
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
         except KubeApiError as e:
             if e.status != 404:
                 raise

@@ -24,18 +24,51 @@ from kvship.operator.types import Autoscaling, InferenceServiceSpec, WorkerRole
 
 # `kvship serve` flags the operator owns; extraArgs may not set them.
 MANAGED_WORKER_FLAGS = (
-    "--host", "--port", "--mode", "--model-path", "--served-model-name", "--tokenizer-path", "--api-key",
-    "--dtype", "--kv-cache-dtype", "--context-length", "--attention-backend", "--mem-fraction-static",
-    "--cuda-graph-max-bs", "--tp-size", "--ep-size",
-    "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--disaggregation-ib-device",
-    "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
-    "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    "--host",
+    "--port",
+    "--mode",
+    "--model-path",
+    "--served-model-name",
+    "--tokenizer-path",
+    "--api-key",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--context-length",
+    "--attention-backend",
+    "--mem-fraction-static",
+    "--cuda-graph-max-bs",
+    "--tp-size",
+    "--ep-size",
+    "--disaggregation-bootstrap-port",
+    "--disaggregation-transfer-backend",
+    "--disaggregation-ib-device",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
 )
 MANAGED_ROUTER_FLAGS = (
-    "--host", "--port", "--api-key", "--worker-urls", "--pd", "--prefill", "--decode", "--service-discovery",
-    "--selector", "--prefill-selector", "--decode-selector", "--namespace", "--service-discovery-port",
-    "--kubeconfig", "--policy", "--prefill-policy", "--decode-policy", "--cache-threshold",
-    "--balance-abs-threshold", "--balance-rel-threshold",
+    "--host",
+    "--port",
+    "--api-key",
+    "--worker-urls",
+    "--pd",
+    "--prefill",
+    "--decode",
+    "--service-discovery",
+    "--selector",
+    "--prefill-selector",
+    "--decode-selector",
+    "--namespace",
+    "--service-discovery-port",
+    "--kubeconfig",
+    "--policy",
+    "--prefill-policy",
+    "--decode-policy",
+    "--cache-threshold",
+    "--balance-abs-threshold",
+    "--balance-rel-threshold",
 )
 # Longest child-name suffix is "-prefill": names must leave room for it inside a 63-character DNS label.
 MAX_NAME_LENGTH = 63 - len("-prefill")
@@ -57,21 +90,21 @@ class ModelSource:
     """Where a worker finds weights: ``kind`` hf | pvc | builtin | path."""
 
     kind: str
-    repo: Optional[str] = None       # hf: OWNER/NAME
-    revision: Optional[str] = None   # hf: branch, tag or commit
-    claim: Optional[str] = None      # pvc: claim name
-    sub_path: str = ""               # pvc: path inside the claim
-    path: Optional[str] = None       # path: absolute path in the image
+    repo: Optional[str] = None  # hf: OWNER/NAME
+    revision: Optional[str] = None  # hf: branch, tag or commit
+    claim: Optional[str] = None  # pvc: claim name
+    sub_path: str = ""  # pvc: path inside the claim
+    path: Optional[str] = None  # path: absolute path in the image
 
     @classmethod
     def from_uri(cls, uri: str) -> "ModelSource":
         if uri == "builtin:smollm2":
             return cls(kind="builtin")
         if uri.startswith("hf://"):
-            repo, _, rev = uri[len("hf://"):].partition("@")
+            repo, _, rev = uri[len("hf://") :].partition("@")
             return cls(kind="hf", repo=repo, revision=rev or None)
         if uri.startswith("pvc://"):
-            claim, _, sub = uri[len("pvc://"):].partition("/")
+            claim, _, sub = uri[len("pvc://") :].partition("/")
             return cls(kind="pvc", claim=claim, sub_path=sub.strip("/"))
         return cls(kind="path", path=uri)
 
@@ -118,8 +151,10 @@ def parse_service(body: dict) -> ServiceConfig:
     errors: list[str] = []
     name = meta.get("name") or ""
     if not NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
-        errors.append(f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
-                      "(children are named NAME-prefill, NAME-decode, ...)")
+        errors.append(
+            f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+            "(children are named NAME-prefill, NAME-decode, ...)"
+        )
     try:
         spec: Optional[InferenceServiceSpec] = parse(InferenceServiceSpec, body.get("spec"), "spec")
     except ParseErrors as e:
@@ -132,9 +167,14 @@ def parse_service(body: dict) -> ServiceConfig:
     assert spec is not None
     draft = spec.decode.speculative.draft_model if spec.decode.speculative else None
     return ServiceConfig(
-        name=name, namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
-        generation=int(meta.get("generation") or 0), spec=spec, model=ModelSource.from_uri(spec.model.uri),
-        draft_model=ModelSource.from_uri(draft) if draft else None)
+        name=name,
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid") or "",
+        generation=int(meta.get("generation") or 0),
+        spec=spec,
+        model=ModelSource.from_uri(spec.model.uri),
+        draft_model=ModelSource.from_uri(draft) if draft else None,
+    )
 
 
 def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
@@ -167,7 +207,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     if svc.node_port is not None and svc.type == "ClusterIP":
         errors.append("spec.router.service.nodePort: needs type NodePort or LoadBalancer (type is ClusterIP)")
     if spec.model.cache_volume_claim and spec.model.uri.startswith("pvc://"):
-        if spec.model.uri[len("pvc://"):].split("/", 1)[0] == spec.model.cache_volume_claim:
+        if spec.model.uri[len("pvc://") :].split("/", 1)[0] == spec.model.cache_volume_claim:
             errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
     return errors
 
@@ -176,15 +216,21 @@ def _role_errors(role: str, r: WorkerRole) -> list[str]:
     errors = []
     base = f"spec.{role}"
     if r.tensor_parallel_size % r.expert_parallel_size:
-        errors.append(f"{base}.expertParallelSize: {r.expert_parallel_size} must divide tensorParallelSize "
-                      f"{r.tensor_parallel_size}")
+        errors.append(
+            f"{base}.expertParallelSize: {r.expert_parallel_size} must divide tensorParallelSize "
+            f"{r.tensor_parallel_size}"
+        )
     gpus = _gpu_count(r.resources)
     if gpus is not None and gpus != r.tensor_parallel_size:
-        errors.append(f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
-                      f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs)")
+        errors.append(
+            f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
+            f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs)"
+        )
     if gpus is None and r.tensor_parallel_size > 1:
-        errors.append(f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits "
-                      f"{GPU}: {r.tensor_parallel_size}")
+        errors.append(
+            f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits "
+            f"{GPU}: {r.tensor_parallel_size}"
+        )
     for part in ("limits", "requests"):
         if GPU in (r.resources.get(part) or {}) and part == "requests" and GPU not in (r.resources.get("limits") or {}):
             errors.append(f"{base}.resources.limits: {GPU} must be set in limits (extended resources)")

@@ -23,8 +23,7 @@ from typing import Any, Optional
 from kvship.operator.builders.common import child_name, worker_roles
 from kvship.operator.spec import ServiceConfig
 
-ROLE_CONDITION = {"prefill": "PrefillReady", "decode": "DecodeReady", "unified": "DecodeReady",
-                  "router": "RouterReady"}
+ROLE_CONDITION = {"prefill": "PrefillReady", "decode": "DecodeReady", "unified": "DecodeReady", "router": "RouterReady"}
 
 
 @dataclass(frozen=True)
@@ -37,9 +36,9 @@ class RoleState:
     ready: int = 0
     updated: int = 0
     total: int = 0
-    current: bool = False        # the controller has seen the latest spec
+    current: bool = False  # the controller has seen the latest spec
     deadline_exceeded: bool = False
-    rollout_done: bool = False   # its Progressing condition says NewReplicaSetAvailable
+    rollout_done: bool = False  # its Progressing condition says NewReplicaSetAvailable
 
     @property
     def all_ready(self) -> bool:
@@ -47,12 +46,20 @@ class RoleState:
 
     @property
     def rolling(self) -> bool:
-        return not self.current or self.updated < self.desired or self.total > self.desired or \
-            (self.ready < self.desired and not self.rollout_done)
+        return (
+            not self.current
+            or self.updated < self.desired
+            or self.total > self.desired
+            or (self.ready < self.desired and not self.rollout_done)
+        )
 
     def as_status(self) -> dict[str, Any]:
-        return {"replicas": self.desired, "readyReplicas": self.ready, "updatedReplicas": self.updated,
-                "ready": f"{self.ready}/{self.desired}"}
+        return {
+            "replicas": self.desired,
+            "readyReplicas": self.ready,
+            "updatedReplicas": self.updated,
+            "ready": f"{self.ready}/{self.desired}",
+        }
 
 
 def role_state(role: str, deployment: Optional[dict]) -> RoleState:
@@ -63,11 +70,16 @@ def role_state(role: str, deployment: Optional[dict]) -> RoleState:
     conds = {c.get("type"): c for c in st.get("conditions") or []}
     progressing = conds.get("Progressing") or {}
     return RoleState(
-        role=role, exists=True, desired=int(spec.get("replicas", 1)), ready=int(st.get("readyReplicas") or 0),
-        updated=int(st.get("updatedReplicas") or 0), total=int(st.get("replicas") or 0),
+        role=role,
+        exists=True,
+        desired=int(spec.get("replicas", 1)),
+        ready=int(st.get("readyReplicas") or 0),
+        updated=int(st.get("updatedReplicas") or 0),
+        total=int(st.get("replicas") or 0),
         current=int(st.get("observedGeneration") or 0) >= gen,
         deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
-        rollout_done=progressing.get("reason") == "NewReplicaSetAvailable")
+        rollout_done=progressing.get("reason") == "NewReplicaSetAvailable",
+    )
 
 
 def router_url(cfg: ServiceConfig, service: Optional[dict]) -> str:
@@ -84,14 +96,22 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _condition(ctype: str, ok: Optional[bool], reason: str, message: str, generation: int,
-               previous: dict[str, dict], now: str) -> dict[str, Any]:
+def _condition(
+    ctype: str, ok: Optional[bool], reason: str, message: str, generation: int, previous: dict[str, dict], now: str
+) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
     prev = previous.get(ctype)
-    when = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get(
-        "lastTransitionTime") else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": when, "observedGeneration": generation}
+    when = (
+        prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") else now
+    )
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": when,
+        "observedGeneration": generation,
+    }
 
 
 def _role_condition(s: RoleState, what: str) -> tuple[bool, str, str]:
@@ -105,8 +125,14 @@ def _role_condition(s: RoleState, what: str) -> tuple[bool, str, str]:
     return False, ("RollingOut" if s.rolling else "ReplicasNotReady"), msg
 
 
-def compute_status(body: dict, cfg: Optional[ServiceConfig], spec_errors: list[str], apply_errors: list[str],
-                   children: dict[tuple[str, str], dict], now: Optional[str] = None) -> dict[str, Any]:
+def compute_status(
+    body: dict,
+    cfg: Optional[ServiceConfig],
+    spec_errors: list[str],
+    apply_errors: list[str],
+    children: dict[tuple[str, str], dict],
+    now: Optional[str] = None,
+) -> dict[str, Any]:
     """The full ``status`` of the InferenceService ``body`` (see the module docstring)."""
     now = now or now_rfc3339()
     generation = int((body.get("metadata") or {}).get("generation") or 0)
@@ -118,20 +144,33 @@ def compute_status(body: dict, cfg: Optional[ServiceConfig], spec_errors: list[s
     empty = {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0, "ready": "0/0"}
     if cfg is None:  # invalid spec: no children are made
         message = "; ".join(spec_errors)
-        conditions = [cond("Valid", False, "InvalidSpec", message),
-                      cond("Ready", False, "InvalidSpec", "fix the spec: " + message)]
-        conditions += [cond(t, None, "InvalidSpec", "not evaluated: the spec is invalid")
-                       for t in ("PrefillReady", "DecodeReady", "RouterReady")]
-        return {"phase": "Failed", "conditions": conditions, "prefill": empty, "decode": empty, "router": empty,
-                "observedGeneration": generation}
+        conditions = [
+            cond("Valid", False, "InvalidSpec", message),
+            cond("Ready", False, "InvalidSpec", "fix the spec: " + message),
+        ]
+        conditions += [
+            cond(t, None, "InvalidSpec", "not evaluated: the spec is invalid")
+            for t in ("PrefillReady", "DecodeReady", "RouterReady")
+        ]
+        return {
+            "phase": "Failed",
+            "conditions": conditions,
+            "prefill": empty,
+            "decode": empty,
+            "router": empty,
+            "observedGeneration": generation,
+        }
 
-    states = {role: role_state(role, children.get(("Deployment", child_name(cfg, role))))
-              for role in worker_roles(cfg) + ("router",)}
+    states = {
+        role: role_state(role, children.get(("Deployment", child_name(cfg, role))))
+        for role in worker_roles(cfg) + ("router",)
+    }
     conditions = [cond("Valid", True, "SpecValid", f"{cfg.mode} mode, serving {cfg.served_name}")]
     role_conds = {}
     if cfg.unified:
-        role_conds["PrefillReady"] = cond("PrefillReady", True, "Unified",
-                                          "prefill.replicas is 0: unified workers, no prefill role")
+        role_conds["PrefillReady"] = cond(
+            "PrefillReady", True, "Unified", "prefill.replicas is 0: unified workers, no prefill role"
+        )
     for role, s in states.items():
         what = "unified worker" if role == "unified" else role
         ok, reason, msg = _role_condition(s, what)
@@ -151,10 +190,14 @@ def compute_status(body: dict, cfg: Optional[ServiceConfig], spec_errors: list[s
     conditions += [ready, role_conds["PrefillReady"], role_conds["DecodeReady"], role_conds["RouterReady"]]
     decode_state = states["unified" if cfg.unified else "decode"]
     return {
-        "phase": phase, "mode": cfg.mode, "conditions": conditions,
+        "phase": phase,
+        "mode": cfg.mode,
+        "conditions": conditions,
         "prefill": empty if cfg.unified else states["prefill"].as_status(),
-        "decode": decode_state.as_status(), "router": states["router"].as_status(),
-        "url": url, "observedGeneration": generation,
+        "decode": decode_state.as_status(),
+        "router": states["router"].as_status(),
+        "url": url,
+        "observedGeneration": generation,
     }
 
 

@@ -26,16 +26,25 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Optional, Union
 
 # Kubernetes-native shapes kept as raw JSON (schema below, passed to pods unchanged).
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
-             "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
 KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
     "resources": {
         "type": "object",
         "properties": {
-            "limits": {"type": "object", "additionalProperties": dict(_QUANTITY),
-                       "description": "Most of each resource a container may use, e.g. cpu: 8, memory: 64Gi, nvidia.com/gpu: 1."},
-            "requests": {"type": "object", "additionalProperties": dict(_QUANTITY),
-                         "description": "Resources the scheduler reserves for each container."},
+            "limits": {
+                "type": "object",
+                "additionalProperties": dict(_QUANTITY),
+                "description": "Most of each resource a container may use, e.g. cpu: 8, memory: 64Gi, nvidia.com/gpu: 1.",
+            },
+            "requests": {
+                "type": "object",
+                "additionalProperties": dict(_QUANTITY),
+                "description": "Resources the scheduler reserves for each container.",
+            },
         },
     },
     "tolerations": {
@@ -44,12 +53,22 @@ KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object",
             "properties": {
                 "key": {"type": "string", "description": "Taint key the toleration applies to."},
-                "operator": {"type": "string", "enum": ["Exists", "Equal"], "description": "Exists or Equal (default Equal)."},
+                "operator": {
+                    "type": "string",
+                    "enum": ["Exists", "Equal"],
+                    "description": "Exists or Equal (default Equal).",
+                },
                 "value": {"type": "string", "description": "Taint value matched with operator Equal."},
-                "effect": {"type": "string", "enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"],
-                           "description": "Taint effect to match; empty matches all effects."},
-                "tolerationSeconds": {"type": "integer", "format": "int64",
-                                      "description": "How long a NoExecute taint is tolerated."},
+                "effect": {
+                    "type": "string",
+                    "enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"],
+                    "description": "Taint effect to match; empty matches all effects.",
+                },
+                "tolerationSeconds": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "How long a NoExecute taint is tolerated.",
+                },
             },
         },
     },
@@ -62,8 +81,11 @@ KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
             "properties": {
                 "name": {"type": "string", "description": "Environment variable name."},
                 "value": {"type": "string", "description": "Literal value."},
-                "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                              "description": "Source of the value (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."},
+                "valueFrom": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "description": "Source of the value (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef).",
+                },
             },
         },
     },
@@ -71,20 +93,40 @@ KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def api_field(description: str, default: Any = None, *, required: bool = False, enum: tuple | None = None,
-              minimum: float | None = None, maximum: float | None = None,
-              exclusive_minimum: bool = False, exclusive_maximum: bool = False,
-              pattern: str | None = None, kube: str | None = None, min_items: int | None = None,
-              max_length: int | None = None, hint: str | None = None) -> Any:
+def api_field(
+    description: str,
+    default: Any = None,
+    *,
+    required: bool = False,
+    enum: tuple | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    pattern: str | None = None,
+    kube: str | None = None,
+    min_items: int | None = None,
+    max_length: int | None = None,
+    hint: str | None = None,
+) -> Any:
     """Declare one API field.
 
     ``default`` may be a value, a list/dict (copied per instance) or a dataclass type (instantiated);
     ``required=True`` fields have no default and are listed in the schema's ``required``.
     """
-    meta = {"description": description, "enum": enum, "minimum": minimum, "maximum": maximum,
-            "exclusive_minimum": exclusive_minimum, "exclusive_maximum": exclusive_maximum,
-            "pattern": pattern, "kube": kube, "min_items": min_items, "max_length": max_length,
-            "hint": hint}
+    meta = {
+        "description": description,
+        "enum": enum,
+        "minimum": minimum,
+        "maximum": maximum,
+        "exclusive_minimum": exclusive_minimum,
+        "exclusive_maximum": exclusive_maximum,
+        "pattern": pattern,
+        "kube": kube,
+        "min_items": min_items,
+        "max_length": max_length,
+        "hint": hint,
+    }
     if required:
         return field(metadata=meta)
     if isinstance(default, type) and dataclasses.is_dataclass(default):
@@ -250,8 +292,15 @@ def _parse_dataclass(cls: type, data: Any, path: str, errors: list[str]) -> Any:
 
 
 def _kind(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def _parse_value(tp: Any, meta: typing.Mapping[str, Any], raw: Any, path: str, errors: list[str]) -> Any:
@@ -364,5 +413,14 @@ def to_json(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["api_field", "openapi_schema", "parse", "ParseErrors", "to_json", "json_name", "KUBE_SCHEMAS",
-           "dataclass", "Optional"]
+__all__ = [
+    "api_field",
+    "openapi_schema",
+    "parse",
+    "ParseErrors",
+    "to_json",
+    "json_name",
+    "KUBE_SCHEMAS",
+    "dataclass",
+    "Optional",
+]

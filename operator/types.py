@@ -31,8 +31,10 @@ PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady")
 
 # hf://owner/name[@revision] | pvc://claim[/path] | builtin:smollm2 | /absolute/path
-MODEL_URI_PATTERN = (r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
-                     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|builtin:smollm2|/[^\s]*)$")
+MODEL_URI_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|builtin:smollm2|/[^\s]*)$"
+)
 URI_HINT = "must be hf://OWNER/NAME[@REVISION], pvc://CLAIM[/PATH], builtin:smollm2 or an absolute path"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -41,8 +43,9 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 class SecretKeyRef:
     """A key of a Secret in the InferenceService's namespace."""
 
-    name: str = api_field("Name of the Secret.", required=True,
-                          pattern=DNS_LABEL[:-1] + r"(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    name: str = api_field(
+        "Name of the Secret.", required=True, pattern=DNS_LABEL[:-1] + r"(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+    )
     key: str = api_field("Key inside the Secret whose value is used.", required=True)
 
 
@@ -54,17 +57,24 @@ class ModelSpec:
         "Where the weights come from: hf://OWNER/NAME[@REVISION] (downloaded by an init container into the "
         "model cache), pvc://CLAIM[/PATH] (a PersistentVolumeClaim mounted read-only), an absolute path inside "
         "the image, or builtin:smollm2 (the SmolLM2-135M-Instruct GGUF shipped in the image; runs on CPU).",
-        required=True, pattern=MODEL_URI_PATTERN, hint=URI_HINT)
+        required=True,
+        pattern=MODEL_URI_PATTERN,
+        hint=URI_HINT,
+    )
     served_name: Optional[str] = api_field(
-        "Model name clients send in requests and /v1/models reports (default: the last part of the URI).")
+        "Model name clients send in requests and /v1/models reports (default: the last part of the URI)."
+    )
     dtype: str = api_field("Compute dtype; auto picks bfloat16 on GPUs and float32 on CPUs.", "auto", enum=DTYPES)
     context_length: Optional[int] = api_field("Longest context in tokens (default: the model's own).", minimum=1)
     hf_token_secret_ref: Optional[SecretKeyRef] = api_field(
         "Secret holding a Hugging Face token, for gated models such as Llama (exported as HF_TOKEN to the "
-        "download init container only).")
+        "download init container only)."
+    )
     cache_volume_claim: Optional[str] = api_field(
         "Existing PersistentVolumeClaim (ReadWriteMany) used as the Hugging Face cache by every worker pod, "
-        "so weights are downloaded once; default: an emptyDir per pod.", pattern=DNS_LABEL)
+        "so weights are downloaded once; default: an emptyDir per pod.",
+        pattern=DNS_LABEL,
+    )
 
 
 @dataclass(frozen=True)
@@ -72,23 +82,36 @@ class EngineSpec:
     """Worker engine settings shared by prefill and decode workers."""
 
     image: Optional[str] = api_field("Worker image (default: the operator's --worker-image).")
-    image_pull_policy: Optional[str] = api_field("Image pull policy of every pod.",
-                                                 enum=("Always", "IfNotPresent", "Never"))
+    image_pull_policy: Optional[str] = api_field(
+        "Image pull policy of every pod.", enum=("Always", "IfNotPresent", "Never")
+    )
     image_pull_secrets: list[str] = api_field("Names of Secrets used to pull the images.", [])
-    attention_backend: str = api_field("Attention kernels: flashinfer or triton on GPUs, torch_native anywhere; "
-                                       "auto picks the best installed.", "auto", enum=ATTENTION_BACKENDS)
+    attention_backend: str = api_field(
+        "Attention kernels: flashinfer or triton on GPUs, torch_native anywhere; auto picks the best installed.",
+        "auto",
+        enum=ATTENTION_BACKENDS,
+    )
     kv_cache_dtype: str = api_field("KV cache dtype (auto = the compute dtype).", "auto", enum=DTYPES)
     mem_fraction_static: Optional[float] = api_field(
         "Fraction of GPU memory for weights and KV cache (worker default 0.85).",
-        minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True)
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
+    )
     cuda_graph_max_batch_size: Optional[int] = api_field(
-        "Largest decode batch captured in a CUDA graph (worker default 160).", minimum=1)
+        "Largest decode batch captured in a CUDA graph (worker default 160).", minimum=1
+    )
     startup_timeout_seconds: int = api_field(
         "How long a worker may take to load the model before its startup probe fails and it is restarted.",
-        1800, minimum=30)
+        1800,
+        minimum=30,
+    )
     extra_args: list[str] = api_field(
-        "More `kvship serve` flags, one argument per item (no shell), e.g. [\"--page-size\", \"16\"]. "
-        "Flags the operator sets itself (--host, --port, --mode, --model-path, --disaggregation-*) are refused.", [])
+        'More `kvship serve` flags, one argument per item (no shell), e.g. ["--page-size", "16"]. '
+        "Flags the operator sets itself (--host, --port, --mode, --model-path, --disaggregation-*) are refused.",
+        [],
+    )
 
 
 @dataclass(frozen=True)
@@ -101,23 +124,34 @@ class Autoscaling:
     min_replicas: int = api_field("Fewest replicas.", 1, minimum=1)
     metric: str = api_field(
         "cpu or memory (target = average utilization in percent), or the name of a per-pod metric served by a "
-        "metrics adapter, e.g. kvship_num_running_requests (target = average value).", "cpu",
-        pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:.-]*$")
-    target: Union[int, str] = api_field("Target value of the metric (percent for cpu/memory, else a quantity).",
-                                        80, kube="int-or-string")
+        "metrics adapter, e.g. kvship_num_running_requests (target = average value).",
+        "cpu",
+        pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:.-]*$",
+    )
+    target: Union[int, str] = api_field(
+        "Target value of the metric (percent for cpu/memory, else a quantity).", 80, kube="int-or-string"
+    )
 
 
 @dataclass(frozen=True)
 class Speculative:
     """Speculative decoding on decode (and unified) workers."""
 
-    __cel__ = (("self.algorithm == 'ngram' || has(self.draftModel)",
-                "draftModel is required for the eagle and draft algorithms"),)
+    __cel__ = (
+        (
+            "self.algorithm == 'ngram' || has(self.draftModel)",
+            "draftModel is required for the eagle and draft algorithms",
+        ),
+    )
 
-    algorithm: str = api_field("eagle (EAGLE draft head), ngram (prompt lookup, no draft model) or draft "
-                               "(a small draft model).", required=True, enum=SPEC_ALGORITHMS)
-    draft_model: Optional[str] = api_field("Draft weights, in the same URI forms as model.uri.",
-                                           pattern=MODEL_URI_PATTERN, hint=URI_HINT)
+    algorithm: str = api_field(
+        "eagle (EAGLE draft head), ngram (prompt lookup, no draft model) or draft (a small draft model).",
+        required=True,
+        enum=SPEC_ALGORITHMS,
+    )
+    draft_model: Optional[str] = api_field(
+        "Draft weights, in the same URI forms as model.uri.", pattern=MODEL_URI_PATTERN, hint=URI_HINT
+    )
     num_steps: int = api_field("Draft steps per verification.", 3, minimum=1, maximum=16)
     topk: int = api_field("Branching factor of the draft tree (eagle).", 1, minimum=1, maximum=16)
     num_draft_tokens: int = api_field("Draft tokens verified per step.", 4, minimum=1, maximum=64)
@@ -127,24 +161,30 @@ class Speculative:
 class WorkerRole:
     """Common fields of the prefill and decode roles."""
 
-    __cel__ = (("self.tensorParallelSize % self.expertParallelSize == 0",
-                "expertParallelSize must divide tensorParallelSize"),)
+    __cel__ = (
+        ("self.tensorParallelSize % self.expertParallelSize == 0", "expertParallelSize must divide tensorParallelSize"),
+    )
 
     replicas: int = api_field("Worker pods of this role (ignored when autoscaling is set).", 1, minimum=0)
     resources: dict[str, Any] = api_field(
         "Container resources of each worker, e.g. limits: {nvidia.com/gpu: 8, memory: 200Gi}. The GPU count "
-        "must equal tensorParallelSize when set.", {}, kube="resources")
-    tensor_parallel_size: int = api_field("GPUs one worker shards the model over (tensor parallelism).", 1,
-                                          minimum=1)
-    expert_parallel_size: int = api_field("Ranks the MoE experts are split over (expert parallelism); must divide "
-                                          "tensorParallelSize.", 1, minimum=1)
+        "must equal tensorParallelSize when set.",
+        {},
+        kube="resources",
+    )
+    tensor_parallel_size: int = api_field("GPUs one worker shards the model over (tensor parallelism).", 1, minimum=1)
+    expert_parallel_size: int = api_field(
+        "Ranks the MoE experts are split over (expert parallelism); must divide tensorParallelSize.", 1, minimum=1
+    )
     node_selector: dict[str, str] = api_field("Node labels the pods must run on.", {})
-    tolerations: list[dict[str, Any]] = api_field("Taints the pods tolerate (e.g. nvidia.com/gpu).", [],
-                                                  kube="tolerations")
+    tolerations: list[dict[str, Any]] = api_field(
+        "Taints the pods tolerate (e.g. nvidia.com/gpu).", [], kube="tolerations"
+    )
     affinity: dict[str, Any] = api_field("Pod affinity and anti-affinity, as in a Pod spec.", {}, kube="affinity")
     env: list[dict[str, Any]] = api_field("Extra environment variables of the worker container.", [], kube="env")
     pod_annotations: dict[str, str] = api_field(
-        "Annotations of the worker pods, e.g. k8s.v1.cni.cncf.io/networks for an RDMA network.", {})
+        "Annotations of the worker pods, e.g. k8s.v1.cni.cncf.io/networks for an RDMA network.", {}
+    )
     extra_args: list[str] = api_field("More `kvship serve` flags for this role only, one argument per item.", [])
     autoscaling: Optional[Autoscaling] = api_field("Scale this role with a HorizontalPodAutoscaler.")
 
@@ -153,8 +193,12 @@ class WorkerRole:
 class PrefillSpec(WorkerRole):
     """Prefill workers: run prompts and ship their KV cache to decode workers. replicas 0 = unified mode."""
 
-    replicas: int = api_field("Prefill worker pods; 0 means unified mode: the decode workers run whole requests "
-                              "(--mode unified) and no KV is transferred.", 0, minimum=0)
+    replicas: int = api_field(
+        "Prefill worker pods; 0 means unified mode: the decode workers run whole requests "
+        "(--mode unified) and no KV is transferred.",
+        0,
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -169,15 +213,20 @@ class DecodeSpec(WorkerRole):
 class KvTransfer:
     """How prefill workers ship KV caches to decode workers (PD mode only)."""
 
-    __cel__ = (("self.backend != 'tcp' || size(self.rdmaDevices) == 0",
-                "rdmaDevices needs the mooncake or nixl backend"),)
+    __cel__ = (
+        ("self.backend != 'tcp' || size(self.rdmaDevices) == 0", "rdmaDevices needs the mooncake or nixl backend"),
+    )
 
-    backend: str = api_field("mooncake (RDMA through Mooncake's TransferEngine), nixl (NIXL over UCX) or tcp "
-                             "(plain sockets, no RDMA needed).", "tcp", enum=TRANSFER_BACKENDS)
-    rdma_devices: list[str] = api_field("RDMA devices to use, e.g. [mlx5_0, mlx5_1] (mooncake: "
-                                        "--disaggregation-ib-device; nixl: UCX_NET_DEVICES).", [])
-    bootstrap_port: int = api_field("Port of the prefill workers' bootstrap endpoint.", 8998, minimum=1,
-                                    maximum=65535)
+    backend: str = api_field(
+        "mooncake (RDMA through Mooncake's TransferEngine), nixl (NIXL over UCX) or tcp "
+        "(plain sockets, no RDMA needed).",
+        "tcp",
+        enum=TRANSFER_BACKENDS,
+    )
+    rdma_devices: list[str] = api_field(
+        "RDMA devices to use, e.g. [mlx5_0, mlx5_1] (mooncake: --disaggregation-ib-device; nixl: UCX_NET_DEVICES).", []
+    )
+    bootstrap_port: int = api_field("Port of the prefill workers' bootstrap endpoint.", 8998, minimum=1, maximum=65535)
 
 
 @dataclass(frozen=True)
@@ -186,8 +235,9 @@ class RouterServiceSpec:
 
     type: str = api_field("Service type.", "ClusterIP", enum=("ClusterIP", "NodePort", "LoadBalancer"))
     port: int = api_field("Service port clients connect to.", 8000, minimum=1, maximum=65535)
-    node_port: Optional[int] = api_field("Fixed node port (type NodePort or LoadBalancer).", minimum=30000,
-                                         maximum=32767)
+    node_port: Optional[int] = api_field(
+        "Fixed node port (type NodePort or LoadBalancer).", minimum=30000, maximum=32767
+    )
     annotations: dict[str, str] = api_field("Annotations of the Service (e.g. for a cloud load balancer).", {})
 
 
@@ -203,20 +253,31 @@ class RouterSpec:
     affinity: dict[str, Any] = api_field("Pod affinity of the router pods.", {}, kube="affinity")
     env: list[dict[str, Any]] = api_field("Extra environment variables of the router container.", [], kube="env")
     autoscaling: Optional[Autoscaling] = api_field("Scale the router with a HorizontalPodAutoscaler.")
-    policy: str = api_field("How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
-                            "round_robin, random, shortest_queue or power_of_two.", DEFAULT_POLICY, enum=POLICY_NAMES)
-    prefill_policy: Optional[str] = api_field("PD: policy choosing the prefill worker (default: policy).",
-                                              enum=POLICY_NAMES)
-    decode_policy: Optional[str] = api_field("PD: policy choosing the decode worker (default: policy).",
-                                             enum=POLICY_NAMES)
-    cache_threshold: float = api_field("cache_aware: smallest prefix-match ratio that routes to the matching "
-                                       "worker.", 0.5, minimum=0, maximum=1)
-    balance_abs_threshold: int = api_field("cache_aware: balance load when the busiest worker has this many more "
-                                           "requests than the idlest ...", 32, minimum=0)
+    policy: str = api_field(
+        "How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
+        "round_robin, random, shortest_queue or power_of_two.",
+        DEFAULT_POLICY,
+        enum=POLICY_NAMES,
+    )
+    prefill_policy: Optional[str] = api_field(
+        "PD: policy choosing the prefill worker (default: policy).", enum=POLICY_NAMES
+    )
+    decode_policy: Optional[str] = api_field(
+        "PD: policy choosing the decode worker (default: policy).", enum=POLICY_NAMES
+    )
+    cache_threshold: float = api_field(
+        "cache_aware: smallest prefix-match ratio that routes to the matching worker.", 0.5, minimum=0, maximum=1
+    )
+    balance_abs_threshold: int = api_field(
+        "cache_aware: balance load when the busiest worker has this many more requests than the idlest ...",
+        32,
+        minimum=0,
+    )
     balance_rel_threshold: float = api_field("cache_aware: ... and this many times as many.", 1.5, minimum=1)
     api_key_secret_ref: Optional[SecretKeyRef] = api_field(
         "Secret holding the API key clients must send as 'Authorization: Bearer KEY' (also required by the "
-        "workers from the router); no authentication when absent.")
+        "workers from the router); no authentication when absent."
+    )
     service: RouterServiceSpec = api_field("The router's Service.", RouterServiceSpec)
     extra_args: list[str] = api_field("More `kvship router` flags, one argument per item (no shell).", [])
 
@@ -227,8 +288,9 @@ class InferenceServiceSpec:
 
     model: ModelSpec = api_field("The model to serve.", required=True)
     engine: EngineSpec = api_field("Engine settings shared by all workers.", EngineSpec)
-    prefill: PrefillSpec = api_field("Prefill workers; replicas 0 (the default) runs unified workers instead.",
-                                     PrefillSpec)
+    prefill: PrefillSpec = api_field(
+        "Prefill workers; replicas 0 (the default) runs unified workers instead.", PrefillSpec
+    )
     decode: DecodeSpec = api_field("Decode workers (unified workers when prefill.replicas is 0).", DecodeSpec)
     router: RouterSpec = api_field("The router in front of the workers.", RouterSpec)
     kv_transfer: KvTransfer = api_field("KV cache transfer between prefill and decode workers.", KvTransfer)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvship.engine.disagg import AuxInfo, KVManager, KVPoll, KVTransferError
-from kvship.engine.schedule_batch import Req
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue
+from kvship.engine.schedule_batch import Req
 
 
 class BootstrapQueue(PDStageQueue):

@@ -48,7 +48,7 @@ class PrefillRole(PDRole):
     def init_stages(self) -> tuple[PDStageQueue, ...]:
         self.bootstrap_queue = BootstrapQueue(self.kv_manager)
         self.inflight_queue = InflightQueue()
-        self.computing: dict[str, PDEntry] = {}   # registered rooms in waiting / extend
+        self.computing: dict[str, PDEntry] = {}  # registered rooms in waiting / extend
         return self.bootstrap_queue, self.inflight_queue
 
     @property
@@ -59,8 +59,10 @@ class PrefillRole(PDRole):
     # ------------------------------------------------------------ admission
     def bootstrap_problem(self, request: GenerateRequest) -> Optional[str]:
         if request.bootstrap_room is None:
-            return ("this is a prefill worker (--mode prefill): a request needs bootstrap_room, "
-                    "bootstrap_host and bootstrap_port; send requests through `kvship router --pd`")
+            return (
+                "this is a prefill worker (--mode prefill): a request needs bootstrap_room, "
+                "bootstrap_host and bootstrap_port; send requests through `kvship router --pd`"
+            )
         return room_problem(request.bootstrap_room)
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
@@ -88,8 +90,9 @@ class PrefillRole(PDRole):
         self.counters["transferred"] += 1
         self.s.finish(entry.req, FinishReason.of_length(0))
 
-    def on_prompt_done(self, req: Req, token_id: int, logprob: Optional[float],
-                       top_logprobs: Optional[list[tuple[int, float]]]) -> bool:
+    def on_prompt_done(
+        self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
+    ) -> bool:
         """The prompt is computed: send its pages and the first token (stage 2 -> 3)."""
         entry = self.computing.pop(req.rid, None)
         if entry is None:

@@ -33,7 +33,7 @@ from kvship.router.core import Router
 from kvship.router.proxy import error_response, proxy_request
 from kvship.router.ratelimit import RateLimited
 from kvship.router.upstream import RequestContext
-from kvship.router.wire import (PROXY_ROUTES, RequestError, RoutingRequest, error_body, new_request_id)
+from kvship.router.wire import PROXY_ROUTES, RequestError, RoutingRequest, error_body, new_request_id
 from kvship.router.worker import RegistrationError
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,9 @@ _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # anything else is r
 
 
 def _error(status: int, message: str, code: str, headers: Optional[dict[str, str]] = None) -> Response:
-    return Response(error_body(message, status, code), status_code=status, media_type="application/json",
-                    headers=headers)
+    return Response(
+        error_body(message, status, code), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 async def read_body_limited(request: Request, limit: int) -> bytes:
@@ -52,8 +53,9 @@ async def read_body_limited(request: Request, limit: int) -> bytes:
     if length is not None:
         try:
             if int(length) > limit:
-                raise RequestError(413, f"request body of {length} bytes exceeds --max-request-bytes ({limit})",
-                                   "request_too_large")
+                raise RequestError(
+                    413, f"request body of {length} bytes exceeds --max-request-bytes ({limit})", "request_too_large"
+                )
         except ValueError:
             raise RequestError(400, "invalid Content-Length header") from None
     chunks, size = [], 0
@@ -87,8 +89,12 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         got = request.headers.get("authorization", "").encode()
         if hmac.compare_digest(got, auth_value):
             return None
-        return _error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "invalid_api_key",
-                      {"www-authenticate": "Bearer"})
+        return _error(
+            401,
+            "missing or wrong API key (send 'Authorization: Bearer <key>')",
+            "invalid_api_key",
+            {"www-authenticate": "Bearer"},
+        )
 
     def forward_headers(request: Request, request_id: str) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": request_id}
@@ -116,8 +122,11 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             req = RoutingRequest.parse(route, raw, request.headers.get("x-session-id"))
             if req.model is not None and not router.registry.knows_model(req.model):
                 known = router.registry.models()
-                raise RequestError(404, f"model {req.model!r} not found; served models: "
-                                        f"{', '.join(known) or 'none yet'}", "model_not_found")
+                raise RequestError(
+                    404,
+                    f"model {req.model!r} not found; served models: {', '.join(known) or 'none yet'}",
+                    "model_not_found",
+                )
         except RateLimited as e:
             router.metrics.rate_limited.inc()
             return error_response(ctx, 429, e.reason, "rate_limited", {"retry-after": e.retry_after_header})
@@ -134,8 +143,9 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
     @app.get("/health")
     async def health() -> Response:
         workers = router.registry.all()
-        return JSONResponse({"status": "ok", "workers": len(workers),
-                             "healthy_workers": sum(1 for w in workers if w.healthy)})
+        return JSONResponse(
+            {"status": "ok", "workers": len(workers), "healthy_workers": sum(1 for w in workers if w.healthy)}
+        )
 
     @app.get("/readiness")
     async def readiness(request: Request) -> Response:
@@ -144,8 +154,9 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             return denied
         counts = {role: len(router.registry.available(role)) for role in router.roles}
         ready = router.ready()
-        return JSONResponse({"status": "ready" if ready else "not_ready", "available": counts},
-                            status_code=200 if ready else 503)
+        return JSONResponse(
+            {"status": "ready" if ready else "not_ready", "available": counts}, status_code=200 if ready else 503
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -181,12 +192,12 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         except RequestError as e:
             return _error(e.status, e.message, e.code)
         except ValueError:
-            return _error(400, "body must be JSON: {\"url\": ..., \"role\": ...}", "invalid_json")
+            return _error(400, 'body must be JSON: {"url": ..., "role": ...}', "invalid_json")
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            return _error(400, "body must be {\"url\": \"http://host:port\", \"role\": ...}", "invalid_request")
+            return _error(400, 'body must be {"url": "http://host:port", "role": ...}', "invalid_request")
         role = body.get("role") or (None if config.pd else "unified")
         if role is None:
-            return _error(400, "PD router: give \"role\": \"prefill\" or \"decode\"", "invalid_request")
+            return _error(400, 'PD router: give "role": "prefill" or "decode"', "invalid_request")
         try:
             worker = await router.add_worker(body["url"], role)
         except (RegistrationError, ValueError) as e:

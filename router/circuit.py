@@ -22,8 +22,7 @@ STATE_CODE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int, cooldown: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, failure_threshold: int, cooldown: float, clock: Callable[[], float] = time.monotonic):
         self.failure_threshold = failure_threshold
         self.cooldown = cooldown
         self._clock = clock

@@ -17,16 +17,21 @@ from kvship.router.config import RouterConfig
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "router", help="run the OpenAI-compatible router",
-        description="Route OpenAI-compatible and native requests to kvship workers.")
+        "router",
+        help="run the OpenAI-compatible router",
+        description="Route OpenAI-compatible and native requests to kvship workers.",
+    )
     RouterConfig.add_cli_args(parser)
     parser.set_defaults(func=run, _router_parser=parser)
     return parser
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,10 +46,18 @@ def run(args: argparse.Namespace) -> int:
     from kvship.router.app import create_app
 
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-        timeout_graceful_shutdown=int(config.shutdown_timeout) if config.shutdown_timeout else None,
-        timeout_keep_alive=75, log_config=None))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=int(config.shutdown_timeout) if config.shutdown_timeout else None,
+            timeout_keep_alive=75,
+            log_config=None,
+        )
+    )
     # uvicorn drains, restores the handlers it found, then re-raises the signal it caught: make that a
     # clean exit (status 0) instead of death by SIGTERM once the drain is done.
     for sig in (signal.SIGTERM, signal.SIGINT):

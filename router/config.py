@@ -49,10 +49,12 @@ class RouterConfig:
     host: str = opt("0.0.0.0", "Address the router binds")
     port: int = opt(8000, "Router HTTP port")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
-    api_key: Optional[str] = opt(None, "Require 'Authorization: Bearer <key>' on every route but /health "
-                                       "(default: env KVSHIP_API_KEY)")
-    worker_api_key: Optional[str] = opt(None, "Bearer token the router sends to workers (default: env "
-                                             "KVSHIP_WORKER_API_KEY, else --api-key)")
+    api_key: Optional[str] = opt(
+        None, "Require 'Authorization: Bearer <key>' on every route but /health (default: env KVSHIP_API_KEY)"
+    )
+    worker_api_key: Optional[str] = opt(
+        None, "Bearer token the router sends to workers (default: env KVSHIP_WORKER_API_KEY, else --api-key)"
+    )
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
     request_timeout: float = opt(600.0, "Seconds one request may take end to end, streaming included (504 after)")
     shutdown_timeout: float = opt(30.0, "Seconds a graceful shutdown (SIGTERM) waits for in-flight streams")
@@ -69,19 +71,25 @@ class RouterConfig:
     pd: bool = opt(False, "Prefill/decode mode: send each request to a prefill and a decode worker")
     prefill: list[str] = opt([], "PD: prefill worker URLs (bootstrap port read from their /get_server_info)", nargs="+")
     decode: list[str] = opt([], "PD: decode worker URLs", nargs="+")
-    prefill_policy: Optional[str] = opt(None, "PD: policy choosing the prefill worker (default: --policy)",
-                                        choices=POLICY_NAMES)
-    decode_policy: Optional[str] = opt(None, "PD: policy choosing the decode worker (default: --policy)",
-                                       choices=POLICY_NAMES)
+    prefill_policy: Optional[str] = opt(
+        None, "PD: policy choosing the prefill worker (default: --policy)", choices=POLICY_NAMES
+    )
+    decode_policy: Optional[str] = opt(
+        None, "PD: policy choosing the decode worker (default: --policy)", choices=POLICY_NAMES
+    )
 
     # Kubernetes discovery
     service_discovery: bool = opt(False, "Discover workers by watching Kubernetes pods")
     selector: list[str] = opt([], "Discovery: label selector of unified worker pods (k=v ...)", nargs="+")
     prefill_selector: list[str] = opt([], "Discovery (PD): label selector of prefill pods", nargs="+")
     decode_selector: list[str] = opt([], "Discovery (PD): label selector of decode pods", nargs="+")
-    namespace: Optional[str] = opt(None, "Discovery: namespace to watch (default: the router pod's own, else 'default')")
+    namespace: Optional[str] = opt(
+        None, "Discovery: namespace to watch (default: the router pod's own, else 'default')"
+    )
     service_discovery_port: int = opt(30000, "Discovery: worker HTTP port (pod annotation kvship.io/port overrides)")
-    kubeconfig: Optional[str] = opt(None, "Discovery: kubeconfig file (default: in-cluster config, then ~/.kube/config)")
+    kubeconfig: Optional[str] = opt(
+        None, "Discovery: kubeconfig file (default: in-cluster config, then ~/.kube/config)"
+    )
 
     # Health and circuit breaking
     health_check_interval: float = opt(5.0, "Seconds between health checks of each worker")
@@ -158,8 +166,10 @@ class RouterConfig:
         self.selector_labels, self.prefill_selector_labels, self.decode_selector_labels  # noqa: B018 (validates)
         if self.pd:
             if self.worker_urls or self.selector:
-                raise ValueError("--pd uses --prefill/--decode (or --prefill-selector/--decode-selector), "
-                                 "not --worker-urls/--selector")
+                raise ValueError(
+                    "--pd uses --prefill/--decode (or --prefill-selector/--decode-selector), "
+                    "not --worker-urls/--selector"
+                )
             if self.service_discovery and not (self.prefill_selector and self.decode_selector):
                 raise ValueError("--pd with --service-discovery needs --prefill-selector and --decode-selector")
         else:

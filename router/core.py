@@ -81,16 +81,23 @@ class Router:
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config, self.metrics)
         roles = ("prefill", "decode") if config.pd else ("unified",)
-        names = {"unified": config.policy, "prefill": config.resolved_prefill_policy,
-                 "decode": config.resolved_decode_policy}
+        names = {
+            "unified": config.policy,
+            "prefill": config.resolved_prefill_policy,
+            "decode": config.resolved_decode_policy,
+        }
         self.policies: dict[str, Policy] = {r: create_policy(names[r], config, self.metrics) for r in roles}
         for policy in self.policies.values():
             self.registry.on_removed(policy.on_worker_removed)
         self.sessions = SessionTable()
         self.limiter: Optional[TokenBucket] = None
         if config.rate_limit_rps > 0:
-            self.limiter = TokenBucket(config.rate_limit_rps, config.resolved_rate_limit_burst,
-                                       config.rate_limit_queue_size, config.rate_limit_queue_timeout)
+            self.limiter = TokenBucket(
+                config.rate_limit_rps,
+                config.resolved_rate_limit_burst,
+                config.rate_limit_queue_size,
+                config.rate_limit_queue_timeout,
+            )
         self.health = HealthChecker(self.registry, config.health_check_interval)
         self.client: Optional[aiohttp.ClientSession] = None
         self.discovery = None
@@ -108,23 +115,29 @@ class Router:
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.config.request_timeout)),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"), trust_env=False,
-            cookie_jar=aiohttp.DummyCookieJar())
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            trust_env=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
         self.registry.attach(self.client)
         static = [(u, "unified") for u in self.config.worker_urls]
         static += [(u, "prefill") for u in self.config.prefill] + [(u, "decode") for u in self.config.decode]
-        results = await asyncio.gather(*(self.registry.register(u, role) for u, role in static),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self.registry.register(u, role) for u, role in static), return_exceptions=True)
         for (url, _), r in zip(static, results):
             if isinstance(r, Exception):
                 logger.error("could not register %s: %s", url, r)
         if self.config.service_discovery:
             from kvship.router.discovery import PodDiscovery
+
             self.discovery = PodDiscovery(self.config, self.registry)
             await self.discovery.start()
         self.health.start()
-        logger.info("router ready: %d worker(s), policy %s", len(self.registry.all()),
-                    ", ".join(f"{r}={p.name}" for r, p in self.policies.items()))
+        logger.info(
+            "router ready: %d worker(s), policy %s",
+            len(self.registry.all()),
+            ", ".join(f"{r}={p.name}" for r, p in self.policies.items()),
+        )
 
     async def stop(self) -> None:
         await self.health.stop()

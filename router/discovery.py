@@ -52,8 +52,14 @@ def pod_worker_url(pod: Any, default_port: int) -> Optional[str]:
         try:
             port = int(raw)
         except ValueError:
-            logger.warning("pod %s/%s: annotation %s=%r is not a port; using %d", meta.namespace, meta.name,
-                           PORT_ANNOTATION, raw, default_port)
+            logger.warning(
+                "pod %s/%s: annotation %s=%r is not a port; using %d",
+                meta.namespace,
+                meta.name,
+                PORT_ANNOTATION,
+                raw,
+                default_port,
+            )
     host = status.pod_ip if ":" not in status.pod_ip else f"[{status.pod_ip}]"
     return f"http://{host}:{port}"
 
@@ -86,11 +92,13 @@ class PodDiscovery:
         self.registry = registry
         self.namespace = resolve_namespace(config)
         if config.pd:
-            self.targets = [("prefill", selector_string(config.prefill_selector_labels)),
-                            ("decode", selector_string(config.decode_selector_labels))]
+            self.targets = [
+                ("prefill", selector_string(config.prefill_selector_labels)),
+                ("decode", selector_string(config.decode_selector_labels)),
+            ]
         else:
             self.targets = [("unified", selector_string(config.selector_labels))]
-        self.known: dict[tuple[str, str], str] = {}   # (role, pod uid) -> worker URL
+        self.known: dict[tuple[str, str], str] = {}  # (role, pod uid) -> worker URL
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -104,12 +112,14 @@ class PodDiscovery:
         cfg = await self._loop.run_in_executor(None, load_client_configuration, self.config.kubeconfig)
         api = client.CoreV1Api(client.ApiClient(cfg))
         for role, selector in self.targets:
-            t = threading.Thread(target=self._watch_loop, args=(api, role, selector), daemon=True,
-                                 name=f"kvship-discovery-{role}")
+            t = threading.Thread(
+                target=self._watch_loop, args=(api, role, selector), daemon=True, name=f"kvship-discovery-{role}"
+            )
             self._threads.append(t)
             t.start()
-        logger.info("discovering %s in namespace %s", ", ".join(f"{r} pods [{s}]" for r, s in self.targets),
-                    self.namespace)
+        logger.info(
+            "discovering %s in namespace %s", ", ".join(f"{r} pods [{s}]" for r, s in self.targets), self.namespace
+        )
 
     async def stop(self) -> None:
         self._stop.set()
@@ -137,24 +147,32 @@ class PodDiscovery:
                 w = watch.Watch()
                 self._watches.append(w)
                 try:
-                    for event in w.stream(api.list_namespaced_pod, self.namespace, label_selector=selector,
-                                          resource_version=rv, timeout_seconds=WATCH_TIMEOUT_S,
-                                          allow_watch_bookmarks=True, _request_timeout=WATCH_TIMEOUT_S + 10):
+                    for event in w.stream(
+                        api.list_namespaced_pod,
+                        self.namespace,
+                        label_selector=selector,
+                        resource_version=rv,
+                        timeout_seconds=WATCH_TIMEOUT_S,
+                        allow_watch_bookmarks=True,
+                        _request_timeout=WATCH_TIMEOUT_S + 10,
+                    ):
                         if self._stop.is_set():
                             break
                         kind, pod = event["type"], event["object"]  # ERROR events raise ApiException
                         if kind == "BOOKMARK":
                             continue
                         url = None if kind == "DELETED" else pod_worker_url(pod, self.config.service_discovery_port)
-                        self._to_loop(self._apply, role, pod.metadata.uid,
-                                      f"{pod.metadata.namespace}/{pod.metadata.name}", url)
+                        self._to_loop(
+                            self._apply, role, pod.metadata.uid, f"{pod.metadata.namespace}/{pod.metadata.name}", url
+                        )
                 finally:
                     self._watches.remove(w)
                 backoff = 0.5
             except ApiException as e:
                 if e.status != 410:
-                    logger.warning("pod watch (%s) failed: %s %s; retrying in %.1f s", role, e.status, e.reason,
-                                   backoff)
+                    logger.warning(
+                        "pod watch (%s) failed: %s %s; retrying in %.1f s", role, e.status, e.reason, backoff
+                    )
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 30.0)
             except Exception as e:  # noqa: BLE001 - the watch must survive any client or network error
@@ -199,6 +217,7 @@ class PodDiscovery:
                 await self.registry.register(url, role, source="discovery")
             except Exception as e:  # noqa: BLE001 - e.g. the URL is a static worker of another role
                 logger.error("discovery: could not register %s as %s: %s", url, role, e)
+
         task = asyncio.get_running_loop().create_task(register())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -16,27 +15,54 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvship_router_requests", "Requests answered, by route, status and worker",
-                                ["route", "status", "worker"], registry=r)
-        self.latency = Histogram("kvship_router_request_latency_seconds", "End-to-end request latency at the router",
-                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvship_router_ttft_seconds", "Time to the first response byte from a worker (streams)",
-                              ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("kvship_router_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r)
-        self.healthy = Gauge("kvship_router_worker_healthy", "1 when the worker passes health checks", ["worker"],
-                             registry=r)
-        self.circuit = Gauge("kvship_router_circuit_state", "Circuit state per worker (0 closed, 1 open, 2 half-open)",
-                             ["worker"], registry=r)
+        self.requests = Counter(
+            "kvship_router_requests",
+            "Requests answered, by route, status and worker",
+            ["route", "status", "worker"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvship_router_request_latency_seconds",
+            "End-to-end request latency at the router",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvship_router_ttft_seconds",
+            "Time to the first response byte from a worker (streams)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvship_router_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r
+        )
+        self.healthy = Gauge(
+            "kvship_router_worker_healthy", "1 when the worker passes health checks", ["worker"], registry=r
+        )
+        self.circuit = Gauge(
+            "kvship_router_circuit_state",
+            "Circuit state per worker (0 closed, 1 open, 2 half-open)",
+            ["worker"],
+            registry=r,
+        )
         self.retries = Counter("kvship_router_retries", "Requests sent again to another worker", ["route"], registry=r)
-        self.worker_failures = Counter("kvship_router_worker_failures", "Failed attempts per worker",
-                                       ["worker", "reason"], registry=r)
-        self.rate_limited = Counter("kvship_router_rate_limited", "Requests refused by the rate limiter (429)",
-                                    registry=r)
-        self.cache_match = Histogram("kvship_router_cache_aware_match_ratio",
-                                     "cache_aware: matched prefix / request text length of the chosen worker",
-                                     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
-        self.session_moves = Counter("kvship_router_session_moves", "Sessions moved off an unavailable worker",
-                                     registry=r)
+        self.worker_failures = Counter(
+            "kvship_router_worker_failures", "Failed attempts per worker", ["worker", "reason"], registry=r
+        )
+        self.rate_limited = Counter(
+            "kvship_router_rate_limited", "Requests refused by the rate limiter (429)", registry=r
+        )
+        self.cache_match = Histogram(
+            "kvship_router_cache_aware_match_ratio",
+            "cache_aware: matched prefix / request text length of the chosen worker",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.session_moves = Counter(
+            "kvship_router_session_moves", "Sessions moved off an unavailable worker", registry=r
+        )
 
     def forget_worker(self, url: str) -> None:
         """Drop the per-worker gauges of a removed worker."""

@@ -26,8 +26,17 @@ import logging
 import aiohttp
 
 from kvship.router.core import Selection
-from kvship.router.upstream import (RETRYABLE_STATUS, AttemptFailed, DeadlineExceeded, Lease, RequestContext,
-                                    Upstream, describe_error, open_upstream, pass_headers)
+from kvship.router.upstream import (
+    RETRYABLE_STATUS,
+    AttemptFailed,
+    DeadlineExceeded,
+    Lease,
+    RequestContext,
+    Upstream,
+    describe_error,
+    open_upstream,
+    pass_headers,
+)
 from kvship.router.wire import PDBootstrap, RoutingRequest
 from kvship.router.worker import Worker
 
@@ -57,8 +66,7 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
     if resp.status >= 400:
         retryable = resp.status in RETRYABLE_STATUS
         lease.finish(not retryable, f"http_{resp.status}")
-        raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body,
-                            pass_headers(resp))
+        raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp))
     lease.finish(True)
 
 
@@ -80,8 +88,11 @@ def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
         return
     exc = task.exception()
     if exc is not None:
-        logger.warning("request %s: prefill call failed after decode started: %s", ctx.request_id,
-                       getattr(exc, "reason", repr(exc)))
+        logger.warning(
+            "request %s: prefill call failed after decode started: %s",
+            ctx.request_id,
+            getattr(exc, "reason", repr(exc)),
+        )
 
 
 async def pd_attempt(ctx: RequestContext, request: RoutingRequest, sel: Selection) -> Upstream:

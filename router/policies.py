@@ -34,6 +34,7 @@ def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
         POLICIES[name] = cls
         cls.name = name
         return cls
+
     return deco
 
 
@@ -137,8 +138,10 @@ class CacheAwarePolicy(Policy):
         text = request.text
         loads = [w.in_flight for w in workers]
         max_load, min_load = max(loads), min(loads)
-        imbalanced = (max_load - min_load > self.config.balance_abs_threshold
-                      and max_load > self.config.balance_rel_threshold * min_load)
+        imbalanced = (
+            max_load - min_load > self.config.balance_abs_threshold
+            and max_load > self.config.balance_rel_threshold * min_load
+        )
         if imbalanced or not text:
             chosen = self.least_loaded(workers, key=lambda w: self.tree(w).size)
             ratio = self.tree(chosen).match(text) / len(text) if text else 0.0

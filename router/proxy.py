@@ -34,8 +34,15 @@ from starlette.responses import Response
 
 from kvship.router.core import NoWorker
 from kvship.router.pd import pd_attempt
-from kvship.router.upstream import (AttemptFailed, DeadlineExceeded, Lease, RequestContext, Upstream, describe_error,
-                                    open_upstream)
+from kvship.router.upstream import (
+    AttemptFailed,
+    DeadlineExceeded,
+    Lease,
+    RequestContext,
+    Upstream,
+    describe_error,
+    open_upstream,
+)
 from kvship.router.wire import RoutingRequest, error_body
 
 logger = logging.getLogger(__name__)
@@ -91,24 +98,34 @@ class RelayResponse(Response):
                     if self.client_gone:
                         break
                     ok, reason = False, "stream_broken: " + describe_error(e)
-                    logger.warning("request %s: stream from %s broke: %s", ctx.request_id, up.worker.url,
-                                   describe_error(e))
+                    logger.warning(
+                        "request %s: stream from %s broke: %s", ctx.request_id, up.worker.url, describe_error(e)
+                    )
                     chunk = b""
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": _sse_error(f"worker failed mid-stream: {describe_error(e)}", "worker_failed")})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": True,
+                            "body": _sse_error(f"worker failed mid-stream: {describe_error(e)}", "worker_failed"),
+                        }
+                    )
                 except TimeoutError:
-                    logger.warning("request %s: stream from %s passed --request-timeout", ctx.request_id,
-                                   up.worker.url)
+                    logger.warning("request %s: stream from %s passed --request-timeout", ctx.request_id, up.worker.url)
                     chunk = b""
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": _sse_error("request timed out (--request-timeout)", "timeout")})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": True,
+                            "body": _sse_error("request timed out (--request-timeout)", "timeout"),
+                        }
+                    )
             else:
                 clean_end = ok and content.at_eof()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             if clean_end:
-                resp.release()   # read to the end: the connection goes back to the pool
+                resp.release()  # read to the end: the connection goes back to the pool
             else:
                 resp.close()
             up.lease.finish(ok, reason)
@@ -123,8 +140,9 @@ def _response_headers(ctx: RequestContext, up: Upstream) -> dict[str, str]:
     return headers
 
 
-def error_response(ctx: RequestContext, status: int, message: str, code: str,
-                   headers: Optional[dict[str, str]] = None) -> Response:
+def error_response(
+    ctx: RequestContext, status: int, message: str, code: str, headers: Optional[dict[str, str]] = None
+) -> Response:
     h = {"x-request-id": ctx.request_id}
     h.update(headers or {})
     ctx.finish(status, "")
@@ -151,8 +169,14 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
             if loop.time() + delay >= ctx.deadline:
                 break
             router.metrics.retries.labels(ctx.route).inc()
-            logger.info("request %s: attempt %d on %s failed (%s); retrying in %.0f ms", ctx.request_id,
-                        attempt, last.worker.url if last else "?", last.reason if last else "?", delay * 1000)
+            logger.info(
+                "request %s: attempt %d on %s failed (%s); retrying in %.0f ms",
+                ctx.request_id,
+                attempt,
+                last.worker.url if last else "?",
+                last.reason if last else "?",
+                delay * 1000,
+            )
             await asyncio.sleep(delay)
         try:
             sel = router.choose(request, exclude)
@@ -174,8 +198,9 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
                 break
             continue
         except DeadlineExceeded:
-            return error_response(ctx, 504, f"request did not finish within --request-timeout "
-                                            f"({cfg.request_timeout:g} s)", "timeout")
+            return error_response(
+                ctx, 504, f"request did not finish within --request-timeout ({cfg.request_timeout:g} s)", "timeout"
+            )
         headers = _response_headers(ctx, up)
         if up.body is not None:
             ctx.finish(up.status, up.worker.url)
@@ -186,12 +211,26 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
     if last.status is not None:
         headers = dict(last.headers)
         headers.update({"x-kvship-worker": last.worker.url, "x-request-id": ctx.request_id})
-        logger.warning("request %s failed on %s after %d attempt(s): %s", ctx.request_id, last.worker.url,
-                       ctx.attempts, last.reason)
+        logger.warning(
+            "request %s failed on %s after %d attempt(s): %s",
+            ctx.request_id,
+            last.worker.url,
+            ctx.attempts,
+            last.reason,
+        )
         ctx.finish(last.status, last.worker.url)
         return Response(last.body, status_code=last.status, headers=headers)
-    logger.warning("request %s failed after %d attempt(s); last on %s: %s", ctx.request_id, ctx.attempts,
-                   last.worker.url, last.reason)
-    return error_response(ctx, 502, f"worker {last.worker.url} failed: {last.reason} "
-                                    f"(after {ctx.attempts} attempt(s))", "worker_failed",
-                          {"x-kvship-worker": last.worker.url})
+    logger.warning(
+        "request %s failed after %d attempt(s); last on %s: %s",
+        ctx.request_id,
+        ctx.attempts,
+        last.worker.url,
+        last.reason,
+    )
+    return error_response(
+        ctx,
+        502,
+        f"worker {last.worker.url} failed: {last.reason} (after {ctx.attempts} attempt(s))",
+        "worker_failed",
+        {"x-kvship-worker": last.worker.url},
+    )

@@ -29,8 +29,14 @@ class RateLimited(Exception):
 
 
 class TokenBucket:
-    def __init__(self, rate: float, burst: int, queue_size: int, queue_timeout: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        queue_size: int,
+        queue_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if rate <= 0:
             raise ValueError("rate must be > 0")
         self.rate = rate
@@ -38,7 +44,7 @@ class TokenBucket:
         self.queue_size = queue_size
         self.queue_timeout = queue_timeout
         self._clock = clock
-        self._tokens = float(self.burst)   # may go negative: -n = n reservations outstanding
+        self._tokens = float(self.burst)  # may go negative: -n = n reservations outstanding
         self._stamp = clock()
         self.waiting = 0
 

@@ -29,9 +29,21 @@ from kvship.router.worker import Worker
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
-_DROP_RESPONSE_HEADERS = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "content-length", "proxy-authenticate",
-    "proxy-authorization", "te", "trailer", "upgrade", "server", "date"})
+_DROP_RESPONSE_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+        "server",
+        "date",
+    }
+)
 
 
 class DeadlineExceeded(Exception):
@@ -55,8 +67,16 @@ class RequestContext:
         elapsed = time.perf_counter() - self.started
         m.requests.labels(self.route, str(status), worker).inc()
         m.latency.labels(self.route).observe(elapsed)
-        logger.info("request %s %s -> %s status %d in %.1f ms (%d attempt%s)", self.request_id, self.route,
-                    worker or "-", status, elapsed * 1000, self.attempts, "" if self.attempts == 1 else "s")
+        logger.info(
+            "request %s %s -> %s status %d in %.1f ms (%d attempt%s)",
+            self.request_id,
+            self.route,
+            worker or "-",
+            status,
+            elapsed * 1000,
+            self.attempts,
+            "" if self.attempts == 1 else "s",
+        )
 
 
 class Lease:
@@ -93,8 +113,15 @@ class Lease:
 class AttemptFailed(Exception):
     """An attempt that produced nothing for the client.  ``response`` (if any) is the worker's own reply."""
 
-    def __init__(self, worker: Worker, reason: str, retryable: bool, status: Optional[int] = None,
-                 body: bytes = b"", headers: Optional[list[tuple[str, str]]] = None):
+    def __init__(
+        self,
+        worker: Worker,
+        reason: str,
+        retryable: bool,
+        status: Optional[int] = None,
+        body: bytes = b"",
+        headers: Optional[list[tuple[str, str]]] = None,
+    ):
         super().__init__(reason)
         self.worker = worker
         self.reason = reason

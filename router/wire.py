@@ -36,8 +36,9 @@ PROXY_ROUTES = (ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE)
 class RequestError(Exception):
     """A client error the router answers itself: HTTP ``status`` with an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error",
-                 headers: Optional[dict[str, str]] = None):
+    def __init__(
+        self, status: int, message: str, code: str = "invalid_request_error", headers: Optional[dict[str, str]] = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -92,10 +93,13 @@ class WorkerInfo:
             ids.append(model_path)
         port = field_of("disaggregation_bootstrap_port")
         mode = field_of("mode") or field_of("disaggregation_mode") or "unified"
-        return cls(models=tuple(dict.fromkeys(ids)), mode=str(mode),
-                   bootstrap_port=int(port) if isinstance(port, (int, str)) and str(port).isdigit() else None,
-                   model_path=model_path if isinstance(model_path, str) else None,
-                   raw_server_info=server_info)
+        return cls(
+            models=tuple(dict.fromkeys(ids)),
+            mode=str(mode),
+            bootstrap_port=int(port) if isinstance(port, (int, str)) and str(port).isdigit() else None,
+            model_path=model_path if isinstance(model_path, str) else None,
+            raw_server_info=server_info,
+        )
 
 
 def _text_of_content(content: Any) -> str:
@@ -121,8 +125,9 @@ def _prompt_text(prompt: Any) -> tuple[str, int]:
             return "\n".join(prompt), len(prompt)
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
             return "\n".join(" ".join(map(str, p)) for p in prompt), len(prompt)
-    raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids "
-                            "or a list of lists of token ids")
+    raise RequestError(
+        400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    )
 
 
 @dataclass
@@ -185,8 +190,16 @@ class RoutingRequest:
         if session is not None and not isinstance(session, (str, int)):
             raise RequestError(400, "'session_id' must be a string")
         session_id = str(session) if session is not None else (session_header or None)
-        return cls(route=route, body=body, raw=raw, text=text, model=model, stream=stream,
-                   session_id=session_id, batch_size=batch)
+        return cls(
+            route=route,
+            body=body,
+            raw=raw,
+            text=text,
+            model=model,
+            stream=stream,
+            session_id=session_id,
+            batch_size=batch,
+        )
 
 
 @dataclass(frozen=True)

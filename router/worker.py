@@ -74,12 +74,19 @@ class Worker:
 
     def to_json(self) -> dict:
         return {
-            "url": self.url, "role": self.role, "source": self.source,
-            "healthy": self.healthy, "available": self.available(),
-            "circuit": self.breaker.state, "in_flight": self.in_flight,
-            "total_requests": self.total_requests, "total_failures": self.total_failures,
-            "models": list(self.models), "model": self.models[0] if self.models else None,
-            "bootstrap_port": self.bootstrap_port, "last_error": self.last_error,
+            "url": self.url,
+            "role": self.role,
+            "source": self.source,
+            "healthy": self.healthy,
+            "available": self.available(),
+            "circuit": self.breaker.state,
+            "in_flight": self.in_flight,
+            "total_requests": self.total_requests,
+            "total_failures": self.total_failures,
+            "models": list(self.models),
+            "model": self.models[0] if self.models else None,
+            "bootstrap_port": self.bootstrap_port,
+            "last_error": self.last_error,
         }
 
 
@@ -130,8 +137,9 @@ class WorkerRegistry:
         return any(model in w.models for w in self._workers.values())
 
     # -- membership ------------------------------------------------------
-    async def register(self, url: str, role: str = "unified", source: str = "static",
-                       require_reachable: bool = False) -> Worker:
+    async def register(
+        self, url: str, role: str = "unified", source: str = "static", require_reachable: bool = False
+    ) -> Worker:
         """Add a worker (idempotent per URL) and try to read its info.
 
         With ``require_reachable`` the worker is only kept when its info could be
@@ -147,12 +155,16 @@ class WorkerRegistry:
             if existing.role != role:
                 raise RegistrationError(f"{url} is already registered as a {existing.role} worker")
             return existing
-        worker = Worker(url=url, role=role, source=source,
-                        breaker=CircuitBreaker(self.config.circuit_failure_threshold, self.config.circuit_cooldown))
+        worker = Worker(
+            url=url,
+            role=role,
+            source=source,
+            breaker=CircuitBreaker(self.config.circuit_failure_threshold, self.config.circuit_cooldown),
+        )
         self._workers[url] = worker
         self._publish(worker)
         ok = await self.load_info(worker)
-        if self._workers.get(url) is not worker:   # removed while we read its info
+        if self._workers.get(url) is not worker:  # removed while we read its info
             return worker
         if ok:
             self._mark_healthy(worker, "registered")
@@ -176,8 +188,11 @@ class WorkerRegistry:
     # -- info and health -------------------------------------------------
     async def _get_json(self, worker: Worker, path: str, optional: bool = False) -> Optional[dict]:
         assert self.client is not None, "WorkerRegistry.attach(client) first"
-        async with self.client.get(worker.url + path, headers=self._worker_headers,
-                                   timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout)) as resp:
+        async with self.client.get(
+            worker.url + path,
+            headers=self._worker_headers,
+            timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout),
+        ) as resp:
             if optional and resp.status == 404:
                 return None
             if resp.status != 200:
@@ -191,8 +206,10 @@ class WorkerRegistry:
         """Read the worker's info endpoints; on failure keep the reason in ``last_error``."""
         try:
             model_info, server_info, models = await asyncio.gather(
-                self._get_json(worker, "/get_model_info"), self._get_json(worker, "/get_server_info"),
-                self._get_json(worker, "/v1/models", optional=True))
+                self._get_json(worker, "/get_model_info"),
+                self._get_json(worker, "/get_server_info"),
+                self._get_json(worker, "/v1/models", optional=True),
+            )
             info = WorkerInfo.parse(model_info or {}, server_info or {}, models)
         except (aiohttp.ClientError, TimeoutError, RegistrationError, ValueError) as e:
             worker.last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -214,8 +231,9 @@ class WorkerRegistry:
         else:
             try:
                 assert self.client is not None
-                async with self.client.get(worker.url + "/health",
-                                           timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout)) as r:
+                async with self.client.get(
+                    worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout)
+                ) as r:
                     await r.read()
                     ok = r.status == 200
                 if not ok:
@@ -235,8 +253,12 @@ class WorkerRegistry:
             worker.health_failures += 1
             if worker.healthy and worker.health_failures >= self.config.health_failure_threshold:
                 worker.healthy = False
-                logger.warning("worker %s unhealthy after %d failed checks: %s", worker.url,
-                               worker.health_failures, worker.last_error)
+                logger.warning(
+                    "worker %s unhealthy after %d failed checks: %s",
+                    worker.url,
+                    worker.health_failures,
+                    worker.last_error,
+                )
         self._publish(worker)
 
     def _mark_healthy(self, worker: Worker, why: str) -> None:
@@ -245,8 +267,9 @@ class WorkerRegistry:
         worker.health_failures = 0
         if not was:
             worker.breaker.reset()
-            logger.info("worker %s (%s) healthy: %s; models %s", worker.url, worker.role, why,
-                        ", ".join(worker.models) or "?")
+            logger.info(
+                "worker %s (%s) healthy: %s; models %s", worker.url, worker.role, why, ", ".join(worker.models) or "?"
+            )
         self._publish(worker)
 
     def _publish(self, worker: Worker) -> None:

@@ -42,9 +42,20 @@ import pytest
 import torch
 
 TINY_VOCAB_SIZE = 384
-TINY_COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -68,11 +79,21 @@ def build_tiny_tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     assert len(fast) <= TINY_VOCAB_SIZE
     return fast
@@ -93,13 +114,21 @@ def build_tiny_model(out_dir: str, arch: str, seed: int = 0, **overrides) -> str
     """Write a tiny random model of ``arch`` (llama|qwen2|qwen3|mistral) plus tokenizer into ``out_dir``."""
     import transformers
 
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
+    cfg_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[arch]
     kwargs = dict(TINY_COMMON)
     kwargs.update(overrides)
     config = cfg_cls(**kwargs)
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[arch]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[arch]
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     _randomize(model, seed)
@@ -111,9 +140,18 @@ def build_tiny_model(out_dir: str, arch: str, seed: int = 0, **overrides) -> str
 
 
 _TINY_SPECS = {
-    "llama": dict(arch="llama", seed=1, tie_word_embeddings=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama": dict(
+        arch="llama",
+        seed=1,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "llama_tied": dict(arch="llama", seed=2, tie_word_embeddings=True, rope_theta=100000.0),
     "qwen2": dict(arch="qwen2", seed=3, tie_word_embeddings=False),
     "qwen3": dict(arch="qwen3", seed=4, tie_word_embeddings=False),
@@ -154,13 +192,19 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tiny_llama_dir, tiny_llama_tied_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir) -> dict:
-    return {"llama": tiny_llama_dir, "llama_tied": tiny_llama_tied_dir, "qwen2": tiny_qwen2_dir,
-            "qwen3": tiny_qwen3_dir, "mistral": tiny_mistral_dir}
+    return {
+        "llama": tiny_llama_dir,
+        "llama_tied": tiny_llama_tied_dir,
+        "qwen2": tiny_qwen2_dir,
+        "qwen3": tiny_qwen3_dir,
+        "mistral": tiny_mistral_dir,
+    }
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from kvship.engine.embedded import embedded_model_path
+
     try:
         path = embedded_model_path()
     except FileNotFoundError as e:
@@ -173,7 +217,7 @@ def smollm2_path() -> str:
 @dataclass
 class DriverReq:
     row: int
-    tokens: list[int] = field(default_factory=list)   # tokens whose KV is in the pool
+    tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
     slots: list[int] = field(default_factory=list)
 
 
@@ -193,9 +237,9 @@ class KVDriver:
         self.runner.req_to_token_pool.free(req.row)
         req.slots, req.tokens = [], []
 
-    def _batch(self, mode, reqs: Sequence[DriverReq], new_tokens: Sequence[Sequence[int]],
-               all_logits: bool):
+    def _batch(self, mode, reqs: Sequence[DriverReq], new_tokens: Sequence[Sequence[int]], all_logits: bool):
         from kvship.engine.forward_batch import ForwardBatch
+
         r = self.runner
         prefix = [len(q.tokens) for q in reqs]
         seq = [p + len(t) for p, t in zip(prefix, new_tokens)]
@@ -204,25 +248,33 @@ class KVDriver:
         assert locs is not None, "KV pool exhausted"
         off = 0
         for q, p, toks in zip(reqs, prefix, new_tokens):
-            mine = locs[off:off + len(toks)]
+            mine = locs[off : off + len(toks)]
             off += len(toks)
             r.req_to_token_pool.write(q.row, p, mine)
             q.slots.extend(mine.tolist())
         dev = r.device
         ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64, device=dev)
-        pos = torch.tensor([p + i for p, toks in zip(prefix, new_tokens) for i in range(len(toks))],
-                           dtype=torch.int64, device=dev)
+        pos = torch.tensor(
+            [p + i for p, toks in zip(prefix, new_tokens) for i in range(len(toks))], dtype=torch.int64, device=dev
+        )
         ext = [len(t) for t in new_tokens]
         fb = ForwardBatch(
-            forward_mode=mode, batch_size=len(reqs), input_ids=ids, positions=pos,
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=ids,
+            positions=pos,
             req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev), seq_lens_cpu=seq,
-            out_cache_loc=locs.to(dev), req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq,
+            out_cache_loc=locs.to(dev),
+            req_to_token_pool=r.req_to_token_pool,
+            kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
             extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=dev),
             extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
             extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int64, device=dev),
-            extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=ext,
+            extend_prefix_lens_cpu=prefix,
             logits_indices=torch.arange(ids.numel(), device=dev) if all_logits else None,
         )
         logits = r.forward(fb).next_token_logits
@@ -233,15 +285,16 @@ class KVDriver:
     def extend(self, reqs: Sequence[DriverReq], new_tokens: Sequence[Sequence[int]], all_logits: bool = False):
         """EXTEND step; logits for every new token (``all_logits``) or the last of each request."""
         from kvship.engine.forward_batch import ForwardMode
+
         return self._batch(ForwardMode.EXTEND, reqs, new_tokens, all_logits)
 
     def decode(self, reqs: Sequence[DriverReq], tokens: Sequence[int]):
         """DECODE step: one token per request; returns ``[bs, vocab]`` logits."""
         from kvship.engine.forward_batch import ForwardMode
+
         return self._batch(ForwardMode.DECODE, reqs, [[t] for t in tokens], False)
 
-    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int,
-               eos_ids: Optional[set[int]] = None) -> list[int]:
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Optional[set[int]] = None) -> list[int]:
         """Greedy continuation of one prompt (prefill then decode steps); frees its KV after."""
         req = self.new()
         out: list[int] = []

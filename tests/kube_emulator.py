@@ -52,10 +52,24 @@ from typing import Any, AsyncIterator, Optional
 import aiohttp.web
 import kmock
 from kmock._internal import rendering
-
-from kube_emulator_api import (ApiError, apply_json_patch, as_scale, discovery_entry, find_tool, gv_of, human_age,
-                               merge_patch, openapi_document, parse_path, schema_defaults_prune, select_fields,
-                               select_labels, status_body, table_for, validate_schema)
+from kube_emulator_api import (
+    ApiError,
+    apply_json_patch,
+    as_scale,
+    discovery_entry,
+    find_tool,
+    gv_of,
+    human_age,
+    merge_patch,
+    openapi_document,
+    parse_path,
+    schema_defaults_prune,
+    select_fields,
+    select_labels,
+    status_body,
+    table_for,
+    validate_schema,
+)
 
 KEEP_EVENTS = 100_000
 
@@ -109,12 +123,22 @@ class KubeEmulator(kmock.KubernetesEmulator):
             else:
                 action = {"POST": "create", "PATCH": "update", "PUT": "update", "DELETE": "delete"}.get(m)
         return rendering.Request(
-            raw_request=raw, url=raw.url, method=raw.method, params=dict(raw.query), headers=dict(raw.headers),
-            cookies=dict(raw.cookies), data=data, body=await raw.read(), text=await raw.text(),
+            raw_request=raw,
+            url=raw.url,
+            method=raw.method,
+            params=dict(raw.query),
+            headers=dict(raw.headers),
+            cookies=dict(raw.cookies),
+            data=data,
+            body=await raw.read(),
+            text=await raw.text(),
             action=kmock.action(action.upper()) if action else None,
             resource=kmock.resource(t.group, t.version, t.plural) if t is not None and t.plural else None,
-            namespace=t.namespace if t else None, name=t.name if t else None,
-            subresource=t.subresource if t else None, id=len(self._requests))
+            namespace=t.namespace if t else None,
+            name=t.name if t else None,
+            subresource=t.subresource if t else None,
+            id=len(self._requests),
+        )
 
     async def _serve(self, request: rendering.Request) -> Any:
         result = await self._dispatch(request)
@@ -180,8 +204,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if path == "/version":
             return {"major": "1", "minor": "35", "gitVersion": "v1.35.0-kvship-emulator", "platform": "linux/amd64"}
         if path == "/api":
-            return {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}],
+            }
         if path == "/apis":
             groups = []
             for g, versions in sorted(self._groups().items()):
@@ -203,8 +230,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 entries += discovery_entry(r.plural, self.resources[r])
         if not entries and group:
             raise ApiError(404, "NotFound", f"{group}/{version} not found")
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv_of(group, version),
-                "resources": entries}
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": gv_of(group, version),
+            "resources": entries,
+        }
 
     def _openapi(self, path: str) -> Any:
         doc = openapi_document(self._crds, path)
@@ -224,12 +255,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def objects_of(self, api_version: str, plural: str, namespace: Optional[str] = None) -> list[dict]:
         """Stored objects of a resource (deep copies), for in-process assertions."""
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-        return [copy.deepcopy(o) for (ns, _), o in sorted(self._bucket(group, plural).items(), key=lambda kv: str(kv[0]))
-                if namespace is None or ns == namespace]
+        return [
+            copy.deepcopy(o)
+            for (ns, _), o in sorted(self._bucket(group, plural).items(), key=lambda kv: str(kv[0]))
+            if namespace is None or ns == namespace
+        ]
 
     def put_object(self, api_version: str, plural: str, namespace: Optional[str], obj: dict) -> dict:
         """Store an object directly (no HTTP), e.g. to seed the server before clients connect."""
-        group, version = (api_version.rsplit("/", 1) if "/" in api_version else ("", api_version))
+        group, version = api_version.rsplit("/", 1) if "/" in api_version else ("", api_version)
         info = self.info(group, version, plural)
         obj = copy.deepcopy(obj)
         obj.setdefault("apiVersion", api_version)
@@ -269,6 +303,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         async def notify() -> None:
             async with cond:
                 cond.notify_all()
+
         try:
             asyncio.get_running_loop().create_task(notify())
         except RuntimeError:  # not in the loop (seeding before start): nobody waits yet
@@ -299,8 +334,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if "as=Table" in accept:
             return table_for(self, t, items, self._rv)
         info = self.info(t.group, t.version, t.plural)
-        return {"kind": f"{info.kind}List", "apiVersion": gv_of(t.group, t.version),
-                "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+        return {
+            "kind": f"{info.kind}List",
+            "apiVersion": gv_of(t.group, t.version),
+            "metadata": {"resourceVersion": str(self._rv)},
+            "items": items,
+        }
 
     async def _watch(self, t, q) -> AsyncIterator[Any]:
         """Events after ``resourceVersion`` (or synthetic ADDED for the current state), then live ones."""
@@ -333,9 +372,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     continue
                 if t.namespace is not None and obj["metadata"].get("namespace") != t.namespace:
                     continue
-                now_ok = select_labels(obj, q.get("labelSelector", "")) and select_fields(obj, q.get("fieldSelector", ""))
-                was_ok = old is not None and select_labels(old, q.get("labelSelector", "")) and \
-                    select_fields(old, q.get("fieldSelector", ""))
+                now_ok = select_labels(obj, q.get("labelSelector", "")) and select_fields(
+                    obj, q.get("fieldSelector", "")
+                )
+                was_ok = (
+                    old is not None
+                    and select_labels(old, q.get("labelSelector", ""))
+                    and select_fields(old, q.get("fieldSelector", ""))
+                )
                 if kind == "MODIFIED" and was_ok and not now_ok:
                     kind, now_ok = "DELETED", True
                 elif kind == "MODIFIED" and now_ok and not was_ok and old is not None:
@@ -360,9 +404,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     def _bookmark(self, t, annotations: dict) -> dict:
         info = self.info(t.group, t.version, t.plural)
-        return {"type": "BOOKMARK", "object": {"kind": info.kind, "apiVersion": gv_of(t.group, t.version),
-                                               "metadata": {"resourceVersion": str(self._rv),
-                                                            "annotations": annotations}}}
+        return {
+            "type": "BOOKMARK",
+            "object": {
+                "kind": info.kind,
+                "apiVersion": gv_of(t.group, t.version),
+                "metadata": {"resourceVersion": str(self._rv), "annotations": annotations},
+            },
+        }
 
     # ------------------------------------------------------------ writes
     def _has_status(self, t) -> bool:
@@ -413,18 +462,27 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise ApiError(422, "Invalid", "spec.group, spec.names.{plural,kind} and spec.versions are required")
         for v in spec["versions"]:
             self.resources[kmock.resource(group, v["name"], plural)] = kmock.ResourceInfo(
-                namespaced=spec.get("scope", "Namespaced") == "Namespaced", kind=names["kind"],
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                kind=names["kind"],
                 singular=names.get("singular") or names["kind"].lower(),
                 verbs={"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"},
-                shortnames=set(names.get("shortNames") or []), categories=set(names.get("categories") or []),
-                subresources=set((v.get("subresources") or {}).keys()))
+                shortnames=set(names.get("shortNames") or []),
+                categories=set(names.get("categories") or []),
+                subresources=set((v.get("subresources") or {}).keys()),
+            )
         self._crds[(group, plural)] = crd
         now = _now()
-        crd["status"] = {"acceptedNames": names, "storedVersions": [v["name"] for v in spec["versions"]],
-                         "conditions": [{"type": t, "status": "True", "reason": r, "lastTransitionTime": now,
-                                         "message": m} for t, r, m in (
-                             ("NamesAccepted", "NoConflicts", "no conflicts found"),
-                             ("Established", "InitialNamesAccepted", "the initial names have been accepted"))]}
+        crd["status"] = {
+            "acceptedNames": names,
+            "storedVersions": [v["name"] for v in spec["versions"]],
+            "conditions": [
+                {"type": t, "status": "True", "reason": r, "lastTransitionTime": now, "message": m}
+                for t, r, m in (
+                    ("NamesAccepted", "NoConflicts", "no conflicts found"),
+                    ("Established", "InitialNamesAccepted", "the initial names have been accepted"),
+                )
+            ],
+        }
 
     def _commit(self, t, old: dict, new: dict, subresource: Optional[str]) -> dict:
         """Store ``new`` in place of ``old`` (status/spec split, generation, finalizers, events)."""
@@ -466,8 +524,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         old = self._get(t)
         rv = (body.get("metadata") or {}).get("resourceVersion")
         if rv and rv != old["metadata"]["resourceVersion"]:
-            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {t.plural} "{t.name}": the object has '
-                                            "been modified; please apply your changes to the latest version and try again")
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {t.plural} "{t.name}": the object has '
+                "been modified; please apply your changes to the latest version and try again",
+            )
         return self._commit(t, old, copy.deepcopy(body), t.subresource)
 
     async def _patch(self, t, body: Any, content_type: str) -> dict:
@@ -480,8 +542,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise ApiError(400, "BadRequest", "a merge patch must be a JSON object")
             rv = (body.get("metadata") or {}).get("resourceVersion")
             if rv and rv != old["metadata"]["resourceVersion"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {t.plural} "{t.name}": '
-                                                "the object has been modified")
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {t.plural} "{t.name}": the object has been modified',
+                )
             new = merge_patch(old, body)
         else:
             raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
@@ -496,7 +561,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if method == "PUT":
             scale = body
         elif method == "PATCH":
-            scale = apply_json_patch(as_scale(old), body) if "json-patch" in content_type else merge_patch(as_scale(old), body)
+            scale = (
+                apply_json_patch(as_scale(old), body)
+                if "json-patch" in content_type
+                else merge_patch(as_scale(old), body)
+            )
         else:
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on /scale")
         replicas = ((scale or {}).get("spec") or {}).get("replicas")
@@ -525,8 +594,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
             sub = type(t)(t.group, t.version, t.plural, obj["metadata"].get("namespace"), obj["metadata"]["name"], None)
             await self._delete(sub, propagation)
         info = self.info(t.group, t.version, t.plural)
-        return {"kind": f"{info.kind}List", "apiVersion": gv_of(t.group, t.version),
-                "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+        return {
+            "kind": f"{info.kind}List",
+            "apiVersion": gv_of(t.group, t.version),
+            "metadata": {"resourceVersion": str(self._rv)},
+            "items": items,
+        }
 
     def _remove(self, group: str, plural: str, key, obj: dict, propagation: Optional[str] = None) -> None:
         self._bucket(group, plural).pop(key, None)
@@ -589,11 +662,22 @@ class EmulatorThread:
             raise RuntimeError(f"the Kubernetes emulator did not start: {self._error!r}")
         self.kubeconfig = os.path.join(self._tmp.name, "kubeconfig")
         with open(self.kubeconfig, "w", encoding="utf-8") as f:
-            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-                       "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-                       "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
-                       "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
-                                                                      "namespace": "default"}}]}, f)
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emulator",
+                    "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
+                    "contexts": [
+                        {
+                            "name": "emulator",
+                            "context": {"cluster": "emulator", "user": "tester", "namespace": "default"},
+                        }
+                    ],
+                },
+                f,
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -611,6 +695,7 @@ class EmulatorThread:
                 self._loop = asyncio.get_running_loop()
                 self._ready.set()
                 await self._stop.wait()
+
         try:
             asyncio.run(main())
         except BaseException as e:  # pragma: no cover - surfaced by __enter__
@@ -618,20 +703,33 @@ class EmulatorThread:
             self._ready.set()
 
     # -- blocking HTTP helpers (JSON in, JSON out; ApiError on >= 400)
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                params: Optional[dict] = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: Optional[dict] = None,
+    ) -> Any:
         import httpx
-        r = httpx.request(method, self.url + path, params=params, timeout=30,
-                          content=None if body is None else json.dumps(body),
-                          headers={"Content-Type": content_type, "Accept": "application/json"})
+
+        r = httpx.request(
+            method,
+            self.url + path,
+            params=params,
+            timeout=30,
+            content=None if body is None else json.dumps(body),
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         data = r.json() if r.content else None
         if r.status_code >= 400:
             raise ApiError(r.status_code, (data or {}).get("reason", "Error"), (data or {}).get("message", r.text))
         return data
 
     @staticmethod
-    def path(api_version: str, plural: str, namespace: Optional[str], name: Optional[str] = None,
-             sub: Optional[str] = None) -> str:
+    def path(
+        api_version: str, plural: str, namespace: Optional[str], name: Optional[str] = None, sub: Optional[str] = None
+    ) -> str:
         base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
         p = base + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
         return p + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
@@ -651,10 +749,12 @@ class EmulatorThread:
         params = {"labelSelector": labels} if labels else None
         return self.request("GET", self.path(api_version, plural, namespace), params=params)["items"]
 
-    def patch(self, api_version: str, plural: str, namespace: Optional[str], name: str, patch: dict,
-              sub: Optional[str] = None) -> dict:
-        return self.request("PATCH", self.path(api_version, plural, namespace, name, sub), patch,
-                            "application/merge-patch+json")
+    def patch(
+        self, api_version: str, plural: str, namespace: Optional[str], name: str, patch: dict, sub: Optional[str] = None
+    ) -> dict:
+        return self.request(
+            "PATCH", self.path(api_version, plural, namespace, name, sub), patch, "application/merge-patch+json"
+        )
 
     def patch_status(self, api_version: str, plural: str, namespace: Optional[str], name: str, status: dict) -> dict:
         return self.patch(api_version, plural, namespace, name, {"status": status}, sub="status")

@@ -19,8 +19,16 @@ import jsonschema
 class ApiError(Exception):
     """An API failure rendered as a ``Status`` object with ``code`` and ``reason``."""
 
-    def __init__(self, code: int, reason: str, message: str, *, name: str = "", kind: str = "",
-                 causes: Optional[list[dict]] = None):
+    def __init__(
+        self,
+        code: int,
+        reason: str,
+        message: str,
+        *,
+        name: str = "",
+        kind: str = "",
+        causes: Optional[list[dict]] = None,
+    ):
         super().__init__(f"{code} {reason}: {message}")
         self.code, self.reason, self.message = code, reason, message
         self.name, self.kind, self.causes = name, kind, causes or []
@@ -34,8 +42,16 @@ def status_body(e: ApiError) -> dict:
         details["kind"] = e.kind
     if e.causes:
         details["causes"] = e.causes
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": e.message,
-            "reason": e.reason, "details": details, "code": e.code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": e.message,
+        "reason": e.reason,
+        "details": details,
+        "code": e.code,
+    }
 
 
 @dataclass(frozen=True)
@@ -75,18 +91,28 @@ def gv_of(group: str, version: Optional[str]) -> str:
 
 
 def discovery_entry(plural: str, info: Any) -> list[dict]:
-    main = {"name": plural, "singularName": info.singular or plural, "namespaced": bool(info.namespaced),
-            "kind": info.kind or plural.capitalize(), "verbs": sorted(info.verbs or
-                                                                     {"get", "list", "watch", "create", "update",
-                                                                      "patch", "delete"})}
+    main = {
+        "name": plural,
+        "singularName": info.singular or plural,
+        "namespaced": bool(info.namespaced),
+        "kind": info.kind or plural.capitalize(),
+        "verbs": sorted(info.verbs or {"get", "list", "watch", "create", "update", "patch", "delete"}),
+    }
     if info.shortnames:
         main["shortNames"] = sorted(info.shortnames)
     if info.categories:
         main["categories"] = sorted(info.categories)
     out = [main]
     for sub in sorted(info.subresources or ()):
-        out.append({"name": f"{plural}/{sub}", "singularName": "", "namespaced": bool(info.namespaced),
-                    "kind": info.kind or plural.capitalize(), "verbs": ["get", "patch", "update"]})
+        out.append(
+            {
+                "name": f"{plural}/{sub}",
+                "singularName": "",
+                "namespaced": bool(info.namespaced),
+                "kind": info.kind or plural.capitalize(),
+                "verbs": ["get", "patch", "update"],
+            }
+        )
     return out
 
 
@@ -193,8 +219,12 @@ def apply_json_patch(doc: Any, ops: Any) -> Any:
         try:
             if kind == "test":
                 if _walk(doc, parts) != op.get("value"):
-                    raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our "
-                                                   f"request: testing value {op.get('path')} failed")
+                    raise ApiError(
+                        422,
+                        "Invalid",
+                        f"the server rejected our request due to an error in our "
+                        f"request: testing value {op.get('path')} failed",
+                    )
                 continue
             if kind in ("move", "copy"):
                 value = copy.deepcopy(_walk(doc, _pointer(op["from"])))
@@ -271,8 +301,10 @@ def validate_schema(obj: dict, schema: dict, kind: str, name: str) -> None:
     sch["properties"] = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
     errors = sorted(jsonschema.Draft4Validator(sch).iter_errors(body), key=lambda e: list(e.path))
     if errors:
-        causes = [{"reason": "FieldValueInvalid", "field": ".".join(str(p) for p in e.path),
-                   "message": e.message} for e in errors]
+        causes = [
+            {"reason": "FieldValueInvalid", "field": ".".join(str(p) for p in e.path), "message": e.message}
+            for e in errors
+        ]
         msg = "; ".join(f"{c['field']}: {c['message']}" for c in causes)
         raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {msg}', name=name, kind=kind, causes=causes)
 
@@ -311,8 +343,15 @@ def json_path(obj: Any, path: str) -> Any:
 def table_for(emulator: Any, t: Target, items: list[dict], rv: int) -> dict:
     """A ``meta.k8s.io/v1`` Table: Name, the CRD's printer columns (or Age for builtins)."""
     crd = emulator._crds.get((t.group, t.plural))
-    columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
-                "description": "Name must be unique within a namespace."}]
+    columns = [
+        {
+            "name": "Name",
+            "type": "string",
+            "format": "name",
+            "priority": 0,
+            "description": "Name must be unique within a namespace.",
+        }
+    ]
     printer: list[dict] = []
     if crd is not None:
         ver = next(v for v in crd["spec"]["versions"] if v["name"] == t.version)
@@ -320,8 +359,15 @@ def table_for(emulator: Any, t: Target, items: list[dict], rv: int) -> dict:
     else:
         printer = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
     for col in printer:
-        columns.append({"name": col["name"], "type": col["type"], "format": col.get("format", ""),
-                        "priority": col.get("priority", 0), "description": col.get("description", "")})
+        columns.append(
+            {
+                "name": col["name"],
+                "type": col["type"],
+                "format": col.get("format", ""),
+                "priority": col.get("priority", 0),
+                "description": col.get("description", ""),
+            }
+        )
     rows = []
     for obj in items:
         cells: list[Any] = [obj["metadata"]["name"]]
@@ -331,10 +377,19 @@ def table_for(emulator: Any, t: Target, items: list[dict], rv: int) -> dict:
                 value = human_age(value) if value else "<unknown>"
             cells.append(value)
         meta = obj["metadata"]
-        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                                "metadata": meta}})
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(rv)},
-            "columnDefinitions": columns, "rows": rows}
+        rows.append(
+            {
+                "cells": cells,
+                "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": meta},
+            }
+        )
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": str(rv)},
+        "columnDefinitions": columns,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------- OpenAPI v3 (kubectl explain)
@@ -364,30 +419,50 @@ def openapi_document(crds: dict, path: str) -> Optional[dict]:
                 ref = f"{rev}.{v}.{names['kind']}"
                 schemas[ref] = sch
                 ns = "/namespaces/{namespace}" if crd["spec"].get("scope", "Namespaced") == "Namespaced" else ""
-                get = {"x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk,
-                       "responses": {"200": {"description": "OK", "content": {"application/json": {
-                           "schema": {"$ref": f"#/components/schemas/{ref}"}}}}}}
+                get = {
+                    "x-kubernetes-action": "get",
+                    "x-kubernetes-group-version-kind": gvk,
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}},
+                        }
+                    },
+                }
                 paths[f"/apis/{g}/{v}{ns}/{plural}/{{name}}"] = {"get": get}
         if schemas:
-            return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.35.0"}, "paths": paths,
-                    "components": {"schemas": schemas}}
+            return {
+                "openapi": "3.0.0",
+                "info": {"title": "Kubernetes", "version": "v1.35.0"},
+                "paths": paths,
+                "components": {"schemas": schemas},
+            }
     return None
 
 
 def as_scale(obj: dict) -> dict:
     """An autoscaling/v1 Scale view of a Deployment-like object (the ``/scale`` subresource)."""
     sel = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-    return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-            "metadata": {k: obj["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion",
-                                                         "creationTimestamp") if k in obj["metadata"]},
-            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
-            "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
-                       "selector": ",".join(f"{k}={v}" for k, v in sorted(sel.items()))}}
+    return {
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": {
+            k: obj["metadata"][k]
+            for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+            if k in obj["metadata"]
+        },
+        "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+        "status": {
+            "replicas": (obj.get("status") or {}).get("replicas", 0),
+            "selector": ",".join(f"{k}={v}" for k, v in sorted(sel.items())),
+        },
+    }
 
 
 def find_tool(name: str) -> Optional[str]:
     """``kubectl`` / ``helm`` from .tools/bin (installed by .ci/install-k8s-tools.sh) or PATH."""
     import shutil
+
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".tools", "bin", name)
     if os.path.isfile(here) and os.access(here, os.X_OK):
         return here

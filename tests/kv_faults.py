@@ -46,15 +46,33 @@ def misroute_first_page(descs: Any, page_bytes: int) -> Any:
     from kvship.engine.disagg.base import TransferDescs
 
     first_len = int(descs.length[0])
-    head = dict(src_region=descs.src_region[:1], src_off=np.zeros(1, np.int64), dst_region=descs.dst_region[:1],
-                dst_off=descs.dst_off[:1], length=np.array([page_bytes], np.int64))
+    head = dict(
+        src_region=descs.src_region[:1],
+        src_off=np.zeros(1, np.int64),
+        dst_region=descs.dst_region[:1],
+        dst_off=descs.dst_off[:1],
+        length=np.array([page_bytes], np.int64),
+    )
     parts = [head]
     if first_len > page_bytes:
-        parts.append(dict(src_region=descs.src_region[:1], src_off=descs.src_off[:1] + page_bytes,
-                          dst_region=descs.dst_region[:1], dst_off=descs.dst_off[:1] + page_bytes,
-                          length=np.array([first_len - page_bytes], np.int64)))
-    parts.append(dict(src_region=descs.src_region[1:], src_off=descs.src_off[1:], dst_region=descs.dst_region[1:],
-                      dst_off=descs.dst_off[1:], length=descs.length[1:]))
+        parts.append(
+            dict(
+                src_region=descs.src_region[:1],
+                src_off=descs.src_off[:1] + page_bytes,
+                dst_region=descs.dst_region[:1],
+                dst_off=descs.dst_off[:1] + page_bytes,
+                length=np.array([first_len - page_bytes], np.int64),
+            )
+        )
+    parts.append(
+        dict(
+            src_region=descs.src_region[1:],
+            src_off=descs.src_off[1:],
+            dst_region=descs.dst_region[1:],
+            dst_off=descs.dst_off[1:],
+            length=descs.length[1:],
+        )
+    )
     return TransferDescs(**{k: np.concatenate([p[k] for p in parts]) for k in head})
 
 

@@ -94,6 +94,7 @@ class SchedulerThread:
 
 def _server_args(model_dir: str, **kw: Any):
     from kvship.engine.config import ServerArgs
+
     args = dict(model_path=model_dir, device="cpu", max_total_tokens=8192)
     args.update(kw)
     return ServerArgs(**args)
@@ -104,28 +105,44 @@ class InProcessPD:
 
     _rooms = itertools.count(1000)
 
-    def __init__(self, model_dir: str, *, backend: str = "tcp", prefill_kv: Optional[dict] = None,
-                 decode_kv: Optional[dict] = None, prefill_args: Optional[dict] = None,
-                 decode_args: Optional[dict] = None, runners: Optional[tuple] = None, **common: Any):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        backend: str = "tcp",
+        prefill_kv: Optional[dict] = None,
+        decode_kv: Optional[dict] = None,
+        prefill_args: Optional[dict] = None,
+        decode_args: Optional[dict] = None,
+        runners: Optional[tuple] = None,
+        **common: Any,
+    ):
         from kvship.decode.scheduler import DecodeScheduler
         from kvship.engine.disagg import KVTransferConfig
         from kvship.engine.model_runner import ModelRunner
         from kvship.prefill.scheduler import PrefillScheduler
 
-        psa = _server_args(model_dir, mode="prefill", disaggregation_transfer_backend=backend,
-                           **{**common, **(prefill_args or {})})
-        dsa = _server_args(model_dir, mode="decode", disaggregation_transfer_backend=backend,
-                           **{**common, **(decode_args or {})})
+        psa = _server_args(
+            model_dir, mode="prefill", disaggregation_transfer_backend=backend, **{**common, **(prefill_args or {})}
+        )
+        dsa = _server_args(
+            model_dir, mode="decode", disaggregation_transfer_backend=backend, **{**common, **(decode_args or {})}
+        )
         self.p_out, self.d_out = Collector(), Collector()
         # ``runners``: (prefill, decode) ModelRunners to reuse (their pools must be empty: run with
         # disable_radix_cache so no KV stays behind in a cache the next scheduler would not know)
         p_runner, d_runner = runners if runners is not None else (ModelRunner(psa), ModelRunner(dsa))
-        self.prefill = PrefillScheduler(psa, p_runner, None, self.p_out,
-                                        kv_config=KVTransferConfig(backend=backend, bootstrap_port=0,
-                                                                   **(prefill_kv or {})))
+        self.prefill = PrefillScheduler(
+            psa,
+            p_runner,
+            None,
+            self.p_out,
+            kv_config=KVTransferConfig(backend=backend, bootstrap_port=0, **(prefill_kv or {})),
+        )
         try:
-            self.decode = DecodeScheduler(dsa, d_runner, None, self.d_out,
-                                          kv_config=KVTransferConfig(backend=backend, **(decode_kv or {})))
+            self.decode = DecodeScheduler(
+                dsa, d_runner, None, self.d_out, kv_config=KVTransferConfig(backend=backend, **(decode_kv or {}))
+            )
         except BaseException:
             self.prefill.close()
             raise
@@ -142,15 +159,25 @@ class InProcessPD:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def request(self, rid: str, ids: Sequence[int], room: int, max_new: int = 16, port: Optional[int] = None,
-                **kw: Any):
+    def request(
+        self, rid: str, ids: Sequence[int], room: int, max_new: int = 16, port: Optional[int] = None, **kw: Any
+    ):
         from kvship.engine.io_struct import GenerateRequest, SamplingParams
-        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
-        return GenerateRequest(rid=rid, input_ids=list(ids), sampling_params=sp, bootstrap_host="127.0.0.1",
-                               bootstrap_port=port or self.prefill.bootstrap_port, bootstrap_room=room, **kw)
 
-    def submit(self, rid: str, ids: Sequence[int], max_new: int = 16, to: str = "both",
-               room: Optional[int] = None, **kw: Any) -> int:
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        return GenerateRequest(
+            rid=rid,
+            input_ids=list(ids),
+            sampling_params=sp,
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=port or self.prefill.bootstrap_port,
+            bootstrap_room=room,
+            **kw,
+        )
+
+    def submit(
+        self, rid: str, ids: Sequence[int], max_new: int = 16, to: str = "both", room: Optional[int] = None, **kw: Any
+    ) -> int:
         room = next(self._rooms) if room is None else room
         if to in ("both", "prefill"):
             self.prefill.submit(self.request(rid, ids, room, max_new, **kw))
@@ -203,8 +230,13 @@ def unified_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new: in
         out = Collector()
         sched = Scheduler(sa, ModelRunner(sa), None, out)
         for i, p in enumerate(prompts):
-            sched.submit(GenerateRequest(rid=f"u{i}", input_ids=list(p),
-                                         sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0)))
+            sched.submit(
+                GenerateRequest(
+                    rid=f"u{i}",
+                    input_ids=list(p),
+                    sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0),
+                )
+            )
         for _ in range(100000):
             sched.step()
             if sched.idle():
@@ -245,13 +277,38 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while True:
             infos = {u: self.info(u) for u in urls}
-            bad = {u: {k: i.get(k) for k in ("free_slots", "total_slots", "running", "waiting", "active_requests",
-                                              "bootstrap_queue", "inflight_queue", "prealloc_queue",
-                                              "transfer_queue", "prebuilt_queue")}
-                   for u, i in infos.items()
-                   if i["free_slots"] != i["total_slots"] or i.get("active_requests", 0) or
-                   any(i.get(q, 0) for q in ("bootstrap_queue", "inflight_queue", "prealloc_queue",
-                                             "transfer_queue", "prebuilt_queue", "running", "waiting"))}
+            bad = {
+                u: {
+                    k: i.get(k)
+                    for k in (
+                        "free_slots",
+                        "total_slots",
+                        "running",
+                        "waiting",
+                        "active_requests",
+                        "bootstrap_queue",
+                        "inflight_queue",
+                        "prealloc_queue",
+                        "transfer_queue",
+                        "prebuilt_queue",
+                    )
+                }
+                for u, i in infos.items()
+                if i["free_slots"] != i["total_slots"]
+                or i.get("active_requests", 0)
+                or any(
+                    i.get(q, 0)
+                    for q in (
+                        "bootstrap_queue",
+                        "inflight_queue",
+                        "prealloc_queue",
+                        "transfer_queue",
+                        "prebuilt_queue",
+                        "running",
+                        "waiting",
+                    )
+                )
+            }
             if not bad:
                 return
             if time.monotonic() > deadline:
@@ -268,18 +325,37 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def start_local(args: Sequence[str], env: Optional[dict[str, str]] = None,
-                timeout: float = 300.0) -> Iterator[LocalCluster]:
+def start_local(
+    args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: float = 300.0
+) -> Iterator[LocalCluster]:
     """Run ``kvship local <args>`` until its router is ready; SIGINT it on exit."""
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix="kvship-pd-test-")
     stdout_path = os.path.join(log_dir, "local.out")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "kvship.app.cli", "local", "--port", str(port), "--log-dir", log_dir,
-           "--shutdown-grace", "10", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvship.app.cli",
+        "local",
+        "--port",
+        str(port),
+        "--log-dir",
+        log_dir,
+        "--shutdown-grace",
+        "10",
+        *args,
+    ]
     with open(stdout_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     cluster = LocalCluster(url=f"http://127.0.0.1:{port}", proc=proc, log_dir=log_dir, stdout_path=stdout_path)
     try:
         deadline = time.monotonic() + timeout

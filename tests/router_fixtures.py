@@ -57,10 +57,11 @@ def free_port() -> int:
 # The double (runs in the child process)
 # --------------------------------------------------------------------------------------------------
 
+
 def reply_words(text: str, n: int) -> list[str]:
     """The deterministic 'greedy' continuation of ``text``: ``n`` words derived from its hash."""
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return [f"w{digest[(2 * i) % 60:(2 * i) % 60 + 4]}" for i in range(n)]
+    return [f"w{digest[(2 * i) % 60 : (2 * i) % 60 + 4]}" for i in range(n)]
 
 
 def _prompt_of(route: str, body: dict) -> str:
@@ -77,8 +78,15 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state = {"delay": 0.0, "chunk_delay": 0.0, "tokens": 4, "fail_next": 0, "fail_status": 503,
-             "healthy": True, "die_after_chunks": -1}
+    state = {
+        "delay": 0.0,
+        "chunk_delay": 0.0,
+        "tokens": 4,
+        "fail_next": 0,
+        "fail_status": 503,
+        "healthy": True,
+        "die_after_chunks": -1,
+    }
     state.update(behaviour)
     log: list[dict] = []
 
@@ -107,31 +115,51 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
     def chunk_json(route: str, rid: str, word: Optional[str], finish: Optional[str]) -> dict:
         if route == "/v1/chat/completions":
             delta = {"content": word} if word is not None else {}
-            return {"id": rid, "object": "chat.completion.chunk", "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
         if route == "/v1/completions":
-            return {"id": rid, "object": "text_completion", "model": model,
-                    "choices": [{"index": 0, "text": word or "", "finish_reason": finish}]}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "model": model,
+                "choices": [{"index": 0, "text": word or "", "finish_reason": finish}],
+            }
         return {"text": word or "", "meta_info": {"id": rid, "finish_reason": finish}}
 
     async def generate(request: Request) -> Response:
         route = request.url.path
         body = await request.json()
-        log.append({"route": route, "body": body, "time": time.time(),
-                    "headers": {k: v for k, v in request.headers.items()
-                                if k in ("x-request-id", "authorization", "x-session-id")}})
+        log.append(
+            {
+                "route": route,
+                "body": body,
+                "time": time.time(),
+                "headers": {
+                    k: v for k, v in request.headers.items() if k in ("x-request-id", "authorization", "x-session-id")
+                },
+            }
+        )
         if state["fail_next"] > 0:
             state["fail_next"] -= 1
             return JSONResponse({"error": {"message": f"{name} told to fail"}}, status_code=state["fail_status"])
         if state["delay"]:
             await asyncio.sleep(state["delay"])
-        n = int(body.get("max_tokens") or body.get("max_new_tokens")
-                or (body.get("sampling_params") or {}).get("max_new_tokens") or state["tokens"])
+        n = int(
+            body.get("max_tokens")
+            or body.get("max_new_tokens")
+            or (body.get("sampling_params") or {}).get("max_new_tokens")
+            or state["tokens"]
+        )
         words = reply_words(_prompt_of(route, body), n)
         rid = request.headers.get("x-request-id", "rid")
         if mode == "prefill":
             return JSONResponse({"prefill": name, "room": body.get("bootstrap_room")})
         if body.get("stream"):
+
             async def events():
                 for i, w in enumerate(words):
                     if state["die_after_chunks"] == i:
@@ -142,16 +170,26 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
                         await asyncio.sleep(state["chunk_delay"])
                 yield f"data: {json.dumps(chunk_json(route, rid, None, 'length'))}\n\n".encode()
                 yield b"data: [DONE]\n\n"
+
             return StreamingResponse(events(), media_type="text/event-stream")
         text = " ".join(words)
         usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
         if route == "/v1/chat/completions":
-            out = {"id": rid, "object": "chat.completion", "model": model, "usage": usage,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                "finish_reason": "length"}]}
+            out = {
+                "id": rid,
+                "object": "chat.completion",
+                "model": model,
+                "usage": usage,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+            }
         elif route == "/v1/completions":
-            out = {"id": rid, "object": "text_completion", "model": model, "usage": usage,
-                   "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+            out = {
+                "id": rid,
+                "object": "text_completion",
+                "model": model,
+                "usage": usage,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            }
         else:
             out = {"text": text, "meta_info": {"id": rid, "finish_reason": {"type": "length"}}}
         out["worker"] = name
@@ -159,9 +197,14 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
             out["bootstrap"] = {k: body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
         return JSONResponse(out)
 
-    routes = [Route("/health", health), Route("/get_server_info", server_info),
-              Route("/get_model_info", model_info), Route("/v1/models", models),
-              Route("/_control", control, methods=["POST"]), Route("/_requests", requests_log)]
+    routes = [
+        Route("/health", health),
+        Route("/get_server_info", server_info),
+        Route("/get_model_info", model_info),
+        Route("/v1/models", models),
+        Route("/_control", control, methods=["POST"]),
+        Route("/_requests", requests_log),
+    ]
     routes += [Route(p, generate, methods=["POST"]) for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
     return Starlette(routes=routes)
 
@@ -190,6 +233,7 @@ def _double_main(argv: list[str]) -> None:
 # --------------------------------------------------------------------------------------------------
 # Parent-side handles
 # --------------------------------------------------------------------------------------------------
+
 
 def _read_port(proc: subprocess.Popen, timeout: float, what: str) -> int:
     deadline = time.monotonic() + timeout
@@ -251,8 +295,20 @@ class WorkerDouble:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [PYTHON, os.path.join(HERE, "router_fixtures.py"), "--port", str(self.port), "--name", self.name,
-               "--model", self.model, "--mode", self.mode, "--behaviour", json.dumps(self.behaviour)]
+        cmd = [
+            PYTHON,
+            os.path.join(HERE, "router_fixtures.py"),
+            "--port",
+            str(self.port),
+            "--name",
+            self.name,
+            "--model",
+            self.model,
+            "--mode",
+            self.mode,
+            "--behaviour",
+            json.dumps(self.behaviour),
+        ]
         if self.bootstrap_port is not None:
             cmd += ["--bootstrap-port", str(self.bootstrap_port)]
         return cmd
@@ -283,8 +339,13 @@ class WorkerDouble:
 
 
 @contextlib.contextmanager
-def start_double(name: str = "double", model: str = "double-model", mode: str = "unified",
-                 bootstrap_port: Optional[int] = None, **behaviour: Any) -> Iterator[WorkerDouble]:
+def start_double(
+    name: str = "double",
+    model: str = "double-model",
+    mode: str = "unified",
+    bootstrap_port: Optional[int] = None,
+    **behaviour: Any,
+) -> Iterator[WorkerDouble]:
     if mode == "prefill" and bootstrap_port is None:
         bootstrap_port = 8998
     d = WorkerDouble(name, model, mode, bootstrap_port, behaviour)
@@ -299,8 +360,16 @@ def start_double(name: str = "double", model: str = "double-model", mode: str = 
 def start_doubles(n: int, **kwargs: Any) -> Iterator[list[WorkerDouble]]:
     """``n`` doubles named w0..w{n-1}, started in parallel."""
     behaviour = {k: v for k, v in kwargs.items() if k not in ("model", "mode", "bootstrap_port")}
-    doubles = [WorkerDouble(f"w{i}", kwargs.get("model", "double-model"), kwargs.get("mode", "unified"),
-                            kwargs.get("bootstrap_port"), behaviour) for i in range(n)]
+    doubles = [
+        WorkerDouble(
+            f"w{i}",
+            kwargs.get("model", "double-model"),
+            kwargs.get("mode", "unified"),
+            kwargs.get("bootstrap_port"),
+            behaviour,
+        )
+        for i in range(n)
+    ]
     try:
         for d in doubles:  # launch all, then read ports (startups overlap)
             d.proc = subprocess.Popen(d.command(), stdout=subprocess.PIPE, cwd=REPO)
@@ -317,6 +386,7 @@ def start_doubles(n: int, **kwargs: Any) -> Iterator[list[WorkerDouble]]:
 # --------------------------------------------------------------------------------------------------
 # Routers
 # --------------------------------------------------------------------------------------------------
+
 
 @contextlib.asynccontextmanager
 async def running_router(config):
@@ -345,7 +415,9 @@ async def running_router(config):
 
 
 @contextlib.contextmanager
-def router_process(args: list[str], env: Optional[dict] = None, timeout: float = 30.0) -> Iterator[tuple[str, subprocess.Popen]]:
+def router_process(
+    args: list[str], env: Optional[dict] = None, timeout: float = 30.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``kvship router --host 127.0.0.1 --port <free> *args`` as a subprocess; yield ``(url, proc)``."""
     port = free_port()
     cmd = [PYTHON, "-m", "kvship.app.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]

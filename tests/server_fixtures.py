@@ -110,9 +110,16 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
 
 
 @contextlib.contextmanager
-def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0,
-                 env: Optional[dict[str, str]] = None, health_path: str = "/health",
-                 port: Optional[int] = None, keep_log: bool = False) -> Iterator[ServerHandle]:
+def start_kvship(
+    subcommand: str,
+    args: Sequence[str],
+    *,
+    timeout: float = 180.0,
+    env: Optional[dict[str, str]] = None,
+    health_path: str = "/health",
+    port: Optional[int] = None,
+    keep_log: bool = False,
+) -> Iterator[ServerHandle]:
     """Run ``kvship <subcommand> <args>`` until healthy; always stop it on exit."""
     args = list(args)
     if not _has_flag(args, "--host"):
@@ -128,8 +135,15 @@ def start_kvship(subcommand: str, args: Sequence[str], *, timeout: float = 180.0
     full_env.update(env or {})
     log = tempfile.NamedTemporaryFile(prefix=f"kvship-{subcommand}-{port}-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "kvship.app.cli", subcommand, *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     log.close()
     handle = ServerHandle(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log.name)
     failed = True
@@ -153,8 +167,9 @@ def _wait_healthy(handle: ServerHandle, health_path: str, timeout: float, cmd: l
     deadline = time.monotonic() + timeout
     while True:
         if handle.proc.poll() is not None:
-            raise ServerStartError(f"{' '.join(cmd)} exited with {handle.proc.returncode} before it was healthy:\n"
-                                   f"{handle.log_tail()}")
+            raise ServerStartError(
+                f"{' '.join(cmd)} exited with {handle.proc.returncode} before it was healthy:\n{handle.log_tail()}"
+            )
         try:
             if httpx.get(handle.url + health_path, timeout=2.0).status_code == 200:
                 return

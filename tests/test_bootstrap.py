@@ -16,13 +16,35 @@ import pytest
 import torch
 
 from kvship.engine.config import ServerArgs
+from kvship.engine.disagg import (
+    BackendUnavailableError,
+    KVPoll,
+    KVTransferConfig,
+    KVTransferError,
+    create_kv_manager,
+    get_transfer_backend,
+)
 from kvship.engine.disagg import descriptors as D
-from kvship.engine.disagg import (BackendUnavailableError, KVPoll, KVTransferConfig, KVTransferError,
-                                  create_kv_manager, get_transfer_backend)
 from kvship.engine.disagg.bootstrap import BootstrapLink, BootstrapServer
 from kvship.engine.disagg.checksum import kv_checksum
-from kvship.engine.disagg.wire import (AUX_RECORD_BYTES, Abort, AbortAck, AuxRecord, Done, Fail, Hello, KVLayout,
-                                       Ping, Refuse, Register, Started, Welcome, WireError, decode_body, encode_frame)
+from kvship.engine.disagg.wire import (
+    AUX_RECORD_BYTES,
+    Abort,
+    AbortAck,
+    AuxRecord,
+    Done,
+    Fail,
+    Hello,
+    KVLayout,
+    Ping,
+    Refuse,
+    Register,
+    Started,
+    Welcome,
+    WireError,
+    decode_body,
+    encode_frame,
+)
 from kvship.engine.mem.pools import KVPool
 
 LAYOUT = KVLayout(page_size=16, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
@@ -35,10 +57,17 @@ def _roundtrip(msg):
 
 def test_every_control_message_survives_encode_and_decode():
     pages = np.array([5, 9, 10, 11, 2], dtype=np.int64)
-    msgs = [Hello(peer_id="d-1", backend="tcp", layout=LAYOUT, region_bytes=[1, 2], backend_info={"port": 5}),
-            Welcome(prefill_id="p", backend="nixl", layout=LAYOUT, backend_info={}), Refuse(reason="no"),
-            Started(room=2 ** 63 - 1), Done(room=1), Fail(room=3, reason="x"), Abort(room=4, reason="y"),
-            AbortAck(room=5), Ping()]
+    msgs = [
+        Hello(peer_id="d-1", backend="tcp", layout=LAYOUT, region_bytes=[1, 2], backend_info={"port": 5}),
+        Welcome(prefill_id="p", backend="nixl", layout=LAYOUT, backend_info={}),
+        Refuse(reason="no"),
+        Started(room=2**63 - 1),
+        Done(room=1),
+        Fail(room=3, reason="x"),
+        Abort(room=4, reason="y"),
+        AbortAck(room=5),
+        Ping(),
+    ]
     for m in msgs:
         assert _roundtrip(m) == m
     reg = _roundtrip(Register(room=7, pages=pages, aux_slot=3, checksum="crc32"))
@@ -46,24 +75,36 @@ def test_every_control_message_survives_encode_and_decode():
     assert reg.pages.tolist() == pages.tolist()
 
 
-@pytest.mark.parametrize("body, needle", [
-    (b"\xff\xfe", "not JSON"),
-    (b"[1, 2]", "not a JSON object"),
-    (b'{"v": 99, "type": "ping"}', "version 99"),
-    (b'{"v": 1, "type": "bogus"}', "unknown control message"),
-    (b'{"v": 1, "type": "fail", "room": 1}', "missing field 'reason'"),
-    (b'{"v": 1, "type": "done", "room": -4}', "non-negative"),
-    (b'{"v": 1, "type": "register", "room": 1, "aux_slot": 0, "pages": "!!"}', "bad page list"),
-    (b'{"v": 1, "type": "welcome", "prefill_id": "p", "backend": "tcp", "layout": {"kv_dtype": "nope"}}', "kv_dtype"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"v": 99, "type": "ping"}', "version 99"),
+        (b'{"v": 1, "type": "bogus"}', "unknown control message"),
+        (b'{"v": 1, "type": "fail", "room": 1}', "missing field 'reason'"),
+        (b'{"v": 1, "type": "done", "room": -4}', "non-negative"),
+        (b'{"v": 1, "type": "register", "room": 1, "aux_slot": 0, "pages": "!!"}', "bad page list"),
+        (
+            b'{"v": 1, "type": "welcome", "prefill_id": "p", "backend": "tcp", "layout": {"kv_dtype": "nope"}}',
+            "kv_dtype",
+        ),
+    ],
+)
 def test_malformed_control_frames_raise_wire_error_naming_the_problem(body, needle):
     with pytest.raises(WireError, match=needle):
         decode_body(body)
 
 
 def test_aux_record_is_64_bytes_and_detects_a_missing_record():
-    rec = AuxRecord(room=2 ** 62 + 5, first_token_id=49151, first_token_logprob=-0.125, prompt_len=4096,
-                    num_pages=256, checksum=0xFFFF_FFFF_FFFF_FFFE)
+    rec = AuxRecord(
+        room=2**62 + 5,
+        first_token_id=49151,
+        first_token_logprob=-0.125,
+        prompt_len=4096,
+        num_pages=256,
+        checksum=0xFFFF_FFFF_FFFF_FFFE,
+    )
     raw = rec.pack()
     assert len(raw) == AUX_RECORD_BYTES
     assert AuxRecord.unpack(raw) == rec
@@ -88,13 +129,14 @@ def test_page_runs_merge_only_where_both_sides_are_contiguous():
     descs = D.kv_descs(runs, num_buffers=4, page_bytes=100)
     assert len(descs) == 16 and descs.nbytes == 4 * 7 * 100
     contiguous = D.kv_descs(D.page_runs(np.arange(1, 257), np.arange(300, 556)), num_buffers=60, page_bytes=8)
-    assert len(contiguous) == 60   # one descriptor per buffer for a contiguous request
+    assert len(contiguous) == 60  # one descriptor per buffer for a contiguous request
     with pytest.raises(KVTransferError, match="page count mismatch"):
         D.page_runs(np.array([1, 2]), np.array([3]))
 
 
-@pytest.mark.parametrize("pages, needle", [([0, 1], "padding page"), ([5, 99], "beyond"), ([3, 3], "twice"),
-                                           ([], "empty")])
+@pytest.mark.parametrize(
+    "pages, needle", [([0, 1], "padding page"), ([5, 99], "beyond"), ([3, 3], "twice"), ([], "empty")]
+)
 def test_bad_page_lists_are_refused(pages, needle):
     with pytest.raises(KVTransferError, match=needle):
         D.check_pages(np.array(pages, dtype=np.int64), num_pages=10, side="decode")
@@ -124,7 +166,7 @@ def test_checksum_follows_prompt_order_not_placement_and_catches_corruption(algo
     ps = a.page_size
     for sb, db in zip(a.buffers(), b.buffers()):
         for s, d in zip(src, dst):
-            db[d * ps:(d + 1) * ps] = sb[s * ps:(s + 1) * ps]
+            db[d * ps : (d + 1) * ps] = sb[s * ps : (s + 1) * ps]
     ref = kv_checksum(a.buffers(), src, ps, algo)
     assert kv_checksum(b.buffers(), dst, ps, algo) == ref
     swapped = np.array([9, 5, 4, 12])
@@ -153,9 +195,17 @@ class _Link:
         self.reason = None
         self.messages = []
         hello = Hello(peer_id="d-1", backend=backend, layout=layout, region_bytes=[], backend_info={})
-        self.link = BootstrapLink("127.0.0.1", port, hello, connect_timeout=5, handshake_timeout=handshake_timeout,
-                                  check_welcome=lambda w: LAYOUT.mismatch(w.layout), on_ready=lambda l: self.ready.set(),
-                                  on_message=lambda l, m: self.messages.append(m), on_closed=self._closed)
+        self.link = BootstrapLink(
+            "127.0.0.1",
+            port,
+            hello,
+            connect_timeout=5,
+            handshake_timeout=handshake_timeout,
+            check_welcome=lambda w: LAYOUT.mismatch(w.layout),
+            on_ready=lambda l: self.ready.set(),
+            on_message=lambda l, m: self.messages.append(m),
+            on_closed=self._closed,
+        )
 
     def _closed(self, link, reason):
         self.reason = reason
@@ -168,15 +218,24 @@ def server():
 
     def on_hello(conn, hello):
         problem = LAYOUT.mismatch(hello.layout)
-        return Refuse(reason=f"KV layout mismatch: {problem}") if problem else \
-            Welcome(prefill_id="p", backend="tcp", layout=LAYOUT)
+        return (
+            Refuse(reason=f"KV layout mismatch: {problem}")
+            if problem
+            else Welcome(prefill_id="p", backend="tcp", layout=LAYOUT)
+        )
 
     def on_closed(conn, reason):
         events["reason"] = reason
         events["closed"].set()
 
-    srv = BootstrapServer("127.0.0.1", 0, on_hello=on_hello, on_message=lambda c, m: events["messages"].append(m),
-                          on_closed=on_closed, handshake_timeout=2.0)
+    srv = BootstrapServer(
+        "127.0.0.1",
+        0,
+        on_hello=on_hello,
+        on_message=lambda c, m: events["messages"].append(m),
+        on_closed=on_closed,
+        handshake_timeout=2.0,
+    )
     srv.events = events
     yield srv
     srv.close()
@@ -200,8 +259,9 @@ def test_handshake_then_messages_flow_and_heartbeats_keep_the_link_alive(server)
 
 
 def test_layout_mismatch_is_refused_with_the_reason(server):
-    c = _Link(server.port, layout=KVLayout(page_size=1, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3,
-                                           head_dim=64))
+    c = _Link(
+        server.port, layout=KVLayout(page_size=1, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64)
+    )
     assert c.closed.wait(5) and not c.ready.is_set()
     assert "refused the handshake" in c.reason and "page_size 16 != 1" in c.reason
 
@@ -210,7 +270,7 @@ def test_silent_peer_is_declared_dead_after_heartbeat_timeout(server):
     c = _Link(server.port)
     assert c.ready.wait(5)
     time.sleep(0.4)
-    c.link.tick(interval=10.0, timeout=0.3)   # the server never pinged: silent for > 0.3 s
+    c.link.tick(interval=10.0, timeout=0.3)  # the server never pinged: silent for > 0.3 s
     assert c.closed.wait(5)
     assert "no heartbeat" in c.reason
 
@@ -221,9 +281,9 @@ def test_garbage_on_the_bootstrap_port_does_not_hurt_the_server(server):
         s.settimeout(5)
         assert s.recv(4096)  # a Refuse frame naming the protocol error, then EOF
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-        s.sendall(b"\xff\xff\xff\xff")   # absurd frame length
+        s.sendall(b"\xff\xff\xff\xff")  # absurd frame length
     c = _Link(server.port)
-    assert c.ready.wait(5)   # still serving
+    assert c.ready.wait(5)  # still serving
     c.link.close()
 
 
@@ -252,8 +312,10 @@ def test_mute_prefill_times_out_the_handshake():
 
 def test_receiver_fails_fast_when_prefill_refuses_the_layout():
     cfg = KVTransferConfig(backend="tcp", bootstrap_port=0)
-    with create_kv_manager("prefill", _pool(page_size=4), cfg) as p, \
-            create_kv_manager("decode", _pool(page_size=2), cfg) as d:
+    with (
+        create_kv_manager("prefill", _pool(page_size=4), cfg) as p,
+        create_kv_manager("decode", _pool(page_size=2), cfg) as d,
+    ):
         r = d.create_receiver("127.0.0.1", p.bootstrap_port, 5)
         r.init([1, 2])
         deadline = time.time() + 10
@@ -277,11 +339,23 @@ def test_missing_backend_package_gives_an_install_hint(monkeypatch):
 
 
 def test_config_comes_from_server_args_flags():
-    args = ServerArgs(mode="prefill", disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=9100,
-                      disaggregation_bootstrap_timeout=12.0, disaggregation_waiting_timeout=34.0,
-                      kv_transfer_checksum=True, host="0.0.0.0")
+    args = ServerArgs(
+        mode="prefill",
+        disaggregation_transfer_backend="nixl",
+        disaggregation_bootstrap_port=9100,
+        disaggregation_bootstrap_timeout=12.0,
+        disaggregation_waiting_timeout=34.0,
+        kv_transfer_checksum=True,
+        host="0.0.0.0",
+    )
     cfg = KVTransferConfig.from_server_args(args)
-    assert (cfg.backend, cfg.bootstrap_port, cfg.bootstrap_timeout, cfg.waiting_timeout, cfg.checksum, cfg.host) == \
-        ("nixl", 9100, 12.0, 34.0, True, "0.0.0.0")
+    assert (cfg.backend, cfg.bootstrap_port, cfg.bootstrap_timeout, cfg.waiting_timeout, cfg.checksum, cfg.host) == (
+        "nixl",
+        9100,
+        12.0,
+        34.0,
+        True,
+        "0.0.0.0",
+    )
     with pytest.raises(ValueError, match="waiting_timeout"):
         KVTransferConfig(waiting_timeout=0).validate()

@@ -11,8 +11,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from kube_emulator_api import schema_defaults_prune
+
 from kvship.operator.crd import CRD_FILE, crd_manifest, crd_paths, render_crd_yaml
 from kvship.operator.spec import parse_service
 from kvship.operator.typed import parse
@@ -34,8 +34,10 @@ def test_crd_files_match_the_generator():
 
 
 def test_print_crd_cli_prints_the_same_yaml_without_importing_torch():
-    code = ("import sys; from kvship.app.cli import main; rc = main(['operator', '--print-crd']); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    code = (
+        "import sys; from kvship.app.cli import main; rc = main(['operator', '--print-crd']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout == render_crd_yaml()
@@ -69,8 +71,9 @@ def test_every_field_has_a_description_for_kubectl_explain():
 def test_schema_is_structural():
     for path, node in _walk(_schema()):
         assert "$ref" not in node, path
-        has_type = "type" in node or node.get("x-kubernetes-int-or-string") or \
-            node.get("x-kubernetes-preserve-unknown-fields")
+        has_type = (
+            "type" in node or node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        )
         assert has_type, f"{path} has no type"
         if "anyOf" in node:
             assert node.get("x-kubernetes-int-or-string"), f"{path}: anyOf only for int-or-string"
@@ -126,9 +129,10 @@ def test_examples_pass_the_crd_schema_and_the_operator_validation(path):
     defaulted = schema_defaults_prune(body, _schema())
     assert defaulted["spec"] == schema_defaults_prune(defaulted, _schema())["spec"]
     assert set(body["spec"]) <= set(defaulted["spec"]), "example has fields the CRD would prune"
-    jsonschema.Draft4Validator({k: v for k, v in _schema().items()
-                                if k != "properties"} | {"properties": {"spec": _schema()["properties"]["spec"]}}
-                               ).validate({"spec": defaulted["spec"]})
+    jsonschema.Draft4Validator(
+        {k: v for k, v in _schema().items() if k != "properties"}
+        | {"properties": {"spec": _schema()["properties"]["spec"]}}
+    ).validate({"spec": defaulted["spec"]})
     body["metadata"].update(namespace="default", uid="uid-1", generation=1)
     parse_service(body)
 
@@ -139,9 +143,16 @@ def test_examples_cover_unified_cpu_pd_rdma_eagle_and_moe_ep():
         body = yaml.safe_load(Path(path).read_text())
         body["metadata"].update(namespace="default", uid="u", generation=1)
         cfgs[Path(path).name] = parse_service(body)
-    assert any(c.unified and c.model.kind == "builtin" and "nvidia.com/gpu" not in str(c.spec.decode.resources)
-               for c in cfgs.values())
-    assert any(not c.unified and c.spec.kv_transfer.backend == "mooncake" and c.spec.kv_transfer.rdma_devices
-               and "Llama-3.1-8B" in c.spec.model.uri for c in cfgs.values())
+    assert any(
+        c.unified and c.model.kind == "builtin" and "nvidia.com/gpu" not in str(c.spec.decode.resources)
+        for c in cfgs.values()
+    )
+    assert any(
+        not c.unified
+        and c.spec.kv_transfer.backend == "mooncake"
+        and c.spec.kv_transfer.rdma_devices
+        and "Llama-3.1-8B" in c.spec.model.uri
+        for c in cfgs.values()
+    )
     assert any(c.spec.decode.speculative and c.spec.decode.speculative.algorithm == "eagle" for c in cfgs.values())
     assert any(c.spec.decode.expert_parallel_size > 1 for c in cfgs.values())

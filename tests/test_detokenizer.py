@@ -23,12 +23,16 @@ def build_byte_fallback_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = ["hello world this is a test of the tokenizer", "the quick brown fox jumps over the lazy dog",
-              "emoji and plain text"] * 10
+    corpus = [
+        "hello world this is a test of the tokenizer",
+        "the quick brown fox jumps over the lazy dog",
+        "emoji and plain text",
+    ] * 10
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     # byte tokens are ordinary vocabulary entries (as in Llama's tokenizer), not special tokens
@@ -41,8 +45,9 @@ def build_byte_fallback_tokenizer():
     spec["model"]["vocab"] = vocab
     for added in spec["added_tokens"]:
         added["id"] = vocab[added["content"]]
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +58,14 @@ def byte_fallback_tok():
 @pytest.fixture(scope="module")
 def byte_level_tok():
     from conftest import build_tiny_tokenizer
+
     return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def smollm2_tok(smollm2_path):
     from kvship.engine.tokenizer import load_tokenizer
+
     return load_tokenizer(smollm2_path).hf
 
 
@@ -66,7 +73,7 @@ def _stream(tok, ids, sizes):
     d = IncrementalDetokenizer(tok)
     deltas, i = [], 0
     for n in sizes:
-        deltas.append(d.add(ids[i:i + n]))
+        deltas.append(d.add(ids[i : i + n]))
         i += n
     deltas.append(d.add(ids[i:]))
     deltas.append(d.finish())
@@ -145,7 +152,7 @@ def test_stop_string_is_trimmed_and_ends_output():
 def test_possible_stop_prefix_is_held_back_then_released():
     m = StopStringMatcher(["Hello!"])
     r1 = m.feed("say Hel")
-    assert r1.text == "say " and r1.matched is None   # "Hel" could start the stop string
+    assert r1.text == "say " and r1.matched is None  # "Hel" could start the stop string
     r2 = m.feed("lo?")
     assert r2.text == "Hello?" and r2.matched is None  # it did not: released in order
     assert m.flush() == ""

@@ -13,15 +13,19 @@ from kvship.engine.io_struct import GenerateRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    e = Engine(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=4,
-                          max_queued_requests=2))
+    e = Engine(
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=2048, max_running_requests=4, max_queued_requests=2)
+    )
     yield e
     e.shutdown()
 
 
 def req(rid: str, n: int = 5, **sp) -> GenerateRequest:
-    return GenerateRequest(rid=rid, input_ids=[5, 6, 7, 8],
-                           sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **sp))
+    return GenerateRequest(
+        rid=rid,
+        input_ids=[5, 6, 7, 8],
+        sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **sp),
+    )
 
 
 async def wait_idle(engine: Engine) -> dict:

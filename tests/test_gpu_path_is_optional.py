@@ -53,8 +53,9 @@ _BLOCKED_RUN = textwrap.dedent("""
 
 
 def test_cpu_engine_runs_with_flashinfer_and_triton_unimportable(tiny_llama_dir):
-    res = subprocess.run([sys.executable, "-c", _BLOCKED_RUN, tiny_llama_dir], capture_output=True, text=True,
-                         timeout=240)
+    res = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_RUN, tiny_llama_dir], capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from kube_emulator import find_tool
+
 from kvship.operator.builders import CHILD_KINDS
 from kvship.operator.config import OperatorConfig
 from kvship.operator.crd import render_crd_yaml
@@ -43,8 +43,9 @@ def test_chart_lints():
     assert "0 chart(s) failed" in helm("lint", str(CHART), "--strict")
 
 
-@pytest.mark.parametrize("sets", [(), ("watch.namespaces={ml,research}",), ("serviceAccount.create=false",
-                                                                              "serviceAccount.name=ops")])
+@pytest.mark.parametrize(
+    "sets", [(), ("watch.namespaces={ml,research}",), ("serviceAccount.create=false", "serviceAccount.name=ops")]
+)
 def test_rendered_objects_pass_the_kubernetes_schema(sets):
     docs = render(*sets, crds=True)
     assert any(d["kind"] == "CustomResourceDefinition" for d in docs)

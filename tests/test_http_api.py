@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from server_fixtures import ServerHandle, start_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
@@ -17,8 +16,18 @@ PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of Fr
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir) -> ServerHandle:
-    with start_server(["--model-path", tiny_llama_dir, "--served-model-name", "tiny", "--max-total-tokens", "16384",
-                       "--max-running-requests", "16"]) as srv:
+    with start_server(
+        [
+            "--model-path",
+            tiny_llama_dir,
+            "--served-model-name",
+            "tiny",
+            "--max-total-tokens",
+            "16384",
+            "--max-running-requests",
+            "16",
+        ]
+    ) as srv:
         yield srv
 
 
@@ -27,7 +36,7 @@ def sse_events(response: httpx.Response) -> list:
     out = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -101,8 +110,9 @@ def test_token_id_prompt_equals_text_prompt(server, tiny_llama_dir):
 
 
 def test_batch_prompts_with_n_give_indexed_choices(server):
-    out = complete(server, prompt=["Hello", "Large language models"], n=2, max_tokens=5, temperature=0.8, seed=3,
-                   ignore_eos=True)
+    out = complete(
+        server, prompt=["Hello", "Large language models"], n=2, max_tokens=5, temperature=0.8, seed=3, ignore_eos=True
+    )
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert out["usage"]["completion_tokens"] == 20
     single = complete(server, prompt="Hello", max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
@@ -110,16 +120,25 @@ def test_batch_prompts_with_n_give_indexed_choices(server):
 
 
 def test_same_seed_gives_same_sample_and_other_seed_differs(server):
-    texts = [complete(server, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)
-             ["choices"][0]["text"] for s in (7, 7, 8)]
+    texts = [
+        complete(server, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)["choices"][0]["text"]
+        for s in (7, 7, 8)
+    ]
     assert texts[0] == texts[1]
     assert texts[0] != texts[2]
 
 
 def test_chat_completion_answers_with_assistant_message(server):
-    r = server.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True})
+    r = server.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_completion_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
@@ -129,13 +148,22 @@ def test_chat_completion_answers_with_assistant_message(server):
 
 
 def test_streamed_chat_arrives_incrementally_and_matches_non_streamed(server):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     full = server.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     arrivals, events = [], []
     start = time.monotonic()
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -156,9 +184,21 @@ def test_streamed_chat_arrives_incrementally_and_matches_non_streamed(server):
 
 
 def test_streamed_completion_with_n_streams_every_choice(server):
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "Hello", "n": 3, "max_tokens": 7, "temperature": 0.7, "seed": 1,
-            "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": "Hello",
+            "n": 3,
+            "max_tokens": 7,
+            "temperature": 0.7,
+            "seed": 1,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     texts = {0: "", 1: "", 2: ""}
@@ -179,11 +219,18 @@ def test_streamed_completion_with_n_streams_every_choice(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_is_trimmed_from_the_output(server, stream):
     base = complete(server, prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True)["choices"][0]["text"]
-    stop = next(base[i:i + 2] for i in range(6, len(base) - 2) if base[i:i + 2].strip() and
-                base.find(base[i:i + 2]) == i)
-    expected = base[:base.find(stop)]
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-            "stop": [stop, "\x00never"]}
+    stop = next(
+        base[i : i + 2] for i in range(6, len(base) - 2) if base[i : i + 2].strip() and base.find(base[i : i + 2]) == i
+    )
+    expected = base[: base.find(stop)]
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": [stop, "\x00never"],
+    }
     if stream:
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             events = sse_events(r)[:-1]
@@ -197,19 +244,33 @@ def test_stop_string_is_trimmed_from_the_output(server, stream):
 
 
 def test_stop_token_id_ends_generation_and_is_not_in_text(server):
-    r = server.post("/generate", json={"text": PROMPT, "sampling_params": {
-        "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}).json()
+    r = server.post(
+        "/generate",
+        json={"text": PROMPT, "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}},
+    ).json()
     ids = r["output_ids"]
     stop_id = ids[5]
     first = ids.index(stop_id)
-    out = server.post("/generate", json={"text": PROMPT, "sampling_params": {
-        "max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop_id]}}).json()
-    assert out["output_ids"] == ids[:first + 1]
+    out = server.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 20,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop_token_ids": [stop_id],
+            },
+        },
+    ).json()
+    assert out["output_ids"] == ids[: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     prefix = server.post("/generate", json={"input_ids": ids[:first], "sampling_params": {"max_new_tokens": 1}})
     assert prefix.status_code == 200
-    ref_text = server.post("/generate", json={"text": PROMPT, "sampling_params": {
-        "max_new_tokens": first, "temperature": 0, "ignore_eos": True}}).json()["text"]
+    ref_text = server.post(
+        "/generate",
+        json={"text": PROMPT, "sampling_params": {"max_new_tokens": first, "temperature": 0, "ignore_eos": True}},
+    ).json()["text"]
     assert out["text"] == ref_text
 
 
@@ -217,9 +278,18 @@ def test_stop_token_id_ends_generation_and_is_not_in_text(server):
 
 
 def test_chat_logprobs_have_top_alternatives_and_greedy_picks_the_best(server):
-    out = server.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
-        "ignore_eos": True, "logprobs": True, "top_logprobs": 3}).json()
+    out = server.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ).json()
     content = out["choices"][0]["logprobs"]["content"]
     assert len(content) == 5
     for entry in content:
@@ -240,21 +310,35 @@ def test_completion_logprobs_shape(server):
 
 
 def test_native_generate_single_batch_and_logprobs(server):
-    one = server.post("/generate", json={"text": "Hello", "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "return_logprob": True,
-        "top_logprobs_num": 2, "rid": "native-1"}).json()
+    one = server.post(
+        "/generate",
+        json={
+            "text": "Hello",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "rid": "native-1",
+        },
+    ).json()
     meta = one["meta_info"]
     assert meta["id"] == "native-1" and meta["completion_tokens"] == 6 and len(one["output_ids"]) == 6
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0 and "cached_tokens" in meta
     assert [x[1] for x in meta["output_token_logprobs"]] == one["output_ids"]
     assert all(len(t) == 2 for t in meta["output_top_logprobs"])
-    batch = server.post("/generate", json={"text": ["Hello", "World"], "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    batch = server.post(
+        "/generate",
+        json={
+            "text": ["Hello", "World"],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0]["output_ids"] == one["output_ids"]
-    by_ids = server.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [
-        {"max_new_tokens": 2}, {"max_new_tokens": 3}]}).json()
+    by_ids = server.post(
+        "/generate",
+        json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}]},
+    ).json()
     assert [len(b["output_ids"]) for b in by_ids] == [2, 3]
 
 
@@ -271,9 +355,16 @@ def test_native_generate_streams_cumulative_text(server):
 
 
 def test_pd_bootstrap_fields_are_accepted(server):
-    r = server.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1},
-                                       "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998,
-                                       "bootstrap_room": 12345})
+    r = server.post(
+        "/generate",
+        json={
+            "text": "Hi",
+            "sampling_params": {"max_new_tokens": 1},
+            "bootstrap_host": "10.0.0.1",
+            "bootstrap_port": 8998,
+            "bootstrap_room": 12345,
+        },
+    )
     assert r.status_code == 200, r.text
 
 
@@ -282,8 +373,12 @@ def test_pd_bootstrap_fields_are_accepted(server):
 
 def test_abort_request_ends_a_running_stream(server):
     rid = "abort-me-1"
-    body = {"text": "Hello", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    body = {
+        "text": "Hello",
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+    }
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -298,11 +393,16 @@ def test_abort_request_ends_a_running_stream(server):
 
 def test_client_disconnect_mid_stream_frees_slots(server):
     before = server.get("/get_server_info").json()["num_aborted"]
-    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
-                       ("/v1/completions", {"prompt": "go", "stream": True}),
-                       ("/generate", {"text": "go", "stream": True})]:
-        body = {**body, "max_tokens": 1500, "ignore_eos": True} if path != "/generate" else \
-            {**body, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
+        ("/v1/completions", {"prompt": "go", "stream": True}),
+        ("/generate", {"text": "go", "stream": True}),
+    ]:
+        body = (
+            {**body, "max_tokens": 1500, "ignore_eos": True}
+            if path != "/generate"
+            else {**body, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        )
         with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
             got = 0
             for line in r.iter_lines():
@@ -327,36 +427,55 @@ def test_client_disconnect_before_a_non_streamed_answer_aborts_it(server):
 async def _one_soak_request(client: httpx.AsyncClient, i: int, rng: random.Random) -> str:
     kind = ["plain", "stream_stop", "abort", "disconnect", "chat", "n"][i % 6]
     if kind == "plain":
-        r = await client.post("/v1/completions", json={"prompt": f"req {i}", "max_tokens": rng.randint(1, 12),
-                                                       "temperature": 0.9, "seed": i})
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": f"req {i}", "max_tokens": rng.randint(1, 12), "temperature": 0.9, "seed": i},
+        )
         assert r.status_code == 200, r.text
     elif kind == "stream_stop":
-        async with client.stream("POST", "/v1/completions", json={
-                "prompt": f"stop {i}", "max_tokens": 30, "stop": ["e", "a", "o"], "stream": True,
-                "temperature": 1.0, "seed": i}) as r:
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": f"stop {i}",
+                "max_tokens": 30,
+                "stop": ["e", "a", "o"],
+                "stream": True,
+                "temperature": 1.0,
+                "seed": i,
+            },
+        ) as r:
             assert r.status_code == 200
             async for _ in r.aiter_lines():
                 pass
     elif kind == "abort":
         rid = f"soak-abort-{i}"
-        task = asyncio.create_task(client.post("/generate", json={
-            "text": f"abort {i}", "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+        task = asyncio.create_task(
+            client.post(
+                "/generate",
+                json={"text": f"abort {i}", "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+            )
+        )
         await asyncio.sleep(rng.uniform(0.0, 0.2))
         await client.post("/abort_request", json={"rid": rid})
         r = await task
         assert r.status_code == 200
     elif kind == "disconnect":
-        async with client.stream("POST", "/generate", json={
-                "text": f"disc {i}", "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+        async with client.stream(
+            "POST",
+            "/generate",
+            json={"text": f"disc {i}", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+        ) as r:
             n = 0
             async for line in r.aiter_lines():
                 n += line.startswith("data: ")
                 if n >= rng.randint(1, 4):
                     break
     elif kind == "chat":
-        r = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": 8, "stop": "\n"})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": 8, "stop": "\n"},
+        )
         assert r.status_code == 200, r.text
     else:
         r = await client.post("/v1/completions", json={"prompt": f"n {i}", "n": 3, "max_tokens": 4})
@@ -369,9 +488,11 @@ def test_two_hundred_mixed_requests_leave_every_slot_free(server):
         rng = random.Random(1234)
         sem = asyncio.Semaphore(12)
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+
             async def guarded(i):
                 async with sem:
                     return await _one_soak_request(client, i, rng)
+
             return await asyncio.gather(*(guarded(i) for i in range(200)))
 
     kinds = asyncio.run(main())
@@ -387,14 +508,27 @@ def test_two_hundred_mixed_requests_leave_every_slot_free(server):
 def test_metrics_expose_token_counters_latency_histograms_and_gauges(server):
     complete(server, prompt="metrics", max_tokens=4, ignore_eos=True)
     text = server.get("/metrics").text
-    for series in ("kvship:prompt_tokens_total", "kvship:generation_tokens_total", "kvship:cached_tokens_total",
-                   "kvship:time_to_first_token_seconds_bucket", "kvship:inter_token_latency_seconds_bucket",
-                   "kvship:e2e_request_latency_seconds_count", "kvship:num_running_reqs",
-                   "kvship:num_queue_reqs", "kvship:token_usage", "kvship:cache_hit_rate",
-                   "kvship:kv_total_slots", "kvship:kv_free_slots", "kvship:requests_total"):
+    for series in (
+        "kvship:prompt_tokens_total",
+        "kvship:generation_tokens_total",
+        "kvship:cached_tokens_total",
+        "kvship:time_to_first_token_seconds_bucket",
+        "kvship:inter_token_latency_seconds_bucket",
+        "kvship:e2e_request_latency_seconds_count",
+        "kvship:num_running_reqs",
+        "kvship:num_queue_reqs",
+        "kvship:token_usage",
+        "kvship:cache_hit_rate",
+        "kvship:kv_total_slots",
+        "kvship:kv_free_slots",
+        "kvship:requests_total",
+    ):
         assert series in text, series
-    values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[-1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values['kvship:generation_tokens_total{model_name="tiny"}'] >= 4
     assert values['kvship:prompt_tokens_total{model_name="tiny"}'] > 0
     assert values['kvship:kv_total_slots{model_name="tiny"}'] == 16384

@@ -15,9 +15,9 @@ import sys
 
 import httpx
 import pytest
+from server_fixtures import ServerHandle, start_server
 
 from kvship.engine.config import ServerArgs
-from server_fixtures import ServerHandle, start_server
 
 CONTEXT = 256
 MAX_BODY = 65536
@@ -29,8 +29,20 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir) -> ServerHandle:
-    with start_server(["--model-path", tiny_llama_dir, "--served-model-name", "tiny", "--context-length",
-                       str(CONTEXT), "--max-request-bytes", str(MAX_BODY), "--max-total-tokens", "4096"]) as srv:
+    with start_server(
+        [
+            "--model-path",
+            tiny_llama_dir,
+            "--served-model-name",
+            "tiny",
+            "--context-length",
+            str(CONTEXT),
+            "--max-request-bytes",
+            str(MAX_BODY),
+            "--max-total-tokens",
+            "4096",
+        ]
+    ) as srv:
         yield srv
         # after all the bad input, SIGTERM still shuts the server down cleanly
         assert srv.stop() in (0, -signal.SIGTERM), srv.log_tail()  # uvicorn re-raises SIGTERM after shutdown
@@ -61,26 +73,43 @@ CASES = [
     ("messages_not_a_list", "POST", CHAT, chat(messages="hi"), 422, "messages"),
     ("unknown_role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 422, "messages.0.role"),
     ("content_is_a_number", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 422, None),
-    ("image_content_part", "POST", CHAT,
-     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 422, None),
+    (
+        "image_content_part",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        422,
+        None,
+    ),
     ("empty_messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
     ("unknown_model", "POST", CHAT, chat(model="gpt-9"), 404, "model"),
     ("unknown_model_completions", "POST", COMP, comp(model="nope"), 404, "model"),
     ("negative_max_tokens", "POST", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
     ("zero_max_completion_tokens", "POST", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("max_tokens_over_context", "POST", COMP, comp(max_tokens=CONTEXT + 1), 400, "max_tokens"),
-    ("prompt_plus_max_tokens_over_context", "POST", COMP, comp(prompt=[5] * 200, max_tokens=100), 400,
-     "max_tokens"),
+    ("prompt_plus_max_tokens_over_context", "POST", COMP, comp(prompt=[5] * 200, max_tokens=100), 400, "max_tokens"),
     ("prompt_longer_than_context", "POST", COMP, comp(prompt=[5] * CONTEXT), 400, "prompt"),
     ("text_prompt_longer_than_context", "POST", COMP, comp(prompt="fox " * 300), 400, "prompt"),
     ("huge_text_prompt_refused_untokenized", "POST", GEN, {"text": "x" * 60000}, 400, "text"),
-    ("chat_longer_than_context", "POST", CHAT, chat(messages=[{"role": "user", "content": "fox " * 300}]), 400,
-     "messages"),
+    (
+        "chat_longer_than_context",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "fox " * 300}]),
+        400,
+        "messages",
+    ),
     ("max_tokens_wrong_type", "POST", COMP, comp(max_tokens="many"), 422, "max_tokens"),
     ("negative_temperature", "POST", CHAT, chat(temperature=-0.5), 400, "temperature"),
     ("temperature_not_a_number", "POST", CHAT, chat(temperature="hot"), 422, "temperature"),
-    ("nan_temperature", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
-     "temperature"),
+    (
+        "nan_temperature",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
     ("top_p_zero", "POST", CHAT, chat(top_p=0), 400, "top_p"),
     ("top_p_above_one", "POST", COMP, comp(top_p=1.5), 400, "top_p"),
     ("top_k_below_minus_one", "POST", COMP, comp(top_k=-5), 400, "top_k"),
@@ -106,18 +135,29 @@ CASES = [
     ("stop_token_id_out_of_vocab", "POST", COMP, comp(stop_token_ids=[100000]), 400, "stop_token_ids"),
     ("seed_not_int", "POST", COMP, comp(seed="abc"), 422, "seed"),
     ("logit_bias_unsupported", "POST", CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias"),
-    ("json_response_format_unsupported", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
-     "response_format"),
+    (
+        "json_response_format_unsupported",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
     ("suffix_unsupported", "POST", COMP, comp(suffix="end"), 400, "suffix"),
     ("echo_with_logprobs", "POST", COMP, comp(echo=True, logprobs=1), 400, "echo"),
     ("best_of_not_n", "POST", COMP, comp(best_of=3), 400, "best_of"),
     ("generate_text_and_ids", "POST", GEN, {"text": "a", "input_ids": [1, 2]}, 400, "text"),
     ("generate_without_prompt", "POST", GEN, {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
     ("generate_unknown_sampling_key", "POST", GEN, gen(bogus=1), 422, "sampling_params.bogus"),
-    ("generate_negative_max_new_tokens", "POST", GEN, gen(max_new_tokens=-1), 400,
-     "sampling_params.max_new_tokens"),
-    ("generate_sampling_list_length", "POST", GEN,
-     {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, 400, "sampling_params"),
+    ("generate_negative_max_new_tokens", "POST", GEN, gen(max_new_tokens=-1), 400, "sampling_params.max_new_tokens"),
+    (
+        "generate_sampling_list_length",
+        "POST",
+        GEN,
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]},
+        400,
+        "sampling_params",
+    ),
     ("generate_empty_input_ids", "POST", GEN, {"input_ids": []}, 400, "input_ids"),
     ("generate_ids_out_of_vocab", "POST", GEN, {"input_ids": [1, 384]}, 400, "input_ids"),
     ("generate_bad_top_p", "POST", GEN, gen(top_p=0), 400, "sampling_params.top_p"),
@@ -134,8 +174,9 @@ CASES = [
 
 def _send(server: ServerHandle, method: str, path: str, body) -> httpx.Response:
     if isinstance(body, bytes):
-        return httpx.request(method, server.url + path, content=body, timeout=30,
-                             headers={"content-type": "application/json"})
+        return httpx.request(
+            method, server.url + path, content=body, timeout=30, headers={"content-type": "application/json"}
+        )
     if body is None:
         return httpx.request(method, server.url + path, timeout=30)
     return httpx.request(method, server.url + path, json=body, timeout=30)
@@ -168,9 +209,9 @@ def test_bad_input_gets_4xx_error_body_and_server_keeps_answering(server, case):
 
 
 def test_extreme_but_valid_numbers_are_served(server):
-    r = server.post(COMP, json=comp(top_k=10 ** 30, seed=-(10 ** 30), max_tokens=2))
+    r = server.post(COMP, json=comp(top_k=10**30, seed=-(10**30), max_tokens=2))
     assert r.status_code == 200, r.text
-    r = server.post(COMP, json=comp(top_k=10 ** 30, max_tokens=2, temperature=0))
+    r = server.post(COMP, json=comp(top_k=10**30, max_tokens=2, temperature=0))
     g = server.post(COMP, json=comp(max_tokens=2, temperature=0))
     assert r.json()["choices"][0]["text"] == g.json()["choices"][0]["text"]
 
@@ -202,16 +243,24 @@ def test_errors_leave_no_request_or_slot_behind(server):
 
 
 def test_invalid_settings_exit_with_code_2():
-    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "serve", "--page-size", "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvship.app.cli", "serve", "--page-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "--page-size must be >= 1" in out.stderr
 
 
 def test_missing_model_exits_with_code_1_and_says_why(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", missing],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", missing],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
     assert "cannot start the server" in out.stderr and missing in out.stderr
     assert "Traceback" not in out.stderr
@@ -250,8 +299,15 @@ def test_api_key_is_required_on_every_route_but_health(engine_factory):
     async def main():
         async with _client(engine) as c:
             assert (await c.get("/health")).status_code == 200
-            for method, path in [("GET", "/v1/models"), ("POST", COMP), ("POST", CHAT), ("POST", GEN),
-                                 ("GET", "/get_server_info"), ("GET", "/metrics"), ("POST", "/abort_request")]:
+            for method, path in [
+                ("GET", "/v1/models"),
+                ("POST", COMP),
+                ("POST", CHAT),
+                ("POST", GEN),
+                ("GET", "/get_server_info"),
+                ("GET", "/metrics"),
+                ("POST", "/abort_request"),
+            ]:
                 r = await c.request(method, path, json={})
                 assert_error_body(r, 401)
                 r = await c.request(method, path, json={}, headers={"Authorization": "Bearer wrong"})

@@ -12,8 +12,11 @@ import pytest
 from kvship.operator.builders.common import ROUTER_PORT, RUN_AS, WORKER_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGES = {"worker": ROOT / "images" / "worker.Dockerfile", "router": ROOT / "images" / "router.Dockerfile",
-          "operator": ROOT / "images" / "operator.Dockerfile"}
+IMAGES = {
+    "worker": ROOT / "images" / "worker.Dockerfile",
+    "router": ROOT / "images" / "router.Dockerfile",
+    "operator": ROOT / "images" / "operator.Dockerfile",
+}
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -33,8 +36,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def args_of(path: Path) -> dict[str, str]:
-    return {k: v for kind, rest in instructions(path) if kind == "ARG" and "=" in rest
-            for k, v in [rest.split("=", 1)]}
+    return {k: v for kind, rest in instructions(path) if kind == "ARG" and "=" in rest for k, v in [rest.split("=", 1)]}
 
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
@@ -55,8 +57,11 @@ def test_runs_as_the_non_root_user_the_pods_expect(name):
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_copy_sources_exist_and_are_not_docker_ignored(name):
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     copies = [rest for kind, rest in instructions(IMAGES[name]) if kind == "COPY"]
     assert copies
     for rest in copies:

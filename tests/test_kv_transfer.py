@@ -25,15 +25,25 @@ from kvship.engine.disagg.base import BackendUnavailableError, get_transfer_back
 
 BACKENDS = ["tcp", "mooncake", "nixl"]
 SMALL = dict(num_slots=512, num_kv_heads=2, head_dim=16, num_layers=3, dtype="float32")
-BIG = dict(num_slots=4096, num_kv_heads=4, head_dim=64, num_layers=3, dtype="float32")   # "_big" managers
+BIG = dict(num_slots=4096, num_kv_heads=4, head_dim=64, num_layers=3, dtype="float32")  # "_big" managers
 # managers each process hosts: name -> (role, page size, config overrides, fill seed)
-PREFILL_MANAGERS = {"p1": (1, {}, 11), "p16": (16, {}, 12), "p16_corrupt": (16, {}, 12),
-                    "p16_short": (16, {"bootstrap_timeout": 1.0}, 12), "p16_big": (16, {}, 13)}
-CORRUPT_EVERY = {"p16_corrupt": 1}   # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
-DECODE_MANAGERS = {"d1": (1, {}), "d16": (16, {}), "d16_checksum": (16, {"checksum": True}),
-                   "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0}), "d16_big": (16, {})}
+PREFILL_MANAGERS = {
+    "p1": (1, {}, 11),
+    "p16": (16, {}, 12),
+    "p16_corrupt": (16, {}, 12),
+    "p16_short": (16, {"bootstrap_timeout": 1.0}, 12),
+    "p16_big": (16, {}, 13),
+}
+CORRUPT_EVERY = {"p16_corrupt": 1}  # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
+DECODE_MANAGERS = {
+    "d1": (1, {}),
+    "d16": (16, {}),
+    "d16_checksum": (16, {"checksum": True}),
+    "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0}),
+    "d16_big": (16, {}),
+}
 
-os.environ.setdefault("UCX_MODULES", "^ib")   # Debian's ibverbs-providers makes UCX crash at exit
+os.environ.setdefault("UCX_MODULES", "^ib")  # Debian's ibverbs-providers makes UCX crash at exit
 
 
 # --- the peer process ------------------------------------------------------------
@@ -47,15 +57,25 @@ def fill_pool(pool, seed: int) -> None:
 
 def make_pool(page_size: int, big: bool = False):
     from kvship.engine.mem.pools import KVPool
+
     kw = dict(BIG if big else SMALL)
-    return KVPool(kw["num_slots"], page_size, getattr(torch, kw["dtype"]), kw["num_kv_heads"], kw["head_dim"],
-                  kw["num_layers"], "cpu")
+    return KVPool(
+        kw["num_slots"],
+        page_size,
+        getattr(torch, kw["dtype"]),
+        kw["num_kv_heads"],
+        kw["head_dim"],
+        kw["num_layers"],
+        "cpu",
+    )
 
 
 def _peer_main(conn, role: str, backend: str, names) -> None:
     import logging
+
     logging.basicConfig(level=logging.WARNING)
     from kv_faults import corrupt_kv_every
+
     from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
 
     mgrs, pools, objs, expected = {}, {}, {}, {}
@@ -69,8 +89,9 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             if role == "prefill":
                 fill_pool(pool, spec[2])
             pools[name] = pool
-            cfg = KVTransferConfig(backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0,
-                                   **overrides)
+            cfg = KVTransferConfig(
+                backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0, **overrides
+            )
             mgrs[name] = create_kv_manager(role, pool, cfg)
             if name in CORRUPT_EVERY:
                 corrupt_kv_every(mgrs[name], CORRUPT_EVERY[name])
@@ -91,7 +112,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         ps = pool.page_size
         for got, want in zip(pool.buffers(), ref.buffers()):
             for d, s in zip(dst_pages, src_pages):
-                if not torch.equal(got[d * ps:(d + 1) * ps], want[s * ps:(s + 1) * ps]):
+                if not torch.equal(got[d * ps : (d + 1) * ps], want[s * ps : (s + 1) * ps]):
                     return False
         return True
 
@@ -100,7 +121,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         ps = pool.page_size
         keep = torch.ones(pool.buffers()[0].shape[0], dtype=torch.bool)
         for d in dst_pages:
-            keep[d * ps:(d + 1) * ps] = False
+            keep[d * ps : (d + 1) * ps] = False
         return all(int(b[keep].count_nonzero()) == 0 for b in pool.buffers())
 
     def wait(room, timeout):
@@ -114,8 +135,11 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         o = objs[room]
         st = o.poll()
         aux = getattr(o, "aux", None)
-        return int(st), o.failure_reason, None if aux is None else (aux.first_token_id, aux.first_token_logprob,
-                                                                    aux.prompt_len, aux.room)
+        return (
+            int(st),
+            o.failure_reason,
+            None if aux is None else (aux.first_token_id, aux.first_token_logprob, aux.prompt_len, aux.room),
+        )
 
     def wait_checking_order(mgr, room, timeout, src_seed, src_pages):
         """Poll; the moment the aux record is visible in decode memory, snapshot the first and last
@@ -137,8 +161,9 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         early = None
         if snap is not None:
             ref = expected_pool(ps, src_seed, mgr.endswith("_big"))
-            early = all(torch.equal(got, ref.buffers()[i].index_select(0, rows(src_pages)))
-                        for got, i in zip(snap, (0, -1)))
+            early = all(
+                torch.equal(got, ref.buffers()[i].index_select(0, rows(src_pages))) for got, i in zip(snap, (0, -1))
+            )
         return poll(room), early
 
     def stats(mgr):
@@ -153,9 +178,12 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         "receiver": lambda mgr, port, room: objs.__setitem__(room, mgrs[mgr].create_receiver("127.0.0.1", port, room)),
         "send": lambda room, pages, aux: objs[room].send(pages, AuxInfo(*aux)),
         "init": lambda room, pages: objs[room].init(pages),
-        "poll": poll, "wait": wait, "wait_checking_order": wait_checking_order,
+        "poll": poll,
+        "wait": wait,
+        "wait_checking_order": wait_checking_order,
         "abort": lambda room, reason: objs[room].abort(reason),
-        "pages_match": pages_match, "outside_untouched": outside_untouched,
+        "pages_match": pages_match,
+        "outside_untouched": outside_untouched,
         "zero": lambda mgr: [b.zero_() for b in pools[mgr].buffers()] and None,
         "stats": stats,
     }
@@ -173,7 +201,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
     for m in mgrs.values():
         m.close()
     conn.send(("ok", "bye"))
-    os._exit(0)   # skip slow library teardown at interpreter exit (UCX, mooncake)
+    os._exit(0)  # skip slow library teardown at interpreter exit (UCX, mooncake)
 
 
 class Peer:
@@ -216,7 +244,7 @@ class Peer:
 
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
-_rooms = iter(range(10 ** 6, 2 * 10 ** 6))
+_rooms = iter(range(10**6, 2 * 10**6))
 
 
 def new_room() -> int:
@@ -280,11 +308,10 @@ def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
     p, d = pair
     pm, dm = f"p{page_size}", f"d{page_size}"
     n_pages = 512 // page_size
-    src = list(range(3, 3 + n_pages // 2)) + [n_pages, 1]             # one long run + stragglers
-    block = list(range(n_pages - 9, n_pages - 5))                      # 4 contiguous destination pages ...
-    others = [int(x) for x in np.random.default_rng(page_size).permutation(np.arange(1, n_pages + 1))
-              if x not in block]
-    dst = block + others[:len(src) - len(block)]                       # ... then scattered ones
+    src = list(range(3, 3 + n_pages // 2)) + [n_pages, 1]  # one long run + stragglers
+    block = list(range(n_pages - 9, n_pages - 5))  # 4 contiguous destination pages ...
+    others = [int(x) for x in np.random.default_rng(page_size).permutation(np.arange(1, n_pages + 1)) if x not in block]
+    dst = block + others[: len(src) - len(block)]  # ... then scattered ones
     d("zero", dm)
     room = transfer(p, d, pm, dm, src, dst, aux=(4242, -1.5, len(src) * page_size - 3))
     st, reason, aux = d("wait", room, 30)
@@ -298,8 +325,8 @@ def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
 
 def test_aux_record_only_becomes_visible_after_the_kv(pair):
     p, d = pair
-    src = list(range(1, 121))                 # 120 pages x 6 buffers x 16 KiB = 11 MiB
-    dst = list(range(250, 130, -1))           # reversed: one descriptor per page and buffer
+    src = list(range(1, 121))  # 120 pages x 6 buffers x 16 KiB = 11 MiB
+    dst = list(range(250, 130, -1))  # reversed: one descriptor per page and buffer
     d("zero", "d16_big")
     room = new_room()
     d("receiver", "d16_big", p.ports["p16_big"], room)
@@ -338,7 +365,7 @@ def test_abort_on_decode_side_fails_both_and_frees_everything(pair):
     assert st == FAILED and "client disconnected" in reason
     st, reason, _ = p("wait", room, 10)
     assert st == FAILED and "aborted by decode" in reason
-    p("send", room, [1, 2], (1, 0.0, 20))      # prefill finishing late is harmless
+    p("send", room, [1, 2], (1, 0.0, 20))  # prefill finishing late is harmless
     assert p("poll", room)[0] == FAILED
     assert_clean(p, d)
 
@@ -369,7 +396,7 @@ def test_page_count_mismatch_fails_with_a_clear_reason(pair):
 def test_layout_mismatch_is_refused_at_bootstrap(pair):
     p, d = pair
     room = new_room()
-    d("receiver", "d1", p.ports["p16"], room)     # decode page size 1 vs prefill 16
+    d("receiver", "d1", p.ports["p16"], room)  # decode page size 1 vs prefill 16
     d("init", room, [1, 2])
     st, reason, _ = d("wait", room, 10)
     assert st == FAILED and "KV layout mismatch" in reason and "page_size 16 != 1" in reason
@@ -381,7 +408,7 @@ def test_waiting_timeout_fails_the_receiver_and_tells_prefill(pair):
     room = new_room()
     d("receiver", "d16_short", p.ports["p16"], room)
     p("sender", "p16", room)
-    d("init", room, [3, 4])          # registered, but prefill never sends
+    d("init", room, [3, 4])  # registered, but prefill never sends
     st, reason, _ = d("wait", room, 10)
     assert st == FAILED and "waiting timeout" in reason
     st, reason, _ = p("wait", room, 10)
@@ -392,11 +419,11 @@ def test_waiting_timeout_fails_the_receiver_and_tells_prefill(pair):
 def test_bootstrap_timeouts_on_both_sides(pair):
     p, d = pair
     lonely = new_room()
-    p("sender", "p16_short", lonely)         # decode never registers
+    p("sender", "p16_short", lonely)  # decode never registers
     t0 = time.time()
     st, reason, _ = p("wait", lonely, 10)
     assert st == FAILED and "bootstrap timeout" in reason and time.time() - t0 < 8
-    mute = socket.create_server(("127.0.0.1", 0))   # accepts, never answers the handshake
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts, never answers the handshake
     try:
         room = new_room()
         d("receiver", "d16_short", mute.getsockname()[1], room)

@@ -24,15 +24,22 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"engine": "kvship.engine", "prefill": "kvship.prefill", "decode": "kvship.decode",
-            "router": "kvship.router", "operator": "kvship.operator", "common": "kvship.common", "app": "kvship.app"}
+PACKAGES = {
+    "engine": "kvship.engine",
+    "prefill": "kvship.prefill",
+    "decode": "kvship.decode",
+    "router": "kvship.router",
+    "operator": "kvship.operator",
+    "common": "kvship.common",
+    "app": "kvship.app",
+}
 ENGINE_MUST_NOT_IMPORT = ("kvship.prefill", "kvship.decode", "kvship.router", "kvship.operator", "kvship.app")
 ENVS_MODULE = "kvship.common.envs"
 
 
 @dataclass(frozen=True)
 class Source:
-    module: str      # dotted name (a package's __init__ is the package)
+    module: str  # dotted name (a package's __init__ is the package)
     path: Path
     tree: ast.Module
 
@@ -61,8 +68,9 @@ def sources() -> dict[str, Source]:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk_runtime(node: ast.AST) -> Iterator[ast.AST]:
@@ -83,7 +91,7 @@ def _absolute(src: Source, node: ast.ImportFrom) -> str:
     base = src.module.split(".")
     if not src.is_package:
         base = base[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -157,8 +165,11 @@ def test_engine_library_never_imports_a_role_the_router_the_operator_or_the_app(
                 bad.append(f"{src.rel}:{line} imports {target}")
         # lazy registries name modules as strings ("kvship.x.y:Class")
         for node in ast.walk(src.tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                    re.fullmatch(r"kvship\.(prefill|decode|router|operator|app)(\.[\w.]+)?(:\w+)?", node.value):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and re.fullmatch(r"kvship\.(prefill|decode|router|operator|app)(\.[\w.]+)?(:\w+)?", node.value)
+            ):
                 bad.append(f"{src.rel}:{node.lineno} names {node.value!r}")
     assert not bad, "the engine must not depend on roles, router, operator or app:\n" + "\n".join(bad)
 
@@ -186,13 +197,16 @@ def test_no_import_cycles_among_kvship_modules_except_type_only_ones():
                 graph[src.module].add(target)
     cycles = [c for c in _strongly_connected(graph) if len(c) > 1]
     assert not cycles, "import cycles (break them, or make the import type-only):\n" + "\n".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_router_and_operator_load_neither_torch_nor_the_engine():
-    code = ("import sys; import kvship.router.app, kvship.router.pd, kvship.operator.handlers; "
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'kvship.engine', "
-            "'kvship.prefill', 'kvship.decode', 'kvship.app'))); print(bad)")
+    code = (
+        "import sys; import kvship.router.app, kvship.router.pd, kvship.operator.handlers; "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'kvship.engine', "
+        "'kvship.prefill', 'kvship.decode', 'kvship.app'))); print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"loaded: {out.stdout.strip()}"
@@ -206,8 +220,12 @@ _KNOB_RE = re.compile(r"KVSHIP_[A-Z0-9_]*[A-Z0-9](_?\*)?")
 def _knob_names() -> set[str]:
     names = set()
     for node in ast.walk(sources()[ENVS_MODULE].tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Knob" and node.args and \
-                isinstance(node.args[0], ast.Constant):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "Knob"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             names.add(node.args[0].value)
     return names
 
@@ -221,7 +239,7 @@ def test_every_kvship_name_in_product_code_is_a_knob_of_common_envs():
         for m in _KNOB_RE.finditer(text):
             name = m.group(0)
             line = text.count("\n", 0, m.start()) + 1
-            if name.endswith("*"):   # a family in prose, e.g. KVSHIP_FLASHINFER_*_BS
+            if name.endswith("*"):  # a family in prose, e.g. KVSHIP_FLASHINFER_*_BS
                 prefix = name.rstrip("*")
                 if not any(k.startswith(prefix) for k in knobs):
                     unknown.append(f"{src.rel}:{line} {name}")
@@ -236,8 +254,11 @@ def _module_str_constants() -> dict[str, dict[str, str]]:
     for src in sources().values():
         consts = {}
         for node in src.tree.body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                    isinstance(node.value.value, str):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
                 for t in node.targets:
                     if isinstance(t, ast.Name):
                         consts[t.id] = node.value.value
@@ -248,6 +269,7 @@ def _module_str_constants() -> dict[str, dict[str, str]]:
 def _env_key(node: ast.AST) -> Optional[ast.expr]:
     """The key expression of an environment read (``os.environ.get(k)``, ``os.environ[k]``, ``os.getenv(k)``,
     ``k in os.environ``, ``environ.pop(k)`` ...), else None."""
+
     def is_environ(e: ast.expr) -> bool:
         return (isinstance(e, ast.Attribute) and e.attr == "environ") or (isinstance(e, ast.Name) and e.id == "environ")
 
@@ -261,8 +283,12 @@ def _env_key(node: ast.AST) -> Optional[ast.expr]:
             return node.args[0]
     if isinstance(node, ast.Subscript) and is_environ(node.value):
         return node.slice
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
-            and is_environ(node.comparators[0]):
+    if (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], (ast.In, ast.NotIn))
+        and is_environ(node.comparators[0])
+    ):
         return node.left
     return None
 
@@ -292,8 +318,10 @@ def test_only_common_envs_reads_kvship_variables_from_the_environment():
             else:
                 value = None
             if value is None:
-                bad.append(f"{src.rel}:{node.lineno} reads an environment variable it does not name "
-                           f"(use kvship.common.envs.ENV)")
+                bad.append(
+                    f"{src.rel}:{node.lineno} reads an environment variable it does not name "
+                    f"(use kvship.common.envs.ENV)"
+                )
             elif value.startswith("KVSHIP_"):
                 bad.append(f"{src.rel}:{node.lineno} reads {value} (use kvship.common.envs.ENV)")
     assert not bad, "\n".join(bad)

@@ -32,6 +32,7 @@ def _logits(runner, kv_driver, ids):
 
 def _hf_logits(path, ids, **kw):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
@@ -40,9 +41,11 @@ def _hf_logits(path, ids, **kw):
 # --- safetensors ----------------------------------------------------------------
 def test_sharded_safetensors_with_index_loads_the_same_model(tmp_path, tiny_qwen2_dir, kv_driver):
     from transformers import AutoModelForCausalLM
+
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).save_pretrained(
-        sharded, max_shard_size="40KB")
+        sharded, max_shard_size="40KB"
+    )
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert not (sharded / "model.safetensors").exists()
@@ -55,6 +58,7 @@ def test_sharded_safetensors_with_index_loads_the_same_model(tmp_path, tiny_qwen
 
 def test_checkpoint_missing_a_tensor_is_rejected(tmp_path, tiny_llama_dir):
     from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in os.listdir(tiny_llama_dir):
@@ -69,6 +73,7 @@ def test_checkpoint_missing_a_tensor_is_rejected(tmp_path, tiny_llama_dir):
 
 def test_checkpoint_with_wrong_shape_names_the_tensor(tmp_path, tiny_llama_dir):
     from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_bytes(open(os.path.join(tiny_llama_dir, "config.json"), "rb").read())
@@ -145,14 +150,25 @@ def _write_gguf(hf_dir: str, out_path: str, arch: str) -> None:
     rope_type = cfg.rope_parameters.get("rope_type", "default")
     if rope_type == "llama3":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        base_inv = 1.0 / (cfg.rope_parameters["rope_theta"]
-                          ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+
+        base_inv = 1.0 / (
+            cfg.rope_parameters["rope_theta"] ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim)
+        )
         scaled_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
         w.add_tensor("rope_freqs.weight", (base_inv / scaled_inv.numpy()).astype(np.float32))
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for key, arr in sorted(state.items()):
         if key == "model.embed_tokens.weight":
             name = "token_embd.weight"
@@ -175,8 +191,9 @@ def _write_gguf(hf_dir: str, out_path: str, arch: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("key,arch", [("llama", "llama"), ("llama_tied", "llama"), ("qwen2", "qwen2"),
-                                      ("qwen3", "qwen3")])
+@pytest.mark.parametrize(
+    "key,arch", [("llama", "llama"), ("llama_tied", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
+)
 def test_tiny_gguf_file_matches_its_safetensors_source(key, arch, tiny_model_dirs, tmp_path, kv_driver):
     src = tiny_model_dirs[key]
     path = str(tmp_path / f"{key}.gguf")
@@ -200,9 +217,11 @@ def smollm2_runner(smollm2_path):
 @pytest.fixture(scope="module")
 def smollm2_chat_ids(smollm2_path):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     return tok, list(ids)
@@ -226,8 +245,9 @@ def test_embedded_smollm2_greedy_answer_names_paris(smollm2_runner, smollm2_chat
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_logits_match_transformers_gguf_loader(smollm2_runner, smollm2_chat_ids,
-                                                                smollm2_path, kv_driver):
+def test_embedded_smollm2_logits_match_transformers_gguf_loader(
+    smollm2_runner, smollm2_chat_ids, smollm2_path, kv_driver
+):
     _, ids = smollm2_chat_ids
     ours = _logits(smollm2_runner, kv_driver, ids)
     ref = _hf_logits(os.path.dirname(smollm2_path), ids, gguf_file=os.path.basename(smollm2_path))

@@ -9,13 +9,11 @@ from kvship.engine.attention.torch_native import TorchNativeAttnBackend
 from kvship.engine.config import ServerArgs
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from kvship.engine.model_runner import (CPU_KV_BUDGET_BYTES, CPU_MAX_DEFAULT_TOKENS, REQ_POOL_HEADROOM,
-                                        ModelRunner)
+from kvship.engine.model_runner import CPU_KV_BUDGET_BYTES, CPU_MAX_DEFAULT_TOKENS, REQ_POOL_HEADROOM, ModelRunner
 
 
 def test_runner_exposes_pools_backend_and_sizes_the_scheduler_uses(tiny_llama_dir):
-    r = ModelRunner(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1000, page_size=16,
-                               max_running_requests=5))
+    r = ModelRunner(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1000, page_size=16, max_running_requests=5))
     assert r.device == torch.device("cpu") and r.dtype == torch.float32
     assert r.page_size == 16
     assert r.context_len == r.model_config.context_len == 2048
@@ -103,8 +101,15 @@ def test_cuda_runner_matches_cpu_logits(tiny_llama_dir, kv_driver):
     ids = list(range(3, 40))
     out = {}
     for device in ("cpu", "cuda"):
-        r = ModelRunner(ServerArgs(model_path=tiny_llama_dir, device=device, dtype="float32",
-                                   attention_backend="torch_native", max_total_tokens=256))
+        r = ModelRunner(
+            ServerArgs(
+                model_path=tiny_llama_dir,
+                device=device,
+                dtype="float32",
+                attention_backend="torch_native",
+                max_total_tokens=256,
+            )
+        )
         drv = kv_driver(r)
         req = drv.new()
         out[device] = drv.extend([req], [ids], all_logits=True).cpu()

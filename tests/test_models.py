@@ -25,6 +25,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def hf_models(tiny_model_dirs):
     from transformers import AutoModelForCausalLM
+
     out = {}
     for key, path in tiny_model_dirs.items():
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -35,8 +36,10 @@ def hf_models(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def runners(tiny_model_dirs):
-    return {key: ModelRunner(ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=8))
-            for key, path in tiny_model_dirs.items()}
+    return {
+        key: ModelRunner(ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=8))
+        for key, path in tiny_model_dirs.items()
+    }
 
 
 def _hf_logits(model, ids: list[int]) -> torch.Tensor:
@@ -85,14 +88,15 @@ def test_decode_steps_match_transformers_next_position_logits(arch, runners, hf_
             got.append(drv.decode([req], [tok])[0])
     finally:
         drv.free(req)
-    ref = _hf_logits(hf_models[arch], ids + follow)[len(ids) - 1:]
+    ref = _hf_logits(hf_models[arch], ids + follow)[len(ids) - 1 :]
     assert (torch.stack(got) - ref).abs().max().item() < ATOL
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_packed_batch_of_different_lengths_equals_each_request_alone(page_size, tiny_llama_dir, hf_models, kv_driver):
-    runner = ModelRunner(ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1024, page_size=page_size,
-                                    max_running_requests=8))
+    runner = ModelRunner(
+        ServerArgs(model_path=tiny_llama_dir, max_total_tokens=1024, page_size=page_size, max_running_requests=8)
+    )
     drv = kv_driver(runner)
     prompts = [_prompt(n, seed=10 + n) for n in (5, 23, 1, 40, 16, 17)]
     # a request that already has a cached prefix joins the packed extend with its remainder
@@ -111,7 +115,7 @@ def test_packed_batch_of_different_lengths_equals_each_request_alone(page_size, 
     for i, p in enumerate(prompts):
         n = len(p) - (9 if i == 3 else 0)
         ref = _hf_logits(hf, p + follow[i])
-        assert (logits[off:off + n] - ref[len(p) - n:len(p)]).abs().max().item() < ATOL, f"request {i} extend"
+        assert (logits[off : off + n] - ref[len(p) - n : len(p)]).abs().max().item() < ATOL, f"request {i} extend"
         off += n
         for s in range(3):
             assert (dec[s][i] - ref[len(p) + s]).abs().max().item() < ATOL, f"request {i} decode {s}"
@@ -134,6 +138,7 @@ def test_page_size_16_places_tokens_on_request_owned_pages(tiny_llama_dir, kv_dr
 def test_llama3_rope_scaling_is_applied(tiny_llama_dir, runners, hf_models, kv_driver):
     """The tiny Llama's llama3 scaling matters: transformers without it disagrees with us."""
     from transformers import AutoModelForCausalLM
+
     cfg = runners["llama"].model_config
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     ids = _prompt(200, seed=7)
@@ -162,24 +167,41 @@ def test_qwen2_bias_and_qwen3_qk_norm_are_loaded(runners):
 
 def test_unknown_architecture_is_a_clear_error():
     from kvship.engine.models.registry import get_model_class
+
     with pytest.raises(ValueError, match="unsupported model architecture"):
         get_model_class(["GPT2LMHeadModel"])
 
 
 # --- ModelConfig from config.json variants ---------------------------------------------
 def _cfg(**kw) -> dict:
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     base.update(kw)
     return base
 
 
 def test_model_config_reads_old_style_rope_and_merges_eos_ids():
     from kvship.engine.model_config import ModelConfig
+
     cfg = ModelConfig.from_hf_dict(
-        _cfg(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0}, eos_token_id=[7, 8],
-             bos_token_id=1, torch_dtype="bfloat16"),
-        generation_config={"eos_token_id": 9}, context_length=1000)
+        _cfg(
+            rope_theta=500000.0,
+            rope_scaling={"type": "linear", "factor": 2.0},
+            eos_token_id=[7, 8],
+            bos_token_id=1,
+            torch_dtype="bfloat16",
+        ),
+        generation_config={"eos_token_id": 9},
+        context_length=1000,
+    )
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
     assert cfg.eos_token_ids == frozenset({7, 8, 9}) and cfg.bos_token_id == 1
     assert cfg.head_dim == 16 and cfg.context_len == 1000 and cfg.checkpoint_dtype == torch.bfloat16
@@ -187,6 +209,7 @@ def test_model_config_reads_old_style_rope_and_merges_eos_ids():
 
 def test_model_config_bias_flags_follow_the_architecture():
     from kvship.engine.model_config import ModelConfig
+
     q2 = ModelConfig.from_hf_dict(_cfg(architectures=["Qwen2ForCausalLM"]))
     assert q2.attention_bias and not q2.o_proj_bias and not q2.qk_norm
     q3 = ModelConfig.from_hf_dict(_cfg(architectures=["Qwen3ForCausalLM"], head_dim=32))
@@ -199,5 +222,6 @@ def test_model_config_bias_flags_follow_the_architecture():
 
 def test_unsupported_rope_scaling_is_a_clear_error():
     from kvship.engine.layers.rotary import RotaryEmbedding
+
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn", "factor": 4.0})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from server_fixtures import ServerHandle, start_server
 
 MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
@@ -27,8 +26,9 @@ def test_models_list_names_the_served_model(client):
 
 
 def test_chat_completion_non_streaming(client):
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant" and isinstance(out.choices[0].message.content, str)
     assert out.choices[0].finish_reason == "length"
@@ -52,8 +52,9 @@ def test_chat_completion_streaming_equals_non_streaming(client):
 
 
 def test_chat_logprobs_and_n(client):
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2, temperature=0.9,
-                                         seed=11, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, n=2, temperature=0.9, seed=11, logprobs=True, top_logprobs=2
+    )
     assert len(out.choices) == 2 and {c.index for c in out.choices} == {0, 1}
     for c in out.choices:
         assert 1 <= len(c.logprobs.content) <= 4
@@ -62,8 +63,9 @@ def test_chat_logprobs_and_n(client):
 
 
 def test_completion_non_streaming_and_streaming(client):
-    kw = dict(model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**kw)
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
     text = full.choices[0].text
@@ -72,8 +74,14 @@ def test_completion_non_streaming_and_streaming(client):
 
 
 def test_completion_seed_reproduces_sampling(client):
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=1234,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 

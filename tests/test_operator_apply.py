@@ -6,8 +6,8 @@ import asyncio
 import copy
 
 import pytest
-
 from kube_emulator import EmulatorThread
+
 from kvship.operator.apply import LAST_APPLIED, apply_children, compute_patch
 from kvship.operator.builders import Images, build_children
 from kvship.operator.kube import KubeClient, load_auth
@@ -33,8 +33,12 @@ _uid = iter(range(1, 10_000))
 
 
 def config(spec: dict, name: str, uid: str | None = None):
-    return parse_service({"metadata": {"name": name, "namespace": "default", "uid": uid or f"uid-{next(_uid)}",
-                                       "generation": 1}, "spec": spec})
+    return parse_service(
+        {
+            "metadata": {"name": name, "namespace": "default", "uid": uid or f"uid-{next(_uid)}", "generation": 1},
+            "spec": spec,
+        }
+    )
 
 
 async def apply(client, cfg):
@@ -99,19 +103,22 @@ async def test_switching_unified_to_pd_replaces_the_worker_role(kube, client):
     await apply(client, config(BASE, "a5", uid="uid-a5"))
     pd = dict(BASE, prefill={"replicas": 1})
     result = await apply(client, config(pd, "a5", uid="uid-a5"))
-    assert {"Deployment a5-prefill", "Deployment a5-decode", "Service a5-prefill", "Service a5-decode"} <= \
-        set(result.created)
+    assert {"Deployment a5-prefill", "Deployment a5-decode", "Service a5-prefill", "Service a5-decode"} <= set(
+        result.created
+    )
     assert set(result.deleted) == {"Deployment a5-worker", "Service a5-worker"}
-    names = {d["metadata"]["name"] for d in kube.list("apps/v1", "deployments", "default",
-                                                       "app.kubernetes.io/instance=a5")}
+    names = {
+        d["metadata"]["name"] for d in kube.list("apps/v1", "deployments", "default", "app.kubernetes.io/instance=a5")
+    }
     assert names == {"a5-prefill", "a5-decode", "a5-router"}
 
 
 async def test_objects_it_does_not_own_are_reported_and_left_alone(kube, client):
     kube.create("v1", "configmaps", "default", {"metadata": {"name": "a6-config"}, "data": {"mine": "yes"}})
     result = await apply(client, config(BASE, "a6"))
-    assert result.errors == ["ConfigMap a6-config already exists and is not owned by InferenceService a6; "
-                             "delete or rename it"]
+    assert result.errors == [
+        "ConfigMap a6-config already exists and is not owned by InferenceService a6; delete or rename it"
+    ]
     assert kube.get("v1", "configmaps", "default", "a6-config")["data"] == {"mine": "yes"}
     assert "Deployment a6-worker" in result.created
 
@@ -129,8 +136,12 @@ async def test_concurrent_passes_race_to_create_without_duplicates_or_errors(kub
 
 
 def test_compute_patch_nulls_removed_keys_and_ignores_server_defaults():
-    desired = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "labels": {"a": "1"}},
-               "data": {"k": "v"}}
+    desired = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "x", "labels": {"a": "1"}},
+        "data": {"k": "v"},
+    }
     live = copy.deepcopy(desired)
     live["metadata"].update(uid="u", resourceVersion="7", annotations={})
     patch = compute_patch(live, desired)

@@ -26,8 +26,7 @@ PENDING_WORKER_FLAGS = {TP_FLAG, EP_FLAG, *SPEC_FLAGS.values()}
 
 
 def config(spec: dict, name: str = "svc"):
-    return parse_service({"metadata": {"name": name, "namespace": "ml", "uid": "uid-1", "generation": 1},
-                          "spec": spec})
+    return parse_service({"metadata": {"name": name, "namespace": "ml", "uid": "uid-1", "generation": 1}, "spec": spec})
 
 
 def example(path: str):
@@ -56,9 +55,12 @@ def router_parser() -> argparse.ArgumentParser:
     return p
 
 
-PD = {"model": {"uri": "hf://org/model"}, "prefill": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
-      "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}},
-      "kvTransfer": {"backend": "mooncake", "rdmaDevices": ["mlx5_0", "mlx5_1"], "bootstrapPort": 9000}}
+PD = {
+    "model": {"uri": "hf://org/model"},
+    "prefill": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+    "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+    "kvTransfer": {"backend": "mooncake", "rdmaDevices": ["mlx5_0", "mlx5_1"], "bootstrapPort": 9000},
+}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
@@ -70,15 +72,27 @@ def test_every_child_of_every_example_passes_the_kubernetes_schema(path):
 def test_unified_children_and_names():
     children = build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES)
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in children)
-    assert kinds == [("ConfigMap", "svc-config"), ("Deployment", "svc-router"), ("Deployment", "svc-worker"),
-                     ("Role", "svc-router"), ("RoleBinding", "svc-router"), ("Service", "svc-router"),
-                     ("Service", "svc-worker"), ("ServiceAccount", "svc-router")]
+    assert kinds == [
+        ("ConfigMap", "svc-config"),
+        ("Deployment", "svc-router"),
+        ("Deployment", "svc-worker"),
+        ("Role", "svc-router"),
+        ("RoleBinding", "svc-router"),
+        ("Service", "svc-router"),
+        ("Service", "svc-worker"),
+        ("ServiceAccount", "svc-router"),
+    ]
 
 
 def test_pd_children_add_prefill_and_decode_roles():
     names = {(c["kind"], c["metadata"]["name"]) for c in build_children(config(PD), IMAGES)}
-    assert {("Deployment", "svc-prefill"), ("Deployment", "svc-decode"), ("Service", "svc-prefill"),
-            ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode")} <= names
+    assert {
+        ("Deployment", "svc-prefill"),
+        ("Deployment", "svc-decode"),
+        ("Service", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-decode"),
+    } <= names
     assert ("Deployment", "svc-worker") not in names
 
 
@@ -86,9 +100,16 @@ def test_every_child_is_owned_labelled_and_namespaced():
     for obj in build_children(config(PD), IMAGES):
         meta = obj["metadata"]
         assert meta["namespace"] == "ml"
-        assert meta["ownerReferences"] == [{"apiVersion": "kvship.io/v1alpha1", "kind": "InferenceService",
-                                            "name": "svc", "uid": "uid-1", "controller": True,
-                                            "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "kvship.io/v1alpha1",
+                "kind": "InferenceService",
+                "name": "svc",
+                "uid": "uid-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"]["app.kubernetes.io/instance"] == "svc"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvship-operator"
         assert meta["labels"]["app.kubernetes.io/name"] == "kvship"
@@ -101,8 +122,16 @@ def test_builders_are_deterministic():
 def test_unified_worker_and_router_arguments():
     deps = by_kind(build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES), "Deployment")
     w = container(deps["svc-worker"])
-    assert w["args"][:8] == ["serve", "--host", "0.0.0.0", "--port", "30000", "--mode", "unified",
-                             "--served-model-name"]
+    assert w["args"][:8] == [
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--mode",
+        "unified",
+        "--served-model-name",
+    ]
     assert "--model-path" not in w["args"] and not any(a.startswith("--disaggregation") for a in w["args"])
     ns = router_parser().parse_args(container(deps["svc-router"])["args"][1:])
     cfg = RouterConfig(**{k: v for k, v in vars(ns).items()})
@@ -149,9 +178,15 @@ def test_worker_arguments_parse_with_the_worker_cli(path):
 def test_pending_worker_flags_appear_only_when_their_feature_is_asked_for():
     for args in (container(d)["args"] for d in by_kind(build_children(config(PD), IMAGES), "Deployment").values()):
         assert not PENDING_WORKER_FLAGS & set(args)
-    spec = {"model": {"uri": "hf://a/b"}, "decode": {"tensorParallelSize": 2, "expertParallelSize": 2,
-                                                     "resources": {"limits": {"nvidia.com/gpu": 2}},
-                                                     "speculative": {"algorithm": "eagle", "draftModel": "hf://a/d"}}}
+    spec = {
+        "model": {"uri": "hf://a/b"},
+        "decode": {
+            "tensorParallelSize": 2,
+            "expertParallelSize": 2,
+            "resources": {"limits": {"nvidia.com/gpu": 2}},
+            "speculative": {"algorithm": "eagle", "draftModel": "hf://a/d"},
+        },
+    }
     args = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"])["args"]
     assert args[args.index(TP_FLAG) + 1] == "2" and args[args.index(EP_FLAG) + 1] == "2"
     assert args[args.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
@@ -167,8 +202,10 @@ def test_router_arguments_parse_with_the_router_cli(path):
 
 
 def test_values_from_the_resource_stay_single_arguments_without_a_shell():
-    spec = {"model": {"uri": "builtin:smollm2", "servedName": "x; rm -rf / $(id)"},
-            "engine": {"extraArgs": ["--page-size", "16"]}}
+    spec = {
+        "model": {"uri": "builtin:smollm2", "servedName": "x; rm -rf / $(id)"},
+        "engine": {"extraArgs": ["--page-size", "16"]},
+    }
     for obj in build_children(config(spec), IMAGES):
         if obj["kind"] != "Deployment":
             continue
@@ -210,19 +247,32 @@ def test_gpu_roles_roll_without_surge_and_cpu_roles_surge():
 
 
 def test_autoscaled_roles_leave_replicas_to_their_hpa():
-    spec = dict(PD, decode={"autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metric": "kvship_num_running_requests",
-                                            "target": "32"}},
-                router={"autoscaling": {"maxReplicas": 3, "target": 70}})
+    spec = dict(
+        PD,
+        decode={
+            "autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metric": "kvship_num_running_requests", "target": "32"}
+        },
+        router={"autoscaling": {"maxReplicas": 3, "target": 70}},
+    )
     children = build_children(config(spec), IMAGES)
     deps, hpas = by_kind(children, "Deployment"), by_kind(children, "HorizontalPodAutoscaler")
     assert "replicas" not in deps["svc-decode"]["spec"] and deps["svc-prefill"]["spec"]["replicas"] == 2
     dec = hpas["svc-decode"]["spec"]
     assert dec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "svc-decode"}
     assert (dec["minReplicas"], dec["maxReplicas"]) == (2, 8)
-    assert dec["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "kvship_num_running_requests"},
-                                                        "target": {"type": "AverageValue", "averageValue": "32"}}}]
+    assert dec["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "kvship_num_running_requests"},
+                "target": {"type": "AverageValue", "averageValue": "32"},
+            },
+        }
+    ]
     assert hpas["svc-router"]["spec"]["metrics"][0]["resource"] == {
-        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
+        "name": "cpu",
+        "target": {"type": "Utilization", "averageUtilization": 70},
+    }
     assert set(by_kind(children, "PodDisruptionBudget")) == {"svc-prefill", "svc-decode", "svc-router"}
 
 
@@ -231,14 +281,25 @@ def test_single_pod_roles_get_no_disruption_budget():
 
 
 def test_hf_models_download_in_an_init_container_with_the_token_only_there():
-    spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@abc123",
-                      "hfTokenSecretRef": {"name": "hf", "key": "token"}, "cacheVolumeClaim": "cache-pvc"}}
+    spec = {
+        "model": {
+            "uri": "hf://meta-llama/Llama-3.1-8B-Instruct@abc123",
+            "hfTokenSecretRef": {"name": "hf", "key": "token"},
+            "cacheVolumeClaim": "cache-pvc",
+        }
+    }
     pod = by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     target = "/cache/models/meta-llama/Llama-3.1-8B-Instruct/abc123"
     assert init["command"] == ["hf"]
-    assert init["args"] == ["download", "meta-llama/Llama-3.1-8B-Instruct", "--local-dir", target,
-                            "--revision", "abc123"]
+    assert init["args"] == [
+        "download",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--local-dir",
+        target,
+        "--revision",
+        "abc123",
+    ]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     worker = pod["containers"][0]
     assert "HF_TOKEN" not in {e["name"] for e in worker["env"]}
@@ -247,8 +308,9 @@ def test_hf_models_download_in_an_init_container_with_the_token_only_there():
 
 
 def test_pvc_models_mount_read_only():
-    pod = by_kind(build_children(config({"model": {"uri": "pvc://weights/llama/8b"}}), IMAGES),
-                  "Deployment")["svc-worker"]["spec"]["template"]["spec"]
+    pod = by_kind(build_children(config({"model": {"uri": "pvc://weights/llama/8b"}}), IMAGES), "Deployment")[
+        "svc-worker"
+    ]["spec"]["template"]["spec"]
     assert {"name": "weights-0", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
     worker = pod["containers"][0]
     assert {"name": "weights-0", "mountPath": "/weights/weights", "readOnly": True} in worker["volumeMounts"]
@@ -276,8 +338,10 @@ def test_router_rbac_only_reads_pods():
 
 
 def test_router_service_type_port_and_config_map_record():
-    spec = {"model": {"uri": "builtin:smollm2"},
-            "router": {"service": {"type": "LoadBalancer", "port": 80, "annotations": {"lb": "internal"}}}}
+    spec = {
+        "model": {"uri": "builtin:smollm2"},
+        "router": {"service": {"type": "LoadBalancer", "port": 80, "annotations": {"lb": "internal"}}},
+    }
     children = build_children(config(spec), IMAGES)
     svc = by_kind(children, "Service")["svc-router"]
     assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"] == {"lb": "internal"}
@@ -293,9 +357,14 @@ def test_images_default_to_the_operators_and_spec_overrides_them():
     deps = by_kind(build_children(config({"model": {"uri": "builtin:smollm2"}}), IMAGES), "Deployment")
     assert container(deps["svc-worker"])["image"] == "reg/worker:1"
     assert container(deps["svc-router"])["image"] == "reg/router:1"
-    spec = {"model": {"uri": "builtin:smollm2"}, "engine": {"image": "mine/w:2", "imagePullPolicy": "Always"},
-            "router": {"image": "mine/r:2"}}
+    spec = {
+        "model": {"uri": "builtin:smollm2"},
+        "engine": {"image": "mine/w:2", "imagePullPolicy": "Always"},
+        "router": {"image": "mine/r:2"},
+    }
     deps = by_kind(build_children(config(spec), IMAGES), "Deployment")
-    assert (container(deps["svc-worker"])["image"], container(deps["svc-worker"])["imagePullPolicy"]) == \
-        ("mine/w:2", "Always")
+    assert (container(deps["svc-worker"])["image"], container(deps["svc-worker"])["imagePullPolicy"]) == (
+        "mine/w:2",
+        "Always",
+    )
     assert container(deps["svc-router"])["image"] == "mine/r:2"

@@ -23,22 +23,43 @@ def test_defaults_watch_all_namespaces_with_liveness_on_8080():
 
 
 def test_namespaces_and_images_come_from_flags():
-    cfg = config_of("--namespace", "ml", "dev", "--worker-image", "r/w:1", "--router-image", "r/r:1",
-                    "--liveness-port", "0", "--kubeconfig", "/k")
+    cfg = config_of(
+        "--namespace",
+        "ml",
+        "dev",
+        "--worker-image",
+        "r/w:1",
+        "--router-image",
+        "r/r:1",
+        "--liveness-port",
+        "0",
+        "--kubeconfig",
+        "/k",
+    )
     cfg.validate()
     assert (cfg.namespace, cfg.clusterwide, cfg.liveness_endpoint) == (["ml", "dev"], False, None)
     assert (cfg.worker_image, cfg.router_image, cfg.kubeconfig) == ("r/w:1", "r/r:1", "/k")
 
 
-@pytest.mark.parametrize("argv,flag", [(("--all-namespaces", "--namespace", "x"), "--all-namespaces"),
-                                       (("--resync-interval", "0"), "--resync-interval"),
-                                       (("--worker-image", ""), "--worker-image")])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (("--all-namespaces", "--namespace", "x"), "--all-namespaces"),
+        (("--resync-interval", "0"), "--resync-interval"),
+        (("--worker-image", ""), "--worker-image"),
+    ],
+)
 def test_inconsistent_flags_are_refused_with_the_flag_named(argv, flag):
     with pytest.raises(ValueError, match=flag):
         config_of(*argv).validate()
 
 
 def test_cli_exits_2_with_a_message_instead_of_starting():
-    out = subprocess.run([sys.executable, "-m", "kvship.app.cli", "operator", "--all-namespaces", "--namespace",
-                          "x"], capture_output=True, text=True, timeout=60, cwd="/")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvship.app.cli", "operator", "--all-namespaces", "--namespace", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     assert out.returncode == 2 and "mutually exclusive" in out.stderr

@@ -7,7 +7,6 @@ Readiness is simulated by patching child Deployments' status the way the Deploym
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,8 +17,6 @@ from typing import Any, Callable
 
 import httpx
 import pytest
-import yaml
-
 from kube_emulator import EmulatorThread, find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +45,24 @@ class Operator:
     def start(self) -> None:
         log = self.workdir / f"operator-{len(self.logs)}.log"
         self.logs.append(log)
-        cmd = [sys.executable, "-m", "kvship.app.cli", "operator", "--kubeconfig", self.kubeconfig,
-               "--namespace", NS, "--liveness-port", str(self.port), "--resync-interval", "2",
-               "--worker-image", "reg.example/kvship/worker:test", "--router-image", "reg.example/kvship/router:test"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvship.app.cli",
+            "operator",
+            "--kubeconfig",
+            self.kubeconfig,
+            "--namespace",
+            NS,
+            "--liveness-port",
+            str(self.port),
+            "--resync-interval",
+            "2",
+            "--worker-image",
+            "reg.example/kvship/worker:test",
+            "--router-image",
+            "reg.example/kvship/router:test",
+        ]
         self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log.open("w"), stderr=subprocess.STDOUT)
         wait_for(self.alive, 60, "the operator's liveness endpoint")
 
@@ -93,12 +105,15 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("operator-e2e")
     with EmulatorThread(bookmark_interval=1) as kube:
+
         def kubectl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-            out = subprocess.run([KUBECTL, "--kubeconfig", kube.kubeconfig, *args], capture_output=True, text=True,
-                                 timeout=60)
+            out = subprocess.run(
+                [KUBECTL, "--kubeconfig", kube.kubeconfig, *args], capture_output=True, text=True, timeout=60
+            )
             if check:
                 assert out.returncode == 0, f"kubectl {' '.join(args)}: {out.stderr}"
             return out
+
         kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / "inferenceservices.kvship.io.yaml"))
         op = Operator(kube.kubeconfig, workdir)
         op.start()
@@ -118,19 +133,32 @@ def phase(kube, name: str) -> str | None:
 
 
 def deployments(kube, name: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in
-            kube.list("apps/v1", "deployments", NS, f"app.kubernetes.io/instance={name}")}
+    return {
+        d["metadata"]["name"]: d for d in kube.list("apps/v1", "deployments", NS, f"app.kubernetes.io/instance={name}")
+    }
 
 
 def mark_ready(kube, name: str) -> None:
     """What the Deployment controller reports once every pod of the current spec is ready."""
     for dep in deployments(kube, name).values():
         n = dep["spec"].get("replicas", 1)
-        kube.patch_status("apps/v1", "deployments", NS, dep["metadata"]["name"], {
-            "observedGeneration": dep["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-            "updatedReplicas": n, "availableReplicas": n,
-            "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
-                           {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]})
+        kube.patch_status(
+            "apps/v1",
+            "deployments",
+            NS,
+            dep["metadata"]["name"],
+            {
+                "observedGeneration": dep["metadata"]["generation"],
+                "replicas": n,
+                "readyReplicas": n,
+                "updatedReplicas": n,
+                "availableReplicas": n,
+                "conditions": [
+                    {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
+                    {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
+                ],
+            },
+        )
 
 
 def test_kubectl_explain_teaches_the_spec(cluster):
@@ -144,8 +172,11 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
     kube, kubectl, _ = cluster
     kubectl("apply", "--validate=false", "-n", NS, "-f", str(ROOT / "examples" / "unified-smollm2-cpu.yaml"))
     uid = service(kube, "smollm2")["metadata"]["uid"]
-    deps = wait_for(lambda: len(deployments(kube, "smollm2")) == 2 and deployments(kube, "smollm2"), 30,
-                    "the worker and router Deployments")
+    deps = wait_for(
+        lambda: len(deployments(kube, "smollm2")) == 2 and deployments(kube, "smollm2"),
+        30,
+        "the worker and router Deployments",
+    )
     assert set(deps) == {"smollm2-worker", "smollm2-router"}
     for name in ("smollm2-config", "smollm2-router"):
         assert kube.get("v1", "configmaps" if name.endswith("config") else "services", NS, name)
@@ -154,8 +185,9 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceService", "smollm2", uid, True)
     worker_args = deps["smollm2-worker"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert worker_args[:7] == ["serve", "--host", "0.0.0.0", "--port", "30000", "--mode", "unified"]
-    assert deps["smollm2-worker"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
-        "reg.example/kvship/worker:test"
+    assert (
+        deps["smollm2-worker"]["spec"]["template"]["spec"]["containers"][0]["image"] == "reg.example/kvship/worker:test"
+    )
     wait_for(lambda: phase(kube, "smollm2") == "Progressing", 30, "phase Progressing")
     table = kubectl("get", "kvsvc", "-n", NS).stdout
     assert table.split("\n")[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "PHASE", "URL", "AGE"]
@@ -163,11 +195,23 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
     wait_for(lambda: phase(kube, "smollm2") == "Ready", 30, "phase Ready")
     status = service(kube, "smollm2")["status"]
     conds = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conds == {"Valid": "True", "Ready": "True", "PrefillReady": "True", "DecodeReady": "True",
-                     "RouterReady": "True"}
+    assert conds == {
+        "Valid": "True",
+        "Ready": "True",
+        "PrefillReady": "True",
+        "DecodeReady": "True",
+        "RouterReady": "True",
+    }
     row = kubectl("get", "inferenceservices", "smollm2", "-n", NS).stdout.split("\n")[1].split()
-    assert row[:7] == ["smollm2", "builtin:smollm2", "0/0", "1/1", "1/1", "Ready",
-                       "http://smollm2-router.default.svc:8000"]
+    assert row[:7] == [
+        "smollm2",
+        "builtin:smollm2",
+        "0/0",
+        "1/1",
+        "1/1",
+        "Ready",
+        "http://smollm2-router.default.svc:8000",
+    ]
     print(kubectl("get", "kvsvc", "-n", NS).stdout)
     assert not service(kube, "smollm2")["metadata"].get("finalizers"), "no finalizer: deletion never blocks"
 
@@ -175,12 +219,22 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
 def test_resync_undoes_manual_drift_of_a_child(cluster):
     kube, kubectl, _ = cluster
     kubectl("scale", "deployment", "smollm2-router", "-n", NS, "--replicas", "3")
-    kubectl("patch", "deployment", "smollm2-router", "-n", NS, "--type", "json", "-p", json.dumps(
-        [{"op": "replace", "path": "/spec/template/spec/containers/0/args/1", "value": "--hacked"}]))
+    kubectl(
+        "patch",
+        "deployment",
+        "smollm2-router",
+        "-n",
+        NS,
+        "--type",
+        "json",
+        "-p",
+        json.dumps([{"op": "replace", "path": "/spec/template/spec/containers/0/args/1", "value": "--hacked"}]),
+    )
 
     def restored():
         dep = deployments(kube, "smollm2")["smollm2-router"]
         return dep["spec"]["replicas"] == 1 and dep["spec"]["template"]["spec"]["containers"][0]["args"][1] == "--host"
+
     wait_for(restored, 30, "the resync loop to restore the router Deployment")
     mark_ready(kube, "smollm2")
 
@@ -189,13 +243,23 @@ def test_spec_change_patches_the_children(cluster):
     kube, kubectl, _ = cluster
     wait_for(lambda: phase(kube, "smollm2") == "Ready", 30, "phase Ready")
     before = deployments(kube, "smollm2")
-    kubectl("patch", "kvsvc", "smollm2", "-n", NS, "--type", "merge", "-p",
-            json.dumps({"spec": {"engine": {"extraArgs": ["--page-size", "16"]}, "decode": {"replicas": 2}}}))
+    kubectl(
+        "patch",
+        "kvsvc",
+        "smollm2",
+        "-n",
+        NS,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"extraArgs": ["--page-size", "16"]}, "decode": {"replicas": 2}}}),
+    )
 
     def rolled():
         dep = deployments(kube, "smollm2")["smollm2-worker"]
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
         return args[-2:] == ["--page-size", "16"] and dep["spec"]["replicas"] == 2 and dep
+
     dep = wait_for(rolled, 30, "the worker Deployment to be patched")
     assert dep["metadata"]["uid"] == before["smollm2-worker"]["metadata"]["uid"], "patched, not recreated"
     assert dep["metadata"]["generation"] > before["smollm2-worker"]["metadata"]["generation"]
@@ -209,22 +273,41 @@ def test_spec_change_patches_the_children(cluster):
 
 def test_invalid_spec_is_reported_and_creates_nothing_until_fixed(cluster):
     kube, kubectl, _ = cluster
-    bad = {"apiVersion": "kvship.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "broken"},
-           "spec": {"model": {"uri": "builtin:smollm2"}, "decode": {"tensorParallelSize": 2}}}
+    bad = {
+        "apiVersion": "kvship.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "broken"},
+        "spec": {"model": {"uri": "builtin:smollm2"}, "decode": {"tensorParallelSize": 2}},
+    }
     kube.create("kvship.io/v1alpha1", "inferenceservices", NS, bad)
     wait_for(lambda: phase(kube, "broken") == "Failed", 30, "phase Failed")
     valid = next(c for c in service(kube, "broken")["status"]["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
     assert "spec.decode.resources: tensorParallelSize 2 needs limits nvidia.com/gpu: 2" in valid["message"]
-    events = wait_for(lambda: [e for e in kube.list("v1", "events", NS)
-                               if e.get("involvedObject", {}).get("name") == "broken"
-                               and e.get("reason") == "InvalidSpec"], 30, "an InvalidSpec event")
+    events = wait_for(
+        lambda: [
+            e
+            for e in kube.list("v1", "events", NS)
+            if e.get("involvedObject", {}).get("name") == "broken" and e.get("reason") == "InvalidSpec"
+        ],
+        30,
+        "an InvalidSpec event",
+    )
     assert events[0]["type"] == "Warning"
     time.sleep(3)  # a resync pass later: still nothing, and no crash loop
     assert deployments(kube, "broken") == {}
     assert phase(kube, "broken") == "Failed"
-    kubectl("patch", "kvsvc", "broken", "-n", NS, "--type", "merge", "-p",
-            json.dumps({"spec": {"decode": {"tensorParallelSize": 1}}}))
+    kubectl(
+        "patch",
+        "kvsvc",
+        "broken",
+        "-n",
+        NS,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"decode": {"tensorParallelSize": 1}}}),
+    )
     wait_for(lambda: len(deployments(kube, "broken")) == 2, 30, "children once the spec is fixed")
     wait_for(lambda: phase(kube, "broken") == "Progressing", 30, "phase Progressing after the fix")
 
@@ -232,8 +315,11 @@ def test_invalid_spec_is_reported_and_creates_nothing_until_fixed(cluster):
 def test_pd_service_gets_prefill_decode_router_and_autoscaler(cluster):
     kube, kubectl, _ = cluster
     kubectl("apply", "--validate=false", "-n", NS, "-f", str(ROOT / "examples" / "pd-llama-3.1-8b-mooncake.yaml"))
-    deps = wait_for(lambda: len(deployments(kube, "llama-8b")) == 3 and deployments(kube, "llama-8b"), 30,
-                    "prefill, decode and router Deployments")
+    deps = wait_for(
+        lambda: len(deployments(kube, "llama-8b")) == 3 and deployments(kube, "llama-8b"),
+        30,
+        "prefill, decode and router Deployments",
+    )
     router_args = deps["llama-8b-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--pd" in router_args and "--prefill-selector" in router_args
     assert kube.get("autoscaling/v2", "horizontalpodautoscalers", NS, "llama-8b-decode")
@@ -244,12 +330,16 @@ def test_operator_restart_changes_and_duplicates_nothing(cluster):
     kube, _, op = cluster
     wait_for(lambda: phase(kube, "smollm2") == "Ready", 30, "phase Ready")
     time.sleep(2.5)  # let in-flight resyncs settle
-    before = {name: (d["metadata"]["uid"], d["metadata"]["resourceVersion"])
-              for name, d in deployments(kube, "smollm2").items()}
+    before = {
+        name: (d["metadata"]["uid"], d["metadata"]["resourceVersion"])
+        for name, d in deployments(kube, "smollm2").items()
+    }
     op.restart()
     time.sleep(5)  # resume handlers + two resync passes
-    after = {name: (d["metadata"]["uid"], d["metadata"]["resourceVersion"])
-             for name, d in deployments(kube, "smollm2").items()}
+    after = {
+        name: (d["metadata"]["uid"], d["metadata"]["resourceVersion"])
+        for name, d in deployments(kube, "smollm2").items()
+    }
     assert after == before, "a restarted operator must find its children, not recreate or re-patch them"
     assert len(kube.list("v1", "services", NS, "app.kubernetes.io/instance=smollm2")) == 2
     assert phase(kube, "smollm2") == "Ready"

@@ -9,11 +9,12 @@ import httpx
 import kubernetes
 import pytest
 import yaml
-
 from kube_emulator import ApiError, EmulatorThread
 from kube_emulator_api import apply_json_patch, merge_patch, parse_path, select_labels
 
-CRD_PATH = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "crds" / "inferenceservices.kvship.io.yaml")
+CRD_PATH = str(
+    __import__("pathlib").Path(__file__).resolve().parent.parent / "crds" / "inferenceservices.kvship.io.yaml"
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,10 @@ def test_duplicate_create_is_409_already_exists(kube):
 
 def test_failed_json_patch_test_is_422_and_changes_nothing(kube):
     obj = kube.create("v1", "configmaps", "default", {"metadata": {"name": "jp"}, "data": {"k": "v"}})
-    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
-           {"op": "replace", "path": "/data/k", "value": "changed"}]
+    ops = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
+        {"op": "replace", "path": "/data/k", "value": "changed"},
+    ]
     with pytest.raises(ApiError) as e:
         kube.request("PATCH", kube.path("v1", "configmaps", "default", "jp"), ops, "application/json-patch+json")
     assert e.value.code == 422
@@ -93,9 +96,12 @@ def test_watch_replays_events_after_resource_version_with_label_selector(kube):
     kube.create("v1", "pods", "default", _pod("w2", {"app": "other"}))
     kube.patch_status("v1", "pods", "default", "w1", {"podIP": "10.0.0.7", "phase": "Running"})
     lines = []
-    with httpx.stream("GET", kube.url + "/api/v1/namespaces/default/pods",
-                      params={"watch": "true", "resourceVersion": start, "labelSelector": "app=disc",
-                              "timeoutSeconds": "1"}, timeout=10) as r:
+    with httpx.stream(
+        "GET",
+        kube.url + "/api/v1/namespaces/default/pods",
+        params={"watch": "true", "resourceVersion": start, "labelSelector": "app=disc", "timeoutSeconds": "1"},
+        timeout=10,
+    ) as r:
         for line in r.iter_lines():
             if line.strip():
                 lines.append(yaml.safe_load(line))
@@ -114,9 +120,11 @@ def test_official_client_lists_and_watches_pods_by_label(kube):
 
     def watch():
         w = kubernetes.watch.Watch()
-        for ev in w.stream(v1.list_namespaced_pod, "default", label_selector="app=cli", resource_version=rv,
-                           timeout_seconds=2):
+        for ev in w.stream(
+            v1.list_namespaced_pod, "default", label_selector="app=cli", resource_version=rv, timeout_seconds=2
+        ):
             seen.append((ev["type"], ev["object"].metadata.name))
+
     t = threading.Thread(target=watch)
     t.start()
     time.sleep(0.3)
@@ -127,10 +135,20 @@ def test_official_client_lists_and_watches_pods_by_label(kube):
 
 
 def test_status_subresource_splits_spec_and_status_and_bumps_generation(kube):
-    kube.create("apps/v1", "deployments", "default", {
-        "metadata": {"name": "d1"}, "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}},
-                                             "template": {"metadata": {"labels": {"a": "b"}}, "spec": {}}},
-        "status": {"readyReplicas": 9}})
+    kube.create(
+        "apps/v1",
+        "deployments",
+        "default",
+        {
+            "metadata": {"name": "d1"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"a": "b"}},
+                "template": {"metadata": {"labels": {"a": "b"}}, "spec": {}},
+            },
+            "status": {"readyReplicas": 9},
+        },
+    )
     d = kube.get("apps/v1", "deployments", "default", "d1")
     assert "status" not in d and d["metadata"]["generation"] == 1
     d = kube.patch_status("apps/v1", "deployments", "default", "d1", {"readyReplicas": 1})
@@ -141,8 +159,13 @@ def test_status_subresource_splits_spec_and_status_and_bumps_generation(kube):
 
 def test_deleting_an_owner_collects_its_dependents(kube):
     owner = kube.create("v1", "configmaps", "default", {"metadata": {"name": "owner"}})
-    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"],
-           "controller": True}
+    ref = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "owner",
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
     kube.create("v1", "pods", "default", _pod("dep", owner=ref))
     kube.delete("v1", "configmaps", "default", "owner")
     assert kube.get("v1", "pods", "default", "dep") is None
@@ -163,15 +186,31 @@ def test_created_crd_is_served_defaulted_and_validated(kube):
     assert "kvship.io" in groups
     res = kube.request("GET", "/apis/kvship.io/v1alpha1")["resources"]
     main = next(r for r in res if r["name"] == "inferenceservices")
-    assert main["shortNames"] == ["kvsvc"] and main["namespaced"] and "inferenceservices/status" in {r["name"] for r in res}
-    obj = kube.create("kvship.io/v1alpha1", "inferenceservices", "default", {
-        "apiVersion": "kvship.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "s"},
-        "spec": {"model": {"uri": "builtin:smollm2"}, "junk": 1}})
+    assert (
+        main["shortNames"] == ["kvsvc"]
+        and main["namespaced"]
+        and "inferenceservices/status" in {r["name"] for r in res}
+    )
+    obj = kube.create(
+        "kvship.io/v1alpha1",
+        "inferenceservices",
+        "default",
+        {
+            "apiVersion": "kvship.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "s"},
+            "spec": {"model": {"uri": "builtin:smollm2"}, "junk": 1},
+        },
+    )
     assert obj["spec"]["decode"]["replicas"] == 1 and obj["spec"]["kvTransfer"]["backend"] == "tcp"
     assert "junk" not in obj["spec"]  # pruned like a real server
     with pytest.raises(ApiError) as e:
-        kube.create("kvship.io/v1alpha1", "inferenceservices", "default", {
-            "metadata": {"name": "bad"}, "spec": {"model": {"uri": "builtin:smollm2"}, "decode": {"replicas": -1}}})
+        kube.create(
+            "kvship.io/v1alpha1",
+            "inferenceservices",
+            "default",
+            {"metadata": {"name": "bad"}, "spec": {"model": {"uri": "builtin:smollm2"}, "decode": {"replicas": -1}}},
+        )
     assert e.value.code == 422 and "replicas" in e.value.message
 
 

@@ -15,13 +15,29 @@ def service(spec: dict, status: dict | None = None, generation: int = 2) -> dict
     return body
 
 
-def deployment(name: str, replicas: int, ready: int, updated: int | None = None, observed: int = 1,
-               generation: int = 1, progressing: str | None = None) -> dict:
-    status = {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
-              "updatedReplicas": replicas if updated is None else updated}
+def deployment(
+    name: str,
+    replicas: int,
+    ready: int,
+    updated: int | None = None,
+    observed: int = 1,
+    generation: int = 1,
+    progressing: str | None = None,
+) -> dict:
+    status = {
+        "observedGeneration": observed,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": replicas if updated is None else updated,
+    }
     if progressing:
-        status["conditions"] = [{"type": "Progressing", "status": "False" if progressing ==
-                                 "ProgressDeadlineExceeded" else "True", "reason": progressing}]
+        status["conditions"] = [
+            {
+                "type": "Progressing",
+                "status": "False" if progressing == "ProgressDeadlineExceeded" else "True",
+                "reason": progressing,
+            }
+        ]
     return {"metadata": {"name": name, "generation": generation}, "spec": {"replicas": replicas}, "status": status}
 
 
@@ -45,8 +61,11 @@ def test_invalid_spec_fails_with_valid_false_and_the_reasons():
     st = compute_status(body, None, ["spec.model.uri: bad"], [], {}, now=T0)
     c = conditions(st)
     assert st["phase"] == "Failed"
-    assert (c["Valid"]["status"], c["Valid"]["reason"], c["Valid"]["message"]) == ("False", "InvalidSpec",
-                                                                                    "spec.model.uri: bad")
+    assert (c["Valid"]["status"], c["Valid"]["reason"], c["Valid"]["message"]) == (
+        "False",
+        "InvalidSpec",
+        "spec.model.uri: bad",
+    )
     assert c["Ready"]["status"] == "False" and c["DecodeReady"]["status"] == "Unknown"
     assert st["observedGeneration"] == 2 and st["decode"]["ready"] == "0/0"
 
@@ -59,16 +78,24 @@ def test_no_deployments_yet_is_pending():
 
 def test_new_deployments_without_ready_pods_are_progressing():
     body = service(UNIFIED)
-    kids = children({"metadata": {"name": "svc-worker", "generation": 1}, "spec": {"replicas": 1}},
-                    {"metadata": {"name": "svc-router", "generation": 1}, "spec": {"replicas": 1}})
+    kids = children(
+        {"metadata": {"name": "svc-worker", "generation": 1}, "spec": {"replicas": 1}},
+        {"metadata": {"name": "svc-router", "generation": 1}, "spec": {"replicas": 1}},
+    )
     st = compute_status(body, parse_service(body), [], [], kids, now=T0)
     assert st["phase"] == "Progressing" and st["decode"]["ready"] == "0/1" and st["mode"] == "unified"
 
 
 def test_all_roles_ready_is_ready_with_url_and_unified_prefill_condition():
     body = service(UNIFIED)
-    st = compute_status(body, parse_service(body), [], [],
-                        children(deployment("svc-worker", 1, 1), deployment("svc-router", 1, 1)), now=T0)
+    st = compute_status(
+        body,
+        parse_service(body),
+        [],
+        [],
+        children(deployment("svc-worker", 1, 1), deployment("svc-router", 1, 1)),
+        now=T0,
+    )
     c = conditions(st)
     assert st["phase"] == "Ready" and c["Ready"]["status"] == "True"
     assert st["url"] == "http://svc-router.ml.svc:8000" and c["Ready"]["message"].endswith(st["url"])
@@ -79,34 +106,64 @@ def test_all_roles_ready_is_ready_with_url_and_unified_prefill_condition():
 
 def test_pd_counts_each_role():
     body = service(PD)
-    st = compute_status(body, parse_service(body), [], [],
-                        children(deployment("svc-prefill", 1, 1), deployment("svc-decode", 2, 1),
-                                 deployment("svc-router", 1, 1)), now=T0)
-    assert st["prefill"]["ready"] == "1/1" and st["decode"] == {"replicas": 2, "readyReplicas": 1,
-                                                                "updatedReplicas": 2, "ready": "1/2"}
+    st = compute_status(
+        body,
+        parse_service(body),
+        [],
+        [],
+        children(deployment("svc-prefill", 1, 1), deployment("svc-decode", 2, 1), deployment("svc-router", 1, 1)),
+        now=T0,
+    )
+    assert st["prefill"]["ready"] == "1/1" and st["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 1,
+        "updatedReplicas": 2,
+        "ready": "1/2",
+    }
     assert st["phase"] == "Progressing" and conditions(st)["DecodeReady"]["status"] == "False"
 
 
 def test_a_finished_rollout_short_of_pods_is_degraded():
     body = service(PD)
-    st = compute_status(body, parse_service(body), [], [],
-                        children(deployment("svc-prefill", 1, 1), deployment("svc-decode", 2, 1,
-                                                                             progressing="NewReplicaSetAvailable"),
-                                 deployment("svc-router", 1, 1)), now=T0)
+    st = compute_status(
+        body,
+        parse_service(body),
+        [],
+        [],
+        children(
+            deployment("svc-prefill", 1, 1),
+            deployment("svc-decode", 2, 1, progressing="NewReplicaSetAvailable"),
+            deployment("svc-router", 1, 1),
+        ),
+        now=T0,
+    )
     assert st["phase"] == "Degraded" and conditions(st)["DecodeReady"]["reason"] == "ReplicasNotReady"
-    stuck = compute_status(body, parse_service(body), [], [],
-                           children(deployment("svc-prefill", 1, 1),
-                                    deployment("svc-decode", 2, 0, progressing="ProgressDeadlineExceeded"),
-                                    deployment("svc-router", 1, 1)), now=T0)
+    stuck = compute_status(
+        body,
+        parse_service(body),
+        [],
+        [],
+        children(
+            deployment("svc-prefill", 1, 1),
+            deployment("svc-decode", 2, 0, progressing="ProgressDeadlineExceeded"),
+            deployment("svc-router", 1, 1),
+        ),
+        now=T0,
+    )
     assert stuck["phase"] == "Degraded"
     assert conditions(stuck)["DecodeReady"]["reason"] == "ProgressDeadlineExceeded"
 
 
 def test_a_stale_observed_generation_is_still_rolling_out():
     body = service(UNIFIED)
-    st = compute_status(body, parse_service(body), [], [],
-                        children(deployment("svc-worker", 1, 1, observed=1, generation=2),
-                                 deployment("svc-router", 1, 1)), now=T0)
+    st = compute_status(
+        body,
+        parse_service(body),
+        [],
+        [],
+        children(deployment("svc-worker", 1, 1, observed=1, generation=2), deployment("svc-router", 1, 1)),
+        now=T0,
+    )
     assert st["phase"] == "Progressing"
 
 
@@ -123,8 +180,9 @@ def test_transition_times_move_only_when_a_condition_flips():
     body["status"] = first
     same = compute_status(body, cfg, [], [], {}, now=T1)
     assert same == first
-    ready = compute_status(body, cfg, [], [], children(deployment("svc-worker", 1, 1),
-                                                       deployment("svc-router", 1, 1)), now=T1)
+    ready = compute_status(
+        body, cfg, [], [], children(deployment("svc-worker", 1, 1), deployment("svc-router", 1, 1)), now=T1
+    )
     c = conditions(ready)
     assert c["Ready"]["lastTransitionTime"] == T1 and c["Valid"]["lastTransitionTime"] == T0
 

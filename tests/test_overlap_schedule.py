@@ -10,11 +10,11 @@ forward and whose next token is a pure function of the context.
 from __future__ import annotations
 
 import pytest
+from test_scheduler import EOS, FakeRunner, assert_all_free, greedy, make, prompt, reference, run
 
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.scheduler.overlap import FORCE_ENV
 from kvship.engine.scheduler.policy import SchedulerTuning
-from test_scheduler import EOS, FakeRunner, assert_all_free, greedy, make, prompt, reference, run
 
 
 @pytest.fixture
@@ -51,8 +51,10 @@ def test_overlapped_decode_equals_the_synchronous_loop_and_frees_every_slot(over
     news = [12, 5, 20, 1, 9, 16, 2, 7]
 
     def build(sched):
-        staggered(sched, [GenerateRequest(f"r{i}", prompt(n, i), greedy(m)) for i, (n, m) in
-                          enumerate(zip(lens, news))])
+        staggered(
+            sched, [GenerateRequest(f"r{i}", prompt(n, i), greedy(m)) for i, (n, m) in enumerate(zip(lens, news))]
+        )
+
     build.runner_kw = dict(total_tokens=1024, page_size=ps)
     res = both(build, page_size=ps, chunked_prefill_size=8, max_prefill_tokens=16)
     (_, out_s), (sched, out_o) = res["sync"], res["overlap"]
@@ -74,13 +76,14 @@ def test_requests_stopping_on_tokens_and_strings_release_their_extra_step(overla
         sched.submit(GenerateRequest("str", p, greedy(30, stop=[text[8:10]])))
         sched.submit(GenerateRequest("len", prompt(4, 3), greedy(25)))
         run(sched)
+
     build.runner_kw = dict(total_tokens=256)
     res = both(build)
     (_, out_s), (sched, out_o) = res["sync"], res["overlap"]
     for rid in ("tok", "str", "len"):
         assert out_o.tokens(rid) == out_s.tokens(rid), rid
         assert out_o.final(rid).finish_reason == out_s.final(rid).finish_reason, rid
-    assert out_o.tokens("tok") == ref[:ref.index(ref[4]) + 1]
+    assert out_o.tokens("tok") == ref[: ref.index(ref[4]) + 1]
     assert sched.overlap.launched > 0
     assert_all_free(sched)
 
@@ -95,7 +98,7 @@ def test_abort_of_a_request_with_a_step_in_flight_frees_its_slots(overlap_on):
     sched.abort("a")
     run(sched)
     assert out.final("a").finish_reason["type"] == "abort"
-    assert reference(prompt(5, 1), 40)[:len(out.tokens("a"))] == out.tokens("a")
+    assert reference(prompt(5, 1), 40)[: len(out.tokens("a"))] == out.tokens("a")
     assert out.tokens("b") == reference(prompt(7, 2), 12)
     assert_all_free(sched)
 
@@ -105,6 +108,7 @@ def test_kv_pressure_retracts_through_the_synchronous_path_with_equal_output(ove
         for i in range(6):
             sched.submit(GenerateRequest(f"r{i}", prompt(10, i), greedy(30)))
         run(sched)
+
     build.runner_kw = dict(total_tokens=96)
     tuning = SchedulerTuning(init_new_token_ratio=0.05, min_new_token_ratio=0.01)
     res = {}
@@ -121,16 +125,18 @@ def test_kv_pressure_retracts_through_the_synchronous_path_with_equal_output(ove
 
 def test_seeded_penalised_and_logprob_requests_match_the_synchronous_loop(overlap_on):
     def build(sched):
-        sched.submit(GenerateRequest("seed", prompt(5, 1), SamplingParams(temperature=0.8, max_new_tokens=10,
-                                                                          seed=7)))
-        sched.submit(GenerateRequest("pen", prompt(6, 2), SamplingParams(temperature=0.0, max_new_tokens=10,
-                                                                         repetition_penalty=1.3)))
+        sched.submit(GenerateRequest("seed", prompt(5, 1), SamplingParams(temperature=0.8, max_new_tokens=10, seed=7)))
+        sched.submit(
+            GenerateRequest(
+                "pen", prompt(6, 2), SamplingParams(temperature=0.0, max_new_tokens=10, repetition_penalty=1.3)
+            )
+        )
         sched.submit(GenerateRequest("lp", prompt(7, 3), greedy(10), return_logprob=True, top_logprobs_num=2))
         run(sched)
         sched.submit(GenerateRequest("lp2", prompt(8, 4), greedy(10), return_logprob=True, top_logprobs_num=3))
-        sched.submit(GenerateRequest("hot", prompt(8, 5), SamplingParams(temperature=0.7, max_new_tokens=10,
-                                                                         top_k=5)))
+        sched.submit(GenerateRequest("hot", prompt(8, 5), SamplingParams(temperature=0.7, max_new_tokens=10, top_k=5)))
         run(sched)
+
     build.runner_kw = dict(total_tokens=256, logit_scale=3.0)
     res = both(build, seed=3)
     (_, out_s), (sched, out_o) = res["sync"], res["overlap"]
@@ -149,6 +155,7 @@ def test_seeded_penalised_and_logprob_requests_match_the_synchronous_loop(overla
 def test_eos_ends_a_request_while_the_other_keeps_decoding(overlap_on):
     def fn(ctx):
         return EOS if len(ctx) == 9 else 2 + (sum(ctx) * 7 + len(ctx)) % 60
+
     sched, runner, out = make(FakeRunner(total_tokens=256, fn=fn))
     sched.submit(GenerateRequest("eos", prompt(4, 1), greedy(20)))
     sched.submit(GenerateRequest("long", prompt(2, 2), greedy(20, ignore_eos=True)))

@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from kv_faults import corrupt_kv_env
 from pd_fixtures import make_prompts, start_local, unified_greedy
 
@@ -30,10 +29,28 @@ TIMEOUT_S = 4
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    args = ["--prefill", "2", "--decode", "2", "--transfer-backend", "tcp", "--model-path", tiny_llama_dir,
-            "--device", "cpu", "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "16384",
-            "--policy", "round_robin", "--disaggregation-bootstrap-timeout", str(TIMEOUT_S),
-            "--disaggregation-waiting-timeout", str(TIMEOUT_S)]
+    args = [
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--transfer-backend",
+        "tcp",
+        "--model-path",
+        tiny_llama_dir,
+        "--device",
+        "cpu",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--max-total-tokens",
+        "16384",
+        "--policy",
+        "round_robin",
+        "--disaggregation-bootstrap-timeout",
+        str(TIMEOUT_S),
+        "--disaggregation-waiting-timeout",
+        str(TIMEOUT_S),
+    ]
     with start_local(args) as c:
         yield c
 
@@ -60,8 +77,12 @@ def _error_message(resp: httpx.Response) -> str:
 def test_transfer_timeouts_give_a_clear_error_and_free_the_slots(cluster):
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     port = cluster.info(p)["disaggregation_bootstrap_port"]
-    body = {"input_ids": list(range(5, 60)), "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    body = {
+        "input_ids": list(range(5, 60)),
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": port,
+    }
     t0 = time.monotonic()
     only_decode = httpx.post(d + "/generate", json={**body, "bootstrap_room": random.getrandbits(62)}, timeout=60)
     only_prefill = httpx.post(p + "/generate", json={**body, "bootstrap_room": random.getrandbits(62)}, timeout=60)
@@ -75,8 +96,11 @@ def test_transfer_timeouts_give_a_clear_error_and_free_the_slots(cluster):
 
 
 def test_client_disconnect_frees_slots_on_both_sides(cluster):
-    body = {"input_ids": list(range(5, 40)), "stream": True,
-            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": list(range(5, 40)),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", cluster.url + "/generate", json=body) as r:
             assert r.status_code == 200
@@ -92,14 +116,23 @@ def test_client_disconnect_frees_slots_on_both_sides(cluster):
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     port = cluster.info(p)["disaggregation_bootstrap_port"]
     for url, stage in ((d, "transfer_queue"), (p, "bootstrap_queue")):
-        payload = json.dumps({"input_ids": list(range(5, 90)), "stream": True, "bootstrap_host": "127.0.0.1",
-                              "bootstrap_port": port, "bootstrap_room": random.getrandbits(62),
-                              "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).encode()
+        payload = json.dumps(
+            {
+                "input_ids": list(range(5, 90)),
+                "stream": True,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": port,
+                "bootstrap_room": random.getrandbits(62),
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            }
+        ).encode()
         host, http_port = url.removeprefix("http://").split(":")
         t0 = time.monotonic()
         sock = socket.create_connection((host, int(http_port)), timeout=10)
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+        )
         _wait_for(lambda: cluster.info(url)[stage], 10, f"the request to reach {stage}")
         sock.close()
         cluster.wait_free(_all(cluster), timeout=TIMEOUT_S)
@@ -156,8 +189,11 @@ def test_prefill_killed_while_decode_waits_for_kv_then_retry_on_other_pair_succe
 
 
 def test_decode_killed_mid_stream_router_reports_it_and_prefill_frees(cluster):
-    body = {"input_ids": list(range(7, 30)), "stream": True,
-            "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": list(range(7, 30)),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True},
+    }
     events = []
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", cluster.url + "/generate", json=body) as r:
@@ -182,8 +218,19 @@ def test_decode_killed_mid_stream_router_reports_it_and_prefill_frees(cluster):
 
 
 def test_corrupted_page_is_detected_by_checksum_and_the_request_fails_cleanly(tiny_llama_dir):
-    args = ["--transfer-backend", "tcp", "--model-path", tiny_llama_dir, "--device", "cpu", "--page-size", "16",
-            "--max-total-tokens", "8192", "--kv-transfer-checksum"]
+    args = [
+        "--transfer-backend",
+        "tcp",
+        "--model-path",
+        tiny_llama_dir,
+        "--device",
+        "cpu",
+        "--page-size",
+        "16",
+        "--max-total-tokens",
+        "8192",
+        "--kv-transfer-checksum",
+    ]
     # test-only hook (tests/kv_faults.py) loaded into the workers: every transfer gets a wrong page
     with start_local(args, env=corrupt_kv_env(every=1)) as c:
         resp = c.generate(list(range(5, 70)), max_new=4)

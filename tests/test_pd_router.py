@@ -14,7 +14,6 @@ import json
 
 import httpx
 import pytest
-
 from pd_fixtures import make_prompts, start_local, unified_greedy
 
 pytestmark = pytest.mark.timeout(600)
@@ -23,13 +22,18 @@ MAX_NEW = 12
 CHUNK = 32
 
 
-async def _generate_all(url: str, prompts: list[list[int]], max_new: int, stream: bool = False,
-                        limit: int = 256) -> list[dict]:
+async def _generate_all(
+    url: str, prompts: list[list[int]], max_new: int, stream: bool = False, limit: int = 256
+) -> list[dict]:
     sem = asyncio.Semaphore(limit)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=limit)) as client:
+
         async def one(ids: list[int]) -> dict:
-            body = {"input_ids": ids, "stream": stream,
-                    "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
+            body = {
+                "input_ids": ids,
+                "stream": stream,
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0},
+            }
             async with sem:
                 if not stream:
                     r = await client.post(url + "/generate", json=body)
@@ -43,6 +47,7 @@ async def _generate_all(url: str, prompts: list[list[int]], max_new: int, stream
                             last = json.loads(line[6:])
                 assert last is not None
                 return last
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
@@ -54,9 +59,26 @@ def _check_equal(outs: list[dict], expected: list[list[int]]) -> None:
 
 @pytest.fixture(scope="module")
 def tcp_2x2(tiny_llama_dir):
-    args = ["--prefill", "2", "--decode", "2", "--transfer-backend", "tcp", "--model-path", tiny_llama_dir,
-            "--device", "cpu", "--page-size", "16", "--chunked-prefill-size", str(CHUNK),
-            "--max-total-tokens", "16384", "--policy", "round_robin"]
+    args = [
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--transfer-backend",
+        "tcp",
+        "--model-path",
+        tiny_llama_dir,
+        "--device",
+        "cpu",
+        "--page-size",
+        "16",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--max-total-tokens",
+        "16384",
+        "--policy",
+        "round_robin",
+    ]
     with start_local(args) as cluster:
         yield cluster
 
@@ -89,8 +111,13 @@ async def test_200_concurrent_requests_through_router_prefill_and_decode_come_ba
 
 
 def test_openai_chat_completion_through_pd_router(tcp_2x2, tiny_llama_dir):
-    body = {"model": tiny_llama_dir, "messages": [{"role": "user", "content": "Hello there"}],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": tiny_llama_dir,
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(tcp_2x2.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -101,8 +128,11 @@ def test_openai_chat_completion_through_pd_router(tcp_2x2, tiny_llama_dir):
 
 def test_n_choices_get_their_own_rooms_and_all_match_greedy(tcp_2x2, tiny_llama_dir):
     prompt = make_prompts(1, seed=14, lo=40, hi=40)[0]
-    r = httpx.post(tcp_2x2.url + "/generate", timeout=120, json={
-        "input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "n": 3}})
+    r = httpx.post(
+        tcp_2x2.url + "/generate",
+        timeout=120,
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "n": 3}},
+    )
     assert r.status_code == 200, r.text
     want = unified_greedy(tiny_llama_dir, [prompt], MAX_NEW, page_size=16, chunked_prefill_size=CHUNK)[0]
     assert [o["output_ids"] for o in r.json()] == [want] * 3
@@ -112,17 +142,31 @@ def test_n_choices_get_their_own_rooms_and_all_match_greedy(tcp_2x2, tiny_llama_
 @pytest.mark.parametrize("backend,page_size", [("mooncake", 1), ("nixl", 16)])
 async def test_pd_through_router_equals_unified_for_mooncake_and_nixl(tiny_llama_dir, backend, page_size):
     from kvship.engine.disagg import BackendUnavailableError, get_transfer_backend
+
     try:
         get_transfer_backend(backend)
     except BackendUnavailableError as e:
         pytest.skip(f"{backend} unavailable here: {e}")
-    args = ["--transfer-backend", backend, "--model-path", tiny_llama_dir, "--device", "cpu",
-            "--page-size", str(page_size), "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "16384"]
+    args = [
+        "--transfer-backend",
+        backend,
+        "--model-path",
+        tiny_llama_dir,
+        "--device",
+        "cpu",
+        "--page-size",
+        str(page_size),
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--max-total-tokens",
+        "16384",
+    ]
     prompts = make_prompts(32, seed=20 + page_size, lo=1, hi=3 * CHUNK)
     with start_local(args) as cluster:
         outs = await _generate_all(cluster.url, prompts, MAX_NEW)
-        _check_equal(outs, unified_greedy(tiny_llama_dir, prompts, MAX_NEW, page_size=page_size,
-                                          chunked_prefill_size=CHUNK))
+        _check_equal(
+            outs, unified_greedy(tiny_llama_dir, prompts, MAX_NEW, page_size=page_size, chunked_prefill_size=CHUNK)
+        )
         workers = cluster.workers("prefill") + cluster.workers("decode")
         assert all(cluster.info(u)["transfer_backend"] == backend for u in workers)
         cluster.wait_free(workers)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from pd_fixtures import InProcessPD, make_prompts, unified_greedy
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,16 +46,20 @@ def test_pd_greedy_output_equals_unified_for_each_backend_and_page_size(tiny_lla
 
 @pytest.fixture(scope="module")
 def smollm2_runners(smollm2_path):
-    from kvship.engine.model_runner import ModelRunner
     from pd_fixtures import _server_args
+
+    from kvship.engine.model_runner import ModelRunner
+
     kw = dict(max_total_tokens=4096, page_size=16, disable_radix_cache=True)
-    return ModelRunner(_server_args(smollm2_path, mode="prefill", **kw)), \
-        ModelRunner(_server_args(smollm2_path, mode="decode", **kw))
+    return ModelRunner(_server_args(smollm2_path, mode="prefill", **kw)), ModelRunner(
+        _server_args(smollm2_path, mode="decode", **kw)
+    )
 
 
 @pytest.mark.parametrize("backend", ["tcp", "mooncake", "nixl"])
 def test_pd_smollm2_greedy_output_equals_unified_for_each_backend(smollm2_path, smollm2_runners, backend):
     from kvship.engine.tokenizer import load_tokenizer
+
     tok = load_tokenizer(smollm2_path)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
     prompts = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
@@ -99,6 +102,7 @@ def test_decode_queues_requests_in_prealloc_when_its_kv_pool_is_small(tiny_llama
 
 def test_requests_without_bootstrap_fields_are_rejected_with_a_clear_reason(tiny_llama_dir):
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
+
     with InProcessPD(tiny_llama_dir) as pd:
         sp = SamplingParams(max_new_tokens=4, temperature=0.0)
         pd.prefill.submit(GenerateRequest(rid="p", input_ids=[5, 6, 7], sampling_params=sp))
@@ -163,8 +167,11 @@ def test_transfer_timeouts_fail_the_request_and_free_its_slots(tiny_llama_dir):
 
 def test_corrupted_page_is_caught_by_the_kv_checksum(tiny_llama_dir):
     from kv_faults import corrupting_prefill_managers
-    with corrupting_prefill_managers(every=2), InProcessPD(tiny_llama_dir, page_size=16,
-                                                           decode_kv=dict(checksum=True)) as pd:
+
+    with (
+        corrupting_prefill_managers(every=2),
+        InProcessPD(tiny_llama_dir, page_size=16, decode_kv=dict(checksum=True)) as pd,
+    ):
         prompts = make_prompts(4, seed=5, lo=40, hi=60)
         rids = [f"c{i}" for i in range(4)]
         for rid, p in zip(rids, prompts):
@@ -227,9 +234,12 @@ def _stalling_backend():
             if done or len(descs) < 2:  # the aux record goes through untouched
                 return super().write(peer_id, room, descs, done)
             h = len(descs) // 2
-            part = lambda sl: TransferDescs(*(np.ascontiguousarray(a[sl]) for a in  # noqa: E731
-                                              (descs.src_region, descs.src_off, descs.dst_region, descs.dst_off,
-                                               descs.length)))
+            part = lambda sl: TransferDescs(
+                *(
+                    np.ascontiguousarray(a[sl])
+                    for a in (descs.src_region, descs.src_off, descs.dst_region, descs.dst_off, descs.length)  # noqa: E731
+                )
+            )
             super().write(peer_id, room, part(slice(0, h)))
             type(self).started.set()
             type(self).gate.wait(30)

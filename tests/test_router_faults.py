@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from router_fixtures import router_log, router_process, running_router, start_double, start_doubles
 
 from kvship.router.config import RouterConfig
-from router_fixtures import router_log, router_process, running_router, start_double, start_doubles
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,27 +37,36 @@ async def test_killing_a_worker_under_load_fails_no_request_and_it_rejoins_after
     interval, threshold = 0.3, 2
     with start_doubles(3, delay=0.05) as doubles:
         victim = doubles[0]
-        config = RouterConfig(worker_urls=[d.url for d in doubles], policy="round_robin",
-                              health_check_interval=interval, health_failure_threshold=threshold,
-                              retry_backoff_base=0.01, circuit_failure_threshold=100)
+        config = RouterConfig(
+            worker_urls=[d.url for d in doubles],
+            policy="round_robin",
+            health_check_interval=interval,
+            health_failure_threshold=threshold,
+            retry_backoff_base=0.01,
+            circuit_failure_threshold=100,
+        )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
-                results: list[tuple[int, str, bool]] = []   # status, worker, complete reply
+                results: list[tuple[int, str, bool]] = []  # status, worker, complete reply
 
                 async def load(seconds: float) -> None:
                     async def one(i: int) -> None:
                         body = {**CHAT, "stream": i % 2 == 0}  # streams that had not started count too
                         r = await c.post(url + "/v1/chat/completions", json=body)
-                        complete = (r.text.rstrip().endswith("data: [DONE]") if body["stream"]
-                                    else r.status_code == 200 and len(r.json()["choices"]) == 1)
+                        complete = (
+                            r.text.rstrip().endswith("data: [DONE]")
+                            if body["stream"]
+                            else r.status_code == 200 and len(r.json()["choices"]) == 1
+                        )
                         results.append((r.status_code, r.headers.get("x-kvship-worker", ""), complete))
+
                     tasks = []
                     t0 = time.monotonic()
                     i = 0
                     while time.monotonic() - t0 < seconds:
                         tasks.append(asyncio.create_task(one(i)))
                         i += 1
-                        await asyncio.sleep(0.02)       # ~50 req/s
+                        await asyncio.sleep(0.02)  # ~50 req/s
                     await asyncio.gather(*tasks)
 
                 load_task = asyncio.create_task(load(3.0))
@@ -67,6 +76,7 @@ async def test_killing_a_worker_under_load_fails_no_request_and_it_rejoins_after
 
                 async def victim_unhealthy() -> bool:
                     return not (await worker_state(c, url, victim.url))["healthy"]
+
                 await wait_for(victim_unhealthy, timeout=10)
                 detected = time.monotonic() - killed_at
                 await load_task
@@ -83,24 +93,28 @@ async def test_killing_a_worker_under_load_fails_no_request_and_it_rejoins_after
 
                 async def victim_healthy() -> bool:
                     return (await worker_state(c, url, victim.url))["healthy"]
+
                 await wait_for(victim_healthy, timeout=10)
-                after = [(await c.post(url + "/v1/chat/completions", json=CHAT)).headers["x-kvship-worker"]
-                         for _ in range(6)]
+                after = [
+                    (await c.post(url + "/v1/chat/completions", json=CHAT)).headers["x-kvship-worker"] for _ in range(6)
+                ]
                 assert victim.url in after
 
 
 async def test_a_started_stream_is_never_retried_when_its_worker_dies():
-    with start_double(name="dies", chunk_delay=0.1, die_after_chunks=2) as dying, \
-            start_double(name="fine") as fine:
+    with start_double(name="dies", chunk_delay=0.1, die_after_chunks=2) as dying, start_double(name="fine") as fine:
         config = RouterConfig(worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60)
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 outcomes = []
-                for i in range(2):       # round robin: one of the two lands on the dying worker
+                for i in range(2):  # round robin: one of the two lands on the dying worker
                     lines = []
-                    async with c.stream("POST", url + "/v1/chat/completions",
-                                        json={**CHAT, "stream": True, "max_tokens": 6},
-                                        headers={"x-request-id": f"stream-{i}"}) as r:
+                    async with c.stream(
+                        "POST",
+                        url + "/v1/chat/completions",
+                        json={**CHAT, "stream": True, "max_tokens": 6},
+                        headers={"x-request-id": f"stream-{i}"},
+                    ) as r:
                         worker = r.headers["x-kvship-worker"]
                         async for line in r.aiter_lines():
                             if line.startswith("data: "):
@@ -109,10 +123,10 @@ async def test_a_started_stream_is_never_retried_when_its_worker_dies():
                 state = await worker_state(c, url, dying.url)
         fine_ids = [r["headers"]["x-request-id"] for r in fine.requests()]
     [(_, broken)] = [o for o in outcomes if o[0] == dying.url]
-    assert len(broken) == 3                            # two content chunks, then the router's error event
+    assert len(broken) == 3  # two content chunks, then the router's error event
     assert '"worker_failed"' in broken[-1]
     broken_id = f"stream-{[o[0] for o in outcomes].index(dying.url)}"
-    assert broken_id not in fine_ids and len(fine_ids) == 1   # not sent again elsewhere
+    assert broken_id not in fine_ids and len(fine_ids) == 1  # not sent again elsewhere
     assert state["total_failures"] == 1
     [(_, ok)] = [o for o in outcomes if o[0] == fine.url]
     assert ok[-1] == "[DONE]"
@@ -120,39 +134,51 @@ async def test_a_started_stream_is_never_retried_when_its_worker_dies():
 
 async def test_circuit_breaker_opens_then_half_opens_after_cooldown_and_closes_on_success():
     with start_double(name="flaky", fail_next=1000, fail_status=500) as flaky, start_double(name="ok") as ok:
-        config = RouterConfig(worker_urls=[flaky.url, ok.url], policy="round_robin", health_check_interval=60,
-                              circuit_failure_threshold=2, circuit_cooldown=1.0, max_retries=1,
-                              retry_backoff_base=0.01)
+        config = RouterConfig(
+            worker_urls=[flaky.url, ok.url],
+            policy="round_robin",
+            health_check_interval=60,
+            circuit_failure_threshold=2,
+            circuit_cooldown=1.0,
+            max_retries=1,
+            retry_backoff_base=0.01,
+        )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
+
                 async def send(n: int) -> list[int]:
                     return [(await c.post(url + "/v1/chat/completions", json=CHAT)).status_code for _ in range(n)]
 
-                assert await send(4) == [200] * 4           # failures on flaky are retried on ok
+                assert await send(4) == [200] * 4  # failures on flaky are retried on ok
                 assert len(flaky.requests()) == 2
                 state = await worker_state(c, url, flaky.url)
                 assert state["circuit"] == "open" and state["healthy"]
                 assert await send(6) == [200] * 6
-                assert len(flaky.requests()) == 2           # open: no traffic at all
+                assert len(flaky.requests()) == 2  # open: no traffic at all
                 metrics = (await c.get(url + "/metrics")).text
                 assert f'kvship_router_circuit_state{{worker="{flaky.url}"}} 1.0' in metrics
 
-                await asyncio.sleep(1.1)                    # cool-down over: one trial, which fails
+                await asyncio.sleep(1.1)  # cool-down over: one trial, which fails
                 assert await send(3) == [200] * 3
                 assert len(flaky.requests()) == 3
                 assert (await worker_state(c, url, flaky.url))["circuit"] == "open"
 
-                flaky.control(fail_next=0)                  # it recovers
+                flaky.control(fail_next=0)  # it recovers
                 await asyncio.sleep(1.1)
                 assert await send(4) == [200] * 4
                 assert (await worker_state(c, url, flaky.url))["circuit"] == "closed"
-                assert len(flaky.requests()) >= 5           # trial + round-robin share again
+                assert len(flaky.requests()) >= 5  # trial + round-robin share again
 
 
 async def test_worker_failing_health_checks_leaves_and_rejoins_the_healthy_set():
     with start_doubles(2) as (a, b):
-        config = RouterConfig(worker_urls=[a.url, b.url], policy="round_robin", health_check_interval=0.2,
-                              health_failure_threshold=2, health_success_threshold=2)
+        config = RouterConfig(
+            worker_urls=[a.url, b.url],
+            policy="round_robin",
+            health_check_interval=0.2,
+            health_failure_threshold=2,
+            health_success_threshold=2,
+        )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 a.control(healthy=False)
@@ -160,16 +186,20 @@ async def test_worker_failing_health_checks_leaves_and_rejoins_the_healthy_set()
                 async def a_state(healthy: bool):
                     async def check() -> bool:
                         return (await worker_state(c, url, a.url))["healthy"] is healthy
+
                     return check
+
                 took = await wait_for(await a_state(False), timeout=5)
-                assert took >= 0.2                           # two failed checks, not one
-                served = {(await c.post(url + "/generate", json={"text": "x"})).headers["x-kvship-worker"]
-                          for _ in range(4)}
+                assert took >= 0.2  # two failed checks, not one
+                served = {
+                    (await c.post(url + "/generate", json={"text": "x"})).headers["x-kvship-worker"] for _ in range(4)
+                }
                 assert served == {b.url}
                 a.control(healthy=True)
                 await wait_for(await a_state(True), timeout=5)
-                served = {(await c.post(url + "/generate", json={"text": "x"})).headers["x-kvship-worker"]
-                          for _ in range(4)}
+                served = {
+                    (await c.post(url + "/generate", json={"text": "x"})).headers["x-kvship-worker"] for _ in range(4)
+                }
                 assert served == {a.url, b.url}
 
 
@@ -192,14 +222,16 @@ async def test_client_disconnect_mid_stream_releases_the_worker():
         config = RouterConfig(worker_urls=[slow.url], health_check_interval=60)
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
-                async with c.stream("POST", url + "/v1/chat/completions",
-                                    json={**CHAT, "stream": True, "max_tokens": 50}) as r:
+                async with c.stream(
+                    "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50}
+                ) as r:
                     async for _ in r.aiter_raw():
-                        break                                # read one chunk, then hang up
+                        break  # read one chunk, then hang up
                     assert (await worker_state(c, url, slow.url))["in_flight"] == 1
 
                 async def released() -> bool:
                     return (await worker_state(c, url, slow.url))["in_flight"] == 0
+
                 await wait_for(released, timeout=5)
                 state = await worker_state(c, url, slow.url)
     assert state["total_failures"] == 0 and state["circuit"] == "closed"
@@ -210,14 +242,15 @@ def test_sigterm_drains_in_flight_streams_before_the_router_exits():
         with router_process(["--worker-urls", slow.url, "--shutdown-timeout", "20"]) as (url, proc):
             lines = []
             with httpx.Client(timeout=30) as c:
-                with c.stream("POST", url + "/v1/chat/completions",
-                              json={**CHAT, "stream": True, "max_tokens": 8}) as r:
+                with c.stream(
+                    "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 8}
+                ) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: "):
                             lines.append(line[6:])
                             if len(lines) == 1:
                                 proc.send_signal(signal.SIGTERM)
-            assert lines[-1] == "[DONE]" and len(lines) == 10     # 8 words + finish chunk + DONE
+            assert lines[-1] == "[DONE]" and len(lines) == 10  # 8 words + finish chunk + DONE
             assert proc.wait(timeout=20) == 0
             with pytest.raises(httpx.ConnectError):
                 httpx.get(url + "/health", timeout=2)

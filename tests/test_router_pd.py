@@ -7,9 +7,9 @@ import contextlib
 
 import httpx
 import pytest
+from router_fixtures import running_router, start_double
 
 from kvship.router.config import RouterConfig
-from router_fixtures import running_router, start_double
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,8 +19,10 @@ CHAT = {"model": "double-model", "messages": [{"role": "user", "content": "Say h
 @contextlib.contextmanager
 def pd_fleet(n_prefill: int = 2, n_decode: int = 2):
     with contextlib.ExitStack() as stack:
-        prefill = [stack.enter_context(start_double(name=f"p{i}", mode="prefill", bootstrap_port=8998 + i))
-                   for i in range(n_prefill)]
+        prefill = [
+            stack.enter_context(start_double(name=f"p{i}", mode="prefill", bootstrap_port=8998 + i))
+            for i in range(n_prefill)
+        ]
         decode = [stack.enter_context(start_double(name=f"d{i}", mode="decode")) for i in range(n_decode)]
         yield prefill, decode
 
@@ -39,8 +41,14 @@ async def test_pd_sends_the_request_to_both_workers_with_the_prefill_bootstrap_f
     with pd_fleet() as (prefill, decode):
         async with running_router(pd_config(prefill, decode, policy="round_robin")) as (url, _):
             async with httpx.AsyncClient() as c:
-                rs = [await c.post(url + "/generate", json={"text": "hello", "sampling_params": {}},
-                                   headers={"x-request-id": f"pd-{i}"}) for i in range(4)]
+                rs = [
+                    await c.post(
+                        url + "/generate",
+                        json={"text": "hello", "sampling_params": {}},
+                        headers={"x-request-id": f"pd-{i}"},
+                    )
+                    for i in range(4)
+                ]
                 workers = (await c.get(url + "/workers")).json()
         rooms = set()
         for i, r in enumerate(rs):
@@ -51,7 +59,7 @@ async def test_pd_sends_the_request_to_both_workers_with_the_prefill_bootstrap_f
             [d] = [d for d in decode if d.url == d_url]
             boot = r.json()["bootstrap"]
             assert boot["bootstrap_host"] == "127.0.0.1" and boot["bootstrap_port"] == p.bootstrap_port
-            assert 0 <= boot["bootstrap_room"] < 2 ** 63
+            assert 0 <= boot["bootstrap_room"] < 2**63
             [p_req] = got(p, f"pd-{i}")
             [d_req] = got(d, f"pd-{i}")
             assert p_req["body"] == d_req["body"] == {"text": "hello", "sampling_params": {}, **boot}
@@ -83,18 +91,20 @@ async def test_pd_streams_the_decode_workers_reply():
 async def test_pd_retries_on_another_prefill_worker_when_prefill_fails_first():
     with pd_fleet(2, 1) as (prefill, decode):
         prefill[0].control(fail_next=100, fail_status=503)
-        decode[0].control(delay=0.3)       # the decode call is still waiting when prefill fails
+        decode[0].control(delay=0.3)  # the decode call is still waiting when prefill fails
         config = pd_config(prefill, decode, policy="round_robin", prefill_policy="round_robin")
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
-                rs = [await c.post(url + "/generate", json={"text": f"t{i}"}, headers={"x-request-id": f"r{i}"})
-                      for i in range(2)]
+                rs = [
+                    await c.post(url + "/generate", json={"text": f"t{i}"}, headers={"x-request-id": f"r{i}"})
+                    for i in range(2)
+                ]
         assert all(r.status_code == 200 for r in rs)
         assert all(r.headers["x-kvship-prefill"] == prefill[1].url for r in rs)
         assert all(r.json()["bootstrap"]["bootstrap_port"] == prefill[1].bootstrap_port for r in rs)
         tried = [i for i in range(2) if got(prefill[0], f"r{i}")]
-        assert tried                                   # the failing prefill was tried first at least once
-        for i in tried:                                # ... and its decode call was sent again with a new room
+        assert tried  # the failing prefill was tried first at least once
+        for i in tried:  # ... and its decode call was sent again with a new room
             rooms = {r["body"]["bootstrap_room"] for r in got(decode[0], f"r{i}")}
             assert len(rooms) == 2
 
@@ -140,6 +150,6 @@ async def test_pd_waits_for_both_roles_and_forwards_batches_with_one_room():
         assert wrong.status_code == 400 and "decode" in wrong.json()["error"]["message"]
         assert no_role.status_code == 400
         assert added.status_code == 200 and added.json()["role"] == "decode"
-        assert batch.status_code == 200                    # workers use room + i for item i
+        assert batch.status_code == 200  # workers use room + i for item i
         assert isinstance(batch.json()["bootstrap"]["bootstrap_room"], int)
         assert one.status_code == 200

@@ -29,11 +29,11 @@ def make_workers(n: int, model: str = "m") -> list[Worker]:
 
 
 def req(text: str, session: str | None = None) -> RoutingRequest:
-    return RoutingRequest(route="/generate", body={}, raw=b"", text=text, model=None, stream=False,
-                          session_id=session)
+    return RoutingRequest(route="/generate", body={}, raw=b"", text=text, model=None, stream=False, session_id=session)
 
 
 # ---------------------------------------------------------------- radix tree
+
 
 def test_common_prefix_len_matches_a_character_loop():
     rng = random.Random(0)
@@ -68,8 +68,8 @@ def test_radix_tree_evicts_least_recently_used_text_by_size():
     t = ApproxRadixTree(max_size=100, evict_to=0.9)
     t.insert("A" * 40)
     t.insert("B" * 40)
-    t.insert("A" * 40)          # refresh A: B is now least recently used
-    t.insert("C" * 40)          # 120 chars > 100: evict down to <= 90
+    t.insert("A" * 40)  # refresh A: B is now least recently used
+    t.insert("C" * 40)  # 120 chars > 100: evict down to <= 90
     assert t.size <= 100
     assert t.match("A" * 40) == 40
     assert t.match("C" * 40) == 40
@@ -86,8 +86,10 @@ def test_radix_tree_size_stays_bounded_under_many_inserts():
 
 # ---------------------------------------------------------------- policies
 
+
 def test_every_policy_in_the_cli_choices_is_registered():
     from kvship.router.config import POLICY_NAMES
+
     assert set(POLICY_NAMES) == set(POLICIES)
 
 
@@ -120,17 +122,17 @@ def test_power_of_two_never_picks_the_most_loaded_of_three():
     ws[0].in_flight, ws[1].in_flight, ws[2].in_flight = 0, 10, 20
     p = create_policy("power_of_two", RouterConfig())
     counts = collections.Counter(p.select(ws, req("x")).url for _ in range(600))
-    assert counts[ws[2].url] == 0            # it loses every pairing
+    assert counts[ws[2].url] == 0  # it loses every pairing
     assert counts[ws[0].url] > counts[ws[1].url] > 0
 
 
-def simulate_multi_tenant(policy: CacheAwarePolicy, n_workers: int, n_tenants: int, n_requests: int,
-                          concurrency: int, seed: int = 0):
+def simulate_multi_tenant(
+    policy: CacheAwarePolicy, n_workers: int, n_tenants: int, n_requests: int, concurrency: int, seed: int = 0
+):
     """Interleaved tenants with long shared system prompts; ``concurrency`` requests in flight."""
     rng = random.Random(seed)
     ws = make_workers(n_workers)
-    prompts = [f"system: tenant {t} " + "".join(rng.choice("abcdefgh ") for _ in range(2000))
-               for t in range(n_tenants)]
+    prompts = [f"system: tenant {t} " + "".join(rng.choice("abcdefgh ") for _ in range(2000)) for t in range(n_tenants)]
     placements: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     in_flight: collections.deque = collections.deque()
     load = collections.Counter()
@@ -166,11 +168,11 @@ def test_cache_aware_balances_when_load_is_skewed():
     text = "shared prompt " * 50
     first = policy.select(ws, req(text))
     other = ws[1] if first is ws[0] else ws[0]
-    first.in_flight = 4                        # 4 - 0 <= 4: balanced enough, the prefix wins
+    first.in_flight = 4  # 4 - 0 <= 4: balanced enough, the prefix wins
     assert policy.select(ws, req(text)) is first
-    first.in_flight = 10                       # 10 - 0 > 4 and 10 > 1.5 * 0: least loaded wins
+    first.in_flight = 10  # 10 - 0 > 4 and 10 > 1.5 * 0: least loaded wins
     assert policy.select(ws, req(text)) is other
-    first.in_flight, other.in_flight = 10, 8   # 10 - 8 <= 4: balanced again
+    first.in_flight, other.in_flight = 10, 8  # 10 - 8 <= 4: balanced again
     assert policy.select(ws, req(text + "more")) is other  # both hold the prefix now: less loaded wins
 
 
@@ -217,6 +219,7 @@ def test_session_table_drops_least_recently_used_sessions():
 
 # ---------------------------------------------------------------- circuit breaker
 
+
 def test_circuit_opens_after_consecutive_failures_then_half_opens_after_cooldown():
     now = [0.0]
     b = CircuitBreaker(failure_threshold=3, cooldown=10, clock=lambda: now[0])
@@ -225,7 +228,7 @@ def test_circuit_opens_after_consecutive_failures_then_half_opens_after_cooldown
         b.record_failure()
     assert b.state == CLOSED and b.can_attempt()
     b.on_attempt()
-    b.record_success()                 # a success resets the count
+    b.record_success()  # a success resets the count
     for _ in range(3):
         b.on_attempt()
         b.record_failure()
@@ -235,9 +238,9 @@ def test_circuit_opens_after_consecutive_failures_then_half_opens_after_cooldown
     now[0] = 10.0
     assert b.can_attempt()
     b.on_attempt()
-    assert b.state == HALF_OPEN and not b.can_attempt()   # one trial at a time
+    assert b.state == HALF_OPEN and not b.can_attempt()  # one trial at a time
     b.record_failure()
-    assert b.state == OPEN and not b.can_attempt()        # cool-down restarts
+    assert b.state == OPEN and not b.can_attempt()  # cool-down restarts
     now[0] = 20.0
     b.on_attempt()
     b.record_success()
@@ -254,27 +257,28 @@ def test_circuit_threshold_zero_never_opens():
 
 # ---------------------------------------------------------------- rate limiter
 
+
 async def test_token_bucket_queues_then_refuses_when_queue_is_full():
     bucket = TokenBucket(rate=20, burst=2, queue_size=2, queue_timeout=5)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     await bucket.acquire()
-    await bucket.acquire()                      # burst of 2 at once
+    await bucket.acquire()  # burst of 2 at once
     assert loop.time() - t0 < 0.04
     waiters = [asyncio.create_task(bucket.acquire()) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(RateLimited) as e:
-        await bucket.acquire()                  # queue (2) is full
+        await bucket.acquire()  # queue (2) is full
     assert e.value.retry_after > 0 and e.value.retry_after_header == "1"
     await asyncio.gather(*waiters)
-    assert loop.time() - t0 >= 0.09            # two tokens at 20/s took ~100 ms
+    assert loop.time() - t0 >= 0.09  # two tokens at 20/s took ~100 ms
 
 
 async def test_token_bucket_refuses_a_wait_longer_than_the_queue_timeout():
     bucket = TokenBucket(rate=1, burst=1, queue_size=100, queue_timeout=0.5)
     await bucket.acquire()
     with pytest.raises(RateLimited):
-        await bucket.acquire()                  # next token in 1 s > 0.5 s
+        await bucket.acquire()  # next token in 1 s > 0.5 s
 
 
 async def test_token_bucket_gives_back_the_reservation_of_a_cancelled_waiter():
@@ -287,21 +291,25 @@ async def test_token_bucket_gives_back_the_reservation_of_a_cancelled_waiter():
         await w
     assert bucket.waiting == 0
     await asyncio.sleep(0.1)
-    await asyncio.wait_for(bucket.acquire(), 0.05)   # the cancelled reservation was returned
+    await asyncio.wait_for(bucket.acquire(), 0.05)  # the cancelled reservation was returned
 
 
 # ---------------------------------------------------------------- request parsing
 
-@pytest.mark.parametrize("route,body,msg", [
-    ("/v1/chat/completions", b"{not json", "not valid JSON"),
-    ("/v1/chat/completions", b"[1, 2]", "JSON object"),
-    ("/v1/chat/completions", b'{"model": "m"}', "messages"),
-    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
-    ("/v1/completions", b'{"model": "m"}', "prompt"),
-    ("/v1/completions", b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
-    ("/v1/completions", b'{"model": 5, "prompt": "x"}', "model"),
-    ("/generate", b'{"sampling_params": {}}', "text"),
-])
+
+@pytest.mark.parametrize(
+    "route,body,msg",
+    [
+        ("/v1/chat/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+        ("/v1/chat/completions", b'{"model": "m"}', "messages"),
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+        ("/v1/completions", b'{"model": "m"}', "prompt"),
+        ("/v1/completions", b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
+        ("/v1/completions", b'{"model": 5, "prompt": "x"}', "model"),
+        ("/generate", b'{"sampling_params": {}}', "text"),
+    ],
+)
 def test_malformed_requests_are_refused_with_400(route, body, msg):
     with pytest.raises(RequestError) as e:
         RoutingRequest.parse(route, body)
@@ -309,9 +317,12 @@ def test_malformed_requests_are_refused_with_400(route, body, msg):
 
 
 def test_routing_text_covers_chat_completion_and_native_forms():
-    chat = RoutingRequest.parse("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "system", '
-                                b'"content": "be brief"}, {"role": "user", "content": [{"type": "text", '
-                                b'"text": "hi"}]}], "session_id": "abc"}')
+    chat = RoutingRequest.parse(
+        "/v1/chat/completions",
+        b'{"model": "m", "messages": [{"role": "system", '
+        b'"content": "be brief"}, {"role": "user", "content": [{"type": "text", '
+        b'"text": "hi"}]}], "session_id": "abc"}',
+    )
     assert chat.text == "system: be brief\nuser: hi\n" and chat.session_id == "abc"
     comp = RoutingRequest.parse("/v1/completions", b'{"model": "m", "prompt": ["a", "b"]}')
     assert comp.text == "a\nb" and comp.batch_size == 2

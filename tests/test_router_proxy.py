@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
+from router_fixtures import reply_words, running_router, start_double, start_doubles
 
 from kvship.router.config import RouterConfig
-from router_fixtures import reply_words, running_router, start_double, start_doubles
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,26 +83,28 @@ async def test_streaming_reaches_the_client_chunk_by_chunk(doubles):
                         arrivals.append((time.monotonic() - t0, line[6:]))
     total = arrivals[-1][0]
     assert arrivals[-1][1] == "[DONE]"
-    assert total >= 1.4                       # 5 chunks x 0.3 s
-    assert arrivals[0][0] < total - 1.0        # the first chunk came long before the end
+    assert total >= 1.4  # 5 chunks x 0.3 s
+    assert arrivals[0][0] < total - 1.0  # the first chunk came long before the end
     gaps = [b[0] - a[0] for a, b in zip(arrivals[:5], arrivals[1:6])]
-    assert sum(g > 0.15 for g in gaps) >= 3    # not buffered into one burst
+    assert sum(g > 0.15 for g in gaps) >= 3  # not buffered into one burst
 
 
 async def test_openai_client_works_through_the_router(doubles):
     import openai
+
     async with running_router(cfg(doubles)) as (url, _):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         out = await client.chat.completions.create(model="double-model", messages=CHAT["messages"], max_tokens=3)
         pieces = []
-        stream = await client.chat.completions.create(model="double-model", messages=CHAT["messages"],
-                                                      max_tokens=3, stream=True)
+        stream = await client.chat.completions.create(
+            model="double-model", messages=CHAT["messages"], max_tokens=3, stream=True
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
         models = await client.models.list()
         await client.close()
-    assert out.choices[0].message.content == "".join(pieces)   # same prompt, same worker reply, streamed or not
+    assert out.choices[0].message.content == "".join(pieces)  # same prompt, same worker reply, streamed or not
     assert len(pieces) == 3
     assert [m.id for m in models.data] == ["double-model"]
 
@@ -112,10 +114,17 @@ async def test_models_is_the_union_of_workers_and_requests_route_by_model():
         async with running_router(RouterConfig(worker_urls=[a.url, b.url])) as (url, _):
             async with httpx.AsyncClient() as c:
                 models = (await c.get(url + "/v1/models")).json()
-                workers = [(await c.post(url + "/v1/completions", json={"model": "beta", "prompt": f"p{i}"}))
-                           .headers["x-kvship-worker"] for i in range(6)]
-                unknown = await c.post(url + "/v1/completions", json={"model": "gamma", "prompt": "p"},
-                                       headers={"x-request-id": "unknown-model"})
+                workers = [
+                    (await c.post(url + "/v1/completions", json={"model": "beta", "prompt": f"p{i}"})).headers[
+                        "x-kvship-worker"
+                    ]
+                    for i in range(6)
+                ]
+                unknown = await c.post(
+                    url + "/v1/completions",
+                    json={"model": "gamma", "prompt": "p"},
+                    headers={"x-request-id": "unknown-model"},
+                )
         assert sorted(m["id"] for m in models["data"]) == ["alpha", "beta"]
         assert set(workers) == {b.url}
         assert unknown.status_code == 404
@@ -123,21 +132,27 @@ async def test_models_is_the_union_of_workers_and_requests_route_by_model():
         assert received([a, b], "unknown-model") == []
 
 
-@pytest.mark.parametrize("path,content,status", [
-    ("/v1/chat/completions", b"{oops", 400),
-    ("/v1/chat/completions", b'{"model": "double-model"}', 400),
-    ("/v1/completions", b'{"model": "double-model", "prompt": "' + b"x" * 5000 + b'"}', 413),
-    ("/generate", b'{"stream": 1, "text": "x"}', 400),
-])
+@pytest.mark.parametrize(
+    "path,content,status",
+    [
+        ("/v1/chat/completions", b"{oops", 400),
+        ("/v1/chat/completions", b'{"model": "double-model"}', 400),
+        ("/v1/completions", b'{"model": "double-model", "prompt": "' + b"x" * 5000 + b'"}', 413),
+        ("/generate", b'{"stream": 1, "text": "x"}', 400),
+    ],
+)
 async def test_bad_requests_get_4xx_without_reaching_a_worker(doubles, path, content, status):
     async with running_router(cfg(doubles, max_request_bytes=4096)) as (url, _):
         async with httpx.AsyncClient() as c:
-            r = await c.post(url + path, content=content, headers={"x-request-id": "bad-1",
-                                                                  "content-type": "application/json"})
+            r = await c.post(
+                url + path, content=content, headers={"x-request-id": "bad-1", "content-type": "application/json"}
+            )
+
             # a chunked body (no Content-Length) over the limit is cut off too
             async def body():
                 for _ in range(10):
                     yield b"x" * 1000
+
             big = await c.post(url + "/generate", content=body(), headers={"x-request-id": "bad-2"})
     assert r.status_code == status
     assert "error" in r.json() and r.json()["error"]["message"]
@@ -150,8 +165,14 @@ async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(dou
         async with httpx.AsyncClient() as c:
             good = {"authorization": "Bearer sekret", "x-request-id": "auth-ok"}
             assert (await c.get(url + "/health")).status_code == 200
-            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                                 ("GET", "/workers"), ("POST", "/workers"), ("DELETE", "/workers?url=x")):
+            for method, path in (
+                ("POST", "/v1/chat/completions"),
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("GET", "/workers"),
+                ("POST", "/workers"),
+                ("DELETE", "/workers?url=x"),
+            ):
                 r = await c.request(method, url + path, json=CHAT, headers={"authorization": "Bearer wrong"})
                 assert r.status_code == 401, path
                 assert r.json()["error"]["code"] == "invalid_api_key"
@@ -164,14 +185,13 @@ async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(dou
 
 
 async def test_rate_limit_answers_429_with_retry_after_when_the_queue_is_full(doubles):
-    config = cfg(doubles, rate_limit_rps=0.5, rate_limit_burst=2, rate_limit_queue_size=1,
-                 rate_limit_queue_timeout=5)
+    config = cfg(doubles, rate_limit_rps=0.5, rate_limit_burst=2, rate_limit_queue_size=1, rate_limit_queue_timeout=5)
     async with running_router(config) as (url, _):
         async with httpx.AsyncClient(timeout=30) as c:
             rs = await asyncio.gather(*(c.post(url + "/v1/chat/completions", json=CHAT) for _ in range(6)))
             metrics = (await c.get(url + "/metrics")).text
     codes = collections.Counter(r.status_code for r in rs)
-    assert codes == {200: 3, 429: 3}           # burst 2 + 1 queued (its token comes 2 s later)
+    assert codes == {200: 3, 429: 3}  # burst 2 + 1 queued (its token comes 2 s later)
     limited = [r for r in rs if r.status_code == 429]
     assert all(int(r.headers["retry-after"]) >= 1 for r in limited)
     assert all(r.json()["error"]["code"] == "rate_limited" for r in limited)
@@ -192,8 +212,10 @@ async def test_worker_5xx_before_any_byte_is_retried_on_another_worker(doubles):
     doubles[0].control(fail_next=100, fail_status=503)
     async with running_router(cfg(doubles, policy="round_robin", retry_backoff_base=0.01)) as (url, _):
         async with httpx.AsyncClient() as c:
-            rs = [await c.post(url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": f"retry-{i}"})
-                  for i in range(6)]
+            rs = [
+                await c.post(url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": f"retry-{i}"})
+                for i in range(6)
+            ]
             metrics = (await c.get(url + "/metrics")).text
     assert all(r.status_code == 200 for r in rs)
     assert all(r.headers["x-kvship-worker"] != doubles[0].url for r in rs)
@@ -270,8 +292,9 @@ async def test_every_policy_serves_requests_over_all_workers(doubles, policy):
     async with running_router(cfg(doubles, policy=policy)) as (url, _):
         async with httpx.AsyncClient() as c:
             prompts = [f"{i} distinct prompt {random.random()}" * 3 for i in range(30)]
-            rs = await asyncio.gather(*(c.post(url + "/v1/completions",
-                                               json={"model": "double-model", "prompt": p}) for p in prompts))
+            rs = await asyncio.gather(
+                *(c.post(url + "/v1/completions", json={"model": "double-model", "prompt": p}) for p in prompts)
+            )
     assert all(r.status_code == 200 for r in rs)
     used = collections.Counter(r.headers["x-kvship-worker"] for r in rs)
     assert len(used) == 3, used
@@ -280,12 +303,21 @@ async def test_every_policy_serves_requests_over_all_workers(doubles, policy):
 async def test_session_id_sticks_to_one_worker_over_http(doubles):
     async with running_router(cfg(doubles, policy="round_robin")) as (url, _):
         async with httpx.AsyncClient() as c:
-            by_header = {(await c.post(url + "/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-1"}))
-                         .headers["x-kvship-worker"] for _ in range(6)}
-            by_field = {(await c.post(url + "/v1/chat/completions", json={**CHAT, "session_id": "s-2"}))
-                        .headers["x-kvship-worker"] for _ in range(6)}
-            free = {(await c.post(url + "/v1/chat/completions", json=CHAT)).headers["x-kvship-worker"]
-                    for _ in range(6)}
+            by_header = {
+                (await c.post(url + "/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-1"})).headers[
+                    "x-kvship-worker"
+                ]
+                for _ in range(6)
+            }
+            by_field = {
+                (await c.post(url + "/v1/chat/completions", json={**CHAT, "session_id": "s-2"})).headers[
+                    "x-kvship-worker"
+                ]
+                for _ in range(6)
+            }
+            free = {
+                (await c.post(url + "/v1/chat/completions", json=CHAT)).headers["x-kvship-worker"] for _ in range(6)
+            }
     assert len(by_header) == 1 and len(by_field) == 1 and len(free) == 3
 
 
@@ -293,19 +325,29 @@ async def test_cache_aware_keeps_each_tenant_on_one_worker_over_http(doubles):
     for d in doubles:
         d.control(delay=0.03)
     rng = random.Random(7)
-    tenants = [f"You are assistant number {t}. " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"])
-                                                           for _ in range(300)) for t in range(6)]
+    tenants = [
+        f"You are assistant number {t}. "
+        + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(300))
+        for t in range(6)
+    ]
     placements: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     async with running_router(cfg(doubles, policy="cache_aware")) as (url, _):
         async with httpx.AsyncClient(timeout=30) as c:
+
             async def one(i: int) -> None:
                 t = rng.randrange(len(tenants))
-                body = {"model": "double-model", "messages": [{"role": "system", "content": tenants[t]},
-                                                              {"role": "user", "content": f"question {i}?"}]}
+                body = {
+                    "model": "double-model",
+                    "messages": [
+                        {"role": "system", "content": tenants[t]},
+                        {"role": "user", "content": f"question {i}?"},
+                    ],
+                }
                 r = await c.post(url + "/v1/chat/completions", json=body)
                 assert r.status_code == 200
                 placements[t][r.headers["x-kvship-worker"]] += 1
-            for start in range(0, 120, 6):          # 6 requests in flight at a time, tenants interleaved
+
+            for start in range(0, 120, 6):  # 6 requests in flight at a time, tenants interleaved
                 await asyncio.gather(*(one(i) for i in range(start, start + 6)))
     load = collections.Counter()
     for t, counter in placements.items():

@@ -8,22 +8,34 @@ import time
 
 import httpx
 import pytest
+from router_fixtures import running_router
 
 from kvship.router.config import RouterConfig
-from router_fixtures import running_router
 
 server_fixtures = pytest.importorskip("server_fixtures", reason="tests/server_fixtures.py (real workers) missing")
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-PROMPTS = ["The quick brown fox", "What is the capital of France?", "Hello, world! This is",
-           "KV caches store keys and values"]
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France?",
+    "Hello, world! This is",
+    "KV caches store keys and values",
+]
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama_dir):
-    args = ["--model-path", tiny_llama_dir, "--served-model-name", "tiny", "--max-total-tokens", "4096",
-            "--max-running-requests", "8"]
+    args = [
+        "--model-path",
+        tiny_llama_dir,
+        "--served-model-name",
+        "tiny",
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "8",
+    ]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(server_fixtures.start_server(args)) for _ in range(2)]
 
@@ -33,18 +45,23 @@ async def test_greedy_outputs_through_the_router_equal_a_worker_hit_directly(wor
         async with httpx.AsyncClient(timeout=120) as c:
             for prompt in PROMPTS:
                 comp = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-                chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
-                        "temperature": 0, "ignore_eos": True}
-                gen = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                           "ignore_eos": True}}
-                for path, body, pick in (("/v1/completions", comp, lambda j: j["choices"][0]["text"]),
-                                         ("/v1/chat/completions", chat,
-                                          lambda j: j["choices"][0]["message"]["content"]),
-                                         ("/generate", gen, lambda j: j["text"])):
+                chat = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                gen = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+                for path, body, pick in (
+                    ("/v1/completions", comp, lambda j: j["choices"][0]["text"]),
+                    ("/v1/chat/completions", chat, lambda j: j["choices"][0]["message"]["content"]),
+                    ("/generate", gen, lambda j: j["text"]),
+                ):
                     routed = await c.post(url + path, json=body)
                     assert routed.status_code == 200, routed.text
                     assert routed.headers["x-kvship-worker"] in [w.url for w in workers]
-                    assert pick(routed.json())                     # twelve tokens of text, not nothing
+                    assert pick(routed.json())  # twelve tokens of text, not nothing
                     for w in workers:
                         direct = await c.post(w.url + path, json=body)
                         assert direct.status_code == 200, direct.text
@@ -54,8 +71,7 @@ async def test_greedy_outputs_through_the_router_equal_a_worker_hit_directly(wor
 async def test_streaming_from_a_real_worker_arrives_incrementally_and_matches_the_full_reply(workers):
     async with running_router(RouterConfig(worker_urls=[w.url for w in workers])) as (url, _):
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0,
-                    "ignore_eos": True}
+            body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
             full = (await c.post(url + "/v1/completions", json=body)).json()["choices"][0]["text"]
             t0 = time.monotonic()
             stamps, pieces = [], []
@@ -68,4 +84,4 @@ async def test_streaming_from_a_real_worker_arrives_incrementally_and_matches_th
                         pieces.extend(ch.get("text") or "" for ch in choices)
     assert "".join(pieces) == full
     assert len(stamps) > 3
-    assert stamps[0] < stamps[-1]        # the first chunk came before the request finished
+    assert stamps[0] < stamps[-1]  # the first chunk came before the request finished

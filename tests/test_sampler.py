@@ -36,7 +36,7 @@ def chi_square(counts, probs):
 
 def known_logits(probs, rows):
     base = torch.full((V,), -1e9)
-    base[:len(probs)] = torch.log(torch.tensor(probs))
+    base[: len(probs)] = torch.log(torch.tensor(probs))
     return base.repeat(rows, 1)
 
 
@@ -71,15 +71,17 @@ def test_same_seed_gives_identical_tokens_regardless_of_batch_neighbours():
     others = [SamplingParams(temperature=1.0)] * 3
     run_b = sample(torch.cat([logits[3:4], logits[1:3], logits[:1]]), reqs_for(others + [p]), seed=99)
     assert run_b.next_token_ids.tolist()[3] == run_a[0]
+
     # a whole seeded sequence repeats exactly
     def seq(seed):
         r = reqs_for([SamplingParams(temperature=1.0, seed=seed)])
         toks = []
         for step in range(40):
-            tid = sample(logits[step % 4: step % 4 + 1], r).next_token_ids.item()
+            tid = sample(logits[step % 4 : step % 4 + 1], r).next_token_ids.item()
             r[0].output_ids.append(tid)
             toks.append(tid)
         return toks
+
     assert seq(7) == seq(7)
     assert seq(7) != seq(8)
 
@@ -122,14 +124,15 @@ def test_top_k_with_temperature_samples_the_renormalised_top_tokens():
     out = sample(known_logits(probs, n), reqs_for([SamplingParams(temperature=0.5, top_k=2)] * n), seed=8)
     counts = torch.bincount(out.next_token_ids, minlength=V).tolist()
     assert set(i for i, c in enumerate(counts) if c) == {0, 1}
-    sharp = [0.5 ** 2, 0.25 ** 2]  # temperature 0.5 squares the probabilities
+    sharp = [0.5**2, 0.25**2]  # temperature 0.5 squares the probabilities
     assert chi_square(counts[:2], [s / sum(sharp) for s in sharp]) < 10.83
 
 
 def test_penalties_match_hand_computed_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
-    info = PenaltyInfo.build([[1]], [[2, 2, 3]], frequency=[0.5], presence=[0.25], repetition=[2.0],
-                             vocab_size=4, device="cpu")
+    info = PenaltyInfo.build(
+        [[1]], [[2, 2, 3]], frequency=[0.5], presence=[0.25], repetition=[2.0], vocab_size=4, device="cpu"
+    )
     got = info.apply(logits)
     # repetition over prompt+output {1,2,3}: -1 -> -2, 0.5 -> 0.25, 0 -> 0;
     # then token 2 (count 2): 0.25 - 2*0.5 - 0.25 = -1.0, token 3 (count 1): 0 - 0.5 - 0.25 = -0.75
@@ -151,8 +154,11 @@ def test_penalties_change_the_greedy_choice():
 def test_logprobs_are_log_softmax_of_raw_logits_with_sorted_top_alternatives():
     torch.manual_seed(3)
     logits = torch.randn(3, V)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.7, seed=1),
-              SamplingParams(temperature=1.0, top_p=0.5)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.5),
+    ]
     reqs = reqs_for(params, logprob=True, top=4)
     reqs[2].top_logprobs_num = 2
     out = sample(logits, reqs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -24,8 +24,8 @@ from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.schedule_batch import Req
-from kvship.engine.scheduler.policy import SchedulerTuning
 from kvship.engine.scheduler import Scheduler, SchedulerClosedError
+from kvship.engine.scheduler.policy import SchedulerTuning
 
 VOCAB = 64
 EOS = 1
@@ -43,7 +43,7 @@ def reference(prompt: list[int], n: int, fn: Callable[[list[int]], int] = next_t
     ctx = list(prompt)
     for _ in range(n):
         ctx.append(fn(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 @dataclasses.dataclass
@@ -55,8 +55,15 @@ class FakeModelConfig:
 class FakeRunner:
     """Test double with ModelRunner's public attributes and forward contract."""
 
-    def __init__(self, total_tokens=256, page_size=1, context_len=512, max_reqs=16,
-                 fn: Callable[[list[int]], int] = next_token, logit_scale: float = 30.0):
+    def __init__(
+        self,
+        total_tokens=256,
+        page_size=1,
+        context_len=512,
+        max_reqs=16,
+        fn: Callable[[list[int]], int] = next_token,
+        logit_scale: float = 30.0,
+    ):
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.model_config = FakeModelConfig()
@@ -164,8 +171,9 @@ def assert_all_free(sched):
 
 @pytest.mark.parametrize("ps", [1, 4])
 def test_concurrent_requests_match_the_reference_with_chunked_prefill(ps):
-    sched, runner, out = make(FakeRunner(total_tokens=1024, page_size=ps), page_size=ps,
-                              chunked_prefill_size=8, max_prefill_tokens=16)
+    sched, runner, out = make(
+        FakeRunner(total_tokens=1024, page_size=ps), page_size=ps, chunked_prefill_size=8, max_prefill_tokens=16
+    )
     prompts = {f"r{i}": prompt(n, i) for i, n in enumerate([3, 30, 7, 19, 1, 12])}
     for rid, p in prompts.items():
         sched.submit(GenerateRequest(rid, p, greedy(12)))
@@ -327,7 +335,7 @@ def test_stop_string_ends_generation_where_it_first_appears():
     sched.submit(GenerateRequest("s", p, greedy(30, stop=["zzzzzz", stop])))
     run(sched)
     toks = out.tokens("s")
-    assert toks == ref[:first + 3]
+    assert toks == ref[: first + 3]
     assert out.final("s").finish_reason == {"type": "stop", "matched": stop}
     assert_all_free(sched)
 
@@ -374,8 +382,12 @@ def test_bad_requests_finish_with_an_abort_message_and_serving_continues():
     sched.submit(GenerateRequest("ok", prompt(5, 2), greedy(3)))
     sched.submit(GenerateRequest("ok", prompt(5, 2), greedy(3)))  # duplicate rid while "ok" is open
     run(sched)
-    for rid, words in [("long", "context length"), ("empty", "empty"), ("badtok", "token ids"),
-                       ("badtemp", "temperature")]:
+    for rid, words in [
+        ("long", "context length"),
+        ("empty", "empty"),
+        ("badtok", "token ids"),
+        ("badtemp", "temperature"),
+    ]:
         fin = out.final(rid)
         assert fin.finish_reason["type"] == "abort" and words in fin.finish_reason["message"], fin
     okf = [c for c in out.chunks if c.rid == "ok" and c.finished]
@@ -517,7 +529,7 @@ def test_many_requests_with_aborts_and_stop_strings_leave_every_slot_free():
     rids = []
     for i in range(200):
         n = int(torch.randint(1, 40, (1,), generator=g))
-        p = (shared[:int(torch.randint(0, 20, (1,), generator=g))] + prompt(n, i))[:60]
+        p = (shared[: int(torch.randint(0, 20, (1,), generator=g))] + prompt(n, i))[:60]
         stop = ["ab"] if i % 5 == 0 else []
         sched.submit(GenerateRequest(f"q{i}", p, greedy(int(torch.randint(1, 30, (1,), generator=g)), stop=stop)))
         rids.append(f"q{i}")

@@ -53,9 +53,10 @@ def hf_generate(model_dir, prompt_list, max_new=MAX_NEW):
         with torch.no_grad():
             for p in prompt_list:
                 ids = torch.tensor([p])
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_new, pad_token_id=0)
-                outs.append(gen[0, len(p):].tolist())
+                gen = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, pad_token_id=0
+                )
+                outs.append(gen[0, len(p) :].tolist())
         _HF_CACHE[key] = outs
     return _HF_CACHE[key]
 
@@ -137,8 +138,14 @@ def test_shared_prefix_is_served_from_cache_and_equals_a_cold_run(tiny_llama_dir
 def test_two_hundred_requests_with_aborts_and_stop_strings_free_every_slot(tiny_qwen2_dir):
     from kvship.engine.tokenizer import load_tokenizer
 
-    sa = ServerArgs(model_path=tiny_qwen2_dir, device="cpu", max_total_tokens=768, page_size=16,
-                    chunked_prefill_size=64, max_running_requests=24)
+    sa = ServerArgs(
+        model_path=tiny_qwen2_dir,
+        device="cpu",
+        max_total_tokens=768,
+        page_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=24,
+    )
     runner = ModelRunner(sa)
     tok = load_tokenizer(tiny_qwen2_dir)
     out = Collector()
@@ -151,10 +158,16 @@ def test_two_hundred_requests_with_aborts_and_stop_strings_free_every_slot(tiny_
     try:
         for i in range(200):
             n = int(torch.randint(1, 48, (1,), generator=g))
-            p = shared[:int(torch.randint(0, 48, (1,), generator=g))] + torch.randint(3, 384, (n,), generator=g).tolist()
-            params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i if i % 3 == 0 else None,
-                                    max_new_tokens=int(torch.randint(1, 24, (1,), generator=g)),
-                                    stop=["e", "th"] if i % 4 == 0 else [])
+            p = (
+                shared[: int(torch.randint(0, 48, (1,), generator=g))]
+                + torch.randint(3, 384, (n,), generator=g).tolist()
+            )
+            params = SamplingParams(
+                temperature=0.0 if i % 2 else 0.8,
+                seed=i if i % 3 == 0 else None,
+                max_new_tokens=int(torch.randint(1, 24, (1,), generator=g)),
+                stop=["e", "th"] if i % 4 == 0 else [],
+            )
             rid = f"q{i}"
             sched.submit(GenerateRequest(rid, p, params))
             rids.append(rid)
@@ -182,8 +195,7 @@ def test_two_hundred_requests_with_aborts_and_stop_strings_free_every_slot(tiny_
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention_backend", ["torch_native", "triton"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_scheduler_on_cuda_matches_transformers_and_reproduces_seeded_sampling(page_size, attention_backend,
-                                                                                request):
+def test_scheduler_on_cuda_matches_transformers_and_reproduces_seeded_sampling(page_size, attention_backend, request):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: this test runs on the GPU machine")
     if attention_backend == "triton":
@@ -192,21 +204,31 @@ def test_scheduler_on_cuda_matches_transformers_and_reproduces_seeded_sampling(p
 
     tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")
 
-    sched, runner, out = make(tiny_llama_dir, device="cuda", dtype="float32", page_size=page_size,
-                              chunked_prefill_size=16, attention_backend=attention_backend)
+    sched, runner, out = make(
+        tiny_llama_dir,
+        device="cuda",
+        dtype="float32",
+        page_size=page_size,
+        chunked_prefill_size=16,
+        attention_backend=attention_backend,
+    )
     ps = prompts(runner.model_config.vocab_size)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).cuda().eval()
     expected = []
     with torch.no_grad():
         for p in ps:
             ids = torch.tensor([p], device="cuda")
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW, pad_token_id=0)
-            expected.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0
+            )
+            expected.append(gen[0, len(p) :].tolist())
     for i, p in enumerate(ps):
         sched.submit(GenerateRequest(f"g{i}", p, greedy()))
-        sched.submit(GenerateRequest(f"s{i}", p, SamplingParams(temperature=1.0, top_p=0.9, seed=7,
-                                                                max_new_tokens=16, ignore_eos=True)))
+        sched.submit(
+            GenerateRequest(
+                f"s{i}", p, SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True)
+            )
+        )
     drain(sched)
     for i, p in enumerate(ps):
         got = out.tokens(f"g{i}")
@@ -221,8 +243,11 @@ def test_scheduler_on_cuda_matches_transformers_and_reproduces_seeded_sampling(p
         gap = float(logits.max() - logits[got[j]])
         assert gap < 1e-3, f"prompt {i} step {j}: token {got[j]} is {gap:.2e} below transformers' best"
     # the same seeded request alone gives what it gave inside the batch
-    sched.submit(GenerateRequest("again", ps[3], SamplingParams(temperature=1.0, top_p=0.9, seed=7,
-                                                                max_new_tokens=16, ignore_eos=True)))
+    sched.submit(
+        GenerateRequest(
+            "again", ps[3], SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True)
+        )
+    )
     drain(sched)
     assert out.tokens("again") == out.tokens("s3")
     assert_all_free(sched)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from server_fixtures import ServerHandle, start_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,8 +25,10 @@ def test_embedded_model_is_served_by_default(server, smollm2_path):
 
 
 def test_capital_of_france_is_paris_over_http(server):
-    r = server.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct", "messages": QUESTION,
-                                                  "max_tokens": 24, "temperature": 0})
+    r = server.post(
+        "/v1/chat/completions",
+        json={"model": "SmolLM2-135M-Instruct", "messages": QUESTION, "max_tokens": 24, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     answer = r.json()["choices"][0]["message"]["content"]
     assert "Paris" in answer, answer
@@ -35,11 +36,15 @@ def test_capital_of_france_is_paris_over_http(server):
 
 def test_capital_of_france_is_paris_through_the_openai_client_streaming_and_not(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24,
-                                         temperature=0)
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24, temperature=0)
     assert "Paris" in out.choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == out.choices[0].message.content
 
 
@@ -59,7 +64,10 @@ def test_second_identical_chat_hits_the_prefix_cache(server):
 
 def test_multibyte_prompt_round_trips_with_echo(server):
     prompt = "Café ☕ 日本 🙂:"
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "echo": True,
-                                                         "temperature": 0}, timeout=60).json()
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 3, "echo": True, "temperature": 0},
+        timeout=60,
+    ).json()
     text = r["choices"][0]["text"]
-    assert text.startswith(prompt) and "\ufffd" not in text[:len(prompt)]
+    assert text.startswith(prompt) and "\ufffd" not in text[: len(prompt)]

@@ -41,16 +41,20 @@ def test_folder_tokenizer_renders_chat_with_generation_prompt(tiny_tok):
 
 def test_text_content_parts_are_joined(tiny_tok):
     parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
-    assert tiny_tok.apply_chat_template([{"role": "user", "content": parts}]) == \
-        tiny_tok.apply_chat_template([{"role": "user", "content": "Hello, world"}])
+    assert tiny_tok.apply_chat_template([{"role": "user", "content": parts}]) == tiny_tok.apply_chat_template(
+        [{"role": "user", "content": "Hello, world"}]
+    )
 
 
-@pytest.mark.parametrize("messages", [
-    [],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-    [{"role": "user", "content": 42}],
-    [{"content": "no role"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": 42}],
+        [{"content": "no role"}],
+    ],
+)
 def test_unrenderable_conversations_raise_chat_template_error(tiny_tok, messages):
     with pytest.raises(ChatTemplateError):
         tiny_tok.apply_chat_template(messages)
@@ -58,7 +62,9 @@ def test_unrenderable_conversations_raise_chat_template_error(tiny_tok, messages
 
 def test_template_raise_exception_becomes_chat_template_error(tiny_llama_dir):
     tok = load_tokenizer(tiny_llama_dir)
-    tok.hf.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x"
+    tok.hf.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x"
+    )
     with pytest.raises(ChatTemplateError, match="first must be user"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
 
@@ -84,10 +90,10 @@ def test_gguf_tokenizer_cache_gives_the_same_tokenizer(smollm2_path, tmp_path, m
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("KVSHIP_CACHE_DIR", str(tmp_path))
-    first = load_tokenizer(smollm2_path)          # converts and writes the cache
+    first = load_tokenizer(smollm2_path)  # converts and writes the cache
     cached_dirs = os.listdir(tmp_path / "gguf-tokenizers")
     assert len(cached_dirs) == 1 and not cached_dirs[0].count(".tmp")
-    second = load_tokenizer(smollm2_path)         # reads the cache
+    second = load_tokenizer(smollm2_path)  # reads the cache
     direct = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
     for s in SAMPLES:
         assert first.encode(s) == second.encode(s) == direct.encode(s)
@@ -109,7 +115,7 @@ def test_token_bytes_of_byte_fallback_pieces():
     tok = Tokenizer(build_byte_fallback_tokenizer())
     ids = tok.encode("fox 🎉", add_special_tokens=False)
     joined = bytes(b for t in ids for b in tok.token_bytes(t))
-    assert joined.strip() == "fox 🎉".encode("utf-8")
+    assert joined.strip() == "fox 🎉".encode()
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
@@ -122,5 +128,5 @@ def test_length_precheck_never_refuses_a_text_that_fits(which, request):
     tok: Tokenizer = request.getfixturevalue(which)
     for text in SAMPLES + ["a" * 5000, "🙂" * 2000, " ".join(["word"] * 3000)]:
         n = len(tok.encode(text))
-        assert not tok.surely_longer_than(text, n)       # never a false refusal
-    assert tok.surely_longer_than("x" * 10 ** 6, 100)
+        assert not tok.surely_longer_than(text, n)  # never a false refusal
+    assert tok.surely_longer_than("x" * 10**6, 100)

@@ -58,8 +58,8 @@ class AttentionContext:
     """
 
     device: torch.device
-    dtype: torch.dtype      # of q / k / v and of the output
-    kv_dtype: torch.dtype   # of the KV pool
+    dtype: torch.dtype  # of q / k / v and of the output
+    kv_dtype: torch.dtype  # of the KV pool
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -98,20 +98,41 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-step metadata shared by all layers."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Attention for new tokens over cached prefix + themselves (causal)."""
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         """Attention for one new token per request over its whole context."""
 
     # --- CUDA-graph hooks -------------------------------------------------
@@ -120,15 +141,26 @@ class AttentionBackend(ABC):
         """Allocate the fixed buffers graphs capture against (once)."""
 
     @abstractmethod
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+    ) -> None:
         """Point the metadata at the fixed buffers for a capture of batch ``bs``."""
 
     @abstractmethod
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode,
-                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        forward_mode: ForwardMode,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> None:
         """Refresh the fixed buffers in place before replaying the graph for ``bs``."""
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -151,6 +183,7 @@ def register_attention_backend(name: str) -> Callable[[BackendFactory], BackendF
     def deco(factory: BackendFactory) -> BackendFactory:
         _REGISTRY[name] = factory
         return factory
+
     return deco
 
 
@@ -161,6 +194,7 @@ def create_attention_backend(name: str, ctx: AttentionContext) -> AttentionBacke
     (e.g. ``flashinfer`` without the package)."""
     if name not in _REGISTRY and name in _LAZY_MODULES:
         import importlib
+
         try:
             importlib.import_module(_LAZY_MODULES[name])
         except ImportError as e:

@@ -45,8 +45,12 @@ import flashinfer
 import torch
 
 from kvship.common.envs import ENV
-from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
-                                         register_attention_backend)
+from kvship.engine.attention.base import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    register_attention_backend,
+)
 from kvship.engine.attention.triton_backend import DecodeSplits, TritonDecodeMeta
 from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
@@ -128,11 +132,13 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_heads = ctx.num_heads
         self.num_kv_heads = ctx.num_kv_heads
         self.head_dim = ctx.head_dim
-        self.sm_scale = self.head_dim ** -0.5
+        self.sm_scale = self.head_dim**-0.5
         self.q_dtype = ctx.dtype
         if self.q_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"the flashinfer attention backend runs bfloat16/float16 models, not {self.q_dtype}; "
-                             "use --dtype bfloat16 or another attention backend")
+            raise ValueError(
+                f"the flashinfer attention backend runs bfloat16/float16 models, not {self.q_dtype}; "
+                "use --dtype bfloat16 or another attention backend"
+            )
         self.kv_dtype = ctx.kv_dtype
         self.page_size = ctx.page_size
         self.use_tensor_cores = ctx.gqa_group >= 4
@@ -167,14 +173,20 @@ class FlashInferAttnBackend(AttentionBackend):
         tc = self.tensor_cores_for(bs)
         w = self._decode_wrappers.get(tc)
         if w is None:
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc,
-                                                              backend="fa2")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc, backend="fa2")
             self._decode_wrappers[tc] = w
         return w
 
     # --- planning ----------------------------------------------------------
-    def _plan_decode(self, wrapper, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, seq_lens_cpu: list[int], indices_out: Optional[torch.Tensor]) -> None:
+    def _plan_decode(
+        self,
+        wrapper,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        indices_out: Optional[torch.Tensor],
+    ) -> None:
         indptr, last, total = paged_layout(seq_lens_cpu, self.page_size)
         # pinned: a copy from pageable memory may wait for the stream, i.e. for the step still running on the
         # GPU, which would stall the overlap scheduler's launch of the next step
@@ -187,9 +199,19 @@ class FlashInferAttnBackend(AttentionBackend):
         build_kv_indices(req_to_token, req_pool_indices, seq_lens, indptr_dev, indices_out, self.page_size)
         lo, hi = self.no_split_decode_bs
         # the choice depends on the (graph) batch size only, so a replay and an eager step plan the same kernel
-        wrapper.plan(indptr, indices_out[:total], last, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
-                     disable_split_kv=lo <= len(seq_lens_cpu) <= hi)
+        wrapper.plan(
+            indptr,
+            indices_out[:total],
+            last,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype,
+            sm_scale=self.sm_scale,
+            disable_split_kv=lo <= len(seq_lens_cpu) <= hi,
+        )
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -199,8 +221,14 @@ class FlashInferAttnBackend(AttentionBackend):
             meta = self.triton_splits.eager_meta(fb.batch_size)
         elif fb.forward_mode.is_decode():
             wrapper = self._decode_wrapper(fb.batch_size)
-            self._plan_decode(wrapper, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                              fb.seq_lens, list(fb.seq_lens_cpu), None)
+            self._plan_decode(
+                wrapper,
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                list(fb.seq_lens_cpu),
+                None,
+            )
             meta = FlashInferDecodeMeta(wrapper)
         else:
             meta = self._plan_extend(fb)
@@ -208,30 +236,58 @@ class FlashInferAttnBackend(AttentionBackend):
         fb.attn_metadata = meta
 
     def _plan_extend(self, fb: ForwardBatch) -> FlashInferExtendMeta:
-        ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
-            else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
-        pre = list(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu is not None \
+        ext = (
+            list(fb.extend_seq_lens_cpu)
+            if fb.extend_seq_lens_cpu is not None
+            else [int(x) for x in fb.extend_seq_lens.tolist()]
+        )  # type: ignore[union-attr]
+        pre = (
+            list(fb.extend_prefix_lens_cpu)
+            if fb.extend_prefix_lens_cpu is not None
             else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
+        )
         qo_indptr = [0] * (len(ext) + 1)
         for i, e in enumerate(ext):
             qo_indptr[i + 1] = qo_indptr[i] + e
         qo = torch.tensor(qo_indptr, dtype=torch.int32)
-        self.ragged_wrapper.plan(qo, qo, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
-                                 sm_scale=self.sm_scale, q_data_type=self.q_dtype, kv_data_type=self.q_dtype)
+        self.ragged_wrapper.plan(
+            qo,
+            qo,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            causal=True,
+            sm_scale=self.sm_scale,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.q_dtype,
+        )
         has_prefix = any(p > 0 for p in pre)
         if has_prefix:
             indptr, last, total = paged_layout(pre, self.page_size)
             indptr_dev = indptr.to(self.device, non_blocking=True)
             indices = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
             prefix_dev = torch.tensor(pre, dtype=torch.int32).to(self.device, non_blocking=True)
-            build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, prefix_dev, indptr_dev,
-                             indices, self.page_size)
-            self.paged_wrapper.plan(qo, indptr, indices[:total], last, self.num_heads, self.num_kv_heads,
-                                    self.head_dim, self.page_size, causal=False, sm_scale=self.sm_scale,
-                                    q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
+            build_kv_indices(
+                fb.req_to_token_pool.req_to_token, fb.req_pool_indices, prefix_dev, indptr_dev, indices, self.page_size
+            )
+            self.paged_wrapper.plan(
+                qo,
+                indptr,
+                indices[:total],
+                last,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                causal=False,
+                sm_scale=self.sm_scale,
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_dtype,
+            )
             # rows of requests without a prefix have no paged keys: the merge ignores their paged output
-            mask = torch.repeat_interleave(torch.tensor([p > 0 for p in pre], dtype=torch.int8),
-                                           torch.tensor(ext, dtype=torch.int64))
+            mask = torch.repeat_interleave(
+                torch.tensor([p > 0 for p in pre], dtype=torch.int8), torch.tensor(ext, dtype=torch.int64)
+            )
             return FlashInferExtendMeta(True, mask.to(self.device, non_blocking=True))
         return FlashInferExtendMeta(False)
 
@@ -244,11 +300,20 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _check_layer(self, layer: AttentionLayerSpec) -> None:
         if abs(layer.scaling - self.sm_scale) > 1e-12 * max(1.0, self.sm_scale):
-            raise ValueError(f"layer {layer.layer_id} uses attention scaling {layer.scaling}, the flashinfer "
-                             f"backend planned with {self.sm_scale}")
+            raise ValueError(
+                f"layer {layer.layer_id} uses attention scaling {layer.scaling}, the flashinfer "
+                f"backend planned with {self.sm_scale}"
+            )
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: FlashInferExtendMeta = self.forward_metadata  # type: ignore[assignment]
         self._check_layer(layer)
@@ -261,14 +326,22 @@ class FlashInferAttnBackend(AttentionBackend):
         if not meta.has_prefix:
             return self.ragged_wrapper.run(qh, kh, vh).view(-1, h * d)
         o_new, lse_new = self.ragged_wrapper.run(qh, kh, vh, return_lse=True, lse_base="ln")
-        o_pre, lse_pre = self.paged_wrapper.run(qh, self._paged_cache(fb, layer.layer_id), return_lse=True,
-                                                lse_base="ln")
+        o_pre, lse_pre = self.paged_wrapper.run(
+            qh, self._paged_cache(fb, layer.layer_id), return_lse=True, lse_base="ln"
+        )
         out = torch.empty_like(qh)
         merge_state(o_new, lse_new, o_pre, lse_pre, out, meta.prefix_token_mask)
         return out.view(-1, h * d)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: FlashInferDecodeMeta = self.forward_metadata  # type: ignore[assignment]
         self._check_layer(layer)
@@ -278,9 +351,20 @@ class FlashInferAttnBackend(AttentionBackend):
         if isinstance(meta, TritonDecodeMeta):
             qh = q.view(-1, h, d)
             out = torch.empty_like(qh)
-            decode_attention(qh, fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
-                             out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, meta.mid_out,
-                             meta.mid_lse, meta.num_splits, layer.scaling, counters=meta.counters)
+            decode_attention(
+                qh,
+                fb.kv_pool.get_key_buffer(layer.layer_id),
+                fb.kv_pool.get_value_buffer(layer.layer_id),
+                out,
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                meta.mid_out,
+                meta.mid_lse,
+                meta.num_splits,
+                layer.scaling,
+                counters=meta.counters,
+            )
             return out.view(-1, h * d)
         out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
         return out.view(-1, h * d)
@@ -299,8 +383,14 @@ class FlashInferAttnBackend(AttentionBackend):
         if lo <= hi and lo <= max_bs:
             self.triton_splits.init_graph_scratch(min(max_bs, hi))
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+    ) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the flashinfer backend captures decode graphs only, not {forward_mode.name}")
         if self._cg_indices is None or self._cg_indptr is None or self._cg_last is None:
@@ -310,19 +400,30 @@ class FlashInferAttnBackend(AttentionBackend):
             self.forward_metadata = self.triton_splits.graph_meta(bs)
             return
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores_for(bs),
-            paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
-            paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2")
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores_for(bs),
+            paged_kv_indptr_buffer=self._cg_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._cg_indices,
+            paged_kv_last_page_len_buffer=self._cg_last[:bs],
+            backend="fa2",
+        )
         self._cg_wrappers[bs] = wrapper
         seq_cpu = [int(x) for x in seq_lens[:bs].tolist()]
         r2t = self.req_to_token_pool.req_to_token
         self._plan_decode(wrapper, r2t, req_pool_indices[:bs], seq_lens[:bs], seq_cpu, self._cg_indices_scratch)
         self.forward_metadata = FlashInferDecodeMeta(wrapper)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode,
-                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        forward_mode: ForwardMode,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the flashinfer backend replays decode graphs only, not {forward_mode.name}")
         if self.triton_decode_for(bs):

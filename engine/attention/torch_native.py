@@ -26,13 +26,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
-                                         register_attention_backend)
+from kvship.engine.attention.base import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    register_attention_backend,
+)
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
 
-def _store_and_get_kv(fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tensor, v: torch.Tensor,
-                      save_kv_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _store_and_get_kv(
+    fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tensor, v: torch.Tensor, save_kv_cache: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new tokens' K/V at ``out_cache_loc`` (when asked) and return the layer's K and V buffers."""
     if save_kv_cache:
         fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
@@ -41,16 +46,16 @@ def _store_and_get_kv(fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tens
 
 @dataclass
 class _ExtendMeta:
-    starts: list[int]                   # offset of each request in the packed new tokens
+    starts: list[int]  # offset of each request in the packed new tokens
     ext_lens: list[int]
-    slots: list[torch.Tensor]           # [seq_len] int64 per request
+    slots: list[torch.Tensor]  # [seq_len] int64 per request
     masks: list[Optional[torch.Tensor]]  # [ext_len, seq_len] bool (True = attend) or None (plain causal)
 
 
 @dataclass
 class _DecodeMeta:
-    slots: torch.Tensor      # [bs, max_len] int64 (padding rows point at slot 0)
-    mask: torch.Tensor       # [bs, 1, 1, max_len] bool
+    slots: torch.Tensor  # [bs, max_len] int64 (padding rows point at slot 0)
+    mask: torch.Tensor  # [bs, 1, 1, max_len] bool
 
 
 @register_attention_backend("torch_native")
@@ -107,8 +112,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         return _ExtendMeta(starts=starts, ext_lens=ext_lens, slots=slots, masks=masks)
 
     # --- compute -----------------------------------------------------------
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: _ExtendMeta = fb.attn_metadata
         k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
@@ -118,16 +130,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         for start, e, slots, mask in zip(meta.starts, meta.ext_lens, meta.slots, meta.masks):
             if e == 0:
                 continue
-            qi = qh[start:start + e].transpose(0, 1).unsqueeze(0)               # [1, h, e, d]
+            qi = qh[start : start + e].transpose(0, 1).unsqueeze(0)  # [1, h, e, d]
             ki = k_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, s, d]
             vi = v_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
-                                                scale=layer.scaling, enable_gqa=True)
-            out[start:start + e] = oi[0].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
+            )
+            out[start : start + e] = oi[0].transpose(0, 1)
         return out.view(-1, h * d)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: _DecodeMeta = fb.attn_metadata
         k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
@@ -142,19 +162,32 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # --- CUDA graphs: not supported by this backend ----------------------------
     def _no_graphs(self) -> RuntimeError:
-        return RuntimeError("the torch_native attention backend does not support CUDA graphs "
-                            "(supports_cuda_graph = False); run with --disable-cuda-graph or pick "
-                            "--attention-backend flashinfer/triton")
+        return RuntimeError(
+            "the torch_native attention backend does not support CUDA graphs "
+            "(supports_cuda_graph = False); run with --disable-cuda-graph or pick "
+            "--attention-backend flashinfer/triton"
+        )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise self._no_graphs()
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+    ) -> None:
         raise self._no_graphs()
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode,
-                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        forward_mode: ForwardMode,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> None:
         raise self._no_graphs()

@@ -24,8 +24,12 @@ from typing import Optional
 
 import torch
 
-from kvship.engine.attention.base import (AttentionBackend, AttentionContext, AttentionLayerSpec,
-                                         register_attention_backend)
+from kvship.engine.attention.base import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    register_attention_backend,
+)
 from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
 from kvship.engine.attention.triton_ops.kv_store import store_kv
@@ -35,8 +39,8 @@ from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 @dataclass
 class TritonDecodeMeta:
     num_splits: int
-    mid_out: torch.Tensor   # [bs, H, MAX_KV_SPLITS, D] float32
-    mid_lse: torch.Tensor   # [bs, H, MAX_KV_SPLITS] float32
+    mid_out: torch.Tensor  # [bs, H, MAX_KV_SPLITS, D] float32
+    mid_lse: torch.Tensor  # [bs, H, MAX_KV_SPLITS] float32
     counters: Optional[torch.Tensor] = None  # int32 zeros: merge inside the split kernel (decode_attention)
 
 
@@ -66,8 +70,9 @@ class DecodeSplits:
         return num_kv_splits(self.padded_bs(bs), self.num_kv_heads, self.num_sms)
 
     def scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mid_out = torch.empty((bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32,
-                              device=self.device)
+        mid_out = torch.empty(
+            (bs, self.num_heads, MAX_KV_SPLITS, self.head_dim), dtype=torch.float32, device=self.device
+        )
         mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
         return mid_out, mid_lse
 
@@ -95,8 +100,8 @@ class DecodeSplits:
 
 @dataclass
 class TritonExtendMeta:
-    prefix_lens: torch.Tensor    # [bs] int32
-    extend_lens: torch.Tensor    # [bs] int32
+    prefix_lens: torch.Tensor  # [bs] int32
+    extend_lens: torch.Tensor  # [bs] int32
     extend_starts: torch.Tensor  # [bs] int32
     max_extend_len: int
 
@@ -123,10 +128,16 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             meta = self.splits.eager_meta(fb.batch_size)
         else:
-            ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None \
-                else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
-            pre = list(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu is not None \
+            ext = (
+                list(fb.extend_seq_lens_cpu)
+                if fb.extend_seq_lens_cpu is not None
+                else [int(x) for x in fb.extend_seq_lens.tolist()]
+            )  # type: ignore[union-attr]
+            pre = (
+                list(fb.extend_prefix_lens_cpu)
+                if fb.extend_prefix_lens_cpu is not None
                 else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
+            )
             starts = [0] * len(ext)
             for i in range(1, len(ext)):
                 starts[i] = starts[i - 1] + ext[i - 1]
@@ -137,8 +148,15 @@ class TritonAttnBackend(AttentionBackend):
         fb.attn_metadata = meta
 
     # --- compute -----------------------------------------------------------
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: TritonExtendMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
@@ -146,14 +164,32 @@ class TritonAttnBackend(AttentionBackend):
         h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qh = q.view(-1, h, d)
         out = torch.empty_like(qh)
-        extend_attention(qh, k.view(-1, hk, d), v.view(-1, hk, d), out,
-                         fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
-                         fb.req_to_token_pool.req_to_token, fb.req_pool_indices, meta.prefix_lens, meta.extend_lens,
-                         meta.extend_starts, meta.max_extend_len, layer.scaling)
+        extend_attention(
+            qh,
+            k.view(-1, hk, d),
+            v.view(-1, hk, d),
+            out,
+            fb.kv_pool.get_key_buffer(layer.layer_id),
+            fb.kv_pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            meta.max_extend_len,
+            layer.scaling,
+        )
         return out.view(-1, h * d)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         fb = forward_batch
         meta: TritonDecodeMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
@@ -161,25 +197,47 @@ class TritonAttnBackend(AttentionBackend):
         h, d = layer.num_heads, layer.head_dim
         qh = q.view(-1, h, d)
         out = torch.empty_like(qh)
-        decode_attention(qh, fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id),
-                         out, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                         meta.mid_out, meta.mid_lse, meta.num_splits, layer.scaling, counters=meta.counters)
+        decode_attention(
+            qh,
+            fb.kv_pool.get_key_buffer(layer.layer_id),
+            fb.kv_pool.get_value_buffer(layer.layer_id),
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            meta.mid_out,
+            meta.mid_lse,
+            meta.num_splits,
+            layer.scaling,
+            counters=meta.counters,
+        )
         return out.view(-1, h * d)
 
     # --- CUDA graphs -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.splits.init_graph_scratch(max_bs)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+    ) -> None:
         if not forward_mode.is_decode():
             raise ValueError(f"the triton backend captures decode graphs only, not {forward_mode.name}")
         self.forward_metadata = self.splits.graph_meta(bs)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode,
-                                                seq_lens_cpu: Optional[torch.Tensor] = None) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        forward_mode: ForwardMode,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> None:
         # The captured kernels read req_pool_indices / seq_lens from the runner's static
         # buffers and the split count depends on bs alone: nothing to refresh.
         if not forward_mode.is_decode():

@@ -87,9 +87,17 @@ class KVTransferConfig:
 
     def validate(self) -> None:
         if self.backend not in _BACKEND_PATHS and self.backend not in _REGISTERED:
-            raise ValueError(f"unknown KV transfer backend {self.backend!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}")
-        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_timeout",
-                     "abort_ack_timeout", "connect_timeout"):
+            raise ValueError(
+                f"unknown KV transfer backend {self.backend!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}"
+            )
+        for name in (
+            "bootstrap_timeout",
+            "waiting_timeout",
+            "heartbeat_interval",
+            "heartbeat_timeout",
+            "abort_ack_timeout",
+            "connect_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.transfer_threads < 1 or self.max_inflight < 1:
@@ -100,11 +108,16 @@ class KVTransferConfig:
     @classmethod
     def from_server_args(cls, args, **overrides) -> "KVTransferConfig":
         """Map ``ServerArgs`` (``--disaggregation-*``, ``--kv-transfer-checksum``) to a config."""
-        values = dict(backend=args.disaggregation_transfer_backend, host=args.host,
-                      bootstrap_port=args.disaggregation_bootstrap_port, ib_device=args.disaggregation_ib_device,
-                      bootstrap_timeout=args.disaggregation_bootstrap_timeout,
-                      waiting_timeout=args.disaggregation_waiting_timeout, checksum=args.kv_transfer_checksum,
-                      max_inflight=max(4096, 2 * args.max_running_requests))
+        values = dict(
+            backend=args.disaggregation_transfer_backend,
+            host=args.host,
+            bootstrap_port=args.disaggregation_bootstrap_port,
+            ib_device=args.disaggregation_ib_device,
+            bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+            waiting_timeout=args.disaggregation_waiting_timeout,
+            checksum=args.kv_transfer_checksum,
+            max_inflight=max(4096, 2 * args.max_running_requests),
+        )
         values.update(overrides)
         return cls(**values)
 
@@ -124,8 +137,8 @@ class MemoryRegion:
 
     ptr: int
     nbytes: int
-    device: str          # "cpu" or "cuda"
-    device_id: int       # CUDA ordinal, 0 for cpu
+    device: str  # "cpu" or "cuda"
+    device_id: int  # CUDA ordinal, 0 for cpu
     tensor: torch.Tensor = field(repr=False, compare=False)
 
     @classmethod
@@ -133,8 +146,13 @@ class MemoryRegion:
         if not t.is_contiguous():
             raise ValueError("registered KV buffers must be contiguous")
         dev = t.device
-        return cls(ptr=t.data_ptr(), nbytes=t.numel() * t.element_size(), device=dev.type,
-                   device_id=(dev.index or 0) if dev.type == "cuda" else 0, tensor=t)
+        return cls(
+            ptr=t.data_ptr(),
+            nbytes=t.numel() * t.element_size(),
+            device=dev.type,
+            device_id=(dev.index or 0) if dev.type == "cuda" else 0,
+            tensor=t,
+        )
 
     def bytes_view(self) -> torch.Tensor:
         """The region as a flat uint8 tensor (same memory)."""
@@ -255,8 +273,10 @@ def get_transfer_backend(name: str) -> type[TransferBackend]:
         module_name, cls_name = _BACKEND_PATHS[name].split(":")
         cls = getattr(importlib.import_module(module_name), cls_name)
     else:
-        raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}")
-    cls.check_available()   # every lookup: a registered backend's package may still be missing
+        raise ValueError(
+            f"unknown KV transfer backend {name!r}; known: {sorted(set(_BACKEND_PATHS) | set(_REGISTERED))}"
+        )
+    cls.check_available()  # every lookup: a registered backend's package may still be missing
     return cls
 
 
@@ -397,13 +417,15 @@ class KVManager(ABC):
 
 def backend_unavailable(name: str, package_hint: str, err: BaseException) -> BackendUnavailableError:
     return BackendUnavailableError(
-        f"KV transfer backend {name!r} is not available: {type(err).__name__}: {err}. {package_hint}")
+        f"KV transfer backend {name!r} is not available: {type(err).__name__}: {err}. {package_hint}"
+    )
 
 
 def advertise_host(host: str) -> str:
     """The address peers should use to reach a socket bound on ``host``."""
     if host in ("", "0.0.0.0", "::"):
         import socket
+
         try:
             return socket.gethostbyname(socket.gethostname())
         except OSError:

@@ -26,8 +26,18 @@ import threading
 import time
 from typing import Callable, Optional
 
-from kvship.engine.disagg.wire import (FRAME_HEADER_BYTES, Hello, Message, Ping, Refuse, Welcome, WireError,
-                                       decode_body, encode_frame, frame_length)
+from kvship.engine.disagg.wire import (
+    FRAME_HEADER_BYTES,
+    Hello,
+    Message,
+    Ping,
+    Refuse,
+    Welcome,
+    WireError,
+    decode_body,
+    encode_frame,
+    frame_length,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +131,16 @@ class FramedConnection:
 class BootstrapServer:
     """Prefill's bootstrap endpoint: accepts decode connections on ``(host, port)``."""
 
-    def __init__(self, host: str, port: int, *, on_hello: Callable[[FramedConnection, Hello], Message],
-                 on_message: Callable[[FramedConnection, Message], None],
-                 on_closed: Callable[[FramedConnection, str], None], handshake_timeout: float = 30.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        on_hello: Callable[[FramedConnection, Hello], Message],
+        on_message: Callable[[FramedConnection, Message], None],
+        on_closed: Callable[[FramedConnection, str], None],
+        handshake_timeout: float = 30.0,
+    ):
         self._on_hello = on_hello
         self._on_message = on_message
         self._on_closed = on_closed
@@ -202,7 +219,7 @@ class BootstrapServer:
     def close(self) -> None:
         self._stopped.set()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the thread blocked in accept() (close alone does not)
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept() (close alone does not)
         except OSError:
             pass
         try:
@@ -220,11 +237,19 @@ class BootstrapServer:
 class BootstrapLink:
     """Decode's connection to one prefill worker's bootstrap server."""
 
-    def __init__(self, host: str, port: int, hello: Hello, *, connect_timeout: float, handshake_timeout: float,
-                 check_welcome: Callable[[Welcome], Optional[str]],
-                 on_ready: Callable[["BootstrapLink"], None],
-                 on_message: Callable[["BootstrapLink", Message], None],
-                 on_closed: Callable[["BootstrapLink", str], None]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        hello: Hello,
+        *,
+        connect_timeout: float,
+        handshake_timeout: float,
+        check_welcome: Callable[[Welcome], Optional[str]],
+        on_ready: Callable[["BootstrapLink"], None],
+        on_message: Callable[["BootstrapLink", Message], None],
+        on_closed: Callable[["BootstrapLink", str], None],
+    ):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self._hello = hello
@@ -286,7 +311,7 @@ class BootstrapLink:
             self._on_ready(self)
             while True:
                 self._on_message(self, conn.recv())
-        except socket.timeout:
+        except TimeoutError:
             reason = f"prefill {self.address}: handshake timed out after {self._handshake_timeout:.0f} s"
         except WireError as e:
             reason = f"prefill {self.address}: protocol error: {e}"

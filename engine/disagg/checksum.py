@@ -63,7 +63,7 @@ def _crc32(buffers: Sequence[torch.Tensor], pages: np.ndarray, page_size: int) -
         pb = _page_bytes(buf, page_size)
         flat = buf.view(-1).view(torch.uint8)
         for start, _, n, _ in runs.tolist():
-            chunk = flat[start * pb:(start + n) * pb]
+            chunk = flat[start * pb : (start + n) * pb]
             if chunk.device.type != "cpu":
                 chunk = chunk.cpu()
             crc = zlib.crc32(memoryview(chunk.numpy()), crc)
@@ -76,14 +76,14 @@ def _weights(device: torch.device, words: int, npos: int) -> tuple[torch.Tensor,
         col = _col_weights.get(key)
         if col is None:
             g = torch.Generator().manual_seed(_SEED + words)
-            col = (torch.randint(-(2 ** 31), 2 ** 31 - 1, (words,), generator=g, dtype=torch.int64) | 1)
+            col = torch.randint(-(2**31), 2**31 - 1, (words,), generator=g, dtype=torch.int64) | 1
             col = col.to(torch.int32).to(device)
             _col_weights[key] = col
         pw = _page_weights.get(str(device))
         if pw is None or pw.numel() < npos:
             n = max(npos, 1024, 0 if pw is None else 2 * pw.numel())
             g = torch.Generator().manual_seed(_SEED)
-            pw = (torch.randint(-(2 ** 62), 2 ** 62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
+            pw = (torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
             _page_weights[str(device)] = pw
     return col, pw
 
@@ -103,9 +103,9 @@ def _wsum64(buffers: Sequence[torch.Tensor], pages: np.ndarray, page_size: int) 
         col, pw = _weights(buf.device, per_page_words, int(pages.size))
         acc = torch.zeros((), dtype=torch.int64, device=buf.device)
         for start, _, n, pos in runs.tolist():
-            block = words[start * per_page_words:(start + n) * per_page_words].view(n, per_page_words)
+            block = words[start * per_page_words : (start + n) * per_page_words].view(n, per_page_words)
             per_page = (block * col).sum(dim=1, dtype=torch.int64)
-            acc = acc + (per_page * pw[pos:pos + n]).sum()
+            acc = acc + (per_page * pw[pos : pos + n]).sum()
         total = acc if total is None else total * _FOLD + acc
     if total is None:
         return 0

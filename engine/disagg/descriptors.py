@@ -71,14 +71,21 @@ def kv_descs(runs: np.ndarray, num_buffers: int, page_bytes: int) -> TransferDes
 
 def aux_descs(src_region: int, src_slot: int, dst_region: int, dst_slot: int, record_bytes: int) -> TransferDescs:
     one = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
-    return TransferDescs(src_region=one(src_region), src_off=one(src_slot * record_bytes),
-                         dst_region=one(dst_region), dst_off=one(dst_slot * record_bytes), length=one(record_bytes))
+    return TransferDescs(
+        src_region=one(src_region),
+        src_off=one(src_slot * record_bytes),
+        dst_region=one(dst_region),
+        dst_off=one(dst_slot * record_bytes),
+        length=one(record_bytes),
+    )
 
 
 def check_descs(descs: TransferDescs, local_sizes: Sequence[int], remote_sizes: Sequence[int]) -> None:
     """Refuse descriptors that would read or write outside a registered region."""
-    for side, region, off, sizes in (("source", descs.src_region, descs.src_off, local_sizes),
-                                     ("destination", descs.dst_region, descs.dst_off, remote_sizes)):
+    for side, region, off, sizes in (
+        ("source", descs.src_region, descs.src_off, local_sizes),
+        ("destination", descs.dst_region, descs.dst_off, remote_sizes),
+    ):
         if region.size == 0:
             continue
         if region.min() < 0 or region.max() >= len(sizes):

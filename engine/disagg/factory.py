@@ -16,8 +16,10 @@ def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager
     backend_cls = get_transfer_backend(config.backend)
     if role == "prefill":
         from kvship.engine.disagg.sender import PrefillKVManager
+
         return PrefillKVManager(kv_pool, config, backend_cls)
     if role == "decode":
         from kvship.engine.disagg.receiver import DecodeKVManager
+
         return DecodeKVManager(kv_pool, config, backend_cls)
     raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")

@@ -30,14 +30,24 @@ from typing import Sequence
 import numpy as np
 
 from kvship.common.envs import ENV
-from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
-                                       TransferDescs, advertise_host, backend_unavailable, register_transfer_backend)
+from kvship.engine.disagg.base import (
+    KVTransferConfig,
+    KVTransferError,
+    MemoryRegion,
+    TransferBackend,
+    TransferDescs,
+    advertise_host,
+    backend_unavailable,
+    register_transfer_backend,
+)
 from kvship.engine.disagg.wire import KVLayout
 
 logger = logging.getLogger(__name__)
 
-_HINT = ("Install `mooncake-transfer-engine-non-cuda` (CPU; needs `apt-get install -y --no-install-recommends "
-         "libibverbs1`) or `mooncake-transfer-engine-cuda13` (CUDA 13).")
+_HINT = (
+    "Install `mooncake-transfer-engine-non-cuda` (CPU; needs `apt-get install -y --no-install-recommends "
+    "libibverbs1`) or `mooncake-transfer-engine-cuda13` (CUDA 13)."
+)
 
 
 def _import_engine():
@@ -65,8 +75,10 @@ class MooncakeBackend(TransferBackend):
         self.engine = engine_cls()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, config.ib_device or "")
         if rc != 0:
-            raise KVTransferError(f"mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', "
-                                  f"{self.protocol!r}, {config.ib_device or ''!r}) failed with rc {rc}")
+            raise KVTransferError(
+                f"mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', "
+                f"{self.protocol!r}, {config.ib_device or ''!r}) failed with rc {rc}"
+            )
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._ptrs = np.array([r.ptr for r in regions], dtype=np.int64)
         rc = self.engine.batch_register_memory([r.ptr for r in regions], [r.nbytes for r in regions])
@@ -75,8 +87,12 @@ class MooncakeBackend(TransferBackend):
         self._registered = True
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[str, np.ndarray, threading.Lock]] = {}
-        logger.info("mooncake TransferEngine session %s, protocol %s, %d regions registered", self.session,
-                    self.protocol, len(regions))
+        logger.info(
+            "mooncake TransferEngine session %s, protocol %s, %d regions registered",
+            self.session,
+            self.protocol,
+            len(regions),
+        )
 
     def local_info(self) -> dict:
         return {"session": self.session, "ptrs": self._ptrs.tolist()}
@@ -109,8 +125,9 @@ class MooncakeBackend(TransferBackend):
                 j = i + self.max_batch
                 rc = self.engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lengths[i:j])
                 if rc != 0:
-                    raise KVTransferError(f"mooncake batch_transfer_sync_write to {session} failed (rc {rc}) "
-                                          f"for room {room}")
+                    raise KVTransferError(
+                        f"mooncake batch_transfer_sync_write to {session} failed (rc {rc}) for room {room}"
+                    )
 
     def close(self) -> None:
         if getattr(self, "_registered", False):

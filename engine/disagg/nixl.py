@@ -27,16 +27,23 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from kvship.common.envs import ENV
-from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
-                                       TransferDescs, backend_unavailable, register_transfer_backend)
+from kvship.engine.disagg.base import (
+    KVTransferConfig,
+    KVTransferError,
+    MemoryRegion,
+    TransferBackend,
+    TransferDescs,
+    backend_unavailable,
+    register_transfer_backend,
+)
 from kvship.engine.disagg.wire import KVLayout
 
 logger = logging.getLogger(__name__)
 
 _HINT = "Install `nixl` (it pulls `nixl-cu12`/`nixl-cu13`; on CPU it runs over UCX shared memory)."
 _NOTIF_PREFIX = b"kvship-done:"
-_BUSY_POLL_S = 100e-6   # polling interval cap while a transfer is in flight / expected
-_IDLE_POLL_S = 5e-3     # decode's notification polling with no room expected
+_BUSY_POLL_S = 100e-6  # polling interval cap while a transfer is in flight / expected
+_IDLE_POLL_S = 5e-3  # decode's notification polling with no room expected
 
 
 def _import_nixl():
@@ -46,6 +53,7 @@ def _import_nixl():
         raise backend_unavailable("nixl", _HINT, e) from e
     try:
         from nixl._api import nixl_thread_sync_t
+
         strict = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     except ImportError:  # older releases: agent calls are serialized by our own lock anyway
         strict = None
@@ -84,7 +92,7 @@ class NixlBackend(TransferBackend):
             kwargs["sync_mode"] = strict
         conf = conf_cls(**kwargs)
         self.agent = agent_cls(self.agent_name, conf)
-        self._api_lock = threading.Lock()   # NIXL calls are short; serialize them
+        self._api_lock = threading.Lock()  # NIXL calls are short; serialize them
         self._ptrs = np.array([r.ptr for r in regions], dtype=np.int64)
         self._mem = [_mem_type(r) for r in regions]
         self._dev = np.array([r.device_id for r in regions], dtype=np.int64)
@@ -96,12 +104,17 @@ class NixlBackend(TransferBackend):
         self._agent_refs: dict[str, int] = {}
         self._closed = threading.Event()
         self._notif_thread: Optional[threading.Thread] = None
-        self._expected: set[int] = set()   # decode: rooms whose done notification may arrive
+        self._expected: set[int] = set()  # decode: rooms whose done notification may arrive
         self._wake = threading.Event()
 
     def local_info(self) -> dict:
-        return {"agent": self.agent_name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "ptrs": self._ptrs.tolist(), "mem": self._mem, "dev": self._dev.tolist()}
+        return {
+            "agent": self.agent_name,
+            "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "ptrs": self._ptrs.tolist(),
+            "mem": self._mem,
+            "dev": self._dev.tolist(),
+        }
 
     # -- prefill side ----------------------------------------------------------
     def add_peer(self, peer_id: str, info: dict) -> None:
@@ -145,15 +158,28 @@ class NixlBackend(TransferBackend):
         groups = sorted(set(zip(src_mem.tolist(), dst_mem.tolist())))
         for gi, (sm, dm) in enumerate(groups):
             sel = (src_mem == sm) & (dst_mem == dm)
-            local = np.stack([self._ptrs[descs.src_region[sel]] + descs.src_off[sel], descs.length[sel],
-                              self._dev[descs.src_region[sel]]], axis=1)
-            remote = np.stack([peer.ptrs[descs.dst_region[sel]] + descs.dst_off[sel], descs.length[sel],
-                               peer.dev[descs.dst_region[sel]]], axis=1)
+            local = np.stack(
+                [
+                    self._ptrs[descs.src_region[sel]] + descs.src_off[sel],
+                    descs.length[sel],
+                    self._dev[descs.src_region[sel]],
+                ],
+                axis=1,
+            )
+            remote = np.stack(
+                [
+                    peer.ptrs[descs.dst_region[sel]] + descs.dst_off[sel],
+                    descs.length[sel],
+                    peer.dev[descs.dst_region[sel]],
+                ],
+                axis=1,
+            )
             notif = _NOTIF_PREFIX + str(room).encode() if done and gi == len(groups) - 1 else b""
             self._run_xfer(peer.agent_name, local, sm, remote, dm, notif, room)
 
-    def _run_xfer(self, agent_name: str, local: np.ndarray, sm: str, remote: np.ndarray, dm: str, notif: bytes,
-                  room: int) -> None:
+    def _run_xfer(
+        self, agent_name: str, local: np.ndarray, sm: str, remote: np.ndarray, dm: str, notif: bytes, room: int
+    ) -> None:
         handle = None
         try:
             with self._api_lock:
@@ -193,7 +219,7 @@ class NixlBackend(TransferBackend):
                     for msg in msgs:
                         if msg.startswith(_NOTIF_PREFIX):
                             try:
-                                room = int(msg[len(_NOTIF_PREFIX):])
+                                room = int(msg[len(_NOTIF_PREFIX) :])
                             except ValueError:
                                 continue
                             got = True
@@ -202,7 +228,7 @@ class NixlBackend(TransferBackend):
                 cap = _BUSY_POLL_S if self._expected else _IDLE_POLL_S
                 idle = 0.0 if got else min(idle * 2 or 10e-6, cap)
                 if idle and cap == _IDLE_POLL_S:
-                    self._wake.wait(idle)      # expect_room() wakes it early
+                    self._wake.wait(idle)  # expect_room() wakes it early
                     self._wake.clear()
                 elif idle:
                     time.sleep(idle)

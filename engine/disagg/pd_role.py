@@ -27,7 +27,6 @@ from kvship.engine.disagg import KVTransferConfig, KVTransferError
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, TransferPollBackoff, make_kv_manager
 from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.schedule_batch import Req
-
 from kvship.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -82,8 +81,9 @@ class PDRole(ABC):
     def before_schedule(self) -> None:
         self.advance()
 
-    def on_prompt_done(self, req: Req, token_id: int, logprob: Optional[float],
-                       top_logprobs: Optional[list[tuple[int, float]]]) -> bool:
+    def on_prompt_done(
+        self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
+    ) -> bool:
         return False
 
     def abort(self, rid: str, message: str) -> bool:
@@ -118,8 +118,12 @@ class PDRole(ABC):
                 logger.exception("could not release request %s", entry.rid)
 
     def stats(self) -> dict:
-        return {"mode": self.mode, **self.stage_stats(),
-                "kv_transfers_ok": self.counters["transferred"], "kv_transfers_failed": self.counters["failed"]}
+        return {
+            "mode": self.mode,
+            **self.stage_stats(),
+            "kv_transfers_ok": self.counters["transferred"],
+            "kv_transfers_failed": self.counters["failed"],
+        }
 
     # ------------------------------------------------------------ helpers for the roles
     def guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
@@ -142,10 +146,23 @@ class PDScheduler(Scheduler):
     role_cls: type[PDRole]
     role: PDRole
 
-    def __init__(self, server_args: Any, model_runner: Any, tokenizer: Any, output_sink: Any,
-                 tuning: Any = None, kv_config: Optional[KVTransferConfig] = None):
-        super().__init__(server_args, model_runner, tokenizer, output_sink, tuning,
-                         role=lambda sched: self.role_cls(sched, kv_config))
+    def __init__(
+        self,
+        server_args: Any,
+        model_runner: Any,
+        tokenizer: Any,
+        output_sink: Any,
+        tuning: Any = None,
+        kv_config: Optional[KVTransferConfig] = None,
+    ):
+        super().__init__(
+            server_args,
+            model_runner,
+            tokenizer,
+            output_sink,
+            tuning,
+            role=lambda sched: self.role_cls(sched, kv_config),
+        )
 
     @property
     def kv_manager(self) -> Any:

@@ -28,12 +28,33 @@ import numpy as np
 import torch
 
 from kvship.engine.disagg import descriptors as D
-from kvship.engine.disagg.base import (KVManager, KVPoll, KVReceiver, KVTransferConfig, KVTransferError,
-                                       MemoryRegion, TransferBackend)
+from kvship.engine.disagg.base import (
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVTransferConfig,
+    KVTransferError,
+    MemoryRegion,
+    TransferBackend,
+)
 from kvship.engine.disagg.bootstrap import BootstrapLink
 from kvship.engine.disagg.checksum import default_algorithm, kv_checksum
-from kvship.engine.disagg.wire import (AUX_RECORD_BYTES, Abort, AbortAck, AuxRecord, Done, Fail, Hello, KVLayout,
-                                       Message, Ping, Register, Started, Welcome, WireError)
+from kvship.engine.disagg.wire import (
+    AUX_RECORD_BYTES,
+    Abort,
+    AbortAck,
+    AuxRecord,
+    Done,
+    Fail,
+    Hello,
+    KVLayout,
+    Message,
+    Ping,
+    Register,
+    Started,
+    Welcome,
+    WireError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +97,9 @@ class DecodeReceiver(KVReceiver):
                 self._finish_locked(KVPoll.Failed, f"room {self.room} already has a receiver on this decode worker")
                 return
             if not m.aux_free:
-                self._finish_locked(KVPoll.Failed, f"too many KV transfers in flight on this decode worker "
-                                                   f"(max {m.num_aux_slots})")
+                self._finish_locked(
+                    KVPoll.Failed, f"too many KV transfers in flight on this decode worker (max {m.num_aux_slots})"
+                )
                 return
             self.aux_slot = m.aux_free.pop()
             m.aux_buffer[self.aux_slot].zero_()
@@ -134,13 +156,17 @@ class DecodeReceiver(KVReceiver):
         cfg = self._m.config
         if self._aborting is not None:
             if now - self._abort_at > cfg.abort_ack_timeout:
-                logger.warning("room %d: prefill did not acknowledge the abort within %g s; freeing anyway",
-                               self.room, cfg.abort_ack_timeout)
+                logger.warning(
+                    "room %d: prefill did not acknowledge the abort within %g s; freeing anyway",
+                    self.room,
+                    cfg.abort_ack_timeout,
+                )
                 self._finish_locked(KVPoll.Failed, self._aborting + " (prefill never acknowledged)")
         elif self._state == KVPoll.Bootstrapping and now - self._created > cfg.bootstrap_timeout:
             where = f"prefill {self.bootstrap_addr[0]}:{self.bootstrap_addr[1]}"
-            self._abort_locked(f"bootstrap timeout: no handshake/registration with {where} "
-                               f"within {cfg.bootstrap_timeout:g} s")
+            self._abort_locked(
+                f"bootstrap timeout: no handshake/registration with {where} within {cfg.bootstrap_timeout:g} s"
+            )
         elif self._registered_at is not None and not self._done and now - self._registered_at > cfg.waiting_timeout:
             self._abort_locked(f"waiting timeout: no KV from prefill within {cfg.waiting_timeout:g} s")
 
@@ -183,8 +209,12 @@ class DecodeReceiver(KVReceiver):
                 return KVPoll.Failed, "checksum requested but prefill sent none", None
             got = kv_checksum(m.buffers, pages, m.layout.page_size, default_algorithm(m.pool_device))
             if got != aux.checksum:
-                return (KVPoll.Failed, f"KV checksum mismatch for room {self.room}: prefill {aux.checksum:#x}, "
-                                       f"decode {got:#x} (corrupted page)", None)
+                return (
+                    KVPoll.Failed,
+                    f"KV checksum mismatch for room {self.room}: prefill {aux.checksum:#x}, "
+                    f"decode {got:#x} (corrupted page)",
+                    None,
+                )
         return KVPoll.Success, None, aux
 
     def _finish_locked(self, state: KVPoll, reason: Optional[str]) -> None:
@@ -263,12 +293,24 @@ class DecodeKVManager(KVManager):
         if link is not None and not link.dead:
             return link
         self._link_seq += 1
-        hello = Hello(peer_id=f"{self.decode_id}-{self._link_seq}", backend=self.backend.name, layout=self.layout,
-                      region_bytes=[r.nbytes for r in self.regions], backend_info=self.backend.local_info())
-        link = BootstrapLink(host, port, hello, connect_timeout=self.config.connect_timeout,
-                             handshake_timeout=min(self.config.bootstrap_timeout, 30.0),
-                             check_welcome=self._check_welcome, on_ready=self._on_ready,
-                             on_message=self._on_message, on_closed=self._on_closed)
+        hello = Hello(
+            peer_id=f"{self.decode_id}-{self._link_seq}",
+            backend=self.backend.name,
+            layout=self.layout,
+            region_bytes=[r.nbytes for r in self.regions],
+            backend_info=self.backend.local_info(),
+        )
+        link = BootstrapLink(
+            host,
+            port,
+            hello,
+            connect_timeout=self.config.connect_timeout,
+            handshake_timeout=min(self.config.bootstrap_timeout, 30.0),
+            check_welcome=self._check_welcome,
+            on_ready=self._on_ready,
+            on_message=self._on_message,
+            on_closed=self._on_closed,
+        )
         self._links[key] = link
         return link
 

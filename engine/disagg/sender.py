@@ -29,12 +29,34 @@ import numpy as np
 import torch
 
 from kvship.engine.disagg import descriptors as D
-from kvship.engine.disagg.base import (AuxInfo, KVManager, KVPoll, KVSender, KVTransferConfig, KVTransferError,
-                                       MemoryRegion, TransferBackend)
+from kvship.engine.disagg.base import (
+    AuxInfo,
+    KVManager,
+    KVPoll,
+    KVSender,
+    KVTransferConfig,
+    KVTransferError,
+    MemoryRegion,
+    TransferBackend,
+)
 from kvship.engine.disagg.bootstrap import BootstrapServer, FramedConnection
 from kvship.engine.disagg.checksum import ALGORITHMS, kv_checksum
-from kvship.engine.disagg.wire import (AUX_RECORD_BYTES, Abort, AbortAck, AuxRecord, Done, Fail, Hello, KVLayout,
-                                       Message, Ping, Refuse, Register, Started, Welcome)
+from kvship.engine.disagg.wire import (
+    AUX_RECORD_BYTES,
+    Abort,
+    AbortAck,
+    AuxRecord,
+    Done,
+    Fail,
+    Hello,
+    KVLayout,
+    Message,
+    Ping,
+    Refuse,
+    Register,
+    Started,
+    Welcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +91,22 @@ class PrefillSender(KVSender):
         self.reg: Optional[Register] = None
         self._payload: Optional[tuple[np.ndarray, AuxInfo]] = None
         self._queued = False
-        self._busy = False            # a transfer thread is using the pages
-        self._failed: Optional[str] = None   # failure decided while busy
+        self._busy = False  # a transfer thread is using the pages
+        self._failed: Optional[str] = None  # failure decided while busy
         self._tell_decode: Optional[Message] = None  # sent once not busy
         self._ack_after = False
 
     # -- scheduler API --------------------------------------------------
     def poll(self) -> KVPoll:
         with self._m.lock:
-            if self._state == KVPoll.Bootstrapping and time.monotonic() - self._created > self._m.config.bootstrap_timeout:
-                self._fail_locked(f"decode did not register room {self.room} within "
-                                  f"{self._m.config.bootstrap_timeout:g} s (bootstrap timeout)")
+            if (
+                self._state == KVPoll.Bootstrapping
+                and time.monotonic() - self._created > self._m.config.bootstrap_timeout
+            ):
+                self._fail_locked(
+                    f"decode did not register room {self.room} within "
+                    f"{self._m.config.bootstrap_timeout:g} s (bootstrap timeout)"
+                )
             return self._state
 
     def send(self, src_pages: Sequence[int], aux: AuxInfo) -> None:
@@ -118,8 +145,12 @@ class PrefillSender(KVSender):
     def _enqueue_locked(self) -> None:
         assert self.reg is not None and self._payload is not None
         if self._payload[0].size != self.reg.pages.size:
-            self._fail_locked(f"page count mismatch for room {self.room}: prefill has {self._payload[0].size} "
-                              f"pages, decode registered {self.reg.pages.size}", tell=True, kind="fail")
+            self._fail_locked(
+                f"page count mismatch for room {self.room}: prefill has {self._payload[0].size} "
+                f"pages, decode registered {self.reg.pages.size}",
+                tell=True,
+                kind="fail",
+            )
             return
         self._state = KVPoll.Transferring
         self._queued = True
@@ -165,7 +196,9 @@ class PrefillKVManager(KVManager):
         self.prefill_id = f"prefill-{uuid.uuid4().hex[:12]}"
         # one aux staging slot per transfer thread (CPU; backends register it with the KV buffers)
         self._aux_staging = torch.zeros((config.transfer_threads, AUX_RECORD_BYTES), dtype=torch.uint8)
-        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers] + [MemoryRegion.from_tensor(self._aux_staging)]
+        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers] + [
+            MemoryRegion.from_tensor(self._aux_staging)
+        ]
         self.aux_region = len(self.buffers)
         self.backend = backend_cls(config, "prefill", self.regions, self.layout)
         self._senders: dict[int, PrefillSender] = {}
@@ -174,19 +207,27 @@ class PrefillKVManager(KVManager):
         self._queue: "queue.Queue[Optional[PrefillSender]]" = queue.Queue()
         self._closed = threading.Event()
         try:
-            self.server = BootstrapServer(config.host, config.bootstrap_port, on_hello=self._on_hello,
-                                          on_message=self._on_message, on_closed=self._on_closed,
-                                          handshake_timeout=min(config.bootstrap_timeout, 30.0))
+            self.server = BootstrapServer(
+                config.host,
+                config.bootstrap_port,
+                on_hello=self._on_hello,
+                on_message=self._on_message,
+                on_closed=self._on_closed,
+                handshake_timeout=min(config.bootstrap_timeout, 30.0),
+            )
         except Exception:
             self.backend.close()
             raise
-        self._threads = [threading.Thread(target=self._transfer_loop, name=f"kv-transfer-{i}", args=(i,), daemon=True)
-                         for i in range(config.transfer_threads)]
+        self._threads = [
+            threading.Thread(target=self._transfer_loop, name=f"kv-transfer-{i}", args=(i,), daemon=True)
+            for i in range(config.transfer_threads)
+        ]
         self._threads.append(threading.Thread(target=self._housekeeping, name="kv-prefill-housekeeping", daemon=True))
         for t in self._threads:
             t.start()
-        logger.info("KV transfer (%s) prefill side ready, bootstrap on %s:%d", backend_cls.name, config.host,
-                    self.server.port)
+        logger.info(
+            "KV transfer (%s) prefill side ready, bootstrap on %s:%d", backend_cls.name, config.host, self.server.port
+        )
 
     @property
     def bootstrap_port(self) -> int:
@@ -237,8 +278,9 @@ class PrefillKVManager(KVManager):
     # -- control plane callbacks (connection threads) ----------------------
     def _on_hello(self, conn: FramedConnection, hello: Hello) -> Message:
         if hello.backend != self.backend.name:
-            return Refuse(reason=f"transfer backend mismatch: decode uses {hello.backend!r}, "
-                                 f"prefill uses {self.backend.name!r}")
+            return Refuse(
+                reason=f"transfer backend mismatch: decode uses {hello.backend!r}, prefill uses {self.backend.name!r}"
+            )
         problem = self.layout.mismatch(hello.layout)
         if problem:
             return Refuse(reason=f"KV layout mismatch (prefill vs decode): {problem}")
@@ -256,8 +298,12 @@ class PrefillKVManager(KVManager):
             self._peers[peer_id] = _DecodePeer(peer_id, conn, hello)
             conn.peer_id = peer_id
         logger.info("decode peer %s connected from %s", peer_id, conn.name)
-        return Welcome(prefill_id=self.prefill_id, backend=self.backend.name, layout=self.layout,
-                       backend_info=self.backend.local_info())
+        return Welcome(
+            prefill_id=self.prefill_id,
+            backend=self.backend.name,
+            layout=self.layout,
+            backend_info=self.backend.local_info(),
+        )
 
     def _on_message(self, conn: FramedConnection, msg: Message) -> None:
         with self.lock:
@@ -314,8 +360,12 @@ class PrefillKVManager(KVManager):
                 if s.peer is peer:
                     s._fail_locked(f"decode peer disconnected: {reason}")
             idle = peer.inflight == 0
-        logger.log(logging.INFO if self._closed.is_set() else logging.WARNING, "decode peer %s disconnected: %s",
-                   peer.peer_id, reason)
+        logger.log(
+            logging.INFO if self._closed.is_set() else logging.WARNING,
+            "decode peer %s disconnected: %s",
+            peer.peer_id,
+            reason,
+        )
         if idle:
             self.backend.remove_peer(peer.peer_id)
 
@@ -359,8 +409,9 @@ class PrefillKVManager(KVManager):
         with self.lock:
             return s._failed is not None
 
-    def _transfer(self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray,
-                  aux: AuxInfo) -> None:
+    def _transfer(
+        self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray, aux: AuxInfo
+    ) -> None:
         layout = self.layout
         peer.conn.send(Started(room=s.room))
         runs = D.page_runs(src_pages, reg.pages)
@@ -374,13 +425,22 @@ class PrefillKVManager(KVManager):
         self.backend.write(peer.peer_id, s.room, descs)
         if self._cancelled(s):
             return
-        record = AuxRecord(room=s.room, first_token_id=int(aux.first_token_id),
-                           first_token_logprob=float(aux.first_token_logprob), prompt_len=int(aux.prompt_len),
-                           num_pages=int(src_pages.size), checksum=checksum)
+        record = AuxRecord(
+            room=s.room,
+            first_token_id=int(aux.first_token_id),
+            first_token_logprob=float(aux.first_token_logprob),
+            prompt_len=int(aux.prompt_len),
+            num_pages=int(src_pages.size),
+            checksum=checksum,
+        )
         self._aux_staging[index].copy_(torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8))
         in_band = self.backend.in_band_done
-        self.backend.write(peer.peer_id, s.room, D.aux_descs(self.aux_region, index, len(peer.region_bytes) - 1,
-                                                             reg.aux_slot, AUX_RECORD_BYTES), done=in_band)
+        self.backend.write(
+            peer.peer_id,
+            s.room,
+            D.aux_descs(self.aux_region, index, len(peer.region_bytes) - 1, reg.aux_slot, AUX_RECORD_BYTES),
+            done=in_band,
+        )
         if not in_band and not peer.conn.send(Done(room=s.room)):
             raise KVTransferError(f"decode connection lost before the done signal: {peer.conn.close_reason}")
 
@@ -395,8 +455,14 @@ class PrefillKVManager(KVManager):
                 for room, pend in list(self._pending.items()):
                     if now - pend.at > cfg.bootstrap_timeout:
                         del self._pending[room]
-                        self.post(pend.peer, Fail(room=room, reason=f"prefill never received request for room "
-                                                                    f"{room} within {cfg.bootstrap_timeout:g} s"))
+                        self.post(
+                            pend.peer,
+                            Fail(
+                                room=room,
+                                reason=f"prefill never received request for room "
+                                f"{room} within {cfg.bootstrap_timeout:g} s",
+                            ),
+                        )
                 for s in list(self._senders.values()):
                     if s._state == KVPoll.Bootstrapping:
                         s.poll()

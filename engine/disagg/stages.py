@@ -45,8 +45,9 @@ class TransferPollBackoff:
         self.wait_s = PD_POLL_S if moved else min(PD_POLL_MAX_S, self.wait_s * 2)
 
 
-def make_kv_manager(role: str, server_args: ServerArgs, kv_pool: Any,
-                    config: Optional[KVTransferConfig] = None) -> KVManager:
+def make_kv_manager(
+    role: str, server_args: ServerArgs, kv_pool: Any, config: Optional[KVTransferConfig] = None
+) -> KVManager:
     """The ``role`` ("prefill" | "decode") transfer layer over ``kv_pool``.
 
     ``config`` overrides what ``ServerArgs`` would give (tests use it for short
@@ -58,8 +59,10 @@ def make_kv_manager(role: str, server_args: ServerArgs, kv_pool: Any,
     except BackendUnavailableError as e:
         raise RuntimeError(f"--disaggregation-transfer-backend {cfg.backend}: {e}") from e
     except OSError as e:
-        raise RuntimeError(f"cannot start the KV transfer layer ({role}, backend {cfg.backend}): {e}; "
-                           f"pick another --disaggregation-bootstrap-port") from e
+        raise RuntimeError(
+            f"cannot start the KV transfer layer ({role}, backend {cfg.backend}): {e}; "
+            f"pick another --disaggregation-bootstrap-port"
+        ) from e
 
 
 def request_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:

@@ -31,8 +31,15 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kvship.engine.disagg.base import (KVTransferConfig, KVTransferError, MemoryRegion, TransferBackend,
-                                       TransferDescs, advertise_host, register_transfer_backend)
+from kvship.engine.disagg.base import (
+    KVTransferConfig,
+    KVTransferError,
+    MemoryRegion,
+    TransferBackend,
+    TransferDescs,
+    advertise_host,
+    register_transfer_backend,
+)
 from kvship.engine.disagg.wire import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -52,7 +59,7 @@ def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     i = 0
     while i < len(views):
-        batch = views[i:i + _IOV_MAX]
+        batch = views[i : i + _IOV_MAX]
         sent = sock.sendmsg(batch)
         for v in batch:
             if sent >= len(v):
@@ -147,7 +154,7 @@ class TcpBackend(TransferBackend):
             self._peers.clear()
         if self._server is not None:
             try:
-                self._server.shutdown(socket.SHUT_RDWR)   # wakes the accept() thread
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() thread
             except OSError:
                 pass
             try:
@@ -205,8 +212,11 @@ class TcpBackend(TransferBackend):
             payload = []
             for reg, off, n in zip(descs.src_region.tolist(), descs.src_off.tolist(), descs.length.tolist()):
                 view = self._np[reg]
-                payload.append(view[off:off + n] if view is not None
-                               else self.regions[reg].bytes_view()[off:off + n].cpu().numpy())
+                payload.append(
+                    view[off : off + n]
+                    if view is not None
+                    else self.regions[reg].bytes_view()[off : off + n].cpu().numpy()
+                )
         bufs = [header, table.tobytes(), *payload]
         with peer.lock:
             try:
@@ -218,8 +228,9 @@ class TcpBackend(TransferBackend):
         """Host buffers holding the ranges of ``descs`` in order, packed page-wise per region
         (numpy row gathers on CPU pools, torch index_select on CUDA pools)."""
         out: list = []
-        for a, b, reg, paged in _segments(descs.src_region, descs.src_off, descs.length, self._num_kv,
-                                          self._page_bytes):
+        for a, b, reg, paged in _segments(
+            descs.src_region, descs.src_off, descs.length, self._num_kv, self._page_bytes
+        ):
             if paged:
                 units = _page_units(descs.src_off[a:b], descs.length[a:b], self._page_bytes)
                 if self._np[reg] is not None:
@@ -230,8 +241,11 @@ class TcpBackend(TransferBackend):
                 continue
             for off, n in zip(descs.src_off[a:b].tolist(), descs.length[a:b].tolist()):
                 view = self._np[reg]
-                out.append(view[off:off + n] if view is not None
-                           else self.regions[reg].bytes_view()[off:off + n].cpu().numpy())
+                out.append(
+                    view[off : off + n]
+                    if view is not None
+                    else self.regions[reg].bytes_view()[off : off + n].cpu().numpy()
+                )
         return out
 
     def _rows(self, reg: int) -> np.ndarray:
@@ -296,15 +310,14 @@ class TcpBackend(TransferBackend):
                 elif _gathered(table["len"]):
                     staging = self._scatter(reader, table, staging)
                 else:
-                    for reg, off, length in zip(table["region"].tolist(), table["off"].tolist(),
-                                                table["len"].tolist()):
+                    for reg, off, length in zip(table["region"].tolist(), table["off"].tolist(), table["len"].tolist()):
                         if self._np[reg] is not None:
-                            _readinto_exact(reader, memoryview(self._np[reg][off:off + length]))
+                            _readinto_exact(reader, memoryview(self._np[reg][off : off + length]))
                             continue
                         if staging is None or staging.numel() < length:
                             staging = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
                         _readinto_exact(reader, memoryview(staging[:length].numpy()))
-                        self.regions[reg].bytes_view()[off:off + length].copy_(staging[:length])
+                        self.regions[reg].bytes_view()[off : off + length].copy_(staging[:length])
                 if ok and flags & _FLAG_DONE and self._on_done is not None:
                     if any(r.device == "cuda" for r in self.regions):
                         torch.cuda.synchronize()
@@ -329,18 +342,18 @@ class TcpBackend(TransferBackend):
             pos = int(length[:a].sum())
             n = int(length[a:b].sum())
             if paged and self._np[reg] is not None:
-                rows = staging[pos:pos + n].numpy().view(f"V{self._page_bytes}")
+                rows = staging[pos : pos + n].numpy().view(f"V{self._page_bytes}")
                 self._rows(reg)[_page_units(off[a:b], length[a:b], self._page_bytes)] = rows
                 continue
             dev = self.regions[reg].tensor.device
-            data = staging[pos:pos + n].to(dev)
+            data = staging[pos : pos + n].to(dev)
             if paged:
                 idx = torch.from_numpy(_page_units(off[a:b], length[a:b], self._page_bytes)).to(dev)
                 self._paged(reg).index_copy_(0, idx, data.view(-1, self._page_bytes))
             else:
                 p = 0
                 for o, k in zip(off[a:b].tolist(), length[a:b].tolist()):
-                    self.regions[reg].bytes_view()[o:o + k].copy_(data[p:p + k])
+                    self.regions[reg].bytes_view()[o : o + k].copy_(data[p : p + k])
                     p += k
         return staging
 
@@ -361,8 +374,9 @@ class TcpBackend(TransferBackend):
             return False, None  # aborted or finished: drop silently
         sizes = np.array([r.nbytes for r in self.regions], dtype=np.int64)
         reg, off, length = table["region"], table["off"], table["len"]
-        if len(table) and (reg.min() < 0 or reg.max() >= len(sizes) or (off < 0).any() or
-                           ((off + length) > sizes[reg]).any()):
+        if len(table) and (
+            reg.min() < 0 or reg.max() >= len(sizes) or (off < 0).any() or ((off + length) > sizes[reg]).any()
+        ):
             return False, "tcp: prefill sent a range outside decode's registered memory"
         pb = self._page_bytes
         kv = reg < self._num_kv

@@ -58,9 +58,15 @@ class KVLayout:
 
     @classmethod
     def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":
-        return cls(page_size=pool.page_size, kv_dtype=str(pool.dtype).removeprefix("torch."),
-                   num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-                   tp_size=tp_size, tp_rank=tp_rank)
+        return cls(
+            page_size=pool.page_size,
+            kv_dtype=str(pool.dtype).removeprefix("torch."),
+            num_layers=pool.num_layers,
+            num_kv_heads=pool.num_kv_heads,
+            head_dim=pool.head_dim,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
 
     @property
     def element_size(self) -> int:
@@ -89,9 +95,15 @@ class KVLayout:
         if not isinstance(d, dict) or not isinstance(getattr(torch, str(d.get("kv_dtype")), None), torch.dtype):
             raise WireError(f"bad KV layout {d!r}: kv_dtype must name a torch dtype")
         try:
-            return cls(page_size=int(d["page_size"]), kv_dtype=str(d["kv_dtype"]), num_layers=int(d["num_layers"]),
-                       num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
-                       tp_size=int(d.get("tp_size", 1)), tp_rank=int(d.get("tp_rank", 0)))
+            return cls(
+                page_size=int(d["page_size"]),
+                kv_dtype=str(d["kv_dtype"]),
+                num_layers=int(d["num_layers"]),
+                num_kv_heads=int(d["num_kv_heads"]),
+                head_dim=int(d["head_dim"]),
+                tp_size=int(d.get("tp_size", 1)),
+                tp_rank=int(d.get("tp_rank", 0)),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e
 
@@ -149,7 +161,7 @@ class Register(Message):
     room: int
     pages: np.ndarray = field(compare=False)
     aux_slot: int
-    checksum: Optional[str] = None   # algorithm name, None = no checksum
+    checksum: Optional[str] = None  # algorithm name, None = no checksum
 
 
 @dataclass(frozen=True)
@@ -189,8 +201,9 @@ class Ping(Message):
     TYPE: ClassVar[str] = "ping"
 
 
-_TYPES: dict[str, type[Message]] = {c.TYPE: c for c in
-                                     (Hello, Welcome, Refuse, Register, Started, Done, Fail, Abort, AbortAck, Ping)}
+_TYPES: dict[str, type[Message]] = {
+    c.TYPE: c for c in (Hello, Welcome, Refuse, Register, Started, Done, Fail, Abort, AbortAck, Ping)
+}
 
 
 def _to_dict(msg: Message) -> dict[str, Any]:
@@ -279,9 +292,17 @@ class AuxRecord:
 
     def pack(self) -> bytes:
         flags = _FLAG_CHECKSUM if self.checksum is not None else 0
-        raw = _AUX.pack(_AUX_MAGIC, _AUX_VERSION, flags, self.room, self.first_token_id,
-                        float(self.first_token_logprob), self.prompt_len, self.num_pages,
-                        (self.checksum or 0) & 0xFFFFFFFFFFFFFFFF)
+        raw = _AUX.pack(
+            _AUX_MAGIC,
+            _AUX_VERSION,
+            flags,
+            self.room,
+            self.first_token_id,
+            float(self.first_token_logprob),
+            self.prompt_len,
+            self.num_pages,
+            (self.checksum or 0) & 0xFFFFFFFFFFFFFFFF,
+        )
         return raw + bytes(AUX_RECORD_BYTES - len(raw))
 
     @classmethod
@@ -293,5 +314,11 @@ class AuxRecord:
             raise WireError("aux record missing (no magic): the KV did not arrive in full")
         if version != _AUX_VERSION:
             raise WireError(f"aux record version {version} not supported")
-        return cls(room=room, first_token_id=tok, first_token_logprob=lp, prompt_len=plen, num_pages=npages,
-                   checksum=ck if flags & _FLAG_CHECKSUM else None)
+        return cls(
+            room=room,
+            first_token_id=tok,
+            first_token_logprob=lp,
+            prompt_len=plen,
+            num_pages=npages,
+            checksum=ck if flags & _FLAG_CHECKSUM else None,
+        )

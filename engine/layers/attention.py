@@ -21,15 +21,24 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.spec = AttentionLayerSpec(layer_id=layer_id, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                       head_dim=head_dim, scaling=scaling)
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scaling=scaling
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
-                save_kv_cache: bool = True) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> torch.Tensor:
         return forward_batch.attn_backend.forward(q, k, v, self.spec, forward_batch, save_kv_cache)
 
-    def rope_and_forward(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def rope_and_forward(
+        self,
+        rotary: nn.Module,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
         """RoPE on ``q [T, H, D]`` / ``k [T, Hkv, D]``, then attention with ``v [T, Hkv, D]``.
 
         On CUDA with the plain KV pool, one kernel rotates q and k and writes
@@ -43,15 +52,19 @@ class Attention(nn.Module):
         pool = fb.kv_pool
         stored = False
         if type(pool) is KVPool and q.is_cuda and fb.out_cache_loc is not None:
-            stored = rotary.rotate_and_store(positions, q, k, v, pool.get_key_buffer(s.layer_id),
-                                             pool.get_value_buffer(s.layer_id), fb.out_cache_loc)
+            stored = rotary.rotate_and_store(
+                positions, q, k, v, pool.get_key_buffer(s.layer_id), pool.get_value_buffer(s.layer_id), fb.out_cache_loc
+            )
         if not stored:
             q, k = rotary(positions, q, k)
         qf = q.reshape(-1, s.num_heads * s.head_dim)
         kf = k.reshape(-1, s.num_kv_heads * s.head_dim)
         # decode reads keys and values from the pool only: no need to copy a strided v
-        vf = v.reshape(-1, s.num_kv_heads * s.head_dim) if stored and fb.forward_mode.is_decode() \
+        vf = (
+            v.reshape(-1, s.num_kv_heads * s.head_dim)
+            if stored and fb.forward_mode.is_decode()
             else v.reshape(-1, s.num_kv_heads * s.head_dim).contiguous()
+        )
         return fb.attn_backend.forward(qf, kf, vf, s, fb, not stored)
 
     def extra_repr(self) -> str:

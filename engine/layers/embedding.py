@@ -26,8 +26,9 @@ class LMHead(nn.Module):
     With ``tied`` set it owns no parameter and uses the embedding's weight.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 tied: VocabEmbedding | None = None):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32, tied: VocabEmbedding | None = None
+    ):
         super().__init__()
         self.vocab_size = vocab_size
         # a plain attribute (not a submodule) so the tied weight is not registered twice

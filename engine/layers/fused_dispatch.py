@@ -56,8 +56,9 @@ def use_pdl(t: torch.Tensor) -> bool:
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(idx)
     if ok is None:
-        ok = (ENV.PDL and os.environ.get("TRITON_INTERPRET", "0") != "1"
-              and torch.cuda.get_device_capability(idx)[0] >= 9)
+        ok = (
+            ENV.PDL and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(idx)[0] >= 9
+        )
         _PDL[idx] = ok
     return ok
 

@@ -45,8 +45,22 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_kernel(x, res, w, y, res_out, n_cols, eps, stride_x, stride_r, stride_y, stride_ro,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(
+    x,
+    res,
+    w,
+    y,
+    res_out,
+    n_cols,
+    eps,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -79,17 +93,48 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     pdl = use_pdl(x)
     if residual is None:
         if rows:
-            _rmsnorm_kernel[(rows,)](x2, x2, weight, y, y, n, eps, x2.stride(0), 0, y.stride(0), 0,
-                                     HAS_RES=False, BLOCK=block, num_warps=warps, USE_PDL=pdl, launch_pdl=pdl)
+            _rmsnorm_kernel[(rows,)](
+                x2,
+                x2,
+                weight,
+                y,
+                y,
+                n,
+                eps,
+                x2.stride(0),
+                0,
+                y.stride(0),
+                0,
+                HAS_RES=False,
+                BLOCK=block,
+                num_warps=warps,
+                USE_PDL=pdl,
+                launch_pdl=pdl,
+            )
         return y.view(shape)
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        _rmsnorm_kernel[(rows,)](x2, r2, weight, y, res_out, n, eps, x2.stride(0), r2.stride(0), y.stride(0),
-                                 res_out.stride(0), HAS_RES=True, BLOCK=block, num_warps=warps, USE_PDL=pdl,
-                                 launch_pdl=pdl)
+        _rmsnorm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            y,
+            res_out,
+            n,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            res_out.stride(0),
+            HAS_RES=True,
+            BLOCK=block,
+            num_warps=warps,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
+        )
     return y.view(shape), res_out.view(shape)
 
 
@@ -119,16 +164,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(d))
         pdl = use_pdl(x)
-        _silu_mul_kernel[(rows, triton.cdiv(d, block))](x2, y, d, x2.stride(0), y.stride(0), BLOCK=block,
-                                                        num_warps=4, USE_PDL=pdl, launch_pdl=pdl)
+        _silu_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, y, d, x2.stride(0), y.stride(0), BLOCK=block, num_warps=4, USE_PDL=pdl, launch_pdl=pdl
+        )
     return y.view(*shape[:-1], d)
 
 
 @triton.jit
-def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 v, k_buf, v_buf, loc, stride_vt, stride_vh, stride_kb, stride_vb,
-                 NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, USE_PDL: tl.constexpr):
+def _rope_kernel(
+    q,
+    k,
+    positions,
+    cos_sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    v,
+    k_buf,
+    v_buf,
+    loc,
+    stride_vt,
+    stride_vh,
+    stride_kb,
+    stride_vb,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    STORE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
@@ -172,9 +240,13 @@ def _rope_kernel(q, k, positions, cos_sin, stride_qt, stride_qh, stride_kt, stri
             tl.store(vb + HALF, tl.load(pv + HALF, mask=m, other=0.0).to(v_buf.dtype.element_ty), mask=m)
 
 
-def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inplace(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (last dim contiguous); returns them.
 
     ``cos_sin_cache`` is ``[max_position, D]``: cos of the ``D/2`` frequencies,
@@ -193,15 +265,39 @@ def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     block_h = min(16, triton.next_power_of_2(max(hq, hk)))
     if store is not None:
         v, k_buf, v_buf, loc = store
-        if (v.shape != k.shape or v.stride(-1) != 1 or not k_buf.is_contiguous() or not v_buf.is_contiguous()
-                or tuple(k_buf.shape[1:]) != (hk, d) or tuple(v_buf.shape[1:]) != (hk, d) or loc.numel() != t):
+        if (
+            v.shape != k.shape
+            or v.stride(-1) != 1
+            or not k_buf.is_contiguous()
+            or not v_buf.is_contiguous()
+            or tuple(k_buf.shape[1:]) != (hk, d)
+            or tuple(v_buf.shape[1:]) != (hk, d)
+            or loc.numel() != t
+        ):
             raise ValueError("rope_inplace(store=...) needs v shaped like k and [slots, Hk, D] pool buffers")
         sv = (v, k_buf, v_buf, loc, v.stride(0), v.stride(1), k_buf.stride(0), v_buf.stride(0))
     else:
         sv = (k, k, k, positions, 0, 0, 0, 0)
     pdl = use_pdl(q)
-    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos_sin_cache.stride(0), *sv, NUM_Q=hq, NUM_K=hk, HALF=half, BLOCK_H=block_h,
-                       BLOCK_HALF=triton.next_power_of_2(half), STORE=store is not None, USE_PDL=pdl,
-                       launch_pdl=pdl, num_warps=4)
+    _rope_kernel[(t,)](
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        *sv,
+        NUM_Q=hq,
+        NUM_K=hk,
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        STORE=store is not None,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+        num_warps=4,
+    )
     return q, k

@@ -81,8 +81,9 @@ class StackedLinear(Linear):
     split it with ``output_sizes``.
     """
 
-    def __init__(self, input_size: int, shards: dict[object, int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, input_size: int, shards: dict[object, int], bias: bool = False, dtype: torch.dtype = torch.float32
+    ):
         super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype)
         self.output_sizes = list(shards.values())
         self.shard_offsets: dict[object, tuple[int, int]] = {}
@@ -100,6 +101,8 @@ class StackedLinear(Linear):
         off, size = self.shard_offsets[shard_id]
         target = param.data.narrow(0, off, size)
         if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}"
+            )
         with torch.no_grad():
             target.copy_(loaded)

@@ -70,8 +70,16 @@ class RotaryEmbedding(nn.Module):
         sin = cs[:, None, half:].to(q.dtype)
         return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
 
-    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor) -> bool:
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> bool:
         """Rotate ``q`` / ``k`` in place and write the rotated keys and ``v [T, Hk, D]`` into the pool buffers
         at ``loc``, all in one CUDA kernel; returns False (having done nothing) where that kernel does not apply
         (CPU, no Triton, ``KVSHIP_FUSE_ROPE_KV_STORE=0``, a layout it cannot take): the caller then rotates

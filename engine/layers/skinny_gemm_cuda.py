@@ -81,9 +81,25 @@ def _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT: tl.constexpr, U
 
 
 @triton.jit
-def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(
+    x,
+    w,
+    bias,
+    y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -113,10 +129,25 @@ def _gemv_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 @triton.jit
-def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _skinny_mma_kernel(
+    x,
+    w,
+    bias,
+    y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,8 +173,11 @@ def _skinny_mma_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
         acc = tl.dot(xt, tl.trans(wt), acc)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+        acc.to(y.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 @dataclass(frozen=True)
@@ -182,18 +216,40 @@ def _mma(bm: int, bn: int, bk: int) -> SkinnyConfig:
 # _default_config.
 _QKV, _O, _GATE_UP, _DOWN, _LM_HEAD = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
 TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
-    (*_QKV, 1): _gemv(4, 1024, 4), (*_O, 1): _gemv(2, 2048, 4), (*_GATE_UP, 1): _gemv(2, 2048, 4),
-    (*_DOWN, 1): _gemv(8, 512, 8), (*_LM_HEAD, 1): _gemv(2, 2048, 4),
-    (*_QKV, 2): None, (*_O, 2): _gemv(8, 512, 8, bm=2), (*_GATE_UP, 2): None, (*_DOWN, 2): None,
+    (*_QKV, 1): _gemv(4, 1024, 4),
+    (*_O, 1): _gemv(2, 2048, 4),
+    (*_GATE_UP, 1): _gemv(2, 2048, 4),
+    (*_DOWN, 1): _gemv(8, 512, 8),
+    (*_LM_HEAD, 1): _gemv(2, 2048, 4),
+    (*_QKV, 2): None,
+    (*_O, 2): _gemv(8, 512, 8, bm=2),
+    (*_GATE_UP, 2): None,
+    (*_DOWN, 2): None,
     (*_LM_HEAD, 2): _gemv(8, 512, 8, bm=2),
-    (*_QKV, 4): None, (*_O, 4): None, (*_GATE_UP, 4): None, (*_DOWN, 4): None, (*_LM_HEAD, 4): None,
-    (*_QKV, 8): _mma(16, 32, 128), (*_O, 8): _mma(16, 32, 256), (*_GATE_UP, 8): None, (*_DOWN, 8): None,
+    (*_QKV, 4): None,
+    (*_O, 4): None,
+    (*_GATE_UP, 4): None,
+    (*_DOWN, 4): None,
+    (*_LM_HEAD, 4): None,
+    (*_QKV, 8): _mma(16, 32, 128),
+    (*_O, 8): _mma(16, 32, 256),
+    (*_GATE_UP, 8): None,
+    (*_DOWN, 8): None,
     (*_LM_HEAD, 8): _mma(16, 32, 256),
-    (*_QKV, 16): _mma(16, 32, 128), (*_O, 16): _mma(16, 32, 256), (*_GATE_UP, 16): None, (*_DOWN, 16): None,
+    (*_QKV, 16): _mma(16, 32, 128),
+    (*_O, 16): _mma(16, 32, 256),
+    (*_GATE_UP, 16): None,
+    (*_DOWN, 16): None,
     (*_LM_HEAD, 16): _mma(16, 32, 256),
-    (*_QKV, 32): None, (*_O, 32): None, (*_GATE_UP, 32): None, (*_DOWN, 32): None,
+    (*_QKV, 32): None,
+    (*_O, 32): None,
+    (*_GATE_UP, 32): None,
+    (*_DOWN, 32): None,
     (*_LM_HEAD, 32): _mma(32, 32, 256),
-    (*_QKV, 64): None, (*_O, 64): None, (*_GATE_UP, 64): None, (*_DOWN, 64): None,
+    (*_QKV, 64): None,
+    (*_O, 64): None,
+    (*_GATE_UP, 64): None,
+    (*_DOWN, 64): None,
     (*_LM_HEAD, 64): _mma(64, 32, 128),
 }
 
@@ -233,8 +289,9 @@ def applies(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE) -> bool:
     return x.shape[1] == (2 * k if act == ACT_SILU_MUL else k)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, act: int,
-           cfg: SkinnyConfig) -> torch.Tensor:
+def launch(
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, act: int, cfg: SkinnyConfig
+) -> torch.Tensor:
     """Run ``cfg`` for ``y = act(x) @ w^T (+ bias)``; no checks (``linear`` and the benchmark check)."""
     m = x.shape[0]
     n, k = w.shape
@@ -242,9 +299,18 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: to
         raise ValueError(f"a GEMV config of block_m={cfg.block_m} cannot take {m} rows")
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     pdl = use_pdl(x)
-    common = dict(ACT=act, HAS_BIAS=bias is not None, EVEN=even, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=pdl,
-                  launch_pdl=pdl)
+    common = dict(
+        ACT=act,
+        HAS_BIAS=bias is not None,
+        EVEN=even,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+    )
     b = bias if bias is not None else w
     if cfg.mma:
         _skinny_mma_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)
@@ -253,8 +319,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: to
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, act: int = ACT_NONE,
-           cfg: Optional[SkinnyConfig] = None) -> Optional[torch.Tensor]:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    act: int = ACT_NONE,
+    cfg: Optional[SkinnyConfig] = None,
+) -> Optional[torch.Tensor]:
     """``act(x) @ w^T + bias`` for ``x [M, K]`` (``[M, 2K]`` with ``ACT_SILU_MUL``), or None where these kernels
     do not apply or cuBLAS is faster (the caller then runs PyTorch)."""
     if not applies(x, w, act):

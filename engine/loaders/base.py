@@ -51,6 +51,7 @@ def register_loader(name: str) -> Callable[[Callable[[], ModelLoader]], Callable
     def deco(factory: Callable[[], ModelLoader]) -> Callable[[], ModelLoader]:
         _REGISTRY[name] = factory
         return factory
+
     return deco
 
 
@@ -77,8 +78,7 @@ def resolve_load_format(load_format: str, model_path: str) -> str:
     return load_format
 
 
-def load_model(model_config: ModelConfig, load_format: str, device: str | torch.device,
-               seed: int = 0) -> nn.Module:
+def load_model(model_config: ModelConfig, load_format: str, device: str | torch.device, seed: int = 0) -> nn.Module:
     """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights."""
     fmt = resolve_load_format(load_format, model_config.model_path)
     cls = get_model_class(model_config.architectures)
@@ -87,13 +87,18 @@ def load_model(model_config: ModelConfig, load_format: str, device: str | torch.
         model = cls(model_config)
     get_loader(fmt).load_weights(model, model_config, seed)
     model.eval()
-    logger.info("loaded %s (%s, %s) on %s in %.1fs", model_config.architecture, fmt,
-                str(model_config.dtype).removeprefix("torch."), device, time.perf_counter() - t0)
+    logger.info(
+        "loaded %s (%s, %s) on %s in %.1fs",
+        model_config.architecture,
+        fmt,
+        str(model_config.dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - t0,
+    )
     return model
 
 
-def fill_from_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], total: int,
-                         desc: str) -> None:
+def fill_from_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], total: int, desc: str) -> None:
     """Feed ``weights`` to ``model.load_weights`` with a progress bar and check nothing is missing."""
     bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
 

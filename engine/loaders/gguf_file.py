@@ -19,6 +19,7 @@ import torch
 @functools.lru_cache(maxsize=2)
 def _reader_cached(path: str, mtime: float) -> Any:
     from gguf import GGUFReader
+
     return GGUFReader(path)
 
 
@@ -48,6 +49,7 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
 def dequantize_tensor(t: Any) -> torch.Tensor:
     """A GGUF ``ReaderTensor`` as a float32 torch tensor in PyTorch (row-major) shape."""
     from gguf.quants import dequantize
+
     arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     shape = tuple(int(x) for x in reversed(list(t.shape)))
     return torch.from_numpy(arr.reshape(shape).copy())

@@ -63,8 +63,7 @@ def hf_name(gguf_name: str) -> str | None:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's per-head q/k row permutation (works for weights and biases)."""
     rows = w.shape[0]
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-            .transpose(1, 2).reshape(w.shape))
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

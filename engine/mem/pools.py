@@ -57,7 +57,7 @@ class ReqToTokenPool:
 
     def write(self, index: int, start: int, slots: torch.Tensor) -> None:
         """Set ``req_to_token[index, start:start+len(slots)] = slots``."""
-        self.req_to_token[index, start:start + slots.numel()] = slots.to(self.device, torch.int32)
+        self.req_to_token[index, start : start + slots.numel()] = slots.to(self.device, torch.int32)
 
     def read(self, index: int, start: int, end: int) -> torch.Tensor:
         return self.req_to_token[index, start:end].to(torch.int64)
@@ -66,8 +66,16 @@ class ReqToTokenPool:
 class KVPool:
     """Per-layer K and V buffers indexed by KV slot (MHA layout)."""
 
-    def __init__(self, num_slots: int, page_size: int, dtype: torch.dtype, num_kv_heads: int,
-                 head_dim: int, num_layers: int, device: str | torch.device):
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        device: str | torch.device,
+    ):
         self.page_size = page_size
         self.num_slots = (num_slots // page_size) * page_size
         self.dtype = dtype
@@ -76,10 +84,12 @@ class KVPool:
         self.num_layers = num_layers
         self.device = torch.device(device)
         rows = self.num_slots + page_size
-        self.k_buffer = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device)
-                         for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device)
-                         for _ in range(num_layers)]
+        self.k_buffer = [
+            torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -162,8 +172,9 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         return sum(num_pages(s, ps) - num_pages(p, ps) for p, s in zip(prefix_lens, seq_lens))
 
-    def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int],
-                     last_loc: Sequence[int]) -> Optional[torch.Tensor]:
+    def alloc_extend(
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int]
+    ) -> Optional[torch.Tensor]:
         """Slots for positions ``prefix_lens[i]..seq_lens[i]-1`` of each request, packed.
 
         Returns None (allocating nothing) if there are not enough free pages.

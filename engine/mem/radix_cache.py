@@ -210,7 +210,7 @@ class RadixCache(BasePrefixCache):
 
     # --- keys ----------------------------------------------------------------
     def _child_key(self, key: Sequence[int]) -> Any:
-        return key[0] if self.page_size == 1 else tuple(key[:self.page_size])
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
 
     def _aligned(self, key: Sequence[int]) -> list[int]:
         n = len(key) // self.page_size * self.page_size
@@ -225,7 +225,7 @@ class RadixCache(BasePrefixCache):
             while i < n and a[i] == b[i]:
                 i += 1
             return i
-        while i + ps <= n and a[i:i + ps] == b[i:i + ps]:
+        while i + ps <= n and a[i : i + ps] == b[i : i + ps]:
             i += ps
         return i
 
@@ -270,7 +270,7 @@ class RadixCache(BasePrefixCache):
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         key = self._aligned(key)
-        value = value[:len(key)].to(torch.int64)
+        value = value[: len(key)].to(torch.int64)
         if value.numel() != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {value.numel()} slots")
         node = self.root
@@ -357,7 +357,7 @@ class RadixCache(BasePrefixCache):
         aligned = req.kv_committed_len // self.page_size * self.page_size
         already = self.insert(req.fill_ids[:aligned], slots[:aligned])
         # slots the cache already had a copy of, then the request's unshared tail
-        self.allocator.free(slots[req.cache_protected_len:already])
+        self.allocator.free(slots[req.cache_protected_len : already])
         self.allocator.free(slots[aligned:])
         self._finish_release(req)
 
@@ -367,13 +367,14 @@ class RadixCache(BasePrefixCache):
             return
         slots = self._req_slots(req, aligned)
         already = self.insert(req.fill_ids[:aligned], slots)
-        self.allocator.free(slots[req.cache_protected_len:already])
+        self.allocator.free(slots[req.cache_protected_len : already])
         match = self.match_prefix(req.fill_ids[:aligned])
         if match.length != aligned:
             raise RuntimeError(f"radix cache: re-match after insert found {match.length} of {aligned} tokens")
         # point the request at the cache's copies of the duplicated pages
-        self.req_to_token_pool.write(req.req_pool_idx, req.cache_protected_len,
-                                     match.indices[req.cache_protected_len:aligned])
+        self.req_to_token_pool.write(
+            req.req_pool_idx, req.cache_protected_len, match.indices[req.cache_protected_len : aligned]
+        )
         self.inc_lock_ref(match.last_node)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
@@ -384,8 +385,9 @@ class RadixCache(BasePrefixCache):
             req.last_loc = int(match.indices[-1])
 
 
-def create_prefix_cache(disable: bool, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                        page_size: int) -> BasePrefixCache:
+def create_prefix_cache(
+    disable: bool, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int
+) -> BasePrefixCache:
     """``RadixCache`` unless ``disable`` (``--disable-radix-cache``)."""
     cls = NoPrefixCache if disable else RadixCache
     return cls(req_to_token_pool, allocator, page_size)

@@ -35,8 +35,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.qkv_proj = StackedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                      bias=config.attention_bias, dtype=dt)
+        self.qkv_proj = StackedLinear(
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=config.attention_bias,
+            dtype=dt,
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dt)
@@ -44,7 +48,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         # shared by all layers; a list keeps it out of this module's state dict
         self._rotary = [rotary]
-        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -54,8 +58,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        out = self.attn.rope_and_forward(self._rotary[0], positions, q, k,
-                                         v.view(-1, self.num_kv_heads, self.head_dim), forward_batch)
+        out = self.attn.rope_and_forward(
+            self._rotary[0], positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim), forward_batch
+        )
         return self.o_proj(out)
 
 
@@ -63,8 +68,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         dt = config.dtype
-        self.gate_up_proj = StackedLinear(config.hidden_size, {0: config.intermediate_size, 1: config.intermediate_size},
-                                          bias=config.mlp_bias, dtype=dt)
+        self.gate_up_proj = StackedLinear(
+            config.hidden_size,
+            {0: config.intermediate_size, 1: config.intermediate_size},
+            bias=config.mlp_bias,
+            dtype=dt,
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dt)
         self.act = GatedActivation(config.hidden_act)
 
@@ -81,8 +90,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -97,10 +107,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, max(config.context_len, 1), config.rope_theta,
-                                          config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary_emb)
-                                    for i in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -129,8 +141,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.dtype,
-                              tied=self.model.embed_tokens if config.tie_word_embeddings else None)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            config.dtype,
+            tied=self.model.embed_tokens if config.tie_word_embeddings else None,
+        )
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
@@ -166,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
         if param is None:
             raise ValueError(f"checkpoint tensor '{ckpt_name}' matches no parameter of this model")
         try:
-            param.weight_loader(param, tensor.to(param.dtype), shard) if shard is not None \
-                else param.weight_loader(param, tensor.to(param.dtype))
+            param.weight_loader(param, tensor.to(param.dtype), shard) if shard is not None else param.weight_loader(
+                param, tensor.to(param.dtype)
+            )
         except ValueError as e:
             raise ValueError(f"loading '{ckpt_name}': {e}") from None
 

@@ -34,6 +34,7 @@ def register_model(*names: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
         for name in names:
             _REGISTRY[name] = cls
         return cls
+
     return deco
 
 
@@ -48,5 +49,4 @@ def get_model_class(architectures: Sequence[str]) -> type[nn.Module]:
             importlib.import_module(_LAZY_MODULES[arch])
         if arch in _REGISTRY:
             return _REGISTRY[arch]
-    raise ValueError(f"unsupported model architecture(s) {list(architectures)}; "
-                     f"supported: {supported_architectures()}")
+    raise ValueError(f"unsupported model architecture(s) {list(architectures)}; supported: {supported_architectures()}")

@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.schedule_batch import Req, ScheduleBatch
-from kvship.engine.scheduler.policy import PrefillBudget, SchedulePolicy
 from kvship.engine.scheduler.kv_budget import KVBudget
+from kvship.engine.scheduler.policy import PrefillBudget, SchedulePolicy
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,16 @@ def check_prompt(n_prompt: int, context_len: int, kv_slots: int) -> Optional[Pro
     if n_prompt == 0:
         return PromptProblem("the prompt is empty", "empty_prompt")
     if n_prompt >= context_len:
-        return PromptProblem(f"the prompt has {n_prompt} tokens but this model's maximum context length is "
-                             f"{context_len} tokens (the prompt must leave room for at least one new token)",
-                             "context_length_exceeded")
+        return PromptProblem(
+            f"the prompt has {n_prompt} tokens but this model's maximum context length is "
+            f"{context_len} tokens (the prompt must leave room for at least one new token)",
+            "context_length_exceeded",
+        )
     if n_prompt + 1 > kv_slots:
-        return PromptProblem(f"the prompt has {n_prompt} tokens but the KV cache holds only {kv_slots} "
-                             f"(--max-total-tokens)", "context_length_exceeded")
+        return PromptProblem(
+            f"the prompt has {n_prompt} tokens but the KV cache holds only {kv_slots} (--max-total-tokens)",
+            "context_length_exceeded",
+        )
     return None
 
 
@@ -55,7 +59,7 @@ class RequestQueues:
     waiting: list[Req] = field(default_factory=list)
     running: list[Req] = field(default_factory=list)
     chunked_req: Optional[Req] = None
-    reqs: dict[str, Req] = field(default_factory=dict)   # every unfinished request, by rid
+    reqs: dict[str, Req] = field(default_factory=dict)  # every unfinished request, by rid
 
     def num_active(self) -> int:
         return len(self.running) + (1 if self.chunked_req is not None else 0)
@@ -74,8 +78,18 @@ class RequestQueues:
 class Admission:
     """Builds extend batches (see the module docstring); owns no request state itself."""
 
-    def __init__(self, queues: RequestQueues, budget: KVBudget, policy: SchedulePolicy, req_to_token_pool: Any,
-                 counters: Counter, *, max_running: int, max_prefill_tokens: int, chunk_size: Optional[int]):
+    def __init__(
+        self,
+        queues: RequestQueues,
+        budget: KVBudget,
+        policy: SchedulePolicy,
+        req_to_token_pool: Any,
+        counters: Counter,
+        *,
+        max_running: int,
+        max_prefill_tokens: int,
+        chunk_size: Optional[int],
+    ):
         self.q = queues
         self.budget = budget
         self.cache = budget.cache
@@ -92,8 +106,12 @@ class Admission:
         if not q.waiting and q.chunked_req is None:
             return None
         ps = kv.page_size
-        limits = PrefillBudget(page_size=ps, rem_input=self.max_prefill_tokens, rem_chunk=self.chunk_size,
-                               rem_memory=kv.memory_left(q.running))
+        limits = PrefillBudget(
+            page_size=ps,
+            rem_input=self.max_prefill_tokens,
+            rem_chunk=self.chunk_size,
+            rem_memory=kv.memory_left(q.running),
+        )
         reqs: list[Req] = []
         if q.chunked_req is not None:
             req = q.chunked_req
@@ -106,8 +124,12 @@ class Admission:
             if req.kv_committed_len + n < len(req.fill_ids):
                 return ScheduleBatch(reqs, ForwardMode.EXTEND)
         n_active = len(q.running) + len(reqs)
-        if (not q.waiting or n_active >= self.max_running or self.req_to_token_pool.available_size() == 0
-                or (limits.rem_memory < ps and q.running)):
+        if (
+            not q.waiting
+            or n_active >= self.max_running
+            or self.req_to_token_pool.available_size() == 0
+            or (limits.rem_memory < ps and q.running)
+        ):
             # nothing more can join (skip ordering the queue, which costs a prefix match per request)
             return ScheduleBatch(reqs, ForwardMode.EXTEND) if reqs else None
         for req in self.policy.order(q.waiting):

@@ -77,9 +77,15 @@ def overlap_enabled(server_args: ServerArgs, device: torch.device) -> bool:
 class Scheduler:
     """Continuous batching (see the module docstring).  ``role`` builds the role's hooks from the scheduler."""
 
-    def __init__(self, server_args: ServerArgs, model_runner: Any, tokenizer: Any, output_sink: OutputSink,
-                 tuning: Optional[SchedulerTuning] = None,
-                 role: Optional[Callable[["Scheduler"], RoleHooks]] = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_runner: Any,
+        tokenizer: Any,
+        output_sink: OutputSink,
+        tuning: Optional[SchedulerTuning] = None,
+        role: Optional[Callable[["Scheduler"], RoleHooks]] = None,
+    ):
         self.server_args = server_args
         self.runner = model_runner
         self.tokenizer = tokenizer
@@ -92,21 +98,31 @@ class Scheduler:
         self.page_size = int(model_runner.page_size)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.allocator
-        self.cache = create_prefix_cache(server_args.disable_radix_cache, self.req_to_token_pool,
-                                         self.allocator, self.page_size)
+        self.cache = create_prefix_cache(
+            server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
+        )
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.size)
         self.counters: Counter = Counter()
         self.queues = RequestQueues()
         self.kv = KVBudget(self.allocator, self.cache, self.page_size, self.tuning)
         chunk = None if server_args.chunked_prefill_size in (-1, 0) else server_args.chunked_prefill_size
-        self.admission = Admission(self.queues, self.kv, SchedulePolicy(server_args.schedule_policy, self.cache,
-                                                                        self.tuning),
-                                   self.req_to_token_pool, self.counters, max_running=self.max_running,
-                                   max_prefill_tokens=server_args.max_prefill_tokens, chunk_size=chunk)
+        self.admission = Admission(
+            self.queues,
+            self.kv,
+            SchedulePolicy(server_args.schedule_policy, self.cache, self.tuning),
+            self.req_to_token_pool,
+            self.counters,
+            max_running=self.max_running,
+            max_prefill_tokens=server_args.max_prefill_tokens,
+            chunk_size=chunk,
+        )
         self.decoder = DecodeBatcher(self.queues, self.kv, self.counters, self.finish)
-        self.launcher = Launcher(model_runner, create_sampler(server_args.sampling_backend, self.device,
-                                                              server_args.seed),
-                                 self.vocab_size, self.cache)
+        self.launcher = Launcher(
+            model_runner,
+            create_sampler(server_args.sampling_backend, self.device, server_args.seed),
+            self.vocab_size,
+            self.cache,
+        )
         self.inbox = Inbox()
         self._outbox: list[TokenChunk] = []
         self._loop_running = False
@@ -191,8 +207,12 @@ class Scheduler:
 
     def _has_compute(self) -> bool:
         q = self.queues
-        return bool(q.waiting or q.running or q.chunked_req is not None
-                    or (self.overlap is not None and self.overlap.has_pending()))
+        return bool(
+            q.waiting
+            or q.running
+            or q.chunked_req is not None
+            or (self.overlap is not None and self.overlap.has_pending())
+        )
 
     def idle(self) -> bool:
         """Nothing to compute, no stage pending and nothing in the inbox."""
@@ -229,8 +249,14 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - one bad message must not stop the loop
                 logger.exception("bad scheduler input %r", msg)
                 if isinstance(msg, Submit) and msg.request.rid not in self.reqs:
-                    self._outbox.append(TokenChunk(rid=msg.request.rid, token_ids=[], finished=True,
-                                                   finish_reason=FinishReason.abort(f"internal error: {e}")))
+                    self._outbox.append(
+                        TokenChunk(
+                            rid=msg.request.rid,
+                            token_ids=[],
+                            finished=True,
+                            finish_reason=FinishReason.abort(f"internal error: {e}"),
+                        )
+                    )
             msg = self.inbox.get(0.0)
 
     def schedule(self) -> Optional[ScheduleBatch]:
@@ -291,9 +317,15 @@ class Scheduler:
     # ------------------------------------------------------------ admission
     def _reject(self, greq: GenerateRequest, message: str) -> None:
         self.counters["rejected"] += 1
-        self._outbox.append(TokenChunk(rid=greq.rid, token_ids=[], finished=True,
-                                       finish_reason=FinishReason.abort(message),
-                                       prompt_tokens=len(greq.input_ids)))
+        self._outbox.append(
+            TokenChunk(
+                rid=greq.rid,
+                token_ids=[],
+                finished=True,
+                finish_reason=FinishReason.abort(message),
+                prompt_tokens=len(greq.input_ids),
+            )
+        )
 
     def _request_problem(self, greq: GenerateRequest) -> Optional[str]:
         if greq.rid in self.reqs:
@@ -436,8 +468,13 @@ class Scheduler:
         req.last_loc = int(slots[-1])
         return slots
 
-    def admit_prefilled(self, req: Req, first_token_id: int, logprob: Optional[float] = None,
-                        top_logprobs: Optional[list[tuple[int, float]]] = None) -> None:
+    def admit_prefilled(
+        self,
+        req: Req,
+        first_token_id: int,
+        logprob: Optional[float] = None,
+        top_logprobs: Optional[list[tuple[int, float]]] = None,
+    ) -> None:
         """Join the running batch with the prompt's KV already in the slots from
         ``alloc_prefilled_kv`` and ``first_token_id`` sampled elsewhere."""
         if req.req_pool_idx is None or req.kv_allocated_len != len(req.origin_input_ids):

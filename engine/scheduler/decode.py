@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeBatcher:
-    def __init__(self, queues: RequestQueues, budget: KVBudget, counters: Counter,
-                 finish: Callable[[Req, FinishReason], None]):
+    def __init__(
+        self, queues: RequestQueues, budget: KVBudget, counters: Counter, finish: Callable[[Req, FinishReason], None]
+    ):
         self.q = queues
         self.budget = budget
         self.counters = counters

@@ -50,11 +50,11 @@ class Pending:
     """A launched batch whose sampled tokens the host has not processed yet."""
 
     batch: ScheduleBatch
-    next_ids: Optional[torch.Tensor]       # [n sampled] int64 on the device; None when nothing was sampled
-    host: Optional[SampleOutput]           # the same outputs in host memory, filled by async copies
+    next_ids: Optional[torch.Tensor]  # [n sampled] int64 on the device; None when nothing was sampled
+    host: Optional[SampleOutput]  # the same outputs in host memory, filled by async copies
     top_nums: list[int]
-    event: Optional[Any]                   # torch.cuda.Event recorded after the copies (None off CUDA)
-    index: dict[int, int]                  # id(req) -> row in next_ids (decode batches)
+    event: Optional[Any]  # torch.cuda.Event recorded after the copies (None off CUDA)
+    index: dict[int, int]  # id(req) -> row in next_ids (decode batches)
 
     def results(self) -> Results:
         """Wait for the host copies; (ids, logprobs, top logprobs) per sampled request, in batch order."""
@@ -109,19 +109,26 @@ class Launcher:
             if logits.shape[0] != len(reqs):
                 raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
             if info is not None:
-                out = self.sampler(logits[:, :self.vocab_size], info)
-                host = SampleOutput(next_token_ids=self._to_host(out.next_token_ids),
-                                    logprobs=self._to_host(out.logprobs),
-                                    top_logprobs=self._to_host(out.top_logprobs),
-                                    top_logprob_ids=self._to_host(out.top_logprob_ids))
+                out = self.sampler(logits[:, : self.vocab_size], info)
+                host = SampleOutput(
+                    next_token_ids=self._to_host(out.next_token_ids),
+                    logprobs=self._to_host(out.logprobs),
+                    top_logprobs=self._to_host(out.top_logprobs),
+                    top_logprob_ids=self._to_host(out.top_logprob_ids),
+                )
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
         batch.commit()
-        return Pending(batch=batch, next_ids=None if out is None else out.next_token_ids, host=host,
-                       top_nums=[] if info is None else info.top_logprobs_nums, event=event,
-                       index={id(r): j for j, r in enumerate(reqs)})
+        return Pending(
+            batch=batch,
+            next_ids=None if out is None else out.next_token_ids,
+            host=host,
+            top_nums=[] if info is None else info.top_logprobs_nums,
+            event=event,
+            index={id(r): j for j, r in enumerate(reqs)},
+        )
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         if any(needs_host_state(r) for r in reqs):
@@ -155,13 +162,22 @@ class Launcher:
         rows = [r.req_pool_idx for r in reqs]
         host = torch.tensor(batch.prefix_lens + rows + batch.seq_lens + locs + src + host_ids, dtype=torch.int64)
         d = self._to_device(host)
-        positions, rows_d, seq_d = d[0:n], d[n:2 * n], d[2 * n:3 * n]
-        loc_d, src_d, hid_d = d[3 * n:4 * n], d[4 * n:5 * n], d[5 * n:]
+        positions, rows_d, seq_d = d[0:n], d[n : 2 * n], d[2 * n : 3 * n]
+        loc_d, src_d, hid_d = d[3 * n : 4 * n], d[4 * n : 5 * n], d[5 * n :]
         ids_pool = hid_d if prev_ids is None else torch.cat([prev_ids, hid_d])
         input_ids = ids_pool.index_select(0, src_d)
         table = runner.req_to_token_pool.req_to_token
         table[rows_d, positions] = loc_d.to(table.dtype)
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=n, input_ids=input_ids, positions=positions,
-                            req_pool_indices=rows_d, seq_lens=seq_d, seq_lens_cpu=list(batch.seq_lens),
-                            out_cache_loc=loc_d, req_to_token_pool=runner.req_to_token_pool, kv_pool=runner.kv_pool,
-                            attn_backend=runner.attn_backend)
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=n,
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=rows_d,
+            seq_lens=seq_d,
+            seq_lens_cpu=list(batch.seq_lens),
+            out_cache_loc=loc_d,
+            req_to_token_pool=runner.req_to_token_pool,
+            kv_pool=runner.kv_pool,
+            attn_backend=runner.attn_backend,
+        )

@@ -46,16 +46,15 @@ class OverlapLoop:
         self.s = sched
         self.pending: Optional[Pending] = None
         self._processing: Optional[Pending] = None  # the step being processed (failed with it on error)
-        self.launched = 0   # decode steps launched ahead of their predecessor's processing
-        self.synced = 0     # steps that had to process the pending step first
+        self.launched = 0  # decode steps launched ahead of their predecessor's processing
+        self.synced = 0  # steps that had to process the pending step first
 
     def has_pending(self) -> bool:
         return self.pending is not None
 
     @staticmethod
     def _chainable(batch: Optional["ScheduleBatch"]) -> bool:
-        return (batch is not None and batch.forward_mode.is_decode()
-                and not any(needs_host_state(r) for r in batch.reqs))
+        return batch is not None and batch.forward_mode.is_decode() and not any(needs_host_state(r) for r in batch.reqs)
 
     def step(self, block_s: float = 0.0) -> bool:
         """One iteration of the overlapped loop; True when a forward ran."""
@@ -70,8 +69,9 @@ class OverlapLoop:
             if self._chainable(batch):
                 prev = self.pending
                 if prev is not None:  # requests that stop by length once ``prev`` is processed need no step
-                    batch.reqs = [r for r in batch.reqs
-                                  if not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)]
+                    batch.reqs = [
+                        r for r in batch.reqs if not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)
+                    ]
                 self.pending = s.launch(batch, after=prev) if batch.reqs else None
                 ran = self.pending is not None
                 self.launched += int(ran and prev is not None)

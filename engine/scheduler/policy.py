@@ -60,10 +60,10 @@ class PrefillBudget:
     """Limits of one extend batch; ``fit`` says how many new tokens a request may take."""
 
     page_size: int
-    rem_input: int              # --max-prefill-tokens left
-    rem_chunk: Optional[int]    # --chunked-prefill-size left (None: chunking disabled)
-    rem_memory: int             # KV slots left after reservations
-    consumed: int = 0           # KV slots (and reservations) taken by this batch so far
+    rem_input: int  # --max-prefill-tokens left
+    rem_chunk: Optional[int]  # --chunked-prefill-size left (None: chunking disabled)
+    rem_memory: int  # KV slots left after reservations
+    consumed: int = 0  # KV slots (and reservations) taken by this batch so far
 
     def fit(self, remaining: int, first: bool) -> int:
         """New tokens (of ``remaining`` still to compute) a request may extend by now.

@@ -52,8 +52,9 @@ class RoleHooks(Protocol):
 
     def before_schedule(self) -> None: ...
 
-    def on_prompt_done(self, req: "Req", token_id: int, logprob: Optional[float],
-                       top_logprobs: Optional[list[tuple[int, float]]]) -> bool: ...
+    def on_prompt_done(
+        self, req: "Req", token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
+    ) -> bool: ...
 
     def abort(self, rid: str, message: str) -> bool: ...
 
@@ -82,8 +83,9 @@ class UnifiedRole:
     def before_schedule(self) -> None:
         pass
 
-    def on_prompt_done(self, req: "Req", token_id: int, logprob: Optional[float],
-                       top_logprobs: Optional[list[tuple[int, float]]]) -> bool:
+    def on_prompt_done(
+        self, req: "Req", token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
+    ) -> bool:
         return False
 
     def abort(self, rid: str, message: str) -> bool:

@@ -20,8 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvship.operator.builders.common import (MANAGED_BY, ROLE_LABEL, Images, child_name, instance_labels,
-                                             role_selector, worker_roles)
+from kvship.operator.builders.common import (
+    MANAGED_BY,
+    ROLE_LABEL,
+    Images,
+    child_name,
+    instance_labels,
+    role_selector,
+    worker_roles,
+)
 from kvship.operator.builders.extras import autoscaler, config_map, disruption_budget
 from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
 from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
@@ -29,9 +36,14 @@ from kvship.operator.spec import ServiceConfig
 
 # Every kind an InferenceService may own, in the order they are applied.
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
-    ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "Service"), ("apps/v1", "Deployment"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"), ("policy/v1", "PodDisruptionBudget"),
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("policy/v1", "PodDisruptionBudget"),
 )
 
 
@@ -60,5 +72,16 @@ def _role_of(obj: dict[str, Any]) -> str:
     return obj["metadata"]["labels"][ROLE_LABEL]
 
 
-__all__ = ["build_children", "CHILD_KINDS", "Images", "MANAGED_BY", "ROLE_LABEL", "child_name", "instance_labels",
-           "role_selector", "worker_roles", "worker_args", "router_args"]
+__all__ = [
+    "build_children",
+    "CHILD_KINDS",
+    "Images",
+    "MANAGED_BY",
+    "ROLE_LABEL",
+    "child_name",
+    "instance_labels",
+    "role_selector",
+    "worker_roles",
+    "worker_args",
+    "router_args",
+]

@@ -45,8 +45,11 @@ def worker_roles(cfg: ServiceConfig) -> tuple[str, ...]:
 
 def instance_labels(cfg: ServiceConfig) -> dict[str, str]:
     """Labels every child carries; the operator lists its children with them."""
-    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": cfg.name,
-            "app.kubernetes.io/managed-by": MANAGED_BY}
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": cfg.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
 
 
 def role_selector(cfg: ServiceConfig, role: str) -> dict[str, str]:
@@ -62,32 +65,56 @@ def role_labels(cfg: ServiceConfig, role: str) -> dict[str, str]:
 
 
 def owner_reference(cfg: ServiceConfig) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": cfg.name, "uid": cfg.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": cfg.name,
+        "uid": cfg.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
-def metadata(cfg: ServiceConfig, name: str, labels: dict[str, str],
-             annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": dict(labels),
-                            "ownerReferences": [owner_reference(cfg)]}
+def metadata(
+    cfg: ServiceConfig, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": cfg.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner_reference(cfg)],
+    }
     if annotations:
         meta["annotations"] = dict(annotations)
     return meta
 
 
 def pod_security_context() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def container_security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def http_probe(path: str, port: str, *, period: int, timeout: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": timeout,
-            "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
 
 
 def startup_failures(timeout_seconds: int, period: int = 10) -> int:
@@ -98,9 +125,16 @@ def secret_env(name: str, ref: Any) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def deployment(cfg: ServiceConfig, role: str, pod_spec: dict[str, Any], *, replicas: int | None,
-               pod_annotations: dict[str, str], strategy: dict[str, Any],
-               progress_deadline: int) -> dict[str, Any]:
+def deployment(
+    cfg: ServiceConfig,
+    role: str,
+    pod_spec: dict[str, Any],
+    *,
+    replicas: int | None,
+    pod_annotations: dict[str, str],
+    strategy: dict[str, Any],
+    progress_deadline: int,
+) -> dict[str, Any]:
     """A Deployment of one role; ``replicas=None`` leaves the count to an HPA."""
     labels = role_labels(cfg, role)
     spec: dict[str, Any] = {
@@ -112,12 +146,17 @@ def deployment(cfg: ServiceConfig, role: str, pod_spec: dict[str, Any], *, repli
     }
     if replicas is not None:
         spec["replicas"] = replicas
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": metadata(cfg, child_name(cfg, role), labels), "spec": spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(cfg, child_name(cfg, role), labels),
+        "spec": spec,
+    }
 
 
-def scheduling(pod: dict[str, Any], node_selector: dict, tolerations: list, affinity: dict,
-               pull_secrets: list[str]) -> dict[str, Any]:
+def scheduling(
+    pod: dict[str, Any], node_selector: dict, tolerations: list, affinity: dict, pull_secrets: list[str]
+) -> dict[str, Any]:
     """Adds the pass-through scheduling fields that are set."""
     if node_selector:
         pod["nodeSelector"] = dict(node_selector)

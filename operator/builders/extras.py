@@ -22,23 +22,38 @@ def config_map(cfg: ServiceConfig, argv: dict[str, list[str]]) -> dict[str, Any]
         "model-uri": cfg.spec.model.uri,
         "args.json": json.dumps(argv, indent=2, sort_keys=True),
     }
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": metadata(cfg, f"{cfg.name}-config", instance_labels(cfg)), "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(cfg, f"{cfg.name}-config", instance_labels(cfg)),
+        "data": data,
+    }
 
 
 def autoscaler(cfg: ServiceConfig, role: str, a: Autoscaling) -> dict[str, Any]:
     """autoscaling/v2 HPA of one role's Deployment."""
     if a.metric in ("cpu", "memory"):
-        metric = {"type": "Resource", "resource": {
-            "name": a.metric, "target": {"type": "Utilization", "averageUtilization": int(a.target)}}}
+        metric = {
+            "type": "Resource",
+            "resource": {"name": a.metric, "target": {"type": "Utilization", "averageUtilization": int(a.target)}},
+        }
     else:
-        metric = {"type": "Pods", "pods": {
-            "metric": {"name": a.metric}, "target": {"type": "AverageValue", "averageValue": str(a.target)}}}
+        metric = {
+            "type": "Pods",
+            "pods": {"metric": {"name": a.metric}, "target": {"type": "AverageValue", "averageValue": str(a.target)}},
+        }
     name = child_name(cfg, role)
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": metadata(cfg, name, role_labels(cfg, role)),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-                     "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas, "metrics": [metric]}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(cfg, name, role_labels(cfg, role)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [metric],
+        },
+    }
 
 
 def disruption_budget(cfg: ServiceConfig, role: str, replicas: int, a: Optional[Autoscaling]) -> Optional[dict]:
@@ -46,6 +61,9 @@ def disruption_budget(cfg: ServiceConfig, role: str, replicas: int, a: Optional[
     most = a.max_replicas if a is not None else replicas
     if most < 2:
         return None
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": role_selector(cfg, role)}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": role_selector(cfg, role)}},
+    }

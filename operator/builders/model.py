@@ -51,8 +51,15 @@ def plan_models(cfg: ServiceConfig, image: str, pull_policy: str) -> ModelPlan:
     return plan
 
 
-def _resolve(cfg: ServiceConfig, src: ModelSource, what: str, plan: ModelPlan, claims: dict[str, str],
-             image: str, pull_policy: str) -> Optional[str]:
+def _resolve(
+    cfg: ServiceConfig,
+    src: ModelSource,
+    what: str,
+    plan: ModelPlan,
+    claims: dict[str, str],
+    image: str,
+    pull_policy: str,
+) -> Optional[str]:
     if src.kind == "builtin":
         return None
     if src.kind == "path":
@@ -72,18 +79,23 @@ def _resolve(cfg: ServiceConfig, src: ModelSource, what: str, plan: ModelPlan, c
     args = ["download", src.repo, "--local-dir", target]
     if src.revision:
         args += ["--revision", src.revision]
-    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-           {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
     if cfg.spec.model.hf_token_secret_ref is not None:
         env.append(secret_env("HF_TOKEN", cfg.spec.model.hf_token_secret_ref))
-    plan.init_containers.append({
-        "name": f"fetch-{what}",
-        "image": image,
-        "imagePullPolicy": pull_policy,
-        "command": ["hf"],
-        "args": args,
-        "env": env,
-        "securityContext": container_security_context(),
-        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
-    })
+    plan.init_containers.append(
+        {
+            "name": f"fetch-{what}",
+            "image": image,
+            "imagePullPolicy": pull_policy,
+            "command": ["hf"],
+            "args": args,
+            "env": env,
+            "securityContext": container_security_context(),
+            "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+        }
+    )
     return target

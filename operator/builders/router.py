@@ -12,9 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from kvship.operator.builders import common
-from kvship.operator.builders.common import (ROUTER_PORT, WORKER_PORT, Images, child_name,
-                                             container_security_context, http_probe, instance_labels, metadata,
-                                             role_labels, role_selector, secret_env)
+from kvship.operator.builders.common import (
+    ROUTER_PORT,
+    WORKER_PORT,
+    Images,
+    child_name,
+    container_security_context,
+    http_probe,
+    instance_labels,
+    metadata,
+    role_labels,
+    role_selector,
+    secret_env,
+)
 from kvship.operator.spec import ServiceConfig
 
 
@@ -25,19 +35,36 @@ def _selector_args(selector: dict[str, str]) -> list[str]:
 def router_args(cfg: ServiceConfig) -> list[str]:
     """The router container's argv after the ``kvship`` entrypoint (flags of ``kvship router``)."""
     r = cfg.spec.router
-    args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
-            "--policy", r.policy,
-            "--cache-threshold", repr(float(r.cache_threshold)),
-            "--balance-abs-threshold", str(r.balance_abs_threshold),
-            "--balance-rel-threshold", repr(float(r.balance_rel_threshold)),
-            "--service-discovery", "--namespace", cfg.namespace,
-            "--service-discovery-port", str(WORKER_PORT)]
+    args = [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_PORT),
+        "--policy",
+        r.policy,
+        "--cache-threshold",
+        repr(float(r.cache_threshold)),
+        "--balance-abs-threshold",
+        str(r.balance_abs_threshold),
+        "--balance-rel-threshold",
+        repr(float(r.balance_rel_threshold)),
+        "--service-discovery",
+        "--namespace",
+        cfg.namespace,
+        "--service-discovery-port",
+        str(WORKER_PORT),
+    ]
     if cfg.unified:
         args += ["--selector", *_selector_args(role_selector(cfg, "unified"))]
     else:
-        args += ["--pd",
-                 "--prefill-selector", *_selector_args(role_selector(cfg, "prefill")),
-                 "--decode-selector", *_selector_args(role_selector(cfg, "decode"))]
+        args += [
+            "--pd",
+            "--prefill-selector",
+            *_selector_args(role_selector(cfg, "prefill")),
+            "--decode-selector",
+            *_selector_args(role_selector(cfg, "decode")),
+        ]
         if r.prefill_policy:
             args += ["--prefill-policy", r.prefill_policy]
         if r.decode_policy:
@@ -76,10 +103,15 @@ def router_deployment(cfg: ServiceConfig, images: Images) -> dict[str, Any]:
     }
     common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, cfg.spec.engine.image_pull_secrets)
     replicas = None if r.autoscaling is not None else r.replicas
-    return common.deployment(cfg, "router", pod, replicas=replicas, pod_annotations={},
-                             strategy={"type": "RollingUpdate",
-                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                             progress_deadline=600)
+    return common.deployment(
+        cfg,
+        "router",
+        pod,
+        replicas=replicas,
+        pod_annotations={},
+        strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        progress_deadline=600,
+    )
 
 
 def router_service(cfg: ServiceConfig) -> dict[str, Any]:
@@ -87,9 +119,12 @@ def router_service(cfg: ServiceConfig) -> dict[str, Any]:
     port: dict[str, Any] = {"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}
     if svc.node_port is not None:
         port["nodePort"] = svc.node_port
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": metadata(cfg, child_name(cfg, "router"), role_labels(cfg, "router"), svc.annotations),
-            "spec": {"type": svc.type, "selector": role_selector(cfg, "router"), "ports": [port]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(cfg, child_name(cfg, "router"), role_labels(cfg, "router"), svc.annotations),
+        "spec": {"type": svc.type, "selector": role_selector(cfg, "router"), "ports": [port]},
+    }
 
 
 def router_rbac(cfg: ServiceConfig) -> list[dict[str, Any]]:
@@ -99,9 +134,17 @@ def router_rbac(cfg: ServiceConfig) -> list[dict[str, Any]]:
     labels["app.kubernetes.io/component"] = "router"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(cfg, name, labels)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(cfg, name, labels),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata(cfg, name, labels),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(cfg, name, labels),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(cfg, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+        },
     ]

@@ -12,17 +12,30 @@ from __future__ import annotations
 from typing import Any
 
 from kvship.operator.builders import common
-from kvship.operator.builders.common import (WORKER_PORT, Images, child_name, container_security_context,
-                                             http_probe, metadata, role_labels, role_selector, secret_env)
+from kvship.operator.builders.common import (
+    WORKER_PORT,
+    Images,
+    child_name,
+    container_security_context,
+    http_probe,
+    metadata,
+    role_labels,
+    role_selector,
+    secret_env,
+)
 from kvship.operator.builders.model import CACHE_DIR, cache_volume, plan_models
 from kvship.operator.spec import GPU, ServiceConfig
 from kvship.operator.types import WorkerRole
 
 # `kvship serve` flags not yet in every engine build; emitted only when the feature is asked for.
 TP_FLAG, EP_FLAG = "--tp-size", "--ep-size"
-SPEC_FLAGS = {"algorithm": "--speculative-algorithm", "draft": "--speculative-draft-model-path",
-              "steps": "--speculative-num-steps", "topk": "--speculative-eagle-topk",
-              "tokens": "--speculative-num-draft-tokens"}
+SPEC_FLAGS = {
+    "algorithm": "--speculative-algorithm",
+    "draft": "--speculative-draft-model-path",
+    "steps": "--speculative-num-steps",
+    "topk": "--speculative-eagle-topk",
+    "tokens": "--speculative-num-draft-tokens",
+}
 
 
 def role_spec(cfg: ServiceConfig, role: str) -> WorkerRole:
@@ -32,8 +45,17 @@ def role_spec(cfg: ServiceConfig, role: str) -> WorkerRole:
 def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_path: str | None) -> list[str]:
     """The worker container's argv after the ``kvship`` entrypoint."""
     spec, r = cfg.spec, role_spec(cfg, role)
-    args = ["serve", "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--mode", role,
-            "--served-model-name", cfg.served_name]
+    args = [
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--mode",
+        role,
+        "--served-model-name",
+        cfg.served_name,
+    ]
     if model_path:
         args += ["--model-path", model_path]
     if spec.model.dtype != "auto":
@@ -65,18 +87,26 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
         args += [SPEC_FLAGS["algorithm"], sp.algorithm]
         if draft_path:
             args += [SPEC_FLAGS["draft"], draft_path]
-        args += [SPEC_FLAGS["steps"], str(sp.num_steps), SPEC_FLAGS["topk"], str(sp.topk),
-                 SPEC_FLAGS["tokens"], str(sp.num_draft_tokens)]
+        args += [
+            SPEC_FLAGS["steps"],
+            str(sp.num_steps),
+            SPEC_FLAGS["topk"],
+            str(sp.topk),
+            SPEC_FLAGS["tokens"],
+            str(sp.num_draft_tokens),
+        ]
     return args + list(eng.extra_args) + list(r.extra_args)
 
 
 def _env(cfg: ServiceConfig, r: WorkerRole) -> list[dict[str, Any]]:
-    env = [{"name": "HOME", "value": "/tmp"},
-           {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-           {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-           {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-           {"name": "FLASHINFER_WORKSPACE_BASE", "value": CACHE_DIR},
-           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "FLASHINFER_WORKSPACE_BASE", "value": CACHE_DIR},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
     kv = cfg.spec.kv_transfer
     if not cfg.unified and kv.backend == "nixl" and kv.rdma_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": ",".join(kv.rdma_devices)})
@@ -102,17 +132,25 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
         "ports": ports,
         "env": _env(cfg, r),
         "securityContext": container_security_context(),
-        "startupProbe": http_probe("/health", "http", period=10, timeout=5,
-                                   failures=common.startup_failures(eng.startup_timeout_seconds)),
+        "startupProbe": http_probe(
+            "/health", "http", period=10, timeout=5, failures=common.startup_failures(eng.startup_timeout_seconds)
+        ),
         "readinessProbe": http_probe("/health", "http", period=5, timeout=3, failures=3),
         "livenessProbe": http_probe("/health", "http", period=15, timeout=5, failures=4),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR},
-                         {"name": "dshm", "mountPath": "/dev/shm"}] + plan.mounts,
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ]
+        + plan.mounts,
     }
     if r.resources:
         container["resources"] = {k: dict(v) for k, v in r.resources.items()}
-    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(cfg),
-               {"name": "dshm", "emptyDir": {"medium": "Memory"}}] + plan.volumes
+    volumes = [
+        {"name": "tmp", "emptyDir": {}},
+        cache_volume(cfg),
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ] + plan.volumes
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "securityContext": common.pod_security_context(),
@@ -125,13 +163,22 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
     common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, eng.image_pull_secrets)
     uses_gpu = GPU in (r.resources.get("limits") or {})
     # GPU roles never surge (a spare GPU rarely exists); CPU roles surge for zero-downtime rollouts.
-    strategy = {"type": "RollingUpdate", "rollingUpdate": (
-        {"maxSurge": 0, "maxUnavailable": 1} if uses_gpu else {"maxSurge": 1, "maxUnavailable": 0})}
+    strategy = {
+        "type": "RollingUpdate",
+        "rollingUpdate": ({"maxSurge": 0, "maxUnavailable": 1} if uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}),
+    }
     annotations = {common.PORT_ANNOTATION: str(WORKER_PORT)}
     annotations.update(r.pod_annotations)
     replicas = None if r.autoscaling is not None else r.replicas
-    return common.deployment(cfg, role, pod, replicas=replicas, pod_annotations=annotations, strategy=strategy,
-                             progress_deadline=eng.startup_timeout_seconds + 600)
+    return common.deployment(
+        cfg,
+        role,
+        pod,
+        replicas=replicas,
+        pod_annotations=annotations,
+        strategy=strategy,
+        progress_deadline=eng.startup_timeout_seconds + 600,
+    )
 
 
 def worker_service(cfg: ServiceConfig, role: str) -> dict[str, Any]:
@@ -140,6 +187,9 @@ def worker_service(cfg: ServiceConfig, role: str) -> dict[str, Any]:
     if role == "prefill":
         port = cfg.spec.kv_transfer.bootstrap_port
         ports.append({"name": "bootstrap", "port": port, "targetPort": "bootstrap", "protocol": "TCP"})
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
-            "spec": {"clusterIP": "None", "selector": role_selector(cfg, role), "ports": ports}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
+        "spec": {"clusterIP": "None", "selector": role_selector(cfg, role), "ports": ports},
+    }

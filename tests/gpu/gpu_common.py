@@ -15,20 +15,21 @@ import os
 import pytest
 import torch
 
-NO_CUDA_REASON = ("no CUDA device here: GPU tests run on the device machine "
-                  "(bash bench/gpu_suite.sh there; see docs/gpu.md)")
+NO_CUDA_REASON = (
+    "no CUDA device here: GPU tests run on the device machine (bash bench/gpu_suite.sh there; see docs/gpu.md)"
+)
 HAS_CUDA = torch.cuda.is_available()
 
 
 def interpreter_mode() -> bool:
     """True on a CPU machine asked to run Triton kernels in the interpreter."""
-    return (not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1"
-            and importlib.util.find_spec("triton") is not None)
+    return not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
-cuda_or_interpreter = pytest.mark.skipif(not (HAS_CUDA or interpreter_mode()),
-                                         reason=NO_CUDA_REASON + " (or TRITON_INTERPRET=1 with triton installed)")
+cuda_or_interpreter = pytest.mark.skipif(
+    not (HAS_CUDA or interpreter_mode()), reason=NO_CUDA_REASON + " (or TRITON_INTERPRET=1 with triton installed)"
+)
 
 
 def kernel_device() -> torch.device:

@@ -29,11 +29,25 @@ pytestmark = [pytest.mark.gpu, cuda_or_interpreter]
 
 TINY = {
     # group 2, head dim 64: FlashInfer's CUDA-core decode kernel
-    "llama_hd64_gqa2": dict(arch="llama", seed=11, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64),
+    "llama_hd64_gqa2": dict(
+        arch="llama",
+        seed=11,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
     # group 4, head dim 128, q/k norm: FlashInfer's tensor-core decode
-    "qwen3_hd128_gqa4": dict(arch="qwen3", seed=12, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                             num_key_value_heads=2, head_dim=128),
+    "qwen3_hd128_gqa4": dict(
+        arch="qwen3",
+        seed=12,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    ),
 }
 
 
@@ -44,8 +58,9 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name, spec in TINY.items():
         spec = dict(spec)
-        out[name] = build_tiny_model(str(tmp_path_factory.mktemp(name)), spec.pop("arch"), seed=spec.pop("seed"),
-                                     **spec)
+        out[name] = build_tiny_model(
+            str(tmp_path_factory.mktemp(name)), spec.pop("arch"), seed=spec.pop("seed"), **spec
+        )
     return out
 
 
@@ -55,6 +70,7 @@ def smollm2_gguf() -> str:
     if path:
         return path
     from kvship.engine.embedded import embedded_model_path
+
     try:
         return embedded_model_path()
     except FileNotFoundError as e:
@@ -63,9 +79,19 @@ def smollm2_gguf() -> str:
 
 def make_runner(model_path: str, backend: str, page_size: int) -> ModelRunner:
     dev = "cuda" if HAS_CUDA else "cpu"
-    return ModelRunner(ServerArgs(model_path=model_path, device=dev, dtype="bfloat16" if HAS_CUDA else "float32",
-                                  attention_backend=backend, page_size=page_size, max_total_tokens=8192,
-                                  max_running_requests=16, context_length=1024, disable_cuda_graph=True))
+    return ModelRunner(
+        ServerArgs(
+            model_path=model_path,
+            device=dev,
+            dtype="bfloat16" if HAS_CUDA else "float32",
+            attention_backend=backend,
+            page_size=page_size,
+            max_total_tokens=8192,
+            max_running_requests=16,
+            context_length=1024,
+            disable_cuda_graph=True,
+        )
+    )
 
 
 def run_scenario(runner: ModelRunner, driver_cls, seed: int = 0) -> list[torch.Tensor]:
@@ -132,8 +158,9 @@ def test_triton_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver
 @pytest.mark.parametrize("triton_decode", ["none", "1-64"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("model", sorted(TINY))
-def test_flashinfer_backend_matches_torch_native_on_tiny_models(tiny_dirs, kv_driver, model, page_size,
-                                                                 triton_decode, monkeypatch):
+def test_flashinfer_backend_matches_torch_native_on_tiny_models(
+    tiny_dirs, kv_driver, model, page_size, triton_decode, monkeypatch
+):
     """Also with every decode batch on the Triton one-kernel decode (``KVSHIP_FLASHINFER_TRITON_DECODE_BS``)."""
     if not HAS_CUDA:
         pytest.skip("flashinfer needs CUDA")

@@ -34,18 +34,39 @@ def model_path(tmp_path_factory) -> str:
         return path
     try:
         from kvship.engine.embedded import embedded_model_path
+
         return embedded_model_path()
     except FileNotFoundError:
         from conftest import build_tiny_model
-        return build_tiny_model(str(tmp_path_factory.mktemp("graph_model")), "llama", seed=21, hidden_size=256,
-                                intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+        return build_tiny_model(
+            str(tmp_path_factory.mktemp("graph_model")),
+            "llama",
+            seed=21,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
 
 
 def make_runner(model_path: str, backend: str, graphs: bool, page_size: int = 1, max_bs: int = 64) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=model_path, device="cuda", dtype="bfloat16", attention_backend=backend,
-                                  page_size=page_size, max_total_tokens=16384, max_running_requests=max_bs,
-                                  context_length=1024, disable_cuda_graph=not graphs, cuda_graph_bs=GRAPH_BS,
-                                  cuda_graph_max_bs=max_bs))
+    return ModelRunner(
+        ServerArgs(
+            model_path=model_path,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            page_size=page_size,
+            max_total_tokens=16384,
+            max_running_requests=max_bs,
+            context_length=1024,
+            disable_cuda_graph=not graphs,
+            cuda_graph_bs=GRAPH_BS,
+            cuda_graph_max_bs=max_bs,
+        )
+    )
 
 
 def greedy_batch(runner: ModelRunner, driver_cls, bs: int, steps: int = STEPS) -> list[list[int]]:
@@ -53,8 +74,10 @@ def greedy_batch(runner: ModelRunner, driver_cls, bs: int, steps: int = STEPS) -
     vocab = runner.model_config.vocab_size
     d = driver_cls(runner)
     reqs = [d.new() for _ in range(bs)]
-    prompts = [torch.randint(3, vocab, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(bs)]
+    prompts = [
+        torch.randint(3, vocab, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(bs)
+    ]
     logits = d.extend(reqs, prompts)
     out: list[list[int]] = [[] for _ in range(bs)]
     for _ in range(steps):
@@ -109,8 +132,9 @@ def test_batches_graphs_cannot_take_run_eagerly(model_path, kv_driver):
     req = d.new()
     d.extend([req], [[5, 6, 7]])  # extends never replay
     assert cgr.replays == before
-    assert not cgr.can_run(type("FB", (), {"forward_mode": ForwardMode.EXTEND, "batch_size": 1,
-                                           "logits_indices": None})())
+    assert not cgr.can_run(
+        type("FB", (), {"forward_mode": ForwardMode.EXTEND, "batch_size": 1, "logits_indices": None})()
+    )
     d.free(req)
     _release(runner)
 
@@ -121,7 +145,6 @@ def test_page_size_16_graph_replay_equals_eager(model_path, kv_driver):
     eager_runner = make_runner(model_path, "flashinfer", graphs=False, page_size=16, max_bs=24)
     assert greedy_batch(graph_runner, kv_driver, 17, steps=32) == greedy_batch(eager_runner, kv_driver, 17, steps=32)
     _release(graph_runner, eager_runner)
-
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -25,25 +25,31 @@ ROWS = 8192
 CALLS = 8
 
 
-def make_info(bs: int, temperature: float = 1.0, top_k: int = VOCAB, top_p: float = 1.0, min_p: float = 0.0,
-              generators=None) -> SamplingBatchInfo:
+def make_info(
+    bs: int, temperature: float = 1.0, top_k: int = VOCAB, top_p: float = 1.0, min_p: float = 0.0, generators=None
+) -> SamplingBatchInfo:
     dev = torch.device("cuda")
     return SamplingBatchInfo(
         temperatures=torch.full((bs, 1), temperature, device=dev),
         top_ks=torch.full((bs,), top_k, dtype=torch.int64, device=dev),
         top_ps=torch.full((bs,), top_p, device=dev),
         min_ps=torch.full((bs,), min_p, device=dev),
-        greedy_mask=torch.zeros(bs, dtype=torch.bool, device=dev), is_all_greedy=False,
-        need_top_k=top_k < VOCAB, need_top_p=top_p < 1.0, need_min_p=min_p > 0.0,
+        greedy_mask=torch.zeros(bs, dtype=torch.bool, device=dev),
+        is_all_greedy=False,
+        need_top_k=top_k < VOCAB,
+        need_top_p=top_p < 1.0,
+        need_min_p=min_p > 0.0,
         generators=list(generators) if generators is not None else [None] * bs,
-        penalties=None, return_logprob=False, top_logprobs_nums=[0] * bs)
+        penalties=None,
+        return_logprob=False,
+        top_logprobs_nums=[0] * bs,
+    )
 
 
 def expected_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     probs = torch.softmax(logits.double() / info.temperatures[:1].double(), dim=-1)
     probs_sort, order = torch.sort(probs, dim=-1, descending=True)
-    one = make_info(1, float(info.temperatures[0]), int(info.top_ks[0]), float(info.top_ps[0]),
-                    float(info.min_ps[0]))
+    one = make_info(1, float(info.temperatures[0]), int(info.top_ks[0]), float(info.top_ps[0]), float(info.min_ps[0]))
     filter_probs(probs_sort, one)
     out = torch.zeros_like(probs).scatter_(1, order, probs_sort)[0]
     return out / out.sum()
@@ -79,7 +85,9 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, label: str) -> Non
         exp = torch.cat([exp, tail_exp[None]])
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = max(1, obs.numel() - 1)
-    assert stat < chi2_critical(dof), f"{label}: chi-square {stat:.1f} over {dof} dof (critical {chi2_critical(dof):.1f})"
+    assert stat < chi2_critical(dof), (
+        f"{label}: chi-square {stat:.1f} over {dof} dof (critical {chi2_critical(dof):.1f})"
+    )
 
 
 SETTINGS = {

@@ -37,21 +37,40 @@ def runner(tmp_path_factory) -> ModelRunner:
     if not path:
         try:
             from kvship.engine.embedded import embedded_model_path
+
             path = embedded_model_path()
         except FileNotFoundError:
             from conftest import build_tiny_model
-            path = build_tiny_model(str(tmp_path_factory.mktemp("overlap_model")), "llama", seed=5, hidden_size=256,
-                                    intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+            path = build_tiny_model(
+                str(tmp_path_factory.mktemp("overlap_model")),
+                "llama",
+                seed=5,
+                hidden_size=256,
+                intermediate_size=512,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+            )
     backend = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
-    sa = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", attention_backend=backend,
-                    max_total_tokens=16384, max_running_requests=32, context_length=1024, cuda_graph_max_bs=32)
+    sa = ServerArgs(
+        model_path=path,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=backend,
+        max_total_tokens=16384,
+        max_running_requests=32,
+        context_length=1024,
+        cuda_graph_max_bs=32,
+    )
     return ModelRunner(sa)
 
 
 def serve(runner: ModelRunner, reqs: list[GenerateRequest], overlap: bool) -> tuple[dict, Scheduler]:
     chunks: list = []
-    sa = dataclasses.replace(runner.server_args, disable_overlap_schedule=not overlap, disable_radix_cache=True,
-                             sampling_backend="torch")
+    sa = dataclasses.replace(
+        runner.server_args, disable_overlap_schedule=not overlap, disable_radix_cache=True, sampling_backend="torch"
+    )
     sched = Scheduler(sa, runner, None, chunks.extend)
     assert (sched.overlap is not None) == overlap
     for r in reqs:
@@ -80,8 +99,13 @@ def requests(runner: ModelRunner, bs: int, stops: dict | None = None) -> list[Ge
         prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
         max_new = STEPS if bs < 17 else 40 + (i * 3) % 25
         stop = [] if stops is None else [stops[f"r{i}"]]
-        reqs.append(GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new,
-                                                                    ignore_eos=True, stop_token_ids=stop)))
+        reqs.append(
+            GenerateRequest(
+                f"r{i}",
+                prompt,
+                SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True, stop_token_ids=stop),
+            )
+        )
     return reqs
 
 
@@ -101,8 +125,11 @@ def test_overlapped_scheduler_decodes_the_same_greedy_tokens_and_frees_every_slo
     for r in reqs:
         assert over[r.rid]["tokens"] == sync[r.rid]["tokens"], r.rid
         assert len(sync[r.rid]["tokens"]) == r.sampling_params.max_new_tokens
-        assert over[r.rid]["finish"] == sync[r.rid]["finish"] == {"type": "length",
-                                                                   "length": r.sampling_params.max_new_tokens}
+        assert (
+            over[r.rid]["finish"]
+            == sync[r.rid]["finish"]
+            == {"type": "length", "length": r.sampling_params.max_new_tokens}
+        )
     assert o_sched.overlap.launched >= STEPS // 2 - 2
     assert_free(s_sched)
     assert_free(o_sched)
@@ -112,7 +139,7 @@ def test_overlapped_scheduler_decodes_the_same_greedy_tokens_and_frees_every_slo
     stopped, st_sched = serve(runner, requests(runner, bs, stops), overlap=True)
     for r in reqs:
         toks = sync[r.rid]["tokens"]
-        want = toks[:toks.index(stops[r.rid]) + 1]
+        want = toks[: toks.index(stops[r.rid]) + 1]
         assert stopped[r.rid]["tokens"] == want, r.rid
         assert stopped[r.rid]["finish"] == {"type": "stop", "matched": stops[r.rid]}
     assert_free(st_sched)

@@ -9,7 +9,6 @@ unified scheduler's on the same GPU, and every slot must be free afterwards.
 from __future__ import annotations
 
 import pytest
-
 from gpu_common import requires_cuda
 from pd_fixtures import InProcessPD, make_prompts, unified_greedy
 
@@ -21,12 +20,19 @@ MAX_NEW = 16
 @pytest.mark.parametrize("backend", ["nixl", "mooncake", "tcp"])
 def test_pd_on_gpu_equals_unified_for_each_backend(tiny_llama_dir, backend):
     from kvship.engine.disagg import BackendUnavailableError, get_transfer_backend
+
     try:
         get_transfer_backend(backend)
     except BackendUnavailableError as e:
         pytest.skip(f"{backend} unavailable here: {e}")
-    kw = dict(device="cuda", dtype="float32", page_size=16, chunked_prefill_size=32,
-              attention_backend="triton", max_total_tokens=8192)
+    kw = dict(
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        chunked_prefill_size=32,
+        attention_backend="triton",
+        max_total_tokens=8192,
+    )
     prompts = make_prompts(32, seed=3, lo=1, hi=100)
     rids = [f"g{i}" for i in range(len(prompts))]
     with InProcessPD(tiny_llama_dir, backend=backend, decode_kv=dict(checksum=True), **kw) as pd:

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, cuda_or_interpreter]
 @pytest.fixture(scope="module")
 def sg():
     from kvship.engine.layers import skinny_gemm_cuda
+
     return skinny_gemm_cuda
 
 
@@ -45,14 +46,14 @@ def _silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 # (m, n, k, act, bias, config) -- config None: what pick_config chooses; tiles are small for the interpreter
 CASES = [
     (1, 96, 256, 0, False, ("gemv", 1, 4, 64, 4)),
-    (1, 100, 200, 0, True, ("gemv", 1, 8, 64, 4)),      # N and K not multiples of the tile: masked path
-    (1, 64, 128, 1, False, ("gemv", 1, 2, 128, 8)),     # SiLU-and-mul fused into the input
+    (1, 100, 200, 0, True, ("gemv", 1, 8, 64, 4)),  # N and K not multiples of the tile: masked path
+    (1, 64, 128, 1, False, ("gemv", 1, 2, 128, 8)),  # SiLU-and-mul fused into the input
     (2, 72, 192, 1, True, ("gemv", 2, 8, 64, 8)),
-    (3, 64, 128, 0, False, ("gemv", 4, 4, 32, 4)),      # 3 rows in a 4-row tile
+    (3, 64, 128, 0, False, ("gemv", 4, 4, 32, 4)),  # 3 rows in a 4-row tile
     (7, 48, 96, 0, True, ("gemv", 8, 2, 32, 4)),
-    (5, 64, 128, 0, False, ("mma", 16, 16, 32, 4)),     # tensor-core kernel with most rows padding
-    (20, 80, 160, 1, False, ("mma", 16, 16, 32, 4)),    # two row blocks, fused activation
-    (33, 64, 96, 0, True, ("mma", 32, 32, 32, 4)),      # uneven K
+    (5, 64, 128, 0, False, ("mma", 16, 16, 32, 4)),  # tensor-core kernel with most rows padding
+    (20, 80, 160, 1, False, ("mma", 16, 16, 32, 4)),  # two row blocks, fused activation
+    (33, 64, 96, 0, True, ("mma", 32, 32, 32, 4)),  # uneven K
     (64, 96, 128, 0, False, ("mma", 64, 32, 64, 4)),
 ]
 
@@ -81,9 +82,9 @@ def test_pick_config_table_and_fallbacks(sg):
     assert sg.pick_config(1, 4096, 4096) == sg.SkinnyConfig(False, 1, 2, 2048, num_warps=4)
     assert not sg.pick_config(1, 6144, 4096).mma
     assert sg.pick_config(4, 28672, 4096) is None
-    assert sg.pick_config(3, 6144, 4096) is None            # bucket 4
-    assert sg.pick_config(12, 4096, 4096).mma                # bucket 16
-    assert sg.pick_config(65, 4096, 4096) is None            # beyond the kernels: cuBLAS
+    assert sg.pick_config(3, 6144, 4096) is None  # bucket 4
+    assert sg.pick_config(12, 4096, 4096).mma  # bucket 16
+    assert sg.pick_config(65, 4096, 4096) is None  # beyond the kernels: cuBLAS
     # an untuned shape: GEMV at batch 1 only
     assert sg.pick_config(1, 1000, 768) == sg.SkinnyConfig(False, 1, 2, 1024, num_warps=4)
     assert sg.pick_config(2, 1000, 768) is None
@@ -95,18 +96,24 @@ def test_applies_rejects_what_it_cannot_run(sg, monkeypatch):
     dev, dt = kernel_device(), _dtype()
     w = torch.randn(64, 128, device=dev, dtype=dt)
     assert sg.applies(torch.randn(1, 128, device=dev, dtype=dt), w)
-    assert not sg.applies(torch.randn(65, 128, device=dev, dtype=dt), w)          # too many rows
-    assert not sg.applies(torch.randn(1, 64, device=dev, dtype=dt), w)            # wrong K
+    assert not sg.applies(torch.randn(65, 128, device=dev, dtype=dt), w)  # too many rows
+    assert not sg.applies(torch.randn(1, 64, device=dev, dtype=dt), w)  # wrong K
     assert sg.applies(torch.randn(1, 256, device=dev, dtype=dt), w, sg.ACT_SILU_MUL)
     assert not sg.applies(torch.randn(1, 128, device=dev, dtype=dt), w.t().contiguous().t())  # K-major weight
-    assert not sg.applies(torch.randn(2, 3, 128, device=dev, dtype=dt), w)         # not 2-D
+    assert not sg.applies(torch.randn(2, 3, 128, device=dev, dtype=dt), w)  # not 2-D
     if HAS_CUDA:
-        assert not sg.applies(torch.randn(1, 128, device=dev), w.float())          # float32: cuBLAS
+        assert not sg.applies(torch.randn(1, 128, device=dev), w.float())  # float32: cuBLAS
     monkeypatch.setenv("KVSHIP_DISABLE_SKINNY_GEMM", "1")
     assert not sg.applies(torch.randn(1, 128, device=dev, dtype=dt), w)
     with pytest.raises(ValueError, match="block_m"):
-        sg.launch(torch.randn(3, 128, device=dev, dtype=dt), w, None, torch.empty(3, 64, device=dev, dtype=dt),
-                  sg.ACT_NONE, sg.SkinnyConfig(False, 2, 8, 64))
+        sg.launch(
+            torch.randn(3, 128, device=dev, dtype=dt),
+            w,
+            None,
+            torch.empty(3, 64, device=dev, dtype=dt),
+            sg.ACT_NONE,
+            sg.SkinnyConfig(False, 2, 8, 64),
+        )
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the model-level path runs on CUDA tensors only")
@@ -114,6 +121,7 @@ def test_layers_use_the_kernels_at_decode_batch_sizes(sg):
     """Linear / MLP / LM head on CUDA give F.linear's result at decode sizes (same call sites the model uses)."""
     from kvship.engine.layers.activation import GatedActivation
     from kvship.engine.layers.linear import Linear, gated_linear
+
     dt = torch.bfloat16
     lin = Linear(4096, 4096, dtype=dt).cuda()
     down = Linear(14336, 4096, dtype=dt).cuda()
@@ -135,8 +143,8 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
     logits equal the same model on cuBLAS (``KVSHIP_DISABLE_SKINNY_GEMM=1``) within bf16 noise."""
     from kvship.engine.config import ServerArgs
     from kvship.engine.layers import linear as linear_mod
-    from kvship.engine.model_runner import ModelRunner
     from kvship.engine.layers import skinny_gemm_cuda
+    from kvship.engine.model_runner import ModelRunner
 
     calls = {"linear": 0, "silu": 0}
     real_linear = skinny_gemm_cuda.linear
@@ -158,9 +166,17 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
     follow = torch.randint(3, 380, (4,), generator=g).tolist()
 
     def run() -> torch.Tensor:
-        runner = ModelRunner(ServerArgs(model_path=path, device=dev, dtype=dtype, max_total_tokens=256,
-                                        max_running_requests=2, attention_backend="torch_native",
-                                        disable_cuda_graph=True))
+        runner = ModelRunner(
+            ServerArgs(
+                model_path=path,
+                device=dev,
+                dtype=dtype,
+                max_total_tokens=256,
+                max_running_requests=2,
+                attention_backend="torch_native",
+                disable_cuda_graph=True,
+            )
+        )
         drv = kv_driver(runner)
         req = drv.new()
         try:
@@ -180,7 +196,8 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     else:
         from transformers import AutoModelForCausalLM
+
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
-            ref = hf(torch.tensor([prompt + follow])).logits[0, len(prompt):].float()
+            ref = hf(torch.tensor([prompt + follow])).logits[0, len(prompt) :].float()
         assert (ours - ref).abs().max().item() < 1e-4

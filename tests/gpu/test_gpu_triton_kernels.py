@@ -60,7 +60,7 @@ def _assign_slots(lens: list[int], rows: int, width: int, slots: int, dev) -> to
     perm = torch.randperm(slots - 1)[: sum(lens)] + 1  # slot 0 is the padding slot
     off = 0
     for i, n in enumerate(lens):
-        r2t[i, :n] = perm[off:off + n].to(torch.int32)
+        r2t[i, :n] = perm[off : off + n].to(torch.int32)
         off += n
     return r2t.to(dev)
 
@@ -86,7 +86,7 @@ def test_kv_indices_kernel_lists_the_pages_of_each_request(dev, page_size):
         want += [int(r2t[row, j * page_size]) // page_size for j in range((n + page_size - 1) // page_size)]
     got = out.tolist()
     assert got[: len(want)] == want
-    assert got[len(want):] == [-7, -7, -7], "kernel wrote past the last request's pages"
+    assert got[len(want) :] == [-7, -7, -7], "kernel wrote past the last request's pages"
 
 
 @pytest.mark.parametrize("fused_merge", [False, True])
@@ -112,12 +112,24 @@ def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits
     counters = torch.zeros(bs * hkv + 3, dtype=torch.int32, device=dev) if fused_merge else None
     for _ in range(2 if fused_merge else 1):  # a second call finds the counters reset
         o.fill_(float("nan"))
-        decode_attention(q, k_buf, v_buf, o, r2t, pool_idx, torch.tensor(lens, device=dev), mid_o, mid_l,
-                         num_splits, 1.0 / math.sqrt(head_dim), counters=counters)
+        decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            o,
+            r2t,
+            pool_idx,
+            torch.tensor(lens, device=dev),
+            mid_o,
+            mid_l,
+            num_splits,
+            1.0 / math.sqrt(head_dim),
+            counters=counters,
+        )
         for i, n in enumerate(lens):
             slots = r2t[i, :n].long()
-            ref = _ref_attention(q[i:i + 1], k_buf[slots], v_buf[slots], None)
-            assert _rel(o[i:i + 1], ref) < _tol(dtype), f"request {i} (len {n})"
+            ref = _ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], None)
+            assert _rel(o[i : i + 1], ref) < _tol(dtype), f"request {i} (len {n})"
         if counters is not None:
             assert int(counters.abs().sum()) == 0, "arrival counters were not reset"
 
@@ -141,17 +153,29 @@ def test_triton_extend_kernel_matches_reference_with_and_without_prefix(dev, gro
     k_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
     v_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
     for i in range(bs):  # the new tokens' K/V live in the pool too (the backend saves them first)
-        slots = r2t[i, prefix[i]:total[i]].long()
-        k_buf[slots] = k_new[starts[i]:starts[i] + ext[i]]
-        v_buf[slots] = v_new[starts[i]:starts[i] + ext[i]]
+        slots = r2t[i, prefix[i] : total[i]].long()
+        k_buf[slots] = k_new[starts[i] : starts[i] + ext[i]]
+        v_buf[slots] = v_new[starts[i] : starts[i] + ext[i]]
     o = torch.full_like(q, float("nan"))
-    extend_attention(q, k_new, v_new, o, k_buf, v_buf, r2t, torch.arange(bs, device=dev),
-                     torch.tensor(prefix, device=dev), torch.tensor(ext, device=dev), torch.tensor(starts, device=dev),
-                     max(ext), 1.0 / math.sqrt(head_dim))
+    extend_attention(
+        q,
+        k_new,
+        v_new,
+        o,
+        k_buf,
+        v_buf,
+        r2t,
+        torch.arange(bs, device=dev),
+        torch.tensor(prefix, device=dev),
+        torch.tensor(ext, device=dev),
+        torch.tensor(starts, device=dev),
+        max(ext),
+        1.0 / math.sqrt(head_dim),
+    )
     for i in range(bs):
-        slots = r2t[i, :total[i]].long()
-        ref = _ref_attention(q[starts[i]:starts[i] + ext[i]], k_buf[slots], v_buf[slots], prefix[i])
-        assert _rel(o[starts[i]:starts[i] + ext[i]], ref) < _tol(dtype), f"request {i}"
+        slots = r2t[i, : total[i]].long()
+        ref = _ref_attention(q[starts[i] : starts[i] + ext[i]], k_buf[slots], v_buf[slots], prefix[i])
+        assert _rel(o[starts[i] : starts[i] + ext[i]], ref) < _tol(dtype), f"request {i}"
 
 
 def test_merge_state_equals_softmax_over_both_parts(dev):
@@ -164,7 +188,7 @@ def test_merge_state_equals_softmax_over_both_parts(dev):
     lse_a = torch.randn(t, h, device=dev) * 3
     lse_b = torch.randn(t, h, device=dev) * 3
     lse_b[:5] = float("-inf")  # no prefix keys for these tokens
-    o_b[5:9] = float("nan")    # rows a kernel never wrote: b_valid says so
+    o_b[5:9] = float("nan")  # rows a kernel never wrote: b_valid says so
     lse_b[5:9] = float("nan")
     valid = torch.ones(t, dtype=torch.int8, device=dev)
     valid[5:9] = 0
@@ -214,13 +238,13 @@ def test_fused_rope_rotates_q_and_k_in_place_like_the_pytorch_layer(dev, hq, hk,
     t = 11
     qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype, device=dev)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
-    v_before = qkv[:, (hq + hk) * d:].clone()
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
     pos = torch.randint(0, 4096, (t,), device=dev)
     q_ref, k_ref = rope(pos, q.clone(), k.clone())
     rope_inplace(pos, q, k, rope.cos_sin_cache)
     assert _rel(q, q_ref) < _tol(dtype) and _rel(k, k_ref) < _tol(dtype)
-    assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "rope touched v"
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rope touched v"
 
 
 def test_fused_kv_store_writes_what_set_kv_buffer_writes(dev):
@@ -254,8 +278,8 @@ def test_fused_rope_and_kv_store_equals_rope_then_store(dev, hq, hk, d):
     t, slots = 13, 300
     qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype, device=dev)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
-    v = qkv[:, (hq + hk) * d:].view(t, hk, d)  # strided rows, as the fused q/k/v projection leaves them
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)  # strided rows, as the fused q/k/v projection leaves them
     pos = torch.randint(0, 4096, (t,), device=dev)
     loc = (torch.randperm(slots - 1)[:t] + 1).to(dev)
     kb_ref = torch.randn(slots, hk, d, dtype=dtype, device=dev)

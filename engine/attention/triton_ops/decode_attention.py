@@ -36,12 +36,41 @@ def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 @triton.jit
-def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
-                   sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
-                   o, counters, stride_ob, stride_oh, num_kv_heads,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE: tl.constexpr):
+def _decode_stage1(
+    q,
+    k_buf,
+    v_buf,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    mid_out,
+    mid_lse,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_r2t,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    num_splits,
+    o,
+    counters,
+    stride_ob,
+    stride_oh,
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -57,8 +86,11 @@ def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mi
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    qv = tl.load(
+        q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -82,8 +114,11 @@ def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mi
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(has & (l_i > 0), m_i + tl.log(safe_l), float("-inf"))
-    tl.store(mid_out + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(
+        mid_out + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
     tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
     if FUSED_MERGE:
         # every thread's partial is written (barrier), then one release/acquire bump of the counter; the program
@@ -97,10 +132,18 @@ def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mi
             acc_all = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             hd_mask = h_mask[:, None] & d_mask[None, :]
             for sp in range(0, num_splits):
-                lse_s = tl.load(mid_lse + b * stride_lb + heads * stride_lh + sp, mask=h_mask,
-                                other=float("-inf"), cache_modifier=".cg")
-                o_s = tl.load(mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
-                              mask=hd_mask, other=0.0, cache_modifier=".cg")
+                lse_s = tl.load(
+                    mid_lse + b * stride_lb + heads * stride_lh + sp,
+                    mask=h_mask,
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )
+                o_s = tl.load(
+                    mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
+                    mask=hd_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
                 m_new = tl.maximum(m_all, lse_s)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp(m_all - m_ref)
@@ -109,14 +152,31 @@ def _decode_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mi
                 acc_all = acc_all * alpha[:, None] + o_s * w[:, None]
                 m_all = m_new
             res = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
-            tl.store(o + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], res.to(o.dtype.element_ty),
-                     mask=hd_mask)
+            tl.store(
+                o + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                res.to(o.dtype.element_ty),
+                mask=hd_mask,
+            )
             tl.atomic_xchg(cnt_ptr, 0)  # ready for the next layer
 
 
 @triton.jit
-def _decode_stage2(mid_out, mid_lse, o, num_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                   stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_stage2(
+    mid_out,
+    mid_lse,
+    o,
+    num_splits,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -128,18 +188,31 @@ def _decode_stage2(mid_out, mid_lse, o, num_splits, stride_mb, stride_mh, stride
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
     w = tl.where(s_mask, w, 0.0)
-    part = tl.load(mid_out + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    part = tl.load(
+        mid_out + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0, denom, 1.0)
     out = tl.sum(part * w[:, None], 0) / denom
     tl.store(o + b * stride_ob + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o: torch.Tensor,
-                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     mid_out: torch.Tensor, mid_lse: torch.Tensor, num_splits: int, sm_scale: float,
-                     counters: "torch.Tensor | None" = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    num_splits: int,
+    sm_scale: float,
+    counters: "torch.Tensor | None" = None,
+) -> torch.Tensor:
     """Decode attention for ``bs`` requests; writes and returns ``o``.
 
     Shapes: ``q`` / ``o`` ``[bs, H, D]``; ``k_buf`` / ``v_buf`` ``[slots, Hkv, D]``
@@ -158,17 +231,59 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if counters is not None and counters.numel() < bs * num_kv_heads:
         raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
     _decode_stage1[(bs, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, sm_scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), num_splits,
-        o, counters if counters is not None else seq_lens, o.stride(0), o.stride(1), num_kv_heads,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        FUSED_MERGE=counters is not None, num_warps=4, num_stages=2)
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_out,
+        mid_lse,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        num_splits,
+        o,
+        counters if counters is not None else seq_lens,
+        o.stride(0),
+        o.stride(1),
+        num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        FUSED_MERGE=counters is not None,
+        num_warps=4,
+        num_stages=2,
+    )
     if counters is not None:
         return o
     _decode_stage2[(bs, num_heads)](
-        mid_out, mid_lse, o, num_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), num_warps=4)
+        mid_out,
+        mid_lse,
+        o,
+        num_splits,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
+        num_warps=4,
+    )
     return o

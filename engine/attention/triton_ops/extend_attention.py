@@ -17,11 +17,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _extend_kernel(q, k_new, v_new, o, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                   extend_starts, sm_scale, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _extend_kernel(
+    q,
+    k_new,
+    v_new,
+    o,
+    k_buf,
+    v_buf,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    extend_starts,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -37,8 +64,11 @@ def _extend_kernel(q, k_new, v_new, o, k_buf, v_buf, req_to_token, req_pool_indi
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < ext_len
     d_mask = offs_d < HEAD_DIM
-    qv = tl.load(q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    qv = tl.load(
+        q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -66,8 +96,11 @@ def _extend_kernel(q, k_new, v_new, o, k_buf, v_buf, req_to_token, req_pool_indi
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        kb = tl.load(k_new + (q_start + offs_n)[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
-                     mask=kv_mask, other=0.0)
+        kb = tl.load(
+            k_new + (q_start + offs_n)[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * sm_scale
         visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -76,22 +109,39 @@ def _extend_kernel(q, k_new, v_new, o, k_buf, v_buf, req_to_token, req_pool_indi
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        vb = tl.load(v_new + (q_start + offs_n)[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
-                     mask=kv_mask, other=0.0)
+        vb = tl.load(
+            v_new + (q_start + offs_n)[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
-    tl.store(o + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(o.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        o + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(o.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
-def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, o: torch.Tensor,
-                     k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
-                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     extend_starts: torch.Tensor, max_extend_len: int, sm_scale: float) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    o: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_starts: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> torch.Tensor:
     """Causal attention of the packed new tokens; writes and returns ``o``.
 
     Shapes: ``q`` / ``o`` ``[T, H, D]``, ``k_new`` / ``v_new`` ``[T, Hkv, D]`` (the
@@ -110,9 +160,37 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_n = 64 if block_d <= 64 else 32
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_new, v_new, o, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        sm_scale, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        o.stride(0), o.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4 if block_d <= 64 else 8, num_stages=2)
+        q,
+        k_new,
+        v_new,
+        o,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_starts,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
+    )
     return o

@@ -16,8 +16,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_indices_kernel(req_to_token, req_pool_indices, kv_lens, kv_indptr, out, stride_r2t,
-                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _kv_indices_kernel(
+    req_to_token, req_pool_indices, kv_lens, kv_indptr, out, stride_r2t, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     row = tl.load(req_pool_indices + pid).to(tl.int64)
     out_off = tl.load(kv_indptr + pid).to(tl.int64)
@@ -31,8 +32,14 @@ def _kv_indices_kernel(req_to_token, req_pool_indices, kv_lens, kv_indptr, out, 
         tl.store(out + out_off + offs, (slot // PAGE_SIZE).to(out.dtype.element_ty), mask=mask)
 
 
-def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
-                     kv_indptr: torch.Tensor, out: torch.Tensor, page_size: int) -> torch.Tensor:
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    out: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
     """Fill ``out[kv_indptr[i] : kv_indptr[i] + ceil(kv_lens[i]/page_size)]`` with request i's page ids.
 
     ``req_to_token`` is the pool's ``[rows, max_context]`` int32 table;
@@ -43,6 +50,7 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     bs = int(req_pool_indices.shape[0])
     if bs == 0:
         return out
-    _kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, kv_lens, kv_indptr, out,
-                              req_to_token.stride(0), PAGE_SIZE=page_size, BLOCK=512)
+    _kv_indices_kernel[(bs,)](
+        req_to_token, req_pool_indices, kv_lens, kv_indptr, out, req_to_token.stride(0), PAGE_SIZE=page_size, BLOCK=512
+    )
     return out

@@ -18,8 +18,20 @@ from kvship.engine.mem.pools import KVPool
 
 
 @triton.jit
-def _store_kv_kernel(k_buf, v_buf, loc, k, v, stride_kb, stride_vb, stride_k, stride_v,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _store_kv_kernel(
+    k_buf,
+    v_buf,
+    loc,
+    k,
+    v,
+    stride_kb,
+    stride_vb,
+    stride_k,
+    stride_v,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < ROW
@@ -39,12 +51,34 @@ def store_kv(kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
     row = k_buf.shape[1] * k_buf.shape[2]
     k2 = k.reshape(n, -1) if n else k
     v2 = v.reshape(n, -1) if n else v
-    plain = (type(kv_pool) is KVPool and k_buf.is_cuda and k_buf.is_contiguous() and v_buf.is_contiguous()
-             and n > 0 and k2.shape[1] == row and v2.shape[1] == row and k2.stride(1) == 1 and v2.stride(1) == 1)
+    plain = (
+        type(kv_pool) is KVPool
+        and k_buf.is_cuda
+        and k_buf.is_contiguous()
+        and v_buf.is_contiguous()
+        and n > 0
+        and k2.shape[1] == row
+        and v2.shape[1] == row
+        and k2.stride(1) == 1
+        and v2.stride(1) == 1
+    )
     if not plain:
         kv_pool.set_kv_buffer(layer_id, loc, k, v)
         return
     pdl = use_pdl(k_buf)
-    _store_kv_kernel[(n,)](k_buf, v_buf, loc, k2, v2, k_buf.stride(0), v_buf.stride(0), k2.stride(0), v2.stride(0),
-                           ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4 if row >= 512 else 1,
-                           USE_PDL=pdl, launch_pdl=pdl)
+    _store_kv_kernel[(n,)](
+        k_buf,
+        v_buf,
+        loc,
+        k2,
+        v2,
+        k_buf.stride(0),
+        v_buf.stride(0),
+        k2.stride(0),
+        v2.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
+        num_warps=4 if row >= 512 else 1,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
+    )

@@ -18,9 +18,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge_kernel(o_a, lse_a, o_b, lse_b, o, b_valid, num_heads, stride_at, stride_ah, stride_bt, stride_bh,
-                  stride_ot, stride_oh, stride_lat, stride_lbt, HAS_VALID: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    o_a,
+    lse_a,
+    o_b,
+    lse_b,
+    o,
+    b_valid,
+    num_heads,
+    stride_at,
+    stride_ah,
+    stride_bt,
+    stride_bh,
+    stride_ot,
+    stride_oh,
+    stride_lat,
+    stride_lbt,
+    HAS_VALID: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -43,8 +60,14 @@ def _merge_kernel(o_a, lse_a, o_b, lse_b, o, b_valid, num_heads, stride_at, stri
     tl.store(o + t * stride_ot + h * stride_oh + offs, out.to(o.dtype.element_ty), mask=mask)
 
 
-def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
-                out: torch.Tensor, b_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+def merge_state(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor,
+    b_valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``o_*`` / ``out``: ``[T, H, D]``; ``lse_*``: ``[T, H]`` float32 natural-log LSE;
     ``b_valid``: optional ``[T]`` int8/bool, 0 where part b has no keys.  Returns ``out``."""
     t, h, d = o_a.shape
@@ -52,7 +75,25 @@ def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b
         return out
     assert lse_a.stride(1) == 1 and lse_b.stride(1) == 1, "lse must be contiguous over heads"
     valid = b_valid if b_valid is not None else lse_a  # dummy pointer when absent
-    _merge_kernel[(t, h)](o_a, lse_a, o_b, lse_b, out, valid, h, o_a.stride(0), o_a.stride(1), o_b.stride(0),
-                          o_b.stride(1), out.stride(0), out.stride(1), lse_a.stride(0), lse_b.stride(0),
-                          HAS_VALID=b_valid is not None, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 64 else 2)
+    _merge_kernel[(t, h)](
+        o_a,
+        lse_a,
+        o_b,
+        lse_b,
+        out,
+        valid,
+        h,
+        o_a.stride(0),
+        o_a.stride(1),
+        o_b.stride(0),
+        o_b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse_a.stride(0),
+        lse_b.stride(0),
+        HAS_VALID=b_valid is not None,
+        HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=1 if d <= 64 else 2,
+    )
     return out
