@@ -14,6 +14,7 @@
 #   smoke       bench/decode_latency.py, short run    -> $OUT/decode_latency.{json,md}
 #   offline     bench/offline_throughput.py on cuda   -> $OUT/offline_throughput.log
 #   kvtransfer  bench/kv_transfer.py --device cuda    -> $OUT/kv_transfer.log (if the script exists)
+#   ab          decode_latency from a baseline tree (BASE_TREE) vs this tree, AB_ARGS, AB_ROUNDS -> $OUT/ab_*.json
 # Knobs: BENCH_ARGS (extra decode_latency args), TEST_ARGS (extra pytest args), TEST_PATHS (default tests/gpu;
 #        list a file first to run it first), TEST_TIMEOUT, BENCH_TIMEOUT (s).
 set -uo pipefail
@@ -37,7 +38,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WAR
 if ! python3 -c "import kvship.engine.config" 2>/dev/null; then
   # fallback: kvship is a namespace package; link its folders under a path entry
   mkdir -p /tmp/kvsrc/kvship
-  for d in engine prefill decode router operator; do ln -sfn "$PWD/$d" "/tmp/kvsrc/kvship/$d"; done
+  for d in engine prefill decode router operator common app; do ln -sfn "$PWD/$d" "/tmp/kvsrc/kvship/$d"; done
   export PYTHONPATH=/tmp/kvsrc:$PYTHONPATH
 fi
 python3 -c "import flashinfer, kvship.engine.model_runner; print('flashinfer', flashinfer.__version__, 'kvship ok')"
@@ -77,6 +78,25 @@ if [[ " $PARTS " == *" tests "* ]]; then
   grep -E "^(FAILED|ERROR)|Error|assert" /tmp/gpu_tests.log | head -40 | cut -c1-300
   tail -3 /tmp/gpu_tests.log
   cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
+fi
+
+if [[ " $PARTS " == *" ab "* ]]; then
+  # A/B: the decode benchmark from a baseline checkout's sources ($BASE_TREE holds its engine/ prefill/ decode/
+  # bench/), alternating with this tree, same arguments ($AB_ARGS); only the JSON comes back
+  echo "== decode_latency A/B against $BASE_TREE [$(el)s]"
+  mkdir -p /tmp/kvbase/kvship /tmp/ab
+  for d in engine prefill decode; do ln -sfn "$PWD/$BASE_TREE/$d" "/tmp/kvbase/kvship/$d"; done
+  for i in ${AB_ROUNDS:-1 2}; do
+    for side in base new; do
+      if [ $side = base ]; then PP=/tmp/kvbase:${PYTHONPATH:-}; SCRIPT=$BASE_TREE/bench/decode_latency.py
+      else PP=${PYTHONPATH:-}; SCRIPT=bench/decode_latency.py; fi
+      PYTHONPATH=$PP python3 -c "import kvship.engine.model_runner as m; print('$side uses', m.__file__)"
+      PYTHONPATH=$PP timeout -k 10 300 python3 $SCRIPT ${AB_ARGS:-} --out /tmp/ab/$side$i > /tmp/ab/$side$i.log 2>&1
+      rc=$?; echo "$side$i rc=$rc"; grep -E "^\|" /tmp/ab/$side$i.log | head -20
+      [ $rc = 0 ] || tail -15 /tmp/ab/$side$i.log
+      cp /tmp/ab/$side$i/decode_latency.json "$OUT/ab_$side$i.json" 2>/dev/null
+    done
+  done
 fi
 
 if [[ " $PARTS " == *" smoke "* ]]; then
