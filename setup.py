@@ -37,6 +37,6 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir={name: folder for folder, name in ROOTS.items()},
-    package_data={"kvship.operator": ["*.yaml", "**/*.yaml"]},
+    package_data={"kvship.operator": ["*.yaml", "**/*.yaml"], "kvship.engine.layers.moe": ["configs/*.json"]},
     include_package_data=True,
 )

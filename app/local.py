@@ -15,8 +15,15 @@ What it does, in order:
    ``/readiness``, then prints the URL (``serving on http://...``);
 5. watches the children: Ctrl-C / SIGTERM stops them all (router first, then the
    workers; SIGKILL after a grace period) and exits 0.  A worker that dies on
-   its own is reported and the router routes around it; when the router dies or
-   a role has no live worker left, the rest is stopped and the exit status is 1.
+   its own is logged (name, status, log path) and, with ``--restart-workers``
+   (the default), started again on the same ports, so the deployment heals as a
+   Deployment would; the router routes around it meanwhile and resumes its
+   broken streams elsewhere (``--max-resumes``).  When the router dies, or
+   without restarts a role has no live worker left, the rest is stopped and the
+   exit status is 1.
+
+``--api-key`` is required from clients by the router; the workers require
+``--worker-api-key`` (default: the same key) and the router sends it to them.
 
 Children run in their own sessions (a terminal's Ctrl-C reaches only this
 process, which then stops them in order) and get SIGTERM if this process dies
@@ -45,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
 from kvship.engine.config import TRANSFER_BACKENDS, ServerArgs
 
@@ -52,7 +60,7 @@ logger = logging.getLogger("kvship.local")
 
 # ServerArgs fields `kvship local` sets itself for every worker (all others pass through).
 _OWN_WORKER_FIELDS = frozenset(
-    {"host", "port", "mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend"}
+    {"host", "port", "mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend", "api_key"}
 )
 
 
@@ -74,6 +82,16 @@ class LocalConfig:
     startup_timeout: float = opt(600.0, "Seconds every child may take to become healthy")
     shutdown_grace: float = opt(15.0, "Seconds children get to exit after SIGTERM before SIGKILL")
     log_dir: Optional[str] = opt(None, "Folder for the children's logs (default: a new temporary folder)")
+    api_key: Optional[str] = opt(
+        None,
+        "Key clients must send to the router ('Authorization: Bearer <key>'); the workers require "
+        "--worker-api-key, else this key (default: env KVSHIP_API_KEY)",
+    )
+    worker_api_key: Optional[str] = opt(
+        None, "Key the workers require and the router sends them (default: env KVSHIP_WORKER_API_KEY, else --api-key)"
+    )
+    restart_workers: bool = opt(True, "Restart a worker that exits (the router takes it back once it is healthy)")
+    max_resumes: int = opt(2, "Router: resumes of one broken stream on another worker (0 = off)")
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -82,6 +100,8 @@ class LocalConfig:
             raise ValueError("--port must be in 1..65535")
         if self.startup_timeout <= 0 or self.shutdown_grace < 0:
             raise ValueError("--startup-timeout must be > 0 and --shutdown-grace >= 0")
+        if self.max_resumes < 0:
+            raise ValueError("--max-resumes must be >= 0")
 
 
 def _worker_flags_class() -> type:
@@ -169,19 +189,36 @@ def _parent_death_signal() -> None:  # pragma: no cover - runs in the child betw
 
 
 class Child:
-    """One child process (a worker or the router) with its log file."""
+    """One child process (a worker or the router) with its log file.
 
-    def __init__(self, name: str, argv: list[str], url: str, log_path: str, health_path: str):
+    ``env`` is added to this process's environment (API keys travel there, not
+    on the command line); ``health_key`` is sent as a Bearer token on health checks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        url: str,
+        log_path: str,
+        health_path: str,
+        env: Optional[dict[str, str]] = None,
+        health_key: Optional[str] = None,
+    ):
         self.name = name
         self.argv = argv
         self.url = url
         self.log_path = log_path
         self.health_path = health_path
+        self.env = env or {}
+        self.health_key = health_key
         self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
 
     def start(self) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvship.app.cli", *self.argv],
@@ -197,8 +234,11 @@ class Child:
         return None if self.proc is None else self.proc.poll()
 
     def healthy(self) -> bool:
+        req = urllib.request.Request(self.url + self.health_path)
+        if self.health_key:
+            req.add_header("Authorization", f"Bearer {self.health_key}")
         try:
-            with urllib.request.urlopen(self.url + self.health_path, timeout=2.0) as r:
+            with urllib.request.urlopen(req, timeout=2.0) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -241,6 +281,11 @@ class LocalDeployment:
         self.backend = backend
         self.log_dir = log_dir
         self.workers: list[Child] = []
+        api_key = cfg.api_key or ENV.API_KEY
+        worker_key = cfg.worker_api_key or ENV.WORKER_API_KEY or api_key
+        # Keys go through the environment (never argv, which `ps` shows); each child gets exactly its own.
+        worker_env = {"KVSHIP_API_KEY": worker_key or "", "KVSHIP_WORKER_API_KEY": ""}
+        router_env = {"KVSHIP_API_KEY": api_key or "", "KVSHIP_WORKER_API_KEY": worker_key or ""}
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
                 port = free_port()
@@ -265,6 +310,7 @@ class LocalDeployment:
                         f"http://127.0.0.1:{port}",
                         os.path.join(log_dir, f"{role}-{i}.log"),
                         "/health",
+                        env=worker_env,
                     )
                 )
         prefill_urls = [w.url for w in self.workers if w.name.startswith("prefill")]
@@ -280,6 +326,13 @@ class LocalDeployment:
             cfg.policy,
             "--shutdown-timeout",
             str(min(cfg.shutdown_grace, 5.0)),
+            "--max-resumes",
+            str(cfg.max_resumes),
+            # a restarted worker rejoins after one passed check, a dead one leaves after two failed ones
+            "--health-check-interval",
+            "1",
+            "--health-failure-threshold",
+            "2",
             "--prefill",
             *prefill_urls,
             "--decode",
@@ -292,6 +345,8 @@ class LocalDeployment:
             f"http://{connect_host}:{cfg.port}",
             os.path.join(log_dir, "router.log"),
             "/readiness",
+            env=router_env,
+            health_key=api_key,
         )
 
     @property
@@ -338,11 +393,18 @@ class LocalDeployment:
     def watch(self) -> None:
         """Serve until a signal arrives (``_Stop``).
 
-        A worker that dies is reported (with its log tail) and the router keeps
-        routing around it; ``ChildFailed`` is raised when the router dies or a
-        role has no live worker left.
+        A worker that exits is logged (name, status, log path and tail).  With
+        ``--restart-workers`` it is started again on the same ports, after a
+        delay that doubles while it keeps dying within a minute of its start
+        (1 s up to 30 s, like a Deployment's crash-loop back-off); the router
+        takes it back once its health checks pass.  Without it the router
+        routes around it.  ``ChildFailed`` is raised when the router dies or,
+        without restarts, a role has no live worker left.
         """
         reported: set[str] = set()
+        due: dict[str, float] = {}  # worker name -> monotonic time of its restart
+        started: dict[str, float] = {c.name: time.monotonic() for c in self.workers}
+        delay: dict[str, float] = {}
         while True:
             code = self.router.exited()
             if code is not None:
@@ -350,22 +412,41 @@ class LocalDeployment:
                     f"the router exited with status {code}; its log ({self.router.log_path}) "
                     f"ends with:\n{self.router.log_tail()}"
                 )
+            now = time.monotonic()
             for c in self.workers:
                 code = c.exited()
-                if code is not None and c.name not in reported:
-                    reported.add(c.name)
-                    logger.error(
-                        "%s (%s) exited with status %s; the router routes around it. Its log (%s) ends with:\n%s",
-                        c.name,
-                        c.url,
-                        code,
-                        c.log_path,
-                        c.log_tail(20),
-                    )
-            for role in ("prefill", "decode"):
-                if all(c.exited() is not None for c in self.workers if c.name.startswith(role)):
-                    raise ChildFailed(f"every {role} worker has exited; stopping")
-            time.sleep(0.5)
+                if code is None or c.name in reported:
+                    continue
+                reported.add(c.name)
+                if self.cfg.restart_workers:
+                    quick = now - started.get(c.name, now) < 60.0
+                    delay[c.name] = min(30.0, 2 * delay.get(c.name, 0.5)) if quick else 1.0
+                    due[c.name] = now + delay[c.name]
+                    action = f"restarting it in {delay[c.name]:g} s"
+                else:
+                    action = "the router routes around it"
+                logger.error(
+                    "%s (%s) exited with status %s; %s. Its log (%s) ends with:\n%s",
+                    c.name,
+                    c.url,
+                    code,
+                    action,
+                    c.log_path,
+                    c.log_tail(20),
+                )
+            for c in self.workers:
+                if c.name in due and now >= due[c.name]:
+                    del due[c.name]
+                    reported.discard(c.name)
+                    c.restarts += 1
+                    started[c.name] = now
+                    c.start()
+                    logger.info("%s restarted (restart %d); log %s", c.name, c.restarts, c.log_path)
+            if not self.cfg.restart_workers:
+                for role in ("prefill", "decode"):
+                    if all(c.exited() is not None for c in self.workers if c.name.startswith(role)):
+                        raise ChildFailed(f"every {role} worker has exited; stopping")
+            time.sleep(0.25)
 
     def stop(self) -> None:
         """SIGTERM the router, then the workers; SIGKILL whatever outlives ``--shutdown-grace``."""

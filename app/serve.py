@@ -5,8 +5,13 @@ may also come from ``KVSHIP_API_KEY`` (pods get it from a Secret, never on the
 command line).  The worker's role (``--mode``) picks its scheduler through
 ``kvship.app.roles.scheduler_for_mode``; the engine itself knows no role.
 
+``--tp-size N`` > 1 (unified mode): this process is rank 0 of a
+tensor-parallel worker and spawns ranks 1..N-1 (``run_tensor_parallel``;
+docs/parallel.md); a rank that dies makes the worker exit 1.
+
 Exit status: 0 after SIGINT/SIGTERM, 2 for invalid settings (argparse style),
-1 when the model or the role's scheduler cannot be set up.  The process logs
+1 when the model or the role's scheduler cannot be set up (or a
+tensor-parallel rank died).  The process logs
 to stderr at ``--log-level``.
 """
 
@@ -16,6 +21,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import Optional
 
 from kvship.common.envs import ENV
 from kvship.engine.config import ServerArgs
@@ -25,11 +31,10 @@ logger = logging.getLogger("kvship.serve")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(level: str) -> None:
-    """Log records of every kvship module (and uvicorn's) to stderr at ``level``."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr, force=True
-    )
+def setup_logging(level: str, tag: str = "") -> None:
+    """Log records of every kvship module (and uvicorn's) to stderr at ``level`` (``tag`` after the logger name)."""
+    fmt = LOG_FORMAT if not tag else LOG_FORMAT.replace("%(name)s", f"%(name)s[{tag}]")
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr, force=True)
     for noisy in ("httpx", "httpcore", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid settings: %s", e)
         return 2
+    if server_args.tp_size > 1:
+        return run_tensor_parallel(server_args)
     from kvship.app.roles import scheduler_for_mode
     from kvship.engine.engine import Engine
     from kvship.engine.http_server import serve_engine
@@ -73,3 +80,79 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
+
+
+def check_tensor_parallel(server_args: ServerArgs) -> None:
+    """ValueError when ``--tp-size`` cannot work with this model and these settings (before any rank starts)."""
+    if server_args.mode != "unified":
+        raise ValueError("--tp-size > 1 works with --mode unified only so far (PD with tensor parallelism comes later)")
+    from kvship.engine.model_config import ModelConfig, parse_dtype
+    from kvship.engine.model_runner import resolve_model_path
+    from kvship.engine.parallel.layers import check_tp_divisible
+
+    mc = ModelConfig.from_pretrained(
+        resolve_model_path(server_args.model_path),
+        dtype=parse_dtype(server_args.resolved_dtype),
+        context_length=server_args.context_length,
+    )
+    check_tp_divisible(mc, server_args.tp_size)
+    if server_args.resolved_device == "cuda":
+        import torch
+
+        need = server_args.base_gpu_id + server_args.tp_size
+        if torch.cuda.device_count() < need:
+            raise ValueError(
+                f"--tp-size {server_args.tp_size} from --base-gpu-id {server_args.base_gpu_id} needs {need} GPUs, "
+                f"{torch.cuda.device_count()} visible"
+            )
+
+
+def run_tensor_parallel(server_args: ServerArgs) -> int:
+    """``--tp-size N``: this process is rank 0 (HTTP, tokenizer); ranks 1..N-1 are spawned here."""
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.engine import Engine
+    from kvship.engine.http_server import serve_engine
+    from kvship.engine.parallel.launch import RankProcesses, join_tp_group
+
+    try:
+        check_tensor_parallel(server_args)
+    except (FileNotFoundError, ValueError) as e:
+        logger.error("cannot start the server: %s", e)
+        return 1
+    ranks = RankProcesses.start(_rank_main, server_args)
+    starting = ranks.exit_on_failure_while_starting()
+    try:
+        tp = join_tp_group(server_args, 0, ranks.init_method)
+        engine = Engine(server_args, scheduler_factory=scheduler_for_mode(server_args.mode), tp=tp)
+        starting.set()
+
+        def monitor() -> Optional[str]:
+            if engine.failure is not None:
+                return ranks.failure() or f"the model loop of rank 0 died ({engine.failure})"
+            return ranks.failure()
+
+        return serve_engine(engine, server_args, monitor=monitor)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        logger.error("cannot start the server: %s", e)
+        return 1
+    finally:
+        starting.set()
+        ranks.stop()
+
+
+def _rank_main(rank: int, server_args: ServerArgs, init_method: str) -> None:
+    """Entry of tensor-parallel rank ``rank`` >= 1 (a spawned process); exits with its status."""
+    import os
+
+    setup_logging(server_args.log_level, tag=f"tp{rank}")
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.parallel.launch import join_tp_group, run_rank
+
+    try:
+        tp = join_tp_group(server_args, rank, init_method)
+        code = run_rank(server_args, tp, scheduler_for_mode(server_args.mode))
+    except Exception as e:  # noqa: BLE001 - report any startup failure, then exit non-zero
+        logger.error("tensor-parallel rank %d cannot start: %s: %s", rank, type(e).__name__, e)
+        code = 1
+    logging.shutdown()
+    os._exit(code)

@@ -80,6 +80,12 @@ class _Env:
     FUSE_ROPE_KV_STORE = Knob(
         "KVSHIP_FUSE_ROPE_KV_STORE", _bool, True, "RoPE and the KV-cache store in one kernel on CUDA"
     )
+    MOE_RUNNER = Knob(
+        "KVSHIP_MOE_RUNNER",
+        str,
+        "auto",
+        "fused-MoE runner: auto (triton on CUDA, else torch), torch or triton",
+    )
     K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False, "store Linear weights K-major for the decode GEMVs")
     FLASHINFER_CUDA_CORE_DECODE_BS = Knob(
         "KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",
@@ -98,6 +104,12 @@ class _Env:
     )
     MOONCAKE_MAX_BATCH = Knob("KVSHIP_MOONCAKE_MAX_BATCH", int, 1024, "descriptors per Mooncake batch transfer")
     NIXL_PROGRESS_THREAD = Knob("KVSHIP_NIXL_PROGRESS_THREAD", _bool, False, "NIXL's own UCX progress thread")
+    ADVERTISE_HOST = Knob(
+        "KVSHIP_ADVERTISE_HOST",
+        _opt_str,
+        None,
+        "address peers reach a worker bound on 0.0.0.0 at (the operator sets the pod IP)",
+    )
 
     @classmethod
     def knobs(cls) -> list[Knob]:

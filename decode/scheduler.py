@@ -119,7 +119,9 @@ class DecodeRole(PDRole):
         aux = entry.transfer.aux
         self.counters["transferred"] += 1
         lp = float(aux.first_token_logprob)
-        self.s.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp)
+        top = [(int(t), float(v)) for t, v in aux.top_logprobs]
+        # a constrained request's grammar accepts this token in ``append_token`` before decoding goes on
+        self.s.admit_prefilled(entry.req, int(aux.first_token_id), None if lp != lp else lp, top)
 
     def _check_aux(self, entry: PDEntry) -> Optional[str]:
         aux = entry.transfer.aux

@@ -71,6 +71,23 @@ class ServerArgs:
         "lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs")
     )
 
+    # Parallelism
+    tp_size: int = opt(1, "Tensor-parallel size: rank processes this worker spans (one GPU each on CUDA; gloo on CPU)")
+    base_gpu_id: int = opt(0, "CUDA: the worker's first GPU (tensor-parallel rank r runs on cuda:<base + r>)")
+    dist_timeout: float = opt(
+        300.0, "Seconds a tensor-parallel collective waits for a rank before the worker gives up and exits"
+    )
+
+    # Speculative decoding (decode/spec; unified and decode workers)
+    speculative_algorithm: Optional[str] = opt(
+        None,
+        "Speculative decoding: ngram (prompt lookup, no extra model) or draft (a smaller model); default off",
+        choices=(None, "ngram", "draft"),
+    )
+    speculative_draft_model_path: Optional[str] = opt(None, "The draft model (--speculative-algorithm draft)")
+    speculative_num_draft_tokens: Optional[int] = opt(None, "Draft tokens verified per round (ngram default 8)")
+    speculative_eagle_topk: Optional[int] = opt(None, "Branches of the draft tree (ngram default 1: a chain)")
+
     # Kernels
     attention_backend: str = opt(
         "auto",
@@ -152,6 +169,29 @@ class ServerArgs:
             raise ValueError("--context-length must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.speculative_algorithm is None and (
+            self.speculative_num_draft_tokens is not None or self.speculative_eagle_topk is not None
+        ):
+            raise ValueError("--speculative-num-draft-tokens / --speculative-eagle-topk need --speculative-algorithm")
+        if self.speculative_num_draft_tokens is not None and not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError("--speculative-num-draft-tokens must be in 1..64")
+        if self.speculative_eagle_topk is not None and not 1 <= self.speculative_eagle_topk <= 8:
+            raise ValueError("--speculative-eagle-topk must be in 1..8")
+        if (self.speculative_draft_model_path is not None) != (self.speculative_algorithm == "draft"):
+            raise ValueError(
+                "--speculative-draft-model-path goes with --speculative-algorithm draft (and only with it)"
+            )
+        if self.speculative_algorithm is not None and self.tp_size > 1:
+            raise ValueError("speculative decoding with --tp-size > 1 is not supported yet")
+        if self.speculative_algorithm is not None and self.page_size != 1:
+            raise ValueError("speculative decoding needs --page-size 1 (accepted draft slots are remapped one by one)")
+
+        if self.base_gpu_id < 0:
+            raise ValueError("--base-gpu-id must be >= 0")
+        if self.dist_timeout <= 0:
+            raise ValueError("--dist-timeout must be > 0")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,10 @@ If the scheduler thread dies, every open request gets a finished abort chunk,
 the text side on top (incremental detokenizer + stop strings) and yield
 ``TextDelta``s; both HTTP APIs use them.
 
+``tp`` (rank 0 of a ``--tp-size`` > 1 worker, ``kvship.engine.parallel``):
+the model runner holds this rank's shard and the scheduler's inbox and
+sampled ids are broadcast to the other ranks, which run the same loop.
+
 ``scheduler_factory`` builds the scheduler (the app shell maps ``--mode`` to
 the role's scheduler: ``kvship.app.roles``); the default is the unified
 ``Scheduler``.  All share one constructor and the submit / abort /
@@ -39,7 +43,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -47,6 +51,9 @@ from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.metrics import EngineMetrics
 from kvship.engine.scheduler import Scheduler, SchedulerClosedError
 from kvship.engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from kvship.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +119,12 @@ class Engine:
     """One worker's model loop plus the asyncio bridge (see module docstring)."""
 
     def __init__(
-        self, server_args: ServerArgs, *, start: bool = True, scheduler_factory: Optional[SchedulerFactory] = None
+        self,
+        server_args: ServerArgs,
+        *,
+        start: bool = True,
+        scheduler_factory: Optional[SchedulerFactory] = None,
+        tp: Optional["TPGroup"] = None,
     ):
         from kvship.engine.model_runner import ModelRunner, resolve_model_path
 
@@ -126,13 +138,18 @@ class Engine:
         tok_path = server_args.tokenizer_path or self.model_path
         self.tokenizer: Tokenizer = load_tokenizer(tok_path, trust_remote_code=server_args.trust_remote_code)
         _ = self.tokenizer.max_chars_per_token  # computed once here, not on the first request
-        self.model_runner = ModelRunner(self.server_args)
+        self.model_runner = ModelRunner(self.server_args, tp=tp)
         self.model_config = self.model_runner.model_config
         self.context_len: int = self.model_runner.context_len
         self.max_total_tokens: int = self.model_runner.max_total_tokens
         self.vocab_size: int = max(self.model_config.vocab_size, 1)
         factory = scheduler_factory or Scheduler
         self.scheduler = factory(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
+        if tp is not None:  # rank 0 of a tensor-parallel worker: its inbox and samples drive every rank
+            from kvship.engine.parallel.scheduling import make_scheduler_tensor_parallel
+
+            make_scheduler_tensor_parallel(self.scheduler, tp, lambda: self._stop_event.set())
+        self.grammar = self.scheduler.grammar  # structured output: the HTTP layer checks grammars with it
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats)
 
         self._stop_event = threading.Event()
@@ -372,6 +389,7 @@ class Engine:
             "max_total_tokens": self.model_runner.max_total_tokens,
             "page_size": self.model_runner.page_size,
             "device": str(self.model_runner.device),
+            "tp_size": self.model_runner.tp_size,
             "pid": os.getpid(),
         }
         info.update(self._safe_stats())

@@ -35,9 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill (possibly a chunk, possibly over a cached prefix)
     DECODE = 2  # one new token per request
-    # nothing produces these yet: kept for speculative decoding (the next issue)
-    TARGET_VERIFY = 5  # score draft tokens with the target model
-    DRAFT_EXTEND = 6  # extend the draft model
+    TARGET_VERIFY = 5  # score a draft tree with the target model (an extend with ``tree_masks``)
+    DRAFT_EXTEND = 6  # extend a draft model (reserved for model-based drafters)
 
     def is_extend(self) -> bool:
         """Runs as an extend: new tokens packed per request over a cached prefix."""
@@ -66,6 +65,9 @@ class ForwardBatch:
     extend_start_loc: Optional[torch.Tensor] = None  # [bs] int64, offset of each req in the packed tokens
     extend_seq_lens_cpu: Optional[list[int]] = None
     extend_prefix_lens_cpu: Optional[list[int]] = None
+    # TARGET_VERIFY: per request [extend_len, extend_len] bool, True where a new token attends to another new
+    # token (its tree ancestors and itself); every new token also attends to the whole cached prefix
+    tree_masks: Optional[list[torch.Tensor]] = None
     # rows of the final hidden states to compute logits for (default: last new token per req)
     logits_indices: Optional[torch.Tensor] = None
     # attention backends keep their per-step metadata here

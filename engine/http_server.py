@@ -31,7 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Optional, TypeVar
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -164,8 +167,17 @@ def _rid_family(engine: Engine, rid: str) -> list[str]:
     return [f"{rid}-{i}" for i in range(MAX_N) if engine.has_request(f"{rid}-{i}")]
 
 
-def serve_engine(engine: Engine, server_args: ServerArgs) -> int:
-    """Serve ``engine`` over HTTP until interrupted, then shut it down (always). Returns an exit code."""
+# after a fatal failure (``monitor``), the most seconds the graceful shutdown may take before a hard exit
+FATAL_EXIT_GRACE_S = 30.0
+
+
+def serve_engine(engine: Engine, server_args: ServerArgs, monitor: Optional[Callable[[], Optional[str]]] = None) -> int:
+    """Serve ``engine`` over HTTP until interrupted, then shut it down (always). Returns an exit code.
+
+    ``monitor`` (a tensor-parallel worker's rank watch) is polled while
+    serving; when it returns a message the worker logs it, shuts down and
+    exits 1 (hard, after ``FATAL_EXIT_GRACE_S``, if the shutdown hangs).
+    """
     import uvicorn
 
     try:
@@ -180,8 +192,26 @@ def serve_engine(engine: Engine, server_args: ServerArgs) -> int:
             timeout_graceful_shutdown=5,
         )
         server = uvicorn.Server(config)
+        failures: list[str] = []
+        if monitor is not None:
+            threading.Thread(target=_watch, args=(server, monitor, failures), name="kvship-watch", daemon=True).start()
         logger.info("serving %s on http://%s:%d", engine.served_model_name, server_args.host, server_args.port)
         server.run()  # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown
-        return 0 if server.started else 1
+        return 0 if server.started and not failures else 1
     finally:
         engine.shutdown()
+
+
+def _watch(server: Any, monitor: Callable[[], Optional[str]], failures: list[str], every_s: float = 0.2) -> None:
+    """Stop ``server`` when ``monitor`` reports a fatal failure (see ``serve_engine``)."""
+    while not server.should_exit:
+        message = monitor()
+        if message is not None:
+            logger.error("%s: shutting the worker down", message)
+            failures.append(message)
+            server.should_exit = True
+            timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
+            return
+        time.sleep(every_s)

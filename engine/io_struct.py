@@ -32,10 +32,23 @@ class SamplingParams:
     seed: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # structured output (at most one; ``kvship.engine.grammar``): a JSON schema (text), a regex, an EBNF grammar
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> Optional[tuple[str, str]]:
+        """``(kind, text)`` of the output constraint (kind: json_schema / regex / ebnf), or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a user-facing message when a value is out of range."""
@@ -61,6 +74,8 @@ class SamplingParams:
             raise ValueError("at most 16 stop strings")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        if sum(getattr(self, k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
+            raise ValueError("json_schema, regex and ebnf are exclusive: give at most one")
 
 
 @dataclass

@@ -3,7 +3,9 @@
 ``ModelConfig`` is built either from a Hugging Face folder (``config.json`` plus
 an optional ``generation_config.json``) or from a GGUF file's metadata.  It is
 model-agnostic: every dense decoder of the Llama family fits in it, and the
-model class picked by ``architectures[0]`` reads what it needs.
+model class picked by ``architectures[0]`` reads what it needs.  Mixture-of-
+Experts models (Qwen2/3-MoE, Mixtral) add one ``MoEConfig`` (``moe``); it is
+None for dense models and, for now, for GGUF files.
 
 Rules:
 * ``context_len`` is the model's ``max_position_embeddings`` (GGUF:
@@ -46,11 +48,13 @@ GGUF_ARCHITECTURES = {
 }
 
 # Architectures whose q/k/v projections carry a bias even when config.json does not say so.
-_QKV_BIAS_ARCHS = {"Qwen2ForCausalLM"}
+_QKV_BIAS_ARCHS = {"Qwen2ForCausalLM", "Qwen2MoeForCausalLM"}
 # Architectures without any attention bias (config.json's attention_bias is ignored).
-_NO_BIAS_ARCHS = {"MistralForCausalLM"}
+_NO_BIAS_ARCHS = {"MistralForCausalLM", "MixtralForCausalLM"}
 # Architectures that RMS-normalise q and k per head before RoPE.
-_QK_NORM_ARCHS = {"Qwen3ForCausalLM"}
+_QK_NORM_ARCHS = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+# Architectures whose sliding window applies only when config.json sets use_sliding_window.
+_OPT_IN_WINDOW_ARCHS = {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -68,6 +72,48 @@ def _as_id_set(value: Any) -> set[int]:
     if isinstance(value, (list, tuple)):
         return {int(v) for v in value if v is not None}
     return {int(value)}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse-MLP part of a Mixture-of-Experts decoder (``ModelConfig.moe``; None for dense models).
+
+    Layer ``i`` has experts unless ``i`` is in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0``; its other layers are dense MLPs of
+    ``ModelConfig.intermediate_size``.  Routing: softmax over the router's
+    logits, the ``top_k`` largest, renormalised to sum to 1 when
+    ``norm_topk_prob``.  ``shared_expert_intermediate_size`` > 0 adds Qwen2-MoE's
+    shared expert (a dense MLP scaled by a sigmoid gate) to every sparse layer.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % max(self.decoder_sparse_step, 1) == 0
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> Optional["MoEConfig"]:
+        """From config.json (``num_experts`` or Mixtral's ``num_local_experts``); None without experts."""
+        arch = (cfg.get("architectures") or [""])[0]
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if num_experts <= 0:
+            return None
+        return cls(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            # Mixtral always renormalises its top-k weights
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) or arch == "MixtralForCausalLM",
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -100,6 +146,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     checkpoint_dtype: Optional[torch.dtype] = None
     source_format: str = "hf"  # "hf" (config.json) or "gguf"
+    moe: Optional[MoEConfig] = None  # Mixture-of-Experts models only
 
     @property
     def architecture(self) -> str:
@@ -173,7 +220,7 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         sliding = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        if arch in _OPT_IN_WINDOW_ARCHS and not cfg.get("use_sliding_window", False):
             sliding = None
         eos = _as_id_set(cfg.get("eos_token_id")) | _as_id_set((generation_config or {}).get("eos_token_id"))
         bos = cfg.get("bos_token_id")
@@ -208,6 +255,7 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None,
             checkpoint_dtype=_DTYPES.get(ckpt) if isinstance(ckpt, str) else None,
             source_format="hf",
+            moe=MoEConfig.from_hf_dict(cfg),
         )
 
     @classmethod

@@ -41,6 +41,8 @@ from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_config import ModelConfig, parse_dtype
+from kvship.engine.parallel.group import TPGroup
+from kvship.engine.parallel.layers import head_split
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +64,22 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs):
+    def __init__(self, server_args: ServerArgs, tp: Optional[TPGroup] = None):
         server_args.validate()
         self.server_args = server_args
+        # tensor parallelism (--tp-size > 1): this rank's group; None at --tp-size 1 (no collective at all)
+        self.tp = tp
+        self.tp_size = 1 if tp is None else tp.size
+        self.tp_rank = 0 if tp is None else tp.rank
         if server_args.num_threads is not None:
             torch.set_num_threads(server_args.num_threads)
         self.device = torch.device(server_args.resolved_device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was requested but CUDA is not available")
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device.index or 0)
+            # rank r of a tensor-parallel worker: cuda:<base-gpu-id + r>
+            index = server_args.base_gpu_id + self.tp_rank if self.device.index is None else self.device.index
+            torch.cuda.set_device(index)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(server_args.resolved_dtype)
         self.kv_dtype = parse_dtype(server_args.resolved_kv_dtype)
@@ -84,12 +92,18 @@ class ModelRunner:
         )
         self.context_len = self.model_config.context_len
 
-        self.model = load_model(self.model_config, server_args.load_format, self.device, seed=server_args.seed)
+        mc = self.model_config
+        # this rank's attention heads (all of them at --tp-size 1)
+        split = head_split(mc.num_attention_heads, mc.num_key_value_heads, self.tp_size, self.tp_rank)
+        self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+        self.model = load_model(mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
         num_slots = self._kv_pool_slots()
+        if tp is not None:  # every rank schedules the same slots: the smallest pool of any rank
+            num_slots = tp.min_int(num_slots)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + REQ_POOL_HEADROOM, self.context_len + self.page_size, self.device
         )
@@ -98,7 +112,7 @@ class ModelRunner:
             num_slots,
             self.page_size,
             self.kv_dtype,
-            mc.num_key_value_heads,
+            self.num_kv_heads,
             mc.head_dim,
             mc.num_hidden_layers,
             self.device,
@@ -108,8 +122,8 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
-            num_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=mc.head_dim,
             page_size=self.page_size,
             req_to_token_pool=self.req_to_token_pool,
@@ -122,7 +136,7 @@ class ModelRunner:
             self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
         )
         logger.info(
-            "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s",
+            "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s%s",
             mc.architecture,
             mc.num_hidden_layers,
             self.context_len,
@@ -131,6 +145,7 @@ class ModelRunner:
             str(self.kv_dtype).removeprefix("torch."),
             self.page_size,
             self.device,
+            "" if tp is None else f", tensor-parallel rank {tp.rank}/{tp.size}",
         )
 
     # --- sizing ------------------------------------------------------------
@@ -141,7 +156,7 @@ class ModelRunner:
     def _bytes_per_token(self) -> int:
         mc = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+        return 2 * mc.num_hidden_layers * self.num_kv_heads * mc.head_dim * elem
 
     def _kv_pool_slots(self) -> int:
         """Slots for the KV pool, a whole number of pages, at least one page."""

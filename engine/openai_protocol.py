@@ -48,8 +48,21 @@ class ChatMessage(BaseModel):
     tool_call_id: Optional[StrictStr] = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI): the schema is kept as given and compiled by the grammar backend."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
 class ResponseFormat(BaseModel):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
     type: StrictStr
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class _SamplingFields(BaseModel):
@@ -107,6 +120,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
+    response_format: Optional[ResponseFormat] = None
 
 
 class GenerateSamplingParams(BaseModel):
@@ -129,6 +143,10 @@ class GenerateSamplingParams(BaseModel):
     spaces_between_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
     n: StrictInt = 1
+    # structured output (at most one): a JSON schema as a string, a regex, an EBNF grammar
+    json_schema: Optional[StrictStr] = None
+    regex: Optional[StrictStr] = None
+    ebnf: Optional[StrictStr] = None
 
 
 class GenerateReqInput(BaseModel):

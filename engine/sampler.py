@@ -222,7 +222,9 @@ class TorchSampler(Sampler):
         if info.need_top_k or info.need_top_p:
             probs_sort, order = torch.sort(probs, dim=-1, descending=True)
             filter_probs(probs_sort, info)
-            choice = torch.argmax(probs_sort / noise, dim=-1, keepdim=True)
+            # each token keeps its own noise (``noise[token]``, as on the unsorted path), so a seeded row
+            # draws the same token whether or not another row of the batch needs the sorted path
+            choice = torch.argmax(probs_sort / noise.gather(1, order), dim=-1, keepdim=True)
             return order.gather(1, choice).squeeze(1)
         if info.need_min_p:
             top = probs.max(dim=-1, keepdim=True).values

@@ -90,6 +90,8 @@ class Req:
         self.sent_len = 0  # output tokens already handed to the output sink
         self.finish_sent = False
         self.generator: Optional[torch.Generator] = None  # per-request RNG (seeded requests; made by the sampler)
+        # structured output: the request's grammar matcher (``kvship.engine.grammar``), set before it is scheduled
+        self.grammar: Any = None
 
     @classmethod
     def from_generate_request(
@@ -139,12 +141,23 @@ class Req:
         logprob: Optional[float] = None,
         top_logprobs: Optional[list[tuple[int, float]]] = None,
     ) -> None:
-        """Append one generated token, record its logprobs, then check the stop conditions."""
+        """Append one generated token, record its logprobs, then check the stop conditions.
+
+        A constrained request's grammar accepts the token first: a token the
+        grammar refuses aborts the request, one that ends the grammar stops it.
+        """
         self.output_ids.append(int(token_id))
         if self.return_logprob:
             self.output_token_logprobs.append(float(logprob) if logprob is not None else float("nan"))
             if self.top_logprobs_num > 0:
                 self.output_top_logprobs.append(list(top_logprobs or []))
+        if self.grammar is not None and self.finished_reason is None:
+            if not self.grammar.accept(token_id):
+                self.finished_reason = FinishReason.abort(f"token {int(token_id)} violates the request's grammar")
+                return
+            if self.grammar.terminated:
+                self.finished_reason = FinishReason.stop(int(token_id))
+                return
         self.check_finished(tokenizer)
 
     def check_finished(self, tokenizer: Any = None) -> None:

@@ -26,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvship.engine.engine import Engine, EngineDead, EngineOverloaded, RequestHandle, TextDelta
+from kvship.engine.grammar.backend import GrammarError
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
-from kvship.engine.openai_protocol import PromptTokensDetails, UsageInfo
+from kvship.engine.openai_protocol import PromptTokensDetails, ResponseFormat, UsageInfo
 from kvship.engine.scheduler.admission import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string (stop strings are searched on every step)
 _SEED_MOD = 2**63
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
 
 T = TypeVar("T")
 
@@ -147,6 +149,9 @@ def build_sampling_params(
     seed: Optional[int] = None,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
+    json_schema: Optional[str] = None,
+    regex: Optional[str] = None,
+    ebnf: Optional[str] = None,
     param_prefix: str = "",
 ) -> SamplingParams:
     """A verified ``SamplingParams``; out-of-range values become a 400 naming the field."""
@@ -166,7 +171,12 @@ def build_sampling_params(
         seed=None if seed is None else int(seed) % _SEED_MOD,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,
+        json_schema=json_schema,
+        regex=regex,
+        ebnf=ebnf,
     )
+    if sum(x is not None for x in (json_schema, regex, ebnf)) > 1:
+        raise bad_request("give at most one of json_schema, regex and ebnf", param_prefix + "json_schema")
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         v = getattr(sp, name)
         if v != v or v in (float("inf"), float("-inf")):
@@ -177,6 +187,38 @@ def build_sampling_params(
         msg = str(e)
         raise bad_request(msg, param_prefix + msg.split()[0]) from None
     return sp
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+def response_format_schema(rf: Optional[ResponseFormat]) -> Optional[str]:
+    """The JSON schema (text) that an OpenAI ``response_format`` constrains the output to, or None for text."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise bad_request("response_format 'json_schema' needs a 'json_schema' object", "response_format")
+        schema = rf.json_schema.schema_
+        return JSON_OBJECT_SCHEMA if schema is None else json.dumps(schema)
+    raise bad_request(
+        f"response_format '{rf.type}' is not supported (text, json_object or json_schema)", "response_format"
+    )
+
+
+async def check_grammar(engine: Engine, sp: SamplingParams, param: Optional[str] = None) -> None:
+    """400 when ``sp``'s output constraint does not compile (the compiler's message) or xgrammar is missing.
+
+    The compile is cached, so the scheduler's compile of the same grammar is a look-up."""
+    key = sp.grammar_key
+    if key is None:
+        return
+    try:
+        await engine.grammar.compile_async(key)
+    except GrammarError as e:
+        raise bad_request(str(e), param or key[0], code="invalid_grammar") from None
 
 
 # --------------------------------------------------------------------------- PD roles
@@ -317,6 +359,12 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> Optional
             if not t.done():
                 t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+# Request header the router sends when it wants token ids in stream chunks (to resume a broken stream
+# elsewhere): chat/completions chunks get ``kvship_token_ids`` / ``kvship_prompt_ids``, /generate events
+# ``meta_info.kvship_prompt_ids``.  The router strips them; clients never see them.
+ROUTER_IDS_HEADER = "x-kvship-token-ids"
 
 
 def sse(payload: Any) -> bytes:

@@ -35,7 +35,9 @@ from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingPara
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
+    ROUTER_IDS_HEADER,
     build_sampling_params,
+    check_grammar,
     check_max_tokens,
     check_n,
     check_prompt_length,
@@ -211,8 +213,13 @@ class GenerateServing:
                 seed=gsp.seed,
                 skip_special_tokens=gsp.skip_special_tokens,
                 spaces_between_special_tokens=gsp.spaces_between_special_tokens,
+                json_schema=gsp.json_schema,
+                regex=gsp.regex,
+                ebnf=gsp.ebnf,
                 param_prefix=prefix,
             )
+            if sp.grammar_key is not None:
+                await check_grammar(engine, sp, prefix + sp.grammar_key[0])
             base = rids[i] or new_id("gen")
             for j in range(gsp.n):
                 # PD: every request of the body gets its own room (per-item rooms: + choice index)
@@ -249,7 +256,8 @@ class GenerateServing:
         many = is_batch or len(reqs) > 1
         handles = open_requests(engine, reqs)
         if body.stream:
-            return stream_response(self._stream(handles, outputs, many), handles)
+            router_ids = [r.input_ids for r in reqs] if request.headers.get(ROUTER_IDS_HEADER) == "1" else None
+            return stream_response(self._stream(handles, outputs, many, router_ids), handles)
         results = await collect_until_disconnect(request, engine, handles)
         if results is None:
             return Response(status_code=499)
@@ -265,16 +273,28 @@ class GenerateServing:
             return JSONResponse([o.to_dict() for o in outputs])
         return JSONResponse(outputs[0].to_dict())
 
-    async def _stream(self, handles: list[RequestHandle], outputs: list[_Output], many: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        handles: list[RequestHandle],
+        outputs: list[_Output],
+        many: bool,
+        router_ids: Optional[list[list[int]]] = None,
+    ) -> AsyncIterator[bytes]:
+        """``router_ids`` (each request's prompt ids; the router asked with ``ROUTER_IDS_HEADER``): the
+        first event of each request carries them as ``meta_info.kvship_prompt_ids``."""
         engine = self.engine
         stream = merge_streams(engine, handles)
+        prompt_sent = [False] * len(handles)
         try:
             async for i, d in stream:
                 out = outputs[i]
                 out.add(engine, d)
                 if not d.text and not d.token_ids and not d.finished:
                     continue
-                yield sse(out.to_dict(i if many else None))
+                event = out.to_dict(i if many else None)
+                if router_ids is not None and not prompt_sent[i]:
+                    event["meta_info"]["kvship_prompt_ids"], prompt_sent[i] = router_ids[i], True
+                yield sse(event)
             if not engine.is_alive() and any(o.last and o.last.finish_reason == "abort" for o in outputs):
                 yield sse(APIError(503, engine.failure or "the model loop died", code="engine_dead").body())
             elif (pd_err := pd_abort_error(engine, [o.last for o in outputs])) is not None:

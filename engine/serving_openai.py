@@ -40,8 +40,10 @@ from kvship.engine.openai_protocol import (
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
+    ROUTER_IDS_HEADER,
     build_sampling_params,
     chat_logprobs,
+    check_grammar,
     check_max_tokens,
     check_model,
     check_n,
@@ -58,6 +60,7 @@ from kvship.engine.serving import (
     normalize_stop,
     open_requests,
     pd_abort_error,
+    response_format_schema,
     sse,
     stream_response,
     usage_dict,
@@ -67,7 +70,11 @@ from kvship.engine.tokenizer import ChatTemplateError
 
 
 def _sampling_params(
-    engine: Engine, body: ChatCompletionRequest | CompletionRequest, max_new: int, stops: list[str]
+    engine: Engine,
+    body: ChatCompletionRequest | CompletionRequest,
+    max_new: int,
+    stops: list[str],
+    json_schema: Optional[str] = None,
 ) -> SamplingParams:
     """The sampling parameters of a chat or completions body (both carry the same sampling fields)."""
     return build_sampling_params(
@@ -86,6 +93,7 @@ def _sampling_params(
         seed=body.seed,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
+        json_schema=json_schema,
     )
 
 
@@ -117,10 +125,7 @@ class OpenAIServing:
         check_n(body.n)
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise bad_request(
-                f"response_format '{body.response_format.type}' is not supported (only 'text')", "response_format"
-            )
+        schema = response_format_schema(body.response_format)
         if body.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice other than 'none' or 'auto' is not supported", "tool_choice")
         if body.top_logprobs is not None:
@@ -148,7 +153,8 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from None
         ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
         max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
-        sp = _sampling_params(engine, body, max_new, stops)
+        sp = _sampling_params(engine, body, max_new, stops, schema)
+        await check_grammar(engine, sp, "response_format")
         cid = body.rid or new_id("chatcmpl")
         reqs = [
             GenerateRequest(
@@ -176,6 +182,7 @@ class OpenAIServing:
                     len(ids),
                     bool(opts and opts.include_usage),
                     bool(opts and opts.continuous_usage_stats),
+                    router_ids=list(ids) if request.headers.get(ROUTER_IDS_HEADER) == "1" else None,
                 ),
                 handles,
             )
@@ -211,11 +218,16 @@ class OpenAIServing:
         n_prompt: int,
         include_usage: bool,
         continuous_usage: bool,
+        router_ids: Optional[list[int]] = None,
     ) -> AsyncIterator[bytes]:
+        """``router_ids`` (the prompt ids; the router asked with ``ROUTER_IDS_HEADER``): every chunk
+        also carries ``kvship_token_ids``, the output ids since the previous chunk, and the first
+        ``kvship_prompt_ids``, so that the router can resume the stream elsewhere."""
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
         cached = 0
+        unsent: list[list[int]] = [[] for _ in handles]  # output ids not yet reported to the router
 
         def chunk(choices: list[dict], usage: Optional[dict] = None) -> bytes:
             payload: dict[str, Any] = {
@@ -227,6 +239,11 @@ class OpenAIServing:
             }
             if usage is not None or continuous_usage:
                 payload["usage"] = usage or usage_dict(n_prompt, sum(completion), cached)
+            if router_ids is not None and choices:
+                i = choices[0]["index"]
+                payload["kvship_token_ids"], unsent[i] = unsent[i], []
+                if "role" in choices[0]["delta"]:
+                    payload["kvship_prompt_ids"] = router_ids
             return sse(payload)
 
         stream = merge_streams(engine, handles)
@@ -246,6 +263,7 @@ class OpenAIServing:
             async for i, d in stream:
                 completion[i] = d.completion_tokens
                 cached = max(cached, d.cached_tokens)
+                unsent[i].extend(d.token_ids)
                 lp = chat_logprobs(engine, d) if d.logprobs is not None else None
                 if not d.text and not d.finished and not (lp and lp["content"]):
                     continue
@@ -284,6 +302,7 @@ class OpenAIServing:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         check_max_tokens(body.max_tokens, "max_tokens")
         stops = normalize_stop(body.stop)
+        schema = response_format_schema(body.response_format)
         prompts = await self._tokenize_prompts(body.prompt)
         if len(prompts) * body.n > MAX_N:
             raise bad_request(f"prompts x n must be at most {MAX_N}", "n")
@@ -296,7 +315,9 @@ class OpenAIServing:
             max_new = check_prompt_length(engine, len(ids), explicit, "prompt")
             if explicit is None and body.max_tokens is not None:  # the default (16) shrinks to fit the context
                 max_new = min(max_new, body.max_tokens)
-            sp_base = _sampling_params(engine, body, max_new, stops)
+            sp_base = _sampling_params(engine, body, max_new, stops, schema)
+            if p == 0:
+                await check_grammar(engine, sp_base, "response_format")
             for j in range(body.n):
                 k = p * body.n + j
                 reqs.append(
@@ -328,6 +349,9 @@ class OpenAIServing:
                     body.n,
                     bool(opts and opts.include_usage),
                     bool(opts and opts.continuous_usage_stats),
+                    router_ids=[ids for _, ids in prompts for _ in range(body.n)]
+                    if request.headers.get(ROUTER_IDS_HEADER) == "1"
+                    else None,
                 ),
                 handles,
             )
@@ -386,12 +410,16 @@ class OpenAIServing:
         n: int,
         include_usage: bool,
         continuous_usage: bool,
+        router_ids: Optional[list[list[int]]] = None,
     ) -> AsyncIterator[bytes]:
+        """``router_ids`` (each choice's prompt ids): as in ``_chat_stream``."""
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
         cached = [0] * len(handles)
         offsets = [len(e) for e in echoes]
+        unsent: list[list[int]] = [[] for _ in handles]
+        prompt_sent = [False] * len(handles)
 
         def usage() -> dict:
             per_prompt = [max(cached[p * n : (p + 1) * n]) for p in range(len(prompt_lens))]
@@ -407,6 +435,11 @@ class OpenAIServing:
             }
             if usage_payload is not None or continuous_usage:
                 payload["usage"] = usage_payload or usage()
+            if router_ids is not None and choices:
+                k = choices[0]["index"]
+                payload["kvship_token_ids"], unsent[k] = unsent[k], []
+                if not prompt_sent[k]:
+                    payload["kvship_prompt_ids"], prompt_sent[k] = router_ids[k], True
             return sse(payload)
 
         stream = merge_streams(engine, handles)
@@ -418,6 +451,7 @@ class OpenAIServing:
             async for k, d in stream:
                 completion[k] = d.completion_tokens
                 cached[k] = d.cached_tokens
+                unsent[k].extend(d.token_ids)
                 lp = completion_logprobs(engine, [d], offsets[k]) if d.logprobs is not None else None
                 offsets[k] += len(d.text)
                 if not d.text and not d.finished and not (lp and lp["tokens"]):

@@ -3,13 +3,18 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# What `kvship router` imports at run time (kvship itself goes in without its torch-bearing deps).
-ARG ROUTER_DEPS="aiohttp fastapi starlette uvicorn[standard] httpx pydantic prometheus-client kubernetes pyyaml"
-
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Dependencies first, from the pinned list generated from pyproject's [router] extra
+# (python images/lock.py): a source edit reuses this layer.
+COPY images/requirements-router.txt /tmp/requirements.txt
+RUN pip install -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt \
+ && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp kvship
+
+# Then kvship itself, without its torch-bearing dependencies.
 WORKDIR /src
 COPY pyproject.toml setup.py README* ./
 COPY engine ./engine
@@ -19,15 +24,14 @@ COPY router ./router
 COPY operator ./operator
 COPY common ./common
 COPY app ./app
-
 RUN pip install --no-deps . \
- && pip install $ROUTER_DEPS \
- && rm -rf /src \
- && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp kvship
+ && rm -rf /src
 
 USER 1000:1000
 WORKDIR /tmp
 ENV HOME=/tmp
 EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 ENTRYPOINT ["kvship"]
-CMD ["router", "--help"]
+CMD ["router", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,5 +1,6 @@
 """``kvship operator``: run the InferenceService operator (kopf), or print its CRD.
 
+    kvship operator                      # watches its own namespace (service account / kubeconfig context)
     kvship operator --kubeconfig ~/.kube/config --namespace ml
     kvship operator --all-namespaces --worker-image REG/worker:TAG --router-image REG/router:TAG
     kvship operator --print-crd | kubectl apply -f -
@@ -53,7 +54,10 @@ def run(config: OperatorConfig) -> int:
     import kopf
 
     from kvship.operator.handlers import register
+    from kvship.operator.kube import load_auth
 
+    if not config.clusterwide and not config.namespace:
+        config = config.with_namespace_default(load_auth(config.kubeconfig).default_namespace)
     registry = kopf.OperatorRegistry()
     register(registry, config)
     logging.getLogger(__name__).info(

@@ -7,6 +7,7 @@ helpers come from ``kvship.common.cli_args``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,9 +25,12 @@ class OperatorConfig:
         None, "kubeconfig file (default: in-cluster service account, then $KUBECONFIG / ~/.kube/config)"
     )
     namespace: list[str] = opt(
-        [], "Watch only these namespaces (one or more after the flag); default: all namespaces", nargs="+"
+        [],
+        "Watch these namespaces (one or more after the flag); default: the operator's own namespace "
+        "(its service account's in a pod, else the kubeconfig context's)",
+        nargs="+",
     )
-    all_namespaces: bool = opt(False, "Watch InferenceServices in every namespace (the default without --namespace)")
+    all_namespaces: bool = opt(False, "Watch InferenceServices in every namespace (needs cluster-wide RBAC)")
     worker_image: str = opt(DEFAULT_WORKER_IMAGE, "Worker image when spec.engine.image is not set")
     router_image: str = opt(DEFAULT_ROUTER_IMAGE, "Router image when spec.router.image is not set")
     image_pull_policy: str = opt(
@@ -45,7 +49,13 @@ class OperatorConfig:
 
     @property
     def clusterwide(self) -> bool:
-        return self.all_namespaces or not self.namespace
+        return self.all_namespaces
+
+    def with_namespace_default(self, own_namespace: Optional[str]) -> "OperatorConfig":
+        """Namespaced by default: without --namespace / --all-namespaces, watch ``own_namespace``."""
+        if self.all_namespaces or self.namespace:
+            return self
+        return dataclasses.replace(self, namespace=[own_namespace or "default"])
 
     @property
     def liveness_endpoint(self) -> Optional[str]:

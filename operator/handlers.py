@@ -10,7 +10,8 @@
 * a resync loop (started at startup, not a kopf timer: kopf puts a finalizer
   on every object that has a timer) reconciles every InferenceService each
   ``--resync-interval`` seconds: drifted children are re-applied, status refreshed.
-* events of the Deployments the operator manages: refresh the owner's status.
+* events of the Deployments the operator manages (watched with a server-side label
+  selector, so only those are streamed): refresh the owner's status.
 * no delete handler and no finalizer: children carry owner references, so the
   garbage collector removes them with the InferenceService, and uninstalling
   the operator never leaves objects stuck in deletion.
@@ -31,6 +32,7 @@ from kvship.operator.kube import KubeApiError, KubeClient, connection_info, load
 
 RESOURCE = ("kvship.io", "v1alpha1", "inferenceservices")
 RETRY_DELAY = 20.0
+DEPLOYMENT_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +54,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         # Events: only the explicit notes below (Applied, InvalidSpec, ApplyFailed), not every log line.
         settings.posting.level = logging.INFO
         settings.posting.loggers = False
+        # Server-side filter: the API streams only the Deployments the operator made, never every
+        # Deployment of the cluster (the handler's labels= filter alone would apply after the transfer).
+        settings.watching.label_selectors["apps", "v1", "deployments"] = DEPLOYMENT_SELECTOR
         settings.watching.server_timeout = config.watch_timeout
         settings.watching.client_timeout = config.watch_timeout + 30
         settings.watching.connect_timeout = 30

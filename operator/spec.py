@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from kvship.common import metrics_names
 from kvship.operator.typed import ParseErrors, parse
 from kvship.operator.types import Autoscaling, InferenceServiceSpec, WorkerRole
 
@@ -203,6 +204,10 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     kv = spec.kv_transfer
     if kv.rdma_devices and kv.backend == "tcp":
         errors.append("spec.kvTransfer.rdmaDevices: needs backend mooncake or nixl (backend is tcp)")
+    if kv.rdma_resource and kv.backend == "tcp":
+        errors.append("spec.kvTransfer.rdmaResource: needs backend mooncake or nixl (backend is tcp)")
+    if kv.ipc_lock and kv.backend == "tcp":
+        errors.append("spec.kvTransfer.ipcLock: only RDMA (mooncake or nixl) pins memory; remove it with tcp")
     svc = spec.router.service
     if svc.node_port is not None and svc.type == "ClusterIP":
         errors.append("spec.router.service.nodePort: needs type NodePort or LoadBalancer (type is ClusterIP)")
@@ -256,6 +261,11 @@ def _autoscaling_errors(path: str, a: Autoscaling) -> list[str]:
     if a.metric in ("cpu", "memory"):
         if isinstance(a.target, str) and not a.target.isdigit() or (isinstance(a.target, int) and a.target < 1):
             errors.append(f"{path}.target: must be a whole percentage >= 1 for metric {a.metric} (got {a.target!r})")
+    elif a.metric.startswith("kvship") and a.metric not in metrics_names.GAUGES:
+        # An HPA on a series no worker exports never acts; other names may come from other exporters.
+        errors.append(
+            f"{path}.metric: {a.metric} is not a gauge kvship workers export (one of {', '.join(metrics_names.GAUGES)})"
+        )
     return errors
 
 

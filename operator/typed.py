@@ -26,10 +26,13 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Optional, Union
 
 # Kubernetes-native shapes kept as raw JSON (schema below, passed to pods unchanged).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 _QUANTITY = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "pattern": QUANTITY_PATTERN,
 }
 KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
     "resources": {

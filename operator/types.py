@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from kvship.common import metrics_names
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
-from kvship.operator.typed import api_field
+from kvship.operator.typed import QUANTITY_PATTERN, api_field
 
 GROUP = "kvship.io"
 VERSION = "v1alpha1"
@@ -75,6 +76,12 @@ class ModelSpec:
         "so weights are downloaded once; default: an emptyDir per pod.",
         pattern=DNS_LABEL,
     )
+    cache_size: Optional[str] = api_field(
+        "Size limit of the per-pod model cache emptyDir (when cacheVolumeClaim is not set), also requested as "
+        "ephemeral storage so pods land on nodes with room and are not evicted mid-download; "
+        "default 100Gi for hf:// models, 10Gi otherwise.",
+        pattern=QUANTITY_PATTERN,
+    )
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,11 @@ class EngineSpec:
     cuda_graph_max_batch_size: Optional[int] = api_field(
         "Largest decode batch captured in a CUDA graph (worker default 160).", minimum=1
     )
+    shm_size: Optional[str] = api_field(
+        "Size limit of /dev/shm, a memory-backed emptyDir (what it holds counts against the memory limit); "
+        "default 16Gi for GPU workers, 1Gi otherwise.",
+        pattern=QUANTITY_PATTERN,
+    )
     startup_timeout_seconds: int = api_field(
         "How long a worker may take to load the model before its startup probe fails and it is restarted.",
         1800,
@@ -124,7 +136,8 @@ class Autoscaling:
     min_replicas: int = api_field("Fewest replicas.", 1, minimum=1)
     metric: str = api_field(
         "cpu or memory (target = average utilization in percent), or the name of a per-pod metric served by a "
-        "metrics adapter, e.g. kvship_num_running_requests (target = average value).",
+        f"metrics adapter, e.g. {metrics_names.AUTOSCALING_EXAMPLE} (target = average value); a kvship:* name "
+        f"must be one the workers export ({', '.join(metrics_names.GAUGES)}).",
         "cpu",
         pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:.-]*$",
     )
@@ -227,6 +240,20 @@ class KvTransfer:
         "RDMA devices to use, e.g. [mlx5_0, mlx5_1] (mooncake: --disaggregation-ib-device; nixl: UCX_NET_DEVICES).", []
     )
     bootstrap_port: int = api_field("Port of the prefill workers' bootstrap endpoint.", 8998, minimum=1, maximum=65535)
+    rdma_resource: Optional[str] = api_field(
+        "Extended resource of the RDMA device plugin that each prefill and decode pod requests one of, "
+        "e.g. rdma/hca (k8s-rdma-shared-dev-plugin) or nvidia.com/hostdev.",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+    )
+    networks: list[str] = api_field(
+        "Multus network attachments ([NAMESPACE/]NAME of NetworkAttachmentDefinitions) of the prefill and decode "
+        "pods, set as their k8s.v1.cni.cncf.io/networks annotation: the RDMA network the KV travels over.",
+        [],
+    )
+    ipc_lock: Optional[bool] = api_field(
+        "Add the IPC_LOCK capability to prefill and decode workers, so the RDMA stack can pin (register) KV "
+        "memory; default: true when rdmaDevices is set."
+    )
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,12 @@ class PrefillRole(PDRole):
         n = len(req.origin_input_ids)
         s = self.s
         pages = request_pages(s.req_to_token_pool.read(req.req_pool_idx, 0, n), s.page_size)
-        aux = AuxInfo(first_token_id=int(token_id), first_token_logprob=nan_if_none(logprob), prompt_len=n)
+        aux = AuxInfo(
+            first_token_id=int(token_id),
+            first_token_logprob=nan_if_none(logprob),
+            prompt_len=n,
+            first_token_top_logprobs=tuple((int(t), float(v)) for t, v in (top_logprobs or ())),
+        )
         self.inflight_queue.add(entry, pages, aux)
         return True
 

@@ -103,6 +103,11 @@ class RouterConfig:
     max_retries: int = opt(2, "Retries on another worker when a request fails before its first byte reached the client")
     retry_backoff_base: float = opt(0.05, "First retry delay in seconds (doubles each retry, with jitter)")
     retry_backoff_max: float = opt(1.0, "Largest retry delay in seconds")
+    max_resumes: int = opt(
+        2,
+        "Times one stream that broke after its first byte (worker died) is continued on another worker "
+        "from the tokens relayed so far (0 = off: the stream ends with an error event)",
+    )
 
     # Rate limiting
     rate_limit_rps: float = opt(0.0, "Token-bucket rate limit in requests/s over all clients (0 = off)")
@@ -157,6 +162,8 @@ class RouterConfig:
             raise ValueError("--circuit-failure-threshold and --circuit-cooldown must be >= 0")
         if self.max_retries < 0 or self.retry_backoff_base < 0 or self.retry_backoff_max < 0:
             raise ValueError("--max-retries, --retry-backoff-base and --retry-backoff-max must be >= 0")
+        if self.max_resumes < 0:
+            raise ValueError("--max-resumes must be >= 0")
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.rate_limit_queue_size < 0:
             raise ValueError("--rate-limit-rps, --rate-limit-burst and --rate-limit-queue-size must be >= 0")
         if self.rate_limit_queue_timeout < 0 or self.shutdown_timeout < 0:

@@ -60,6 +60,12 @@ class RouterMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
             registry=r,
         )
+        self.resumes = Counter(
+            "kvship_router_resumes",
+            "Broken streams continued on another worker, by what broke them",
+            ["reason"],
+            registry=r,
+        )
         self.session_moves = Counter(
             "kvship_router_session_moves", "Sessions moved off an unavailable worker", registry=r
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Optional
 
 import aiohttp
 
@@ -43,7 +44,7 @@ from kvship.router.worker import Worker
 logger = logging.getLogger(__name__)
 
 
-async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes) -> None:
+async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str) -> None:
     """Send to the prefill worker and read its reply to the end; raise ``AttemptFailed`` on error.
 
     Finishes ``lease`` on every path.
@@ -52,7 +53,7 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
     assert client is not None
     try:
         async with asyncio.timeout_at(ctx.deadline):
-            async with client.post(worker.url + ctx.route, data=content, headers=ctx.headers) as resp:
+            async with client.post(worker.url + path, data=content, headers=ctx.headers) as resp:
                 body = await resp.read()
     except aiohttp.ClientError as e:
         lease.finish(False, describe_error(e))
@@ -95,16 +96,20 @@ def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
         )
 
 
-async def pd_attempt(ctx: RequestContext, request: RoutingRequest, sel: Selection) -> Upstream:
-    """One attempt on ``sel.prefill`` + ``sel.decode``; returns the decode worker's ``Upstream``."""
+async def pd_attempt(
+    ctx: RequestContext, request: RoutingRequest, sel: Selection, path: Optional[str] = None
+) -> Upstream:
+    """One attempt on ``sel.prefill`` + ``sel.decode`` (``path``, default the client's route); returns
+    the decode worker's ``Upstream``."""
     p, d = sel.prefill, sel.decode
     assert p is not None and d is not None
     assert p.bootstrap_port is not None  # registry refuses prefill workers without one
     boot = PDBootstrap.for_prefill(p.url, p.bootstrap_port)
     content = boot.inject(request.body)
     router = ctx.router
-    p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content))
-    d_task = asyncio.create_task(open_upstream(ctx, d, Lease(router, d), content))
+    path = path or ctx.route
+    p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path))
+    d_task = asyncio.create_task(open_upstream(ctx, d, Lease(router, d), content, path))
     try:
         pending = {p_task, d_task}
         while d_task in pending:
@@ -123,6 +128,7 @@ async def pd_attempt(ctx: RequestContext, request: RoutingRequest, sel: Selectio
         router.background.add(p_task)
         p_task.add_done_callback(router.background.discard)
         p_task.add_done_callback(lambda t: _finish_background_prefill(ctx, t))
+        up.prefill_task = p_task
     up.extra_headers = {"x-kvship-prefill": p.url, "x-kvship-decode": d.url}
     logger.debug("request %s: PD pair %s -> %s room %d", ctx.request_id, p.url, d.url, boot.room)
     return up

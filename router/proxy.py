@@ -12,7 +12,9 @@ first chunk has arrived.  Only then is a response started, so a retry can
 never duplicate output the client already saw.  Transport errors and 5xx
 replies before that point are retried on another worker (exponential backoff
 with jitter); 4xx replies are the client's and are passed through.  Once a
-stream has started, a worker failure ends it with an SSE ``error`` event.
+stream has started, a worker failure resumes it on another worker when it is
+resumable (``ResumingRelay``, ``kvship.router.resume``), else ends it with an
+SSE ``error`` event (``RelayResponse``).
 
 Accounting: every attempt holds a ``Lease`` on its worker (in-flight count,
 circuit-breaker outcome) that is finished exactly once, on every path.  The
@@ -23,6 +25,7 @@ attempt itself (``open_upstream``, ``Lease``, ``RequestContext``) lives in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -34,6 +37,7 @@ from starlette.responses import Response
 
 from kvship.router.core import NoWorker
 from kvship.router.pd import pd_attempt
+from kvship.router.resume import ResumeState, SSEParser
 from kvship.router.upstream import (
     AttemptFailed,
     DeadlineExceeded,
@@ -43,11 +47,11 @@ from kvship.router.upstream import (
     describe_error,
     open_upstream,
 )
-from kvship.router.wire import RoutingRequest, error_body
+from kvship.router.wire import ROUTER_IDS_HEADER, RoutingRequest, error_body
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RelayResponse", "backoff_delay", "error_response", "proxy_request"]
+__all__ = ["RelayResponse", "ResumingRelay", "backoff_delay", "error_response", "proxy_request"]
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -128,8 +132,225 @@ class RelayResponse(Response):
                 resp.release()  # read to the end: the connection goes back to the pool
             else:
                 resp.close()
+                up.cancel_prefill()
             up.lease.finish(ok, reason)
             ctx.finish(self.status_code, up.worker.url)
+
+
+class ResumingRelay(Response):
+    """Streams a resumable request (``kvship.router.resume``) event by event; when its worker fails
+    mid-stream, continues it on another worker (at most ``--max-resumes`` times) into the same response.
+
+    Only whole events reach the client; the events of each upstream go through
+    ``ResumeState.process`` (token ids stripped, continuations rewritten).  A
+    break is: a transport error, the end of the stream before ``[DONE]``, an
+    error event of a failed worker, or silence while the health checks have
+    marked the worker unhealthy.  Past ``--max-resumes`` (or when no worker is
+    left) the client gets the SSE error event as a non-resumable stream would;
+    the deadline ends it with the ``timeout`` event.  Every upstream's lease is
+    finished once: failed on a break, ok otherwise.
+    """
+
+    def __init__(
+        self, ctx: RequestContext, up: Upstream, headers: dict[str, str], request: RoutingRequest, state: ResumeState
+    ):
+        super().__init__(status_code=up.status, headers=headers)
+        del self.headers["content-length"]
+        self.ctx = ctx
+        self.up = up
+        self.request = request
+        self.state = state
+        self.client_gone = False
+
+    async def _watch_disconnect(self, receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.client_gone = True
+                if self.up.response is not None:
+                    self.up.response.close()
+                return
+
+    async def _next_bytes(self) -> tuple[bytes, str]:
+        """The next bytes of the current upstream, or (b"", why it broke / "timeout").
+
+        While no bytes come, the worker's health is looked at every ``_HEALTH_POLL_S``: a worker the
+        health checks marked unhealthy (hung, unreachable) breaks the stream.
+        """
+        resp = self.up.response
+        assert resp is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                async with asyncio.timeout_at(min(self.ctx.deadline, loop.time() + _HEALTH_POLL_S)):
+                    data = await resp.content.readany()  # (a cancelled read loses no data)
+            except aiohttp.ClientError as e:
+                return b"", "reset: " + describe_error(e)
+            except TimeoutError:
+                if loop.time() >= self.ctx.deadline:
+                    return b"", "timeout"
+                if not self.up.worker.healthy:
+                    return b"", "unhealthy: the worker failed its health checks mid-stream"
+                continue
+            return data, ("" if data else "eof: the stream ended before its finish")
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        ctx, state = self.ctx, self.state
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        exclude: set[str] = set()
+        broke_at: Optional[float] = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while True:
+                up, parser, data, why = self.up, SSEParser(), self.up.first, ""
+                outcome: Optional[str] = None
+                while outcome is None:
+                    for event in parser.feed(data):
+                        out, outcome = state.process(event)
+                        if out:
+                            await send({"type": "http.response.body", "body": out, "more_body": True})
+                            if broke_at is not None:
+                                logger.info(
+                                    "request %s: resumed on %s, %.1f ms from the break to the next event relayed",
+                                    ctx.request_id,
+                                    up.worker.url,
+                                    (time.perf_counter() - broke_at) * 1000,
+                                )
+                                broke_at = None
+                        if outcome is not None:
+                            break
+                    if outcome is None:
+                        data, why = await self._next_bytes()
+                        if self.client_gone:
+                            outcome = "gone"
+                        elif why:
+                            outcome = "failed"
+                    elif outcome == "failed":
+                        why = "worker_error: the worker reported its failure mid-stream"
+                if outcome in ("done", "gone"):
+                    resp = up.response
+                    assert resp is not None
+                    if outcome == "done" and resp.content.at_eof():
+                        resp.release()
+                    else:
+                        resp.close()
+                    if outcome == "gone":
+                        up.cancel_prefill()
+                    up.lease.finish(True)
+                    break
+                # the stream broke before its finish
+                broken_at = time.perf_counter()
+                assert up.response is not None
+                up.response.close()
+                up.cancel_prefill()
+                up.lease.finish(why == "timeout", why)
+                exclude.add(up.worker.url)
+                logger.warning(
+                    "request %s: stream from %s broke after %d token(s): %s",
+                    ctx.request_id,
+                    up.worker.url,
+                    len(state.out_ids),
+                    why,
+                )
+                if why == "timeout":
+                    await send(_body(_sse_error("request timed out (--request-timeout)", "timeout")))
+                    break
+                broke_at = broken_at
+                if not await self._resume(why, exclude, send):
+                    break
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            if not self.up.lease.done:
+                if self.up.response is not None:
+                    self.up.response.close()
+                self.up.lease.finish(True)
+            ctx.finish(self.status_code, self.up.worker.url)
+
+    async def _resume(self, why: str, exclude: set[str], send) -> bool:
+        """Open the continuation on another worker into ``self.up``; False (error event sent) if it cannot."""
+        ctx, state = self.ctx, self.state
+        router = ctx.router
+        if state.finished:  # the finish had arrived; only [DONE] was missing
+            await send(_body(b"data: [DONE]\n\n"))
+            return False
+        if state.resumes >= router.config.max_resumes or not state.can_resume():
+            await send(
+                _body(_sse_error(f"worker failed mid-stream: {why} (resumed {state.resumes} time(s))", "worker_failed"))
+            )
+            return False
+        state.resumes += 1
+        router.metrics.resumes.labels(why.split(":", 1)[0]).inc()
+        remaining = state.remaining_tokens()
+        if state.prompt_ids is not None and remaining is not None and remaining <= 0:
+            await send(_body(state.finish_events()))
+            return False
+        path, body = state.continuation()
+        cont = dataclasses.replace(self.request, route=path, body=body, raw=json.dumps(body).encode())
+        try:
+            self.up = await open_attempts(ctx, cont, exclude, path)
+        except (AttemptFailed, NoWorker, DeadlineExceeded) as e:
+            reason = e.reason if isinstance(e, AttemptFailed) else (str(e) or "deadline passed")
+            logger.warning("request %s: could not resume: %s", ctx.request_id, reason)
+            await send(
+                _body(_sse_error(f"worker failed mid-stream ({why}); resuming failed: {reason}", "worker_failed"))
+            )
+            return False
+        if self.up.body is not None:  # the worker refused the continuation (a 4xx)
+            await send(_body(_sse_error(f"resuming failed: worker answered {self.up.status}", "worker_failed")))
+            return False
+        state.begin_continuation()
+        logger.info(
+            "request %s: resuming on %s after %d token(s) (resume %d)",
+            ctx.request_id,
+            self.up.worker.url,
+            len(state.out_ids),
+            state.resumes,
+        )
+        return True
+
+
+_HEALTH_POLL_S = 1.0  # how often a silent stream looks at its worker's health
+
+
+def _body(data: bytes) -> dict:
+    return {"type": "http.response.body", "body": data, "more_body": True}
+
+
+async def open_attempts(ctx: RequestContext, request: RoutingRequest, exclude: set[str], path: str) -> Upstream:
+    """A resume's continuation: up to 1 + ``--max-retries`` attempts on workers not in ``exclude``.
+
+    Raises the last ``AttemptFailed``, ``NoWorker`` or ``DeadlineExceeded``.
+    """
+    router = ctx.router
+    cfg = router.config
+    loop = asyncio.get_running_loop()
+    last: Optional[AttemptFailed] = None
+    for attempt in range(cfg.max_retries + 1):
+        if attempt:
+            delay = backoff_delay(cfg.retry_backoff_base, cfg.retry_backoff_max, attempt)
+            if loop.time() + delay >= ctx.deadline:
+                break
+            await asyncio.sleep(delay)
+        sel = router.choose(request, exclude)
+        ctx.attempts += 1
+        try:
+            if cfg.pd:
+                up = await pd_attempt(ctx, request, sel, path)
+            else:
+                assert sel.worker is not None
+                up = await open_upstream(ctx, sel.worker, Lease(router, sel.worker), request.raw, path)
+        except AttemptFailed as f:
+            last = f
+            exclude.add(f.worker.url)
+            if not f.retryable:
+                break
+            continue
+        if up.response is not None or up.status < 500:
+            return up
+    if last is None:
+        raise DeadlineExceeded()
+    raise last
 
 
 def _response_headers(ctx: RequestContext, up: Upstream) -> dict[str, str]:
@@ -163,6 +384,9 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
     ctx.deadline = loop.time() + cfg.request_timeout
     exclude: set[str] = set()
     last: Optional[AttemptFailed] = None
+    state = ResumeState.for_request(request) if cfg.max_resumes > 0 else None
+    if state is not None:
+        ctx.headers[ROUTER_IDS_HEADER] = "1"
     for attempt in range(cfg.max_retries + 1):
         if attempt:
             delay = backoff_delay(cfg.retry_backoff_base, cfg.retry_backoff_max, attempt)
@@ -206,6 +430,8 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
             ctx.finish(up.status, up.worker.url)
             return Response(up.body, status_code=up.status, headers=headers)
         router.metrics.ttft.labels(ctx.route).observe(time.perf_counter() - ctx.started)
+        if state is not None:
+            return ResumingRelay(ctx, up, headers, request, state)
         return RelayResponse(ctx, up, headers)
     assert last is not None
     if last.status is not None:

@@ -143,6 +143,13 @@ class Upstream:
     response: Optional[aiohttp.ClientResponse] = None
     first: bytes = b""
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # PD: the prefill call still running beside this decode stream (cancel it when the stream breaks)
+    prefill_task: Optional[asyncio.Task] = None
+
+    def cancel_prefill(self) -> None:
+        """Close the paired prefill call, if it still runs (the prefill worker sees it go and aborts)."""
+        if self.prefill_task is not None and not self.prefill_task.done():
+            self.prefill_task.cancel()
 
 
 def pass_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
@@ -161,8 +168,11 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-async def open_upstream(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes) -> Upstream:
-    """Send one attempt to ``worker`` and wait until something can be given to the client.
+async def open_upstream(
+    ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: Optional[str] = None
+) -> Upstream:
+    """Send one attempt to ``worker`` (``path``, default the client's route) and wait until something
+    can be given to the client.
 
     Finishes ``lease`` on every path except a returned stream (the relay finishes it then).
     Raises ``AttemptFailed`` or ``DeadlineExceeded``.
@@ -172,7 +182,7 @@ async def open_upstream(ctx: RequestContext, worker: Worker, lease: Lease, conte
     resp: Optional[aiohttp.ClientResponse] = None
     try:
         async with asyncio.timeout_at(ctx.deadline):
-            resp = await client.post(worker.url + ctx.route, data=content, headers=ctx.headers)
+            resp = await client.post(worker.url + (path or ctx.route), data=content, headers=ctx.headers)
             status = resp.status
             if status in RETRYABLE_STATUS:
                 body = await resp.read()

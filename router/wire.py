@@ -3,7 +3,8 @@
 Router -> worker: the client's request body, unchanged in unified mode; in PD
 mode the same body plus ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` of the chosen prefill worker (``PDBootstrap.inject``).
-Headers: ``x-request-id``, ``Authorization`` when a worker key is set.
+Headers: ``x-request-id``, ``Authorization`` when a worker key is set, and
+``ROUTER_IDS_HEADER`` on resumable streams.
 
 Worker -> router, read once on registration:
 ``GET /get_model_info`` and ``GET /get_server_info`` (``WorkerInfo.parse``),
@@ -31,6 +32,11 @@ ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_GENERATE = "/generate"
 PROXY_ROUTES = (ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE)
+
+# Router -> worker header asking for token ids in stream events (``kvship_prompt_ids`` /
+# ``kvship_token_ids``; /generate: ``meta_info.kvship_prompt_ids``), so that a broken stream can be
+# resumed (``kvship.router.resume``).  Same value as the worker's ``kvship.engine.serving.ROUTER_IDS_HEADER``.
+ROUTER_IDS_HEADER = "x-kvship-token-ids"
 
 
 class RequestError(Exception):

@@ -22,7 +22,12 @@ field selectors; ``/api/v1/namespaces[/NAME]`` parses.  On top of that:
   delete (finalizers -> ``deletionTimestamp``) / deletecollection;
 * garbage collection: deleting an owner deletes the objects whose
   ``ownerReferences`` name its uid (background propagation; ``Orphan`` keeps them);
-* server-side Table output (``kubectl get``) with CRD printer columns.
+  with ``collect_dangling_dependents``, an object created for owners already gone is deleted too;
+* server-side Table output (``kubectl get``) with CRD printer columns;
+* RBAC (tests/kube_emulator_rbac.py): a service-account token made with
+  ``EmulatorThread.service_account_kubeconfig`` gets only what the stored
+  Roles / ClusterRoles bound to it grant (403 otherwise); the default
+  kubeconfig's token is a cluster admin.
 
 Use from synchronous tests (kubectl, kopf in a subprocess, sync clients)::
 
@@ -70,6 +75,7 @@ from kube_emulator_api import (
     table_for,
     validate_schema,
 )
+from kube_emulator_rbac import RbacAuthorizer
 
 KEEP_EVENTS = 100_000
 
@@ -85,6 +91,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._changed: Optional[asyncio.Condition] = None
         self._crds: dict[tuple[str, str], dict] = {}  # (group, plural) -> CRD body
         self.bookmark_interval = 5.0
+        self.rbac = RbacAuthorizer(self)  # enforced for registered service-account tokens only
+        # Like the real garbage collector, delete an object created with owner references that all name objects
+        # no longer there (a controller that acted on a stale read).  Off by default: unit tests use fake owners.
+        self.collect_dangling_dependents = False
         self.fallback << self._serve
         self.put_object("v1", "namespaces", None, {"metadata": {"name": "default"}})
 
@@ -94,6 +104,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         try:
             request = await self._parse(raw)
             self._requests.append(request)
+            self.rbac.check(dict(raw.headers), raw.method, parse_path(raw.path), dict(raw.query), request.data)
             return await self._handle(request)
         except rendering.StreamingError as e:
             raise e.__cause__ or e
@@ -452,7 +463,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._register_crd(obj)
         bucket[key] = obj
         self._record(t.group, t.plural, "ADDED", obj, None)
-        return copy.deepcopy(obj)
+        created = copy.deepcopy(obj)
+        refs = obj["metadata"].get("ownerReferences") or []
+        if self.collect_dangling_dependents and refs and not any(self._uid_exists(r.get("uid")) for r in refs):
+            self._remove(t.group, t.plural, key, obj)
+        return created
+
+    def _uid_exists(self, uid: Optional[str]) -> bool:
+        return any(o["metadata"].get("uid") == uid for bucket in self._store.values() for o in bucket.values())
 
     def _register_crd(self, crd: dict) -> None:
         spec = crd.get("spec") or {}
@@ -679,6 +697,31 @@ class EmulatorThread:
                 f,
             )
         return self
+
+    def service_account_kubeconfig(self, namespace: str, name: str, context_namespace: str = "default") -> str:
+        """A kubeconfig whose token authenticates as ``system:serviceaccount:NAMESPACE:NAME``: its requests are
+        authorized by the RBAC objects stored in the emulator (create them first, e.g. a chart's rendered RBAC)."""
+        token = f"sa-{namespace}-{name}-{secrets.token_hex(4)}"
+        self.emulator.rbac.add_service_account(token, namespace, name)
+        path = os.path.join(self._tmp.name, f"kubeconfig-{namespace}-{name}")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emulator",
+                    "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                    "users": [{"name": name, "user": {"token": token}}],
+                    "contexts": [
+                        {
+                            "name": "emulator",
+                            "context": {"cluster": "emulator", "user": name, "namespace": context_namespace},
+                        }
+                    ],
+                },
+                f,
+            )
+        return path
 
     def __exit__(self, *exc: Any) -> None:
         if self._loop is not None and self._stop is not None:

@@ -7,7 +7,8 @@ In-process (fast, no HTTP):
   which runs its shutdown path).
 * ``InProcessPD(model_dir, ...)``: a ``PrefillScheduler`` and a ``DecodeScheduler``
   on their own ``ModelRunner``s (new, or reused through ``runners=``) in this process, talking through the real transfer
-  layer on loopback.  ``submit(rid, ids, ...)`` sends a request to both with a fresh
+  layer on loopback (``tokenizer=``: a kvship ``Tokenizer`` for both, e.g. for structured output; ``submit(...,
+  sampling={...})``: extra ``SamplingParams`` fields).  ``submit(rid, ids, ...)`` sends a request to both with a fresh
   room (or only to one side), ``wait(rids)`` waits for the decode side's finished
   chunks, ``tokens(rid)`` / ``finish(rid)`` read them, ``wait_idle()`` waits until
   both sides hold no request and every KV slot is free.
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import httpx
@@ -115,9 +116,10 @@ class InProcessPD:
         prefill_args: Optional[dict] = None,
         decode_args: Optional[dict] = None,
         runners: Optional[tuple] = None,
+        tokenizer: Any = None,
         **common: Any,
     ):
-        from kvship.decode.scheduler import DecodeScheduler
+        from kvship.app.roles import scheduler_for_mode
         from kvship.engine.disagg import KVTransferConfig
         from kvship.engine.model_runner import ModelRunner
         from kvship.prefill.scheduler import PrefillScheduler
@@ -135,13 +137,14 @@ class InProcessPD:
         self.prefill = PrefillScheduler(
             psa,
             p_runner,
-            None,
+            tokenizer,
             self.p_out,
             kv_config=KVTransferConfig(backend=backend, bootstrap_port=0, **(prefill_kv or {})),
         )
         try:
-            self.decode = DecodeScheduler(
-                dsa, d_runner, None, self.d_out, kv_config=KVTransferConfig(backend=backend, **(decode_kv or {}))
+            # through the app's factory, so --speculative-* in decode_args gives the decode worker a speculator
+            self.decode = scheduler_for_mode("decode")(
+                dsa, d_runner, tokenizer, self.d_out, kv_config=KVTransferConfig(backend=backend, **(decode_kv or {}))
             )
         except BaseException:
             self.prefill.close()
@@ -164,7 +167,7 @@ class InProcessPD:
     ):
         from kvship.engine.io_struct import GenerateRequest, SamplingParams
 
-        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        sp = SamplingParams(**{"max_new_tokens": max_new, "temperature": 0.0, **kw.pop("sampling", {})})
         return GenerateRequest(
             rid=rid,
             input_ids=list(ids),
@@ -255,9 +258,10 @@ class LocalCluster:
     proc: subprocess.Popen
     log_dir: str
     stdout_path: str
+    headers: dict = field(default_factory=dict)  # the router's API key, if it has one
 
     def workers(self, role: str) -> list[str]:
-        data = httpx.get(self.url + "/workers", timeout=10).json()
+        data = httpx.get(self.url + "/workers", timeout=10, headers=self.headers).json()
         return sorted(w["url"] for w in data["workers"] if w["role"] == role)
 
     @staticmethod
@@ -326,9 +330,11 @@ class LocalCluster:
 
 @contextlib.contextmanager
 def start_local(
-    args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: float = 300.0
+    args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: float = 300.0, api_key: Optional[str] = None
 ) -> Iterator[LocalCluster]:
-    """Run ``kvship local <args>`` until its router is ready; SIGINT it on exit."""
+    """Run ``kvship local <args>`` until its router is ready; SIGINT it on exit.
+
+    With ``api_key`` (given as ``--api-key``), the cluster's router calls send it."""
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix="kvship-pd-test-")
     stdout_path = os.path.join(log_dir, "local.out")
@@ -346,6 +352,10 @@ def start_local(
         "10",
         *args,
     ]
+    headers = {}
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+        headers["authorization"] = f"Bearer {api_key}"
     with open(stdout_path, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -356,14 +366,16 @@ def start_local(
             cwd=ROOT,
             start_new_session=True,
         )
-    cluster = LocalCluster(url=f"http://127.0.0.1:{port}", proc=proc, log_dir=log_dir, stdout_path=stdout_path)
+    cluster = LocalCluster(
+        url=f"http://127.0.0.1:{port}", proc=proc, log_dir=log_dir, stdout_path=stdout_path, headers=headers
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvship local exited with {proc.returncode}:\n{cluster.log('local')}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(cluster.url + "/readiness", timeout=2).status_code == 200:
+                if httpx.get(cluster.url + "/readiness", timeout=2, headers=headers).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"kvship local not ready after {timeout} s:\n{cluster.log('local')}")

@@ -11,7 +11,9 @@
   ``delay`` (s before answering), ``chunk_delay`` (s between SSE chunks),
   ``tokens`` (chunks per reply), ``fail_next`` + ``fail_status`` (answer the
   next N generation requests with that status), ``healthy`` (``/health``
-  200/503), ``die_after_chunks`` (exit the process mid-stream).
+  200/503), ``die_after_chunks`` (exit the process mid-stream).  Asked for
+  token ids (``x-kvship-token-ids: 1``), OpenAI stream chunks carry
+  ``kvship_token_ids`` (one id per word) and the first ``kvship_prompt_ids``.
   ``double.requests()`` lists what it received (route, body, headers);
   ``double.kill()`` SIGKILLs it, ``double.restart()`` brings it back on the
   same port.
@@ -159,13 +161,19 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
         if mode == "prefill":
             return JSONResponse({"prefill": name, "room": body.get("bootstrap_room")})
         if body.get("stream"):
+            ids_asked = request.headers.get("x-kvship-token-ids") == "1" and route != "/generate"
 
             async def events():
                 for i, w in enumerate(words):
                     if state["die_after_chunks"] == i:
                         os._exit(1)
                     piece = (" " if i else "") + w
-                    yield f"data: {json.dumps(chunk_json(route, rid, piece, None))}\n\n".encode()
+                    chunk = chunk_json(route, rid, piece, None)
+                    if ids_asked:  # like a real worker: token ids for the router (one id per word here)
+                        chunk["kvship_token_ids"] = [100 + i]
+                        if i == 0:
+                            chunk["kvship_prompt_ids"] = [1, 2, 3]
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
                     if state["chunk_delay"]:
                         await asyncio.sleep(state["chunk_delay"])
                 yield f"data: {json.dumps(chunk_json(route, rid, None, 'length'))}\n\n".encode()

@@ -44,13 +44,42 @@ def test_chart_lints():
 
 
 @pytest.mark.parametrize(
-    "sets", [(), ("watch.namespaces={ml,research}",), ("serviceAccount.create=false", "serviceAccount.name=ops")]
+    "sets",
+    [
+        (),
+        ("watch.namespaces={ml,research}",),
+        ("watch.allNamespaces=true",),
+        ("serviceAccount.create=false", "serviceAccount.name=ops"),
+    ],
 )
 def test_rendered_objects_pass_the_kubernetes_schema(sets):
     docs = render(*sets, crds=True)
     assert any(d["kind"] == "CustomResourceDefinition" for d in docs)
     for doc in docs:
         kubernetes_validate.validate(doc, "1.35.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    "sets,kinds",
+    [
+        ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment"}),
+        (("watch.allNamespaces=true",), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}),
+        (("serviceAccount.create=false", "rbac.create=false"), {"Deployment"}),
+    ],
+)
+def test_chart_renders_exactly_these_kinds(sets, kinds):
+    docs = render(*sets, crds=True)
+    assert {d["kind"] for d in docs} == kinds | {"CustomResourceDefinition"}
+
+
+def test_watching_everything_and_a_namespace_list_exclude_each_other():
+    out = subprocess.run(
+        [HELM, "template", "kvship", str(CHART), "--set", "watch.allNamespaces=true", "--set", "watch.namespaces={ml}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "exclude each other" in out.stderr
 
 
 def test_chart_crd_is_the_generated_one():
@@ -82,37 +111,66 @@ def test_operator_deployment_is_non_root_single_and_probed():
     assert c["image"] == "ghcr.io/kvship/operator:0.1.0"
 
 
-def test_cluster_wide_by_default_and_namespaced_when_asked():
-    ns = _operator_args(render())
-    cfg = OperatorConfig(**vars(ns))
+def test_namespaced_by_default_and_cluster_wide_only_when_asked():
+    docs = render()
+    cfg = OperatorConfig(**vars(_operator_args(docs)))
     cfg.validate()
-    assert cfg.clusterwide and cfg.worker_image == "ghcr.io/kvship/worker:0.1.0" and cfg.liveness_port == 8080
+    assert cfg.namespace == ["kvship-system"] and not cfg.clusterwide
+    assert cfg.worker_image == "ghcr.io/kvship/worker:0.1.0" and cfg.liveness_port == 8080
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == "kvship-system"
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert {g for r in cluster_role["rules"] for g in r["apiGroups"]} == {"apiextensions.k8s.io", ""}
+    assert {res for r in cluster_role["rules"] for res in r["resources"]} == {"customresourcedefinitions", "namespaces"}
+
     docs = render("watch.namespaces={ml,research}", "workerImage=reg/w:9")
     cfg = OperatorConfig(**vars(_operator_args(docs)))
     assert cfg.namespace == ["ml", "research"] and not cfg.clusterwide and cfg.worker_image == "reg/w:9"
     roles = [d for d in docs if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+
+    docs = render("watch.allNamespaces=true")
+    cfg = OperatorConfig(**vars(_operator_args(docs)))
+    assert cfg.clusterwide and not [d for d in docs if d["kind"] == "Role"]
     cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert {g for r in cluster_role["rules"] for g in r["apiGroups"]} == {"apiextensions.k8s.io", ""}
+    assert ("apps", "deployments", "create") in _grants(cluster_role["rules"])
 
 
 def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
     return {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
 
 
-def test_rbac_covers_what_the_operator_does_and_nothing_more():
-    cluster_role = next(d for d in render() if d["kind"] == "ClusterRole")
-    grants = _grants(cluster_role["rules"])
-    assert not any("*" in g for g in grants), "no wildcards"
+def expected_grants() -> set[tuple[str, str, str]]:
+    """Exactly what the operator does: apply.py's verbs on every child kind, kopf's watches, status, events."""
+    grants = set()
     for api_version, kind in CHILD_KINDS:
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
         plural = KINDS[(api_version, kind)][0]
-        for verb in ("get", "list", "create", "patch", "delete"):
-            assert (group, plural, verb) in grants, (group, plural, verb)
-    for verb in ("get", "list", "watch", "patch"):
-        assert ("kvship.io", "inferenceservices", verb) in grants
-    assert ("kvship.io", "inferenceservices/status", "patch") in grants
-    assert ("", "events", "create") in grants
-    assert ("", "pods", "list") in grants and ("", "pods", "create") not in grants
-    assert not any(res == "secrets" for _, res, _ in grants), "the operator never reads Secrets"
-    assert not any(v in ("update", "escalate", "bind", "impersonate") for _, _, v in grants)
+        grants |= {(group, plural, verb) for verb in ("get", "list", "create", "patch", "delete")}
+    grants.add(("apps", "deployments", "watch"))  # child events refresh the status (label-selected watch)
+    grants |= {("kvship.io", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
+    grants |= {("kvship.io", "inferenceservices/status", v) for v in ("get", "patch")}
+    grants |= {("", "pods", v) for v in ("get", "list", "watch")}  # what it grants routers, it must hold
+    grants.add(("", "events", "create"))
+    return grants
+
+
+CLUSTER_READS = {(g, r, v) for g, r in (("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"))
+                 for v in ("get", "list", "watch")}  # fmt: skip
+
+
+@pytest.mark.parametrize("sets", [(), ("watch.allNamespaces=true",)])
+def test_rbac_covers_what_the_operator_does_and_nothing_more(sets):
+    docs = render(*sets)
+    cluster = _grants(next(d for d in docs if d["kind"] == "ClusterRole")["rules"])
+    namespaced = [_grants(d["rules"]) for d in docs if d["kind"] == "Role"]
+    if sets:
+        assert cluster == CLUSTER_READS | expected_grants() and namespaced == []
+    else:
+        assert cluster == CLUSTER_READS and namespaced == [expected_grants()]
+    # spelled out, the things that must never appear
+    for grants in [cluster, *namespaced]:
+        assert not any("*" in g for g in grants), "no wildcards"
+        assert not any(res == "secrets" for _, res, _ in grants), "the operator never reads Secrets"
+        assert not any(v in ("update", "escalate", "bind", "impersonate") for _, _, v in grants)
+        assert not {("", r, "watch") for r in ("configmaps", "services", "serviceaccounts")} & grants

@@ -335,7 +335,8 @@ def test_aux_record_only_becomes_visible_after_the_kv(pair):
     p("send", room, src, (1, 0.0, 1920))
     (st, reason, _), early = d("wait_checking_order", "d16_big", room, 30, PREFILL_MANAGERS["p16_big"][2], src)
     assert st == SUCCESS, reason
-    assert early is not False, "the aux record was visible before all KV pages had landed"
+    assert early is not None, "the aux record was never seen in decode memory before the transfer finished"
+    assert early is True, "the aux record was visible before all KV pages had landed"
     assert d("pages_match", "d16_big", dst, PREFILL_MANAGERS["p16_big"][2], src)
     assert_clean(p, d, "p16_big", "d16_big")
 

@@ -161,7 +161,28 @@ def test_pd_arguments_and_router_selectors_match_the_pods():
     assert ports == {"http": 30000, "bootstrap": 9000}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
+def _worker_lacks_algorithm(path: str) -> str | None:
+    """The example's speculative algorithm when `kvship serve --speculative-algorithm` does not accept it yet."""
+    spec = (yaml.safe_load(Path(path).read_text())["spec"].get("decode") or {}).get("speculative")
+    if not spec:
+        return None
+    actions = [a for a in server_parser()._actions if SPEC_FLAGS["algorithm"] in a.option_strings]
+    if not actions or actions[0].choices is None or spec["algorithm"] in actions[0].choices:
+        return None  # the flag is still pending (tolerated below) or takes the algorithm
+    return spec["algorithm"]
+
+
+def _worker_cli_params():
+    for path in EXAMPLES:
+        missing = _worker_lacks_algorithm(path)
+        marks = ()
+        if missing:  # a known gap, listed until the engine gains it (then this test runs as usual)
+            reason = f"kvship serve does not implement --speculative-algorithm {missing} yet"
+            marks = pytest.mark.xfail(raises=argparse.ArgumentError, strict=True, reason=reason)
+        yield pytest.param(path, marks=marks, id=Path(path).name)
+
+
+@pytest.mark.parametrize("path", list(_worker_cli_params()))
 def test_worker_arguments_parse_with_the_worker_cli(path):
     cfg = example(path)
     for dep in by_kind(build_children(cfg, IMAGES), "Deployment").values():
@@ -227,7 +248,9 @@ def test_pods_run_non_root_read_only_with_probes_and_resources_passed_through():
         for c in pod["containers"] + pod.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
-            assert sc["capabilities"] == {"drop": ["ALL"]}
+            # everything dropped; RDMA workers (mooncake with rdmaDevices here) add only IPC_LOCK to pin memory
+            rdma_worker = c["name"] == "worker" and dep["metadata"]["name"] in ("svc-prefill", "svc-decode")
+            assert sc["capabilities"] == ({"drop": ["ALL"], "add": ["IPC_LOCK"]} if rdma_worker else {"drop": ["ALL"]})
         c = pod["containers"][0]
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -237,7 +260,11 @@ def test_pods_run_non_root_read_only_with_probes_and_resources_passed_through():
             assert {"/cache", "/dev/shm"} <= mounts and pod["automountServiceAccountToken"] is False
             assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     decode = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-decode"])
-    assert decode["resources"] == resources
+    # passed through, plus the model cache's ephemeral storage (hf:// download into an emptyDir)
+    assert decode["resources"] == {
+        "limits": {"nvidia.com/gpu": 1, "memory": "64Gi"},
+        "requests": {"cpu": "8", "ephemeral-storage": "100Gi"},
+    }
 
 
 def test_gpu_roles_roll_without_surge_and_cpu_roles_surge():
@@ -250,7 +277,7 @@ def test_autoscaled_roles_leave_replicas_to_their_hpa():
     spec = dict(
         PD,
         decode={
-            "autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metric": "kvship_num_running_requests", "target": "32"}
+            "autoscaling": {"minReplicas": 2, "maxReplicas": 8, "metric": "kvship:num_running_reqs", "target": "32"}
         },
         router={"autoscaling": {"maxReplicas": 3, "target": 70}},
     )
@@ -264,7 +291,7 @@ def test_autoscaled_roles_leave_replicas_to_their_hpa():
         {
             "type": "Pods",
             "pods": {
-                "metric": {"name": "kvship_num_running_requests"},
+                "metric": {"name": "kvship:num_running_reqs"},
                 "target": {"type": "AverageValue", "averageValue": "32"},
             },
         }

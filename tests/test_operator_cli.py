@@ -16,10 +16,15 @@ def config_of(*argv: str) -> OperatorConfig:
     return OperatorConfig.from_cli_args(args)
 
 
-def test_defaults_watch_all_namespaces_with_liveness_on_8080():
+def test_defaults_watch_only_the_operators_own_namespace_with_liveness_on_8080():
     cfg = config_of()
     cfg.validate()
-    assert cfg.clusterwide and cfg.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert not cfg.clusterwide and cfg.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert cfg.with_namespace_default("kvship-system").namespace == ["kvship-system"]
+    assert cfg.with_namespace_default(None).namespace == ["default"]
+    assert config_of("--namespace", "ml").with_namespace_default("kvship-system").namespace == ["ml"]
+    wide = config_of("--all-namespaces")
+    assert wide.clusterwide and wide.with_namespace_default("kvship-system").namespace == []
 
 
 def test_namespaces_and_images_come_from_flags():

@@ -1,6 +1,8 @@
 """End to end: the real operator (kopf, `kvship operator` in a subprocess) against the loopback API server,
 driven with real kubectl like a user would.
 
+The operator runs as the Helm chart's service account, under the chart's rendered RBAC (the emulator
+enforces it: anything the chart does not grant is a 403, and the last test checks none happened).
 Readiness is simulated by patching child Deployments' status the way the Deployment controller would.
 """
 
@@ -17,14 +19,48 @@ from typing import Any, Callable
 
 import httpx
 import pytest
+import yaml
 from kube_emulator import EmulatorThread, find_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 KUBECTL = find_tool("kubectl")
-pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed: run .ci/install-k8s-tools.sh")
-if KUBECTL is None:
-    print("test_operator_e2e: skipped, kubectl not found (.ci/install-k8s-tools.sh installs it)")
+HELM = find_tool("helm")
+OPERATOR_NS = "kvship-system"
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None or HELM is None, reason="kubectl or helm not installed: run .ci/install-k8s-tools.sh"
+)
+if KUBECTL is None or HELM is None:
+    print("test_operator_e2e: skipped, kubectl or helm not found (.ci/install-k8s-tools.sh installs them)")
+RBAC_PLURALS = {
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles"),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+}
+
+
+def install_chart_rbac(kube) -> str:
+    """Create the chart's ServiceAccount and RBAC (watching NS) as an admin; return the service account's name."""
+    out = subprocess.run(
+        [HELM, "template", "kvship", str(ROOT / "charts" / "kvship-operator"), "--namespace", OPERATOR_NS]
+        + ["--set", "watch.namespaces={" + NS + "}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    kube.create("v1", "namespaces", None, {"metadata": {"name": OPERATOR_NS}})
+    sa = None
+    for doc in (d for d in yaml.safe_load_all(out.stdout) if d):
+        if doc["kind"] == "ServiceAccount":
+            sa = doc["metadata"]["name"]
+        if doc["kind"] in RBAC_PLURALS:
+            api_version, plural = RBAC_PLURALS[doc["kind"]]
+            kube.create(api_version, plural, doc["metadata"].get("namespace"), doc)
+    assert sa is not None
+    return sa
 
 
 def free_port() -> int:
@@ -105,6 +141,9 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("operator-e2e")
     with EmulatorThread(bookmark_interval=1) as kube:
+        # a resync that read a service just before its deletion may still create children for it: as on a
+        # cluster, the garbage collector removes those (their owner is gone)
+        kube.emulator.collect_dangling_dependents = True
 
         def kubectl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
             out = subprocess.run(
@@ -115,7 +154,8 @@ def cluster(tmp_path_factory):
             return out
 
         kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / "inferenceservices.kvship.io.yaml"))
-        op = Operator(kube.kubeconfig, workdir)
+        sa = install_chart_rbac(kube)
+        op = Operator(kube.service_account_kubeconfig(OPERATOR_NS, sa), workdir)
         op.start()
         try:
             yield kube, kubectl, op
@@ -350,3 +390,22 @@ def test_deleting_the_service_removes_its_children(cluster):
     kubectl("delete", "kvsvc", "broken", "-n", NS)
     wait_for(lambda: not deployments(kube, "broken"), 30, "the children to be garbage-collected")
     assert not kube.list("v1", "services", NS, "app.kubernetes.io/instance=broken")
+
+
+def test_the_operator_stayed_within_the_charts_rbac_and_watched_only_its_deployments(cluster):
+    kube, _, _ = cluster
+    rbac = kube.emulator.rbac
+    wait_for(
+        lambda: any(d.verb == "watch" and d.resource == "deployments" for d in rbac.decisions),
+        30,
+        "the operator's Deployment watch, authorized as its service account",
+    )
+    decisions = list(rbac.decisions)
+    denied = sorted({(d.verb, d.resource, d.namespace) for d in rbac.denied()})
+    assert denied == [], f"requests outside the chart's RBAC: {denied}"
+    watches = [d for d in decisions if d.verb == "watch" and d.resource == "deployments"]
+    for d in watches:
+        params = dict(d.params)
+        assert params.get("labelSelector") == "app.kubernetes.io/managed-by=kvship-operator", params
+        assert d.namespace == NS, "namespaced: no cluster-wide watch"
+    assert not [d for d in decisions if d.verb == "watch" and d.resource in ("configmaps", "services")]

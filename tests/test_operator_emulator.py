@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -219,3 +220,108 @@ def test_merge_and_json_patch_helpers_follow_the_rfcs():
     doc = {"x": [1, 2]}
     assert apply_json_patch(doc, [{"op": "add", "path": "/x/-", "value": 3}]) == {"x": [1, 2, 3]}
     assert apply_json_patch(doc, [{"op": "move", "from": "/x", "path": "/y"}]) == {"y": [1, 2]}
+
+
+def test_service_account_tokens_get_only_what_their_roles_grant(kube):
+    """RBAC as the API server evaluates it: RoleBinding -> namespace only, ClusterRoleBinding -> everywhere, 403."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.create("v1", "namespaces", None, {"metadata": {"name": "rbac-ns"}})
+    kube.create("v1", "serviceaccounts", "rbac-ns", {"metadata": {"name": "bot"}})
+    rules = [
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": ["allowed"]},
+        {"apiGroups": ["kvship.io"], "resources": ["inferenceservices/status"], "verbs": ["patch"]},
+    ]
+    kube.create(rbac, "roles", "rbac-ns", {"metadata": {"name": "bot"}, "rules": rules})
+    subject = {"kind": "ServiceAccount", "name": "bot", "namespace": "rbac-ns"}
+    kube.create(
+        rbac,
+        "rolebindings",
+        "rbac-ns",
+        {"metadata": {"name": "bot"}, "roleRef": {"kind": "Role", "name": "bot"}, "subjects": [subject]},
+    )
+    kube.create(
+        rbac,
+        "clusterroles",
+        None,
+        {
+            "metadata": {"name": "ns-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list"]}],
+        },
+    )
+    kube.create(
+        rbac,
+        "clusterrolebindings",
+        None,
+        {
+            "metadata": {"name": "bot-ns"},
+            "roleRef": {"kind": "ClusterRole", "name": "ns-reader"},
+            "subjects": [subject],
+        },
+    )
+    api = kubernetes.config.new_client_from_config(config_file=kube.service_account_kubeconfig("rbac-ns", "bot"))
+    try:
+        apps, core = kubernetes.client.AppsV1Api(api), kubernetes.client.CoreV1Api(api)
+        assert apps.list_namespaced_deployment("rbac-ns").items == []
+        assert core.list_namespace().items  # cluster-wide through the ClusterRoleBinding
+        kube.create("v1", "configmaps", "rbac-ns", {"metadata": {"name": "allowed"}})
+        kube.create("v1", "configmaps", "rbac-ns", {"metadata": {"name": "other"}})
+        assert core.read_namespaced_config_map("allowed", "rbac-ns").metadata.name == "allowed"
+        forbidden = [
+            lambda: apps.list_deployment_for_all_namespaces(),  # the Role is namespaced
+            lambda: apps.list_namespaced_deployment("default"),  # another namespace
+            lambda: apps.delete_namespaced_deployment("x", "rbac-ns"),  # verb not granted
+            lambda: core.read_namespaced_config_map("other", "rbac-ns"),  # resourceNames
+            lambda: core.list_namespaced_secret("rbac-ns"),  # resource not granted
+        ]
+        for call in forbidden:
+            with pytest.raises(kubernetes.client.ApiException) as e:
+                call()
+            assert e.value.status == 403, e.value
+        message = json.loads(e.value.body)["message"]
+        assert 'User "system:serviceaccount:rbac-ns:bot" cannot list resource "secrets"' in message
+        # escalation: a Role may grant only what its author holds
+        rbac_api = kubernetes.client.RbacAuthorizationV1Api(api)
+        kube.create(
+            "rbac.authorization.k8s.io/v1",
+            "roles",
+            "rbac-ns",
+            {
+                "metadata": {"name": "role-writer"},
+                "rules": [{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["create"]}],
+            },
+        )
+        kube.create(
+            "rbac.authorization.k8s.io/v1",
+            "rolebindings",
+            "rbac-ns",
+            {"metadata": {"name": "rw"}, "roleRef": {"kind": "Role", "name": "role-writer"}, "subjects": [subject]},
+        )
+        held = {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list"]}
+        rbac_api.create_namespaced_role("rbac-ns", {"metadata": {"name": "ok"}, "rules": [held]})
+        more = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+        with pytest.raises(kubernetes.client.ApiException) as e:
+            rbac_api.create_namespaced_role("rbac-ns", {"metadata": {"name": "escalate"}, "rules": [more]})
+        assert e.value.status == 403 and "not currently held" in json.loads(e.value.body)["message"]
+        # the admin kubeconfig is unaffected
+        assert kube.list("v1", "secrets", "rbac-ns") == []
+    finally:
+        api.close()
+    denied = {(d.verb, d.resource, d.namespace) for d in kube.emulator.rbac.denied()}
+    assert ("list", "deployments", None) in denied and ("delete", "deployments", "rbac-ns") in denied
+
+
+def test_dependents_created_for_a_deleted_owner_are_collected_when_asked(kube):
+    owner = kube.create("v1", "configmaps", "default", {"metadata": {"name": "gone-owner"}})
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone-owner", "uid": owner["metadata"]["uid"]}
+    kube.delete("v1", "configmaps", "default", "gone-owner")
+    kube.emulator.collect_dangling_dependents = True
+    try:
+        kube.create("v1", "pods", "default", _pod("late-dependent", owner=ref))
+        assert kube.get("v1", "pods", "default", "late-dependent") is None
+        live = kube.create("v1", "configmaps", "default", {"metadata": {"name": "live-owner"}})
+        ref = dict(ref, name="live-owner", uid=live["metadata"]["uid"])
+        kube.create("v1", "pods", "default", _pod("kept-dependent", owner=ref))
+        assert kube.get("v1", "pods", "default", "kept-dependent") is not None
+    finally:
+        kube.emulator.collect_dangling_dependents = False

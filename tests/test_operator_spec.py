@@ -124,7 +124,7 @@ def test_autoscaling_bounds_and_targets():
         body(
             {
                 "model": {"uri": "hf://a/b"},
-                "decode": {"autoscaling": {"maxReplicas": 4, "metric": "kvship_queue", "target": "500m"}},
+                "decode": {"autoscaling": {"maxReplicas": 4, "metric": "kvship:num_queue_reqs", "target": "500m"}},
             }
         )
     )

@@ -50,6 +50,11 @@ def cluster(tiny_llama_dir):
         str(TIMEOUT_S),
         "--disaggregation-waiting-timeout",
         str(TIMEOUT_S),
+        # killed workers stay dead and broken streams end with the error event: the worker-side paths
+        # under test here (restarts and resumed streams: tests/test_router_local_resume.py)
+        "--no-restart-workers",
+        "--max-resumes",
+        "0",
     ]
     with start_local(args) as c:
         yield c

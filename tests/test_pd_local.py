@@ -140,6 +140,7 @@ def test_kvship_local_default_serves_a_chat_completion_and_stops_cleanly_on_sigi
             max_tokens=12,
         )
         assert "Paris" in chat.choices[0].message.content
+        _structured_output_and_logprobs_through_pd(client, model)
         # the same deployment through /generate: greedy tokens equal the unified scheduler's
         from kvship.engine.tokenizer import load_tokenizer
 
@@ -164,3 +165,35 @@ def test_kvship_local_default_serves_a_chat_completion_and_stops_cleanly_on_sigi
         while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(pid_alive(p) for p in children), "children outlived kvship local"
+
+
+def _structured_output_and_logprobs_through_pd(client, model: str) -> None:
+    """response_format json_schema gives valid JSON, and completions logprobs (first token included) come back."""
+    import json
+
+    import jsonschema
+
+    name = {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}
+    schema = {
+        "type": "object",
+        "properties": {"city": name, "country": name},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
+    )
+    answer = json.loads(chat.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris", answer
+    comp = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = comp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[tok] == value  # greedy: the chosen token is the best alternative

@@ -7,14 +7,13 @@ import contextlib
 import time
 
 import httpx
+import kube_emulator
 import pytest
 from router_fixtures import running_router, start_double
 
 from kvship.router.config import RouterConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-kube_emulator = pytest.importorskip("kube_emulator", reason="tests/kube_emulator.py (the K8s API test server) missing")
 
 
 def make_pod(name: str, labels: dict, port: int | None = None) -> dict:

@@ -101,9 +101,12 @@ async def test_killing_a_worker_under_load_fails_no_request_and_it_rejoins_after
                 assert victim.url in after
 
 
-async def test_a_started_stream_is_never_retried_when_its_worker_dies():
+async def test_a_started_stream_is_never_retried_when_its_worker_dies_and_resumes_are_off():
+    # (with --max-resumes it is continued elsewhere instead: tests/test_router_resume.py)
     with start_double(name="dies", chunk_delay=0.1, die_after_chunks=2) as dying, start_double(name="fine") as fine:
-        config = RouterConfig(worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60)
+        config = RouterConfig(
+            worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60, max_resumes=0
+        )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 outcomes = []

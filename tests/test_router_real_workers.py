@@ -8,11 +8,10 @@ import time
 
 import httpx
 import pytest
+import server_fixtures
 from router_fixtures import running_router
 
 from kvship.router.config import RouterConfig
-
-server_fixtures = pytest.importorskip("server_fixtures", reason="tests/server_fixtures.py (real workers) missing")
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -86,6 +86,21 @@ def test_same_seed_gives_identical_tokens_regardless_of_batch_neighbours():
     assert seq(7) != seq(8)
 
 
+@pytest.mark.parametrize(
+    "p", [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.7, min_p=0.05, seed=5)]
+)
+def test_a_seeded_row_draws_the_same_token_next_to_rows_that_need_top_k_or_top_p(p):
+    torch.manual_seed(3)
+    logits = torch.randn(2, V)
+    for step in range(20):
+        r = reqs_for([p], outputs=[[0] * step])
+        alone = sample(logits[:1], r).next_token_ids.item()
+        mixed = sample(
+            logits, reqs_for([p, SamplingParams(temperature=1.0, top_k=5, top_p=0.8)], outputs=[[0] * step, []])
+        )
+        assert mixed.next_token_ids[0].item() == alone, step
+
+
 def test_unfiltered_sampling_follows_the_softmax_distribution():
     probs = [0.1, 0.2, 0.3, 0.4]
     n = 10000

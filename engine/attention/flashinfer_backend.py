@@ -51,7 +51,13 @@ from kvship.engine.attention.base import (
     AttentionLayerSpec,
     register_attention_backend,
 )
-from kvship.engine.attention.triton_backend import DecodeSplits, TritonDecodeMeta
+from kvship.engine.attention.triton_backend import (
+    DecodeSplits,
+    TritonDecodeMeta,
+    TritonExtendMeta,
+    extend_meta,
+    run_extend,
+)
 from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
 from kvship.engine.attention.triton_ops.kv_store import store_kv
@@ -230,6 +236,8 @@ class FlashInferAttnBackend(AttentionBackend):
                 None,
             )
             meta = FlashInferDecodeMeta(wrapper)
+        elif fb.tree_masks is not None:  # TARGET_VERIFY: draft trees run on our Triton extend with their masks
+            meta = extend_meta(fb, self.device)
         else:
             meta = self._plan_extend(fb)
         self.forward_metadata = meta
@@ -323,6 +331,8 @@ class FlashInferAttnBackend(AttentionBackend):
         qh = q.view(-1, h, d)
         kh = k.view(-1, hk, d)
         vh = v.view(-1, hk, d)
+        if isinstance(meta, TritonExtendMeta):
+            return run_extend(meta, q, k, v, layer, fb)
         if not meta.has_prefix:
             return self.ragged_wrapper.run(qh, kh, vh).view(-1, h * d)
         o_new, lse_new = self.ragged_wrapper.run(qh, kh, vh, return_lse=True, lse_base="ln")

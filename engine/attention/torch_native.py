@@ -8,7 +8,9 @@ business).
 
 Per step (``init_forward_metadata``, shared by all layers):
 * extend: for each request, its slot indices ``[seq_len]`` and, when it has a
-  cached prefix, a causal mask ``[extend_len, seq_len]`` offset by the prefix.
+  cached prefix, a causal mask ``[extend_len, seq_len]`` offset by the prefix;
+  a TARGET_VERIFY batch uses its ``tree_masks`` instead of causality among the
+  new tokens.
   Attention runs one ``scaled_dot_product_attention`` per request.
 * decode: one padded gather index ``[bs, max_len]`` and a key mask
   ``[bs, 1, 1, max_len]``; all requests run in one batched SDPA call.
@@ -103,7 +105,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             starts.append(off)
             off += e
             slots.append(r2t[req_idx[i], :s].to(torch.int64))
-            if p == 0 or e == 0:
+            if fb.tree_masks is not None:  # TARGET_VERIFY: the whole prefix, then the draft tree's own mask
+                tree = fb.tree_masks[i].to(r2t.device)
+                masks.append(torch.cat([torch.ones((e, p), dtype=torch.bool, device=r2t.device), tree], dim=1))
+            elif p == 0 or e == 0:
                 masks.append(None)
             else:
                 q_pos = torch.arange(p, s, device=r2t.device)

@@ -104,6 +104,69 @@ class TritonExtendMeta:
     extend_lens: torch.Tensor  # [bs] int32
     extend_starts: torch.Tensor  # [bs] int32
     max_extend_len: int
+    custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: tree masks, uint8, flattened and packed
+    mask_starts: Optional[torch.Tensor] = None  # [bs] int64 offsets into custom_mask
+
+
+def extend_meta(fb: ForwardBatch, device: torch.device) -> TritonExtendMeta:
+    """The Triton extend kernel's per-step tensors for ``fb`` (tree masks included)."""
+    ext = (
+        list(fb.extend_seq_lens_cpu)
+        if fb.extend_seq_lens_cpu is not None
+        else [int(x) for x in fb.extend_seq_lens.tolist()]  # type: ignore[union-attr]
+    )
+    pre = (
+        list(fb.extend_prefix_lens_cpu)
+        if fb.extend_prefix_lens_cpu is not None
+        else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
+    )
+    starts = [0] * len(ext)
+    for i in range(1, len(ext)):
+        starts[i] = starts[i - 1] + ext[i - 1]
+    host = torch.tensor([pre, ext, starts], dtype=torch.int32)
+    dev = host.to(device, non_blocking=True)
+    meta = TritonExtendMeta(dev[0], dev[1], dev[2], max(ext) if ext else 0)
+    if fb.tree_masks is not None:
+        flat = torch.cat([m.reshape(-1).to(torch.uint8) for m in fb.tree_masks])
+        offs, acc = [], 0
+        for e in ext:
+            offs.append(acc)
+            acc += e * e
+        meta.custom_mask = flat.to(device, non_blocking=True)
+        meta.mask_starts = torch.tensor(offs, dtype=torch.int64).to(device, non_blocking=True)
+    return meta
+
+
+def run_extend(
+    meta: TritonExtendMeta,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: AttentionLayerSpec,
+    fb: ForwardBatch,
+) -> torch.Tensor:
+    """Our Triton extend kernel over ``meta`` (tree masks included); K/V of the new tokens are already stored."""
+    h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    qh = q.view(-1, h, d)
+    out = torch.empty_like(qh)
+    extend_attention(
+        qh,
+        k.view(-1, hk, d),
+        v.view(-1, hk, d),
+        out,
+        fb.kv_pool.get_key_buffer(layer.layer_id),
+        fb.kv_pool.get_value_buffer(layer.layer_id),
+        fb.req_to_token_pool.req_to_token,
+        fb.req_pool_indices,
+        meta.prefix_lens,
+        meta.extend_lens,
+        meta.extend_starts,
+        meta.max_extend_len,
+        layer.scaling,
+        meta.custom_mask,
+        meta.mask_starts,
+    )
+    return out.view(-1, h * d)
 
 
 def _device_sm_count(device: torch.device) -> int:
@@ -128,22 +191,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             meta = self.splits.eager_meta(fb.batch_size)
         else:
-            ext = (
-                list(fb.extend_seq_lens_cpu)
-                if fb.extend_seq_lens_cpu is not None
-                else [int(x) for x in fb.extend_seq_lens.tolist()]
-            )  # type: ignore[union-attr]
-            pre = (
-                list(fb.extend_prefix_lens_cpu)
-                if fb.extend_prefix_lens_cpu is not None
-                else [s - e for s, e in zip(fb.seq_lens_cpu, ext)]
-            )
-            starts = [0] * len(ext)
-            for i in range(1, len(ext)):
-                starts[i] = starts[i - 1] + ext[i - 1]
-            host = torch.tensor([pre, ext, starts], dtype=torch.int32)
-            dev = host.to(self.device, non_blocking=True)
-            meta = TritonExtendMeta(dev[0], dev[1], dev[2], max(ext) if ext else 0)
+            meta = extend_meta(fb, self.device)
         self.forward_metadata = meta
         fb.attn_metadata = meta
 
@@ -161,25 +209,7 @@ class TritonAttnBackend(AttentionBackend):
         meta: TritonExtendMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
             store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
-        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        qh = q.view(-1, h, d)
-        out = torch.empty_like(qh)
-        extend_attention(
-            qh,
-            k.view(-1, hk, d),
-            v.view(-1, hk, d),
-            out,
-            fb.kv_pool.get_key_buffer(layer.layer_id),
-            fb.kv_pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            meta.prefix_lens,
-            meta.extend_lens,
-            meta.extend_starts,
-            meta.max_extend_len,
-            layer.scaling,
-        )
-        return out.view(-1, h * d)
+        return run_extend(meta, q, k, v, layer, fb)
 
     def forward_decode(
         self,

@@ -124,11 +124,12 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class AuxInfo:
-    """What prefill hands decode besides the KV: the first sampled token."""
+    """What prefill hands decode besides the KV: the first sampled token (and its logprobs)."""
 
     first_token_id: int
     first_token_logprob: float
     prompt_len: int
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -422,8 +423,15 @@ def backend_unavailable(name: str, package_hint: str, err: BaseException) -> Bac
 
 
 def advertise_host(host: str) -> str:
-    """The address peers should use to reach a socket bound on ``host``."""
+    """The address peers should use to reach a socket bound on ``host``.
+
+    For a wildcard bind: ``KVSHIP_ADVERTISE_HOST`` (the operator sets it to the pod IP), else the
+    host name's address (which on Kubernetes may be a Service or a stale /etc/hosts entry)."""
     if host in ("", "0.0.0.0", "::"):
+        from kvship.common.envs import ENV
+
+        if ENV.ADVERTISE_HOST:
+            return ENV.ADVERTISE_HOST
         import socket
 
         try:

@@ -154,6 +154,7 @@ class PDScheduler(Scheduler):
         output_sink: Any,
         tuning: Any = None,
         kv_config: Optional[KVTransferConfig] = None,
+        speculator: Any = None,
     ):
         super().__init__(
             server_args,
@@ -162,6 +163,7 @@ class PDScheduler(Scheduler):
             output_sink,
             tuning,
             role=lambda sched: self.role_cls(sched, kv_config),
+            speculator=speculator,
         )
 
     @property

@@ -432,6 +432,7 @@ class PrefillKVManager(KVManager):
             prompt_len=int(aux.prompt_len),
             num_pages=int(src_pages.size),
             checksum=checksum,
+            top_logprobs=tuple(aux.first_token_top_logprobs),
         )
         self._aux_staging[index].copy_(torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8))
         in_band = self.backend.in_band_done

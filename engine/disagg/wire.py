@@ -17,8 +17,11 @@ Page lists travel as base64 of little-endian int32.
                         AbortAck     prefill -> decode: nothing for that room is or will be in flight
     both ways           Ping         heartbeat (any frame counts as a sign of life)
 
-The aux record is not JSON: it is a fixed 64-byte binary record that prefill
-writes into decode's aux buffer at the registered slot, after the KV.
+The aux record is not JSON: it is a fixed 256-byte binary record that prefill
+writes into decode's aux buffer at the registered slot, after the KV (record
+version 2: the first token, its logprob and up to ``AUX_MAX_TOP_LOGPROBS``
+top-k alternatives, so decode answers ``logprobs`` / ``top_logprobs`` for the
+first token as a unified worker does).
 """
 
 from __future__ import annotations
@@ -272,10 +275,12 @@ def decode_body(body: bytes) -> Message:
 
 # --- aux record -------------------------------------------------------------
 
-AUX_RECORD_BYTES = 64
-_AUX = struct.Struct("<4sHHQqdqqQ")
+AUX_RECORD_BYTES = 256
+AUX_MAX_TOP_LOGPROBS = 20  # the HTTP layer's MAX_TOP_LOGPROBS
+_AUX = struct.Struct("<4sHHQqdqqQH")
+_AUX_TOP = struct.Struct("<if")  # one top-k alternative: token id, logprob (float32, as sampled)
 _AUX_MAGIC = b"KVAX"
-_AUX_VERSION = 1
+_AUX_VERSION = 2
 _FLAG_CHECKSUM = 1
 
 
@@ -289,6 +294,7 @@ class AuxRecord:
     prompt_len: int
     num_pages: int
     checksum: Optional[int] = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the first token's top-k (id, logprob)
 
     def pack(self) -> bytes:
         flags = _FLAG_CHECKSUM if self.checksum is not None else 0
@@ -302,18 +308,23 @@ class AuxRecord:
             self.prompt_len,
             self.num_pages,
             (self.checksum or 0) & 0xFFFFFFFFFFFFFFFF,
+            len(self.top_logprobs[:AUX_MAX_TOP_LOGPROBS]),
         )
+        raw += b"".join(_AUX_TOP.pack(int(t), float(v)) for t, v in self.top_logprobs[:AUX_MAX_TOP_LOGPROBS])
         return raw + bytes(AUX_RECORD_BYTES - len(raw))
 
     @classmethod
     def unpack(cls, data: bytes) -> "AuxRecord":
         if len(data) < _AUX.size:
             raise WireError("aux record too short")
-        magic, version, flags, room, tok, lp, plen, npages, ck = _AUX.unpack_from(data)
+        magic, version, flags, room, tok, lp, plen, npages, ck, ntop = _AUX.unpack_from(data)
         if magic != _AUX_MAGIC:
             raise WireError("aux record missing (no magic): the KV did not arrive in full")
         if version != _AUX_VERSION:
-            raise WireError(f"aux record version {version} not supported")
+            raise WireError(f"aux record version {version} not supported (this worker speaks {_AUX_VERSION})")
+        if ntop > AUX_MAX_TOP_LOGPROBS or len(data) < _AUX.size + ntop * _AUX_TOP.size:
+            raise WireError(f"aux record claims {ntop} top logprobs")
+        tops = tuple(_AUX_TOP.unpack_from(data, _AUX.size + i * _AUX_TOP.size) for i in range(ntop))
         return cls(
             room=room,
             first_token_id=tok,
@@ -321,4 +332,5 @@ class AuxRecord:
             prompt_len=plen,
             num_pages=npages,
             checksum=ck if flags & _FLAG_CHECKSUM else None,
+            top_logprobs=tuple((int(t), float(v)) for t, v in tops),
         )

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.engine.layers.fused_dispatch import cuda_skinny_gemm
+from kvship.engine.loaders.lazy import materialize
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    """Copy ``loaded`` into ``param``; shapes must match exactly."""
+    """Copy ``loaded`` (a tensor or a ``CheckpointSlice``) into ``param``; shapes must match exactly."""
+    loaded = materialize(loaded)
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not stacked; got shard {shard_id!r}")
     if tuple(param.shape) != tuple(loaded.shape):
@@ -48,6 +50,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_forward(x, self.weight, self.bias)
 
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Finish an output computed from ``weight`` outside ``forward`` (``gated_linear``'s fused kernel):
+        nothing here; a row-parallel layer sums the ranks' partial outputs."""
+        return y
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
@@ -69,7 +76,7 @@ def gated_linear(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor
     if skinny is not None and getattr(act, "is_silu", False):
         y = skinny.linear(x, layer.weight, layer.bias, act=skinny.ACT_SILU_MUL)
         if y is not None:
-            return y
+            return layer.reduce(y)
     return layer(act(x))
 
 
@@ -100,6 +107,7 @@ class StackedLinear(Linear):
             raise ValueError(f"unknown shard {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
         off, size = self.shard_offsets[shard_id]
         target = param.data.narrow(0, off, size)
+        loaded = materialize(loaded)
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(
                 f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}"

@@ -53,11 +53,20 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.fuse_kv_store = ENV.FUSE_ROPE_KV_STORE
-        inv_freq = compute_inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
+        self._base, self._scaling = base, scaling
+        self.register_buffer("cos_sin_cache", self._table(), persistent=False)
+
+    def _table(self) -> torch.Tensor:
+        """``[max_position, head_dim]``: cos half || sin half, on the current default device."""
+        inv_freq = compute_inv_freq(self.head_dim, self._base, self._scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
-        # [max_position, head_dim]: cos half || sin half
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def rebuild_table_(self) -> None:
+        """Recompute the table where it lives (after ``Module.to_empty``: a model built on the meta device)."""
+        with torch.device(self.cos_sin_cache.device):
+            self.cos_sin_cache = self._table()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` by their token positions ``[T]``."""

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from tqdm.auto import tqdm
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.registry import get_model_class
 
+if TYPE_CHECKING:
+    from kvship.engine.parallel.group import TPGroup
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,8 +38,12 @@ class ModelLoader(ABC):
     """Fills a freshly built model's parameters from one source."""
 
     @abstractmethod
-    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
-        """Fill every parameter of ``model`` (raise ValueError on missing/mismatched tensors)."""
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
+        """Fill every parameter of ``model`` (raise ValueError on missing/mismatched tensors).
+
+        ``lazy`` (a tensor-parallel model): hand ``CheckpointSlice``s to the
+        weight loaders, so each rank reads only its block of a tensor.
+        """
 
 
 _REGISTRY: dict[str, Callable[[], ModelLoader]] = {}
@@ -78,22 +85,36 @@ def resolve_load_format(load_format: str, model_path: str) -> str:
     return load_format
 
 
-def load_model(model_config: ModelConfig, load_format: str, device: str | torch.device, seed: int = 0) -> nn.Module:
-    """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights."""
+def load_model(
+    model_config: ModelConfig, load_format: str, device: str | torch.device, seed: int = 0, tp: "TPGroup | None" = None
+) -> nn.Module:
+    """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights.
+
+    With ``tp`` (a tensor-parallel rank) the model is made parallel
+    (``build_parallel_model``: on CUDA via the meta device) with this rank's
+    parameters only, which the loader fills from this rank's blocks.
+    """
     fmt = resolve_load_format(load_format, model_config.model_path)
     cls = get_model_class(model_config.architectures)
     t0 = time.perf_counter()
-    with torch.device(device):
-        model = cls(model_config)
-    get_loader(fmt).load_weights(model, model_config, seed)
+    if tp is None:
+        with torch.device(device):
+            model = cls(model_config)
+        get_loader(fmt).load_weights(model, model_config, seed)
+    else:
+        from kvship.engine.parallel.layers import build_parallel_model
+
+        model = build_parallel_model(cls, model_config, tp, device)
+        get_loader(fmt).load_weights(model, model_config, seed, lazy=True)
     model.eval()
     logger.info(
-        "loaded %s (%s, %s) on %s in %.1fs",
+        "loaded %s (%s, %s) on %s in %.1fs%s",
         model_config.architecture,
         fmt,
         str(model_config.dtype).removeprefix("torch."),
         device,
         time.perf_counter() - t0,
+        "" if tp is None else f" (tensor-parallel rank {tp.rank}/{tp.size})",
     )
     return model
 

@@ -18,7 +18,8 @@ DUMMY_STD = 0.02
 
 @register_loader("dummy")
 class DummyLoader(ModelLoader):
-    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
+        # a tensor-parallel rank draws its own shapes: the weights differ from --tp-size 1 (benchmarks only)
         gens: dict[torch.device, torch.Generator] = {}
         with torch.no_grad():
             for name, p in sorted(model.named_parameters()):

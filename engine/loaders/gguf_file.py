@@ -55,6 +55,29 @@ def dequantize_tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape).copy())
 
 
+# rows dequantized at once when reading a block: bounds the float32 temporaries of a big matrix
+DEQUANT_ROW_CHUNK = 4096
+
+
+def dequantize_block(t: Any, ranges: tuple[slice, ...]) -> torch.Tensor:
+    """Rows ``ranges[0]`` / columns ``ranges[1]`` of a GGUF tensor as float32, dequantizing only those rows
+    (in chunks, so a column block never holds the whole matrix in float32)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    if len(shape) != 2:
+        return dequantize_tensor(t)[ranges]
+    rows, cols = ranges
+    parts = []
+    for r0 in range(rows.start, rows.stop, DEQUANT_ROW_CHUNK):
+        r1 = min(r0 + DEQUANT_ROW_CHUNK, rows.stop)
+        arr = np.asarray(dequantize(t.data[r0:r1], t.tensor_type), dtype=np.float32).reshape(r1 - r0, shape[1])
+        parts.append(torch.from_numpy(arr[:, cols].copy()))
+    if not parts:
+        return torch.empty((0, cols.stop - cols.start), dtype=torch.float32)
+    return torch.cat(parts)
+
+
 def rope_freq_factors(reader: Any) -> list[float] | None:
     """llama3-style RoPE scaling stored as a ``rope_freqs.weight`` tensor (Llama 3.1+ GGUF files)."""
     for t in reader.tensors:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kvship.engine.loaders.base import ModelLoader, fill_from_checkpoint, register_loader
-from kvship.engine.loaders.gguf_file import dequantize_tensor, gguf_metadata_arch, gguf_reader
+from kvship.engine.loaders.gguf_file import dequantize_block, dequantize_tensor, gguf_metadata_arch, gguf_reader
+from kvship.engine.loaders.lazy import CheckpointSlice, Loaded
 from kvship.engine.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -66,12 +67,17 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf(reader: Any, model_config: ModelConfig, lazy: bool = False) -> Iterator[tuple[str, Loaded]]:
+    """``(Hugging Face name, tensor)``; with ``lazy``, ``CheckpointSlice``s that dequantize only the rows
+    (and keep only the columns) a weight loader takes."""
     arch = gguf_metadata_arch(reader)
     permuted = arch in _PERMUTED_ARCHS
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
+            continue
+        if lazy:
+            yield name, _lazy(t, name, permuted, model_config)
             continue
         w = dequantize_tensor(t)
         if permuted and ".q_proj." in name:
@@ -81,9 +87,19 @@ def iterate_gguf(reader: Any, model_config: ModelConfig) -> Iterator[tuple[str, 
         yield name, w.to(model_config.dtype)
 
 
+def _lazy(t: Any, name: str, permuted: bool, model_config: ModelConfig) -> CheckpointSlice:
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    then = None
+    if permuted and (".q_proj." in name or ".k_proj." in name):
+        # llama.cpp permutes rows within each head, so a block of whole heads un-permutes on its own
+        head_dim = model_config.head_dim
+        then = lambda w: unpermute_qk(w, w.shape[0] // head_dim)  # noqa: E731
+    return CheckpointSlice(shape, lambda ranges: dequantize_block(t, ranges), dtype=model_config.dtype, then=then)
+
+
 @register_loader("gguf")
 class GGUFLoader(ModelLoader):
-    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
         reader = gguf_reader(model_config.model_path)
         n = sum(1 for t in reader.tensors if t.name not in _SKIP)
-        fill_from_checkpoint(model, iterate_gguf(reader, model_config), n, "Loading GGUF")
+        fill_from_checkpoint(model, iterate_gguf(reader, model_config, lazy), n, "Loading GGUF")

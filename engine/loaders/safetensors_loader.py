@@ -9,11 +9,11 @@ import json
 import os
 from typing import Iterator
 
-import torch
 from safetensors import safe_open
 from torch import nn
 
 from kvship.engine.loaders.base import ModelLoader, fill_from_checkpoint, register_loader
+from kvship.engine.loaders.lazy import CheckpointSlice, Loaded
 from kvship.engine.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,15 +43,25 @@ def _tensor_count(files: list[str]) -> int:
     return n
 
 
-def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, Loaded]]:
+    """``(name, tensor)`` for every tensor; with ``lazy``, ``CheckpointSlice``s that read only the block
+    a weight loader takes (valid until the next item)."""
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if lazy:
+                    yield name, _lazy(f, name)
+                else:
+                    yield name, f.get_tensor(name)
+
+
+def _lazy(f, name: str) -> CheckpointSlice:
+    shape = f.get_slice(name).get_shape()
+    return CheckpointSlice(shape, lambda ranges: f.get_slice(name)[ranges] if ranges else f.get_tensor(name))
 
 
 @register_loader("safetensors")
 class SafetensorsLoader(ModelLoader):
-    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
         files = safetensors_files(model_config.model_path)
-        fill_from_checkpoint(model, iterate_safetensors(files), _tensor_count(files), "Loading safetensors")
+        fill_from_checkpoint(model, iterate_safetensors(files, lazy), _tensor_count(files), "Loading safetensors")

@@ -10,7 +10,7 @@ Parameter names follow Hugging Face except for the two fused projections;
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -83,10 +83,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    """Attention then MLP, pre-norm with a carried residual; ``mlp`` replaces the dense MLP (MoE models)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -104,14 +106,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Embedding, decoder layers, final norm; ``mlp_for_layer(i)`` gives layer ``i`` another MLP (MoE models)."""
+
+    def __init__(self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]] = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, None if mlp_for_layer is None else mlp_for_layer(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -136,6 +141,16 @@ class LlamaForCausalLM(nn.Module):
     ]
     # checkpoint tensors that are not parameters here
     ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+    # tensor parallelism, applied after construction (kvship.engine.parallel.layers): module suffix -> style
+    tp_plan = {
+        "embed_tokens": "vocab_embed",
+        "self_attn": "attention",
+        "qkv_proj": "qkv",
+        "o_proj": "row",
+        "gate_up_proj": "column",
+        "down_proj": "row",
+        "lm_head": "vocab_head",
+    }
 
     def __init__(self, config: ModelConfig):
         super().__init__()

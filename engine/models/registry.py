@@ -11,6 +11,8 @@ Contract of a registered class ``cls``:
 * ``model.load_weights(iterable of (checkpoint_name, tensor))`` maps Hugging
   Face checkpoint names onto its parameters and returns the set of parameter
   names it filled.
+* ``cls.tp_plan``: module-name suffix -> tensor-parallel style (see
+  ``kvship.engine.parallel.layers``), needed for ``--tp-size`` > 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ _LAZY_MODULES = {
     "MistralForCausalLM": "kvship.engine.models.llama",
     "Qwen2ForCausalLM": "kvship.engine.models.llama",
     "Qwen3ForCausalLM": "kvship.engine.models.llama",
+    **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"), "kvship.engine.models.moe"),
 }
 
 

@@ -49,6 +49,7 @@ import torch
 
 from kvship.common.envs import ENV
 from kvship.engine.config import ServerArgs
+from kvship.engine.grammar.backend import GrammarBackend, GrammarQueue
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.mem.radix_cache import create_prefix_cache
 from kvship.engine.sampler import create_sampler
@@ -65,6 +66,7 @@ from kvship.engine.scheduler.role import RoleHooks, UnifiedRole
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[list[TokenChunk]], None]
+_GRAMMAR_POLL_S = 0.002  # how long recv blocks while only grammar compiles are pending
 
 
 def overlap_enabled(server_args: ServerArgs, device: torch.device) -> bool:
@@ -85,6 +87,7 @@ class Scheduler:
         output_sink: OutputSink,
         tuning: Optional[SchedulerTuning] = None,
         role: Optional[Callable[["Scheduler"], RoleHooks]] = None,
+        speculator: Optional[Callable[["Scheduler"], Any]] = None,
     ):
         self.server_args = server_args
         self.runner = model_runner
@@ -124,15 +127,20 @@ class Scheduler:
             self.cache,
         )
         self.inbox = Inbox()
+        # structured output: grammars compile in a small pool while their requests wait in grammar_queue
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammar_queue = GrammarQueue(self.grammar, blocking=server_args.tp_size > 1)  # TP ranks: lock step
         self._outbox: list[TokenChunk] = []
         self._loop_running = False
         self._thread: Optional[threading.Thread] = None
         self._stats: dict = {}
         self.overlap: Optional[OverlapLoop] = None
         self.role: RoleHooks = UnifiedRole() if role is None else role(self)
+        # speculative decoding (decode/spec): runs every decode batch as a draft -> verify -> accept round
+        self.speculator: Optional[Any] = None if speculator is None else speculator(self)
         try:
             # decode steps chained on the GPU: CUDA unless --disable-overlap-schedule
-            if overlap_enabled(server_args, torch.device(self.device)):
+            if self.speculator is None and overlap_enabled(server_args, torch.device(self.device)):
                 self.overlap = OverlapLoop(self)
             self.end_step()
         except BaseException:
@@ -203,7 +211,7 @@ class Scheduler:
             self.abort_all(reason)
 
     def has_work(self) -> bool:
-        return self._has_compute() or self.role.has_work()
+        return self._has_compute() or self.role.has_work() or len(self.grammar_queue) > 0
 
     def _has_compute(self) -> bool:
         q = self.queues
@@ -227,7 +235,10 @@ class Scheduler:
         try:
             batch = self.schedule()
             if batch is not None:
-                self.process(self.launch(batch))
+                if self.speculator is not None and batch.forward_mode.is_decode():
+                    self._speculate(batch)
+                else:
+                    self.process(self.launch(batch))
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
             self.fail_step(e, None if batch is None else batch.reqs)
         self.end_step()
@@ -239,8 +250,9 @@ class Scheduler:
         wait = self.role.poll_wait_s()
         if wait is not None and self.role.has_work() and not self._has_compute():
             block_s = wait  # nothing to compute, but stages to watch: poll soon, without spinning
-        msg = self.inbox.get(block_s)
-        while msg is not None:
+        if len(self.grammar_queue) and not self._has_compute():
+            block_s = min(block_s, _GRAMMAR_POLL_S)  # a grammar is compiling: look again soon
+        for msg in self.inbox.drain(block_s):  # the same messages on every tensor-parallel rank
             try:
                 if isinstance(msg, Submit):
                     self._handle_submit(msg.request)
@@ -257,10 +269,14 @@ class Scheduler:
                             finish_reason=FinishReason.abort(f"internal error: {e}"),
                         )
                     )
-            msg = self.inbox.get(0.0)
 
     def schedule(self) -> Optional[ScheduleBatch]:
         """The next batch: an extend when waiting requests can be admitted, else a decode; or None."""
+        for req, greq, error in self.grammar_queue.poll():  # requests whose grammar compiled join now
+            if error is not None:
+                self.finish(req, FinishReason.abort(error), keep_kv=False)
+            else:
+                self._admit(req, greq)
         self.role.before_schedule()
         batch = self.admission.build_extend()
         if batch is not None:
@@ -303,6 +319,15 @@ class Scheduler:
                 self.emit(req)
             else:
                 self.emit(req)
+
+    def _speculate(self, batch: ScheduleBatch) -> None:
+        """A decode batch as one speculative round (requests that need the host state decode plainly)."""
+        spec, plain = self.speculator.splits(batch)
+        if plain:
+            batch.reqs = plain
+            self.process(self.launch(batch))
+        if spec:
+            self.speculator.run(spec)
 
     def end_step(self) -> None:
         """Hand the step's chunks to the output sink and refresh the stats."""
@@ -364,6 +389,12 @@ class Scheduler:
             self.emit(req)
             return
         self.reqs[req.rid] = req
+        if greq.sampling_params.grammar_key is not None:
+            self.grammar_queue.add(req, greq)  # admitted by ``schedule`` once its grammar compiled
+            return
+        self._admit(req, greq)
+
+    def _admit(self, req: Req, greq: GenerateRequest) -> None:
         if not self.role.admit(req, greq):
             self.enqueue(req)
 
@@ -516,4 +547,5 @@ class Scheduler:
             "decode_steps": c["decode_steps"],
             "new_token_ratio": self.kv.new_token_ratio,
             **self.role.stats(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -55,6 +55,19 @@ class Inbox:
         except queue.Empty:
             return None
 
+    def drain(self, block_s: float = 0.0) -> list[Message]:
+        """Every queued message, waiting up to ``block_s`` seconds for the first.
+
+        The scheduler's ``recv`` takes one step's messages with it (a
+        tensor-parallel rank's inbox broadcasts them: ``kvship.engine.parallel``).
+        """
+        out: list[Message] = []
+        msg = self.get(block_s)
+        while msg is not None:
+            out.append(msg)
+            msg = self.get(0.0)
+        return out
+
     def empty(self) -> bool:
         return self._q.empty()
 

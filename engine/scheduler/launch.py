@@ -21,6 +21,10 @@ Contract:
   memory, and so do the sampling tensors, unless a request samples from a
   seeded per-request generator or uses penalties (``needs_host_state``),
   whose tensors are built on the device directly.
+* Constrained requests (structured output) get their grammar's mask applied
+  to the logits before sampling (``kvship.engine.grammar.mask``); they also
+  count as ``needs_host_state`` (the matcher must have accepted every token
+  before the next mask is filled), so the overlapped loop never chains them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.grammar.mask import apply_grammar_mask
 from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 
@@ -42,7 +47,7 @@ def needs_host_state(req: Req) -> bool:
     p = req.sampling_params
     seeded = p.seed is not None and not p.is_greedy
     penalties = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-    return seeded or penalties
+    return seeded or penalties or req.grammar is not None  # a grammar's mask needs every token accepted
 
 
 @dataclass
@@ -109,7 +114,9 @@ class Launcher:
             if logits.shape[0] != len(reqs):
                 raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
             if info is not None:
-                out = self.sampler(logits[:, : self.vocab_size], info)
+                logits = logits[:, : self.vocab_size]
+                apply_grammar_mask(logits, reqs)  # constrained rows only (structured output)
+                out = self.sampler(logits, info)
                 host = SampleOutput(
                     next_token_ids=self._to_host(out.next_token_ids),
                     logprobs=self._to_host(out.logprobs),

@@ -19,7 +19,7 @@ Invariants:
 * Anything that needs the true host state first processes the pending step
   and runs synchronously: extend batches, a decode that might retract (KV
   short even after evicting the cache), and batches with a request that is
-  seeded or uses penalties (``needs_host_state``).
+  seeded, uses penalties or is constrained by a grammar (``needs_host_state``).
 * Greedy output equals the synchronous loop's token for token.
 
 On CUDA unless ``--disable-overlap-schedule``; ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``

@@ -95,17 +95,33 @@ def pod_security_context() -> dict[str, Any]:
         "runAsUser": RUN_AS,
         "runAsGroup": RUN_AS,
         "fsGroup": RUN_AS,
+        # Re-chown a volume only when its root is not ours yet: a shared model cache is not walked at every start.
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
-def container_security_context() -> dict[str, Any]:
+def container_security_context(add_capabilities: tuple[str, ...] = ()) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if add_capabilities:
+        caps["add"] = list(add_capabilities)
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": caps,
     }
+
+
+def with_default_requests(resources: dict[str, Any], defaults: dict[str, str]) -> dict[str, Any]:
+    """``resources`` (copied) with ``defaults`` requested where neither requests nor limits name the resource,
+    so no pod runs BestEffort (first evicted under node pressure)."""
+    out = {k: dict(v) for k, v in resources.items()}
+    named = set(out.get("requests") or {}) | set(out.get("limits") or {})
+    missing = {k: v for k, v in defaults.items() if k not in named}
+    if missing:
+        out.setdefault("requests", {}).update(missing)
+    return out
 
 
 def http_probe(path: str, port: str, *, period: int, timeout: int, failures: int) -> dict[str, Any]:

@@ -35,11 +35,28 @@ class ModelPlan:
     init_containers: list[dict[str, Any]] = field(default_factory=list)
 
 
+# Init containers only download: small fixed resources (they never count beyond the worker's own).
+FETCH_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+
+
+def cache_size(cfg: ServiceConfig) -> str:
+    """Size limit (and ephemeral-storage request) of the per-pod cache emptyDir."""
+    if cfg.spec.model.cache_size:
+        return cfg.spec.model.cache_size
+    downloads = cfg.model.kind == "hf" or (cfg.draft_model is not None and cfg.draft_model.kind == "hf")
+    return "100Gi" if downloads else "10Gi"
+
+
+def cache_on_node(cfg: ServiceConfig) -> bool:
+    """Whether the cache is node-local ephemeral storage (an emptyDir), not a claim."""
+    return not cfg.spec.model.cache_volume_claim
+
+
 def cache_volume(cfg: ServiceConfig) -> dict[str, Any]:
     claim = cfg.spec.model.cache_volume_claim
     if claim:
         return {"name": "cache", "persistentVolumeClaim": {"claimName": claim}}
-    return {"name": "cache", "emptyDir": {}}
+    return {"name": "cache", "emptyDir": {"sizeLimit": cache_size(cfg)}}
 
 
 def plan_models(cfg: ServiceConfig, image: str, pull_policy: str) -> ModelPlan:
@@ -95,6 +112,7 @@ def _resolve(
             "args": args,
             "env": env,
             "securityContext": container_security_context(),
+            "resources": {k: dict(v) for k, v in FETCH_RESOURCES.items()},
             "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
         }
     )

@@ -27,6 +27,9 @@ from kvship.operator.builders.common import (
 )
 from kvship.operator.spec import ServiceConfig
 
+# Requested where the spec names no cpu / memory, so the router is never BestEffort.
+DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+
 
 def _selector_args(selector: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in sorted(selector.items())]
@@ -92,8 +95,7 @@ def router_deployment(cfg: ServiceConfig, images: Images) -> dict[str, Any]:
     }
     if env:
         container["env"] = env
-    if r.resources:
-        container["resources"] = {k: dict(v) for k, v in r.resources.items()}
+    container["resources"] = common.with_default_requests(r.resources, DEFAULT_REQUESTS)
     pod: dict[str, Any] = {
         "serviceAccountName": child_name(cfg, "router"),
         "securityContext": common.pod_security_context(),

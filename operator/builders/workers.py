@@ -23,7 +23,7 @@ from kvship.operator.builders.common import (
     role_selector,
     secret_env,
 )
-from kvship.operator.builders.model import CACHE_DIR, cache_volume, plan_models
+from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
 from kvship.operator.spec import GPU, ServiceConfig
 from kvship.operator.types import WorkerRole
 
@@ -36,6 +36,12 @@ SPEC_FLAGS = {
     "topk": "--speculative-eagle-topk",
     "tokens": "--speculative-num-draft-tokens",
 }
+
+
+# Requested where the spec names no cpu / memory, so a worker is never BestEffort.
+DEFAULT_REQUESTS = {"cpu": "1", "memory": "2Gi"}
+GPU_SHM, CPU_SHM = "16Gi", "1Gi"
+NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 
 
 def role_spec(cfg: ServiceConfig, role: str) -> WorkerRole:
@@ -106,6 +112,8 @@ def _env(cfg: ServiceConfig, r: WorkerRole) -> list[dict[str, Any]]:
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         {"name": "FLASHINFER_WORKSPACE_BASE", "value": CACHE_DIR},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # What the worker advertises to KV-transfer peers (it binds 0.0.0.0; the host name may not resolve).
+        {"name": "KVSHIP_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     kv = cfg.spec.kv_transfer
     if not cfg.unified and kv.backend == "nixl" and kv.rdma_devices:
@@ -113,6 +121,37 @@ def _env(cfg: ServiceConfig, r: WorkerRole) -> list[dict[str, Any]]:
     if cfg.spec.router.api_key_secret_ref is not None:
         env.append(secret_env("KVSHIP_API_KEY", cfg.spec.router.api_key_secret_ref))
     return env + [dict(e) for e in r.env]
+
+
+def ships_kv(cfg: ServiceConfig, role: str) -> bool:
+    return role in ("prefill", "decode") and not cfg.unified
+
+
+def ipc_lock(cfg: ServiceConfig, role: str) -> bool:
+    """IPC_LOCK lets the RDMA stack pin KV memory (default: on with RDMA devices)."""
+    kv = cfg.spec.kv_transfer
+    if not ships_kv(cfg, role):
+        return False
+    return kv.ipc_lock if kv.ipc_lock is not None else bool(kv.rdma_devices)
+
+
+def worker_resources(cfg: ServiceConfig, role: str) -> dict[str, Any]:
+    """The spec's resources plus: default cpu/memory requests, the cache's ephemeral storage, the RDMA device."""
+    r = role_spec(cfg, role)
+    defaults = dict(DEFAULT_REQUESTS)
+    if cache_on_node(cfg):
+        defaults["ephemeral-storage"] = cache_size(cfg)
+    res = common.with_default_requests(r.resources, defaults)
+    rdma = cfg.spec.kv_transfer.rdma_resource
+    if rdma and ships_kv(cfg, role) and rdma not in (res.get("limits") or {}):
+        res.setdefault("limits", {})[rdma] = "1"  # extended resource: the request follows the limit
+    return res
+
+
+def shm_size(cfg: ServiceConfig, role: str) -> str:
+    if cfg.spec.engine.shm_size:
+        return cfg.spec.engine.shm_size
+    return GPU_SHM if GPU in (role_spec(cfg, role).resources.get("limits") or {}) else CPU_SHM
 
 
 def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str, Any]:
@@ -131,7 +170,8 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
         "args": worker_args(cfg, role, plan.model_path, plan.draft_path),
         "ports": ports,
         "env": _env(cfg, r),
-        "securityContext": container_security_context(),
+        "securityContext": container_security_context(("IPC_LOCK",) if ipc_lock(cfg, role) else ()),
+        "resources": worker_resources(cfg, role),
         "startupProbe": http_probe(
             "/health", "http", period=10, timeout=5, failures=common.startup_failures(eng.startup_timeout_seconds)
         ),
@@ -144,12 +184,10 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
         ]
         + plan.mounts,
     }
-    if r.resources:
-        container["resources"] = {k: dict(v) for k, v in r.resources.items()}
     volumes = [
         {"name": "tmp", "emptyDir": {}},
         cache_volume(cfg),
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(cfg, role)}},
     ] + plan.volumes
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -168,6 +206,8 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
         "rollingUpdate": ({"maxSurge": 0, "maxUnavailable": 1} if uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}),
     }
     annotations = {common.PORT_ANNOTATION: str(WORKER_PORT)}
+    if ships_kv(cfg, role) and cfg.spec.kv_transfer.networks:
+        annotations[NETWORKS_ANNOTATION] = ",".join(cfg.spec.kv_transfer.networks)
     annotations.update(r.pod_annotations)
     replicas = None if r.autoscaling is not None else r.replicas
     return common.deployment(

@@ -117,10 +117,24 @@ def test_applies_rejects_what_it_cannot_run(sg, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the model-level path runs on CUDA tensors only")
-def test_layers_use_the_kernels_at_decode_batch_sizes(sg):
-    """Linear / MLP / LM head on CUDA give F.linear's result at decode sizes (same call sites the model uses)."""
+def test_layers_use_the_kernels_at_decode_batch_sizes(sg, monkeypatch):
+    """Linear / MLP / LM head on CUDA give F.linear's result at decode sizes (same call sites the model uses), and
+    the kernel that ran is the one ``pick_config`` chose: the GEMV, the tensor-core MMA kernel, or none (cuBLAS)."""
     from kvship.engine.layers.activation import GatedActivation
     from kvship.engine.layers.linear import Linear, gated_linear
+
+    launched: list[tuple[str, int, tuple[int, int], int]] = []
+    real_launch = sg.launch
+
+    def recording_launch(x, w, bias, y, act, cfg):
+        launched.append(("mma" if cfg.mma else "gemv", x.shape[0], tuple(w.shape), act))
+        return real_launch(x, w, bias, y, act, cfg)
+
+    monkeypatch.setattr(sg, "launch", recording_launch)
+
+    def expected(m: int, w: torch.Tensor, act: int) -> list[tuple[str, int, tuple[int, int], int]]:
+        cfg = sg.pick_config(m, *w.shape)
+        return [] if cfg is None else [("mma" if cfg.mma else "gemv", m, tuple(w.shape), act)]
 
     dt = torch.bfloat16
     lin = Linear(4096, 4096, dtype=dt).cuda()
@@ -128,12 +142,20 @@ def test_layers_use_the_kernels_at_decode_batch_sizes(sg):
     with torch.no_grad():
         lin.weight.normal_(0, 0.02)
         down.weight.normal_(0, 0.02)
+    seen: set[str] = set()
     for m in (1, 2, 3, 8, 16, 40, 64, 100):
         x = torch.randn(m, 4096, device="cuda", dtype=dt)
+        launched.clear()
         assert _rel(lin(x), F.linear(x.float(), lin.weight.float())) < 1e-2
+        assert launched == expected(m, lin.weight, sg.ACT_NONE), f"m={m}: wrong kernel for o_proj"
+        seen.update(k for k, *_ in launched or [("cublas",)])
         gu = torch.randn(m, 2 * 14336, device="cuda", dtype=dt)
         act = GatedActivation("silu")
+        launched.clear()
         assert _rel(gated_linear(down, act, gu), F.linear(act(gu).float(), down.weight.float())) < 1e-2
+        assert launched == expected(m, down.weight, sg.ACT_SILU_MUL), f"m={m}: wrong kernel for down_proj"
+        seen.update(k for k, *_ in launched or [("cublas",)])
+    assert seen == {"gemv", "mma", "cublas"}, f"the sizes above must exercise every path, saw {seen}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama_tied"])

@@ -55,6 +55,27 @@ def _pool(dev, dtype, slots=600, hkv=2, d=64):
     return (torch.randn(slots, hkv, d, dtype=dtype, device=dev), torch.randn(slots, hkv, d, dtype=dtype, device=dev))
 
 
+def packed_extend_inputs(dev, dtype, prefix: list[int], ext: list[int], group: int, head_dim: int, hkv: int = 2):
+    """Random packed q / new K / new V for requests with ``prefix`` cached and ``ext`` new tokens, a pool
+    holding the prefixes and (as the backend stores them first) the new tokens, and their slot table.
+    Returns (q, k_new, v_new, k_buf, v_buf, req_to_token, starts, totals)."""
+    h = hkv * group
+    bs = len(ext)
+    total = [p + e for p, e in zip(prefix, ext)]
+    k_buf, v_buf = _pool(dev, dtype, slots=1000, hkv=hkv, d=head_dim)
+    r2t = _assign_slots(total, bs, 256, 1000, dev)
+    t = sum(ext)
+    starts = [sum(ext[:i]) for i in range(bs)]
+    q = torch.randn(t, h, head_dim, dtype=dtype, device=dev)
+    k_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
+    v_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
+    for i in range(bs):
+        slots = r2t[i, prefix[i] : total[i]].long()
+        k_buf[slots] = k_new[starts[i] : starts[i] + ext[i]]
+        v_buf[slots] = v_new[starts[i] : starts[i] + ext[i]]
+    return q, k_new, v_new, k_buf, v_buf, r2t, starts, total
+
+
 def _assign_slots(lens: list[int], rows: int, width: int, slots: int, dev) -> torch.Tensor:
     r2t = torch.zeros(rows, width, dtype=torch.int32)
     perm = torch.randperm(slots - 1)[: sum(lens)] + 1  # slot 0 is the padding slot
@@ -139,23 +160,10 @@ def test_triton_extend_kernel_matches_reference_with_and_without_prefix(dev, gro
     from kvship.engine.attention.triton_ops.extend_attention import extend_attention
 
     dtype = _dtype(dev)
-    hkv = 2
-    h = hkv * group
     prefix = [0, 5, 70, 0]
     ext = [9, 1, 100, 65]
     bs = len(ext)
-    total = [p + e for p, e in zip(prefix, ext)]
-    k_buf, v_buf = _pool(dev, dtype, slots=1000, hkv=hkv, d=head_dim)
-    r2t = _assign_slots(total, bs, 256, 1000, dev)
-    t = sum(ext)
-    starts = [sum(ext[:i]) for i in range(bs)]
-    q = torch.randn(t, h, head_dim, dtype=dtype, device=dev)
-    k_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
-    v_new = torch.randn(t, hkv, head_dim, dtype=dtype, device=dev)
-    for i in range(bs):  # the new tokens' K/V live in the pool too (the backend saves them first)
-        slots = r2t[i, prefix[i] : total[i]].long()
-        k_buf[slots] = k_new[starts[i] : starts[i] + ext[i]]
-        v_buf[slots] = v_new[starts[i] : starts[i] + ext[i]]
+    q, k_new, v_new, k_buf, v_buf, r2t, starts, total = packed_extend_inputs(dev, dtype, prefix, ext, group, head_dim)
     o = torch.full_like(q, float("nan"))
     extend_attention(
         q,

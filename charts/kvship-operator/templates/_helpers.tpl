@@ -36,9 +36,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["kvship.io"]
   resources: ["inferenceservices/status"]
   verbs: ["get", "patch"]
+# Children: the operator reads, lists (by label), creates, patches and deletes them; it watches only
+# Deployments (their status feeds the InferenceService's), with a label selector.
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -58,4 +60,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+{{/* The namespaces the operator watches when not cluster-wide: watch.namespaces, else the release's. */}}
+{{- define "kvship-operator.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- toJson .Values.watch.namespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
 {{- end -}}

@@ -7,6 +7,11 @@ request's cached prefix (positions ``0..prefix_len-1``, slots read through
 the new tokens themselves from the packed ``k`` / ``v`` (causal: new token
 ``i`` sees new tokens ``0..i``).  One online softmax spans both parts, so no
 merge pass is needed.
+
+With ``custom_mask`` (a TARGET_VERIFY batch: draft trees) the new tokens see
+each other through the request's own ``[ext_len, ext_len]`` mask instead of
+causality (``custom_mask[mask_starts[b] + i * ext_len + j]`` != 0: new token
+``i`` sees new token ``j``); the prefix stays fully visible.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def _extend_kernel(
     prefix_lens,
     extend_lens,
     extend_starts,
+    custom_mask,
+    mask_starts,
     sm_scale,
     stride_qt,
     stride_qh,
@@ -48,6 +55,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,8 +98,12 @@ def _extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-    # new tokens: causal
-    hi = tl.minimum(ext_len, (mb + 1) * BLOCK_M)
+    # new tokens: causal, or the request's custom (tree) mask
+    if USE_MASK:
+        hi = ext_len
+        mask_start = tl.load(mask_starts + b).to(tl.int64)
+    else:
+        hi = tl.minimum(ext_len, (mb + 1) * BLOCK_M)
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
@@ -102,7 +114,15 @@ def _extend_kernel(
             other=0.0,
         )
         s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * sm_scale
-        visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if USE_MASK:
+            allowed = tl.load(
+                custom_mask + mask_start + offs_m[:, None] * ext_len + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0,
+            )
+            visible = n_mask[None, :] & (allowed != 0)
+        else:
+            visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen nothing yet keep m = -inf; avoid (-inf) - (-inf)
@@ -141,14 +161,18 @@ def extend_attention(
     extend_starts: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    custom_mask: torch.Tensor | None = None,
+    mask_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the packed new tokens; writes and returns ``o``.
+    """Causal (or ``custom_mask``) attention of the packed new tokens; writes and returns ``o``.
 
     Shapes: ``q`` / ``o`` ``[T, H, D]``, ``k_new`` / ``v_new`` ``[T, Hkv, D]`` (the
     new tokens, packed by request), ``k_buf`` / ``v_buf`` ``[slots, Hkv, D]``;
     per-request ``[bs]`` tensors ``prefix_lens``, ``extend_lens``,
     ``extend_starts`` (offset of the request's first new token in the packed
-    dim).  ``max_extend_len`` (host int) sizes the grid.
+    dim).  ``max_extend_len`` (host int) sizes the grid.  ``custom_mask`` (uint8,
+    every request's ``[ext_len, ext_len]`` mask flattened, packed by request) with
+    ``mask_starts`` ([bs] int64 offsets) replaces causality among the new tokens.
     """
     bs = int(req_pool_indices.shape[0])
     if bs == 0 or max_extend_len == 0:
@@ -171,6 +195,8 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_starts,
+        custom_mask if custom_mask is not None else extend_starts,
+        mask_starts if mask_starts is not None else extend_starts,
         sm_scale,
         q.stride(0),
         q.stride(1),
@@ -190,6 +216,7 @@ def extend_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        USE_MASK=custom_mask is not None,
         num_warps=4 if block_d <= 64 else 8,
         num_stages=2,
     )

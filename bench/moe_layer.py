@@ -1,0 +1,152 @@
+"""One MoE layer's experts: the torch per-expert loop against our fused Triton kernels.
+
+Shape (default): Qwen3-30B-A3B's layer, E=128 experts, top-8, H=2048,
+expert width I=768, bf16.  For each token count M, random router logits pick
+the experts (the same ids for both runners) and we time
+
+* ``loop``: ``TorchMoERunner`` (a loop over the experts that got tokens,
+  gather -> two matmuls -> weighted scatter-add; eager: it reads the routing
+  on the host);
+* ``triton``: ``fused_experts`` (align + gate/up GEMM with SiLU-and-mul +
+  down GEMM with the routing weight + top-k sum), captured back to back in a
+  CUDA graph as in a decode step, rotating over ``--copies`` weight copies so
+  L2 holds none of them.
+
+Reported: time, speed-up over the loop, achieved bytes/s (the active
+experts' weights plus x and the output) against the measured copy
+bandwidth, and TFLOP/s (``2 * M * k * 3 * H * I``) against a measured dense
+bf16 matmul (8192^3).  Writes ``moe_layer.json`` / ``moe_layer.md`` to
+``--out``; goals are in issue 13 (loop x3 at M >= 64, >= 70% of copy
+bandwidth at M <= 16, >= 50% of matmul peak at M >= 4096).
+
+    python bench/moe_layer.py --out /tmp/out
+
+Expert parallelism (``--ep-size``) is not implemented yet; its figures come
+with the EP work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode_latency import copy_bandwidth, cuda_time, environment, graph_time  # noqa: E402
+
+from kvship.engine.layers.moe.runner import get_moe_runner  # noqa: E402
+from kvship.engine.layers.moe.topk import select_experts  # noqa: E402
+from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
+
+DEFAULT_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def matmul_peak(n: int = 8192) -> float:
+    """FLOP/s of a dense bf16 ``n^3`` matmul (cuBLAS)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b, iters=10)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / t
+
+
+def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
+    e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    topk_w, ids = select_experts(torch.randn(m, e, device="cuda", generator=g), k, renormalize=True)
+    active = int(torch.unique(ids).numel())
+    w13_0, w2_0 = weights[0]
+    ref = get_moe_runner("torch")(x, w13_0, w2_0, topk_w, ids)
+    out = fused_experts(x, w13_0, w2_0, topk_w, ids)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    copies = len(weights)
+    t_triton = graph_time(lambda i: fused_experts(x, *weights[i % copies], topk_w, ids), calls=2 * copies)
+    t_loop = None
+    if m <= loop_max_m:
+        runner = get_moe_runner("torch")
+        t_loop = cuda_time(lambda: runner(x, w13_0, w2_0, topk_w, ids), iters=3, rounds=3)
+    nbytes = active * 3 * h * inter * 2 + 2 * m * h * 2
+    flops = 2 * m * k * 3 * h * inter
+    return {
+        "m": m,
+        "active_experts": active,
+        "rel_err_vs_loop": rel,
+        "triton_us": t_triton * 1e6,
+        "loop_us": None if t_loop is None else t_loop * 1e6,
+        "speedup": None if t_loop is None else t_loop / t_triton,
+        "triton_bytes_per_s": nbytes / t_triton,
+        "triton_flops": flops / t_triton,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=DEFAULT_M, help="token counts")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768, help="expert width (moe_intermediate_size)")
+    ap.add_argument("--copies", type=int, default=3, help="weight copies rotated over (defeat L2)")
+    ap.add_argument("--loop-max-m", type=int, default=8192, help="skip the torch loop above this M")
+    ap.add_argument("--out", default=None, help="folder for moe_layer.json / .md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    env = environment()
+    copy_bw = copy_bandwidth()
+    peak = matmul_peak()
+    e, h, inter = args.experts, args.hidden, args.inter
+    weights = [
+        (
+            torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5,
+            torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5,
+        )
+        for _ in range(args.copies)
+    ]
+    rows = []
+    for m in args.m:
+        r = bench_m(m, args, weights, args.loop_max_m)
+        r["bw_frac"] = r["triton_bytes_per_s"] / copy_bw
+        r["peak_frac"] = r["triton_flops"] / peak
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    result = {
+        "env": env,
+        "shape": {"experts": e, "topk": args.topk, "hidden": h, "inter": inter, "dtype": "bfloat16"},
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "matmul_peak_flops": peak,
+        "rows": rows,
+    }
+    lines = [
+        f"MoE layer E={e} top-{args.topk} H={h} I={inter} bf16 on {env['gpu']}: copy {copy_bw / 1e12:.2f} TB/s, "
+        f"dense bf16 matmul {peak / 1e12:.0f} TFLOP/s",
+        "",
+        "| M | active experts | loop us | triton us | speed-up | TB/s | % copy bw | TFLOP/s | % matmul peak | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        loop = "-" if r["loop_us"] is None else f"{r['loop_us']:.0f}"
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        lines.append(
+            f"| {r['m']} | {r['active_experts']} | {loop} | {r['triton_us']:.1f} | {sp} | "
+            f"{r['triton_bytes_per_s'] / 1e12:.2f} | {100 * r['bw_frac']:.0f}% | {r['triton_flops'] / 1e12:.1f} | "
+            f"{100 * r['peak_frac']:.0f}% | {r['rel_err_vs_loop']:.1e} |"
+        )
+    md = "\n".join(lines)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "moe_layer.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Tune the fused-MoE Triton kernels' launch configs for one expert shape on this GPU.
+
+For each token count M, every candidate config (``candidates(m)``: tile
+sizes, warps, stages) runs ``fused_experts`` on random routing, is checked
+against the default config's output, and is timed in a CUDA graph rotating
+over weight copies (as ``bench/moe_layer.py`` does); the fastest wins, then
+the down GEMM's own tiles are tried with the winner's ``BLOCK_SIZE_M``.
+Writes ``{M: config}`` as JSON named by ``kernel_config.config_file_name``
+into ``--out`` (and into ``engine/layers/moe/configs/`` with ``--save``),
+where ``kernel_config.get_config`` finds it.
+
+    python bench/moe_tune.py --out /tmp/out --save     # Qwen3-30B-A3B shape by default
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode_latency import environment, graph_time  # noqa: E402
+
+from kvship.engine.layers.moe.kernel_config import CONFIG_DIR, config_file_name, default_config  # noqa: E402
+from kvship.engine.layers.moe.topk import select_experts  # noqa: E402
+from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
+
+DEFAULT_M = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def candidates(m: int, num_experts: int, top_k: int) -> list[dict]:
+    if m * top_k <= 2 * num_experts:  # decode: a few tokens per expert, weight-bandwidth bound
+        space = dict(BM=[16], BN=[32, 64, 128], BK=[64, 128, 256], G=[1], W=[4], S=[2, 3, 4])
+    elif m <= 512:
+        space = dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4])
+    else:
+        space = dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4])
+    out = []
+    for bm, bn, bk, g, w, s in itertools.product(*space.values()):
+        if bm * bn > 128 * 128:  # two fp32 accumulators of this size spill
+            continue
+        out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=DEFAULT_M)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--save", action="store_true", help=f"also write the table into {CONFIG_DIR}")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop tuning new sizes after this long")
+    args = ap.parse_args()
+    t0 = time.time()
+    e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
+    weights = [
+        (
+            torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5,
+            torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5,
+        )
+        for _ in range(args.copies)
+    ]
+    table: dict[str, dict] = {}
+    for m in args.m:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent; stopping before M={m}", flush=True)
+            break
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        w, ids = select_experts(torch.randn(m, e, device="cuda", generator=g), k, renormalize=True)
+        ref = fused_experts(x, *weights[0], w, ids, config=default_config(m, e, k)).float()
+        t_default = graph_time(
+            lambda i: fused_experts(x, *weights[i % args.copies], w, ids, default_config(m, e, k)), 6
+        )
+        best, best_t = None, float("inf")
+        for cfg in candidates(m, e, k):
+            try:
+                out = fused_experts(x, *weights[0], w, ids, config=cfg).float()
+                if ((out - ref).norm() / ref.norm()).item() > 1e-2:
+                    print(f"M={m} {cfg}: wrong result, skipped", flush=True)
+                    continue
+                t = graph_time(lambda i: fused_experts(x, *weights[i % args.copies], w, ids, cfg), 6)
+            except Exception as exc:  # noqa: BLE001 - out of shared memory / registers: not a candidate
+                print(f"M={m} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        # then the down GEMM's own tiles, with the winner's BLOCK_SIZE_M
+        for bn, bk, w_, s_ in itertools.product([32, 64, 128], [64, 128], [4, 8], [3, 4]):
+            cfg = dict(best, down=dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w_, num_stages=s_))
+            try:
+                out = fused_experts(x, *weights[0], w, ids, config=cfg).float()
+                if ((out - ref).norm() / ref.norm()).item() > 1e-2:
+                    continue
+                t = graph_time(lambda i: fused_experts(x, *weights[i % args.copies], w, ids, cfg), 6)
+            except Exception as exc:  # noqa: BLE001
+                print(f"M={m} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        table[str(m)] = best
+        print(f"M={m}: default {t_default * 1e6:.1f} us, best {best_t * 1e6:.1f} us {best}", flush=True)
+    name = config_file_name(e, inter, torch.bfloat16, torch.cuda.get_device_name())
+    targets = ([args.out] if args.out else []) + ([CONFIG_DIR] if args.save else [])
+    for folder in targets:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(table, f, indent=1)
+    if args.out:  # the same table under a plain name (some copy tools refuse '=' and ',')
+        with open(os.path.join(args.out, "moe_tuned.json"), "w") as f:
+            json.dump({"file": name, "table": table}, f, indent=1)
+    print(json.dumps({"file": name, "env": environment(), "seconds": time.time() - t0}))
+
+
+if __name__ == "__main__":
+    main()

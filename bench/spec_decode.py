@@ -1,0 +1,150 @@
+"""Speculative decoding cost at a real model shape on the GPU, with ORACLE acceptance (benchmark only).
+
+Dummy weights make real acceptance meaningless, so this measures what a round
+costs and what it would buy: a bench-only ``Speculator`` whose acceptance is an
+oracle that accepts exactly ``k - 1`` drafts of a chain of ``k - 1`` per request,
+so every round emits exactly ``k`` tokens (acceptance length ``k``).  Everything
+else is the serving path: the real ``Scheduler``, the real verify forward
+(TARGET_VERIFY over the tree masks, our Triton extend kernel), slot allocation,
+the remap of accepted slots, stop checks and output chunks.  Plain decoding
+(CUDA graphs, overlap on and off) runs in the same process as the baseline.
+
+    python bench/spec_decode.py --batch-sizes 1,8,32 --accept-lengths 1,2,3,4,5,6
+
+Prints a table of decode tok/s and the speedup over plain decoding with overlap
+(the serving default); ``--out`` gets spec_decode.json.  Combine a speedup at
+acceptance length ``a`` with a real acceptance length measured elsewhere
+(e.g. SmolLM2 with n-gram or a draft model) to project a real-weight speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_latency import environment, scheduler_decode, write_model_dir  # noqa: E402
+
+logger = logging.getLogger("spec_decode")
+
+
+def oracle_speculator(k: int) -> Any:
+    """A ``Speculator`` factory whose drafter proposes a chain of ``k - 1`` and whose oracle accepts all of it."""
+    from kvship.decode.spec.tree import DraftTree
+    from kvship.decode.spec.verify import Accepted
+    from kvship.decode.spec.worker import Speculator
+
+    n_draft = max(k - 1, 0)
+
+    class ChainDrafter:
+        k = n_draft  # draft tokens per round (the verify graphs are captured for k slots)
+
+        def release_missing(self, open_rids: set[str]) -> None:
+            pass
+
+        def propose_for(self, rid: str, seq: list[int]) -> DraftTree:
+            return DraftTree.chain(seq[-1], [seq[-1]] * n_draft)
+
+    class OracleSpeculator(Speculator):
+        """BENCHMARK ONLY: accepts every draft, whatever the target says."""
+
+        def accept(self, req: Any, tree: DraftTree, logits: torch.Tensor) -> Accepted:
+            slots = list(range(1, tree.size))
+            bonus = int(logits[tree.size - 1].argmax())
+            return Accepted(slots, [tree.all_tokens[s] for s in slots] + [bonus], tree.size - 1)
+
+    return lambda sched: OracleSpeculator(sched, ChainDrafter())
+
+
+def spec_decode(runner: Any, bs: int, input_len: int, output_len: int, k: int) -> dict[str, Any]:
+    r = scheduler_decode(
+        runner, bs, input_len, output_len, overlap=False, speculator=oracle_speculator(k), label=f"spec oracle k={k}"
+    )
+    r["accept_length"] = k
+    r["round_ms"] = r.pop("step_ms")
+    return r
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--accept-lengths", default="1,2,3,4,5,6")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--attention-backend", default="flashinfer", choices=("flashinfer", "triton"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("spec_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+
+    bs_list = [int(x) for x in args.batch_sizes.split(",")]
+    ks = [int(x) for x in args.accept_lengths.split(",")]
+    tmp = tempfile.mkdtemp()
+    max_bs = max(bs_list)
+    ctx = args.input_len + args.output_len + max(ks) + 16
+    runner = ModelRunner(
+        ServerArgs(
+            model_path=write_model_dir(args.shape, tmp),
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=args.attention_backend,
+            context_length=ctx,
+            max_total_tokens=max_bs * (ctx + 8) + 4096,
+            max_running_requests=max_bs,
+            cuda_graph_max_bs=max_bs,
+        )
+    )
+    res: dict[str, Any] = {
+        "env": environment(),
+        "shape": args.shape,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "backend": args.attention_backend,
+        "rows": [],
+    }
+    for bs in bs_list:
+        base = {}
+        for overlap in (True, False):
+            r = scheduler_decode(runner, bs, args.input_len, args.output_len, overlap)
+            base[overlap] = r["decode_tok_s"]
+            res["rows"].append(r)
+            logger.info("%s", r)
+        for k in ks:
+            r = spec_decode(runner, bs, args.input_len, args.output_len, k)
+            r["speedup_vs_overlap"] = r["decode_tok_s"] / base[True]
+            r["speedup_vs_sync"] = r["decode_tok_s"] / base[False]
+            res["rows"].append(r)
+            logger.info("%s", r)
+    lines = [
+        "| batch | mode | decode tok/s | round/step ms | x plain (overlap) | x plain (sync) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['mode']} | {r['decode_tok_s']:.1f} | {r.get('round_ms', r.get('step_ms', 0)):.2f} | "
+            f"{r.get('speedup_vs_overlap', 1.0 if r['mode'] == 'sched+overlap' else float('nan')):.2f} | "
+            f"{r.get('speedup_vs_sync', float('nan')):.2f} |"
+        )
+    md = "\n".join(lines)
+    print(md)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

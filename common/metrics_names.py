@@ -1,0 +1,44 @@
+"""Names of the Prometheus series a kvship worker exports on ``GET /metrics``.
+
+The one list the operator (CRD descriptions, autoscaling validation), the
+examples and the docs take metric names from.  ``kvship.engine.metrics``
+exports exactly these (tests/test_metrics_names.py renders a worker's
+registry and checks both ways), so renaming a series means renaming it here
+and there together.
+
+Names are the Prometheus names (``kvship:`` prefix, colon-separated, as
+vLLM and SGLang do).  A HorizontalPodAutoscaler names a per-pod metric the
+way the metrics adapter exposes it; kvship's examples assume the adapter
+keeps the Prometheus name unchanged.
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvship:"
+
+# Gauges read from the scheduler at scrape time: what an HPA can average per pod.
+NUM_RUNNING_REQS = "kvship:num_running_reqs"
+NUM_QUEUE_REQS = "kvship:num_queue_reqs"
+KV_TOTAL_SLOTS = "kvship:kv_total_slots"
+KV_FREE_SLOTS = "kvship:kv_free_slots"
+TOKEN_USAGE = "kvship:token_usage"
+CACHE_HIT_RATE = "kvship:cache_hit_rate"
+GAUGES = (NUM_RUNNING_REQS, NUM_QUEUE_REQS, KV_TOTAL_SLOTS, KV_FREE_SLOTS, TOKEN_USAGE, CACHE_HIT_RATE)
+
+# Counters (exported with the ``_total`` suffix) and histograms (``_bucket`` / ``_sum`` / ``_count``).
+COUNTERS = (
+    "kvship:prompt_tokens_total",
+    "kvship:generation_tokens_total",
+    "kvship:cached_tokens_total",
+    "kvship:requests_total",
+)
+HISTOGRAMS = (
+    "kvship:time_to_first_token_seconds",
+    "kvship:inter_token_latency_seconds",
+    "kvship:e2e_request_latency_seconds",
+)
+
+WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS
+
+# What the examples and the CRD's description use to autoscale decode workers.
+AUTOSCALING_EXAMPLE = NUM_RUNNING_REQS

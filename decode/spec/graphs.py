@@ -1,0 +1,142 @@
+"""CUDA graphs for the verify forward: one graph per batch size at a fixed tree size ``k``.
+
+Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
+the speculator pads drafts to that size) and whose batch fits a captured size
+replays a graph instead of running the extend eagerly.  The graph's attention
+is our Triton extend kernel with tree masks (``TritonExtendMeta``), whose
+per-step tensors are static buffers refreshed before each replay; padding
+requests use request row 0 with no prefix and write their K/V into slot 0,
+which the KV pool reserves for padding.
+
+Contract: ``can_run(bs, sizes)``; ``replay(...)`` returns a view of the static
+logits ``[bs * k, vocab]``, valid until the next replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvship.engine.attention.triton_backend import TritonExtendMeta
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+class VerifyGraphs:
+    def __init__(self, runner: Any, batch_sizes: list[int], k: int):
+        self.r = runner
+        self.k = k
+        self.sizes = sorted(set(batch_sizes))
+        self.max_bs = self.sizes[-1]
+        dev = runner.device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n * k, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n * k, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n * k, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.ext_lens = torch.full((n,), k, dtype=torch.int32, device=dev)
+        self.starts = (torch.arange(n, dtype=torch.int32, device=dev) * k).contiguous()
+        self.mask = torch.zeros(n * k * k, dtype=torch.uint8, device=dev)
+        self.mask_starts = torch.arange(n, dtype=torch.int64, device=dev) * (k * k)
+        self.logits_idx = torch.arange(n * k, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                self._capture(bs)
+        logger.info(
+            "captured %d verify graphs (k=%d, bs %s) in %.1f s",
+            len(self.sizes),
+            k,
+            self.sizes,
+            time.perf_counter() - t0,
+        )
+
+    def _fb(self, bs: int) -> ForwardBatch:
+        r, k = self.r, self.k
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=self.input_ids[: bs * k],
+            positions=self.positions[: bs * k],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.prefix_lens[:bs],  # unused by the Triton extend (it reads prefix/extend lengths)
+            seq_lens_cpu=[k] * bs,
+            out_cache_loc=self.out_cache_loc[: bs * k],
+            req_to_token_pool=r.req_to_token_pool,
+            kv_pool=r.kv_pool,
+            attn_backend=r.attn_backend,
+            logits_indices=self.logits_idx[: bs * k],
+        )
+
+    def _meta(self, bs: int) -> TritonExtendMeta:
+        k = self.k
+        return TritonExtendMeta(
+            self.prefix_lens[:bs],
+            self.ext_lens[:bs],
+            self.starts[:bs],
+            k,
+            self.mask[: bs * k * k],
+            self.mask_starts[:bs],
+        )
+
+    def _capture(self, bs: int) -> None:
+        fb = self._fb(bs)
+        backend = self.r.attn_backend
+        meta = self._meta(bs)
+        backend.forward_metadata = meta
+        fb.attn_metadata = meta
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                self.r.model(fb.input_ids, fb.positions, fb)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+            out = self.r.model(fb.input_ids, fb.positions, fb)
+        self.graphs[bs] = g
+        self.outputs[bs] = out.next_token_logits
+
+    def can_run(self, bs: int, tree_sizes: list[int]) -> bool:
+        return 1 <= bs <= self.max_bs and all(s == self.k for s in tree_sizes)
+
+    def replay(
+        self,
+        ids: list[int],
+        pos: list[int],
+        locs: torch.Tensor,
+        rows: list[int],
+        prefix: list[int],
+        masks: list[torch.Tensor],
+    ) -> torch.Tensor:
+        bs, k = len(rows), self.k
+        gbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        pad = gbs - bs
+        host_i = torch.tensor(ids + [0] * pad * k, dtype=torch.int64)
+        host_p = torch.tensor(pos + [0] * pad * k, dtype=torch.int64)
+        host_l = torch.cat([locs.to(torch.int64), torch.zeros(pad * k, dtype=torch.int64)])
+        host_r = torch.tensor(rows + [0] * pad, dtype=torch.int64)
+        host_pre = torch.tensor(prefix + [0] * pad, dtype=torch.int32)
+        m = torch.cat(
+            [mm.reshape(-1).to(torch.uint8) for mm in masks]
+            + [torch.tril(torch.ones(k, k, dtype=torch.uint8)).reshape(-1)] * pad
+        )
+        self.input_ids[: gbs * k].copy_(host_i.pin_memory(), non_blocking=True)
+        self.positions[: gbs * k].copy_(host_p.pin_memory(), non_blocking=True)
+        self.out_cache_loc[: gbs * k].copy_(host_l.pin_memory(), non_blocking=True)
+        self.req_pool_indices[:gbs].copy_(host_r.pin_memory(), non_blocking=True)
+        self.prefix_lens[:gbs].copy_(host_pre.pin_memory(), non_blocking=True)
+        self.mask[: gbs * k * k].copy_(m.pin_memory(), non_blocking=True)
+        self.graphs[gbs].replay()
+        self.replays += 1
+        return self.outputs[gbs][: bs * k]

@@ -1,0 +1,244 @@
+"""``Speculator``: runs a decode batch as one speculative round (draft -> verify -> accept).
+
+The scheduler hands it every decode batch (``Scheduler(..., speculator=...)``);
+``run(batch)`` drafts a tree per request, runs one TARGET_VERIFY forward over
+all trees, accepts per request (``verify``), and applies the outcome the way a
+decode step does: tokens appended with the stop checks, chunks emitted,
+finished requests finished.
+
+KV invariants (page size 1):
+
+* Before a round a request has K/V for ``P = kv_committed_len`` positions and
+  its newest token (the root) has none.  The round allocates ``n + 1`` slots,
+  writes them at ``req_to_token[row, P : P + n + 1]`` and computes K/V for the
+  root and every node at positions ``P + depth``.
+* After acceptance the slots of the accepted path move to rows ``P + 1 ..``
+  (in depth order); every other slot of the round is freed at once.  Only K/V
+  of tokens that stay in the sequence is kept: when a stop condition ends the
+  request inside the accepted run, the later slots are freed too.
+  ``kv_committed_len`` = ``kv_allocated_len`` = ``P + 1 + kept``.
+* Requests that sample with a seed or use penalties (the host must see every
+  token before the next draw) run a plain decode step in the same scheduler
+  step.
+* The verify forward is an extend with ``ForwardBatch.tree_masks``: every
+  attention backend honours them (torch_native with SDPA masks, triton and
+  flashinfer with our Triton extend kernel).  On CUDA with graphs, drafts are
+  padded to ``k - 1`` nodes (extra children of the root: a candidate the
+  target does not pick is never accepted, so padding cannot change the
+  output) and the round replays a captured graph (``graphs.VerifyGraphs``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvship.decode.spec.ngram import NgramDrafter
+from kvship.decode.spec.tree import DraftTree
+from kvship.decode.spec.verify import Accepted, accept_greedy, accept_sampled
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.sampler import SamplingBatchInfo, filter_probs
+from kvship.engine.schedule_batch import Req, ScheduleBatch
+from kvship.engine.scheduler.launch import needs_host_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def create_drafter(server_args: Any) -> Any:
+    """The drafter of ``--speculative-algorithm``.
+
+    A drafter has ``propose_for(rid, seq) -> DraftTree`` (the draft below
+    ``seq[-1]``) and ``release_missing(open_rids)`` (drop per-request state of
+    requests that are gone).
+    """
+    algo = server_args.speculative_algorithm
+    if algo == "ngram":
+        return NgramDrafter(
+            num_draft_tokens=server_args.speculative_num_draft_tokens or 8,
+            branches=server_args.speculative_eagle_topk or 1,
+        )
+    if algo == "draft":
+        from kvship.decode.spec.draft_model import DraftModelDrafter
+
+        if (server_args.speculative_eagle_topk or 1) != 1:
+            raise ValueError("--speculative-algorithm draft drafts a chain: --speculative-eagle-topk must be 1")
+        return DraftModelDrafter(server_args, server_args.speculative_num_draft_tokens or 4)
+    raise ValueError(f"unknown --speculative-algorithm {algo!r}")
+
+
+class Speculator:
+    def __init__(self, sched: "Scheduler", drafter: Any):
+        if sched.page_size != 1:
+            raise ValueError("speculative decoding needs --page-size 1")
+        self.s = sched
+        self.drafter = drafter
+        self.graphs = None
+        cgr = sched.runner.cuda_graph_runner
+        if cgr is not None:  # CUDA with graphs: verify rounds of drafter.k + 1 slots replay graphs too
+            from kvship.decode.spec.graphs import VerifyGraphs
+
+            sizes = [b for b in cgr.batch_sizes if b <= min(sched.max_running, 64)]
+            if sizes:
+                self.graphs = VerifyGraphs(sched.runner, sizes, drafter.k + 1)
+        self.counters: Counter = Counter()
+        self.accept_lengths: list[int] = []  # emitted tokens per round per request (recent window)
+
+    def splits(self, batch: ScheduleBatch) -> tuple[list[Req], list[Req]]:
+        """(requests that run speculatively, requests that need a plain decode step)."""
+        spec = [r for r in batch.reqs if not needs_host_state(r)]
+        return spec, [r for r in batch.reqs if needs_host_state(r)]
+
+    # ------------------------------------------------------------ one round
+    def run(self, reqs: list[Req]) -> None:
+        s = self.s
+        self.drafter.release_missing(set(s.reqs))
+        trees = [self.drafter.propose_for(r.rid, r.fill_ids) for r in reqs]
+        if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
+            trees = [t.padded(self.graphs.k) for t in trees]
+        prefix = [r.kv_committed_len for r in reqs]
+        sizes = [t.size for t in trees]
+        seq = [p + n for p, n in zip(prefix, sizes)]
+        locs = s.allocator.alloc_extend(prefix, seq, [r.last_loc for r in reqs])
+        if locs is None:
+            s.kv.shortfall_after_evict(sum(sizes))
+            locs = s.allocator.alloc_extend(prefix, seq, [r.last_loc for r in reqs])
+        if locs is None:
+            raise RuntimeError("KV pool exhausted for the draft tree")
+        per_req: list[torch.Tensor] = []
+        off = 0
+        for r, p, n in zip(reqs, prefix, sizes):
+            mine = locs[off : off + n]
+            per_req.append(mine)
+            s.req_to_token_pool.write(r.req_pool_idx, p, mine)
+            r.kv_allocated_len = p + n
+            off += n
+        try:
+            logits = self._verify(reqs, trees, prefix, locs)
+        except BaseException:
+            for r, mine in zip(reqs, per_req):  # nothing of the round is valid: drop every slot of it
+                s.allocator.free(mine)
+                r.kv_allocated_len = r.kv_committed_len
+            raise
+        off = 0
+        for r, t, p, mine in zip(reqs, trees, prefix, per_req):
+            lg = logits[off : off + t.size]
+            off += t.size
+            acc = self.accept(r, t, lg)
+            self._apply(r, t, p, mine, acc, lg)
+        s.counters["decode_steps"] += 1
+
+    def _verify(self, reqs: list[Req], trees: list[DraftTree], prefix: list[int], locs: torch.Tensor) -> torch.Tensor:
+        runner = self.s.runner
+        dev = self.s.device
+        ids, pos, ext = [], [], []
+        for t, p in zip(trees, prefix):
+            ids += t.all_tokens
+            pos += t.positions(p)
+            ext.append(t.size)
+        n_tok = len(ids)
+
+        def tt(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64, device=dev)
+
+        starts = [0]
+        for e in ext[:-1]:
+            starts.append(starts[-1] + e)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=len(reqs),
+            input_ids=tt(ids),
+            positions=tt(pos),
+            req_pool_indices=tt([r.req_pool_idx for r in reqs]),
+            seq_lens=tt([p + e for p, e in zip(prefix, ext)]),
+            seq_lens_cpu=[p + e for p, e in zip(prefix, ext)],
+            out_cache_loc=locs.to(dev),
+            req_to_token_pool=runner.req_to_token_pool,
+            kv_pool=runner.kv_pool,
+            attn_backend=runner.attn_backend,
+            extend_seq_lens=tt(ext),
+            extend_prefix_lens=tt(prefix),
+            extend_start_loc=tt(starts),
+            extend_seq_lens_cpu=ext,
+            extend_prefix_lens_cpu=list(prefix),
+            logits_indices=torch.arange(n_tok, device=dev),
+            tree_masks=[t.mask() for t in trees],
+        )
+        g = self.graphs
+        with torch.inference_mode():
+            if g is not None and g.can_run(len(reqs), ext):
+                logits = g.replay(ids, pos, locs, [r.req_pool_idx for r in reqs], prefix, fb.tree_masks)
+            else:
+                logits = runner.forward(fb).next_token_logits
+        return logits[:, : self.s.vocab_size].float()
+
+    def accept(self, req: Req, tree: DraftTree, logits: torch.Tensor) -> Accepted:
+        """The accepted path of ``tree`` given the target's ``logits`` per slot (greedy or lossless sampled)."""
+        if req.sampling_params.is_greedy:
+            return accept_greedy(tree, logits.argmax(dim=-1).tolist())
+        info = SamplingBatchInfo.from_reqs([req] * tree.size, self.s.vocab_size, "cpu")
+        probs = torch.softmax(logits.cpu() / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs_sort, order = torch.sort(probs, dim=-1, descending=True)
+            filter_probs(probs_sort, info)
+            probs = torch.zeros_like(probs).scatter_(1, order, probs_sort)
+        return accept_sampled(
+            tree,
+            probs,
+            generator=self.s.launcher.sampler.generator
+            if self.s.launcher.sampler.generator.device.type == "cpu"
+            else None,
+        )
+
+    def _apply(
+        self, req: Req, tree: DraftTree, p: int, slots: torch.Tensor, acc: Accepted, logits: torch.Tensor
+    ) -> None:
+        s = self.s
+        path = [0, *acc.slots]  # slot whose logits produced each emitted token
+        lps = torch.log_softmax(logits, dim=-1) if req.return_logprob else None
+        kept = 0
+        for i, tok in enumerate(acc.tokens):
+            lp = top = None
+            if lps is not None:
+                lp = float(lps[path[i], tok])
+                if req.top_logprobs_num > 0:
+                    v, ix = torch.topk(lps[path[i]], req.top_logprobs_num)
+                    top = list(zip(ix.tolist(), v.tolist()))
+            req.append_token(tok, s.tokenizer, lp, top)
+            s.counters["generation_tokens"] += 1
+            kept = i + 1
+            if req.finished:
+                break
+        # K/V to keep: the root and the accepted drafts among the tokens that stayed in the sequence
+        keep_nodes = acc.slots[: min(len(acc.slots), kept)]
+        row = req.req_pool_idx
+        keep = [0, *keep_nodes]
+        for depth, slot in enumerate(keep):
+            s.req_to_token_pool.write(row, p + depth, slots[slot : slot + 1])
+        drop = [i for i in range(tree.size) if i not in set(keep)]
+        if drop:
+            s.allocator.free(slots[drop])
+        req.kv_committed_len = req.kv_allocated_len = p + len(keep)
+        req.last_loc = int(slots[keep[-1]])
+        self.counters["rounds"] += 1
+        self.counters["draft_tokens"] += tree.size - 1
+        self.counters["accepted_tokens"] += len(acc.slots)
+        self.accept_lengths.append(kept)
+        if req.finished:
+            s.finish(req, req.finished_reason)
+        else:
+            s.emit(req)
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            "spec_rounds": c["rounds"],
+            "spec_draft_tokens": c["draft_tokens"],
+            "spec_accepted_tokens": c["accepted_tokens"],
+            "spec_accept_length": (c["accepted_tokens"] + c["rounds"]) / c["rounds"] if c["rounds"] else 0.0,
+        }

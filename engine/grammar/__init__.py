@@ -1,0 +1,31 @@
+"""Structured output: constrain generation to a JSON schema, a regex or an EBNF grammar (xgrammar).
+
+Life cycle of a constrained request (``SamplingParams.grammar_key`` set)::
+
+    HTTP layer: GrammarBackend.compile_async(key)   invalid grammar -> 400 with the compiler's message
+    scheduler:  submit -> grammar queue (compiling in the backend's pool, other requests keep running)
+                -> matcher ready (``Req.grammar``) -> role.admit / waiting -> extend / decode
+    each step:  fill the matcher's next-token bitmask -> mask the logits -> sample
+                -> ``Req.append_token`` accepts the token; the request stops when the grammar terminates
+
+``xgrammar`` is an optional dependency (``pip install kvship[grammar]``);
+without it a constrained request is refused with a clear message.
+"""
+
+from kvship.engine.grammar.backend import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    GrammarQueue,
+    grammar_available,
+)
+from kvship.engine.grammar.mask import apply_grammar_mask
+
+__all__ = [
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
+    "GrammarQueue",
+    "apply_grammar_mask",
+    "grammar_available",
+]

@@ -1,0 +1,75 @@
+"""Per-shape launch configs of the fused-MoE Triton kernels.
+
+A config is ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
+"GROUP_SIZE_M", "num_warps", "num_stages"}`` for both GEMMs, plus an
+optional ``"down"`` dict overriding ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``,
+``num_warps`` and ``num_stages`` for the down GEMM (``BLOCK_SIZE_M`` is
+shared: the aligned blocks are).  Tuned tables live in
+``configs/`` as JSON files named by ``config_file_name`` (experts, expert
+width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
+as ``_``), each mapping a token count ``M`` (as a string) to a config; a
+lookup takes the entry of the nearest ``M``.  Without a file for the shape
+and GPU, ``default_config`` applies.  A tuner (``bench/``) writes the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_file_name(num_experts: int, intermediate_size: int, dtype: torch.dtype, device_name: str) -> str:
+    return f"E={num_experts},N={intermediate_size},dtype={dtype_name(dtype)},device_name={device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def load_table(num_experts: int, intermediate_size: int, dtype: torch.dtype, device_name: str) -> Optional[dict]:
+    """``{M: config}`` from ``configs/`` for this shape and GPU, or None."""
+    path = os.path.join(CONFIG_DIR, config_file_name(num_experts, intermediate_size, dtype, device_name))
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    table = {int(m): _parse(cfg) for m, cfg in raw.items()}
+    logger.info("fused-MoE kernel configs from %s (%d sizes)", path, len(table))
+    return table
+
+
+def _parse(cfg: dict) -> dict:
+    out: dict = {k: int(cfg[k]) for k in KEYS}
+    if "down" in cfg:
+        out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
+    return out
+
+
+def default_config(m: int, num_experts: int, top_k: int) -> dict:
+    """Untuned but reasonable: small M tiles for decode (few tokens per expert), larger for prefill."""
+    if m * top_k <= num_experts * 2:  # about one token per active expert: weight-bandwidth bound
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
+    if m <= 512:
+        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+
+
+def get_config(
+    m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
+) -> dict:
+    table = load_table(num_experts, intermediate_size, dtype, device_name)
+    if table:
+        return table[min(table, key=lambda k: abs(k - m))]
+    return default_config(m, num_experts, top_k)

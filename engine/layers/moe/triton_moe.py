@@ -1,0 +1,342 @@
+"""The ``triton`` MoE runner: aligned token->expert blocks and two grouped GEMMs.
+
+Steps for ``x [M, H]`` routed to ``k`` experts per token (``n = M * k`` pairs):
+
+1. ``align_block_size``: pairs sorted by expert, each run padded to
+   ``BLOCK_SIZE_M`` (fixed-size outputs, no host sync): one Triton program
+   (``_align_kernel``) for decode-sized batches, else ``align.moe_align_block_size``'s
+   torch ops (same outputs).
+2. ``_gate_up_kernel``: for each block of one expert's pairs and each
+   ``BLOCK_SIZE_N`` columns of the expert width ``I``, ``x[pair // k] @
+   w13[e, gate rows]^T`` and ``... @ w13[e, up rows]^T`` side by side, then
+   ``silu(gate) * up`` into ``inter [n, I]`` at the pair's row (the
+   ``[n, 2I]`` activation never exists).
+3. ``_down_kernel``: ``inter[pair] @ w2[e]^T`` times the pair's routing
+   weight into ``out [n, H]``.
+4. ``_topk_sum_kernel``: each token's ``k`` rows of ``out`` summed in float32.
+
+Routing (``TritonMoERunner.select_experts``): ``_route_kernel``, softmax ->
+top-k -> renormalise in one program per token (``topk.select_experts``'s
+contract; ties go to the lower expert id).
+
+Both kernels skip blocks past ``num_tokens_post_padded`` and padding entries,
+so the launch grid depends only on ``M`` and the config: the step is captured
+in CUDA graphs like any other.  Launch configs: ``kernel_config.get_config``.
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvship.engine.layers.moe.align import moe_align_block_size, padded_size
+from kvship.engine.layers.moe.kernel_config import get_config
+from kvship.engine.layers.moe.runner import MoERunner, register_moe_runner
+
+
+@triton.jit
+def _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
+    # grouped ordering: consecutive programs share the same rows of A (L2 reuse)
+    in_group = GROUP_SIZE_M * num_pid_n
+    group = pid // in_group
+    first_m = group * GROUP_SIZE_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_SIZE_M)
+    pid_m = first_m + ((pid % in_group) % group_m)
+    pid_n = (pid % in_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntp_ptr,
+    num_pairs,
+    padded_len,
+    inter_size,
+    hidden_size,
+    top_k: tl.constexpr,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(inter_size, BLOCK_SIZE_N)
+    pid_m, pid_n = _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
+        return
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    mask_m = pair < num_pairs
+    row = (pair // top_k).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    mask_n = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
+        mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_SIZE_K
+        g_ptrs += BLOCK_SIZE_K
+        u_ptrs += BLOCK_SIZE_K
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntp_ptr,
+    num_pairs,
+    padded_len,
+    hidden_size,
+    inter_size,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(hidden_size, BLOCK_SIZE_N)
+    pid_m, pid_n = _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
+        return
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    mask_m = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    mask_n = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + pair64[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(inter_size, BLOCK_SIZE_K)):
+        mask_k = offs_k < inter_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_SIZE_K
+        w_ptrs += BLOCK_SIZE_K
+    route_w = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
+    acc = acc * route_w[:, None]
+    out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntp_ptr,
+    num_pairs,
+    padded_len,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    # one program: one-hot [PAIRS, EXPERTS] -> counts, padded run starts, each pair's rank in its run
+    pairs = tl.arange(0, PAIRS)
+    pmask = pairs < num_pairs
+    ids = tl.load(ids_ptr + pairs, mask=pmask, other=-1)
+    experts = tl.arange(0, EXPERTS)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    dest = tl.sum(onehot * starts[None, :], axis=1) + rank
+    total = tl.sum(padded, axis=0)
+    for off in range(0, padded_len, FILL):
+        idx = off + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + idx, num_pairs, mask=idx < padded_len)
+        # block b's expert: the number of experts whose run ends at or before b * BLOCK_M (clamped)
+        bstart = idx * BLOCK_M
+        ends_real = tl.where(experts < num_experts, ends, total + padded_len * BLOCK_M)
+        eid = tl.sum((ends_real[None, :] <= bstart[:, None]).to(tl.int32), axis=1)
+        eid = tl.minimum(eid, num_experts - 1)
+        tl.store(expert_ids_ptr + idx, eid, mask=idx < padded_len // BLOCK_M)
+    tl.debug_barrier()  # the padding fill above lands before the scatter below
+    tl.store(sorted_ids_ptr + dest, pairs, mask=pmask)
+    tl.store(ntp_ptr, total)
+
+
+# the one-program align takes up to this many (pairs x experts) one-hot cells; more goes to the torch ops
+_ALIGN_MAX_CELLS = 128 * 256
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align.moe_align_block_size`` (same outputs): one Triton program for decode-sized batches."""
+    n = topk_ids.numel()
+    pairs, experts = triton.next_power_of_2(max(n, 16)), triton.next_power_of_2(max(num_experts, 16))
+    if pairs * experts > _ALIGN_MAX_CELLS:
+        return moe_align_block_size(topk_ids, block_m, num_experts)
+    size = padded_size(n, num_experts, block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
+    ntp = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, expert_ids, ntp, n, size, num_experts,
+        BLOCK_M=block_m, PAIRS=pairs, EXPERTS=experts, FILL=64, num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, ntp
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    # one program per token: softmax over the experts, the TOP_K largest (descending, lowest index on ties)
+    row = tl.program_id(0)
+    e = tl.arange(0, EXPERTS)
+    logits = tl.load(logits_ptr + row * stride_l + e, mask=e < num_experts, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    remaining = tl.where(e < num_experts, p, -1.0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        idx = tl.min(tl.where(remaining == best, e, EXPERTS), axis=0)
+        tl.store(weights_ptr + row * TOP_K + j, best)
+        tl.store(ids_ptr + row * TOP_K + j, idx)
+        total += best
+        remaining = tl.where(e == idx, -1.0, remaining)
+    if RENORMALIZE:
+        k = tl.arange(0, TOP_K)
+        w = tl.load(weights_ptr + row * TOP_K + k)
+        tl.store(weights_ptr + row * TOP_K + k, w / total)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk.select_experts`` in one kernel (float32 weights, int32 ids ``[M, top_k]``); top_k a power of 2."""
+    m, num_experts = router_logits.shape
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
+    if m:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _route_kernel[(m,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, num_warps=1,
+        )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _topk_sum_kernel(in_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # out[m, cols] = sum_j in[m * TOP_K + j, cols], accumulated in float32
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(in_ptr + (m * TOP_K + j).to(tl.int64) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """The ``MoERunner`` contract (runner.py) with Triton kernels; ``config`` overrides the lookup (tuner)."""
+    m, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if m == 0:
+        return torch.zeros_like(x)
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("expert weights must be contiguous in their last dim")
+    x = x.contiguous()
+    cfg = config or get_config(m, num_experts, inter, top_k, x.dtype, _device_name(x.device))
+    bm, bn, bk, gm = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)
+    n = m * top_k
+    padded = sorted_ids.numel()
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(triton.cdiv(padded, bm) * triton.cdiv(inter, bn),)](
+        x, w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
+    )  # fmt: skip
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    down = {**cfg, **cfg.get("down", {})}  # the down GEMM may override N/K tiles, warps and stages
+    bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
+    launch = dict(num_warps=down["num_warps"], num_stages=down["num_stages"])
+    _down_kernel[(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn),)](
+        h, w2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
+    )  # fmt: skip
+    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
+    return y
+
+
+@register_moe_runner("triton")
+class TritonMoERunner(MoERunner):
+    def __call__(self, x, w13, w2, topk_weights, topk_ids):
+        return fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    def select_experts(self, router_logits, top_k, renormalize):
+        if top_k & (top_k - 1) or router_logits.shape[1] > 1024:  # the kernel's shapes: fall back
+            return super().select_experts(router_logits, top_k, renormalize)
+        return route(router_logits, top_k, renormalize)

@@ -1,0 +1,177 @@
+"""Mixture-of-Experts decoders of the Llama family: Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral.
+
+A block is the Llama block (``LlamaAttention``, RMSNorms, residuals) whose
+MLP is, on sparse layers (``MoEConfig.is_sparse_layer``), a ``SparseMoeBlock``:
+router ``gate`` (``[E, H]``) -> top-k -> ``FusedMoE`` (experts stacked as
+``w13 [E, 2I, H]`` / ``w2 [E, H, I]``), plus Qwen2-MoE's sigmoid-gated shared
+expert; other layers keep the dense ``LlamaMLP``.
+
+Checkpoint names are Hugging Face's.  Mixtral's ``block_sparse_moe`` is read
+as ``mlp`` and its ``w1``/``w3``/``w2`` as gate/up/down; every per-expert
+tensor ``...mlp.experts.N.<proj>.weight`` goes into the stacked parameter
+with shard ``(N, part)`` (``FusedMoE``'s weight loader).
+
+Tensor parallelism (``tp_plan``): attention, dense and shared-expert MLPs and
+the vocabulary split as in Llama; the router and the experts stay whole on
+every rank (expert parallelism over the TP group is a later step).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.layers.embedding import LMHead
+from kvship.engine.layers.linear import Linear
+from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.models.llama import LlamaMLP, LlamaModel
+from kvship.engine.models.registry import register_model
+
+# ``<prefix>.experts.<N>.<proj>.weight`` -> (prefix, expert, projection)
+_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PART_PARAM = {"gate": "w13_weight", "up": "w13_weight", "down": "w2_weight"}
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert): ``[T, H] -> [T, H]``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        if config.hidden_act != "silu":
+            raise ValueError(f"MoE experts support hidden_act 'silu' only, got '{config.hidden_act}'")
+        dt = config.dtype
+        self.gate = Linear(config.hidden_size, moe.num_experts, dtype=dt)
+        self.experts = FusedMoE(
+            moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size, moe.norm_topk_prob, dt
+        )
+        self.has_shared_expert = moe.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = LlamaMLP(replace(config, intermediate_size=moe.shared_expert_intermediate_size))
+            self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+@register_model("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+class MoEForCausalLM(nn.Module):
+    # (parameter suffix, checkpoint suffix, shard id) of the fused attention / dense-MLP projections
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    # checkpoint name fragments renamed before mapping (Mixtral's MoE block)
+    checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
+    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+    tp_plan = {
+        "embed_tokens": "vocab_embed",
+        "self_attn": "attention",
+        "qkv_proj": "qkv",
+        "o_proj": "row",
+        "gate_up_proj": "column",
+        "down_proj": "row",
+        "lm_head": "vocab_head",
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.moe is None:
+            raise ValueError(f"{config.architecture} config.json names no experts (num_experts / num_local_experts)")
+        self.config = config
+        moe = config.moe
+        self.model = LlamaModel(
+            config, mlp_for_layer=lambda i: SparseMoeBlock(config) if moe.is_sparse_layer(i) else LlamaMLP(config)
+        )
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            config.dtype,
+            tied=self.model.embed_tokens if config.tie_word_embeddings else None,
+        )
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
+        hidden = self.model(input_ids, positions, forward_batch)
+        idx = forward_batch.logits_indices
+        if idx is None:
+            idx = forward_batch.default_logits_indices()
+        return LogitsOutput(next_token_logits=self.lm_head(hidden.index_select(0, idx)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into parameters; returns ``name`` or ``name#shard`` filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(self.ignored_checkpoint_suffixes):
+                continue
+            if ckpt_name == "lm_head.weight" and self.lm_head.tied:
+                continue
+            name = ckpt_name
+            for old, new in self.checkpoint_renames:
+                name = name.replace(old, new)
+            m = _EXPERT_RE.match(name)
+            if m is not None:
+                part = _EXPERT_PART[m.group(3)]
+                pname, shard = f"{m.group(1)}.{_PART_PARAM[part]}", (int(m.group(2)), part)
+            else:
+                pname, shard = name, None
+                for param_part, ckpt_part, sid in self.stacked_params_mapping:
+                    if f".{ckpt_part}." in name:
+                        pname, shard = name.replace(f".{ckpt_part}.", f".{param_part}."), sid
+                        break
+            _load_one(params, pname, tensor, shard, ckpt_name)
+            loaded.add(pname if shard is None else f"{pname}#{_shard_key(shard)}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """What ``load_weights`` must report for a complete checkpoint."""
+        out: set[str] = set()
+        stacked: dict[str, list] = {}
+        for p, _, sid in self.stacked_params_mapping:
+            stacked.setdefault(p, []).append(sid)
+        moe_params: dict[str, list] = {}
+        for mname, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                for attr, shards in module.expected_shards().items():
+                    moe_params[f"{mname}.{attr}"] = shards
+        for name, _ in self.named_parameters():
+            part = name.split(".")[-2]
+            if name in moe_params:
+                out.update(f"{name}#{_shard_key(s)}" for s in moe_params[name])
+            elif part in stacked:
+                out.update(f"{name}#{s}" for s in stacked[part])
+            else:
+                out.add(name)
+        return out
+
+
+def _shard_key(shard: object) -> str:
+    return ".".join(map(str, shard)) if isinstance(shard, tuple) else str(shard)
+
+
+def _load_one(params: dict, pname: str, tensor: torch.Tensor, shard: object, ckpt_name: str) -> None:
+    param = params.get(pname)
+    if param is None:
+        raise ValueError(f"checkpoint tensor '{ckpt_name}' matches no parameter of this model")
+    try:
+        if shard is None:
+            param.weight_loader(param, tensor.to(param.dtype))
+        else:
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+    except ValueError as e:
+        raise ValueError(f"loading '{ckpt_name}': {e}") from None

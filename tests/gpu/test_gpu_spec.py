@@ -1,0 +1,127 @@
+"""Speculative decoding on the GPU backends: the tree-mask extend kernel and lossless greedy decoding.
+
+The kernel test also runs on CPU under ``TRITON_INTERPRET=1``; the engine tests need CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gpu_common import HAS_CUDA, NO_CUDA_REASON, cuda_or_interpreter, kernel_device
+from test_gpu_triton_kernels import _rel, packed_extend_inputs
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _masked_ref(q, k, v, prefix: int, tree: torch.Tensor) -> torch.Tensor:
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    allowed = torch.cat([torch.ones(tree.shape[0], prefix, dtype=torch.bool), tree.cpu()], dim=1)
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_extend_with_tree_masks_matches_masked_attention(head_dim):
+    from kvship.decode.spec.tree import DraftTree
+    from kvship.engine.attention.triton_ops.extend_attention import extend_attention
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    trees = [DraftTree(1, [2, 3, 4, 5, 6], [0, 0, 1, 1, 3]), DraftTree.chain(1, [2, 3]), DraftTree(1, [], [])]
+    prefix = [7, 0, 130]
+    ext = [t.size for t in trees]
+    bs = len(trees)
+    q, k_new, v_new, k_buf, v_buf, r2t, starts, total = packed_extend_inputs(dev, dtype, prefix, ext, 4, head_dim)
+    masks = [tr.mask() for tr in trees]
+    flat = torch.cat([m.reshape(-1).to(torch.uint8) for m in masks]).to(dev)
+    offs = torch.tensor([sum(e * e for e in ext[:i]) for i in range(bs)], dtype=torch.int64, device=dev)
+    o = torch.full_like(q, float("nan"))
+    extend_attention(
+        q,
+        k_new,
+        v_new,
+        o,
+        k_buf,
+        v_buf,
+        r2t,
+        torch.arange(bs, device=dev),
+        torch.tensor(prefix, device=dev),
+        torch.tensor(ext, device=dev),
+        torch.tensor(starts, device=dev),
+        max(ext),
+        1.0 / math.sqrt(head_dim),
+        flat,
+        offs,
+    )
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for i in range(bs):
+        slots = r2t[i, : total[i]].long()
+        ref = _masked_ref(q[starts[i] : starts[i] + ext[i]], k_buf[slots], v_buf[slots], prefix[i], masks[i])
+        assert _rel(o[starts[i] : starts[i] + ext[i]], ref) < tol, f"request {i}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_gpu_verify_graphs_replay_what_the_eager_verify_computes(tmp_path, backend):
+    """Speculative rounds replayed from the verify CUDA graphs give the tokens of eager verify rounds.
+
+    (Speculative vs plain decoding is compared token for token on CPU, tests/test_spec_decode.py: on the GPU
+    the two run different kernels -- split-KV decode vs the masked extend, Triton dots in TF32 for float32 --
+    so near-tied logits of a tiny random model may flip there, as they do between any two kernels.)"""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
+    from conftest import build_tiny_model
+    from pd_fixtures import Collector, _server_args
+
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.model_runner import ModelRunner
+
+    # head dim 64 (FlashInfer's kernels need >= 64); flashinfer runs 16-bit models only
+    model_dir = build_tiny_model(
+        str(tmp_path),
+        "llama",
+        seed=11,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    dtype = "bfloat16" if backend == "flashinfer" else "float32"
+    g = torch.Generator().manual_seed(0)
+    prompts = [(torch.randint(3, 200, (3,), generator=g).tolist() * 8)[: 10 + i] for i in range(8)]
+
+    def run(graphs: bool):
+        sa = _server_args(
+            model_dir,
+            device="cuda",
+            attention_backend=backend,
+            dtype=dtype,
+            speculative_algorithm="ngram",
+            speculative_eagle_topk=2,
+            disable_cuda_graph=not graphs,
+            cuda_graph_bs=[8],
+        )
+        out = Collector()
+        sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
+        assert (sched.speculator.graphs is not None) == graphs
+        for i, p in enumerate(prompts):
+            sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=32, temperature=0.0)))
+        for _ in range(100000):
+            sched.step()
+            if sched.idle():
+                break
+        st = sched.get_stats()
+        assert st["free_slots"] == st["total_slots"] and st["spec_rounds"] > 0
+        if graphs:
+            assert sched.speculator.graphs.replays > 0
+        return [out.tokens(f"r{i}") for i in range(len(prompts))]
+
+    assert run(graphs=True) == run(graphs=False)

@@ -1,0 +1,264 @@
+"""Mixture-of-Experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) on tiny random checkpoints, against ``transformers``.
+
+Each model is written by ``transformers`` ``save_pretrained`` (per-expert
+checkpoint tensors, which our loader stacks) and run through our
+ModelRunner with the ``torch`` MoE runner in float32; logits must agree
+within ``ATOL``, greedy continuations through the real Scheduler must equal
+``generate``.  The Triton runner is checked in tests/gpu/test_gpu_moe.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_COMMON, build_tiny_tokenizer
+
+from kvship.engine.config import ServerArgs
+from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.layers.moe.align import moe_align_block_size
+from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.moe.runner import get_moe_runner
+from kvship.engine.layers.moe.topk import select_experts
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.model_runner import ModelRunner
+from kvship.engine.models.llama import LlamaMLP
+from kvship.engine.models.moe import SparseMoeBlock
+from kvship.engine.scheduler import Scheduler
+
+ATOL = 1e-4
+MOE_COMMON = dict(TINY_COMMON, num_hidden_layers=3, num_experts_per_tok=2)
+# key -> (config class, model class, overrides)
+SPECS = {
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; renormalised top-k like Qwen3-30B-A3B
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    ),
+    # every second layer sparse (decoder_sparse_step 2: layer 1 only), shared expert, plain top-k weights
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=48)),
+}
+
+
+def _build(out_dir: str, key: str, seed: int) -> str:
+    import transformers
+
+    cfg_name, model_name, overrides = SPECS[key]
+    config = getattr(transformers, cfg_name)(**dict(MOE_COMMON, tie_word_embeddings=False, **overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    return {k: _build(str(tmp_path_factory.mktemp(f"tiny_{k}")), k, seed=20 + i) for i, k in enumerate(SPECS)}
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in moe_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def moe_runners(moe_dirs):
+    return {
+        k: ModelRunner(ServerArgs(model_path=p, device="cpu", max_total_tokens=1024, max_running_requests=8))
+        for k, p in moe_dirs.items()
+    }
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_moe_prefill_and_decode_logits_match_transformers(key, moe_runners, hf_moe, kv_driver):
+    ids, follow = _prompt(29, seed=1), _prompt(4, seed=2)
+    drv = kv_driver(moe_runners[key])
+    req = drv.new()
+    try:
+        prefill = drv.extend([req], [ids], all_logits=True)
+        decode = [drv.decode([req], [t])[0] for t in follow]
+    finally:
+        drv.free(req)
+    ref = _hf_logits(hf_moe[key], ids + follow)
+    assert (prefill - ref[: len(ids)]).abs().max().item() < ATOL
+    assert (torch.stack(decode) - ref[len(ids) :]).abs().max().item() < ATOL
+
+
+def test_moe_layers_follow_sparse_step_mlp_only_layers_and_shared_expert(moe_runners):
+    q3 = moe_runners["qwen3_moe"].model.model.layers
+    assert [type(layer.mlp) for layer in q3] == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
+    assert q3[0].mlp.experts.w13_weight.shape == (8, 64, 64) and q3[0].mlp.experts.w2_weight.shape == (8, 64, 32)
+    assert q3[0].mlp.experts.renormalize and not q3[0].mlp.has_shared_expert
+    q2 = moe_runners["qwen2_moe"].model.model.layers
+    assert [type(layer.mlp) for layer in q2] == [LlamaMLP, SparseMoeBlock, LlamaMLP]
+    assert q2[1].mlp.has_shared_expert and not q2[1].mlp.experts.renormalize
+    mx = moe_runners["mixtral"].model.model.layers
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in mx) and mx[0].mlp.experts.renormalize
+    assert mx[0].mlp.experts.w13_weight.shape == (8, 96, 64)
+
+
+def test_moe_stacked_experts_hold_each_checkpoint_expert(moe_dirs, moe_runners):
+    from safetensors import safe_open
+
+    experts = moe_runners["mixtral"].model.model.layers[2].mlp.experts
+    with safe_open(f"{moe_dirs['mixtral']}/model.safetensors", "pt") as f:
+        w1 = f.get_tensor("model.layers.2.block_sparse_moe.experts.5.w1.weight")
+        w3 = f.get_tensor("model.layers.2.block_sparse_moe.experts.5.w3.weight")
+        w2 = f.get_tensor("model.layers.2.block_sparse_moe.experts.5.w2.weight")
+    assert torch.equal(experts.w13_weight[5], torch.cat([w1, w3]))
+    assert torch.equal(experts.w2_weight[5], w2)
+
+
+@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral"])
+def test_moe_greedy_through_the_scheduler_equals_transformers_generate(key, moe_dirs, hf_moe):
+    sa = ServerArgs(model_path=moe_dirs[key], device="cpu", max_total_tokens=1024, chunked_prefill_size=16)
+    runner = ModelRunner(sa)
+    chunks = []
+    sched = Scheduler(sa, runner, None, chunks.extend)
+    prompts = [_prompt(n, seed=10 + n) for n in (3, 21)]
+    for i, p in enumerate(prompts):
+        sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=8)))
+    for _ in range(2000):
+        sched.step()
+        if sched.idle():
+            break
+    assert sched.idle()
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf_moe[key].generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, pad_token_id=0
+            )[0, len(p) :]
+        got = [t for c in chunks if c.rid == f"r{i}" for t in c.token_ids]
+        assert got == ref.tolist(), f"prompt {i}"
+
+
+def test_moe_dummy_weights_load_and_give_finite_logits(moe_dirs, kv_driver):
+    runner = ModelRunner(ServerArgs(model_path=moe_dirs["qwen2_moe"], load_format="dummy", max_total_tokens=64))
+    logits = kv_driver(runner).greedy(_prompt(5, seed=3), 3)
+    assert len(logits) == 3
+    w13 = runner.model.model.layers[1].mlp.experts.w13_weight
+    assert w13.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_moe_checkpoint_missing_an_expert_is_an_error(moe_dirs):
+    from kvship.engine.loaders.base import fill_from_checkpoint
+    from kvship.engine.loaders.safetensors_loader import iterate_safetensors, safetensors_files
+    from kvship.engine.models.moe import MoEForCausalLM
+
+    cfg = ModelConfig.from_pretrained(moe_dirs["qwen3_moe"])
+    model = MoEForCausalLM(cfg)
+    tensors = [
+        (n, t)
+        for n, t in iterate_safetensors(safetensors_files(moe_dirs["qwen3_moe"]))
+        if ".experts.3.up_proj" not in n
+    ]
+    with pytest.raises(ValueError, match=r"missing 2 weight\(s\).*experts\.w13_weight#3\.up"):
+        fill_from_checkpoint(model, tensors, len(tensors), "test")
+
+
+def test_moe_config_reads_expert_fields():
+    base = dict(MOE_COMMON, architectures=["Qwen3MoeForCausalLM"], num_experts=128, moe_intermediate_size=768)
+    cfg = ModelConfig.from_hf_dict(dict(base, norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1))
+    assert cfg.qk_norm and cfg.moe.num_experts == 128 and cfg.moe.top_k == 2 and cfg.moe.intermediate_size == 768
+    assert cfg.moe.norm_topk_prob and not cfg.moe.is_sparse_layer(0) and cfg.moe.is_sparse_layer(1)
+    mx = ModelConfig.from_hf_dict(dict(MOE_COMMON, architectures=["MixtralForCausalLM"], num_local_experts=8))
+    assert mx.moe.num_experts == 8 and mx.moe.norm_topk_prob and mx.moe.intermediate_size == 128
+    assert ModelConfig.from_hf_dict(dict(MOE_COMMON, architectures=["LlamaForCausalLM"])).moe is None
+
+
+# --- the layer ----------------------------------------------------------------------
+def _dense_reference(x, w13, w2, weights, ids):
+    """Every token through each of its experts, one at a time (float64)."""
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for m in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            h = w13[ids[m, j]] @ x[m]
+            out[m] += weights[m, j] * (w2[ids[m, j]] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, 40])
+def test_torch_runner_matches_per_token_reference_with_experts_that_get_no_tokens(m):
+    g = torch.Generator().manual_seed(m)
+    e, h, i, k = 6, 32, 24, 2
+    x, w13, w2 = (
+        torch.randn(m, h, generator=g),
+        torch.randn(e, 2 * i, h, generator=g),
+        torch.randn(e, h, i, generator=g),
+    )
+    logits = torch.randn(m, e, generator=g)
+    logits[:, [0, 4]] = -30.0  # experts 0 and 4 never chosen
+    weights, ids = select_experts(logits, k, renormalize=True)
+    assert not ((ids == 0) | (ids == 4)).any()
+    out = get_moe_runner("torch")(x, w13, w2, weights, ids)
+    assert out.shape == (m, h)
+    if m:
+        assert torch.allclose(weights.sum(-1), torch.ones(m))
+        assert (out.double() - _dense_reference(x, w13, w2, weights, ids)).abs().max().item() < 1e-3
+
+
+def test_select_experts_renormalises_only_when_asked():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    w, ids = select_experts(logits, 2, renormalize=False)
+    p = torch.softmax(logits, -1)
+    assert ids.tolist() == [[0, 1]] and ids.dtype == torch.int32 and torch.allclose(w, p[:, :2])
+    w, _ = select_experts(logits, 2, renormalize=True)
+    assert torch.allclose(w, p[:, :2] / p[:, :2].sum())
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_moe_align_block_size_groups_pairs_by_expert_in_padded_blocks(block_m):
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [5, 3]], dtype=torch.int32)
+    sorted_ids, expert_ids, ntp = moe_align_block_size(ids, block_m, num_experts=7)
+    n = ids.numel()
+    counts = {0: 1, 1: 3, 3: 3, 5: 1}
+    assert ntp.item() == sum(-(-c // block_m) * block_m for c in counts.values())
+    assert sorted_ids.numel() % block_m == 0 and sorted_ids.numel() >= ntp.item()
+    flat = ids.reshape(-1)
+    valid = sorted_ids[: ntp.item()]
+    assert sorted(valid[valid < n].tolist()) == list(range(n)) and (sorted_ids[ntp.item() :] == n).all()
+    for b in range(ntp.item() // block_m):
+        block = sorted_ids[b * block_m : (b + 1) * block_m]
+        real = block[block < n].long()
+        assert real.numel() > 0 and (flat[real] == expert_ids[b]).all()  # no block for experts 2, 4, 6
+
+
+def test_fused_moe_rejects_an_unknown_runner_and_a_bad_shard():
+    layer = FusedMoE(4, 2, 16, 8, renormalize=False, runner="nope")
+    with pytest.raises(ValueError, match="unknown MoE runner"):
+        layer(torch.randn(1, 16), torch.randn(1, 4))
+    with pytest.raises(ValueError, match="expert 4 is outside"):
+        layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(8, 16), (4, "gate"))
+    with pytest.raises(ValueError, match="expected \\(16, 8\\)"):
+        layer.w2_weight.weight_loader(layer.w2_weight, torch.zeros(8, 16), (0, "down"))
