@@ -152,10 +152,10 @@ class LlamaForCausalLM(nn.Module):
         "lm_head": "vocab_head",
     }
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]] = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, mlp_for_layer)
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,

@@ -25,12 +25,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
-from kvship.engine.layers.embedding import LMHead
 from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.model_config import ModelConfig
-from kvship.engine.models.llama import LlamaMLP, LlamaModel
+from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from kvship.engine.models.registry import register_model
 
 # ``<prefix>.experts.<N>.<proj>.weight`` -> (prefix, expert, projection)
@@ -66,7 +64,9 @@ class SparseMoeBlock(nn.Module):
 
 
 @register_model("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
-class MoEForCausalLM(nn.Module):
+class MoEForCausalLM(LlamaForCausalLM):
+    """A Llama-family model whose sparse layers use ``SparseMoeBlock``; adds expert stacking to the loading."""
+
     # (parameter suffix, checkpoint suffix, shard id) of the fused attention / dense-MLP projections
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),
@@ -89,28 +89,12 @@ class MoEForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
         if config.moe is None:
             raise ValueError(f"{config.architecture} config.json names no experts (num_experts / num_local_experts)")
-        self.config = config
         moe = config.moe
-        self.model = LlamaModel(
+        super().__init__(
             config, mlp_for_layer=lambda i: SparseMoeBlock(config) if moe.is_sparse_layer(i) else LlamaMLP(config)
         )
-        self.lm_head = LMHead(
-            config.vocab_size,
-            config.hidden_size,
-            config.dtype,
-            tied=self.model.embed_tokens if config.tie_word_embeddings else None,
-        )
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, forward_batch)
-        idx = forward_batch.logits_indices
-        if idx is None:
-            idx = forward_batch.default_logits_indices()
-        return LogitsOutput(next_token_logits=self.lm_head(hidden.index_select(0, idx)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into parameters; returns ``name`` or ``name#shard`` filled."""
