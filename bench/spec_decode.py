@@ -47,7 +47,7 @@ def oracle_speculator(k: int) -> Any:
         k = n_draft  # draft tokens per round (the verify graphs are captured for k slots)
 
         def release_missing(self, open_rids: set[str]) -> None:
-            pass
+            """Stateless: nothing to release."""
 
         def propose_for(self, rid: str, seq: list[int]) -> DraftTree:
             return DraftTree.chain(seq[-1], [seq[-1]] * n_draft)

@@ -101,7 +101,7 @@ class PDRole(ABC):
         return False
 
     def on_finish(self, req: Req) -> None:
-        pass
+        """Staged requests are released by ``abort`` / ``close``; prefill also aborts a registered room here."""
 
     def has_work(self) -> bool:
         return any(self.stages)
