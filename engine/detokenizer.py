@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 _REPLACEMENT = "\ufffd"
+_PRIME_CONTEXT_TOKENS = 5  # earlier tokens decoded with a resumed stream's first deltas (spacing, merges)
 
 
 class IncrementalDetokenizer:
@@ -52,6 +53,21 @@ class IncrementalDetokenizer:
             return self._tok.decode(list(ids), **kwargs)
         except TypeError:  # tokenizers without spaces_between_special_tokens
             return self._tok.decode(list(ids), skip_special_tokens=self._skip)
+
+    def prime(self, ids: Sequence[int]) -> str:
+        """Continue after ``ids`` (a resumed stream's earlier output, io_struct.Resumed): later deltas
+        are decoded in their context; returns their text (without a trailing incomplete character,
+        whose tokens stay held until a later delta completes it)."""
+        self.ids = [int(t) for t in ids]
+        ready = len(self.ids)
+        text = self._decode(self.ids)
+        while ready > 0 and text.endswith(_REPLACEMENT) and len(self.ids) - ready < 4:
+            ready -= 1
+            text = self._decode(self.ids[:ready])
+        self._read_offset = ready
+        self._prefix_offset = max(0, ready - _PRIME_CONTEXT_TOKENS)
+        self.text = text
+        return text
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now final (maybe "")."""
@@ -130,6 +146,10 @@ class StopStringMatcher:
         hold = self._holdback_len(buf)
         self._held = buf[len(buf) - hold :] if hold else ""
         return StopMatch(buf[: len(buf) - hold])
+
+    def hold(self, text: str) -> None:
+        """Start with ``text`` held back: output the client has not seen yet (a resumed stream)."""
+        self._held = text
 
     def flush(self) -> str:
         out, self._held = self._held, ""

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvship.engine.fingerprint import revision_info
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.metrics import EngineMetrics
 from kvship.engine.scheduler import Scheduler, SchedulerClosedError
@@ -151,6 +152,7 @@ class Engine:
             make_scheduler_tensor_parallel(self.scheduler, tp, lambda: self._stop_event.set())
         self.grammar = self.scheduler.grammar  # structured output: the HTTP layer checks grammars with it
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats)
+        self.revision = revision_info(self.server_args)  # {"fingerprint", "revision"} for /get_server_info
 
         self._stop_event = threading.Event()
         self._failure: Optional[str] = None
@@ -321,6 +323,11 @@ class Engine:
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
         )
         matcher = StopStringMatcher(sp.stop)
+        resumed = handle.req.resumed
+        if resumed is not None and resumed.output_len:
+            # continue the broken stream's text: stop strings may span the join (docs/router.md)
+            prior = detok.prime(handle.req.input_ids[-resumed.output_len :])
+            matcher.hold(prior[resumed.relayed_chars :])
         stop_ids = set(sp.stop_token_ids)
         agen = handle.chunks()
         try:
@@ -392,6 +399,7 @@ class Engine:
             "tp_size": self.model_runner.tp_size,
             "pid": os.getpid(),
         }
+        info.update(self.revision)
         info.update(self._safe_stats())
         return info
 

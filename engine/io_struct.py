@@ -78,6 +78,21 @@ class SamplingParams:
             raise ValueError("json_schema, regex and ebnf are exclusive: give at most one")
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """A continuation of a stream broken by a worker's death (docs/router.md, "Resuming broken streams").
+
+    The last ``output_len`` input ids are output the first worker generated;
+    the client already has the first ``relayed_chars`` characters of their text
+    (the rest was held back, e.g. as a possible stop-string prefix).  Stop
+    strings, penalties and per-step seeds count those ids as output, so the
+    continuation behaves as if the stream had not broken.
+    """
+
+    output_len: int
+    relayed_chars: int
+
+
 @dataclass
 class GenerateRequest:
     rid: str
@@ -86,11 +101,15 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    resumed: Optional[Resumed] = None
     # PD disaggregation: where the prefill worker's bootstrap endpoint is
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     created_time: float = field(default_factory=time.time)
+    # ``return_trace``: stage -> time.time() stamps the PD roles add while the request passes (docs/pd.md,
+    # "Reading a request's trace"); written by the scheduler thread, read by the HTTP layer after the finish
+    trace: Optional[dict[str, float]] = None
 
 
 @dataclass(frozen=True, eq=False)

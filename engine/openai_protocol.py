@@ -65,6 +65,16 @@ class ResponseFormat(BaseModel):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+class ResumeInfo(BaseModel):
+    """``kvship_resume``, sent only by the router: this request continues a broken stream; its last
+    ``output_tokens`` prompt ids are earlier output, of whose text the client has ``relayed_chars``
+    characters (io_struct.Resumed; docs/router.md, "Resuming broken streams")."""
+
+    model_config = ConfigDict(extra="forbid")
+    output_tokens: StrictInt
+    relayed_chars: StrictInt
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions (OpenAI names plus the usual extras)."""
 
@@ -121,6 +131,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
     response_format: Optional[ResponseFormat] = None
+    kvship_resume: Optional[ResumeInfo] = None
 
 
 class GenerateSamplingParams(BaseModel):
@@ -165,6 +176,9 @@ class GenerateReqInput(BaseModel):
     bootstrap_host: Union[StrictStr, list[StrictStr], None] = None
     bootstrap_port: Union[StrictInt, list[StrictInt], None] = None
     bootstrap_room: Union[StrictInt, list[StrictInt], None] = None
+    # PD latency trace in ``meta_info.trace`` (docs/pd.md, "Reading a request's trace")
+    return_trace: StrictBool = False
+    kvship_resume: Optional[ResumeInfo] = None
 
 
 class AbortRequest(BaseModel):

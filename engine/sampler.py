@@ -91,11 +91,12 @@ class SamplingBatchInfo:
                 continue
             if r.generator is None or r.generator.device != device:
                 r.generator = torch.Generator(device=device)
-            r.generator.manual_seed(step_seed(int(p.seed), len(r.output_ids)))
+            # step index over the whole answer, so a resumed stream draws what the unbroken one would
+            r.generator.manual_seed(step_seed(int(p.seed), r.prior_output_len + len(r.output_ids)))
             generators.append(r.generator)
         penalties = PenaltyInfo.build(
-            [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.generated_ids for r in reqs],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
             [p.repetition_penalty for p in params],

@@ -53,10 +53,13 @@ class Req:
         eos_token_ids: Iterable[int] = (),
         max_new_tokens: Optional[int] = None,
         created_time: Optional[float] = None,
+        prior_output_len: int = 0,
     ):
         self.rid = rid
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
+        # a resumed stream: the last ``prior_output_len`` input ids are earlier output (io_struct.Resumed)
+        self.prior_output_len = min(max(int(prior_output_len), 0), len(self.origin_input_ids))
         self.sampling_params = sampling_params
         self.max_new_tokens = sampling_params.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.return_logprob = return_logprob
@@ -107,12 +110,25 @@ class Req:
             eos_token_ids=eos_token_ids,
             max_new_tokens=max_new_tokens,
             created_time=greq.created_time,
+            prior_output_len=greq.resumed.output_len if greq.resumed is not None else 0,
         )
 
     # --- sequences -------------------------------------------------------------
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """The answer's ids so far: a resumed stream's earlier output, then this worker's output."""
+        if not self.prior_output_len:
+            return self.output_ids
+        return self.origin_input_ids[-self.prior_output_len :] + self.output_ids
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The input ids that are the user's prompt (without a resumed stream's earlier output)."""
+        return self.origin_input_ids[: len(self.origin_input_ids) - self.prior_output_len]
 
     @property
     def seq_len(self) -> int:
@@ -175,8 +191,9 @@ class Req:
             self.finished_reason = FinishReason.stop(last)
             return
         if self.stop_strs and tokenizer is not None:
+            # a resumed stream's earlier output counts: a stop string may span the join
             tail = tokenizer.decode(
-                self.output_ids[-self._stop_tail :], skip_special_tokens=self.sampling_params.skip_special_tokens
+                self.generated_ids[-self._stop_tail :], skip_special_tokens=self.sampling_params.skip_special_tokens
             )
             for s in self.stop_strs:
                 if s in tail:

@@ -28,8 +28,8 @@ from starlette.responses import Response
 from kvship.engine.engine import Engine, EngineDead, EngineOverloaded, RequestHandle, TextDelta
 from kvship.engine.grammar.backend import GrammarError
 from kvship.engine.http_errors import APIError, bad_request
-from kvship.engine.io_struct import GenerateRequest, SamplingParams
-from kvship.engine.openai_protocol import PromptTokensDetails, ResponseFormat, UsageInfo
+from kvship.engine.io_struct import GenerateRequest, Resumed, SamplingParams
+from kvship.engine.openai_protocol import PromptTokensDetails, ResponseFormat, ResumeInfo, UsageInfo
 from kvship.engine.scheduler.admission import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,19 @@ def normalize_stop(stop: str | list[str] | None, param: str = "stop") -> list[st
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise bad_request(f"a stop string may have at most {MAX_STOP_CHARS} characters", param)
     return stops
+
+
+def check_resume(info: Optional[ResumeInfo], prompts: Sequence[Sequence[int]], n: int) -> Optional[Resumed]:
+    """``kvship_resume`` (router-internal) as ``Resumed``: one token-id prompt, n == 1, in range."""
+    if info is None:
+        return None
+    if len(prompts) != 1 or n != 1:
+        raise bad_request("kvship_resume needs a single token-id prompt and n == 1", "kvship_resume")
+    if not 0 <= info.output_tokens < len(prompts[0]) or info.relayed_chars < 0:
+        raise bad_request(
+            "kvship_resume.output_tokens must be in [0, prompt length) and relayed_chars >= 0", "kvship_resume"
+        )
+    return Resumed(output_len=info.output_tokens, relayed_chars=info.relayed_chars)
 
 
 def check_n(n: int, param: str = "n") -> None:

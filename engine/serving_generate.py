@@ -41,6 +41,7 @@ from kvship.engine.serving import (
     check_max_tokens,
     check_n,
     check_prompt_length,
+    check_resume,
     check_token_ids,
     choice_params,
     choice_rid,
@@ -91,6 +92,7 @@ class _Output:
         self.logprobs: list[list] = []
         self.top: list[list[list]] = []
         self.last: Optional[TextDelta] = None
+        self.trace: Optional[dict[str, float]] = None  # the request's trace (``return_trace``), shared with it
 
     def add(self, engine: Engine, d: TextDelta) -> None:
         self.text += d.text
@@ -128,6 +130,9 @@ class _Output:
             meta["output_token_logprobs"] = self.logprobs
             if self.top_n:
                 meta["output_top_logprobs"] = self.top
+        if self.trace is not None:  # the first event (or the body) is when the first token left this worker
+            self.trace.setdefault("http_respond", time.time())
+            meta["trace"] = dict(self.trace)
         out: dict[str, Any] = {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -186,6 +191,9 @@ class GenerateServing:
             if room is not None and not 0 <= room < 2**63:
                 raise bad_request("bootstrap_room must be in [0, 2^63)", "bootstrap_room")
 
+        if body.kvship_resume is not None and body.input_ids is None:
+            raise bad_request("kvship_resume needs input_ids", "kvship_resume")
+        resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], max(sp.n for sp in sps))
         reqs: list[GenerateRequest] = []
         outputs: list[_Output] = []
         created = time.time()
@@ -238,6 +246,8 @@ class GenerateServing:
                         bootstrap_port=ports[i],
                         bootstrap_room=room,
                         created_time=created,
+                        resumed=resumed,
+                        trace={"http_received": created} if body.return_trace else None,
                     )
                 )
                 outputs.append(
@@ -251,6 +261,7 @@ class GenerateServing:
                         body.return_text_in_logprobs,
                     )
                 )
+                outputs[-1].trace = reqs[-1].trace
         if len(reqs) > MAX_N:
             raise bad_request(f"a batch may hold at most {MAX_N} requests (items x n)", "text")
         many = is_batch or len(reqs) > 1

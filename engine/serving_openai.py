@@ -48,6 +48,7 @@ from kvship.engine.serving import (
     check_model,
     check_n,
     check_prompt_length,
+    check_resume,
     check_token_ids,
     choice_params,
     choice_rid,
@@ -306,6 +307,11 @@ class OpenAIServing:
         prompts = await self._tokenize_prompts(body.prompt)
         if len(prompts) * body.n > MAX_N:
             raise bad_request(f"prompts x n must be at most {MAX_N}", "n")
+        resumed = None
+        if body.kvship_resume is not None:
+            if not (isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int)):
+                raise bad_request("kvship_resume needs a token-id prompt", "kvship_resume")
+            resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], body.n)
         sp_base: Optional[SamplingParams] = None
         reqs: list[GenerateRequest] = []
         cid = body.rid or new_id("cmpl")
@@ -331,6 +337,7 @@ class OpenAIServing:
                         bootstrap_host=body.bootstrap_host,
                         bootstrap_port=body.bootstrap_port,
                         bootstrap_room=choice_room(body.bootstrap_room, k),
+                        resumed=resumed,
                     )
                 )
         handles = open_requests(engine, reqs)

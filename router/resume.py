@@ -127,6 +127,7 @@ class ResumeState:
         self.finished = False
         self._held: list[bytes] = []  # an abort finish (and what follows it) waiting for the next event
         self.text_relayed = False  # some output text reached the client
+        self.relayed_chars = 0  # characters of output text the client has
         self.phase_original = True  # events come from the original request (not a continuation)
         self._base = 0  # len(out_ids) when the current continuation started
         # what the client's stream looks like (taken from the first event relayed)
@@ -223,8 +224,10 @@ class ResumeState:
             self.out_ids.extend(ids)
         choices = obj.get("choices") or []
         for c in choices:
-            if isinstance(c, dict) and (c.get("text") or (c.get("delta") or {}).get("content")):
+            text = (c.get("text") or (c.get("delta") or {}).get("content")) if isinstance(c, dict) else None
+            if isinstance(text, str) and text:
                 self.text_relayed = True
+                self.relayed_chars += len(text)
         if self.phase_original:
             if self._id is None:
                 self._id, self._created, self._model = obj.get("id"), obj.get("created"), obj.get("model")
@@ -295,6 +298,8 @@ class ResumeState:
             self._id = meta.get("id")
         text, ids = obj.get("text"), obj.get("output_ids")
         self.text_relayed = self.text_relayed or bool(text)
+        if isinstance(text, str):
+            self.relayed_chars = len(text)  # /generate's text is cumulative
         if isinstance(text, str) and _is_token_list(ids) and text != self._last_text:
             self.out_ids, self._text = list(ids), text  # the text grew: every id so far is aligned
         self._last_text = text if isinstance(text, str) else self._last_text
@@ -330,15 +335,22 @@ class ResumeState:
             return self.route, dict(self.body)
         ids = self.prompt_ids + self.out_ids
         remaining = self.remaining_tokens()
+        # the worker counts the earlier output as output (stop strings across the join, penalties,
+        # per-step seeds) and re-emits the part of its text the client has not seen
+        resume = {"output_tokens": len(self.out_ids), "relayed_chars": self.relayed_chars} if self.out_ids else None
         if self.route == ROUTE_GENERATE:
             sp = dict(self.body.get("sampling_params") or {})
             if remaining is not None:
                 sp["max_new_tokens"] = remaining
             body = {k: v for k, v in self.body.items() if k in ("stream", "session_id")}
             body.update(input_ids=ids, sampling_params=sp, stream=True)
+            if resume is not None:
+                body["kvship_resume"] = resume
             return ROUTE_GENERATE, body
         body = {k: self.body[k] for k in _SAMPLING_KEYS if k in self.body}
         body.update(prompt=ids, stream=True, max_tokens=remaining)
+        if resume is not None:
+            body["kvship_resume"] = resume
         if "stream_options" in self.body:
             body["stream_options"] = self.body["stream_options"]
         return ROUTE_COMPLETIONS, body
