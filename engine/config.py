@@ -105,6 +105,11 @@ class ServerArgs:
 
     # Role
     mode: str = opt("unified", "Worker role", choices=("unified", "prefill", "decode"))
+    revision: Optional[str] = opt(
+        None,
+        "Revision this worker reports in /get_server_info (the router pairs PD workers within one revision; "
+        "docs/router.md); default: the worker's model fingerprint",
+    )
     disaggregation_bootstrap_port: int = opt(8998, "Prefill: port of the bootstrap endpoint")
     disaggregation_transfer_backend: str = opt("tcp", "KV transfer backend", choices=TRANSFER_BACKENDS)
     disaggregation_ib_device: Optional[str] = opt(None, "RDMA device(s) for mooncake, e.g. mlx5_0")

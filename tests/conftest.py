@@ -171,6 +171,15 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_b_dir(tmp_path_factory) -> str:
+    """Another tiny llama of exactly ``tiny_llama_dir``'s shape (same KV layout), other random weights."""
+    spec = dict(_TINY_SPECS["llama"])
+    spec["seed"] = 101
+    out = str(tmp_path_factory.mktemp("tiny_llama_b"))
+    return build_tiny_model(out, spec.pop("arch"), seed=spec.pop("seed"), **spec)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tied_dir(tmp_path_factory) -> str:
     return _tiny(tmp_path_factory, "llama_tied")
 

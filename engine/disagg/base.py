@@ -84,6 +84,7 @@ class KVTransferConfig:
     max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
     tp_size: int = opt(1, "Tensor-parallel size of this worker (must match the peer)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
+    fingerprint: str = opt("", "Model fingerprint (kvship.engine.fingerprint) sent in Hello/Welcome; '' = unchecked")
 
     def validate(self) -> None:
         if self.backend not in _BACKEND_PATHS and self.backend not in _REGISTERED:
@@ -118,6 +119,12 @@ class KVTransferConfig:
             checksum=args.kv_transfer_checksum,
             max_inflight=max(4096, 2 * args.max_running_requests),
         )
+        try:
+            from kvship.engine.fingerprint import fingerprint_for
+
+            values["fingerprint"] = fingerprint_for(args).hex
+        except FileNotFoundError:  # no model files: the model loader reports that itself
+            pass
         values.update(overrides)
         return cls(**values)
 

@@ -55,6 +55,7 @@ from kvship.engine.disagg.wire import (
     Welcome,
     WireError,
 )
+from kvship.engine.fingerprint import fingerprint_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,7 @@ class DecodeKVManager(KVManager):
             layout=self.layout,
             region_bytes=[r.nbytes for r in self.regions],
             backend_info=self.backend.local_info(),
+            fingerprint=self.config.fingerprint,
         )
         link = BootstrapLink(
             host,
@@ -320,7 +322,7 @@ class DecodeKVManager(KVManager):
         problem = w.layout.mismatch(self.layout)
         if problem:
             return f"KV layout mismatch (prefill vs decode): {problem}"
-        return None
+        return fingerprint_mismatch(w.fingerprint, self.config.fingerprint)
 
     def _on_ready(self, link: BootstrapLink) -> None:
         with self.lock:

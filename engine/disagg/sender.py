@@ -303,6 +303,7 @@ class PrefillKVManager(KVManager):
             backend=self.backend.name,
             layout=self.layout,
             backend_info=self.backend.local_info(),
+            fingerprint=self.config.fingerprint,
         )
 
     def _on_message(self, conn: FramedConnection, msg: Message) -> None:

@@ -5,10 +5,12 @@ pair, opened by decode to prefill's bootstrap port.  Frames are a 4-byte
 big-endian length and a UTF-8 JSON object ``{"v": 1, "type": ..., ...}``.
 Page lists travel as base64 of little-endian int32.
 
-    decode -> prefill   Hello        once: decode's layout, region sizes, backend endpoint
+    decode -> prefill   Hello        once: decode's layout, region sizes, backend endpoint,
+                                     model fingerprint
     prefill -> decode   Welcome      prefill's layout (page size, KV dtype, layers,
-                                     KV heads, head dim, TP layout) + backend info
-                        | Refuse     with the reason (layout or backend mismatch)
+                                     KV heads, head dim, TP layout) + backend info +
+                                     model fingerprint (decode refuses a different one)
+                        | Refuse     with the reason (layout, fingerprint or backend mismatch)
     decode -> prefill   Register     per room: destination pages, aux slot, checksum algorithm
     prefill -> decode   Started      per room, when the write begins
                         Done         per room (backends whose done is not in-band)
@@ -141,6 +143,7 @@ class Hello(Message):
     layout: KVLayout
     region_bytes: list[int]
     backend_info: dict = field(default_factory=dict)
+    fingerprint: str = ""  # decode's model fingerprint (kvship.engine.fingerprint; "" = not reported)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class Welcome(Message):
     backend: str
     layout: KVLayout
     backend_info: dict = field(default_factory=dict)
+    fingerprint: str = ""  # prefill's model fingerprint; decode refuses a different one
 
 
 @dataclass(frozen=True)
