@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kvship.operator.builders import CHILD_KINDS, instance_labels
 from kvship.operator.kube import KubeApiError, KubeClient
@@ -161,19 +161,28 @@ async def apply_one(client: KubeClient, cfg: ServiceConfig, desired: dict, resul
     result.patched.append(_label(desired))
 
 
-async def apply_children(client: KubeClient, cfg: ServiceConfig, desired: list[dict]) -> ApplyResult:
-    """Create/patch every desired child, then delete owned children that are no longer desired."""
+async def apply_children(
+    client: KubeClient, cfg: ServiceConfig, desired: list[dict], keep: Optional[Callable[[str, dict], bool]] = None
+) -> ApplyResult:
+    """Create/patch every desired child, then delete owned children that are no longer desired
+    (except those ``keep(kind, obj)`` spares: an old revision's Deployments while it drains)."""
     result = ApplyResult()
     for obj in desired:
         try:
             await apply_one(client, cfg, obj, result)
         except KubeApiError as e:
             result.errors.append(f"{_label(obj)}: {e.status} {e.reason}: {e.message}")
-    await prune(client, cfg, {(o["kind"], o["metadata"]["name"]) for o in desired}, result)
+    await prune(client, cfg, {(o["kind"], o["metadata"]["name"]) for o in desired}, result, keep)
     return result
 
 
-async def prune(client: KubeClient, cfg: ServiceConfig, keep: set[tuple[str, str]], result: ApplyResult) -> None:
+async def prune(
+    client: KubeClient,
+    cfg: ServiceConfig,
+    keep: set[tuple[str, str]],
+    result: ApplyResult,
+    spare: Optional[Callable[[str, dict], bool]] = None,
+) -> None:
     selector = ",".join(f"{k}={v}" for k, v in sorted(instance_labels(cfg).items()))
     for api_version, kind in CHILD_KINDS:
         try:
@@ -183,7 +192,7 @@ async def prune(client: KubeClient, cfg: ServiceConfig, keep: set[tuple[str, str
             continue
         for obj in existing:
             name = obj["metadata"]["name"]
-            if (kind, name) in keep or not owned_by(obj, cfg.uid):
+            if (kind, name) in keep or not owned_by(obj, cfg.uid) or (spare is not None and spare(kind, obj)):
                 continue
             try:
                 await client.delete(api_version, kind, cfg.namespace, name)

@@ -15,6 +15,8 @@ from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_names
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvship/worker:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kvship/router:0.1.0"
+# The router's Service inside the cluster (the operator runs there too).
+DEFAULT_ROUTER_URL = "http://{name}-router.{namespace}.svc:{port}"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class OperatorConfig:
         "(re-applies drifted children, refreshes status)",
     )
     watch_timeout: float = opt(300.0, "Seconds one watch request lasts before it is renewed")
+    router_url: str = opt(
+        DEFAULT_ROUTER_URL,
+        "Where the operator reaches each InferenceService's router (GET /workers for the in-rotation readiness "
+        "gate and rollouts, GET /slo for status.slo); {name}, {namespace} and {port} are filled in",
+    )
+    router_timeout: float = opt(5.0, "Seconds one request to a router may take")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -56,6 +64,10 @@ class OperatorConfig:
         if self.all_namespaces or self.namespace:
             return self
         return dataclasses.replace(self, namespace=[own_namespace or "default"])
+
+    def router_url_of(self, name: str, namespace: str, port: int) -> str:
+        """The URL of InferenceService ``namespace/name``'s router (``port``: its Service port)."""
+        return self.router_url.format(name=name, namespace=namespace, port=port).rstrip("/")
 
     @property
     def liveness_endpoint(self) -> Optional[str]:
@@ -69,6 +81,16 @@ class OperatorConfig:
             raise ValueError("--liveness-port must be in 0..65535")
         if self.resync_interval <= 0 or self.watch_timeout <= 0:
             raise ValueError("--resync-interval and --watch-timeout must be > 0")
+        if self.router_timeout <= 0:
+            raise ValueError("--router-timeout must be > 0")
+        try:
+            url = self.router_url_of("name", "namespace", 8000)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"--router-url: only {{name}}, {{namespace}} and {{port}} may be filled in ({e})"
+            ) from None
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("--router-url must start with http:// or https://")
         if not self.worker_image or not self.router_image:
             raise ValueError("--worker-image and --router-image must not be empty")
 

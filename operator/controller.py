@@ -1,8 +1,11 @@
 """Layer 3, the glue: one reconcile pass of an InferenceService.
 
-``reconcile`` = parse + validate -> build -> apply -> observe -> write status.
+``reconcile`` = parse + validate -> build -> apply -> observe -> ask the router
+-> retire drained revisions -> set the pods' in-rotation gates -> write status.
 It is level-based and idempotent: the kopf create/update/resume handlers, the
-resync timer and the child-event handler may all call it at any time.
+resync timer and the child-event handler may all call it at any time.  Only
+``reconcile`` reads the router (``router_url`` set); ``refresh_status``, run on
+child events, carries the router-derived status over.
 """
 
 from __future__ import annotations
@@ -12,10 +15,22 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvship.operator.apply import ApplyResult, apply_children, observe_children
-from kvship.operator.builders import Images, build_children
+from kvship.operator.builders import Images, build_children, instance_labels, worker_revision
+from kvship.operator.builders.common import ROLE_LABEL, router_gated
 from kvship.operator.kube import KubeApiError, KubeClient
+from kvship.operator.revision import REVISION_LABEL
+from kvship.operator.rollout import (
+    LEGACY,
+    RolloutPlan,
+    gate_patch,
+    gate_updates,
+    plan_rollout,
+    revision_sets,
+    router_synced,
+)
+from kvship.operator.router_client import RouterView, read_router
 from kvship.operator.spec import ServiceConfig, SpecError, parse_service
-from kvship.operator.status import compute_status
+from kvship.operator.status import Observed, compute_status, now_rfc3339, role_state
 
 log = logging.getLogger(__name__)
 API = ("kvship.io/v1alpha1", "InferenceService")
@@ -30,6 +45,22 @@ class Outcome:
     applied: ApplyResult = field(default_factory=ApplyResult)
     status: dict = field(default_factory=dict)
     status_written: bool = False
+    revision: Optional[str] = None
+    router: Optional[RouterView] = None
+    plan: Optional[RolloutPlan] = None
+    retired: list[str] = field(default_factory=list)  # revisions whose Deployments were deleted on this pass
+    gates: list[str] = field(default_factory=list)  # "pod=True|False" for every gate condition set
+
+
+@dataclass(frozen=True)
+class RouterAccess:
+    """How the operator reaches each service's router (``url``: a template with {name}, {namespace}, {port})."""
+
+    url: str
+    timeout: float = 5.0
+
+    def url_of(self, cfg: ServiceConfig) -> str:
+        return self.url.format(name=cfg.name, namespace=cfg.namespace, port=cfg.spec.router.service.port).rstrip("/")
 
 
 async def write_status(client: KubeClient, body: dict, status: dict) -> bool:
@@ -47,8 +78,80 @@ async def write_status(client: KubeClient, body: dict, status: dict) -> bool:
     return True
 
 
-async def reconcile(client: KubeClient, body: dict, images: Images) -> Outcome:
-    """One full pass; raises only on API failures of the status write itself."""
+def old_worker_revisions(cfg: ServiceConfig, revision: str, children: dict[tuple[str, str], dict]) -> list[str]:
+    """Live PD worker revisions other than ``revision`` (none in unified mode: its one Deployment rolls in place)."""
+    if cfg.unified:
+        return []
+    return [r for r, rs in revision_sets(children).items() if r != revision and set(rs.deployments) - {"unified"}]
+
+
+def keeps_old_revision(cfg: ServiceConfig, revision: str):
+    """The predicate that spares other revisions' PD worker Deployments from pruning (the rollout owns them)."""
+
+    def keep(kind: str, obj: dict) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return (
+            not cfg.unified
+            and kind == "Deployment"
+            and labels.get(ROLE_LABEL) in ("prefill", "decode")
+            and labels.get(REVISION_LABEL, LEGACY) != revision
+        )
+
+    return keep
+
+
+async def retire(client: KubeClient, cfg: ServiceConfig, revision: str, children: dict) -> None:
+    """Delete both worker Deployments of an old ``revision`` in one request (its set never goes half away)."""
+    labels = dict(instance_labels(cfg))
+    selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    if revision == LEGACY:
+        for (kind, name), obj in list(children.items()):
+            obj_labels = (obj.get("metadata") or {}).get("labels") or {}
+            if (
+                kind == "Deployment"
+                and obj_labels.get(ROLE_LABEL) in ("prefill", "decode")
+                and not obj_labels.get(REVISION_LABEL)
+            ):
+                await client.delete("apps/v1", "Deployment", cfg.namespace, name)
+    else:
+        await client.delete_collection(
+            "apps/v1", "Deployment", cfg.namespace, f"{selector},{REVISION_LABEL}={revision}"
+        )
+    for key, obj in list(children.items()):
+        labels_of = (obj.get("metadata") or {}).get("labels") or {}
+        if (
+            key[0] == "Deployment"
+            and labels_of.get(ROLE_LABEL) in ("prefill", "decode")
+            and labels_of.get(REVISION_LABEL, LEGACY) == revision
+        ):
+            del children[key]
+
+
+async def sync_gates(client: KubeClient, cfg: ServiceConfig, router: Optional[RouterView], out: Outcome) -> list[dict]:
+    """Set each worker pod's in-rotation condition from the router's view; returns the pods (after the patches)."""
+    selector = ",".join(f"{k}={v}" for k, v in sorted(instance_labels(cfg).items()))
+    pods = await client.list("v1", "Pod", cfg.namespace, selector)
+    now = now_rfc3339()
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for update in gate_updates(pods, router):
+        try:
+            by_name[update.pod] = await client.strategic_patch(
+                "v1", "Pod", cfg.namespace, update.pod, gate_patch(update, now), "status"
+            )
+            out.gates.append(f"{update.pod}={update.status}")
+        except KubeApiError as e:
+            if e.status != 404:  # a pod deleted meanwhile needs no gate
+                raise
+    return list(by_name.values())
+
+
+async def reconcile(
+    client: KubeClient, body: dict, images: Images, router_access: Optional[RouterAccess] = None
+) -> Outcome:
+    """One full pass; raises only on API failures of the status write itself.
+
+    Without ``router_access`` the router is not read: no gates are set and old revisions are kept.
+    """
     out = Outcome()
     try:
         out.config = parse_service(body)
@@ -58,14 +161,40 @@ async def reconcile(client: KubeClient, body: dict, images: Images) -> Outcome:
         out.status_written = await write_status(client, body, out.status)
         return out
     cfg = out.config
-    out.applied = await apply_children(client, cfg, build_children(cfg, images))
+    out.revision = revision = worker_revision(cfg, images)
+    out.applied = await apply_children(client, cfg, build_children(cfg, images), keep=keeps_old_revision(cfg, revision))
     children = await observe_children(client, cfg)
-    out.status = compute_status(body, cfg, [], out.applied.errors, children)
+    router_dep = children.get(("Deployment", f"{cfg.name}-router"))
+    router_ready = role_state("router", router_dep).ready > 0
+    gated = router_gated(cfg)
+    if router_access is not None and router_ready and gated:
+        out.router = await read_router(router_access.url_of(cfg), router_access.timeout)
+    elif router_access is not None:
+        reason = "the router requires an API key" if not gated else "no router pod is ready"
+        out.router = RouterView(router_access.url_of(cfg), False, reason)
+    old = old_worker_revisions(cfg, revision, children)
+    out.plan = plan_rollout(revision, old, out.router)
+    for rev in out.plan.remove:
+        try:
+            await retire(client, cfg, rev, children)
+            out.retired.append(rev)
+        except KubeApiError as e:
+            out.applied.errors.append(f"removing revision {rev or '(unlabelled)'}: {e.status} {e.reason}: {e.message}")
+    sync = None
+    if router_access is not None:
+        try:
+            pods = await sync_gates(client, cfg, out.router, out)
+        except KubeApiError as e:
+            out.applied.errors.append(f"setting readiness gates: {e.status} {e.reason}: {e.message}")
+            pods = []
+        sync = router_synced(pods, revision, out.router, gated, router_ready)
+    observed = Observed(revision=revision, router=out.router, sync=sync, plan=out.plan)
+    out.status = compute_status(body, cfg, [], out.applied.errors, children, observed=observed)
     out.status_written = await write_status(client, body, out.status)
     return out
 
 
-async def refresh_status(client: KubeClient, namespace: str, name: str) -> Optional[dict]:
+async def refresh_status(client: KubeClient, namespace: str, name: str, images: Images) -> Optional[dict]:
     """Recompute the status of one InferenceService from its children, without applying anything.
 
     Used when a child changes.  Leaves the status alone while the spec is invalid or the last apply
@@ -81,5 +210,8 @@ async def refresh_status(client: KubeClient, namespace: str, name: str) -> Optio
         cfg = parse_service(body)
     except SpecError:
         return None
-    status = compute_status(body, cfg, [], [], await observe_children(client, cfg))
+    children = await observe_children(client, cfg)
+    revision = worker_revision(cfg, images)
+    plan = plan_rollout(revision, old_worker_revisions(cfg, revision, children), None)
+    status = compute_status(body, cfg, [], [], children, observed=Observed(revision=revision, plan=plan))
     return status if await write_status(client, body, status) else None

@@ -56,9 +56,34 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.phase",
         "description": "Pending, Progressing, Ready, Degraded or Failed.",
     },
+    {
+        "name": "TTFT-P50",
+        "type": "number",
+        "jsonPath": ".status.slo.ttftP50Ms",
+        "description": "Median time to first token over the router's last minute, ms.",
+    },
+    {
+        "name": "ITL-P50",
+        "type": "number",
+        "jsonPath": ".status.slo.itlP50Ms",
+        "description": "Median inter-token latency over the router's last minute, ms.",
+    },
+    {
+        "name": "RPS",
+        "type": "number",
+        "jsonPath": ".status.slo.requestsPerSecond",
+        "description": "Requests finished per second over the router's last minute.",
+    },
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "Router URL."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "priority": 1, "description": "unified or pd."},
+    {
+        "name": "Revision",
+        "type": "string",
+        "jsonPath": ".status.revision",
+        "priority": 1,
+        "description": "Revision of the current spec's workers.",
+    },
 ]
 
 

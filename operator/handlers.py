@@ -9,7 +9,9 @@
   failed apply is retried with backoff.
 * a resync loop (started at startup, not a kopf timer: kopf puts a finalizer
   on every object that has a timer) reconciles every InferenceService each
-  ``--resync-interval`` seconds: drifted children are re-applied, status refreshed.
+  ``--resync-interval`` seconds: drifted children are re-applied, the router is
+  read (pods' in-rotation gates, drained revisions retired, ``status.slo``),
+  status refreshed.
 * events of the Deployments the operator manages (watched with a server-side label
   selector, so only those are streamed): refresh the owner's status.
 * no delete handler and no finalizer: children carry owner references, so the
@@ -27,7 +29,7 @@ import kopf
 
 from kvship.operator.builders import MANAGED_BY, Images
 from kvship.operator.config import OperatorConfig
-from kvship.operator.controller import reconcile, refresh_status
+from kvship.operator.controller import RouterAccess, reconcile, refresh_status
 from kvship.operator.kube import KubeApiError, KubeClient, connection_info, load_auth
 
 RESOURCE = ("kvship.io", "v1alpha1", "inferenceservices")
@@ -40,9 +42,14 @@ def _images(config: OperatorConfig) -> Images:
     return Images(worker=config.worker_image, router=config.router_image, pull_policy=config.image_pull_policy)
 
 
+def _router_access(config: OperatorConfig) -> RouterAccess:
+    return RouterAccess(url=config.router_url, timeout=config.router_timeout)
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register every handler of the operator in ``registry`` (nothing happens at import time)."""
     images = _images(config)
+    routers = _router_access(config)
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -82,7 +89,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
     async def reconcile_service(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-        outcome = await reconcile(memo.client, dict(body), images)
+        outcome = await reconcile(memo.client, dict(body), images, routers)
         if outcome.spec_errors:
             message = "; ".join(outcome.spec_errors)
             logger.info("invalid spec, nothing created: %s", message)
@@ -109,12 +116,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == "InferenceService" and ref.get("controller"):
-                await refresh_status(memo.client, body["metadata"]["namespace"], ref["name"])
+                await refresh_status(memo.client, body["metadata"]["namespace"], ref["name"], images)
 
 
 async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images) -> None:
-    """Every ``resync_interval`` seconds, reconcile each InferenceService the operator watches."""
+    """Every ``resync_interval`` seconds, reconcile each InferenceService the operator watches: re-apply drift,
+    read its router (gates, rollouts, ``status.slo``), refresh its status."""
     namespaces: list[Optional[str]] = [None] if config.clusterwide else list(config.namespace)
+    routers = _router_access(config)
     while True:
         await asyncio.sleep(config.resync_interval)
         for ns in namespaces:
@@ -127,12 +136,19 @@ async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images
                 if body["metadata"].get("deletionTimestamp"):
                     continue
                 try:
-                    outcome = await reconcile(client, body, images)
+                    outcome = await reconcile(client, body, images, routers)
                 except Exception as e:  # keep the loop alive; the next pass retries
                     log.warning(
                         "resync of %s/%s failed: %s", body["metadata"].get("namespace"), body["metadata"]["name"], e
                     )
                     continue
+                for rev in outcome.retired:
+                    log.info(
+                        "%s/%s: revision %s drained, its Deployments deleted",
+                        body["metadata"].get("namespace"),
+                        body["metadata"]["name"],
+                        rev or "(unlabelled)",
+                    )
                 if outcome.applied.changed:
                     log.info(
                         "resync of %s/%s corrected drift: created %s, patched %s, deleted %s",

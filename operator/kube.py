@@ -224,6 +224,32 @@ class KubeClient:
             content_type="application/merge-patch+json",
         )
 
+    async def strategic_patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: Optional[str],
+        name: str,
+        patch: dict,
+        subresource: Optional[str] = None,
+    ) -> dict:
+        """A strategic merge patch: lists with a merge key (a pod's ``status.conditions`` by ``type``) are merged
+        item by item, so setting one condition leaves the kubelet's own conditions alone."""
+        return await self.request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name, subresource),
+            body=patch,
+            content_type="application/strategic-merge-patch+json",
+        )
+
+    async def delete_collection(self, api_version: str, kind: str, namespace: str, label_selector: str) -> None:
+        """Delete every object of ``kind`` in ``namespace`` matching ``label_selector``, in one request."""
+        await self.request(
+            "DELETE",
+            resource_path(api_version, kind, namespace),
+            params={"labelSelector": label_selector, "propagationPolicy": "Background"},
+        )
+
     async def delete(self, api_version: str, kind: str, namespace: Optional[str], name: str) -> None:
         try:
             await self.request(

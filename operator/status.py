@@ -1,16 +1,18 @@
 """Status of an InferenceService, computed from what exists (pure; level-based).
 
-``compute_status`` takes the parse result, the live Deployments/Services and
-the previous status, and returns the whole new ``status``: phase, the five
-conditions (a condition keeps its ``lastTransitionTime`` while its status
-stays the same), per-role replica counts and the router URL.
+``compute_status`` takes the parse result, the live Deployments/Services,
+the previous status and what was read from the router, and returns the whole
+new ``status``: phase, the conditions (a condition keeps its
+``lastTransitionTime`` while its status stays the same), per-role replica
+counts of the current revision, every live revision with its counts
+(``revisions``), the router URL and the router's live figures (``slo``).
 
 Phase, first match wins::
 
     Failed       the spec is invalid, or a child could not be applied
     Ready        every role has all its replicas ready on the current spec
     Pending      a role's Deployment does not exist yet
-    Progressing  a rollout is under way (new pods starting or old ones leaving)
+    Progressing  a rollout is under way (new pods starting, old ones leaving, an old revision draining)
     Degraded     rollouts are done (or stuck past their deadline) but a role lacks ready pods
 """
 
@@ -20,7 +22,9 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvship.operator.builders.common import child_name, worker_roles
+from kvship.operator.builders.common import child_name, deployment_name, worker_roles
+from kvship.operator.rollout import RolloutPlan, SyncSummary, revision_sets
+from kvship.operator.router_client import RouterView
 from kvship.operator.spec import ServiceConfig
 
 ROLE_CONDITION = {"prefill": "PrefillReady", "decode": "DecodeReady", "unified": "DecodeReady", "router": "RouterReady"}
@@ -60,6 +64,93 @@ class RoleState:
             "updatedReplicas": self.updated,
             "ready": f"{self.ready}/{self.desired}",
         }
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the controller learnt on this pass besides the children.
+
+    ``revision``: the spec's worker revision.  ``router``: the router's answer, ``None`` when it was not
+    read on this pass (a child event): then the router-derived parts of the status (``slo``, the
+    RouterSynced and SLOMet conditions, each revision's ``serving`` / ``inFlight``) are carried over.
+    """
+
+    revision: Optional[str] = None
+    router: Optional[RouterView] = None
+    sync: Optional[SyncSummary] = None
+    plan: Optional[RolloutPlan] = None
+
+
+SLO_FIELDS = {  # status.slo field <- GET /slo key, digits kept
+    "ttftP50Ms": ("ttft_p50_ms", 1),
+    "ttftP90Ms": ("ttft_p90_ms", 1),
+    "itlP50Ms": ("itl_p50_ms", 2),
+    "requestsPerSecond": ("requests_per_second", 2),
+    "outputTokensPerSecond": ("output_tokens_per_second", 1),
+    "kvTransferGBps": ("kv_transfer_gbps", 4),
+}
+
+
+def slo_status(slo: dict, now: str) -> dict[str, Any]:
+    """``status.slo`` from the router's ``GET /slo`` answer (figures without a sample are left out)."""
+    window = slo.get("window_s")
+    out: dict[str, Any] = {
+        "window": f"{window:g}s" if isinstance(window, (int, float)) else "60s",
+        "requests": int(slo.get("requests") or 0),
+    }
+    for name, (key, digits) in SLO_FIELDS.items():
+        value = slo.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = round(float(value), digits)
+    out["observedAt"] = now
+    return out
+
+
+def slo_condition(targets: Any, slo: Optional[dict]) -> tuple[Optional[bool], str, str]:
+    """SLOMet from ``spec.slo`` targets and ``status.slo`` figures: the message gives each figure and target."""
+    if slo is None:
+        return None, "NoFigures", "the router's figures could not be read"
+    checks = [
+        ("ttft p90", slo.get("ttftP90Ms"), targets.ttft_p90_ms),
+        ("itl p50", slo.get("itlP50Ms"), targets.itl_p50_ms),
+    ]
+    checks = [(n, v, t) for n, v, t in checks if t is not None]
+    if not checks:
+        return None, "NoTargets", "spec.slo sets no target"
+    if any(v is None for _, v, _ in checks):
+        return None, "NoSamples", f"no requests in the last {slo.get('window', '60s')}"
+    parts = [f"{n} {v:g} ms {'<=' if v <= t else '>'} target {t:g} ms" for n, v, t in checks]
+    missed = [p for p, (_, v, t) in zip(parts, checks) if v > t]
+    if missed:
+        return False, "TargetMissed", "; ".join(parts)
+    return True, "TargetsMet", "; ".join(parts)
+
+
+def revisions_status(
+    children: dict[tuple[str, str], dict], target: str, router: Optional[RouterView], previous: list[dict]
+) -> list[dict[str, Any]]:
+    """``status.revisions``: each live revision's ready counts, newest (the current one) first."""
+    prev = {r.get("revision"): r for r in previous or []}
+    out = []
+    sets = revision_sets(children)
+    for rev in sorted(sets, key=lambda r: (r != target, r)):
+        rs = sets[rev]
+        entry: dict[str, Any] = {"revision": rev or "unlabelled", "current": rev == target}
+        for role, key in (("prefill", "prefill"), ("decode", "decode"), ("unified", "decode")):
+            if role in rs.deployments:
+                ready, desired = rs.counts(role)
+                entry[key] = f"{ready}/{desired}"
+        entry.setdefault("prefill", "0/0")
+        entry.setdefault("decode", "0/0")
+        if router is not None and router.reachable:
+            entry["serving"] = rev in router.serving()
+            entry["inFlight"] = router.in_flight(rev)
+        elif router is None and entry["revision"] in prev:
+            for key in ("serving", "inFlight"):
+                if key in prev[entry["revision"]]:
+                    entry[key] = prev[entry["revision"]][key]
+        out.append(entry)
+    return out
 
 
 def role_state(role: str, deployment: Optional[dict]) -> RoleState:
@@ -132,9 +223,16 @@ def compute_status(
     apply_errors: list[str],
     children: dict[tuple[str, str], dict],
     now: Optional[str] = None,
+    observed: Optional[Observed] = None,
 ) -> dict[str, Any]:
-    """The full ``status`` of the InferenceService ``body`` (see the module docstring)."""
+    """The full ``status`` of the InferenceService ``body`` (see the module docstring).
+
+    ``observed.revision`` picks the worker Deployments the role counts come from (those of the current
+    revision); without it they are the unrevisioned ``<name>-<role>`` ones.
+    """
     now = now or now_rfc3339()
+    observed = observed or Observed()
+    previous_status = body.get("status") or {}
     generation = int((body.get("metadata") or {}).get("generation") or 0)
     previous = {c.get("type"): c for c in ((body.get("status") or {}).get("conditions") or [])}
 
@@ -161,9 +259,13 @@ def compute_status(
             "observedGeneration": generation,
         }
 
+    rev = observed.revision
+
+    def dep_name(role: str) -> str:
+        return deployment_name(cfg, role, rev) if rev is not None else child_name(cfg, role)
+
     states = {
-        role: role_state(role, children.get(("Deployment", child_name(cfg, role))))
-        for role in worker_roles(cfg) + ("router",)
+        role: role_state(role, children.get(("Deployment", dep_name(role)))) for role in worker_roles(cfg) + ("router",)
     }
     conditions = [cond("Valid", True, "SpecValid", f"{cfg.mode} mode, serving {cfg.served_name}")]
     role_conds = {}
@@ -187,9 +289,27 @@ def compute_status(
         phase = "Pending" if missing else ("Progressing" if rolling else "Degraded")
         waiting = [ROLE_CONDITION[r] for r, s in states.items() if not s.all_ready]
         ready = cond("Ready", False, phase, "waiting for " + ", ".join(dict.fromkeys(waiting)))
+    plan = observed.plan
+    if phase == "Ready" and plan is not None and plan.keep:  # the new set is up; the old one still drains
+        phase = "Progressing"
     conditions += [ready, role_conds["PrefillReady"], role_conds["DecodeReady"], role_conds["RouterReady"]]
+    router = observed.router
+    if observed.sync is not None:
+        conditions.append(cond("RouterSynced", observed.sync.ok, observed.sync.reason, observed.sync.message))
+    elif "RouterSynced" in previous:
+        conditions.append(previous["RouterSynced"])
+    slo: Optional[dict] = None
+    if router is not None:
+        slo = slo_status(router.slo, now) if router.reachable and router.slo is not None else None
+    else:
+        slo = previous_status.get("slo")
+    if cfg.spec.slo is not None:
+        if router is None and "SLOMet" in previous:
+            conditions.append(previous["SLOMet"])
+        else:
+            conditions.append(cond("SLOMet", *slo_condition(cfg.spec.slo, slo)))
     decode_state = states["unified" if cfg.unified else "decode"]
-    return {
+    out: dict[str, Any] = {
         "phase": phase,
         "mode": cfg.mode,
         "conditions": conditions,
@@ -199,6 +319,12 @@ def compute_status(
         "url": url,
         "observedGeneration": generation,
     }
+    if rev is not None:
+        out["revision"] = rev
+        out["revisions"] = revisions_status(children, rev, router, previous_status.get("revisions") or [])
+    if slo is not None:
+        out["slo"] = slo
+    return out
 
 
 def status_changed(old: Optional[dict], new: dict) -> bool:

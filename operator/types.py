@@ -29,7 +29,7 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 SPEC_ALGORITHMS = ("eagle", "ngram", "draft")
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
-CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady")
+CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady", "RouterSynced", "SLOMet")
 
 # hf://owner/name[@revision] | pvc://claim[/path] | builtin:smollm2 | /absolute/path
 MODEL_URI_PATTERN = (
@@ -310,6 +310,18 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class SloTargets:
+    """Service-level targets; the SLOMet condition says whether the router's last-minute figures meet them."""
+
+    ttft_p90_ms: Optional[float] = api_field(
+        "Most acceptable 90th-percentile time to first token, in milliseconds.", minimum=0, exclusive_minimum=True
+    )
+    itl_p50_ms: Optional[float] = api_field(
+        "Most acceptable median inter-token latency, in milliseconds.", minimum=0, exclusive_minimum=True
+    )
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     """Desired state of an InferenceService: one model served by prefill, decode and router pods."""
 
@@ -321,6 +333,9 @@ class InferenceServiceSpec:
     decode: DecodeSpec = api_field("Decode workers (unified workers when prefill.replicas is 0).", DecodeSpec)
     router: RouterSpec = api_field("The router in front of the workers.", RouterSpec)
     kv_transfer: KvTransfer = api_field("KV cache transfer between prefill and decode workers.", KvTransfer)
+    slo: Optional[SloTargets] = api_field(
+        "Targets for the live latency figures (status.slo); sets the SLOMet condition."
+    )
 
 
 # ------------------------------------------------------------------- status
@@ -328,7 +343,11 @@ class InferenceServiceSpec:
 class Condition:
     """One aspect of the service's state, as in every Kubernetes object."""
 
-    type: str = api_field("Ready, Valid, PrefillReady, DecodeReady or RouterReady.", required=True)
+    type: str = api_field(
+        "Ready, Valid, PrefillReady, DecodeReady, RouterReady, RouterSynced (every worker pod of the current "
+        "revision is in the router's rotation) or SLOMet (spec.slo targets met).",
+        required=True,
+    )
     status: str = api_field("True, False or Unknown.", required=True, enum=("True", "False", "Unknown"))
     reason: str = api_field("One CamelCase word saying why.", required=True)
     last_transition_time: str = api_field("When status last changed (RFC 3339).", required=True)
@@ -347,14 +366,48 @@ class RoleStatus:
 
 
 @dataclass(frozen=True)
+class RevisionStatus:
+    """One revision's worker set: its Deployments' counts and whether the router serves it."""
+
+    revision: str = api_field("The 12-hex revision (the pods' kvship.io/revision label).", required=True)
+    current: bool = api_field("Whether this is the revision of the current spec.", False)
+    serving: Optional[bool] = api_field("Whether the router sends new requests to it (absent: router not reached).")
+    prefill: str = api_field("readyReplicas/replicas of its prefill Deployment (0/0 in unified mode).", "0/0")
+    decode: str = api_field("readyReplicas/replicas of its decode (or unified) Deployment.", "0/0")
+    in_flight: Optional[int] = api_field("Requests its workers are running, as the router counts them.")
+
+
+@dataclass(frozen=True)
+class SloStatus:
+    """Live latency and throughput over the router's last window (GET /slo); absent figures had no sample."""
+
+    window: str = api_field("Length of the window the figures cover, e.g. 60s.", "60s")
+    requests: int = api_field("Requests finished in the window.", 0)
+    ttft_p50_ms: Optional[float] = api_field("Median time to first token, ms.")
+    ttft_p90_ms: Optional[float] = api_field("90th-percentile time to first token, ms.")
+    itl_p50_ms: Optional[float] = api_field("Median inter-token latency, ms.")
+    requests_per_second: Optional[float] = api_field("Finished requests per second.")
+    output_tokens_per_second: Optional[float] = api_field("Generated tokens per second.")
+    kv_transfer_g_bps: Optional[float] = api_field("KV cache transfer rate reported by decode workers, GB/s.")
+    observed_at: Optional[str] = api_field("When the operator read the figures (RFC 3339).")
+
+
+@dataclass(frozen=True)
 class InferenceServiceStatus:
     """Observed state of an InferenceService, written by the operator."""
 
     phase: str = api_field("Pending, Progressing, Ready, Degraded or Failed.", "Pending", enum=PHASES)
     mode: Optional[str] = api_field("unified or pd.", enum=("unified", "pd"))
-    conditions: list[Condition] = api_field("Ready, Valid, PrefillReady, DecodeReady and RouterReady.", [])
+    conditions: list[Condition] = api_field(
+        "Ready, Valid, PrefillReady, DecodeReady, RouterReady, RouterSynced and (with spec.slo) SLOMet.", []
+    )
     prefill: RoleStatus = api_field("Prefill workers (0/0 in unified mode).", RoleStatus)
     decode: RoleStatus = api_field("Decode (or unified) workers.", RoleStatus)
     router: RoleStatus = api_field("Router pods.", RoleStatus)
     url: Optional[str] = api_field("Base URL of the router's OpenAI-compatible API.")
+    revision: Optional[str] = api_field("Revision of the current spec (hash of what must match across P and D).")
+    revisions: list[RevisionStatus] = api_field(
+        "Every revision with live workers: during a rollout the new set and the draining old one.", []
+    )
+    slo: Optional[SloStatus] = api_field("Live figures from the router, refreshed every resync.")
     observed_generation: Optional[int] = api_field("metadata.generation the status reflects.")

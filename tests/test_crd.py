@@ -92,10 +92,10 @@ def test_schema_defaulting_agrees_with_python_defaults():
     assert defaulted["decode"]["replicas"] == 1 and defaulted["prefill"]["replicas"] == 0
 
 
-def test_printer_columns_show_model_roles_phase_url_and_age():
+def test_printer_columns_show_model_roles_phase_slo_url_and_age():
     cols = crd_manifest()["spec"]["versions"][0]["additionalPrinterColumns"]
     shown = [c["name"] for c in cols if not c.get("priority")]
-    assert shown == ["Model", "Prefill", "Decode", "Router", "Phase", "URL", "Age"]
+    assert shown == ["Model", "Prefill", "Decode", "Router", "Phase", "TTFT-P50", "ITL-P50", "RPS", "URL", "Age"]
     status = _schema()["properties"]["status"]["properties"]
     for col in cols:
         parts = col["jsonPath"].strip(".").split(".")

@@ -9,7 +9,7 @@ import pytest
 from kube_emulator import EmulatorThread
 
 from kvship.operator.apply import LAST_APPLIED, apply_children, compute_patch
-from kvship.operator.builders import Images, build_children
+from kvship.operator.builders import Images, build_children, worker_revision
 from kvship.operator.kube import KubeClient, load_auth
 from kvship.operator.spec import parse_service
 
@@ -102,15 +102,20 @@ async def test_autoscaling_takes_over_replicas_and_its_removal_prunes_the_hpa(ku
 async def test_switching_unified_to_pd_replaces_the_worker_role(kube, client):
     await apply(client, config(BASE, "a5", uid="uid-a5"))
     pd = dict(BASE, prefill={"replicas": 1})
-    result = await apply(client, config(pd, "a5", uid="uid-a5"))
-    assert {"Deployment a5-prefill", "Deployment a5-decode", "Service a5-prefill", "Service a5-decode"} <= set(
-        result.created
-    )
+    cfg = config(pd, "a5", uid="uid-a5")
+    result = await apply(client, cfg)
+    rev = worker_revision(cfg, IMAGES)
+    assert {
+        f"Deployment a5-prefill-{rev}",
+        f"Deployment a5-decode-{rev}",
+        "Service a5-prefill",
+        "Service a5-decode",
+    } <= set(result.created)
     assert set(result.deleted) == {"Deployment a5-worker", "Service a5-worker"}
     names = {
         d["metadata"]["name"] for d in kube.list("apps/v1", "deployments", "default", "app.kubernetes.io/instance=a5")
     }
-    assert names == {"a5-prefill", "a5-decode", "a5-router"}
+    assert names == {f"a5-prefill-{rev}", f"a5-decode-{rev}", "a5-router"}
 
 
 async def test_objects_it_does_not_own_are_reported_and_left_alone(kube, client):

@@ -36,7 +36,14 @@ def example(path: str):
 
 
 def by_kind(children: list[dict], kind: str) -> dict[str, dict]:
-    return {c["metadata"]["name"]: c for c in children if c["kind"] == kind}
+    """Children of ``kind`` by name; PD worker Deployments by ``<name>-<role>`` (without their revision suffix)."""
+    return {_unrevisioned(c["metadata"]): c for c in children if c["kind"] == kind}
+
+
+def _unrevisioned(meta: dict) -> str:
+    rev = (meta.get("labels") or {}).get("kvship.io/revision")
+    name = meta["name"]
+    return name[: -len(rev) - 1] if rev and name.endswith("-" + rev) else name
 
 
 def container(dep: dict) -> dict:
@@ -85,7 +92,7 @@ def test_unified_children_and_names():
 
 
 def test_pd_children_add_prefill_and_decode_roles():
-    names = {(c["kind"], c["metadata"]["name"]) for c in build_children(config(PD), IMAGES)}
+    names = {(c["kind"], _unrevisioned(c["metadata"])) for c in build_children(config(PD), IMAGES)}
     assert {
         ("Deployment", "svc-prefill"),
         ("Deployment", "svc-decode"),
@@ -249,7 +256,7 @@ def test_pods_run_non_root_read_only_with_probes_and_resources_passed_through():
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             # everything dropped; RDMA workers (mooncake with rdmaDevices here) add only IPC_LOCK to pin memory
-            rdma_worker = c["name"] == "worker" and dep["metadata"]["name"] in ("svc-prefill", "svc-decode")
+            rdma_worker = c["name"] == "worker" and _unrevisioned(dep["metadata"]) in ("svc-prefill", "svc-decode")
             assert sc["capabilities"] == ({"drop": ["ALL"], "add": ["IPC_LOCK"]} if rdma_worker else {"drop": ["ALL"]})
         c = pod["containers"][0]
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -285,7 +292,9 @@ def test_autoscaled_roles_leave_replicas_to_their_hpa():
     deps, hpas = by_kind(children, "Deployment"), by_kind(children, "HorizontalPodAutoscaler")
     assert "replicas" not in deps["svc-decode"]["spec"] and deps["svc-prefill"]["spec"]["replicas"] == 2
     dec = hpas["svc-decode"]["spec"]
-    assert dec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "svc-decode"}
+    target = deps["svc-decode"]["metadata"]["name"]
+    assert target.startswith("svc-decode-"), "the HPA scales the current revision's Deployment"
+    assert dec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": target}
     assert (dec["minReplicas"], dec["maxReplicas"]) == (2, 8)
     assert dec["metrics"] == [
         {

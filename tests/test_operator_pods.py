@@ -25,13 +25,19 @@ PD = {
 def pods(spec: dict) -> dict[str, dict]:
     body = {"metadata": {"name": "svc", "namespace": "ml", "uid": "u-1"}, "spec": spec}
     deps = [c for c in build_children(parse_service(body), IMAGES) if c["kind"] == "Deployment"]
-    return {d["metadata"]["name"]: d["spec"]["template"] for d in deps}
+    return {role_name(d["metadata"]): d["spec"]["template"] for d in deps}
+
+
+def role_name(meta: dict) -> str:
+    """A Deployment's name without the revision suffix PD worker Deployments carry (``svc-decode-<rev>``)."""
+    rev = (meta.get("labels") or {}).get("kvship.io/revision")
+    return meta["name"][: -len(rev) - 1] if rev and meta["name"].endswith("-" + rev) else meta["name"]
 
 
 def example_pods(path: str) -> dict[str, dict]:
     body = yaml.safe_load(Path(path).read_text())
     deps = [c for c in build_children(parse_service(dict(body, metadata={**body["metadata"], "uid": "u"})), IMAGES)]
-    return {d["metadata"]["name"]: d["spec"]["template"] for d in deps if d["kind"] == "Deployment"}
+    return {role_name(d["metadata"]): d["spec"]["template"] for d in deps if d["kind"] == "Deployment"}
 
 
 def volumes(tpl: dict) -> dict[str, dict]:

@@ -9,7 +9,7 @@ schemas.
 Children (unified mode has ``worker`` instead of ``prefill`` + ``decode``)::
 
     ConfigMap        <name>-config
-    Deployment       <name>-prefill, <name>-decode | <name>-worker, <name>-router
+    Deployment       <name>-prefill-<rev>, <name>-decode-<rev> | <name>-worker, <name>-router
     Service          same names (workers: headless; router: clients call it)
     ServiceAccount   <name>-router   + Role + RoleBinding (pods get/list/watch)
     HPA              <name>-<role>   when the role has autoscaling
@@ -21,10 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvship.operator.builders.common import (
+    IN_ROTATION_GATE,
     MANAGED_BY,
+    REVISION_LABEL,
     ROLE_LABEL,
     Images,
     child_name,
+    deployment_name,
     instance_labels,
     role_selector,
     worker_roles,
@@ -32,6 +35,7 @@ from kvship.operator.builders.common import (
 from kvship.operator.builders.extras import autoscaler, config_map, disruption_budget
 from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
 from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
+from kvship.operator.revision import compute_revision
 from kvship.operator.spec import ServiceConfig
 
 # Every kind an InferenceService may own, in the order they are applied.
@@ -48,11 +52,16 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
 
 
 def build_children(cfg: ServiceConfig, images: Images) -> list[dict[str, Any]]:
-    """Every child of the service, in apply order (config and RBAC before the pods that use them)."""
-    deployments = [worker_deployment(cfg, role, images) for role in worker_roles(cfg)]
+    """Every child of the service, in apply order (config and RBAC before the pods that use them).
+
+    Worker Deployments are those of the spec's current revision (:func:`worker_revision`); Deployments of
+    older revisions are kept or removed by the rollout (kvship.operator.rollout), not here.
+    """
+    revision = worker_revision(cfg, images)
+    deployments = [worker_deployment(cfg, role, images, revision) for role in worker_roles(cfg)]
     deployments.append(router_deployment(cfg, images))
     argv = {_role_of(d): d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments}
-    out: list[dict[str, Any]] = [config_map(cfg, argv)]
+    out: list[dict[str, Any]] = [config_map(cfg, argv, revision)]
     out += router_rbac(cfg)
     out += [worker_service(cfg, role) for role in worker_roles(cfg)]
     out.append(router_service(cfg))
@@ -60,12 +69,17 @@ def build_children(cfg: ServiceConfig, images: Images) -> list[dict[str, Any]]:
     scaled = [(role, role_spec(cfg, role)) for role in worker_roles(cfg)] + [("router", cfg.spec.router)]
     for role, r in scaled:
         if r.autoscaling is not None:
-            out.append(autoscaler(cfg, role, r.autoscaling))
+            out.append(autoscaler(cfg, role, r.autoscaling, deployment_name(cfg, role, revision)))
     for role, r in scaled:
         pdb = disruption_budget(cfg, role, r.replicas, r.autoscaling)
         if pdb is not None:
             out.append(pdb)
     return out
+
+
+def worker_revision(cfg: ServiceConfig, images: Images) -> str:
+    """The revision of the spec's workers (kvship.operator.revision)."""
+    return compute_revision(cfg, images.worker)
 
 
 def _role_of(obj: dict[str, Any]) -> str:
@@ -78,7 +92,11 @@ __all__ = [
     "Images",
     "MANAGED_BY",
     "ROLE_LABEL",
+    "REVISION_LABEL",
+    "IN_ROTATION_GATE",
     "child_name",
+    "deployment_name",
+    "worker_revision",
     "instance_labels",
     "role_selector",
     "worker_roles",

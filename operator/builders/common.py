@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.spec import ServiceConfig
 from kvship.operator.types import API_VERSION, KIND
 
 MANAGED_BY = "kvship-operator"
+IN_ROTATION_GATE = "kvship.io/in-rotation"
 APP_NAME = "kvship"
 ROLE_LABEL = "kvship.io/role"
 PORT_ANNOTATION = "kvship.io/port"
@@ -37,6 +39,21 @@ class Images:
 def child_name(cfg: ServiceConfig, role: str) -> str:
     """``unified`` workers live in ``<name>-worker``; other roles in ``<name>-<role>``."""
     return f"{cfg.name}-{'worker' if role == 'unified' else role}"
+
+
+def deployment_name(cfg: ServiceConfig, role: str, revision: str) -> str:
+    """PD worker Deployments carry their revision (``<name>-prefill-<rev>``): a new revision is a new pair of
+    Deployments beside the old one (docs/operator.md, "Revisions and lockstep rollouts").  Unified workers and
+    the router keep one Deployment each, patched in place."""
+    if role in ("prefill", "decode"):
+        return f"{child_name(cfg, role)}-{revision}"
+    return child_name(cfg, role)
+
+
+def router_gated(cfg: ServiceConfig) -> bool:
+    """Whether worker pods carry the in-rotation readiness gate: the operator must be able to ask the router,
+    which it cannot when the router requires an API key (the operator never reads Secrets)."""
+    return cfg.spec.router.api_key_secret_ref is None
 
 
 def worker_roles(cfg: ServiceConfig) -> tuple[str, ...]:
@@ -150,11 +167,23 @@ def deployment(
     pod_annotations: dict[str, str],
     strategy: dict[str, Any],
     progress_deadline: int,
+    revision: str | None = None,
 ) -> dict[str, Any]:
-    """A Deployment of one role; ``replicas=None`` leaves the count to an HPA."""
+    """A Deployment of one role; ``replicas=None`` leaves the count to an HPA.
+
+    With a ``revision`` its pods carry the ``kvship.io/revision`` label; PD worker Deployments are also named
+    and selected by it (:func:`deployment_name`).
+    """
     labels = role_labels(cfg, role)
+    selector = role_selector(cfg, role)
+    name = child_name(cfg, role)
+    if revision is not None:
+        labels[REVISION_LABEL] = revision
+        name = deployment_name(cfg, role, revision)
+        if name != child_name(cfg, role):
+            selector[REVISION_LABEL] = revision
     spec: dict[str, Any] = {
-        "selector": {"matchLabels": role_selector(cfg, role)},
+        "selector": {"matchLabels": selector},
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": progress_deadline,
         "strategy": strategy,
@@ -165,7 +194,7 @@ def deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": metadata(cfg, child_name(cfg, role), labels),
+        "metadata": metadata(cfg, name, labels),
         "spec": spec,
     }
 

@@ -10,7 +10,7 @@ from kvship.operator.spec import ServiceConfig
 from kvship.operator.types import Autoscaling
 
 
-def config_map(cfg: ServiceConfig, argv: dict[str, list[str]]) -> dict[str, Any]:
+def config_map(cfg: ServiceConfig, argv: dict[str, list[str]], revision: str) -> dict[str, Any]:
     """``<name>-config``: what the operator resolved from the spec (mode, served name, each role's argv).
 
     A record for people and tools (``kubectl get cm NAME-config -o yaml``); the pods carry their
@@ -20,6 +20,7 @@ def config_map(cfg: ServiceConfig, argv: dict[str, list[str]]) -> dict[str, Any]
         "mode": cfg.mode,
         "served-model-name": cfg.served_name,
         "model-uri": cfg.spec.model.uri,
+        "revision": revision,
         "args.json": json.dumps(argv, indent=2, sort_keys=True),
     }
     return {
@@ -30,8 +31,9 @@ def config_map(cfg: ServiceConfig, argv: dict[str, list[str]]) -> dict[str, Any]
     }
 
 
-def autoscaler(cfg: ServiceConfig, role: str, a: Autoscaling) -> dict[str, Any]:
-    """autoscaling/v2 HPA of one role's Deployment."""
+def autoscaler(cfg: ServiceConfig, role: str, a: Autoscaling, target: str | None = None) -> dict[str, Any]:
+    """autoscaling/v2 HPA ``<name>-<role>`` of the Deployment ``target`` (default: the role's child name;
+    PD workers: the current revision's Deployment, so a rollout hands the HPA to the new set)."""
     if a.metric in ("cpu", "memory"):
         metric = {
             "type": "Resource",
@@ -48,7 +50,7 @@ def autoscaler(cfg: ServiceConfig, role: str, a: Autoscaling) -> dict[str, Any]:
         "kind": "HorizontalPodAutoscaler",
         "metadata": metadata(cfg, name, role_labels(cfg, role)),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target or name},
             "minReplicas": a.min_replicas,
             "maxReplicas": a.max_replicas,
             "metrics": [metric],

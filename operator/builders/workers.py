@@ -154,7 +154,7 @@ def shm_size(cfg: ServiceConfig, role: str) -> str:
     return GPU_SHM if GPU in (role_spec(cfg, role).resources.get("limits") or {}) else CPU_SHM
 
 
-def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str, Any]:
+def worker_deployment(cfg: ServiceConfig, role: str, images: Images, revision: str) -> dict[str, Any]:
     r = role_spec(cfg, role)
     eng = cfg.spec.engine
     image = eng.image or images.worker
@@ -198,6 +198,9 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
     }
     if plan.init_containers:
         pod["initContainers"] = plan.init_containers
+    if common.router_gated(cfg):
+        # Ready only once the router dispatches to the pod (the operator sets the condition from GET /workers).
+        pod["readinessGates"] = [{"conditionType": common.IN_ROTATION_GATE}]
     common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, eng.image_pull_secrets)
     uses_gpu = GPU in (r.resources.get("limits") or {})
     # GPU roles never surge (a spare GPU rarely exists); CPU roles surge for zero-downtime rollouts.
@@ -218,6 +221,7 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images) -> dict[str
         pod_annotations=annotations,
         strategy=strategy,
         progress_deadline=eng.startup_timeout_seconds + 600,
+        revision=revision,
     )
 
 
