@@ -88,6 +88,7 @@ def check_tensor_parallel(server_args: ServerArgs) -> None:
         raise ValueError("--tp-size > 1 works with --mode unified only so far (PD with tensor parallelism comes later)")
     from kvship.engine.model_config import ModelConfig, parse_dtype
     from kvship.engine.model_runner import resolve_model_path
+    from kvship.engine.parallel.ep import check_expert_parallel
     from kvship.engine.parallel.layers import check_tp_divisible
 
     mc = ModelConfig.from_pretrained(
@@ -96,6 +97,7 @@ def check_tensor_parallel(server_args: ServerArgs) -> None:
         context_length=server_args.context_length,
     )
     check_tp_divisible(mc, server_args.tp_size)
+    check_expert_parallel(mc, server_args.tp_size, server_args.ep_size, server_args.ep_dispatch)
     if server_args.resolved_device == "cuda":
         import torch
 

@@ -38,7 +38,13 @@ HISTOGRAMS = (
     "kvship:e2e_request_latency_seconds",
 )
 
-WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS
+# Mixture-of-Experts workers only: tokens routed to each expert (counter, labels ``layer`` and ``expert``)
+# and each MoE layer's max / mean of those counts (gauge, label ``layer``; 1.0 is perfectly balanced).
+MOE_EXPERT_TOKENS = "kvship:moe_expert_tokens"
+MOE_EXPERT_LOAD_IMBALANCE = "kvship:moe_expert_load_imbalance"
+MOE_METRICS = (MOE_EXPERT_TOKENS + "_total", MOE_EXPERT_LOAD_IMBALANCE)
+
+WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS
 
 # What the examples and the CRD's description use to autoscale decode workers.
 AUTOSCALING_EXAMPLE = NUM_RUNNING_REQS

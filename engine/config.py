@@ -77,6 +77,17 @@ class ServerArgs:
     dist_timeout: float = opt(
         300.0, "Seconds a tensor-parallel collective waits for a rank before the worker gives up and exits"
     )
+    ep_size: int = opt(
+        1,
+        "Expert parallelism (MoE models): split each MoE layer's experts N ways over the --tp-size ranks "
+        "(N divides --tp-size; each expert's width is split the remaining tp/N ways)",
+    )
+    ep_dispatch: str = opt(
+        "all_reduce",
+        "How a MoE layer of a --tp-size > 1 worker combines its ranks' experts: all_reduce (CUDA-graph safe) "
+        "or all_to_all (tokens sent to their experts' ranks; needs --ep-size = --tp-size; graphs all-reduce)",
+        choices=("all_reduce", "all_to_all"),
+    )
 
     # Speculative decoding (decode/spec; unified and decode workers)
     speculative_algorithm: Optional[str] = opt(
@@ -205,3 +216,8 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
         return dataclass_from_namespace(cls, ns)
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(
+                f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
+                "experts are split over the tensor-parallel ranks"
+            )

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -151,7 +152,12 @@ class Engine:
 
             make_scheduler_tensor_parallel(self.scheduler, tp, lambda: self._stop_event.set())
         self.grammar = self.scheduler.grammar  # structured output: the HTTP layer checks grammars with it
-        self.metrics = EngineMetrics(self.served_model_name, self._safe_stats)
+        expert_load_fn = None
+        if self.model_config.moe is not None:  # MoE: tokens per expert in /metrics (docs/parallel.md)
+            from kvship.engine.layers.moe.layer import expert_load
+
+            expert_load_fn = functools.partial(expert_load, self.model_runner.model)
+        self.metrics = EngineMetrics(self.served_model_name, self._safe_stats, expert_load_fn)
         self.revision = revision_info(self.server_args)  # {"fingerprint", "revision"} for /get_server_info
 
         self._stop_event = threading.Event()

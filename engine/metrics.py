@@ -10,6 +10,11 @@ Series (all labelled ``model_name``):
   ``kvship:num_running_reqs``, ``kvship:num_queue_reqs``,
   ``kvship:kv_total_slots``, ``kvship:kv_free_slots``, ``kvship:token_usage``
   (fraction of KV slots in use), ``kvship:cache_hit_rate``
+* Mixture-of-Experts models (``expert_load_fn``): counter
+  ``kvship:moe_expert_tokens_total{layer, expert}`` (tokens routed to each
+  expert) and gauge ``kvship:moe_expert_load_imbalance{layer}`` (max / mean of
+  a layer's counts), read from the model's device counters at scrape time
+  (docs/parallel.md, "Expert load")
 
 Each ``EngineMetrics`` owns its own registry, so several engines (tests) never
 collide in the process-global one.  Observations are made on the event loop
@@ -20,10 +25,11 @@ thread; the gauge callback runs on the scrape and must be thread-safe
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -66,10 +72,43 @@ class _SchedulerCollector(Collector):
             yield g
 
 
+class _ExpertLoadCollector(Collector):
+    def __init__(self, load_fn: Callable[[], dict[int, list[int]]], model_name: str):
+        self._load_fn = load_fn
+        self._model = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        tokens = CounterMetricFamily(
+            "kvship:moe_expert_tokens", "Tokens routed to each expert", labels=["model_name", "layer", "expert"]
+        )
+        imbalance = GaugeMetricFamily(
+            "kvship:moe_expert_load_imbalance",
+            "Max / mean of the tokens routed to a layer's experts (1 = balanced)",
+            labels=["model_name", "layer"],
+        )
+        try:
+            load = self._load_fn() or {}
+        except Exception as e:  # a scrape must never fail because the engine is down
+            logger.warning("expert load unavailable for /metrics: %s", e)
+            load = {}
+        for layer, counts in sorted(load.items()):
+            for expert, n in enumerate(counts):
+                tokens.add_metric([self._model, str(layer), str(expert)], float(n))
+            mean = sum(counts) / max(len(counts), 1)
+            imbalance.add_metric([self._model, str(layer)], max(counts) / mean if mean > 0 else 1.0)
+        yield tokens
+        yield imbalance
+
+
 class EngineMetrics:
     """Token counters and latency histograms; observe from the event loop thread."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], dict]):
+    def __init__(
+        self,
+        model_name: str,
+        stats_fn: Callable[[], dict],
+        expert_load_fn: Optional[Callable[[], dict[int, list[int]]]] = None,
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -100,6 +139,8 @@ class EngineMetrics:
             registry=r,
         ).labels(model_name)
         r.register(_SchedulerCollector(stats_fn, model_name))
+        if expert_load_fn is not None:  # {layer: tokens per expert}
+            r.register(_ExpertLoadCollector(expert_load_fn, model_name))
 
     def observe_tokens(
         self, n_new: int, now: float, first_token_time: float | None, last_token_time: float | None, created: float

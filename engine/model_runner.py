@@ -40,6 +40,7 @@ from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
 from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.model_config import ModelConfig, parse_dtype
 from kvship.engine.parallel.group import TPGroup
 from kvship.engine.parallel.layers import head_split
@@ -96,7 +97,9 @@ class ModelRunner:
         # this rank's attention heads (all of them at --tp-size 1)
         split = head_split(mc.num_attention_heads, mc.num_key_value_heads, self.tp_size, self.tp_rank)
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
-        self.model = load_model(mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp)
+        # MoE at --tp-size > 1: each rank holds its share of the experts (--ep-size; docs/parallel.md)
+        ep = (server_args.ep_size, server_args.ep_dispatch)
+        self.model = load_model(mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp, ep=ep)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
@@ -139,6 +142,7 @@ class ModelRunner:
             "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s%s",
             mc.architecture,
             mc.num_hidden_layers,
+        reset_expert_load(self.model)  # MoE: the expert-load counters start after warm-up and capture
             self.context_len,
             self.weight_bytes / 2**20,
             self.max_total_tokens,

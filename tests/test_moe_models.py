@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_COMMON, build_tiny_tokenizer
+from moe_fixtures import MOE_COMMON, SPECS, build_tiny_moe
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -26,51 +26,11 @@ from kvship.engine.models.moe import SparseMoeBlock
 from kvship.engine.scheduler import Scheduler
 
 ATOL = 1e-4
-MOE_COMMON = dict(TINY_COMMON, num_hidden_layers=3, num_experts_per_tok=2)
-# key -> (config class, model class, overrides)
-SPECS = {
-    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; renormalised top-k like Qwen3-30B-A3B
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
-    ),
-    # every second layer sparse (decoder_sparse_step 2: layer 1 only), shared expert, plain top-k weights
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            num_experts=8,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            norm_topk_prob=False,
-            decoder_sparse_step=2,
-        ),
-    ),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=48)),
-}
-
-
-def _build(out_dir: str, key: str, seed: int) -> str:
-    import transformers
-
-    cfg_name, model_name, overrides = SPECS[key]
-    config = getattr(transformers, cfg_name)(**dict(MOE_COMMON, tie_word_embeddings=False, **overrides))
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    build_tiny_tokenizer().save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> dict[str, str]:
-    return {k: _build(str(tmp_path_factory.mktemp(f"tiny_{k}")), k, seed=20 + i) for i, k in enumerate(SPECS)}
+    return {k: build_tiny_moe(str(tmp_path_factory.mktemp(f"tiny_{k}")), k, seed=20 + i) for i, k in enumerate(SPECS)}
 
 
 @pytest.fixture(scope="module")

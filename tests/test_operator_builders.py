@@ -20,9 +20,9 @@ from kvship.router.config import RouterConfig
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
 EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
-# Worker flags for features whose engine support lands with later issues (tensor/expert parallelism,
+# Worker flags for features whose engine support lands with later issues (tensor parallelism,
 # speculative decoding); the builders emit them only when the spec asks for those features.
-PENDING_WORKER_FLAGS = {TP_FLAG, EP_FLAG, *SPEC_FLAGS.values()}
+PENDING_WORKER_FLAGS = {TP_FLAG, *SPEC_FLAGS.values()}
 
 
 def config(spec: dict, name: str = "svc"):

@@ -23,7 +23,7 @@ STATS = {"running": 3, "waiting": 1, "total_slots": 100, "free_slots": 40, "cach
 
 def exported_series() -> set[str]:
     """Sample names a worker's /metrics really serves (after one finished request)."""
-    m = EngineMetrics("m", lambda: STATS)
+    m = EngineMetrics("m", lambda: STATS, lambda: {0: [3, 1]})  # a MoE worker: its expert-load series too
     m.observe_tokens(2, 1.0, None, None, 0.5)
     m.observe_finished("stop", 5, 1, 0.7)
     return {s.name for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}

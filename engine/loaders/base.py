@@ -86,13 +86,20 @@ def resolve_load_format(load_format: str, model_path: str) -> str:
 
 
 def load_model(
-    model_config: ModelConfig, load_format: str, device: str | torch.device, seed: int = 0, tp: "TPGroup | None" = None
+    model_config: ModelConfig,
+    load_format: str,
+    device: str | torch.device,
+    seed: int = 0,
+    tp: "TPGroup | None" = None,
+    ep: tuple[int, str] = (1, "all_reduce"),
 ) -> nn.Module:
     """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights.
 
     With ``tp`` (a tensor-parallel rank) the model is made parallel
     (``build_parallel_model``: on CUDA via the meta device) with this rank's
-    parameters only, which the loader fills from this rank's blocks.
+    parameters only, which the loader fills from this rank's blocks; MoE
+    experts are split too, ``ep = (ep size, dispatch)``
+    (``kvship.engine.parallel.ep``): a rank reads only its own share.
     """
     fmt = resolve_load_format(load_format, model_config.model_path)
     cls = get_model_class(model_config.architectures)
@@ -104,7 +111,7 @@ def load_model(
     else:
         from kvship.engine.parallel.layers import build_parallel_model
 
-        model = build_parallel_model(cls, model_config, tp, device)
+        model = build_parallel_model(cls, model_config, tp, device, ep=ep)
         get_loader(fmt).load_weights(model, model_config, seed, lazy=True)
     model.eval()
     logger.info(

@@ -12,8 +12,9 @@ tensor ``...mlp.experts.N.<proj>.weight`` goes into the stacked parameter
 with shard ``(N, part)`` (``FusedMoE``'s weight loader).
 
 Tensor parallelism (``tp_plan``): attention, dense and shared-expert MLPs and
-the vocabulary split as in Llama; the router and the experts stay whole on
-every rank (expert parallelism over the TP group is a later step).
+the vocabulary split as in Llama; the router stays whole on every rank and
+the experts are split by ``kvship.engine.parallel.ep`` (``--ep-size``:
+experts over ranks, the rest of the split over each expert's width).
 """
 
 from __future__ import annotations

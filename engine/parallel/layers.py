@@ -300,7 +300,12 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup) -> nn.Module:
 
 
 def build_parallel_model(
-    cls: type[nn.Module], config: Any, tp: TPGroup, device: str | torch.device, on_meta: bool | None = None
+    cls: type[nn.Module],
+    config: Any,
+    tp: TPGroup,
+    device: str | torch.device,
+    on_meta: bool | None = None,
+    ep: tuple[int, str] = (1, "all_reduce"),
 ) -> nn.Module:
     """``cls(config)`` made tensor-parallel with only this rank's (empty) parameters on ``device``.
 
@@ -310,13 +315,21 @@ def build_parallel_model(
     the full-size ``torch.empty`` parameters it replaces are never written,
     so their pages are never touched (and the meta device's first use costs
     seconds of imports).  ``on_meta`` overrides that choice (tests).
+    MoE experts are split over the ranks too, ``ep = (ep size, dispatch)``
+    (``kvship.engine.parallel.ep.apply_expert_parallel``).
     """
+    from kvship.engine.parallel.ep import apply_expert_parallel
+
+    def parallel(model: nn.Module) -> nn.Module:
+        model = apply_tensor_parallel(model, tp)
+        return apply_expert_parallel(model, tp, *ep)
+
     device = torch.device(device)
     if not (device.type == "cuda" if on_meta is None else on_meta):
         with device:
-            return apply_tensor_parallel(cls(config), tp)
+            return parallel(cls(config))
     with torch.device("meta"):
-        model = apply_tensor_parallel(cls(config), tp)
+        model = parallel(cls(config))
     loaders = {name: p.weight_loader for name, p in model.named_parameters()}
     model.to_empty(device=device)  # new Parameter objects: give them their loaders back
     for name, p in model.named_parameters():

@@ -6,6 +6,11 @@ over experts):
 * ``w13_weight [E, 2I, H]``: gate rows ``[0, I)``, up rows ``[I, 2I)``;
 * ``w2_weight  [E, H, I]``: down.
 
+where ``E`` is ``num_local_experts``: the layer holds experts ``[expert_start,
+expert_start + num_local_experts)`` of the model's ``num_experts`` (all of them
+unless expert parallelism splits them; checkpoint shards of other experts are
+accepted and never read).
+
 Each carries ``weight_loader(param, loaded, shard_id)`` with ``shard_id =
 (expert, "gate" | "up" | "down")``: one checkpoint tensor (``[I, H]`` or
 ``[H, I]``) into its expert's rows.  A model maps per-expert checkpoint names
@@ -16,8 +21,14 @@ complete checkpoint fills.
 ``select_experts`` (softmax -> top-k -> renormalise), then the runner.  The
 runner is picked by name (``runner=`` or the ``KVSHIP_MOE_RUNNER`` knob, read
 when the layer is built): ``auto`` is ``triton`` on CUDA where Triton
-imports, else ``torch``.  Experts are not split across ranks yet (expert
-parallelism is a later step).
+imports, else ``torch``.  Expert parallelism replaces this layer by
+``kvship.engine.parallel.ep.ExpertParallelMoE`` (this rank's experts only).
+
+Expert load: every forward adds the tokens routed to each expert (``[E]``
+int64, on the layer's device, no host sync, so it is captured in CUDA graphs
+too) to a counter that ``expert_load()`` reads (``/metrics``; docs/parallel.md,
+"Expert load").  It counts every row the layer computes: the padding rows of a
+CUDA-graph decode batch included.
 """
 
 from __future__ import annotations
@@ -49,19 +60,28 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         dtype: torch.dtype = torch.float32,
         runner: Optional[str] = None,
+        expert_start: int = 0,
+        num_local_experts: Optional[int] = None,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
-        self.num_experts = num_experts
+        num_local = num_experts if num_local_experts is None else num_local_experts
+        if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
+            raise ValueError(f"experts [{expert_start}, {expert_start + num_local}) are not within {num_experts}")
+        self.num_experts = num_experts  # in the model (routing, load counts, checkpoint ids)
+        self.expert_start = expert_start  # this layer holds experts [expert_start, expert_start + num_local_experts)
+        self.num_local_experts = num_local
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
-        self.w13_weight = _param((num_experts, 2 * intermediate_size, hidden_size), dtype, self._load_expert)
-        self.w2_weight = _param((num_experts, hidden_size, intermediate_size), dtype, self._load_expert)
+        self.w13_weight = _param((num_local, 2 * intermediate_size, hidden_size), dtype, self._load_expert)
+        self.w2_weight = _param((num_local, hidden_size, intermediate_size), dtype, self._load_expert)
         self.runner_name = runner or ENV.MOE_RUNNER
         self._runners: dict[str, MoERunner] = {}  # device type -> runner
+        # tokens routed per (global) expert; made on the first forward, on the activations' device
+        self._expert_tokens: Optional[torch.Tensor] = None
 
     def _load_expert(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in EXPERT_PARTS):
@@ -71,7 +91,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
         if param is not getattr(self, EXPERT_PARTS[part]):
             raise ValueError(f"'{part}' weights do not belong in this parameter")
-        target = param.data[expert]
+        local = expert - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert (expert parallelism): never read
+        target = param.data[local]
         if part == "gate":
             target = target.narrow(0, 0, self.intermediate_size)
         elif part == "up":
@@ -85,7 +108,8 @@ class FusedMoE(nn.Module):
             target.copy_(loaded)
 
     def expected_shards(self) -> dict[str, list[tuple[int, str]]]:
-        """Parameter attribute -> every shard id a complete checkpoint fills."""
+        """Parameter attribute -> every shard id a complete checkpoint fills (every expert of the model,
+        also those another rank holds: the check is that the checkpoint is complete)."""
         experts = range(self.num_experts)
         return {
             "w13_weight": [(e, p) for e in experts for p in ("gate", "up")],
@@ -108,13 +132,65 @@ class FusedMoE(nn.Module):
             self._runners[x.device.type] = runner
         return runner
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def count_routed(self, ids: torch.Tensor) -> None:
+        """Add ``ids`` (global expert ids ``[M, k]``) to the expert-load counter (device ops only)."""
+        counts = self._expert_tokens
+        if counts is None or counts.device != ids.device:
+            counts = self._expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        flat = ids.reshape(-1).long()
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed to each expert since start (or the last ``reset_expert_load_``): int64 ``[E]`` on CPU."""
+        if self._expert_tokens is None:
+            return torch.zeros(self.num_experts, dtype=torch.int64)
+        return self._expert_tokens.cpu()
+
+    def reset_expert_load_(self) -> None:
+        if self._expert_tokens is not None:
+            self._expert_tokens.zero_()
+
+    def route(self, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[MoERunner, torch.Tensor, torch.Tensor]:
+        """The runner, routing weights and global expert ids for ``x``; counted in the expert load."""
         runner = self.runner_for(x)
         weights, ids = runner.select_experts(router_logits, self.top_k, self.renormalize)
+        self.count_routed(ids)
+        return runner, weights, ids
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        runner, weights, ids = self.route(x, router_logits)
         return runner(x, self.w13_weight, self.w2_weight, weights, ids)
 
     def extra_repr(self) -> str:
+        held = ""
+        if self.num_local_experts != self.num_experts:
+            held = f" (holds {self.expert_start}..{self.expert_start + self.num_local_experts - 1})"
         return (
-            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"experts={self.num_experts}{held}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, renormalize={self.renormalize}, runner={self.runner_name}"
         )
+
+
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert so far, per MoE layer (keyed by its decoder layer's index); one host read
+    per layer.  Under expert parallelism every rank routes every token, so any rank's counts are the worker's."""
+    out: dict[int, list[int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            out[_layer_index(name)] = module.expert_load().tolist()
+    return out
+
+
+def reset_expert_load(model: nn.Module) -> None:
+    """Zero every MoE layer's expert-load counter (after warm-up and CUDA-graph capture)."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.reset_expert_load_()
+
+
+def _layer_index(module_name: str) -> int:
+    parts = module_name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    raise ValueError(f"MoE module '{module_name}' is not inside a numbered decoder layer")

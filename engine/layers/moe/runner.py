@@ -18,7 +18,9 @@ Runners (``get_moe_runner(name)``):
   safe.  Imported on first use (needs ``triton``).
 
 Contract: a runner must accept ids of experts that received no token, and
-``M == 0``.
+``M == 0``.  With ``absent=True`` (expert parallelism: ``w13``/``w2`` hold only
+this rank's experts) an id of ``-1`` marks a pair whose expert lives on another
+rank: it adds nothing to ``out`` (docs/parallel.md, "Expert parallelism").
 """
 
 from __future__ import annotations
@@ -38,10 +40,16 @@ class MoERunner(ABC):
 
     @abstractmethod
     def __call__(
-        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        absent: bool = False,
     ) -> torch.Tensor:
         """``x [M, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` float32 ``[M, k]``,
-        ``topk_ids`` int ``[M, k]`` -> ``[M, H]`` in ``x.dtype``."""
+        ``topk_ids`` int ``[M, k]`` -> ``[M, H]`` in ``x.dtype``; with ``absent``, ids of ``-1`` add nothing."""
 
     def select_experts(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -80,7 +88,7 @@ def get_moe_runner(name: str) -> MoERunner:
 class TorchMoERunner(MoERunner):
     """Per-expert loop in PyTorch: gather the expert's tokens, two matmuls, scatter-add weighted rows."""
 
-    def __call__(self, x, w13, w2, topk_weights, topk_ids):
+    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the torch MoE runner reads the routing on the host and cannot be captured in a CUDA graph: "
@@ -93,6 +101,8 @@ class TorchMoERunner(MoERunner):
         flat_ids = topk_ids.reshape(-1).long()
         # the experts that got at least one token (a host read: this runner is not graph-safe)
         for e in torch.unique(flat_ids).tolist():
+            if e < 0:  # absent: held by another rank
+                continue
             token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             h = F.linear(x[token], w13[e])
             h = F.silu(h[:, :inter]) * h[:, inter:]

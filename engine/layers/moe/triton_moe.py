@@ -293,8 +293,14 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: Optional[dict] = None,
+    absent: bool = False,
 ) -> torch.Tensor:
-    """The ``MoERunner`` contract (runner.py) with Triton kernels; ``config`` overrides the lookup (tuner)."""
+    """The ``MoERunner`` contract (runner.py) with Triton kernels; ``config`` overrides the lookup (tuner).
+
+    ``absent`` (expert parallelism): ids of ``-1`` become a sentinel expert ``E`` that sorts last; its
+    run is cut off ``num_tokens_post_padded``, so both GEMMs skip it, and its rows of the per-pair output
+    stay zero.  No host sync: CUDA-graph safe like the rest.
+    """
     m, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -307,7 +313,13 @@ def fused_experts(
     cfg = config or get_config(m, num_experts, inter, top_k, x.dtype, _device_name(x.device))
     bm, bn, bk, gm = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)
+    if absent:
+        topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
+        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts + 1)
+        n_absent = (topk_ids == num_experts).sum()
+        ntp = (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
+    else:
+        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)
     n = m * top_k
     padded = sorted_ids.numel()
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
@@ -316,7 +328,7 @@ def fused_experts(
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
     )  # fmt: skip
-    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     down = {**cfg, **cfg.get("down", {})}  # the down GEMM may override N/K tiles, warps and stages
     bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
@@ -333,8 +345,8 @@ def fused_experts(
 
 @register_moe_runner("triton")
 class TritonMoERunner(MoERunner):
-    def __call__(self, x, w13, w2, topk_weights, topk_ids):
-        return fused_experts(x, w13, w2, topk_weights, topk_ids)
+    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False):
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, absent=absent)
 
     def select_experts(self, router_logits, top_k, renormalize):
         if top_k & (top_k - 1) or router_logits.shape[1] > 1024:  # the kernel's shapes: fall back

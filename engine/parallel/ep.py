@@ -1,0 +1,195 @@
+"""MoE layers of a tensor-parallel worker: experts split ``--ep-size`` ways, each expert's width the rest.
+
+Attention, dense MLPs, the router and the vocabulary are tensor-parallel as in
+``kvship.engine.parallel.layers``.  The experts of a worker of ``T`` ranks
+with ``--ep-size N`` (N divides T) are split two ways (``expert_split``): rank
+``r`` holds the expert block ``r // (T/N)`` (``E/N`` experts) and, of each,
+the width slice ``r % (T/N)`` (``I/(T/N)`` rows of gate and up, columns of
+down).  ``N = T`` is expert parallelism proper (whole experts, E/T per rank);
+``N = 1`` splits every expert's width T ways, as a tensor-parallel MLP.
+
+After the attention's all-reduce every rank holds the same hidden states for
+every token and computes the same router logits, so every rank knows every
+token's top-k.  ``ParallelFusedMoE`` combines the ranks' shares with one of two
+dispatches (docs/parallel.md, "Expert parallelism"):
+
+* ``all_reduce`` (default): each rank runs its experts over the pairs routed
+  to them (the other pairs are ``-1``, "absent", for the runner), and one
+  all-reduce of ``[M, H]`` sums the partial outputs of all ranks.  Fixed
+  shapes, no host sync: CUDA-graph safe.  Its traffic is the one all-reduce a
+  tensor-parallel MLP costs.
+* ``all_to_all`` (needs N = T): rank ``r`` takes the tokens
+  ``[r*ceil(M/T), (r+1)*ceil(M/T))``, sends each (token, expert) pair's hidden
+  row to the rank holding the expert with ``all_to_all_single`` (the per-rank
+  pair counts are exchanged first), that rank runs its experts on what it
+  received, the outputs travel back the same way and are weighted and summed
+  per token, and an all-gather makes the result whole on every rank again.
+  The counts are read on the host, so this cannot be captured: inside a
+  CUDA-graph capture the layer all-reduces instead (same result), so decode
+  graphs all-reduce and eager steps go all-to-all.
+
+``check_expert_parallel(config, tp_size, ep_size, dispatch)`` raises a clear
+ValueError before any rank starts; ``apply_expert_parallel(model, tp, ep_size,
+dispatch)`` swaps every ``FusedMoE`` of a freshly built model for this rank's
+``ParallelFusedMoE`` (``build_parallel_model`` calls it before loading: the
+loaders never read another rank's experts or width slices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.loaders.lazy import Loaded
+from kvship.engine.parallel.group import TPGroup
+
+EP_DISPATCHES = ("all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """One rank's share of a MoE layer: experts ``[start, start + num_local)`` of ``num_experts``, and of each
+    the intermediate rows ``[inter_start, inter_start + inter_local)`` of ``intermediate_size``."""
+
+    num_experts: int
+    start: int
+    num_local: int
+    intermediate_size: int
+    inter_start: int
+    inter_local: int
+
+    def owner(self, expert: int) -> int:
+        """The expert-parallel rank (block of experts) holding ``expert``."""
+        return expert // self.num_local
+
+
+def expert_split(num_experts: int, intermediate_size: int, tp_size: int, ep_size: int, rank: int) -> ExpertSplit:
+    """Tensor-parallel rank ``rank``'s share: expert block ``rank // (tp/ep)``, width slice ``rank % (tp/ep)``
+    (ValueError when the experts or their width do not divide)."""
+    if ep_size < 1 or tp_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
+    if num_experts % ep_size:
+        raise ValueError(
+            f"--ep-size {ep_size} does not divide the model's {num_experts} experts; "
+            f"use an ep size that divides {num_experts}"
+        )
+    moe_tp = tp_size // ep_size
+    if intermediate_size % moe_tp:
+        raise ValueError(
+            f"--tp-size {tp_size} / --ep-size {ep_size} = {moe_tp} does not divide the experts' width "
+            f"(moe_intermediate_size {intermediate_size}); raise --ep-size or pick another tp size"
+        )
+    per, width = num_experts // ep_size, intermediate_size // moe_tp
+    return ExpertSplit(num_experts, (rank // moe_tp) * per, per, intermediate_size, (rank % moe_tp) * width, width)
+
+
+def check_expert_parallel(config: Any, tp_size: int, ep_size: int, dispatch: str = "all_reduce") -> None:
+    """ValueError with a clear message unless ``config``'s experts split over ``tp_size`` ranks, ``ep_size``
+    ways by expert (startup, before any rank starts)."""
+    if dispatch not in EP_DISPATCHES:
+        raise ValueError(f"unknown --ep-dispatch '{dispatch}'; known: {list(EP_DISPATCHES)}")
+    if config.moe is None:
+        if ep_size > 1:
+            raise ValueError(
+                f"--ep-size {ep_size} needs a Mixture-of-Experts model; {config.architecture} has no experts"
+            )
+        return
+    if dispatch == "all_to_all" and ep_size != tp_size:
+        raise ValueError(f"--ep-dispatch all_to_all needs --ep-size equal to --tp-size ({tp_size}), got {ep_size}")
+    expert_split(config.moe.num_experts, config.moe.intermediate_size, tp_size, ep_size, 0)
+
+
+class ParallelFusedMoE(FusedMoE):
+    """``FusedMoE`` holding this rank's share only (``ExpertSplit``); ``forward`` combines every rank's
+    (module docstring)."""
+
+    def __init__(self, base: FusedMoE, tp: TPGroup, ep_size: int, dispatch: str = "all_reduce"):
+        if dispatch not in EP_DISPATCHES:
+            raise ValueError(f"unknown expert-parallel dispatch '{dispatch}'; known: {list(EP_DISPATCHES)}")
+        split = expert_split(base.num_experts, base.intermediate_size, tp.size, ep_size, tp.rank)
+        if dispatch == "all_to_all" and ep_size != tp.size:
+            raise ValueError("the all_to_all dispatch needs --ep-size equal to --tp-size")
+        super().__init__(
+            base.num_experts,
+            base.top_k,
+            base.hidden_size,
+            split.inter_local,
+            base.renormalize,
+            dtype=base.w13_weight.dtype,
+            runner=base.runner_name,
+            expert_start=split.start,
+            num_local_experts=split.num_local,
+        )
+        self.tp = tp
+        self.ep_size = ep_size
+        self.split = split
+        self.dispatch = dispatch
+
+    def _load_expert(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        s = self.split
+        owned = isinstance(shard_id, tuple) and len(shard_id) == 2 and s.start <= shard_id[0] < s.start + s.num_local
+        if owned and s.inter_local != s.intermediate_size:  # this rank's rows of gate/up, columns of down
+            loaded = loaded.narrow(1 if shard_id[1] == "down" else 0, s.inter_start, s.inter_local)
+        super()._load_expert(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        runner, weights, ids = self.route(x, router_logits)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.dispatch == "all_to_all" and not capturing:
+            return self._all_to_all(runner, x, weights, ids)
+        local = ids - self.expert_start
+        local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+        y = runner(x, self.w13_weight, self.w2_weight, weights, local, absent=True)
+        return self.tp.all_reduce(y)
+
+    def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, group = self.tp.size, self.tp.device_group
+        m, hidden = x.shape
+        k = ids.shape[1]
+        per = -(-m // n)
+        lo, hi = min(self.tp.rank * per, m), min((self.tp.rank + 1) * per, m)
+        # this rank's tokens' pairs, grouped by the rank that holds their expert
+        pair_ids = ids[lo:hi].reshape(-1).long()
+        dest = pair_ids // self.num_local_experts
+        order = torch.argsort(dest, stable=True)
+        token = torch.arange(hi - lo, device=x.device).repeat_interleave(k)[order]
+        send_counts = torch.bincount(dest, minlength=n)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)  # counts first
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        received = sum(recv_split)
+        send_x = x[lo:hi][token].contiguous()
+        recv_x = x.new_empty((received, hidden))
+        dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=group)
+        send_e = (pair_ids[order] - dest[order] * self.num_local_experts).to(torch.int32)
+        recv_e = torch.empty(received, dtype=torch.int32, device=x.device)
+        dist.all_to_all_single(recv_e, send_e, recv_split, send_split, group=group)
+        # every received pair through its (local) expert, unweighted: the sender weights its own pairs
+        ones = torch.ones((received, 1), dtype=torch.float32, device=x.device)
+        y = runner(recv_x, self.w13_weight, self.w2_weight, ones, recv_e.view(-1, 1))
+        back = x.new_empty((send_x.shape[0], hidden))
+        dist.all_to_all_single(back, y.contiguous(), send_split, recv_split, group=group)
+        w = weights[lo:hi].reshape(-1)[order].to(x.dtype)
+        mine = x.new_zeros((per, hidden))
+        mine.index_add_(0, token, back * w[:, None])
+        # every rank's token block, in rank order: [per, n * hidden] -> [n * per, hidden]
+        whole = self.tp.all_gather_last_dim(mine).view(per, n, hidden).transpose(0, 1).reshape(n * per, hidden)
+        return whole[:m]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, ep_rank={self.tp.rank}/{self.tp.size}, dispatch={self.dispatch}"
+
+
+def apply_expert_parallel(model: nn.Module, tp: TPGroup, ep_size: int = 1, dispatch: str = "all_reduce") -> nn.Module:
+    """Replace every ``FusedMoE`` of ``model`` by this rank's ``ParallelFusedMoE``, in place (before loading)."""
+    for name, module in list(model.named_modules()):
+        if type(module) is FusedMoE:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, ParallelFusedMoE(module, tp, ep_size, dispatch))
+    return model
