@@ -37,13 +37,14 @@ logger = logging.getLogger("spec_decode")
 
 def oracle_speculator(k: int) -> Any:
     """A ``Speculator`` factory whose drafter proposes a chain of ``k - 1`` and whose oracle accepts all of it."""
+    from kvship.decode.spec.drafter import SequenceDrafter
     from kvship.decode.spec.tree import DraftTree
     from kvship.decode.spec.verify import Accepted
     from kvship.decode.spec.worker import Speculator
 
     n_draft = max(k - 1, 0)
 
-    class ChainDrafter:
+    class ChainDrafter(SequenceDrafter):
         k = n_draft  # draft tokens per round (the verify graphs are captured for k slots)
 
         def release_missing(self, open_rids: set[str]) -> None:

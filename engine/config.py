@@ -92,12 +92,24 @@ class ServerArgs:
     # Speculative decoding (decode/spec; unified and decode workers)
     speculative_algorithm: Optional[str] = opt(
         None,
-        "Speculative decoding: ngram (prompt lookup, no extra model) or draft (a smaller model); default off",
-        choices=(None, "ngram", "draft"),
+        "Speculative decoding: eagle / eagle3 (an EAGLE draft head), ngram (prompt lookup, no extra model) or "
+        "draft (a smaller model); default off",
+        choices=(None, "eagle", "eagle3", "ngram", "draft"),
     )
-    speculative_draft_model_path: Optional[str] = opt(None, "The draft model (--speculative-algorithm draft)")
-    speculative_num_draft_tokens: Optional[int] = opt(None, "Draft tokens verified per round (ngram default 8)")
-    speculative_eagle_topk: Optional[int] = opt(None, "Branches of the draft tree (ngram default 1: a chain)")
+    speculative_draft_model_path: Optional[str] = opt(
+        None, "The draft model (draft) or EAGLE head checkpoint folder (eagle, eagle3)"
+    )
+    speculative_num_steps: Optional[int] = opt(
+        None, "Draft depth: EAGLE draft forwards per round (default 5) or the draft model's chain length (default 4)"
+    )
+    speculative_num_draft_tokens: Optional[int] = opt(
+        None,
+        "Draft tokens verified per round (ngram default 8, draft = steps); eagle/eagle3 count the root as "
+        "SGLang does (default 8 = root + 7 drafts; steps + 1 with topk 1)",
+    )
+    speculative_eagle_topk: Optional[int] = opt(
+        None, "Branches per draft node (eagle default 4; ngram default 1: a chain; draft: 1)"
+    )
 
     # Kernels
     attention_backend: str = opt(
@@ -163,6 +175,53 @@ class ServerArgs:
         return "torch_native"
 
     @property
+    def speculative_shape(self) -> tuple[int, int, int]:
+        """(steps, topk, draft nodes per round below the root) of ``--speculative-algorithm``.
+
+        Defaults (docs/speculative.md): eagle / eagle3 5 steps, top-4, 8 verified tokens counting
+        the root (SGLang's convention; with top-1 the default is steps + 1); draft a chain of
+        ``steps`` (4) tokens; ngram 8 tokens, a chain.  Raises ``ValueError`` on a combination that
+        cannot be drafted.
+        """
+        algo = self.speculative_algorithm
+        steps, topk, tokens = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if algo in ("eagle", "eagle3"):
+            steps = 5 if steps is None else steps
+            topk = (
+                (1 if tokens is not None and steps is not None and tokens == steps + 1 else 4) if topk is None else topk
+            )
+            if tokens is None:
+                tokens = steps + 1 if topk == 1 else 8
+            if tokens < 2:
+                raise ValueError(
+                    f"--speculative-algorithm {algo}: --speculative-num-draft-tokens counts the root, need >= 2"
+                )
+            reachable = topk + (steps - 1) * topk * topk  # candidates a draft of steps x topk offers
+            if tokens - 1 > reachable:
+                raise ValueError(
+                    f"--speculative-algorithm {algo}: {tokens} draft tokens (root included) need more than the "
+                    f"{reachable} candidates of {steps} steps x top-{topk}; lower --speculative-num-draft-tokens "
+                    "or raise --speculative-num-steps / --speculative-eagle-topk"
+                )
+            return steps, topk, tokens - 1
+        if algo == "draft":
+            if topk not in (None, 1):
+                raise ValueError("--speculative-algorithm draft drafts a chain: --speculative-eagle-topk must be 1")
+            n = tokens if tokens is not None else (steps if steps is not None else 4)
+            if steps is not None and steps != n:
+                raise ValueError(
+                    "--speculative-algorithm draft drafts a chain: --speculative-num-steps and "
+                    "--speculative-num-draft-tokens must agree"
+                )
+            return n, 1, n
+        if algo == "ngram":
+            if steps is not None:
+                raise ValueError("--speculative-num-steps goes with eagle, eagle3 or draft (ngram looks drafts up)")
+            n = 8 if tokens is None else tokens
+            return n, 1 if topk is None else topk, n
+        raise ValueError(f"unknown --speculative-algorithm {algo!r}")
+
+    @property
     def resolved_cuda_graph_bs(self) -> list[int]:
         if self.cuda_graph_bs:
             return sorted(set(b for b in self.cuda_graph_bs if b <= self.cuda_graph_max_bs))
@@ -188,17 +247,28 @@ class ServerArgs:
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
         if self.speculative_algorithm is None and (
-            self.speculative_num_draft_tokens is not None or self.speculative_eagle_topk is not None
+            self.speculative_num_draft_tokens is not None
+            or self.speculative_eagle_topk is not None
+            or self.speculative_num_steps is not None
         ):
-            raise ValueError("--speculative-num-draft-tokens / --speculative-eagle-topk need --speculative-algorithm")
+            raise ValueError(
+                "--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
+                "need --speculative-algorithm"
+            )
         if self.speculative_num_draft_tokens is not None and not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ValueError("--speculative-num-draft-tokens must be in 1..64")
         if self.speculative_eagle_topk is not None and not 1 <= self.speculative_eagle_topk <= 8:
             raise ValueError("--speculative-eagle-topk must be in 1..8")
-        if (self.speculative_draft_model_path is not None) != (self.speculative_algorithm == "draft"):
+        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 16:
+            raise ValueError("--speculative-num-steps must be in 1..16")
+        needs_model = self.speculative_algorithm in ("draft", "eagle", "eagle3")
+        if (self.speculative_draft_model_path is not None) != needs_model:
             raise ValueError(
-                "--speculative-draft-model-path goes with --speculative-algorithm draft (and only with it)"
+                "--speculative-draft-model-path goes with --speculative-algorithm draft, eagle or eagle3 "
+                "(and only with them)"
             )
+        if self.speculative_algorithm is not None:
+            self.speculative_shape  # raises on an inconsistent steps / topk / draft-token combination
         if self.speculative_algorithm is not None and self.tp_size > 1:
             raise ValueError("speculative decoding with --tp-size > 1 is not supported yet")
         if self.speculative_algorithm is not None and self.page_size != 1:

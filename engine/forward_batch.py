@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -70,6 +70,10 @@ class ForwardBatch:
     tree_masks: Optional[list[torch.Tensor]] = None
     # rows of the final hidden states to compute logits for (default: last new token per req)
     logits_indices: Optional[torch.Tensor] = None
+    # hidden states to return for every new token (``LogitsOutput.hidden_states``; EAGLE drafting,
+    # docs/speculative.md): None = none (no cost), () = the final normed hidden state, (i, j, ...) = the
+    # outputs of decoder layers i, j, ... concatenated
+    capture_hidden: Optional[tuple[int, ...]] = None
     # attention backends keep their per-step metadata here
     attn_metadata: Any = field(default=None, repr=False)
 
@@ -84,3 +88,18 @@ class ForwardBatch:
 @dataclass
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [len(logits_indices), vocab] float32
+    hidden_states: Optional[torch.Tensor] = None  # [num_tokens, width] when ``capture_hidden`` asked for them
+
+
+@dataclass(frozen=True)
+class HiddenCapture:
+    """What a model runner does with captured hidden states (``ModelRunner.hidden_capture``).
+
+    Every eager forward (and the speculator's verify graphs) runs with
+    ``capture_hidden = layers`` and hands the new tokens' hidden states to
+    ``sink(out_cache_loc, hidden)`` right after the model, before sampling.
+    Decode steps replaying the decode CUDA graphs capture nothing.
+    """
+
+    layers: tuple[int, ...]
+    sink: Callable[[torch.Tensor, torch.Tensor], None]

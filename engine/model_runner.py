@@ -22,7 +22,9 @@ Public attributes the scheduler relies on (keep the names): ``device``,
 
 ``forward(forward_batch) -> LogitsOutput``: builds the backend's per-step
 metadata, then runs the model under ``torch.inference_mode``.  Sampling is
-not done here (``kvship.engine.sampler``).
+not done here (``kvship.engine.sampler``).  With ``hidden_capture`` set (an
+EAGLE speculator, docs/speculative.md) every eager forward also hands the new
+tokens' hidden states to its sink.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from kvship.common.envs import ENV
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.config import ServerArgs
 from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create_cuda_graph_runner
-from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutput
 from kvship.engine.layers.k_major import store_weights_k_major_
+from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.model_config import ModelConfig, parse_dtype
 from kvship.engine.parallel.group import TPGroup
 from kvship.engine.parallel.layers import head_split
@@ -134,15 +136,17 @@ class ModelRunner:
             cuda_graph_bs=tuple(cuda_graph_batch_sizes(server_args, self.max_running_requests)),
         )
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
+        # set by an EAGLE speculator: eager forwards hand it the tokens' hidden states (docs/speculative.md)
+        self.hidden_capture: Optional[HiddenCapture] = None
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
         self.cuda_graph_runner = maybe_create_cuda_graph_runner(
             self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
         )
+        reset_expert_load(self.model)  # MoE: the expert-load counters start after warm-up and capture
         logger.info(
             "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s%s",
             mc.architecture,
             mc.num_hidden_layers,
-        reset_expert_load(self.model)  # MoE: the expert-load counters start after warm-up and capture
             self.context_len,
             self.weight_bytes / 2**20,
             self.max_total_tokens,
@@ -201,4 +205,10 @@ class ModelRunner:
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
-            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            hc = self.hidden_capture
+            if hc is None:
+                return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            forward_batch.capture_hidden = hc.layers
+            out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            hc.sink(forward_batch.out_cache_loc, out.hidden_states)
+            return out

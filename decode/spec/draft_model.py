@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvship.decode.spec.drafter import SequenceDrafter
 from kvship.decode.spec.tree import DraftTree
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -35,7 +36,7 @@ class _Row:
     slots: list[int] = field(default_factory=list)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(SequenceDrafter):
     def __init__(self, server_args: Any, num_draft_tokens: int):
         from kvship.engine.model_runner import ModelRunner
 
@@ -49,6 +50,7 @@ class DraftModelDrafter:
             disable_cuda_graph=True,
             speculative_algorithm=None,
             speculative_draft_model_path=None,
+            speculative_num_steps=None,
             speculative_num_draft_tokens=None,
             speculative_eagle_topk=None,
             page_size=1,

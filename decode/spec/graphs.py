@@ -9,7 +9,9 @@ requests use request row 0 with no prefix and write their K/V into slot 0,
 which the KV pool reserves for padding.
 
 Contract: ``can_run(bs, sizes)``; ``replay(...)`` returns a view of the static
-logits ``[bs * k, vocab]``, valid until the next replay.
+logits ``[bs * k, vocab]``, valid until the next replay.  With the runner's
+``hidden_capture`` set (EAGLE), the graphs also compute the hidden states and
+``replay`` hands the real requests' rows to its sink, as an eager forward does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class VerifyGraphs:
         self.logits_idx = torch.arange(n * k, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # an EAGLE head's hidden-state capture: the graphs also output the hidden states, handed to its sink
+        self.capture = runner.hidden_capture
+        self.hidden: dict[int, torch.Tensor] = {}
         self.replays = 0
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=dev)
@@ -77,6 +82,7 @@ class VerifyGraphs:
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
             logits_indices=self.logits_idx[: bs * k],
+            capture_hidden=None if self.capture is None else self.capture.layers,
         )
 
     def _meta(self, bs: int) -> TritonExtendMeta:
@@ -106,6 +112,8 @@ class VerifyGraphs:
             out = self.r.model(fb.input_ids, fb.positions, fb)
         self.graphs[bs] = g
         self.outputs[bs] = out.next_token_logits
+        if out.hidden_states is not None:
+            self.hidden[bs] = out.hidden_states
 
     def can_run(self, bs: int, tree_sizes: list[int]) -> bool:
         return 1 <= bs <= self.max_bs and all(s == self.k for s in tree_sizes)
@@ -139,4 +147,6 @@ class VerifyGraphs:
         self.mask[: gbs * k * k].copy_(m.pin_memory(), non_blocking=True)
         self.graphs[gbs].replay()
         self.replays += 1
+        if self.capture is not None:
+            self.capture.sink(self.out_cache_loc[: bs * k], self.hidden[gbs][: bs * k])
         return self.outputs[gbs][: bs * k]

@@ -12,10 +12,11 @@ root alone and emits one token.
 
 from __future__ import annotations
 
+from kvship.decode.spec.drafter import SequenceDrafter
 from kvship.decode.spec.tree import DraftTree
 
 
-class NgramDrafter:
+class NgramDrafter(SequenceDrafter):
     def __init__(self, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4, branches: int = 1):
         if num_draft_tokens < 1 or not 1 <= min_n <= max_n or branches < 1:
             raise ValueError("ngram drafter: need num_draft_tokens >= 1, 1 <= min_n <= max_n, branches >= 1")

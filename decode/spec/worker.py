@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvship.decode.spec.drafter import Drafter
 from kvship.decode.spec.ngram import NgramDrafter
 from kvship.decode.spec.tree import DraftTree
 from kvship.decode.spec.verify import Accepted, accept_greedy, accept_sampled
@@ -50,34 +51,30 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def create_drafter(server_args: Any) -> Any:
-    """The drafter of ``--speculative-algorithm``.
-
-    A drafter has ``propose_for(rid, seq) -> DraftTree`` (the draft below
-    ``seq[-1]``) and ``release_missing(open_rids)`` (drop per-request state of
-    requests that are gone).
-    """
+def create_drafter(server_args: Any) -> Drafter:
+    """The drafter of ``--speculative-algorithm`` (``drafter.Drafter``; shapes from ``speculative_shape``)."""
     algo = server_args.speculative_algorithm
+    steps, topk, nodes = server_args.speculative_shape
     if algo == "ngram":
-        return NgramDrafter(
-            num_draft_tokens=server_args.speculative_num_draft_tokens or 8,
-            branches=server_args.speculative_eagle_topk or 1,
-        )
+        return NgramDrafter(num_draft_tokens=nodes, branches=topk)
     if algo == "draft":
         from kvship.decode.spec.draft_model import DraftModelDrafter
 
-        if (server_args.speculative_eagle_topk or 1) != 1:
-            raise ValueError("--speculative-algorithm draft drafts a chain: --speculative-eagle-topk must be 1")
-        return DraftModelDrafter(server_args, server_args.speculative_num_draft_tokens or 4)
+        return DraftModelDrafter(server_args, nodes)
+    if algo in ("eagle", "eagle3"):
+        from kvship.decode.spec.eagle import EagleDrafter
+
+        return EagleDrafter(server_args)
     raise ValueError(f"unknown --speculative-algorithm {algo!r}")
 
 
 class Speculator:
-    def __init__(self, sched: "Scheduler", drafter: Any):
+    def __init__(self, sched: "Scheduler", drafter: Drafter):
         if sched.page_size != 1:
             raise ValueError("speculative decoding needs --page-size 1")
         self.s = sched
         self.drafter = drafter
+        drafter.attach(sched.runner)  # before the verify graphs: an EAGLE head asks for hidden states
         self.graphs = None
         cgr = sched.runner.cuda_graph_runner
         if cgr is not None:  # CUDA with graphs: verify rounds of drafter.k + 1 slots replay graphs too
@@ -98,7 +95,7 @@ class Speculator:
     def run(self, reqs: list[Req]) -> None:
         s = self.s
         self.drafter.release_missing(set(s.reqs))
-        trees = [self.drafter.propose_for(r.rid, r.fill_ids) for r in reqs]
+        trees = self.drafter.draft_trees(reqs)
         if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
             trees = [t.padded(self.graphs.k) for t in trees]
         prefix = [r.kv_committed_len for r in reqs]

@@ -121,12 +121,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.forward_with_aux(input_ids, positions, forward_batch, ())[0]
+
+    def forward_with_aux(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, aux_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final normed hidden states and the outputs of layers ``aux_layers`` (EAGLE-3's inputs)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+            if i in aux_layers:
+                aux.append(hidden + residual)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, aux
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -165,11 +174,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, forward_batch)
+        capture = forward_batch.capture_hidden
+        if capture is None:
+            hidden = self.model(input_ids, positions, forward_batch)
+            captured = None
+        else:  # speculative drafting reads the target's hidden states (docs/speculative.md)
+            hidden, aux = self.model.forward_with_aux(input_ids, positions, forward_batch, capture)
+            captured = torch.cat(aux, dim=-1) if capture else hidden
         idx = forward_batch.logits_indices
         if idx is None:
             idx = forward_batch.default_logits_indices()
-        return LogitsOutput(next_token_logits=self.lm_head(hidden.index_select(0, idx)))
+        return LogitsOutput(next_token_logits=self.lm_head(hidden.index_select(0, idx)), hidden_states=captured)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into parameters; returns names filled."""

@@ -1,0 +1,220 @@
+"""EAGLE / EAGLE-3 draft heads are lossless: the same greedy tokens as plain decoding.
+
+Randomly initialised heads written in the public checkpoint layout
+(``decode/spec/eagle_head.py``) draft for tiny random transformers targets on
+CPU (torch_native).  A random head's drafts are mostly rejected, so these
+tests check the token-for-token equality, the KV bookkeeping (target and
+draft pools full again after runs with aborts) and the flag rules; the
+acceptance a trained head reaches is measured by bench/spec_acceptance.py
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pd_fixtures import Collector, InProcessPD, _server_args, unified_greedy
+
+from kvship.app.roles import scheduler_for_mode
+from kvship.decode.spec.eagle_head import head_config, head_tensor_shapes, save_head
+from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.model_runner import ModelRunner
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def write_random_head(path: str, target_dir: str, variant: str, seed: int = 0, **extra) -> str:
+    target = ModelConfig.from_pretrained(target_dir)
+    cfg = head_config(variant, target, **extra)
+    n_aux = len(extra.get("eagle_aux_hidden_state_layer_ids", [])) or 3
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in head_tensor_shapes(cfg, n_aux).items():
+        noise = torch.randn(shape, generator=g)
+        tensors[name] = 1.0 + 0.1 * noise if "norm" in name else 0.2 * noise
+    if variant == "eagle3" and cfg.get("draft_vocab_size", target.vocab_size) < target.vocab_size:
+        n = cfg["draft_vocab_size"]
+        hot = torch.sort(torch.randperm(target.vocab_size, generator=g)[:n]).values
+        tensors["d2t"] = hot - torch.arange(n)  # target id = draft id + d2t[draft id]
+    save_head(path, cfg, tensors)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny_llama_dir, tmp_path_factory) -> str:
+    return write_random_head(str(tmp_path_factory.mktemp("eagle")), tiny_llama_dir, "eagle", seed=1)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tiny_llama_dir, tmp_path_factory) -> str:
+    return write_random_head(
+        str(tmp_path_factory.mktemp("eagle3")),
+        tiny_llama_dir,
+        "eagle3",
+        seed=2,
+        draft_vocab_size=64,
+        eagle_aux_hidden_state_layer_ids=[0, 1],
+    )
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 200, (int(torch.randint(4, 24, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+
+
+def _run(model_dir: str, prompts, max_new: int, **kw):
+    sa = _server_args(model_dir, attention_backend="torch_native", **kw)
+    out = Collector()
+    sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
+    for i, p in enumerate(prompts):
+        sched.submit(GenerateRequest(f"u{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=0.0)))
+    for _ in range(100000):
+        sched.step()
+        if sched.idle():
+            break
+    st = sched.get_stats()
+    assert st["free_slots"] == st["total_slots"] and not sched.reqs
+    drafter = sched.speculator.drafter
+    drafter.release_missing(set())
+    free, total = drafter.free_slots()
+    assert free == total and not drafter.rows
+    return [out.tokens(f"u{i}") for i in range(len(prompts))], st, out
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(), dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)],
+    ids=["tree-5x4-8", "chain-3"],
+)
+def test_eagle_head_gives_the_plain_greedy_tokens(tiny_llama_dir, eagle_head, batch, shape):
+    prompts = _prompts(batch, seed=batch)
+    want = unified_greedy(tiny_llama_dir, prompts, 20, attention_backend="torch_native")
+    got, st, _ = _run(
+        tiny_llama_dir,
+        prompts,
+        20,
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=eagle_head,
+        **shape,
+    )
+    assert got == want
+    assert st["spec_rounds"] > 0 and st["spec_draft_tokens"] >= st["spec_rounds"]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_eagle3_head_with_reduced_vocabulary_gives_the_plain_greedy_tokens(tiny_llama_dir, eagle3_head, batch):
+    prompts = _prompts(batch, seed=30 + batch)
+    want = unified_greedy(tiny_llama_dir, prompts, 20, attention_backend="torch_native")
+    got, st, _ = _run(
+        tiny_llama_dir, prompts, 20, speculative_algorithm="eagle3", speculative_draft_model_path=eagle3_head
+    )
+    assert got == want and st["spec_rounds"] > 0
+
+
+def test_eagle3_drafts_only_tokens_of_the_draft_vocabulary(tiny_llama_dir, eagle3_head):
+    from safetensors.torch import load_file
+
+    d2t = load_file(f"{eagle3_head}/model.safetensors")["d2t"]
+    hot = set((torch.arange(d2t.numel()) + d2t).tolist())
+    sa = _server_args(
+        tiny_llama_dir,
+        attention_backend="torch_native",
+        speculative_algorithm="eagle3",
+        speculative_draft_model_path=eagle3_head,
+    )
+    sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, Collector())
+    sched.submit(GenerateRequest("r", _prompts(1, seed=4)[0], SamplingParams(max_new_tokens=2, temperature=0.0)))
+    sched.step()  # prefill
+    req = sched.reqs["r"]
+    trees = sched.speculator.drafter.draft_trees([req])
+    assert trees[0].tokens and set(trees[0].tokens) <= hot
+    assert len(trees[0].tokens) == 7  # 8 verified tokens by default, the root included
+
+
+def test_decode_worker_with_eagle_equals_unified(tiny_llama_dir, eagle_head):
+    prompts = _prompts(4, seed=5)
+    want = unified_greedy(tiny_llama_dir, prompts, 16, attention_backend="torch_native")
+    with InProcessPD(
+        tiny_llama_dir,
+        attention_backend="torch_native",
+        decode_args=dict(speculative_algorithm="eagle", speculative_draft_model_path=eagle_head),
+    ) as pd:
+        rids = [f"r{i}" for i in range(len(prompts))]
+        for rid, p in zip(rids, prompts):
+            pd.submit(rid, p, 16)
+        pd.wait(rids)
+        pd.wait(rids, side="prefill")
+        assert [pd.tokens(r) for r in rids] == want
+        assert pd.decode.get_stats()["spec_rounds"] > 0
+        pd.wait_idle()
+
+
+def test_eagle_sampled_and_aborted_requests_leave_every_slot_free(tiny_llama_dir, eagle_head):
+    sa = _server_args(
+        tiny_llama_dir,
+        attention_backend="torch_native",
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=eagle_head,
+    )
+    out = Collector()
+    sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
+    ps = _prompts(4, seed=21)
+    sched.submit(GenerateRequest("hot", ps[0], SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9)))
+    sched.submit(GenerateRequest("seeded", ps[1], SamplingParams(max_new_tokens=12, temperature=0.7, seed=5)))
+    sched.submit(GenerateRequest("gone", ps[2], SamplingParams(max_new_tokens=200, temperature=0.0)))
+    sched.submit(GenerateRequest("stay", ps[3], SamplingParams(max_new_tokens=25, temperature=0.0)))
+    for _ in range(5):
+        sched.step()
+    sched.abort("gone")
+    for _ in range(100000):
+        sched.step()
+        if sched.idle():
+            break
+    assert len(out.tokens("hot")) == 30 and len(out.tokens("seeded")) == 12 and len(out.tokens("stay")) == 25
+    assert out.finished("gone")[0].finish_reason["type"] == "abort"
+    st = sched.get_stats()
+    assert st["free_slots"] == st["total_slots"] and st["spec_rounds"] > 0
+    drafter = sched.speculator.drafter
+    drafter.release_missing(set())
+    assert drafter.free_slots()[0] == drafter.free_slots()[1]
+
+
+def test_startup_refuses_inconsistent_eagle_flags(tiny_llama_dir, eagle_head, eagle3_head):
+    with pytest.raises(ValueError, match="draft-model-path"):
+        _server_args(tiny_llama_dir, speculative_algorithm="eagle").validate()
+    with pytest.raises(ValueError, match="candidates"):
+        _server_args(
+            tiny_llama_dir,
+            speculative_algorithm="eagle",
+            speculative_draft_model_path=eagle_head,
+            speculative_num_steps=2,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=6,
+        ).validate()
+    with pytest.raises(ValueError, match="num-steps goes with"):
+        _server_args(tiny_llama_dir, speculative_algorithm="ngram", speculative_num_steps=3).validate()
+    sa = _server_args(tiny_llama_dir, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head)
+    assert sa.speculative_shape == (5, 4, 7)  # SGLang's defaults: 8 verified tokens, the root included
+    sa = _server_args(
+        tiny_llama_dir, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head, speculative_num_steps=3
+    )
+    assert sa.speculative_shape == (3, 4, 7)
+    sa = _server_args(
+        tiny_llama_dir,
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=eagle_head,
+        speculative_eagle_topk=1,
+    )
+    assert sa.speculative_shape == (5, 1, 5)  # a chain: steps + 1 tokens
+    wrong = _server_args(
+        tiny_llama_dir,
+        attention_backend="torch_native",
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=eagle3_head,
+    )
+    with pytest.raises(ValueError, match="use --speculative-algorithm eagle3"):
+        scheduler_for_mode("unified")(wrong, ModelRunner(wrong), None, Collector())
