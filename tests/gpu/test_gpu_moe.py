@@ -126,12 +126,12 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(m):
 
 @requires_cuda
 def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver):
-    import test_moe_models as moe_models
+    from moe_fixtures import build_tiny_moe
 
     from kvship.engine.config import ServerArgs
     from kvship.engine.model_runner import ModelRunner
 
-    path = moe_models._build(str(tmp_path / "qwen3_moe"), "qwen3_moe", seed=31)
+    path = build_tiny_moe(str(tmp_path / "qwen3_moe"), "qwen3_moe", seed=31)
 
     def runner(graphs: bool) -> ModelRunner:
         return ModelRunner(
