@@ -95,6 +95,7 @@ class Req:
         self.generator: Optional[torch.Generator] = None  # per-request RNG (seeded requests; made by the sampler)
         # structured output: the request's grammar matcher (``kvship.engine.grammar``), set before it is scheduled
         self.grammar: Any = None
+        self._grammar_fed: Optional[tuple[int, bool]] = None  # (token, accepted): fed ahead by a chained step
 
     @classmethod
     def from_generate_request(
@@ -168,13 +169,22 @@ class Req:
             if self.top_logprobs_num > 0:
                 self.output_top_logprobs.append(list(top_logprobs or []))
         if self.grammar is not None and self.finished_reason is None:
-            if not self.grammar.accept(token_id):
+            fed, self._grammar_fed = self._grammar_fed, None
+            accepted = fed[1] if fed is not None and fed[0] == int(token_id) else self.grammar.accept(token_id)
+            if not accepted:
                 self.finished_reason = FinishReason.abort(f"token {int(token_id)} violates the request's grammar")
                 return
             if self.grammar.terminated:
                 self.finished_reason = FinishReason.stop(int(token_id))
                 return
         self.check_finished(tokenizer)
+
+    def feed_grammar(self, token_id: int) -> bool:
+        """Give the grammar the token ``append_token`` will append next (the overlapped loop's chained
+        step fills the next mask before that); False when the grammar refused it or ended."""
+        accepted = bool(self.grammar.accept(int(token_id)))
+        self._grammar_fed = (int(token_id), accepted)
+        return accepted and not self.grammar.terminated
 
     def check_finished(self, tokenizer: Any = None) -> None:
         """Set ``finished_reason`` when the newest token ends the request.

@@ -228,7 +228,9 @@ def _unified(model_dir, tokenizer, submits, runner=None, **args):
     return out
 
 
-def test_overlap_loop_runs_constrained_requests_synchronously_with_the_same_tokens(tiny_llama_dir, monkeypatch):
+def test_overlap_loop_chains_constrained_requests_with_the_same_tokens(tiny_llama_dir, monkeypatch):
+    """Constrained decodes are chained (their grammars take step N's tokens while N+1 runs) and give
+    the synchronous loop's tokens, alone and beside plain requests."""
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
     from kvship.engine.model_runner import ModelRunner
     from kvship.engine.scheduler.overlap import FORCE_ENV
@@ -238,12 +240,12 @@ def test_overlap_loop_runs_constrained_requests_synchronously_with_the_same_toke
     tok = load_tokenizer(tiny_llama_dir)
     runner = ModelRunner(ServerArgs(model_path=tiny_llama_dir, device="cpu", max_total_tokens=8192))
 
-    def submits():
+    def submits(n_plain=3):
         plain = [
             GenerateRequest(
                 f"p{i}", tok.encode(f"plain {i}"), SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
             )
-            for i in range(3)
+            for i in range(n_plain)
         ]
         grammar = [
             GenerateRequest(
@@ -261,11 +263,17 @@ def test_overlap_loop_runs_constrained_requests_synchronously_with_the_same_toke
             tiny_llama_dir, tok, submits(), runner, disable_overlap_schedule=mode == "sync", disable_radix_cache=True
         )
     sched = outs["overlap"].sched
-    assert sched.overlap is not None and sched.overlap.launched > 0  # plain decodes chained once the others ended
+    assert sched.overlap is not None and sched.overlap.launched > 0
     for rid in [f"p{i}" for i in range(3)] + [f"g{i}" for i in range(3)]:
         assert outs["overlap"].tokens(rid) == outs["sync"].tokens(rid)
     for i in range(3):
         assert re.fullmatch(IPV4, tok.decode(outs["overlap"].tokens(f"g{i}"), skip_special_tokens=True))
+    # constrained requests alone: every decode after the first is chained
+    alone = _unified(tiny_llama_dir, tok, submits(0), runner, disable_overlap_schedule=False, disable_radix_cache=True)
+    steps = max(len(alone.tokens(f"g{i}")) for i in range(3))
+    assert alone.sched.overlap.launched >= steps - 3, (alone.sched.overlap.launched, steps)
+    for i in range(3):
+        assert alone.tokens(f"g{i}") == outs["sync"].tokens(f"g{i}")
 
 
 def test_a_compiling_grammar_does_not_hold_up_other_requests(tiny_llama_dir):

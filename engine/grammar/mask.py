@@ -15,7 +15,7 @@ The logprobs a constrained request returns are computed after the mask
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import torch
 
@@ -26,9 +26,10 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(reqs: Sequence[Any], vocab_size: int) -> tuple[list[int], torch.Tensor]:
-    """(rows of constrained requests, their bitmask [n, words] int32 on the host)."""
-    rows = [j for j, r in enumerate(reqs) if r.grammar is not None]
+def fill_bitmask(reqs: Sequence[Any], vocab_size: int, skip: Container[int] = ()) -> tuple[list[int], torch.Tensor]:
+    """(rows of constrained requests, their bitmask [n, words] int32 on the host); requests whose
+    ``id`` is in ``skip`` are left out."""
+    rows = [j for j, r in enumerate(reqs) if r.grammar is not None and id(r) not in skip]
     mask = torch.full((len(rows), bitmask_words(vocab_size)), -1, dtype=torch.int32)
     grammars = [reqs[j].grammar for j in rows]
     if all(isinstance(g, GrammarMatcher) for g in grammars):
@@ -46,16 +47,17 @@ def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(mask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_grammar_mask(logits: torch.Tensor, reqs: Sequence[Any]) -> None:
+def apply_grammar_mask(logits: torch.Tensor, reqs: Sequence[Any], skip: Container[int] = ()) -> None:
     """Set, in place, the logits of tokens each constrained row's grammar forbids to ``-inf``.
 
     ``logits`` is ``[len(reqs), vocab]`` (the model's rows cut to the vocabulary);
-    a request is constrained when its ``grammar`` (a ``GrammarMatcher``) is set.
+    a request is constrained when its ``grammar`` (a ``GrammarMatcher``) is set and
+    its ``id`` is not in ``skip`` (requests about to finish; see ``kvship.engine.scheduler.launch``).
     """
-    if not any(r.grammar is not None for r in reqs):
+    if not any(r.grammar is not None and id(r) not in skip for r in reqs):
         return
     vocab = logits.shape[-1]
-    rows, mask = fill_bitmask(reqs, vocab)
+    rows, mask = fill_bitmask(reqs, vocab, skip)
     if logits.device.type == "cuda":
         mask = mask.pin_memory().to(logits.device, non_blocking=True)
     allowed = unpack_bitmask(mask, vocab)

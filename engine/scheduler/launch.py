@@ -19,12 +19,18 @@ Contract:
   on one stream, so the chained step reads ids that are written before it.
 * Decode inputs go to the device in one non-blocking copy from pinned
   memory, and so do the sampling tensors, unless a request samples from a
-  seeded per-request generator or uses penalties (``needs_host_state``),
+  seeded per-request generator or uses penalties (``reads_host_tokens``),
   whose tensors are built on the device directly.
 * Constrained requests (structured output) get their grammar's mask applied
-  to the logits before sampling (``kvship.engine.grammar.mask``); they also
-  count as ``needs_host_state`` (the matcher must have accepted every token
-  before the next mask is filled), so the overlapped loop never chains them.
+  to the logits before sampling (``kvship.engine.grammar.mask``), after the
+  forward is queued, so the host fills masks while the device computes.  In
+  a chained step the matchers have not seen ``after``'s tokens yet: the
+  launch waits for ``after``'s tokens only (this step's forward is already
+  queued behind them), feeds them to the grammars (``Req.feed_grammar``;
+  ``append_token`` takes that outcome when ``after`` is processed) and then
+  fills the masks.  Rows whose grammar refused or ended on that token are
+  left unmasked: those requests finish when ``after`` is processed and this
+  step's token for them is dropped, as for any request that finished.
 """
 
 from __future__ import annotations
@@ -42,12 +48,17 @@ from kvship.engine.schedule_batch import Req, ScheduleBatch
 Results = tuple[list[int], Optional[list[float]], Optional[list[list[tuple[int, float]]]]]
 
 
-def needs_host_state(req: Req) -> bool:
+def reads_host_tokens(req: Req) -> bool:
     """Sampling that reads the output tokens on the host (seeds, penalties): cannot run a step ahead."""
     p = req.sampling_params
     seeded = p.seed is not None and not p.is_greedy
-    penalties = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-    return seeded or penalties or req.grammar is not None  # a grammar's mask needs every token accepted
+    return seeded or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def needs_host_state(req: Req) -> bool:
+    """``reads_host_tokens`` or constrained by a grammar: every token known on the host before the
+    next is chosen (speculative rounds leave such requests out)."""
+    return reads_host_tokens(req) or req.grammar is not None
 
 
 @dataclass
@@ -60,14 +71,15 @@ class Pending:
     top_nums: list[int]
     event: Optional[Any]  # torch.cuda.Event recorded after the copies (None off CUDA)
     index: dict[int, int]  # id(req) -> row in next_ids (decode batches)
+    _results: Optional[Results] = None  # ``results()``, once read
 
     def results(self) -> Results:
         """Wait for the host copies; (ids, logprobs, top logprobs) per sampled request, in batch order."""
-        if self.event is not None:
-            self.event.synchronize()
-        if self.host is None:
-            return [], None, None
-        return self.host.to_lists(self.top_nums)
+        if self._results is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._results = ([], None, None) if self.host is None else self.host.to_lists(self.top_nums)
+        return self._results
 
     def wait(self) -> None:
         if self.event is not None:
@@ -115,7 +127,8 @@ class Launcher:
                 raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
             if info is not None:
                 logits = logits[:, : self.vocab_size]
-                apply_grammar_mask(logits, reqs)  # constrained rows only (structured output)
+                if any(r.grammar is not None for r in reqs):  # structured output: constrained rows only
+                    apply_grammar_mask(logits, reqs, skip=self._feed_grammars(reqs, after))
                 out = self.sampler(logits, info)
                 host = SampleOutput(
                     next_token_ids=self._to_host(out.next_token_ids),
@@ -137,8 +150,26 @@ class Launcher:
             index={id(r): j for j, r in enumerate(reqs)},
         )
 
+    @staticmethod
+    def _feed_grammars(reqs: list[Req], after: Optional[Pending]) -> set[int]:
+        """A chained step's grammars take ``after``'s tokens (see the module docstring); returns the
+        ids of requests whose grammar refused or ended on it (their rows stay unmasked)."""
+        done: set[int] = set()
+        if after is None:
+            return done
+        ids = None
+        for r in reqs:
+            j = after.index.get(id(r))
+            if r.grammar is None or j is None or r.finished:
+                continue
+            if ids is None:
+                ids = after.results()[0]  # waits for ``after`` only: this step's forward is queued
+            if not r.feed_grammar(ids[j]):
+                done.add(id(r))
+        return done
+
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
-        if any(needs_host_state(r) for r in reqs):
+        if any(reads_host_tokens(r) for r in reqs):
             return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
         info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, "cpu")
         for f in fields(info):

@@ -19,7 +19,9 @@ Invariants:
 * Anything that needs the true host state first processes the pending step
   and runs synchronously: extend batches, a decode that might retract (KV
   short even after evicting the cache), and batches with a request that is
-  seeded, uses penalties or is constrained by a grammar (``needs_host_state``).
+  seeded or uses penalties (``reads_host_tokens``).  Constrained requests
+  chain: their grammars take step N's tokens while step N+1's forward runs
+  (``kvship.engine.scheduler.launch``).
 * Greedy output equals the synchronous loop's token for token.
 
 On CUDA unless ``--disable-overlap-schedule``; ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from kvship.engine.scheduler.launch import Pending, needs_host_state
+from kvship.engine.scheduler.launch import Pending, reads_host_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.schedule_batch import ScheduleBatch
@@ -54,7 +56,9 @@ class OverlapLoop:
 
     @staticmethod
     def _chainable(batch: Optional["ScheduleBatch"]) -> bool:
-        return batch is not None and batch.forward_mode.is_decode() and not any(needs_host_state(r) for r in batch.reqs)
+        return (
+            batch is not None and batch.forward_mode.is_decode() and not any(reads_host_tokens(r) for r in batch.reqs)
+        )
 
     def step(self, block_s: float = 0.0) -> bool:
         """One iteration of the overlapped loop; True when a forward ran."""
