@@ -7,7 +7,8 @@ What it does, in order:
 2. starts every worker as a ``kvship serve --mode prefill|decode`` child process on
    127.0.0.1 (free HTTP and bootstrap ports), with every worker flag given to
    ``kvship local`` (``--model-path``, ``--device``, ``--page-size``, ...) passed
-   through unchanged;
+   through unchanged; ``--prefill-tp-size`` / ``--decode-tp-size`` give each role
+   its own ``--tp-size`` (docs/parallel.md, PD with tensor parallelism);
 3. waits until each answers ``/health``; if a child exits or misses
    ``--startup-timeout``, it prints that child's log tail, stops the others and
    exits 1;
@@ -91,6 +92,8 @@ class LocalConfig:
         None, "Key the workers require and the router sends them (default: env KVSHIP_WORKER_API_KEY, else --api-key)"
     )
     restart_workers: bool = opt(True, "Restart a worker that exits (the router takes it back once it is healthy)")
+    prefill_tp_size: int = opt(0, "Tensor-parallel size of each prefill worker (0: --tp-size)")
+    decode_tp_size: int = opt(0, "Tensor-parallel size of each decode worker (0: --tp-size)")
     max_resumes: int = opt(2, "Router: resumes of one broken stream on another worker (0 = off)")
 
     def validate(self) -> None:
@@ -102,6 +105,8 @@ class LocalConfig:
             raise ValueError("--startup-timeout must be > 0 and --shutdown-grace >= 0")
         if self.max_resumes < 0:
             raise ValueError("--max-resumes must be >= 0")
+        if self.prefill_tp_size < 0 or self.decode_tp_size < 0:
+            raise ValueError("--prefill-tp-size and --decode-tp-size must be >= 0 (0: --tp-size)")
 
 
 def _worker_flags_class() -> type:
@@ -180,6 +185,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _flag_int(argv: Sequence[str], flag: str, default: int) -> int:
+    """The value of ``flag`` in ``argv`` (its last occurrence), or ``default``."""
+    value = default
+    for i, arg in enumerate(argv[:-1]):
+        if arg == flag:
+            value = int(argv[i + 1])
+    return value
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """A port ``p`` with ``p .. p + n - 1`` all free (rank r of a tensor-parallel prefill binds ``p + r``)."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + n > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + n):
+                    s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.bind((host, port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {n} free ports found")
 
 
 def _parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -301,8 +332,12 @@ class LocalDeployment:
                     backend,
                     *worker_args,
                 ]
+                tp_size = cfg.prefill_tp_size if role == "prefill" else cfg.decode_tp_size
+                if tp_size:  # after the pass-through flags: it overrides --tp-size for this role
+                    argv += ["--tp-size", str(tp_size)]
                 if role == "prefill":
-                    argv += ["--disaggregation-bootstrap-port", str(free_port())]
+                    ranks = tp_size or _flag_int(worker_args, "--tp-size", 1)
+                    argv += ["--disaggregation-bootstrap-port", str(free_port_run(ranks))]
                 self.workers.append(
                     Child(
                         f"{role}-{i}",

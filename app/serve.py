@@ -5,9 +5,11 @@ may also come from ``KVSHIP_API_KEY`` (pods get it from a Secret, never on the
 command line).  The worker's role (``--mode``) picks its scheduler through
 ``kvship.app.roles.scheduler_for_mode``; the engine itself knows no role.
 
-``--tp-size N`` > 1 (unified mode): this process is rank 0 of a
+``--tp-size N`` > 1 (any mode): this process is rank 0 of a
 tensor-parallel worker and spawns ranks 1..N-1 (``run_tensor_parallel``;
-docs/parallel.md); a rank that dies makes the worker exit 1.
+docs/parallel.md); a rank that dies makes the worker exit 1.  In PD every rank
+runs its own KV transfer layer (rank r of a prefill worker binds
+``--disaggregation-bootstrap-port`` + r).
 
 Exit status: 0 after SIGINT/SIGTERM, 2 for invalid settings (argparse style),
 1 when the model or the role's scheduler cannot be set up (or a
@@ -84,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
 def check_tensor_parallel(server_args: ServerArgs) -> None:
     """ValueError when ``--tp-size`` cannot work with this model and these settings (before any rank starts)."""
-    if server_args.mode != "unified":
-        raise ValueError("--tp-size > 1 works with --mode unified only so far (PD with tensor parallelism comes later)")
     from kvship.engine.model_config import ModelConfig, parse_dtype
     from kvship.engine.model_runner import resolve_model_path
     from kvship.engine.parallel.ep import check_expert_parallel

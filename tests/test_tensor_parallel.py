@@ -214,14 +214,14 @@ def test_mlp_width_that_does_not_split_is_a_clear_error():
         check_tp_divisible(Cfg, 4)
 
 
-def test_serve_refuses_a_tp_size_the_model_cannot_split_and_pd_modes_before_starting_ranks(tiny_llama_dir):
+def test_serve_refuses_a_tp_size_the_model_cannot_split_before_starting_ranks(tiny_llama_dir):
     from kvship.app.serve import check_tensor_parallel
 
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         check_tensor_parallel(ServerArgs(model_path=tiny_llama_dir, tp_size=3))
-    with pytest.raises(ValueError, match="--mode unified only"):
-        check_tensor_parallel(ServerArgs(model_path=tiny_llama_dir, tp_size=2, mode="prefill"))
     check_tensor_parallel(ServerArgs(model_path=tiny_llama_dir, tp_size=4))  # 4 heads, 2 KV heads replicated
+    for mode in ("prefill", "decode"):  # PD workers split too (tests/test_pd_tp.py)
+        check_tensor_parallel(ServerArgs(model_path=tiny_llama_dir, tp_size=2, mode=mode))
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_tp():

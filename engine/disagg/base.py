@@ -82,8 +82,9 @@ class KVTransferConfig:
     checksum: bool = opt(False, "Decode asks for a per-request KV checksum and verifies it")
     transfer_threads: int = opt(2, "Prefill: threads that run transfers")
     max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
-    tp_size: int = opt(1, "Tensor-parallel size of this worker (must match the peer)")
+    tp_size: int = opt(1, "Tensor-parallel size of this worker (the peer's may differ: heads are sliced)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
+    total_kv_heads: int = opt(0, "The model's KV heads (0: this pool's heads times tp_size)")
     fingerprint: str = opt("", "Model fingerprint (kvship.engine.fingerprint) sent in Hello/Welcome; '' = unchecked")
 
     def validate(self) -> None:

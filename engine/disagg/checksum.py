@@ -110,3 +110,22 @@ def _wsum64(buffers: Sequence[torch.Tensor], pages: np.ndarray, page_size: int) 
     if total is None:
         return 0
     return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def kv_checksum_heads(
+    buffers: Sequence[torch.Tensor], pages: np.ndarray, page_size: int, head_start: int, num_heads: int, algorithm: str
+) -> int:
+    """``kv_checksum`` of KV heads ``[head_start, head_start + num_heads)`` of ``pages`` only.
+
+    What a prefill rank sends a decode rank when tensor-parallel sizes differ
+    (``kvship.engine.disagg.tp_slices``): both sides checksum the same heads of the
+    same pages, wherever those heads sit in their own pools.  All heads: ``kv_checksum``.
+    """
+    if not buffers or (head_start == 0 and num_heads == buffers[0].shape[1]):
+        return kv_checksum(buffers, pages, page_size, algorithm)
+    compact = []
+    for buf in buffers:
+        idx = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64)).to(buf.device)
+        paged = buf.view(-1, page_size, buf.shape[1], buf.shape[2]).index_select(0, idx)
+        compact.append(paged[:, :, head_start : head_start + num_heads].contiguous().view(-1, num_heads, buf.shape[2]))
+    return kv_checksum(compact, np.arange(pages.size, dtype=np.int64), page_size, algorithm)

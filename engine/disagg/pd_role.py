@@ -37,7 +37,17 @@ class PDRole(ABC):
 
     def __init__(self, sched: "Scheduler", kv_config: Optional[KVTransferConfig] = None):
         self.s = sched
-        self.kv_manager = make_kv_manager(self.mode, sched.server_args, sched.runner.kv_pool, kv_config)
+        # tensor parallelism: this rank's manager, polls agreed over the ranks (kvship.engine.disagg.tp_sync)
+        self.tp = sched.runner.tp
+        self.kv_manager = make_kv_manager(
+            self.mode,
+            sched.server_args,
+            sched.runner.kv_pool,
+            kv_config,
+            tp=self.tp,
+            total_kv_heads=sched.runner.model_config.num_key_value_heads,
+        )
+        self.free_slots_per_rank: Optional[list[int]] = None
         self.counters: Counter = Counter()
         self.poll = TransferPollBackoff()
         try:
@@ -80,6 +90,8 @@ class PDRole(ABC):
 
     def before_schedule(self) -> None:
         self.advance()
+        if self.tp is not None:  # every rank's free KV slots, for get_stats (a collective, like advance's polls)
+            self.free_slots_per_rank = self.tp.all_gather_object(self.s.kv.free_and_evictable())
 
     def on_prompt_done(
         self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
@@ -123,6 +135,7 @@ class PDRole(ABC):
             **self.stage_stats(),
             "kv_transfers_ok": self.counters["transferred"],
             "kv_transfers_failed": self.counters["failed"],
+            **({} if self.free_slots_per_rank is None else {"free_slots_per_rank": self.free_slots_per_rank}),
         }
 
     # ------------------------------------------------------------ helpers for the roles

@@ -10,6 +10,11 @@ Life cycle of a room on decode::
     poll(): read the aux record, check room / page count / checksum -> Success
     Fail / Abort from prefill, link death, timeouts, checksum mismatch -> Failed
 
+With a tensor-parallel prefill (docs/parallel.md) the bootstrap address is
+prefill's rank 0; its ``Welcome`` lists every rank's address, and the room is
+registered with each rank (one aux slot each).  The KV has arrived when every
+rank's done signal has; each rank's aux record is checked.
+
 A receiver's abort (local, or a timeout) sends ``Abort`` and reaches Failed
 when prefill acknowledges, the link dies, or ``abort_ack_timeout`` passes, so
 the pages are never freed while a write into them may still land.  A receiver
@@ -38,7 +43,8 @@ from kvship.engine.disagg.base import (
     TransferBackend,
 )
 from kvship.engine.disagg.bootstrap import BootstrapLink
-from kvship.engine.disagg.checksum import default_algorithm, kv_checksum
+from kvship.engine.disagg.checksum import default_algorithm, kv_checksum_heads
+from kvship.engine.disagg.tp_slices import head_slice
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
     Abort,
@@ -60,6 +66,17 @@ from kvship.engine.fingerprint import fingerprint_mismatch
 logger = logging.getLogger(__name__)
 
 
+class _Source:
+    """One prefill rank a room is registered with: its link and the aux slot it writes."""
+
+    def __init__(self, rank: int, link: BootstrapLink, aux_slot: int):
+        self.rank = rank
+        self.link = link
+        self.aux_slot = aux_slot
+        self.registered = False
+        self.ended = False  # this rank no longer writes the room's pages (done, failed, acknowledged, gone)
+
+
 class DecodeReceiver(KVReceiver):
     """One request's KV on its way in (see kvship.engine.disagg.base for the contract)."""
 
@@ -72,9 +89,12 @@ class DecodeReceiver(KVReceiver):
         self._reason: Optional[str] = None
         self.pages: Optional[np.ndarray] = None
         self.aux_slot: Optional[int] = None
-        self.link: Optional[BootstrapLink] = None
+        self.link: Optional[BootstrapLink] = None  # to prefill rank 0 (the bootstrap address)
+        self.sources: list[_Source] = []  # every prefill rank, rank order, once rank 0's Welcome said how many
+        self.prefill_tp = 1
         self._registered_at: Optional[float] = None
         self._done = False
+        self._dones = 0  # done signals so far (one per prefill rank)
         self._aborting: Optional[str] = None
         self._abort_at = 0.0
         self._aux: Optional[AuxRecord] = None
@@ -107,8 +127,9 @@ class DecodeReceiver(KVReceiver):
             m.active[self.room] = self
             m.backend.expect_room(self.room, pages)
             self.link = m.link_for(*self.bootstrap_addr)
+            self.sources = [_Source(0, self.link, self.aux_slot)]
             if self.link.ready:
-                self._register_locked()
+                self._on_link_ready_locked(self.link)
             else:
                 m.waiters.setdefault(self.link, []).append(self)
 
@@ -120,9 +141,9 @@ class DecodeReceiver(KVReceiver):
             if not (self._done and self._aborting is None):
                 self._check_timeouts_locked(time.monotonic())
                 return self._state
-            pages, slot = self.pages, self.aux_slot
+            pages, sources = self.pages, list(self.sources)
         # Data complete: nothing else moves this receiver now, so verify outside the lock.
-        state, reason, aux = self._verify(pages, slot)  # type: ignore[arg-type]
+        state, reason, aux = self._verify(pages, sources)  # type: ignore[arg-type]
         with m.lock:
             if not self._state.is_terminal:
                 self._aux = aux
@@ -144,11 +165,62 @@ class DecodeReceiver(KVReceiver):
             return self._reason if self._state == KVPoll.Failed else None
 
     # -- internals (manager lock held unless noted) ------------------------
-    def _register_locked(self) -> None:
-        assert self.link is not None and self.pages is not None and self.aux_slot is not None
+    def _source_for(self, link: BootstrapLink) -> Optional[_Source]:
+        for src in self.sources:
+            if src.link is link:
+                return src
+        return None
+
+    def _on_link_ready_locked(self, link: BootstrapLink) -> None:
+        """``link``'s handshake is done: learn prefill's ranks (rank 0's link), register with that rank."""
+        src = self._source_for(link)
+        welcome = link.welcome
+        if src is None or welcome is None or src.registered or self._aborting is not None:
+            return
+        if welcome.layout.tp_rank != src.rank:
+            self._abort_locked(
+                f"prefill {link.address} is tensor-parallel rank {welcome.layout.tp_rank}, not {src.rank}"
+            )
+            return
+        if src.rank == 0 and len(self.sources) == 1 and welcome.layout.tp_size > 1:
+            if not self._add_sources_locked(welcome.layout.tp_size, welcome.ranks):
+                return
+        self._register_locked(src)
+
+    def _add_sources_locked(self, tp_size: int, ranks: list) -> bool:
+        """Prefill rank 0 told us its ``tp_size`` ranks' addresses: open the links, take their aux slots."""
+        m = self._m
+        try:
+            addrs = [(str(h), int(p)) for h, p in ranks]
+        except (TypeError, ValueError):
+            addrs = []
+        if len(addrs) != tp_size:
+            self._abort_locked(f"prefill rank 0 sent {len(ranks)} rank addresses for tp size {tp_size}")
+            return False
+        self.prefill_tp = tp_size
+        for rank in range(1, tp_size):
+            if not m.aux_free:
+                self._abort_locked(f"too many KV transfers in flight on this decode worker (max {m.num_aux_slots})")
+                return False
+            slot = m.aux_free.pop()
+            m.aux_buffer[slot].zero_()
+            src = _Source(rank, m.link_for(*addrs[rank]), slot)
+            self.sources.append(src)
+            if src.link.ready:
+                self._register_locked(src)
+            else:
+                m.waiters.setdefault(src.link, []).append(self)
+        return True
+
+    def _register_locked(self, src: _Source) -> None:
+        assert self.pages is not None
         algo = default_algorithm(self._m.pool_device) if self._m.config.checksum else None
-        if not self.link.send(Register(room=self.room, pages=self.pages, aux_slot=self.aux_slot, checksum=algo)):
-            self._finish_locked(KVPoll.Failed, f"lost the link to prefill {self.link.address} while registering")
+        if not src.link.send(Register(room=self.room, pages=self.pages, aux_slot=src.aux_slot, checksum=algo)):
+            src.ended = True
+            self._abort_locked(f"lost the link to prefill {src.link.address} while registering")
+            return
+        src.registered = True
+        if not all(s.registered for s in self.sources):
             return
         self._registered_at = time.monotonic()
         self._state = KVPoll.WaitingForInput
@@ -172,33 +244,66 @@ class DecodeReceiver(KVReceiver):
             self._abort_locked(f"waiting timeout: no KV from prefill within {cfg.waiting_timeout:g} s")
 
     def _abort_locked(self, reason: str) -> None:
-        if self._registered_at is None or self._done:
-            self._finish_locked(KVPoll.Failed, reason)  # prefill never had our pages, or it is done with them
+        if self._done:
+            self._finish_locked(KVPoll.Failed, reason)  # prefill is done with our pages
             return
-        if self.link is not None and self.link.send(Abort(room=self.room, reason=reason)):
+        pending = False  # a prefill rank that may still write our pages must acknowledge first
+        for src in self.sources:
+            if src.registered and not src.ended:
+                if src.link.send(Abort(room=self.room, reason=reason)):
+                    pending = True
+                else:
+                    src.ended = True
+        if pending:
             self._aborting = reason
             self._abort_at = time.monotonic()
         else:
             self._finish_locked(KVPoll.Failed, reason)
 
-    def _on_message_locked(self, msg: Message) -> None:
+    def _source_ended_locked(self, src: _Source, reason: str) -> None:
+        """Prefill rank ``src`` stopped writing without finishing: fail the room once no rank writes any more."""
+        src.ended = True
+        if self._state.is_terminal:
+            return
+        if self._aborting is None:
+            self._abort_locked(reason)
+        elif not any(s.registered and not s.ended for s in self.sources):
+            self._finish_locked(KVPoll.Failed, self._aborting)
+
+    def _on_message_locked(self, link: BootstrapLink, msg: Message) -> None:
+        src = self._source_for(link)
+        if src is None:
+            return
         if isinstance(msg, Started):
             if self._state == KVPoll.WaitingForInput:
                 self._state = KVPoll.Transferring
         elif isinstance(msg, Done):
-            self._done = True
+            src.ended = True
+            self._count_done_locked()
         elif isinstance(msg, Fail):
-            self._finish_locked(KVPoll.Failed, f"prefill failed the transfer: {msg.reason}")
+            self._source_ended_locked(src, f"prefill failed the transfer: {msg.reason}")
         elif isinstance(msg, Abort):
-            self._finish_locked(KVPoll.Failed, f"aborted by prefill: {msg.reason}")
+            self._source_ended_locked(src, f"aborted by prefill: {msg.reason}")
         elif isinstance(msg, AbortAck) and self._aborting is not None:
-            self._finish_locked(KVPoll.Failed, self._aborting)
+            self._source_ended_locked(src, self._aborting)
 
-    def _verify(self, pages: np.ndarray, slot: int) -> tuple[KVPoll, Optional[str], Optional[AuxRecord]]:
-        """Read and check the aux record (and checksum); runs without the lock."""
+    def _verify(self, pages: np.ndarray, sources: list[_Source]) -> tuple[KVPoll, Optional[str], Optional[AuxRecord]]:
+        """Read and check every prefill rank's aux record (and checksum); runs without the lock."""
+        first: Optional[AuxRecord] = None
+        for src in sources:
+            state, reason, aux = self._verify_one(pages, src)
+            if state != KVPoll.Success:
+                return state, reason, None
+            if first is None:
+                first = aux
+            elif (aux.first_token_id, aux.prompt_len) != (first.first_token_id, first.prompt_len):  # type: ignore
+                return KVPoll.Failed, f"prefill ranks 0 and {src.rank} sent different first tokens", None
+        return KVPoll.Success, None, first
+
+    def _verify_one(self, pages: np.ndarray, src: _Source) -> tuple[KVPoll, Optional[str], Optional[AuxRecord]]:
         m = self._m
         try:
-            aux = AuxRecord.unpack(bytes(m.aux_buffer[slot].numpy()))
+            aux = AuxRecord.unpack(bytes(m.aux_buffer[src.aux_slot].numpy()))
         except WireError as e:
             return KVPoll.Failed, f"bad aux record: {e}", None
         if aux.room != self.room:
@@ -208,7 +313,12 @@ class DecodeReceiver(KVReceiver):
         if m.config.checksum:
             if aux.checksum is None:
                 return KVPoll.Failed, "checksum requested but prefill sent none", None
-            got = kv_checksum(m.buffers, pages, m.layout.page_size, default_algorithm(m.pool_device))
+            lay = m.layout
+            part = head_slice(lay.model_kv_heads, self.prefill_tp, src.rank, lay.tp_size, lay.tp_rank)
+            got = 0
+            if part is not None:
+                algo = default_algorithm(m.pool_device)
+                got = kv_checksum_heads(m.buffers, pages, lay.page_size, part.dst_head, part.num_heads, algo)
             if got != aux.checksum:
                 return (
                     KVPoll.Failed,
@@ -217,6 +327,12 @@ class DecodeReceiver(KVReceiver):
                     None,
                 )
         return KVPoll.Success, None, aux
+
+    def _count_done_locked(self) -> None:
+        """One prefill rank's done signal: the room's bytes have all landed after every rank's."""
+        self._dones += 1
+        if self._dones >= len(self.sources):
+            self._done = True
 
     def _finish_locked(self, state: KVPoll, reason: Optional[str]) -> None:
         if self._state.is_terminal:
@@ -228,10 +344,10 @@ class DecodeReceiver(KVReceiver):
             del m.active[self.room]
             m.backend.forget_room(self.room)
         if self.aux_slot is not None:
-            m.aux_free.append(self.aux_slot)
+            m.aux_free.extend(src.aux_slot for src in self.sources)
             self.aux_slot = None
-        if self.link is not None:
-            waiting = m.waiters.get(self.link)
+        for src in self.sources:
+            waiting = m.waiters.get(src.link)
             if waiting and self in waiting:
                 waiting.remove(self)
         if state == KVPoll.Failed:
@@ -247,7 +363,7 @@ class DecodeKVManager(KVManager):
         self.config = config
         self.pool = kv_pool
         self.pool_device = kv_pool.device
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank)
+        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads)
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()
@@ -328,7 +444,7 @@ class DecodeKVManager(KVManager):
         with self.lock:
             for r in self.waiters.pop(link, []):
                 if not r._state.is_terminal:
-                    r._register_locked()
+                    r._on_link_ready_locked(link)
 
     def _on_message(self, link: BootstrapLink, msg: Message) -> None:
         if isinstance(msg, Ping):
@@ -336,8 +452,8 @@ class DecodeKVManager(KVManager):
         room = getattr(msg, "room", None)
         with self.lock:
             r = self.active.get(room) if room is not None else None
-            if r is not None and r.link is link:
-                r._on_message_locked(msg)
+            if r is not None:
+                r._on_message_locked(link, msg)
 
     def _on_closed(self, link: BootstrapLink, reason: str) -> None:
         with self.lock:
@@ -345,8 +461,9 @@ class DecodeKVManager(KVManager):
                 del self._links[(link.host, link.port)]
             self.waiters.pop(link, None)
             for r in list(self.active.values()):
-                if r.link is link and not r._done:
-                    r._finish_locked(KVPoll.Failed, reason)
+                src = r._source_for(link)
+                if src is not None and not r._done:
+                    r._source_ended_locked(src, reason)
         if not self._closed.is_set():
             logger.warning("KV link to prefill %s closed: %s", link.address, reason)
 
@@ -356,7 +473,7 @@ class DecodeKVManager(KVManager):
             if r is None or r._state.is_terminal:
                 return
             if error is None:
-                r._done = True
+                r._count_done_locked()
             else:  # the backend already drops this room's later data
                 r._finish_locked(KVPoll.Failed, error)
 

@@ -10,6 +10,11 @@ Life cycle of a room on prefill::
         -> Done (control plane, if the backend's done is not in-band) -> Success
     any failure / abort -> Failed (only once no backend call reads the pages)
 
+With tensor parallelism every decode rank registers the room with every
+prefill rank (docs/parallel.md); a sender waits for all of decode's ranks
+(its tp size comes with the first registration's ``Hello``) and writes each the
+KV heads ``tp_slices.head_slice`` assigns it (maybe none), its aux record and done.
+
 Registrations whose sender never appears expire after ``bootstrap_timeout``
 (decode is told with ``Fail``).  A decode connection that dies fails every
 room it registered.  A ``Abort`` from decode is acknowledged (``AbortAck``)
@@ -38,9 +43,11 @@ from kvship.engine.disagg.base import (
     KVTransferError,
     MemoryRegion,
     TransferBackend,
+    advertise_host,
 )
 from kvship.engine.disagg.bootstrap import BootstrapServer, FramedConnection
-from kvship.engine.disagg.checksum import ALGORITHMS, kv_checksum
+from kvship.engine.disagg.checksum import ALGORITHMS, kv_checksum_heads
+from kvship.engine.disagg.tp_slices import head_slice, slice_kv_descs
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
     Abort,
@@ -87,14 +94,15 @@ class PrefillSender(KVSender):
         self._created = time.monotonic()
         self._state = KVPoll.Bootstrapping
         self._reason: Optional[str] = None
-        self.peer: Optional[_DecodePeer] = None
-        self.reg: Optional[Register] = None
+        # decode rank -> (its connection, its registration): every rank of decode registers
+        self.targets: dict[int, tuple[_DecodePeer, Register]] = {}
+        self.expected: Optional[int] = None  # decode's tp size, from the first registration
         self._payload: Optional[tuple[np.ndarray, AuxInfo]] = None
         self._queued = False
         self._busy = False  # a transfer thread is using the pages
         self._failed: Optional[str] = None  # failure decided while busy
-        self._tell_decode: Optional[Message] = None  # sent once not busy
-        self._ack_after = False
+        self._tell_decode: list[tuple[_DecodePeer, Message]] = []  # sent once not busy
+        self._ack_after: list[_DecodePeer] = []  # decode ranks whose abort is acknowledged when done
 
     # -- scheduler API --------------------------------------------------
     def poll(self) -> KVPoll:
@@ -122,7 +130,7 @@ class PrefillSender(KVSender):
             except KVTransferError as e:
                 self._fail_locked(str(e), tell=True, kind="fail")
                 return
-            if self.reg is not None:
+            if self.registered:
                 self._enqueue_locked()
 
     def abort(self, reason: str = "aborted") -> None:
@@ -134,42 +142,70 @@ class PrefillSender(KVSender):
         with self._m.lock:
             return self._reason if self._state == KVPoll.Failed else None
 
+    @property
+    def peers(self) -> list[_DecodePeer]:
+        """The connections of the decode ranks that registered so far."""
+        return [peer for peer, _ in self.targets.values()]
+
+    @property
+    def registered(self) -> bool:
+        """Every decode rank has registered the room."""
+        return self.expected is not None and len(self.targets) == self.expected
+
     # -- internals (manager lock held) ---------------------------------
+    def _add_target_locked(self, peer: _DecodePeer, reg: Register) -> bool:
+        """Record one decode rank's registration; False (and the room failed) if it does not fit."""
+        layout = peer.hello.layout
+        if self.expected is None:
+            self.expected = layout.tp_size
+        if layout.tp_size != self.expected or layout.tp_rank in self.targets:
+            reason = f"room {self.room}: registrations from decode ranks of different workers or twice from one rank"
+            peer.conn.send(Fail(room=self.room, reason=reason))
+            self._fail_locked(reason, tell=True, kind="fail")
+            return False
+        self.targets[layout.tp_rank] = (peer, reg)
+        return True
+
     def _attach_locked(self, peer: _DecodePeer, reg: Register) -> None:
-        self.peer, self.reg = peer, reg
-        if self._state == KVPoll.Bootstrapping:
+        if not self._add_target_locked(peer, reg):
+            return
+        if self._state == KVPoll.Bootstrapping and self.registered:
             self._state = KVPoll.WaitingForInput
             if self._payload is not None:
                 self._enqueue_locked()
 
     def _enqueue_locked(self) -> None:
-        assert self.reg is not None and self._payload is not None
-        if self._payload[0].size != self.reg.pages.size:
-            self._fail_locked(
-                f"page count mismatch for room {self.room}: prefill has {self._payload[0].size} "
-                f"pages, decode registered {self.reg.pages.size}",
-                tell=True,
-                kind="fail",
-            )
-            return
+        assert self.registered and self._payload is not None
+        for _, reg in self.targets.values():
+            if self._payload[0].size != reg.pages.size:
+                self._fail_locked(
+                    f"page count mismatch for room {self.room}: prefill has {self._payload[0].size} "
+                    f"pages, decode registered {reg.pages.size}",
+                    tell=True,
+                    kind="fail",
+                )
+                return
         self._state = KVPoll.Transferring
         self._queued = True
         self._m.enqueue(self)
 
-    def _fail_locked(self, reason: str, tell: bool = False, kind: str = "abort") -> None:
-        """Move towards Failed; ``tell`` sends decode an Abort/Fail once nothing is in flight."""
+    def _fail_locked(
+        self, reason: str, tell: bool = False, kind: str = "abort", skip: Optional[_DecodePeer] = None
+    ) -> None:
+        """Move towards Failed; ``tell`` sends every decode rank (but ``skip``) an Abort/Fail once nothing is in flight."""
         if self._state.is_terminal or self._failed is not None:
             return
-        msg: Optional[Message] = None
-        if tell and self.peer is not None and self.peer.alive:
+        msgs: list[tuple[_DecodePeer, Message]] = []
+        if tell:
             msg = Abort(room=self.room, reason=reason) if kind == "abort" else Fail(room=self.room, reason=reason)
+            msgs = [(peer, msg) for peer in self.peers if peer.alive and peer is not skip]
         if self._busy:
             self._failed = reason
-            self._tell_decode = msg
+            self._tell_decode = msgs
             return
         self._finish_locked(KVPoll.Failed, reason)
-        if msg is not None:
-            self._m.post(self.peer, msg)
+        for peer, msg in msgs:
+            self._m.post(peer, msg)
 
     def _finish_locked(self, state: KVPoll, reason: Optional[str] = None) -> None:
         self._state = state
@@ -177,8 +213,8 @@ class PrefillSender(KVSender):
         self._m.forget(self)
         if state == KVPoll.Failed:
             logger.info("KV sender room %d failed: %s", self.room, reason)
-        if self._ack_after and self.peer is not None:
-            self._m.post(self.peer, AbortAck(room=self.room))
+        for peer in self._ack_after:
+            self._m.post(peer, AbortAck(room=self.room))
 
 
 class PrefillKVManager(KVManager):
@@ -189,7 +225,7 @@ class PrefillKVManager(KVManager):
     def __init__(self, kv_pool, config: KVTransferConfig, backend_cls: type[TransferBackend]):
         self.config = config
         self.pool = kv_pool
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank)
+        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads)
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()
@@ -202,7 +238,7 @@ class PrefillKVManager(KVManager):
         self.aux_region = len(self.buffers)
         self.backend = backend_cls(config, "prefill", self.regions, self.layout)
         self._senders: dict[int, PrefillSender] = {}
-        self._pending: dict[int, _PendingRegistration] = {}
+        self._pending: dict[int, list[_PendingRegistration]] = {}  # room -> registrations before its sender
         self._peers: dict[str, _DecodePeer] = {}
         self._queue: "queue.Queue[Optional[PrefillSender]]" = queue.Queue()
         self._closed = threading.Event()
@@ -218,6 +254,8 @@ class PrefillKVManager(KVManager):
         except Exception:
             self.backend.close()
             raise
+        # every rank's bootstrap address, rank order (Welcome.ranks); a tensor-parallel worker sets all of them
+        self.rank_addresses: list[tuple[str, int]] = [(advertise_host(config.host), self.server.port)]
         self._threads = [
             threading.Thread(target=self._transfer_loop, name=f"kv-transfer-{i}", args=(i,), daemon=True)
             for i in range(config.transfer_threads)
@@ -240,12 +278,11 @@ class PrefillKVManager(KVManager):
                 raise KVTransferError(f"room {room} already has a sender on this prefill worker")
             s = PrefillSender(self, room)
             self._senders[room] = s
-            pend = self._pending.pop(room, None)
-            if pend is not None:
+            for pend in self._pending.pop(room, []):
                 if pend.peer.alive:
                     s._attach_locked(pend.peer, pend.reg)
                 else:
-                    s._fail_locked("decode peer disconnected before the transfer")
+                    s._fail_locked("decode peer disconnected before the transfer", tell=True)
             return s
 
     def close(self) -> None:
@@ -303,6 +340,7 @@ class PrefillKVManager(KVManager):
             backend=self.backend.name,
             layout=self.layout,
             backend_info=self.backend.local_info(),
+            ranks=[[host, port] for host, port in self.rank_addresses],
             fingerprint=self.config.fingerprint,
         )
 
@@ -323,29 +361,35 @@ class PrefillKVManager(KVManager):
             peer.conn.send(Fail(room=reg.room, reason=f"unknown checksum algorithm {reg.checksum!r}"))
             return
         try:
-            D.check_pages(reg.pages, (peer.region_bytes[0] // self.layout.page_bytes) - 1, "decode")
+            D.check_pages(reg.pages, (peer.region_bytes[0] // peer.hello.layout.page_bytes) - 1, "decode")
             if not 0 <= reg.aux_slot < peer.region_bytes[-1] // AUX_RECORD_BYTES:
                 raise KVTransferError(f"aux slot {reg.aux_slot} out of range")
         except KVTransferError as e:
             peer.conn.send(Fail(room=reg.room, reason=f"bad registration: {e}"))
             return
         s = self._senders.get(reg.room)
-        if reg.room in self._pending or (s is not None and s.reg is not None):
+        rank = peer.hello.layout.tp_rank
+        pending = self._pending.get(reg.room, [])
+        if any(p.peer.hello.layout.tp_rank == rank for p in pending) or (s is not None and rank in s.targets):
             peer.conn.send(Fail(room=reg.room, reason=f"room {reg.room} is already registered on this prefill"))
             return
         if s is None:
-            self._pending[reg.room] = _PendingRegistration(peer, reg)
+            self._pending.setdefault(reg.room, []).append(_PendingRegistration(peer, reg))
         else:
             s._attach_locked(peer, reg)
 
     def _decode_abort_locked(self, peer: _DecodePeer, msg: Abort) -> None:
-        pend = self._pending.get(msg.room)
-        if pend is not None and pend.peer is peer:
-            del self._pending[msg.room]
+        pending = [p for p in self._pending.get(msg.room, []) if p.peer is not peer]
+        if msg.room in self._pending:
+            if pending:
+                self._pending[msg.room] = pending
+            else:
+                del self._pending[msg.room]
         s = self._senders.get(msg.room)
-        if s is not None and s.peer is peer and not s._state.is_terminal:
-            s._ack_after = True  # _finish_locked acks, now or when the transfer thread lets go of the pages
-            s._fail_locked(f"aborted by decode: {msg.reason}")
+        if s is not None and peer in s.peers and not s._state.is_terminal:
+            s._ack_after.append(peer)  # _finish_locked acks, now or when the transfer thread lets go of the pages
+            if s._failed is None:  # the other decode ranks hear of it too
+                s._fail_locked(f"aborted by decode: {msg.reason}", tell=True, skip=peer)
             return
         peer.conn.send(AbortAck(room=msg.room))
 
@@ -355,11 +399,15 @@ class PrefillKVManager(KVManager):
             if peer is None:
                 return
             peer.alive = False
-            for room in [r for r, p in self._pending.items() if p.peer is peer]:
-                del self._pending[room]
+            for room in list(self._pending):
+                pending = [p for p in self._pending[room] if p.peer is not peer]
+                if pending:
+                    self._pending[room] = pending
+                else:
+                    del self._pending[room]
             for s in list(self._senders.values()):
-                if s.peer is peer:
-                    s._fail_locked(f"decode peer disconnected: {reason}")
+                if peer in s.peers:
+                    s._fail_locked(f"decode peer disconnected: {reason}", tell=True)
             idle = peer.inflight == 0
         logger.log(
             logging.INFO if self._closed.is_set() else logging.WARNING,
@@ -381,30 +429,40 @@ class PrefillKVManager(KVManager):
                     continue
                 s._queued = False
                 s._busy = True
-                peer, reg, (src_pages, aux) = s.peer, s.reg, s._payload  # type: ignore[misc]
-                peer.inflight += 1  # type: ignore[union-attr]
+                targets = sorted(s.targets.items())
+                src_pages, aux = s._payload  # type: ignore[misc]
+                for _, (peer, _reg) in targets:
+                    peer.inflight += 1
             error: Optional[str] = None
             try:
-                self._transfer(index, s, peer, reg, src_pages, aux)  # type: ignore[arg-type]
-            except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
-                error = f"transfer to decode {peer.peer_id} failed: {e}"  # type: ignore[union-attr]
-                if not isinstance(e, KVTransferError):
-                    logger.exception("KV transfer for room %d failed", s.room)
-            with self.lock:
-                s._busy = False
-                peer.inflight -= 1  # type: ignore[union-attr]
-                remove_peer = not peer.alive and peer.inflight == 0  # type: ignore[union-attr]
-                if s._failed is not None:
-                    s._finish_locked(KVPoll.Failed, s._failed)
-                    if s._tell_decode is not None:
-                        self.post(peer, s._tell_decode)
-                elif error is not None:
-                    s._finish_locked(KVPoll.Failed, error)
-                    self.post(peer, Fail(room=s.room, reason=error))
-                else:
-                    s._finish_locked(KVPoll.Success)
-            if remove_peer:
-                self.backend.remove_peer(peer.peer_id)  # type: ignore[union-attr]
+                for _, (peer, reg) in targets:
+                    if self._cancelled(s):
+                        break
+                    try:
+                        self._transfer(index, s, peer, reg, src_pages, aux)
+                    except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
+                        error = f"transfer to decode {peer.peer_id} failed: {e}"
+                        if not isinstance(e, KVTransferError):
+                            logger.exception("KV transfer for room %d failed", s.room)
+                        break
+            finally:
+                with self.lock:
+                    s._busy = False
+                    for _, (peer, _reg) in targets:
+                        peer.inflight -= 1
+                    gone = [peer for _, (peer, _reg) in targets if not peer.alive and peer.inflight == 0]
+                    if s._failed is not None:
+                        s._finish_locked(KVPoll.Failed, s._failed)
+                        for peer, msg in s._tell_decode:
+                            self.post(peer, msg)
+                    elif error is not None:
+                        s._finish_locked(KVPoll.Failed, error)
+                        for _, (peer, _reg) in targets:
+                            self.post(peer, Fail(room=s.room, reason=error))
+                    else:
+                        s._finish_locked(KVPoll.Success)
+            for peer in gone:
+                self.backend.remove_peer(peer.peer_id)
 
     def _cancelled(self, s: PrefillSender) -> bool:
         with self.lock:
@@ -414,16 +472,31 @@ class PrefillKVManager(KVManager):
         self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray, aux: AuxInfo
     ) -> None:
         layout = self.layout
+        dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
         peer.conn.send(Started(room=s.room))
-        runs = D.page_runs(src_pages, reg.pages)
+        part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
         checksum = None
         if reg.checksum is not None:
-            checksum = kv_checksum(self.buffers, src_pages, layout.page_size, reg.checksum)
-        descs = D.kv_descs(runs, layout.num_buffers, layout.page_bytes)
-        D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
-        if self._cancelled(s):
-            return
-        self.backend.write(peer.peer_id, s.room, descs)
+            checksum = 0
+            if part is not None:
+                checksum = kv_checksum_heads(
+                    self.buffers, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
+                )
+        if part is not None:
+            runs = D.page_runs(src_pages, reg.pages)
+            descs = slice_kv_descs(
+                runs,
+                layout.num_buffers,
+                layout.page_size,
+                layout.head_bytes,
+                layout.num_kv_heads,
+                dst.num_kv_heads,
+                part,
+            )
+            D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
+            if self._cancelled(s):
+                return
+            self.backend.write(peer.peer_id, s.room, descs)
         if self._cancelled(s):
             return
         record = AuxRecord(
@@ -454,17 +527,18 @@ class PrefillKVManager(KVManager):
             self.server.tick(cfg.heartbeat_interval, cfg.heartbeat_timeout)
             now = time.monotonic()
             with self.lock:
-                for room, pend in list(self._pending.items()):
-                    if now - pend.at > cfg.bootstrap_timeout:
+                for room, pending in list(self._pending.items()):
+                    if now - pending[0].at > cfg.bootstrap_timeout:
                         del self._pending[room]
-                        self.post(
-                            pend.peer,
-                            Fail(
-                                room=room,
-                                reason=f"prefill never received request for room "
-                                f"{room} within {cfg.bootstrap_timeout:g} s",
-                            ),
-                        )
+                        for pend in pending:
+                            self.post(
+                                pend.peer,
+                                Fail(
+                                    room=room,
+                                    reason=f"prefill never received request for room "
+                                    f"{room} within {cfg.bootstrap_timeout:g} s",
+                                ),
+                            )
                 for s in list(self._senders.values()):
                     if s._state == KVPoll.Bootstrapping:
                         s.poll()

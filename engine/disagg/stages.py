@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -46,16 +47,35 @@ class TransferPollBackoff:
 
 
 def make_kv_manager(
-    role: str, server_args: ServerArgs, kv_pool: Any, config: Optional[KVTransferConfig] = None
+    role: str,
+    server_args: ServerArgs,
+    kv_pool: Any,
+    config: Optional[KVTransferConfig] = None,
+    tp: Any = None,
+    total_kv_heads: int = 0,
 ) -> KVManager:
     """The ``role`` ("prefill" | "decode") transfer layer over ``kv_pool``.
 
     ``config`` overrides what ``ServerArgs`` would give (tests use it for short
-    timeouts).  Raises ``RuntimeError`` with a user-facing message on failure.
+    timeouts).  ``tp`` (a ``TPGroup``, tensor parallelism): this rank's manager,
+    wrapped so that every rank's ``poll()`` agrees (``tp_sync.TPKVManager``); rank r
+    of a prefill worker binds ``--disaggregation-bootstrap-port`` + r.  ``total_kv_heads``:
+    the model's KV heads (the pool holds this rank's share).
+    Raises ``RuntimeError`` with a user-facing message on failure.
     """
     cfg = config or KVTransferConfig.from_server_args(server_args)
+    if tp is not None:
+        port = cfg.bootstrap_port + tp.rank if cfg.bootstrap_port else 0
+        cfg = dataclasses.replace(cfg, tp_size=tp.size, tp_rank=tp.rank, bootstrap_port=port)
+    if total_kv_heads:
+        cfg = dataclasses.replace(cfg, total_kv_heads=total_kv_heads)
     try:
-        return create_kv_manager(role, kv_pool, cfg)
+        manager = create_kv_manager(role, kv_pool, cfg)
+        if tp is None:
+            return manager
+        from kvship.engine.disagg.tp_sync import TPKVManager
+
+        return TPKVManager(manager, tp)
     except BackendUnavailableError as e:
         raise RuntimeError(f"--disaggregation-transfer-backend {cfg.backend}: {e}") from e
     except OSError as e:

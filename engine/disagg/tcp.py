@@ -14,7 +14,8 @@ page-wise by prefill and unpacked page-wise by decode (numpy row gathers /
 scatters on CPU, torch index_select / index_copy_ on CUDA): the bytes on the
 wire are the same, only the copying differs.  Decode first checks that KV ranges
 lie on pages registered for that room and that every range is inside its
-region.  Frames for a room decode no longer expects (aborted, finished) are
+region (a range may be part of a page: one token's slice of KV heads when the
+two workers' tensor-parallel sizes differ, ``tp_slices``).  Frames for a room decode no longer expects (aborted, finished) are
 read and dropped, so a late write never lands.  A frame with the done flag
 signals ``on_done(room)`` after its bytes are placed: TCP's ordering makes the
 done signal follow all of the room's data.
@@ -382,8 +383,9 @@ class TcpBackend(TransferBackend):
         kv = reg < self._num_kv
         if kv.any():
             o, n = off[kv], length[kv]
-            first, count = o // pb, n // pb
+            first = o // pb
+            count = (o + n + pb - 1) // pb - first  # pages the range touches (a head slice: part of one)
             inside = np.searchsorted(pages, first + count) - np.searchsorted(pages, first) == count
-            if (o % pb).any() or (n % pb).any() or not inside.all():
+            if (n <= 0).any() or not inside.all():
                 return False, "tcp: prefill sent KV for pages this room did not register"
         return True, None

@@ -60,9 +60,10 @@ class KVLayout:
     head_dim: int
     tp_size: int = 1
     tp_rank: int = 0
+    total_kv_heads: int = 0  # the model's KV heads (0: ``num_kv_heads``, a peer that predates the field)
 
     @classmethod
-    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":
+    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0) -> "KVLayout":
         return cls(
             page_size=pool.page_size,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
@@ -71,7 +72,18 @@ class KVLayout:
             head_dim=pool.head_dim,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            total_kv_heads=total_kv_heads or pool.num_kv_heads * tp_size,
         )
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads (``num_kv_heads`` is this rank's share)."""
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of one slot."""
+        return self.head_dim * self.element_size
 
     @property
     def element_size(self) -> int:
@@ -87,12 +99,28 @@ class KVLayout:
         return 2 * self.num_layers
 
     def mismatch(self, other: "KVLayout") -> Optional[str]:
-        """None if ``other`` can exchange KV with this layout, else what differs."""
+        """None if ``other`` can exchange KV with this layout, else what differs.
+
+        Tensor-parallel sizes may differ (each side's heads are sliced, docs/parallel.md);
+        the model's KV heads, page size, dtype, layers and head dim must not."""
+        from kvship.engine.disagg.tp_slices import rank_kv_heads
+
         diffs = []
-        for f in ("page_size", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank"):
+        for f in ("page_size", "kv_dtype", "num_layers", "model_kv_heads", "head_dim"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 diffs.append(f"{f} {a} != {b}")
+        for side in (self, other):
+            try:
+                _, n = rank_kv_heads(side.model_kv_heads, side.tp_size, side.tp_rank)
+            except RuntimeError as e:  # KVTransferError: the heads do not split over that tp size
+                diffs.append(str(e))
+                continue
+            if n != side.num_kv_heads:
+                diffs.append(
+                    f"rank {side.tp_rank} of tp {side.tp_size} holds {side.num_kv_heads} KV heads, expected {n} "
+                    f"of {side.model_kv_heads}"
+                )
         return ", ".join(diffs) or None
 
     @classmethod
@@ -108,6 +136,7 @@ class KVLayout:
                 head_dim=int(d["head_dim"]),
                 tp_size=int(d.get("tp_size", 1)),
                 tp_rank=int(d.get("tp_rank", 0)),
+                total_kv_heads=int(d.get("total_kv_heads", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e
@@ -153,6 +182,7 @@ class Welcome(Message):
     backend: str
     layout: KVLayout
     backend_info: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)  # [host, port] of every prefill rank's bootstrap server, rank order
     fingerprint: str = ""  # prefill's model fingerprint; decode refuses a different one
 
 

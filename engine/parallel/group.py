@@ -72,6 +72,12 @@ class TPGroup:
         dist.broadcast(data, src=src, group=self.cpu_group)
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (host group)."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (host group)."""
         t = torch.tensor([value], dtype=torch.int64)
