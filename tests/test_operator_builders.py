@@ -20,9 +20,9 @@ from kvship.router.config import RouterConfig
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
 EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
-# Worker flags for features whose engine support lands with later issues (tensor parallelism,
-# speculative decoding); the builders emit them only when the spec asks for those features.
-PENDING_WORKER_FLAGS = {TP_FLAG, *SPEC_FLAGS.values()}
+# Worker flags for features whose engine support lands with later issues (speculative decoding);
+# the builders emit them only when the spec asks for those features.
+PENDING_WORKER_FLAGS = {*SPEC_FLAGS.values()}
 
 
 def config(spec: dict, name: str = "svc"):
@@ -215,8 +215,12 @@ def test_pending_worker_flags_appear_only_when_their_feature_is_asked_for():
             "speculative": {"algorithm": "eagle", "draftModel": "hf://a/d"},
         },
     }
-    args = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"])["args"]
+    worker = container(by_kind(build_children(config(spec), IMAGES), "Deployment")["svc-worker"])
+    args = worker["args"]
     assert args[args.index(TP_FLAG) + 1] == "2" and args[args.index(EP_FLAG) + 1] == "2"
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2  # one GPU per tensor-parallel rank
+    ns, _ = server_parser().parse_known_args(args[1:])
+    assert ns.tp_size == 2  # kvship serve takes --tp-size (docs/parallel.md)
     assert args[args.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
     assert args[args.index(SPEC_FLAGS["draft"]) + 1] == "/cache/models/a/d/main"
 
