@@ -114,6 +114,11 @@ def compute_patch(live: dict, desired: dict) -> Optional[dict]:
     return _merge(target, nulls)
 
 
+def merged_with_nulls(target: dict, nulls: dict) -> dict:
+    """``target`` plus the merge-patch ``null``s of :func:`removed_fields` (a patch that also removes keys)."""
+    return _merge(target, nulls)
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():

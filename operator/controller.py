@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvship.operator.apply import ApplyResult, apply_children, observe_children
+from kvship.operator.apply import ApplyResult, apply_children, merged_with_nulls, observe_children, removed_fields
 from kvship.operator.builders import Images, build_children, instance_labels, worker_revision
 from kvship.operator.builders.common import ROLE_LABEL, router_gated
 from kvship.operator.kube import KubeApiError, KubeClient
@@ -68,9 +68,11 @@ async def write_status(client: KubeClient, body: dict, status: dict) -> bool:
     if (body.get("status") or {}) == status:
         return False
     meta = body["metadata"]
-    # conditions is a list: a merge patch replaces it whole, which is what we want
+    # conditions is a list: a merge patch replaces it whole, which is what we want; fields the new status
+    # lacks (a figure of status.slo without samples now) are nulled, so no stale value stays behind
+    patch = merged_with_nulls(status, removed_fields(body.get("status") or {}, status))
     try:
-        await client.merge_patch(*API, meta.get("namespace"), meta["name"], {"status": status}, "status")
+        await client.merge_patch(*API, meta.get("namespace"), meta["name"], {"status": patch}, "status")
     except KubeApiError as e:
         if e.status == 404:
             return False

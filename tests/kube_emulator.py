@@ -18,12 +18,15 @@ field selectors; ``/api/v1/namespaces[/NAME]`` parses.  On top of that:
 * ``status`` subresources: the main resource ignores status changes, ``/status``
   changes only status; ``generation`` moves on other changes;
 * create / get / list / watch / replace (PUT, with resourceVersion conflicts)
-  / merge-patch / strategic-merge-patch (treated as merge-patch) / JSON patch /
+  / merge-patch / strategic-merge-patch (core kinds: lists such as ``conditions`` merged by their key,
+  kube_emulator_api.MERGE_KEYS; else as merge-patch) / JSON patch /
   delete (finalizers -> ``deletionTimestamp``) / deletecollection;
 * garbage collection: deleting an owner deletes the objects whose
   ``ownerReferences`` name its uid (background propagation; ``Orphan`` keeps them);
   with ``collect_dangling_dependents``, an object created for owners already gone is deleted too;
 * server-side Table output (``kubectl get``) with CRD printer columns;
+* the kubelet's readiness rule for pods with ``readinessGates``: ``Ready`` is True only while
+  ``ContainersReady`` and every gate's condition are True (recomputed on every pod write);
 * RBAC (tests/kube_emulator_rbac.py): a service-account token made with
   ``EmulatorThread.service_account_kubeconfig`` gets only what the stored
   Roles / ClusterRoles bound to it grant (403 otherwise); the default
@@ -68,10 +71,12 @@ from kube_emulator_api import (
     merge_patch,
     openapi_document,
     parse_path,
+    pod_readiness,
     schema_defaults_prune,
     select_fields,
     select_labels,
     status_body,
+    strategic_merge_patch,
     table_for,
     validate_schema,
 )
@@ -522,6 +527,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             else:
                 meta.pop(k, None)
         new = self._prepare(t, new)
+        if (t.group, t.plural) == ("", "pods"):
+            self._kubelet_readiness(new)
         strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         if strip(new) != strip(old):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
@@ -535,6 +542,20 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._bucket(t.group, t.plural)[key] = new
         self._record(t.group, t.plural, "MODIFIED", new, old)
         return copy.deepcopy(new)
+
+    @staticmethod
+    def _kubelet_readiness(pod: dict) -> None:
+        """The kubelet's part of a pod's readiness: with readiness gates, Ready follows ContainersReady and the
+        gates' conditions (whoever patched the status last)."""
+        want = pod_readiness(pod)
+        if want is None:
+            return
+        conds = pod.setdefault("status", {}).setdefault("conditions", [])
+        ready = next((c for c in conds if c.get("type") == "Ready"), None)
+        if ready is None:
+            conds.append({"type": "Ready", **want, "lastTransitionTime": _now()})
+        elif ready.get("status") != want["status"]:
+            ready.update(want, lastTransitionTime=_now())
 
     async def _replace(self, t, body: Any) -> dict:
         if not isinstance(body, dict):
@@ -565,7 +586,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     "Conflict",
                     f'Operation cannot be fulfilled on {t.plural} "{t.name}": the object has been modified',
                 )
-            new = merge_patch(old, body)
+            strategic = ctype == "application/strategic-merge-patch+json" and t.group == ""
+            new = strategic_merge_patch(old, body) if strategic else merge_patch(old, body)
         else:
             raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}")
         return self._commit(t, old, new, t.subresource)

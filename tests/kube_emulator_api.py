@@ -190,6 +190,71 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+# Merge keys of the built-in list fields strategic merge patches merge item by item (as the API server's Go types
+# declare them with patchMergeKey); other lists are replaced, as in a JSON merge patch.
+MERGE_KEYS = {
+    "conditions": "type",
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "env": "name",
+    "readinessGates": "conditionType",
+    "tolerations": "key",
+    "imagePullSecrets": "name",
+}
+
+
+def strategic_merge_patch(target: Any, patch: Any) -> Any:
+    """A strategic merge patch: like :func:`merge_patch`, but the lists of :data:`MERGE_KEYS` are merged by their
+    key (an item of the patch replaces-by-merge the item with the same key, or is appended)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif key in MERGE_KEYS and isinstance(value, list) and isinstance(out.get(key), list):
+            mk = MERGE_KEYS[key]
+            merged = [copy.deepcopy(item) for item in out[key]]
+            for item in value:
+                if not isinstance(item, dict) or mk not in item:
+                    merged = copy.deepcopy(value)
+                    break
+                at = next(
+                    (i for i, old in enumerate(merged) if isinstance(old, dict) and old.get(mk) == item[mk]), None
+                )
+                if at is None:
+                    merged.append(copy.deepcopy(item))
+                else:
+                    merged[at] = strategic_merge_patch(merged[at], item)
+            out[key] = merged
+        else:
+            out[key] = strategic_merge_patch(out.get(key), value)
+    return out
+
+
+def pod_readiness(pod: dict) -> Optional[dict]:
+    """What the kubelet reports for a pod with readiness gates: ``Ready`` is True only when ``ContainersReady`` is
+    True and every gate's condition is True.  ``None`` when the pod has no gates or no ContainersReady yet."""
+    gates = [g.get("conditionType") for g in (pod.get("spec") or {}).get("readinessGates") or []]
+    conds = {c.get("type"): c for c in (pod.get("status") or {}).get("conditions") or [] if isinstance(c, dict)}
+    if not gates or "ContainersReady" not in conds:
+        return None
+    if conds["ContainersReady"].get("status") != "True":
+        return {"status": "False", "reason": "ContainersNotReady", "message": "containers are not ready"}
+    missing = [g for g in gates if (conds.get(g) or {}).get("status") != "True"]
+    if missing:
+        return {
+            "status": "False",
+            "reason": "ReadinessGatesNotReady",
+            "message": "corresponding condition of pod readiness gate "
+            + ", ".join(f'"{g}"' for g in missing)
+            + " does not exist or is not True",
+        }
+    return {"status": "True", "reason": "", "message": ""}
+
+
 def _pointer(path: str) -> list[str]:
     if path == "":
         return []

@@ -148,6 +148,8 @@ def expected_grants() -> set[tuple[str, str, str]]:
         plural = KINDS[(api_version, kind)][0]
         grants |= {(group, plural, verb) for verb in ("get", "list", "create", "patch", "delete")}
     grants.add(("apps", "deployments", "watch"))  # child events refresh the status (label-selected watch)
+    grants.add(("apps", "deployments", "deletecollection"))  # a drained revision's pair goes in one request
+    grants.add(("", "pods/status", "patch"))  # the kvship.io/in-rotation readiness gate
     grants |= {("kvship.io", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
     grants |= {("kvship.io", "inferenceservices/status", v) for v in ("get", "patch")}
     grants |= {("", "pods", v) for v in ("get", "list", "watch")}  # what it grants routers, it must hold

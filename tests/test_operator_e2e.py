@@ -72,8 +72,10 @@ def free_port() -> int:
 class Operator:
     """`kvship operator` as a subprocess; ``restart()`` stops it (SIGTERM) and starts a new one."""
 
-    def __init__(self, kubeconfig: str, workdir: Path):
+    def __init__(self, kubeconfig: str, workdir: Path, router_url: str = ""):
         self.kubeconfig, self.workdir = kubeconfig, workdir
+        # no router runs in these tests: a closed port answers at once (tests/test_operator_live.py runs one)
+        self.router_url = router_url or f"http://127.0.0.1:{free_port()}"
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []
@@ -94,6 +96,8 @@ class Operator:
             str(self.port),
             "--resync-interval",
             "2",
+            "--router-url",
+            self.router_url,
             "--worker-image",
             "reg.example/kvship/worker:test",
             "--router-image",
@@ -230,7 +234,19 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
     )
     wait_for(lambda: phase(kube, "smollm2") == "Progressing", 30, "phase Progressing")
     table = kubectl("get", "kvsvc", "-n", NS).stdout
-    assert table.split("\n")[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "PHASE", "URL", "AGE"]
+    assert table.split("\n")[0].split() == [
+        "NAME",
+        "MODEL",
+        "PREFILL",
+        "DECODE",
+        "ROUTER",
+        "PHASE",
+        "TTFT-P50",
+        "ITL-P50",
+        "RPS",
+        "URL",
+        "AGE",
+    ]
     mark_ready(kube, "smollm2")
     wait_for(lambda: phase(kube, "smollm2") == "Ready", 30, "phase Ready")
     status = service(kube, "smollm2")["status"]
@@ -241,8 +257,17 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
         "PrefillReady": "True",
         "DecodeReady": "True",
         "RouterReady": "True",
+        "RouterSynced": "False",  # no router process answers here
     }
+
+    def synced() -> dict:
+        return next(c for c in service(kube, "smollm2")["status"]["conditions"] if c["type"] == "RouterSynced")
+
+    # the router pod is ready now, so the next resync asks it (and finds nothing listening)
+    wait_for(lambda: synced()["reason"] == "RouterUnreachable", 30, "RouterSynced=False, RouterUnreachable")
+    assert "/workers failed" in synced()["message"]
     row = kubectl("get", "inferenceservices", "smollm2", "-n", NS).stdout.split("\n")[1].split()
+    # no router answers here: the SLO columns are blank (so the URL follows the phase in the split row)
     assert row[:7] == [
         "smollm2",
         "builtin:smollm2",
@@ -362,8 +387,11 @@ def test_pd_service_gets_prefill_decode_router_and_autoscaler(cluster):
     )
     router_args = deps["llama-8b-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--pd" in router_args and "--prefill-selector" in router_args
-    assert kube.get("autoscaling/v2", "horizontalpodautoscalers", NS, "llama-8b-decode")
-    assert "replicas" not in deps["llama-8b-decode"]["spec"] or deps["llama-8b-decode"]["spec"]["replicas"] >= 1
+    hpa = kube.get("autoscaling/v2", "horizontalpodautoscalers", NS, "llama-8b-decode")
+    decode = next(d for name, d in deps.items() if name.startswith("llama-8b-decode-"))  # named by its revision
+    assert hpa["spec"]["scaleTargetRef"]["name"] == decode["metadata"]["name"]
+    assert decode["metadata"]["labels"]["kvship.io/revision"] == decode["metadata"]["name"].rsplit("-", 1)[1]
+    assert "replicas" not in decode["spec"] or decode["spec"]["replicas"] >= 1
 
 
 def test_operator_restart_changes_and_duplicates_nothing(cluster):
