@@ -5,7 +5,9 @@ an optional ``generation_config.json``) or from a GGUF file's metadata.  It is
 model-agnostic: every dense decoder of the Llama family fits in it, and the
 model class picked by ``architectures[0]`` reads what it needs.  Mixture-of-
 Experts models (Qwen2/3-MoE, Mixtral) add one ``MoEConfig`` (``moe``); it is
-None for dense models and, for now, for GGUF files.
+None for dense models.  GGUF: ``qwen3moe``, ``qwen2moe`` and ``llama`` with
+``llama.expert_count`` (Mixtral) files; their sparse layers are the ones with
+a router tensor (``blk.N.ffn_gate_inp``).
 
 Rules:
 * ``context_len`` is the model's ``max_position_embeddings`` (GGUF:
@@ -45,7 +47,11 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp's MoE routing: top-k weights renormalised (its ``norm_w``) unless ``<arch>.expert_weights_norm`` says
+_GGUF_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # Architectures whose q/k/v projections carry a bias even when config.json does not say so.
 _QKV_BIAS_ARCHS = {"Qwen2ForCausalLM", "Qwen2MoeForCausalLM"}
@@ -113,6 +119,24 @@ class MoEConfig:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, garch: str, meta: dict[str, Any], tensor_names: set[str]) -> Optional["MoEConfig"]:
+        """From ``<arch>.expert_*`` keys; None without experts.  Sparse layers: those with a router tensor."""
+        num_experts = int(meta.get(f"{garch}.expert_count") or 0)
+        if num_experts <= 0:
+            return None
+        layers = int(meta[f"{garch}.block_count"])
+        width = meta.get(f"{garch}.expert_feed_forward_length") or meta[f"{garch}.feed_forward_length"]
+        norm = meta.get(f"{garch}.expert_weights_norm")
+        return cls(
+            num_experts=num_experts,
+            top_k=int(meta[f"{garch}.expert_used_count"]),
+            intermediate_size=int(width),
+            norm_topk_prob=bool(_GGUF_MOE_NORM_TOPK.get(garch, True) if norm is None else norm),
+            mlp_only_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
+            shared_expert_intermediate_size=int(meta.get(f"{garch}.expert_shared_feed_forward_length") or 0),
         )
 
 
@@ -296,6 +320,9 @@ class ModelConfig:
         if garch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture '{garch}' is not supported; known: {sorted(GGUF_ARCHITECTURES)}")
         arch = GGUF_ARCHITECTURES[garch]
+        moe = MoEConfig.from_gguf_metadata(garch, meta, tensor_names)
+        if garch == "llama" and moe is not None:  # llama.cpp writes Mixtral as llama with experts
+            arch = "MixtralForCausalLM"
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{garch}.{key}", default)
@@ -339,6 +366,7 @@ class ModelConfig:
             eos_token_ids=frozenset(_as_id_set(eos)),
             bos_token_id=int(bos) if bos is not None else None,
             source_format="gguf",
+            moe=moe,
         )
 
 

@@ -269,3 +269,35 @@ def test_serve_ep2_matches_one_process_over_http_and_exports_expert_load(ep_mode
     assert {s.labels["expert"] for s in tokens if s.labels["layer"] == "0"} == {str(e) for e in range(8)}
     imbalance = {s.labels["layer"]: s.value for s in samples if s.name == metrics_names.MOE_EXPERT_LOAD_IMBALANCE}
     assert set(imbalance) == {"0", "2"} and all(v >= 1.0 for v in imbalance.values())
+
+
+def test_a_ranks_gguf_share_is_its_block_of_the_experts_and_reads_no_other(ep_model_dirs, tmp_path):
+    """Rank 1 of ``--tp-size 2 --ep-size 2`` from a GGUF file (Mixtral as llama.cpp writes it): experts 4..7
+    of every sparse layer equal the whole model's, and only their rows are dequantized."""
+    from moe_fixtures import write_moe_gguf
+
+    from kvship.engine.loaders import gguf_file, gguf_loader
+    from kvship.engine.loaders.base import load_model
+    from kvship.engine.model_config import ModelConfig
+
+    path = str(tmp_path / "mixtral.gguf")
+    write_moe_gguf(ep_model_dirs["mixtral"], path, "llama")
+    mc = ModelConfig.from_pretrained(path)
+    whole = load_model(mc, "auto", "cpu")
+    read: list[int] = []
+    real = gguf_file.dequantize_expert_block
+
+    def spy(t, expert, ranges):
+        read.append(expert)
+        return real(t, expert, ranges)
+
+    gguf_loader.dequantize_expert_block = spy
+    try:
+        share = load_model(mc, "auto", "cpu", tp=TPGroup(1, 2, None, None), ep=(2, "all_reduce"))
+    finally:
+        gguf_loader.dequantize_expert_block = real
+    assert sorted(set(read)) == [4, 5, 6, 7] and len(read) == 3 * 3 * 4  # 3 layers x gate/up/down x 4 experts
+    for i in range(3):
+        mine, full = share.model.layers[i].mlp.experts, whole.model.layers[i].mlp.experts
+        assert (mine.expert_start, mine.num_local_experts) == (4, 4)
+        assert torch.equal(mine.w13_weight, full.w13_weight[4:]) and torch.equal(mine.w2_weight, full.w2_weight[4:])

@@ -62,16 +62,28 @@ DEQUANT_ROW_CHUNK = 4096
 def dequantize_block(t: Any, ranges: tuple[slice, ...]) -> torch.Tensor:
     """Rows ``ranges[0]`` / columns ``ranges[1]`` of a GGUF tensor as float32, dequantizing only those rows
     (in chunks, so a column block never holds the whole matrix in float32)."""
-    from gguf.quants import dequantize
-
     shape = tuple(int(x) for x in reversed(list(t.shape)))
     if len(shape) != 2:
         return dequantize_tensor(t)[ranges]
-    rows, cols = ranges
+    return _dequantize_rows(t.data, t.tensor_type, shape[1], *ranges)
+
+
+def dequantize_expert_block(t: Any, expert: int, ranges: tuple[slice, ...]) -> torch.Tensor:
+    """Rows / columns ``ranges`` of expert ``expert``'s matrix in a stacked ``[E, rows, cols]`` GGUF tensor
+    (llama.cpp's ``ffn_*_exps``), dequantizing only that expert's rows."""
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    if len(shape) != 3 or not 0 <= expert < shape[0]:
+        raise ValueError(f"GGUF tensor '{t.name}' of shape {shape} has no expert {expert}")
+    return _dequantize_rows(t.data[expert], t.tensor_type, shape[2], *ranges)
+
+
+def _dequantize_rows(data: Any, tensor_type: Any, n_cols: int, rows: slice, cols: slice) -> torch.Tensor:
+    from gguf.quants import dequantize
+
     parts = []
     for r0 in range(rows.start, rows.stop, DEQUANT_ROW_CHUNK):
         r1 = min(r0 + DEQUANT_ROW_CHUNK, rows.stop)
-        arr = np.asarray(dequantize(t.data[r0:r1], t.tensor_type), dtype=np.float32).reshape(r1 - r0, shape[1])
+        arr = np.asarray(dequantize(data[r0:r1], tensor_type), dtype=np.float32).reshape(r1 - r0, n_cols)
         parts.append(torch.from_numpy(arr[:, cols].copy()))
     if not parts:
         return torch.empty((0, cols.stop - cols.start), dtype=torch.float32)
