@@ -278,3 +278,22 @@ def test_moe_gguf_quantized_experts_dequantize_per_expert(moe_dirs, tmp_path):
     experts = model.model.layers[2].mlp.experts
     assert torch.equal(experts.w13_weight, torch.cat([gate, up], dim=1))
     assert torch.equal(experts.w2_weight, down)
+
+
+# --- PD ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral"])
+def test_moe_pd_over_tcp_equals_unified(key, moe_dirs):
+    """Prefill worker -> KV over tcp -> decode worker, with a MoE model: the unified greedy tokens."""
+    from pd_fixtures import InProcessPD, make_prompts, unified_greedy
+
+    prompts = make_prompts(4, seed=3, lo=3, hi=40, vocab=380)
+    kw = dict(chunked_prefill_size=16, max_total_tokens=1024)
+    with InProcessPD(moe_dirs[key], backend="tcp", **kw) as pd:
+        rids = [f"m{i}" for i in range(len(prompts))]
+        for rid, p in zip(rids, prompts):
+            pd.submit(rid, p, 8)
+        pd.wait(rids)
+        want = unified_greedy(moe_dirs[key], prompts, 8, **kw)
+        assert [pd.tokens(r) for r in rids] == want
+        assert pd.prefill.get_stats()["kv_transfers_ok"] == len(prompts)
+        pd.wait_idle()
