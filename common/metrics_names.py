@@ -36,6 +36,7 @@ HISTOGRAMS = (
     "kvship:time_to_first_token_seconds",
     "kvship:inter_token_latency_seconds",
     "kvship:e2e_request_latency_seconds",
+    "kvship:spec_accept_length",  # speculative decoding: tokens per round, one observation per finished request
 )
 
 # Mixture-of-Experts workers only: tokens routed to each expert (counter, labels ``layer`` and ``expert``)

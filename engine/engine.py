@@ -80,6 +80,7 @@ class TextDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_accept_length: Optional[float] = None
 
     @classmethod
     def of_chunk(cls, chunk: TokenChunk, text: str, reason: Optional[FinishReason] = None) -> "TextDelta":
@@ -93,6 +94,7 @@ class TextDelta:
             prompt_tokens=chunk.prompt_tokens,
             completion_tokens=chunk.completion_tokens,
             cached_tokens=chunk.cached_tokens,
+            spec_accept_length=chunk.spec_accept_length,
         )
 
     @property
@@ -457,7 +459,9 @@ class RequestHandle:
                 if chunk.finished:
                     self.finished = True
                     kind = FinishReason.from_wire(chunk.finish_reason).kind
-                    m.observe_finished(kind, chunk.prompt_tokens, chunk.cached_tokens, now - created)
+                    m.observe_finished(
+                        kind, chunk.prompt_tokens, chunk.cached_tokens, now - created, chunk.spec_accept_length
+                    )
                 yield chunk
         finally:
             self.close()

@@ -186,3 +186,4 @@ class TokenChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0
+    spec_accept_length: Optional[float] = None  # speculative decoding: tokens per verify round so far

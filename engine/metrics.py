@@ -5,7 +5,9 @@ Series (all labelled ``model_name``):
 * counters ``kvship:prompt_tokens_total``, ``kvship:generation_tokens_total``,
   ``kvship:cached_tokens_total``, ``kvship:requests_total{finish_reason}``
 * histograms ``kvship:time_to_first_token_seconds``,
-  ``kvship:inter_token_latency_seconds``, ``kvship:e2e_request_latency_seconds``
+  ``kvship:inter_token_latency_seconds``, ``kvship:e2e_request_latency_seconds``,
+  ``kvship:spec_accept_length`` (speculative decoding: each finished
+  request's tokens per verify round; docs/speculative.md)
 * gauges read from the scheduler at scrape time:
   ``kvship:num_running_reqs``, ``kvship:num_queue_reqs``,
   ``kvship:kv_total_slots``, ``kvship:kv_free_slots``, ``kvship:token_usage``
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 # gauge name -> (help, keys of Scheduler.get_stats() to try, in order)
@@ -138,6 +141,13 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         ).labels(model_name)
+        self.spec_accept_length = Histogram(
+            "kvship:spec_accept_length",
+            "Speculative decoding: tokens emitted per verify round, averaged over each finished request",
+            labels,
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         r.register(_SchedulerCollector(stats_fn, model_name))
         if expert_load_fn is not None:  # {layer: tokens per expert}
             r.register(_ExpertLoadCollector(expert_load_fn, model_name))
@@ -159,7 +169,16 @@ class EngineMetrics:
             for _ in range(n_itl):
                 self.itl.observe(gap)
 
-    def observe_finished(self, finish_reason: str, prompt_tokens: int, cached_tokens: int, e2e: float) -> None:
+    def observe_finished(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        e2e: float,
+        spec_accept_length: Optional[float] = None,
+    ) -> None:
+        if spec_accept_length is not None:
+            self.spec_accept_length.observe(spec_accept_length)
         self.prompt_tokens.inc(max(0, prompt_tokens))
         self.cached_tokens.inc(max(0, cached_tokens))
         self._requests.labels(self.model_name, finish_reason).inc()

@@ -193,6 +193,10 @@ class PromptTokensDetails(BaseModel):
 
 
 class UsageInfo(BaseModel):
+    # kvship extension, present only on speculative workers: ``kvship_spec_accept_length`` (tokens per verify
+    # round, averaged over the response's choices; docs/speculative.md)
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0

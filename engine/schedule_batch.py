@@ -85,6 +85,8 @@ class Req:
 
         # accounting
         self.cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.spec_rounds = 0  # speculative verify rounds of this request and the tokens they emitted
+        self.spec_round_tokens = 0
         self.admitted = False
         self.retractions = 0
         self.finished_reason: Optional[FinishReason] = None
@@ -226,6 +228,7 @@ class Req:
             prompt_tokens=len(self.origin_input_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
+            spec_accept_length=self.spec_round_tokens / self.spec_rounds if self.spec_rounds else None,
         )
         if self.return_logprob:
             chunk.logprobs = self.output_token_logprobs[self.sent_len :]

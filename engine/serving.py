@@ -500,14 +500,20 @@ def _finite(v: float) -> float:
     return v if v > -1e30 else -9999.0
 
 
-def usage_info(prompt: int, completion: int, cached: int) -> UsageInfo:
+def usage_info(prompt: int, completion: int, cached: int, spec_accept: Optional[list] = None) -> UsageInfo:
+    """``spec_accept``: the choices' speculative acceptance lengths (None where a choice ran none)."""
+    extra = {}
+    known = [a for a in spec_accept or () if a is not None]
+    if known:  # speculative decoding ran: the kvship usage extension (docs/speculative.md)
+        extra["kvship_spec_accept_length"] = round(sum(known) / len(known), 4)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        **extra,
     )
 
 
-def usage_dict(prompt: int, completion: int, cached: int) -> dict:
-    return usage_info(prompt, completion, cached).model_dump()
+def usage_dict(prompt: int, completion: int, cached: int, spec_accept: Optional[list] = None) -> dict:
+    return usage_info(prompt, completion, cached, spec_accept).model_dump()

@@ -8,7 +8,9 @@ Input: exactly one of ``text`` / ``input_ids``, each single or a batch;
 
 Output per request: ``{"text", "output_ids", "meta_info": {"id",
 "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
-"e2e_latency", ...}}``; a single request returns the object, a batch a list.
+"e2e_latency", ...}}`` (plus ``"spec_accept_length"``, tokens per verify
+round, on speculative workers; docs/speculative.md); a single request
+returns the object, a batch a list.
 ``finish_reason`` keeps SGLang's shape: ``{"type": "stop", "matched": id or
 str}``, ``{"type": "length", "length": n}``, ``{"type": "abort", "message"}``.
 With ``return_logprob``: ``meta_info.output_token_logprobs`` =
@@ -123,6 +125,7 @@ class _Output:
             "prompt_tokens": self.n_prompt,
             "completion_tokens": d.completion_tokens if d else 0,
             "cached_tokens": d.cached_tokens if d else 0,
+            **({"spec_accept_length": round(d.spec_accept_length, 4)} if d and d.spec_accept_length else {}),
             "finish_reason": self.finish_reason(),
             "e2e_latency": round(time.time() - self.created, 6),
         }

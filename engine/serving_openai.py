@@ -208,7 +208,12 @@ class OpenAIServing:
                     matched_stop=last.matched_stop,
                 )
             )
-        usage = usage_info(len(ids), sum(d.completion_tokens for d in finals), max(d.cached_tokens for d in finals))
+        usage = usage_info(
+            len(ids),
+            sum(d.completion_tokens for d in finals),
+            max(d.cached_tokens for d in finals),
+            [d.spec_accept_length for d in finals],
+        )
         return JSONResponse(ChatCompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
     async def _chat_stream(
@@ -380,7 +385,9 @@ class OpenAIServing:
                 )
             )
         cached = [max(finals[p * body.n + j].cached_tokens for j in range(body.n)) for p in range(len(prompts))]
-        usage = usage_info(sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached))
+        usage = usage_info(
+            sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached), [d.spec_accept_length for d in finals]
+        )
         return JSONResponse(CompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
     async def _tokenize_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:

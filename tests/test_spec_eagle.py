@@ -218,3 +218,33 @@ def test_startup_refuses_inconsistent_eagle_flags(tiny_llama_dir, eagle_head, ea
     )
     with pytest.raises(ValueError, match="use --speculative-algorithm eagle3"):
         scheduler_for_mode("unified")(wrong, ModelRunner(wrong), None, Collector())
+
+
+def test_served_eagle_reports_acceptance_in_meta_info_usage_and_metrics(tiny_llama_dir, eagle_head):
+    """`kvship serve` takes the EAGLE flags; acceptance reaches meta_info, the OpenAI usage and /metrics."""
+    import httpx
+    from server_fixtures import start_server
+
+    args = ["--model-path", tiny_llama_dir, "--attention-backend", "torch_native", "--max-total-tokens", "4096"]
+    args += ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", eagle_head]
+    args += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
+    with start_server(args) as srv:
+        r = httpx.post(
+            f"{srv.url}/generate",
+            json={"input_ids": _prompts(1, seed=9)[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+            timeout=60,
+        )
+        r.raise_for_status()
+        meta = r.json()["meta_info"]
+        assert meta["completion_tokens"] == 12 and 1.0 <= meta["spec_accept_length"] <= 5.0
+        model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={"model": model, "prompt": _prompts(1, seed=10)[0], "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        r.raise_for_status()
+        assert 1.0 <= r.json()["usage"]["kvship_spec_accept_length"] <= 5.0
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        count = [ln for ln in metrics.splitlines() if ln.startswith("kvship:spec_accept_length_count")]
+        assert count and float(count[0].split()[-1]) == 2.0

@@ -226,6 +226,8 @@ class Speculator:
         self.counters["draft_tokens"] += tree.size - 1
         self.counters["accepted_tokens"] += len(acc.slots)
         self.accept_lengths.append(kept)
+        req.spec_rounds += 1
+        req.spec_round_tokens += kept
         if req.finished:
             s.finish(req, req.finished_reason)
         else:
