@@ -49,3 +49,20 @@ WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS
 
 # What the examples and the CRD's description use to autoscale decode workers.
 AUTOSCALING_EXAMPLE = NUM_RUNNING_REQS
+
+# The router's live SLO series (``kvship router`` ``GET /metrics``; docs/router.md, "SLO figures"), measured on
+# the responses it relays; label ``route``.  Histograms, except the two counters (exported with ``_total``).
+ROUTER_TTFT = "kvship_router_time_to_first_token_seconds"
+ROUTER_ITL = "kvship_router_inter_token_latency_seconds"
+ROUTER_E2E = "kvship_router_e2e_request_latency_seconds"
+ROUTER_REQUEST_TOKENS_PER_SECOND = "kvship_router_request_output_tokens_per_second"
+ROUTER_OUTPUT_TOKENS = "kvship_router_output_tokens"
+ROUTER_KV_TRANSFER_BYTES = "kvship_router_kv_transfer_bytes"  # summed over decode workers (their kv_transfer_bytes)
+ROUTER_SLO_METRICS = (
+    ROUTER_TTFT,
+    ROUTER_ITL,
+    ROUTER_E2E,
+    ROUTER_REQUEST_TOKENS_PER_SECOND,
+    ROUTER_OUTPUT_TOKENS + "_total",
+    ROUTER_KV_TRANSFER_BYTES + "_total",
+)

@@ -118,6 +118,9 @@ class DecodeRole(PDRole):
         """The prebuilt extend: the prompt's KV is in place, the first token comes from prefill."""
         aux = entry.transfer.aux
         self.counters["transferred"] += 1
+        # KV bytes that landed here (every layer's K and V of the prompt's pages; docs/router.md, "SLO figures")
+        layout = self.kv_manager.layout
+        self.counters["kv_transfer_bytes"] += int(aux.num_pages) * layout.page_bytes * layout.num_buffers
         lp = float(aux.first_token_logprob)
         top = [(int(t), float(v)) for t, v in aux.top_logprobs]
         # a constrained request's grammar accepts this token in ``append_token`` before decoding goes on
@@ -151,6 +154,7 @@ class DecodeRole(PDRole):
             "prealloc_queue": len(self.prealloc_queue),
             "transfer_queue": len(self.transfer_queue),
             "prebuilt_queue": len(self.prebuilt_queue),
+            "kv_transfer_bytes": self.counters["kv_transfer_bytes"],
         }
 
 

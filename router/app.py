@@ -3,10 +3,12 @@
 Public: ``GET /health`` (always 200 while the process serves; JSON counts).
 Behind ``--api-key`` when set: ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/generate`` (proxied), ``GET /v1/models`` (union of the
-workers' models), ``GET /readiness`` (503 until every role has an available
-worker), ``GET /metrics``, and the admin API ``GET /workers``,
-``POST /workers`` ``{"url": ..., "role": "unified|prefill|decode"}``,
-``DELETE /workers?url=...``.
+workers' models), ``GET /readiness`` (503 until some revision has an
+available worker of every role), ``GET /metrics``, ``GET /slo[?window_s=S]``
+(live SLO figures, ``kvship.router.slo``), and the admin API ``GET /workers``
+(workers with revision, state and ``in_rotation``, and the revisions;
+docs/router.md), ``POST /workers`` ``{"url": ..., "role":
+"unified|prefill|decode"}``, ``DELETE /workers?url=...``.
 
 Checks done here, before any worker is involved: API key (401), rate limit
 (429 + ``Retry-After``), body size (413), JSON shape (400), unknown model
@@ -166,6 +168,24 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         router.registry.publish_all()
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
+    @app.get("/slo")
+    async def slo(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
+        raw = request.query_params.get("window_s")
+        window: Optional[float] = None
+        if raw is not None:
+            try:
+                window = float(raw)
+            except ValueError:
+                window = -1.0
+            if not 0 < window <= config.slo_window:
+                return _error(
+                    400, f"window_s must be a number in (0, {config.slo_window:g}] (--slo-window)", "invalid_request"
+                )
+        return JSONResponse(router.slo.summary(window))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         denied = unauthorized(request)
@@ -180,7 +200,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         denied = unauthorized(request)
         if denied is not None:
             return denied
-        return JSONResponse({"pd": config.pd, "workers": [w.to_json() for w in router.registry.all()]})
+        return JSONResponse(router.workers_report())
 
     @app.post("/workers")
     async def add_worker(request: Request) -> Response:

@@ -109,6 +109,12 @@ class RouterConfig:
         "from the tokens relayed so far (0 = off: the stream ends with an error event)",
     )
 
+    # Live SLO figures (GET /slo, docs/router.md)
+    slo_window: float = opt(60.0, "Seconds of finished requests GET /slo summarizes (p50/p90/p99, rates)")
+    slo_scrape_interval: float = opt(
+        5.0, "Seconds between reads of the decode workers' kv_transfer_bytes (the KV-transfer rate of GET /slo)"
+    )
+
     # Rate limiting
     rate_limit_rps: float = opt(0.0, "Token-bucket rate limit in requests/s over all clients (0 = off)")
     rate_limit_burst: int = opt(0, "Bucket size (0 = max(1, rate-limit-rps))")
@@ -153,7 +159,13 @@ class RouterConfig:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.max_tree_size < 1:
             raise ValueError("--max-tree-size must be >= 1")
-        for name in ("health_check_interval", "health_check_timeout", "request_timeout"):
+        for name in (
+            "health_check_interval",
+            "health_check_timeout",
+            "request_timeout",
+            "slo_window",
+            "slo_scrape_interval",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:

@@ -5,9 +5,12 @@ Owns the pooled ``aiohttp.ClientSession`` (keep-alive to every worker;
 mode), the session-affinity table, the rate limiter, the health checker and
 Kubernetes discovery.  ``start()`` / ``stop()`` run in the app's lifespan.
 
-Choosing (``choose``): candidates are the available workers of the role that
-serve the request's model, minus the ones that already failed this request
-(unless that leaves none).  A request with a session id goes to the worker
+Choosing (``choose``): first the *serving revision* for the request's model
+(``kvship.router.revisions``: the newest revision with an available worker of
+every role; a PD pair never mixes revisions); candidates are then the
+available workers of that revision and the role that serve the request's
+model, minus the ones that already failed this request (unless that leaves
+none).  A request with a session id goes to the worker
 its session last used while that worker is available; otherwise the policy
 picks and the session follows (logged when it moved).  In PD mode the session
 pins the prefill worker (where the prefix cache lives); the decode worker is
@@ -29,6 +32,8 @@ from kvship.router.health import HealthChecker
 from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import Policy, create_policy
 from kvship.router.ratelimit import TokenBucket
+from kvship.router.revisions import describe_revisions
+from kvship.router.slo import KVTransferScraper, SLOTracker
 from kvship.router.wire import RoutingRequest
 from kvship.router.worker import RegistrationError, Worker, WorkerRegistry
 
@@ -99,12 +104,21 @@ class Router:
                 config.rate_limit_queue_timeout,
             )
         self.health = HealthChecker(self.registry, config.health_check_interval)
+        self.slo = SLOTracker(self.metrics, config.slo_window)
         self.client: Optional[aiohttp.ClientSession] = None
         self.discovery = None
         self.background: set[asyncio.Task] = set()
         self.worker_headers: dict[str, str] = {}
         if config.resolved_worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {config.resolved_worker_api_key}"
+        self.kv_scraper = KVTransferScraper(
+            self.registry,
+            self.slo,
+            config.slo_scrape_interval,
+            lambda: self.client,
+            self.worker_headers,
+            config.health_check_timeout,
+        )
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -133,6 +147,8 @@ class Router:
             self.discovery = PodDiscovery(self.config, self.registry)
             await self.discovery.start()
         self.health.start()
+        if self.config.pd:
+            self.kv_scraper.start()
         logger.info(
             "router ready: %d worker(s), policy %s",
             len(self.registry.all()),
@@ -141,6 +157,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.health.stop()
+        await self.kv_scraper.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.background:
@@ -154,13 +171,54 @@ class Router:
             raise RegistrationError(f"this router takes {' and '.join(self.roles)} workers, not {role!r}")
         return await self.registry.register(url, role, source="admin", require_reachable=True)
 
+    # -- revisions ---------------------------------------------------------
+    def serving_revision(self, model: Optional[str] = None) -> Optional[str]:
+        """The revision that takes new requests for ``model``; raises ``NoWorker`` when none is ready."""
+        self.registry.revisions.sync(self.registry.all())  # (cheap; also covers workers added behind its back)
+        available = {role: self.registry.available(role, model) for role in self.roles}
+        ready = self.registry.revisions.ready_revisions(available)
+        if ready:
+            return ready[-1]
+        about = f" serving model {model!r}" if model else ""
+        if any(available.values()) and len(self.roles) > 1:
+            raise NoWorker(
+                f"no revision has a healthy {' and a healthy '.join(self.roles)} worker{about} "
+                f"({describe_revisions(available)}): a PD pair never mixes revisions"
+            )
+        missing = next((role for role in self.roles if not available[role]), self.roles[0])
+        total = len(self.registry.all(missing))
+        raise NoWorker(f"no healthy {missing} worker available{about} ({total} registered)")
+
+    def serving_revisions(self) -> set[Optional[str]]:
+        """Every revision that serves some model (or requests naming none)."""
+        out = set()
+        for model in [None, *self.registry.models()]:
+            try:
+                out.add(self.serving_revision(model))
+            except NoWorker:
+                pass
+        return out
+
+    def in_rotation(self, worker: Worker) -> bool:
+        """Whether new requests may go to ``worker``: it is available and of the serving revision of a
+        model it serves (docs/router.md, "Revisions")."""
+        if not worker.available() or worker.role not in self.roles:
+            return False
+        for model in worker.models or (None,):
+            try:
+                if self.serving_revision(model) == worker.revision:
+                    return True
+            except NoWorker:
+                pass
+        return False
+
     # -- selection -------------------------------------------------------
-    def _pick(self, role: str, request: RoutingRequest, exclude: set[str], sticky: bool) -> Worker:
-        available = self.registry.available(role, request.model)
-        if not available:
-            total = len(self.registry.all(role))
-            model = f" serving model {request.model!r}" if request.model else ""
-            raise NoWorker(f"no healthy {role} worker available{model} ({total} registered)")
+    def _pick(
+        self, role: str, request: RoutingRequest, exclude: set[str], sticky: bool, revision: Optional[str]
+    ) -> Worker:
+        available = [w for w in self.registry.available(role, request.model) if w.revision == revision]
+        if not available:  # (serving_revision found one of each role)
+            raise NoWorker(f"no healthy {role} worker of revision {revision} available")
         candidates = [w for w in available if w.url not in exclude] or available
         session = request.session_id if sticky else None
         if session is not None:
@@ -177,12 +235,48 @@ class Router:
         return worker
 
     def choose(self, request: RoutingRequest, exclude: set[str]) -> Selection:
-        """Worker(s) for one attempt; raises ``NoWorker``."""
+        """Worker(s) for one attempt, all of the serving revision; raises ``NoWorker``."""
+        revision = self.serving_revision(request.model)
         if self.config.pd:
-            prefill = self._pick("prefill", request, exclude, sticky=True)
-            decode = self._pick("decode", request, exclude, sticky=False)
+            prefill = self._pick("prefill", request, exclude, True, revision)
+            decode = self._pick("decode", request, exclude, False, revision)
             return Selection(prefill=prefill, decode=decode)
-        return Selection(worker=self._pick("unified", request, exclude, sticky=True))
+        return Selection(worker=self._pick("unified", request, exclude, True, revision))
 
     def ready(self) -> bool:
-        return all(self.registry.available(role) for role in self.roles)
+        """Some revision has an available worker of every role (a request can be served)."""
+        try:
+            self.serving_revision()
+        except NoWorker:
+            return False
+        return True
+
+    def workers_report(self) -> dict:
+        """``GET /workers``: every worker with its revision, state and ``in_rotation``, and the revisions."""
+        serving = self.serving_revisions()
+        workers = []
+        for w in self.registry.all():
+            rotating = self.in_rotation(w)
+            workers.append({**w.to_json(), "state": w.state(rotating), "in_rotation": rotating})
+        revisions = []
+        for rev in self.registry.revisions.ordered():
+            ready = {role: 0 for role in ("prefill", "decode", "unified")}
+            count = 0
+            for w in self.registry.all():
+                if w.revision == rev and w.revision_known:
+                    count += 1
+                    if w.available():
+                        ready[w.role] += 1
+            seen = self.registry.revisions.seen(rev)
+            revisions.append(
+                {
+                    "revision": rev,
+                    "prefill_ready": ready["prefill"],
+                    "decode_ready": ready["decode"],
+                    "unified_ready": ready["unified"],
+                    "workers": count,
+                    "serving": rev in serving,
+                    "first_seen": seen.at if seen else None,
+                }
+            )
+        return {"pd": self.config.pd, "workers": workers, "revisions": revisions}

@@ -7,7 +7,9 @@ thread running the ``kubernetes`` client's list + watch loop on pods of
 
 * a pod that is Ready (condition ``Ready=True``), has a pod IP and is not being
   deleted is registered as ``http://<podIP>:<port>``, where the port is the
-  pod annotation ``kvship.io/port`` or ``--service-discovery-port``;
+  pod annotation ``kvship.io/port`` or ``--service-discovery-port``; its label
+  ``kvship.io/revision`` (set by the operator) is the worker's revision
+  (docs/router.md, "Revisions"), and its name is reported in ``/workers``;
 * a pod that stops being Ready, loses its IP, starts terminating or is
   deleted is removed; a pod whose address changed is re-registered;
 * after every (re)list the set of known pods is reconciled against the list,
@@ -34,6 +36,7 @@ from kvship.router.worker import WorkerRegistry
 logger = logging.getLogger(__name__)
 
 PORT_ANNOTATION = "kvship.io/port"
+REVISION_LABEL = "kvship.io/revision"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_TIMEOUT_S = 60
 
@@ -62,6 +65,13 @@ def pod_worker_url(pod: Any, default_port: int) -> Optional[str]:
             )
     host = status.pod_ip if ":" not in status.pod_ip else f"[{status.pod_ip}]"
     return f"http://{host}:{port}"
+
+
+def pod_revision(pod: Any) -> Optional[str]:
+    """The pod's ``kvship.io/revision`` label, or None."""
+    labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
+    value = labels.get(REVISION_LABEL)
+    return value or None
 
 
 def resolve_namespace(config: RouterConfig) -> str:
@@ -99,6 +109,7 @@ class PodDiscovery:
         else:
             self.targets = [("unified", selector_string(config.selector_labels))]
         self.known: dict[tuple[str, str], str] = {}  # (role, pod uid) -> worker URL
+        self.known_revision: dict[tuple[str, str], Optional[str]] = {}  # (role, pod uid) -> revision label
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -141,7 +152,11 @@ class PodDiscovery:
                 for pod in listing.items:
                     url = pod_worker_url(pod, self.config.service_discovery_port)
                     if url is not None:
-                        present[pod.metadata.uid] = (f"{pod.metadata.namespace}/{pod.metadata.name}", url)
+                        present[pod.metadata.uid] = (
+                            f"{pod.metadata.namespace}/{pod.metadata.name}",
+                            url,
+                            pod_revision(pod),
+                        )
                 self._to_loop(self._reconcile, role, present)
                 rv = listing.metadata.resource_version
                 w = watch.Watch()
@@ -163,7 +178,12 @@ class PodDiscovery:
                             continue
                         url = None if kind == "DELETED" else pod_worker_url(pod, self.config.service_discovery_port)
                         self._to_loop(
-                            self._apply, role, pod.metadata.uid, f"{pod.metadata.namespace}/{pod.metadata.name}", url
+                            self._apply,
+                            role,
+                            pod.metadata.uid,
+                            f"{pod.metadata.namespace}/{pod.metadata.name}",
+                            url,
+                            pod_revision(pod),
                         )
                 finally:
                     self._watches.remove(w)
@@ -188,33 +208,44 @@ class PodDiscovery:
             self._loop.call_soon_threadsafe(fn, *args)
 
     # -- event-loop side -----------------------------------------------------
-    def _apply(self, role: str, uid: str, name: str, url: Optional[str]) -> None:
+    def _apply(self, role: str, uid: str, name: str, url: Optional[str], revision: Optional[str] = None) -> None:
         key = (role, uid)
         old = self.known.get(key)
         if old == url:
+            if url is not None and self.known_revision.get(key) != revision:
+                self.known_revision[key] = revision
+                worker = self.registry.get(url)
+                if worker is not None:
+                    self.registry.set_label_revision(worker, revision)
             return
         if old is not None:
             del self.known[key]
+            self.known_revision.pop(key, None)
             if old not in self.known.values():
                 self.registry.remove(old)
             logger.info("discovery: %s pod %s (%s) left", role, name, old)
         if url is not None:
             self.known[key] = url
-            logger.info("discovery: %s pod %s ready at %s", role, name, url)
-            self._register(url, role)
+            self.known_revision[key] = revision
+            logger.info("discovery: %s pod %s ready at %s (revision %s)", role, name, url, revision or "-")
+            self._register(url, role, name, revision)
 
-    def _reconcile(self, role: str, present: dict[str, tuple[str, str]]) -> None:
+    def _reconcile(self, role: str, present: dict[str, tuple[str, str, Optional[str]]]) -> None:
         """After a (re)list: drop known pods of ``role`` that are gone or changed, add the listed ones."""
         for (r, uid), url in list(self.known.items()):
             if r == role and (uid not in present or present[uid][1] != url):
                 self._apply(role, uid, f"uid {uid}", None)
-        for uid, (name, url) in present.items():
-            self._apply(role, uid, name, url)
+        for uid, (name, url, revision) in present.items():
+            self._apply(role, uid, name, url, revision)
 
-    def _register(self, url: str, role: str) -> None:
+    def _register(self, url: str, role: str, name: str, revision: Optional[str]) -> None:
+        namespace, _, pod = name.rpartition("/")
+
         async def register() -> None:
             try:
-                await self.registry.register(url, role, source="discovery")
+                await self.registry.register(
+                    url, role, source="discovery", revision=revision, pod=pod, namespace=namespace or None
+                )
             except Exception as e:  # noqa: BLE001 - e.g. the URL is a static worker of another role
                 logger.error("discovery: could not register %s as %s: %s", url, role, e)
 

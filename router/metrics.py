@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvship.common import metrics_names as names
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
 class RouterMetrics:
@@ -68,6 +72,43 @@ class RouterMetrics:
         )
         self.session_moves = Counter(
             "kvship_router_session_moves", "Sessions moved off an unavailable worker", registry=r
+        )
+        # live SLO figures (kvship.router.slo; names in kvship.common.metrics_names)
+        self.slo_ttft = Histogram(
+            names.ROUTER_TTFT,
+            "Time from receiving a request to relaying its first token event (streams)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.slo_itl = Histogram(
+            names.ROUTER_ITL,
+            "Time between consecutive token events of a relayed stream",
+            ["route"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.slo_e2e = Histogram(
+            names.ROUTER_E2E,
+            "Time from receiving a request to its last byte, requests that ended well",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.slo_tokens_per_second = Histogram(
+            names.ROUTER_REQUEST_TOKENS_PER_SECOND,
+            "Output tokens / end-to-end seconds of each request",
+            ["route"],
+            buckets=_RATE_BUCKETS,
+            registry=r,
+        )
+        self.slo_output_tokens = Counter(
+            names.ROUTER_OUTPUT_TOKENS, "Output tokens of the requests that ended well", ["route"], registry=r
+        )
+        self.slo_kv_transfer_bytes = Counter(
+            names.ROUTER_KV_TRANSFER_BYTES,
+            "KV bytes the decode workers received (scraped from their /get_server_info kv_transfer_bytes)",
+            registry=r,
         )
 
     def forget_worker(self, url: str) -> None:

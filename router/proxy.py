@@ -17,7 +17,9 @@ resumable (``ResumingRelay``, ``kvship.router.resume``), else ends it with an
 SSE ``error`` event (``RelayResponse``).
 
 Accounting: every attempt holds a ``Lease`` on its worker (in-flight count,
-circuit-breaker outcome) that is finished exactly once, on every path.  The
+circuit-breaker outcome) that is finished exactly once, on every path.  A
+request that ends well is measured for the live SLO figures
+(``kvship.router.slo``): the relays feed what they send to a ``RequestMeter``.  The
 attempt itself (``open_upstream``, ``Lease``, ``RequestContext``) lives in
 ``kvship.router.upstream``, shared with the PD path.
 """
@@ -38,6 +40,7 @@ from starlette.responses import Response
 from kvship.router.core import NoWorker
 from kvship.router.pd import pd_attempt
 from kvship.router.resume import ResumeState, SSEParser
+from kvship.router.slo import RequestMeter
 from kvship.router.upstream import (
     AttemptFailed,
     DeadlineExceeded,
@@ -89,12 +92,14 @@ class RelayResponse(Response):
         assert resp is not None
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
         ok, reason, clean_end = True, "", False
+        meter = RequestMeter(ctx.started)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             chunk = up.first
             content = resp.content
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                meter.feed(chunk)
                 try:
                     async with asyncio.timeout_at(ctx.deadline):
                         chunk = await content.readany()
@@ -126,6 +131,8 @@ class RelayResponse(Response):
             else:
                 clean_end = ok and content.at_eof()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if clean_end and self.status_code == 200 and not self.client_gone:
+                ctx.router.slo.record(ctx.route, meter.stream_sample())
         finally:
             watcher.cancel()
             if clean_end:
@@ -199,6 +206,8 @@ class ResumingRelay(Response):
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
         exclude: set[str] = set()
         broke_at: Optional[float] = None
+        meter = RequestMeter(ctx.started)
+        completed = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             while True:
@@ -209,6 +218,7 @@ class ResumingRelay(Response):
                         out, outcome = state.process(event)
                         if out:
                             await send({"type": "http.response.body", "body": out, "more_body": True})
+                            meter.feed(out)
                             if broke_at is not None:
                                 logger.info(
                                     "request %s: resumed on %s, %.1f ms from the break to the next event relayed",
@@ -237,6 +247,7 @@ class ResumingRelay(Response):
                     if outcome == "gone":
                         up.cancel_prefill()
                     up.lease.finish(True)
+                    completed = outcome == "done"
                     break
                 # the stream broke before its finish
                 broken_at = time.perf_counter()
@@ -259,6 +270,8 @@ class ResumingRelay(Response):
                 if not await self._resume(why, exclude, send):
                     break
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if completed and self.status_code == 200:
+                ctx.router.slo.record(ctx.route, meter.stream_sample())
         finally:
             watcher.cancel()
             if not self.up.lease.done:
@@ -427,6 +440,8 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
             )
         headers = _response_headers(ctx, up)
         if up.body is not None:
+            if up.status == 200:
+                router.slo.record(ctx.route, RequestMeter.body_sample(ctx.started, up.body))
             ctx.finish(up.status, up.worker.url)
             return Response(up.body, status_code=up.status, headers=headers)
         router.metrics.ttft.labels(ctx.route).observe(time.perf_counter() - ctx.started)

@@ -66,6 +66,10 @@ class WorkerInfo:
     mode: str = "unified"
     bootstrap_port: Optional[int] = None
     model_path: Optional[str] = None
+    # the worker's model fingerprint and revision (``--revision``, else the fingerprint); None from
+    # workers that predate them (docs/router.md, "Revisions")
+    fingerprint: Optional[str] = None
+    revision: Optional[str] = None
     raw_server_info: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -76,7 +80,8 @@ class WorkerInfo:
         ``served_model_name`` / ``model_path``.  ``mode`` and
         ``disaggregation_bootstrap_port`` are read from the top level of the
         server info or from its ``server_args`` object (kvship workers nest
-        their flags there).  Unknown fields are ignored.
+        their flags there).  ``revision`` is the worker's ``revision`` (its
+        ``--revision``), else its ``fingerprint``.  Unknown fields are ignored.
         """
         args = server_info.get("server_args") if isinstance(server_info.get("server_args"), dict) else {}
 
@@ -99,11 +104,17 @@ class WorkerInfo:
             ids.append(model_path)
         port = field_of("disaggregation_bootstrap_port")
         mode = field_of("mode") or field_of("disaggregation_mode") or "unified"
+        fingerprint = server_info.get("fingerprint")
+        fingerprint = fingerprint if isinstance(fingerprint, str) and fingerprint else None
+        revision = field_of("revision")
+        revision = revision if isinstance(revision, str) and revision else fingerprint
         return cls(
             models=tuple(dict.fromkeys(ids)),
             mode=str(mode),
             bootstrap_port=int(port) if isinstance(port, (int, str)) and str(port).isdigit() else None,
             model_path=model_path if isinstance(model_path, str) else None,
+            fingerprint=fingerprint,
+            revision=revision,
             raw_server_info=server_info,
         )
 

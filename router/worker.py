@@ -9,7 +9,14 @@ Life cycle: ``register`` (static flag, admin API or discovery) -> info read
 (``/get_model_info``, ``/get_server_info``, ``/v1/models``) -> healthy ->
 health checks flip ``healthy`` by the failure/success thresholds ->
 ``remove``.  A worker whose info could not be read yet stays registered but
-unavailable; the health checker keeps trying.
+unavailable; the health checker keeps trying.  A worker that comes back
+healthy has its info read again (a restarted worker may serve another
+revision).
+
+Each worker has a *revision* (``kvship.router.revisions``): its pod's
+``kvship.io/revision`` label when discovered, else what its
+``/get_server_info`` reports.  The registry keeps ``revisions`` (when each
+revision was first seen) in step with its workers.
 
 All state changes happen on the event loop thread (no locks).
 """
@@ -28,6 +35,7 @@ import aiohttp
 from kvship.router.circuit import STATE_CODE, CircuitBreaker
 from kvship.router.config import RouterConfig
 from kvship.router.metrics import RouterMetrics
+from kvship.router.revisions import RevisionOrder
 from kvship.router.wire import WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -57,10 +65,25 @@ class Worker:
     total_requests: int = 0
     total_failures: int = 0
     added_at: float = field(default_factory=time.time)
+    label_revision: Optional[str] = None  # discovery: the pod's kvship.io/revision label
+    pod: Optional[str] = None  # discovery: the pod's name
+    namespace: Optional[str] = None
 
     @property
     def models(self) -> tuple[str, ...]:
         return self.info.models if self.info else ()
+
+    @property
+    def revision(self) -> Optional[str]:
+        """The pod label when discovered with one, else the worker's own report (None if neither)."""
+        if self.label_revision:
+            return self.label_revision
+        return self.info.revision if self.info else None
+
+    @property
+    def revision_known(self) -> bool:
+        """Whether ``revision`` is final (a label, or the worker's info has been read)."""
+        return bool(self.label_revision) or self.info is not None
 
     @property
     def bootstrap_port(self) -> Optional[int]:
@@ -87,7 +110,22 @@ class Worker:
             "model": self.models[0] if self.models else None,
             "bootstrap_port": self.bootstrap_port,
             "last_error": self.last_error,
+            "revision": self.revision,
+            "fingerprint": self.info.fingerprint if self.info else None,
+            "pod": self.pod,
+            "namespace": self.namespace,
         }
+
+    def state(self, in_rotation: bool) -> str:
+        """``registering`` (info not read yet), ``unhealthy``, ``circuit_open``, ``serving`` (gets new
+        requests) or ``draining`` (available, but its revision is not the serving one)."""
+        if self.info is None:
+            return "registering"
+        if not self.healthy:
+            return "unhealthy"
+        if not self.breaker.can_attempt():
+            return "circuit_open"
+        return "serving" if in_rotation else "draining"
 
 
 class RegistrationError(Exception):
@@ -102,6 +140,7 @@ class WorkerRegistry:
         self.metrics = metrics
         self.client: Optional[aiohttp.ClientSession] = None
         self._workers: dict[str, Worker] = {}
+        self.revisions = RevisionOrder()
         self._removed_listeners: list[Callable[[Worker], None]] = []
         self._worker_headers: dict[str, str] = {}
         key = config.resolved_worker_api_key
@@ -138,14 +177,22 @@ class WorkerRegistry:
 
     # -- membership ------------------------------------------------------
     async def register(
-        self, url: str, role: str = "unified", source: str = "static", require_reachable: bool = False
+        self,
+        url: str,
+        role: str = "unified",
+        source: str = "static",
+        require_reachable: bool = False,
+        revision: Optional[str] = None,
+        pod: Optional[str] = None,
+        namespace: Optional[str] = None,
     ) -> Worker:
         """Add a worker (idempotent per URL) and try to read its info.
 
         With ``require_reachable`` the worker is only kept when its info could be
         read; otherwise ``RegistrationError`` is raised.  Without it, an
         unreachable worker stays registered and unavailable until a health
-        check reads its info.
+        check reads its info.  ``revision`` / ``pod`` / ``namespace`` come from
+        discovery (the pod's label and name).
         """
         url = normalize_url(url)
         if role not in ROLES:
@@ -154,18 +201,25 @@ class WorkerRegistry:
         if existing is not None:
             if existing.role != role:
                 raise RegistrationError(f"{url} is already registered as a {existing.role} worker")
+            if revision is not None and revision != existing.label_revision:
+                self.set_label_revision(existing, revision)
             return existing
         worker = Worker(
             url=url,
             role=role,
             source=source,
             breaker=CircuitBreaker(self.config.circuit_failure_threshold, self.config.circuit_cooldown),
+            label_revision=revision or None,
+            pod=pod,
+            namespace=namespace,
         )
         self._workers[url] = worker
         self._publish(worker)
+        self.revisions.sync(self._workers.values())
         ok = await self.load_info(worker)
         if self._workers.get(url) is not worker:  # removed while we read its info
             return worker
+        self.revisions.sync(self._workers.values())
         if ok:
             self._mark_healthy(worker, "registered")
         elif require_reachable:
@@ -175,10 +229,17 @@ class WorkerRegistry:
             logger.warning("worker %s registered but not reachable yet: %s", url, worker.last_error)
         return worker
 
+    def set_label_revision(self, worker: Worker, revision: Optional[str]) -> None:
+        """Discovery saw the pod's revision label change."""
+        logger.info("worker %s: revision label %s -> %s", worker.url, worker.label_revision, revision)
+        worker.label_revision = revision or None
+        self.revisions.sync(self._workers.values())
+
     def remove(self, url: str) -> bool:
         worker = self._workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
+        self.revisions.sync(self._workers.values())
         self.metrics.forget_worker(worker.url)
         for listener in self._removed_listeners:
             listener(worker)
@@ -228,6 +289,8 @@ class WorkerRegistry:
         """One health check: ``GET /health`` (or the info read for a worker without info)."""
         if worker.info is None:
             ok = await self.load_info(worker)
+            if ok and worker.url in self._workers:
+                self.revisions.sync(self._workers.values())
         else:
             try:
                 assert self.client is not None
@@ -247,6 +310,11 @@ class WorkerRegistry:
             worker.health_failures = 0
             worker.health_successes += 1
             if not worker.healthy and worker.health_successes >= self.config.health_success_threshold:
+                # a worker coming back may have been restarted with another model or revision
+                if not await self.load_info(worker) or worker.url not in self._workers:
+                    self._publish(worker)
+                    return
+                self.revisions.sync(self._workers.values())
                 self._mark_healthy(worker, "passed health checks")
         else:
             worker.health_successes = 0
