@@ -20,9 +20,8 @@ from kvship.router.config import RouterConfig
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
 EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
-# Worker flags for features whose engine support lands with later issues (speculative decoding);
-# the builders emit them only when the spec asks for those features.
-PENDING_WORKER_FLAGS = {*SPEC_FLAGS.values()}
+# Speculative-decoding worker flags: the builders emit them only when the spec asks for speculation.
+SPEC_WORKER_FLAGS = {*SPEC_FLAGS.values()}
 
 
 def config(spec: dict, name: str = "svc"):
@@ -168,28 +167,7 @@ def test_pd_arguments_and_router_selectors_match_the_pods():
     assert ports == {"http": 30000, "bootstrap": 9000}
 
 
-def _worker_lacks_algorithm(path: str) -> str | None:
-    """The example's speculative algorithm when `kvship serve --speculative-algorithm` does not accept it yet."""
-    spec = (yaml.safe_load(Path(path).read_text())["spec"].get("decode") or {}).get("speculative")
-    if not spec:
-        return None
-    actions = [a for a in server_parser()._actions if SPEC_FLAGS["algorithm"] in a.option_strings]
-    if not actions or actions[0].choices is None or spec["algorithm"] in actions[0].choices:
-        return None  # the flag is still pending (tolerated below) or takes the algorithm
-    return spec["algorithm"]
-
-
-def _worker_cli_params():
-    for path in EXAMPLES:
-        missing = _worker_lacks_algorithm(path)
-        marks = ()
-        if missing:  # a known gap, listed until the engine gains it (then this test runs as usual)
-            reason = f"kvship serve does not implement --speculative-algorithm {missing} yet"
-            marks = pytest.mark.xfail(raises=argparse.ArgumentError, strict=True, reason=reason)
-        yield pytest.param(path, marks=marks, id=Path(path).name)
-
-
-@pytest.mark.parametrize("path", list(_worker_cli_params()))
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
 def test_worker_arguments_parse_with_the_worker_cli(path):
     cfg = example(path)
     for dep in by_kind(build_children(cfg, IMAGES), "Deployment").values():
@@ -198,14 +176,14 @@ def test_worker_arguments_parse_with_the_worker_cli(path):
             continue
         ns, unknown = server_parser().parse_known_args(args[1:])
         flags = {a for a in unknown if a.startswith("--")}
-        assert flags <= PENDING_WORKER_FLAGS, f"flags kvship serve does not know: {flags - PENDING_WORKER_FLAGS}"
+        assert not flags, f"flags kvship serve does not know: {flags}"
         ServerArgs.from_cli_args(ns).validate()
         assert ns.served_model_name == cfg.served_name
 
 
-def test_pending_worker_flags_appear_only_when_their_feature_is_asked_for():
+def test_speculative_worker_flags_appear_only_when_speculation_is_asked_for():
     for args in (container(d)["args"] for d in by_kind(build_children(config(PD), IMAGES), "Deployment").values()):
-        assert not PENDING_WORKER_FLAGS & set(args)
+        assert not SPEC_WORKER_FLAGS & set(args)
     spec = {
         "model": {"uri": "hf://a/b"},
         "decode": {
@@ -223,6 +201,7 @@ def test_pending_worker_flags_appear_only_when_their_feature_is_asked_for():
     assert ns.tp_size == 2  # kvship serve takes --tp-size (docs/parallel.md)
     assert args[args.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
     assert args[args.index(SPEC_FLAGS["draft"]) + 1] == "/cache/models/a/d/main"
+    assert ns.speculative_algorithm == "eagle" and ns.speculative_draft_model_path == "/cache/models/a/d/main"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
