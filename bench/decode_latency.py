@@ -21,7 +21,10 @@ Writes ``decode_latency.json`` and ``decode_latency.md`` under ``--out`` and
 prints the table.  ``--tp-size N`` (N GPUs) instead runs item 3's eager and
 graph loops with the model split over N tensor-parallel ranks (rank 0 here,
 ranks 1..N-1 spawned) and writes ``decode_latency_tp<N>.json`` (per-rank
-roofline: each rank reads its weight shard and its KV heads).  ``python bench/decode_latency.py --help`` for the knobs.
+roofline: each rank reads its weight shard and its KV heads).  With an MoE
+``--shape`` (``qwen3-30b-a3b``), ``--ep-size E`` splits the experts E ways too
+(``decode_latency_tp<N>_ep<E>.json``; docs/parallel.md, "Expert parallelism").
+``python bench/decode_latency.py --help`` for the knobs.
 """
 
 from __future__ import annotations
@@ -117,14 +120,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def step_weight_bytes(mc: Any, weight_bytes: int, elem: int = 2) -> int:
-    """Weight bytes a batch-1 decode step reads: all of them, except that an MoE layer reads only its
-    ``top_k`` experts."""
+def step_weight_bytes(mc: Any, weight_bytes: int, elem: int = 2, tp_size: int = 1, ep_size: int = 1) -> int:
+    """Weight bytes a batch-1 decode step reads (of ``weight_bytes``, one rank's): all of them, except that
+    an MoE layer reads only its ``top_k`` experts.  With ``tp_size`` ranks and experts split ``ep_size``
+    ways a rank holds ``E/ep`` experts of width ``I/(tp/ep)`` and reads, on average, ``top_k/ep`` of them."""
     moe = getattr(mc, "moe", None)
     if moe is None:
         return weight_bytes
     sparse = sum(moe.is_sparse_layer(i) for i in range(mc.num_hidden_layers))
-    return weight_bytes - sparse * (moe.num_experts - moe.top_k) * 3 * mc.hidden_size * moe.intermediate_size * elem
+    expert = 3 * mc.hidden_size * (moe.intermediate_size // (tp_size // ep_size)) * elem
+    return int(weight_bytes - sparse * (moe.num_experts - moe.top_k) / ep_size * expert)
 
 
 def write_model_dir(shape: str, root: str, **overrides: Any) -> str:
@@ -923,11 +928,19 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
         cuda_graph_max_bs=max(bs_list),
         disable_cuda_graph=not any(m.startswith("graph") for m in modes),
         tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        ep_dispatch=args.ep_dispatch,
         base_gpu_id=args.base_gpu_id,
     )
     tp = join_tp_group(runner_args, rank, init_method)
     runner = ModelRunner(runner_args, tp=tp)
-    res: dict[str, Any] = {"tp_size": args.tp_size, "weight_gb_per_rank": runner.weight_bytes / 1e9, "engine": []}
+    res: dict[str, Any] = {
+        "tp_size": args.tp_size,
+        "ep_size": args.ep_size,
+        "ep_dispatch": args.ep_dispatch,
+        "weight_gb_per_rank": runner.weight_bytes / 1e9,
+        "engine": [],
+    }
     for bs in bs_list:
         for mode in modes:
             r = engine_decode(runner, bs, args.input_len, args.output_len, mode)
@@ -941,7 +954,7 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
     if graphed:  # per rank: its weight shard and its KV heads, against one GPU's copy bandwidth
         avg_ctx = args.input_len + args.output_len / 2
         kv = avg_ctx * mc.num_hidden_layers * runner.num_kv_heads * mc.head_dim * 2 * 2
-        step_bytes = step_weight_bytes(mc, runner.weight_bytes) + kv
+        step_bytes = step_weight_bytes(mc, runner.weight_bytes, tp_size=args.tp_size, ep_size=args.ep_size) + kv
         best = max(r["decode_tok_s"] for r in graphed)
         res["roofline_per_rank"] = {"bytes_per_step_GB": step_bytes / 1e9, "ours_tok_s": best}
     return res if rank == 0 else None
@@ -980,7 +993,8 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         roof["roofline_tok_s"] = hbm / (roof["bytes_per_step_GB"] * 1e9)
         roof["fraction"] = roof["ours_tok_s"] / roof["roofline_tok_s"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"decode_latency_tp{args.tp_size}.json"), "w") as f:
+    ep = f"_ep{args.ep_size}" if args.ep_size > 1 else ""
+    with open(os.path.join(args.out, f"decode_latency_tp{args.tp_size}{ep}.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     for r in res.get("engine", []):
         print(
@@ -1012,6 +1026,14 @@ def build_parser() -> argparse.ArgumentParser:
         "decode loops and writes decode_latency_tp<N>.json",
     )
     ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="with --tp-size N and an MoE --shape (qwen3-30b-a3b): experts split this many ways "
+        "(writes decode_latency_tp<N>_ep<E>.json)",
+    )
+    ap.add_argument("--ep-dispatch", default="all_reduce", choices=("all_reduce", "all_to_all"))
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batch-sizes", default="1,8,32,64,128")
     ap.add_argument("--input-len", type=int, default=512)

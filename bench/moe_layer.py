@@ -21,8 +21,17 @@ bandwidth at M <= 16, >= 50% of matmul peak at M >= 4096).
 
     python bench/moe_layer.py --out /tmp/out
 
-Expert parallelism (``--ep-size``) is not implemented yet; its figures come
-with the EP work.
+``--ep-size N`` (N GPUs, one spawned process each, NCCL) instead times the
+expert-parallel layer (``kvship.engine.parallel.ep.ParallelFusedMoE``: E/N
+experts per rank; docs/parallel.md, "Expert parallelism") for each M, the same
+tokens and routing on every rank: ``local`` (a rank's experts alone, the
+``absent`` Triton path, in a CUDA graph), ``all_reduce`` (local + the NCCL
+all-reduce, in a CUDA graph, as decode runs it), ``all_to_all`` (eager:
+counts, dispatch, local experts, combine, all-gather); rank 0 writes
+``moe_layer_ep<N>.json`` / ``.md``.  Run ``--ep-size 1`` rows of the plain
+mode in the same session for the single-GPU baseline.
+
+    python bench/moe_layer.py --ep-size 2 --out /tmp/out   # nvidia-h200-x2
 """
 
 from __future__ import annotations
@@ -86,6 +95,93 @@ def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
     }
 
 
+def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
+    """One rank of ``--ep-size``: the same M sweep on every rank (the collectives pair up); rank 0 reports."""
+    from kvship.engine.layers.moe.layer import FusedMoE
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+    from kvship.engine.parallel.group import init_tp_group
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    tp = init_tp_group(rank, args.ep_size, init_method, dev, timeout_s=600)
+    e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
+    with torch.device("meta"):
+        base = FusedMoE(e, k, h, inter, renormalize=True, dtype=torch.bfloat16, runner="triton")
+    with dev:
+        layer = ParallelFusedMoE(base, tp, args.ep_size, "all_reduce")
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, h**-0.5)
+        layer.w2_weight.normal_(0, inter**-0.5)
+    rows = []
+    with torch.inference_mode():
+        for m in args.m:
+            g = torch.Generator(device=dev).manual_seed(m)
+            x = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(m, e, device=dev, generator=g)
+            topk_w, ids = select_experts(logits, k, renormalize=True)
+            local = ids - layer.expert_start
+            local = torch.where((local >= 0) & (local < layer.num_local_experts), local, -1)
+            w13, w2 = layer.w13_weight, layer.w2_weight
+            t_local = graph_time(lambda i: fused_experts(x, w13, w2, topk_w, local, absent=True), calls=2)
+            layer.dispatch = "all_reduce"
+            t_ar = graph_time(lambda i: layer(x, logits), calls=2)
+            layer.dispatch = "all_to_all"
+            t_a2a = cuda_time(lambda: layer(x, logits), iters=3)
+            mine = int(torch.unique(local[local >= 0]).numel())
+            rows.append(
+                {
+                    "m": m,
+                    "local_experts_hit": mine,
+                    "local_us": t_local * 1e6,
+                    "all_reduce_us": t_ar * 1e6,
+                    "all_to_all_us": t_a2a * 1e6,
+                }
+            )
+    if rank == 0:
+        out.put(rows)
+
+
+def ep_main(args: argparse.Namespace) -> None:
+    import multiprocessing as mp
+    import socket
+
+    if torch.cuda.device_count() < args.ep_size:
+        raise SystemExit(f"--ep-size {args.ep_size} needs {args.ep_size} GPUs, {torch.cuda.device_count()} visible")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ep_rank, args=(r, args, init_method, q)) for r in range(args.ep_size)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=3600)
+    for p in procs:
+        p.join(120)
+    env = environment()
+    lines = [
+        f"MoE layer E={args.experts} top-{args.topk} H={args.hidden} I={args.inter} bf16, --ep-size {args.ep_size} "
+        f"on {env['gpu']} (rank 0's times)",
+        "",
+        "| M | rank 0's experts hit | local experts us | all_reduce (graph) us | all_to_all (eager) us |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['m']} | {r['local_experts_hit']} | {r['local_us']:.1f} | {r['all_reduce_us']:.1f} | "
+            f"{r['all_to_all_us']:.1f} |"
+        )
+    md = "\n".join(lines)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        shape = {"experts": args.experts, "topk": args.topk, "hidden": args.hidden, "inter": args.inter}
+        with open(os.path.join(args.out, f"moe_layer_ep{args.ep_size}.json"), "w") as f:
+            json.dump({"env": env, "ep_size": args.ep_size, "shape": shape, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, f"moe_layer_ep{args.ep_size}.md"), "w") as f:
+            f.write(md + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=DEFAULT_M, help="token counts")
@@ -96,7 +192,11 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3, help="weight copies rotated over (defeat L2)")
     ap.add_argument("--loop-max-m", type=int, default=8192, help="skip the torch loop above this M")
     ap.add_argument("--out", default=None, help="folder for moe_layer.json / .md")
+    ap.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (GPUs): the EP layer sweep")
     args = ap.parse_args()
+    if args.ep_size > 1:
+        ep_main(args)
+        return
     torch.manual_seed(0)
     env = environment()
     copy_bw = copy_bandwidth()
