@@ -238,6 +238,9 @@ def test_expert_split_and_its_startup_errors(ep_model_dirs, tiny_llama_dir, tmp_
     with pytest.raises(ValueError, match=r"= 4 does not divide the experts' width \(moe_intermediate_size 30\)"):
         check_tensor_parallel(ServerArgs(model_path=odd, tp_size=4))
     check_tensor_parallel(ServerArgs(model_path=odd, tp_size=2, ep_size=2))
+    shared = build_tiny_moe(str(tmp_path / "shared"), "qwen2_moe", seed=3, shared_expert_intermediate_size=50)
+    with pytest.raises(ValueError, match=r"--tp-size 4 does not divide the shared expert's width \(50\)"):
+        check_tensor_parallel(ServerArgs(model_path=shared, tp_size=4, ep_size=4))
     check_tensor_parallel(ServerArgs(model_path=ep_model_dirs["mixtral"], tp_size=2, ep_size=2))
 
 

@@ -102,6 +102,9 @@ def check_expert_parallel(config: Any, tp_size: int, ep_size: int, dispatch: str
     if dispatch == "all_to_all" and ep_size != tp_size:
         raise ValueError(f"--ep-dispatch all_to_all needs --ep-size equal to --tp-size ({tp_size}), got {ep_size}")
     expert_split(config.moe.num_experts, config.moe.intermediate_size, tp_size, ep_size, 0)
+    shared = config.moe.shared_expert_intermediate_size
+    if shared % tp_size:  # Qwen2-MoE's shared expert is a tensor-parallel MLP
+        raise ValueError(f"--tp-size {tp_size} does not divide the shared expert's width ({shared})")
 
 
 class ParallelFusedMoE(FusedMoE):
