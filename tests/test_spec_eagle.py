@@ -248,3 +248,83 @@ def test_served_eagle_reports_acceptance_in_meta_info_usage_and_metrics(tiny_lla
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
         count = [ln for ln in metrics.splitlines() if ln.startswith("kvship:spec_accept_length_count")]
         assert count and float(count[0].split()[-1]) == 2.0
+
+
+def _reference_chain(model, head_dir: str, seq: list[int], steps: int) -> list[int]:
+    """EAGLE chain drafting written out in plain torch over transformers' target (no KV cache, no engine).
+
+    Entry ``j`` = (token ``seq[j+1]``, the target's final hidden state at ``j``); each drafted token adds the
+    entry (token, the head's output at the previous entry) and the whole causal sequence is run again.
+    """
+    import json
+
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    w = load_file(f"{head_dir}/model.safetensors")
+    cfg = json.load(open(f"{head_dir}/config.json"))
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    emb_w = model.get_input_embeddings().weight
+    head_w = model.get_output_embeddings().weight
+
+    def rope(x, n):
+        f = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+        cos, sin = torch.cat([f.cos()] * 2, -1)[:, None], torch.cat([f.sin()] * 2, -1)[:, None]
+        return x * cos + torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * sin
+
+    def head(tokens, feats):
+        n = len(tokens)
+        x = F.linear(torch.cat([emb_w[tokens], feats], -1), w["fc.weight"], w["fc.bias"])
+        p = "layers.0."
+        q = rope(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(n, nh, hd), n)
+        k = rope(F.linear(x, w[p + "self_attn.k_proj.weight"]).view(n, nkv, hd), n).repeat_interleave(nh // nkv, 1)
+        v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(n, nkv, hd).repeat_interleave(nh // nkv, 1)
+        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        r = x + F.linear(a.transpose(0, 1).reshape(n, -1), w[p + "self_attn.o_proj.weight"])
+        h = (
+            r
+            * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+            * w[p + "post_attention_layernorm.weight"]
+        )
+        m = F.linear(
+            F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"]),
+            w[p + "mlp.down_proj.weight"],
+        )
+        return r + m
+
+    with torch.no_grad():
+        f = model.model(torch.tensor([seq])).last_hidden_state[0]
+        tokens, feats, out = list(seq[1:]), f[:-1], []
+        for _ in range(steps):
+            o = head(torch.tensor(tokens), feats)
+            out.append(int(F.linear(o[-1], head_w).argmax()))
+            tokens.append(out[-1])
+            feats = torch.cat([feats, o[-1:]])
+    return out
+
+
+def test_eagle_chain_draft_equals_a_plain_torch_reference(tiny_llama_tied_dir, tmp_path):
+    """The drafter's entries, positions, features and KV reuse give exactly the reference's chain."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_tied_dir, dtype=torch.float32).eval()
+    head_dir = write_random_head(str(tmp_path / "h"), tiny_llama_tied_dir, "eagle", seed=7)
+    sa = _server_args(
+        tiny_llama_tied_dir,
+        attention_backend="torch_native",
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=4,
+        speculative_eagle_topk=1,
+    )
+    sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, Collector())
+    sched.submit(GenerateRequest("r", _prompts(1, seed=12)[0], SamplingParams(max_new_tokens=40, temperature=0.0)))
+    drafter = sched.speculator.drafter
+    sched.step()  # prefill: the target's features of the prompt
+    for _ in range(3):  # a few rounds: entries are reused and extended with the verified positions' features
+        req = sched.reqs["r"]
+        tree = drafter.draft_trees([req])[0]
+        assert tree.tokens == _reference_chain(model, head_dir, list(req.fill_ids), 4)
+        assert tree.parents == [0, 1, 2, 3]
+        sched.step()
