@@ -30,8 +30,7 @@ import logging
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -75,32 +74,36 @@ class _SchedulerCollector(Collector):
             yield g
 
 
-class _ExpertLoadCollector(Collector):
-    def __init__(self, load_fn: Callable[[], dict[int, list[int]]], model_name: str):
-        self._load_fn = load_fn
-        self._model = model_name
+def _label_value(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-    def collect(self) -> Iterable[Metric]:
-        tokens = CounterMetricFamily(
-            "kvship:moe_expert_tokens", "Tokens routed to each expert", labels=["model_name", "layer", "expert"]
-        )
-        imbalance = GaugeMetricFamily(
-            "kvship:moe_expert_load_imbalance",
-            "Max / mean of the tokens routed to a layer's experts (1 = balanced)",
-            labels=["model_name", "layer"],
-        )
-        try:
-            load = self._load_fn() or {}
-        except Exception as e:  # a scrape must never fail because the engine is down
-            logger.warning("expert load unavailable for /metrics: %s", e)
-            load = {}
-        for layer, counts in sorted(load.items()):
-            for expert, n in enumerate(counts):
-                tokens.add_metric([self._model, str(layer), str(expert)], float(n))
-            mean = sum(counts) / max(len(counts), 1)
-            imbalance.add_metric([self._model, str(layer)], max(counts) / mean if mean > 0 else 1.0)
-        yield tokens
-        yield imbalance
+
+def expert_load_text(load: dict[int, list[int]], model_name: str) -> str:
+    """The two expert-load families in the text exposition format.
+
+    Written directly rather than through ``prometheus_client``'s collectors:
+    a Qwen3-30B-A3B-shaped worker has 48 x 128 = 6144 series, too many for its
+    generic per-sample formatting on the event loop (figures: docs/parallel.md,
+    "Expert load").  Label values other than the model name are numbers.
+    """
+    if not load:
+        return ""
+    model = _label_value(model_name)
+    tokens = [
+        "# HELP kvship:moe_expert_tokens_total Tokens routed to each expert",
+        "# TYPE kvship:moe_expert_tokens_total counter",
+    ]
+    imbalance = [
+        "# HELP kvship:moe_expert_load_imbalance Max / mean of the tokens routed to a layer's experts (1 = balanced)",
+        "# TYPE kvship:moe_expert_load_imbalance gauge",
+    ]
+    for layer, counts in sorted(load.items()):
+        head = f'kvship:moe_expert_tokens_total{{model_name="{model}",layer="{layer}",expert="'
+        tokens.extend(f'{head}{e}"}} {float(n)}' for e, n in enumerate(counts))
+        mean = sum(counts) / max(len(counts), 1)
+        ratio = max(counts) / mean if mean > 0 else 1.0
+        imbalance.append(f'kvship:moe_expert_load_imbalance{{model_name="{model}",layer="{layer}"}} {ratio}')
+    return "\n".join(tokens + imbalance) + "\n"
 
 
 class EngineMetrics:
@@ -149,8 +152,7 @@ class EngineMetrics:
             registry=r,
         ).labels(model_name)
         r.register(_SchedulerCollector(stats_fn, model_name))
-        if expert_load_fn is not None:  # {layer: tokens per expert}
-            r.register(_ExpertLoadCollector(expert_load_fn, model_name))
+        self._expert_load_fn = expert_load_fn  # {layer: tokens per expert}, MoE models only
 
     def observe_tokens(
         self, n_new: int, now: float, first_token_time: float | None, last_token_time: float | None, created: float
@@ -185,4 +187,10 @@ class EngineMetrics:
         self.e2e.observe(max(0.0, e2e))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        out = generate_latest(self.registry)
+        if self._expert_load_fn is not None:
+            try:
+                out += expert_load_text(self._expert_load_fn() or {}, self.model_name).encode()
+            except Exception as e:  # a scrape must never fail because the engine is down
+                logger.warning("expert load unavailable for /metrics: %s", e)
+        return out

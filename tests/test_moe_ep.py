@@ -304,3 +304,19 @@ def test_a_ranks_gguf_share_is_its_block_of_the_experts_and_reads_no_other(ep_mo
         mine, full = share.model.layers[i].mlp.experts, whole.model.layers[i].mlp.experts
         assert (mine.expert_start, mine.num_local_experts) == (4, 4)
         assert torch.equal(mine.w13_weight, full.w13_weight[4:]) and torch.equal(mine.w2_weight, full.w2_weight[4:])
+
+
+def test_expert_load_series_parse_and_give_max_over_mean():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvship.engine.metrics import EngineMetrics
+
+    m = EngineMetrics('tiny "moe"', lambda: {}, lambda: {3: [6, 2, 0, 0], 5: [0, 0, 0, 0]})
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    tokens = fams["kvship:moe_expert_tokens"]
+    assert tokens.type == "counter" and len(tokens.samples) == 8
+    assert {(s.labels["layer"], s.labels["expert"]): s.value for s in tokens.samples}[("3", "0")] == 6.0
+    assert all(s.labels["model_name"] == 'tiny "moe"' for s in tokens.samples)
+    ratio = {s.labels["layer"]: s.value for s in fams["kvship:moe_expert_load_imbalance"].samples}
+    assert ratio == {"3": 3.0, "5": 1.0}  # 6 / mean 2; no token yet counts as balanced
+    assert "kvship:moe_expert" not in EngineMetrics("dense", lambda: {}).render().decode()
