@@ -9,11 +9,16 @@
   ``all_reduce`` dispatch captured in a CUDA graph (NCCL all-reduce inside the
   graph) replays equal to eager, and the ``all_to_all`` dispatch (eager:
   ``all_to_all_single`` + all-gather over NCCL) equals it.
+* A tiny Qwen3-MoE ``ModelRunner`` on that group (every layer parallel, the
+  experts in ``ParallelFusedMoE``): CUDA-graph decode equals eager decode
+  token for token.
 
 Run on the device: ``pytest -q tests/gpu/test_gpu_ep.py``.
 """
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
@@ -66,7 +71,9 @@ def nccl_world1():
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this pytest process")
-    port = 29500 + (torch.randint(0, 2000, (1,)).item())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     tp = init_tp_group(0, 1, f"tcp://127.0.0.1:{port}", torch.device("cuda", 0), timeout_s=60)
     yield tp
     dist.destroy_process_group()
@@ -93,6 +100,9 @@ def test_world_size_one_ep_layer_replays_in_a_cuda_graph_and_all_to_all_equals_i
     with torch.inference_mode():
         eager_a2a = layer(x, logits)  # not capturing: the all_to_all dispatch (also warms Triton up)
         assert _rel(eager_a2a, plain(x, logits)) < 1e-2
+        layer.dispatch = "all_reduce"
+        layer(x, logits)  # warm the all_reduce path (absent-pair kernels, NCCL) up outside the graph
+        layer.dispatch = "all_to_all"
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -108,3 +118,52 @@ def test_world_size_one_ep_layer_replays_in_a_cuda_graph_and_all_to_all_equals_i
             torch.cuda.synchronize()
             assert torch.equal(out, layer(x, logits)), f"replay {seed} differs from eager"
         assert int(layer.expert_load().sum()) > 0
+
+
+@requires_cuda
+def test_world_size_one_ep_model_cuda_graph_decode_equals_eager(nccl_world1, tmp_path, kv_driver):
+    from moe_fixtures import build_tiny_moe
+
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+
+    path = build_tiny_moe(str(tmp_path / "qwen3_moe"), "qwen3_moe", seed=33)
+
+    def runner(graphs: bool) -> ModelRunner:
+        sa = ServerArgs(
+            model_path=path,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="triton",
+            max_total_tokens=4096,
+            max_running_requests=8,
+            context_length=256,
+            disable_cuda_graph=not graphs,
+            cuda_graph_bs=[1, 2, 4, 8],
+            cuda_graph_max_bs=8,
+        )
+        return ModelRunner(sa, tp=nccl_world1)
+
+    def greedy(r: ModelRunner, bs: int) -> list[list[int]]:
+        d = kv_driver(r)
+        reqs = [d.new() for _ in range(bs)]
+        gen = torch.Generator().manual_seed(bs)
+        logits = d.extend(reqs, [torch.randint(3, 380, (4 + 3 * j,), generator=gen).tolist() for j in range(bs)])
+        out: list[list[int]] = [[] for _ in range(bs)]
+        for _ in range(16):
+            toks = logits.argmax(-1).tolist()
+            for o, t in zip(out, toks):
+                o.append(t)
+            logits = d.decode(reqs, toks)
+        for q in reqs:
+            d.free(q)
+        return out
+
+    graph_runner, eager_runner = runner(True), runner(False)
+    assert graph_runner.cuda_graph_runner is not None
+    assert any(isinstance(m, ParallelFusedMoE) for m in graph_runner.model.modules())
+    for bs in (1, 3, 8):
+        before = graph_runner.cuda_graph_runner.replays
+        assert greedy(graph_runner, bs) == greedy(eager_runner, bs), f"bs {bs}"
+        assert graph_runner.cuda_graph_runner.replays > before
