@@ -271,7 +271,7 @@ class ResumingRelay(Response):
                     break
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if completed and self.status_code == 200:
-                ctx.router.slo.record(ctx.route, meter.stream_sample())
+                ctx.router.slo.record(ctx.route, meter.stream_sample(len(state.out_ids)))
         finally:
             watcher.cancel()
             if not self.up.lease.done:

@@ -12,8 +12,11 @@ Per request (``RequestMeter``), on the bytes the router sends to the client:
 * **end-to-end latency**: receipt to the last byte (streams) or to the whole
   body (non-streaming replies, which have no TTFT / ITL);
 * **output tokens**: the worker's own count (``usage.completion_tokens``,
-  ``meta_info.completion_tokens``) when the reply has it, else the number of
-  token events; **tokens/s** of a request: output tokens / end-to-end seconds.
+  ``meta_info.completion_tokens``) when the reply has it, else the token ids
+  a resumable stream carried (``kvship.router.resume`` asks workers for
+  them), else the number of token events (an undercount when one event
+  carries several tokens); **tokens/s** of a request: output tokens /
+  end-to-end seconds.
 
 Only requests that ended well (status 200, stream finished) are recorded.
 ``SLOTracker`` keeps the samples of the last ``--slo-window`` seconds (and
@@ -131,12 +134,14 @@ class RequestMeter:
                 return True
         return False
 
-    def stream_sample(self) -> RequestSample:
-        """The figures of a stream that ended well."""
+    def stream_sample(self, token_ids: Optional[int] = None) -> RequestSample:
+        """The figures of a stream that ended well; ``token_ids``: the output ids the stream carried, if known."""
         now = self.clock()
         tokens = self._usage_tokens
+        if tokens is None and self.reported_tokens:
+            tokens = sum(self.reported_tokens.values())
         if tokens is None:
-            tokens = sum(self.reported_tokens.values()) if self.reported_tokens else self.events
+            tokens = token_ids if token_ids else self.events
         ttft = None if self.first is None else self.first - self.started
         return RequestSample(e2e=now - self.started, output_tokens=tokens, ttft=ttft, itls=self.itls)
 
