@@ -153,6 +153,8 @@ class ParallelFusedMoE(FusedMoE):
     def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, group = self.tp.size, self.tp.device_group
         m, hidden = x.shape
+        if m == 0:  # the same on every rank: no collective to pair up
+            return torch.zeros_like(x)
         k = ids.shape[1]
         per = -(-m // n)
         lo, hi = min(self.tp.rank * per, m), min((self.tp.rank + 1) * per, m)
@@ -177,15 +179,18 @@ class ParallelFusedMoE(FusedMoE):
         y = runner(recv_x, self.w13_weight, self.w2_weight, ones, recv_e.view(-1, 1))
         back = x.new_empty((send_x.shape[0], hidden))
         dist.all_to_all_single(back, y.contiguous(), send_split, recv_split, group=group)
-        w = weights[lo:hi].reshape(-1)[order].to(x.dtype)
-        mine = x.new_zeros((per, hidden))
-        mine.index_add_(0, token, back * w[:, None])
+        # weighted top-k sum per token in float32 (as the fused runners do), then this rank's block to all
+        w = weights[lo:hi].reshape(-1)[order].float()
+        mine = torch.zeros((per, hidden), dtype=torch.float32, device=x.device)
+        mine.index_add_(0, token, back.float() * w[:, None])
+        mine = mine.to(x.dtype)
         # every rank's token block, in rank order: [per, n * hidden] -> [n * per, hidden]
         whole = self.tp.all_gather_last_dim(mine).view(per, n, hidden).transpose(0, 1).reshape(n * per, hidden)
         return whole[:m]
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, ep_rank={self.tp.rank}/{self.tp.size}, dispatch={self.dispatch}"
+        where = f"tp_rank={self.tp.rank}/{self.tp.size}, ep_size={self.ep_size}"
+        return f"{super().extra_repr()}, {where}, dispatch={self.dispatch}"
 
 
 def apply_expert_parallel(model: nn.Module, tp: TPGroup, ep_size: int = 1, dispatch: str = "all_reduce") -> nn.Module:
