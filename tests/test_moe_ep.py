@@ -320,3 +320,67 @@ def test_expert_load_series_parse_and_give_max_over_mean():
     ratio = {s.labels["layer"]: s.value for s in fams["kvship:moe_expert_load_imbalance"].samples}
     assert ratio == {"3": 3.0, "5": 1.0}  # 6 / mean 2; no token yet counts as balanced
     assert "kvship:moe_expert" not in EngineMetrics("dense", lambda: {}).render().decode()
+
+
+# --- four ranks: every way of splitting 8 experts over --tp-size 4 ----------------------------
+def _layer_world4(rank: int, init_method: str, out: "mp.Queue") -> None:
+    """``--tp-size 4`` with ``--ep-size`` 1 (each expert's width 4 ways), 2 (2 experts blocks x 2 width
+    halves) and 4 (whole experts, with both dispatches): rank ``rank``'s layer outputs for 7 tokens."""
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+    from kvship.engine.parallel.launch import join_tp_group
+
+    torch.set_num_threads(1)
+    try:
+        tp = join_tp_group(_server_args("", 4), rank, init_method)
+        g = torch.Generator().manual_seed(11)
+        e, h, i = 8, 32, 16
+        w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+        x, logits = torch.randn(7, h, generator=g), torch.randn(7, e, generator=g)
+        got = {}
+        for ep, dispatch in ((1, "all_reduce"), (2, "all_reduce"), (4, "all_reduce"), (4, "all_to_all")):
+            layer = ParallelFusedMoE(FusedMoE(e, 2, h, i, renormalize=True, runner="torch"), tp, ep, dispatch)
+            for ex in range(e):
+                layer.w13_weight.weight_loader(layer.w13_weight, w13[ex, :i], (ex, "gate"))
+                layer.w13_weight.weight_loader(layer.w13_weight, w13[ex, i:], (ex, "up"))
+                layer.w2_weight.weight_loader(layer.w2_weight, w2[ex], (ex, "down"))
+            with torch.no_grad():
+                got[(ep, dispatch)] = (tuple(layer.w13_weight.shape), layer(x, logits).numpy())
+        out.put(("ok", rank, got))
+    except BaseException:  # noqa: BLE001 - report to the test, do not hang it
+        out.put(("error", rank, traceback.format_exc()))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_every_ep_size_dividing_tp4_gives_the_whole_layer_on_every_rank():
+    from kvship.engine.layers.moe.runner import get_moe_runner
+    from kvship.engine.layers.moe.topk import select_experts
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_layer_world4, args=(r, init, q), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in range(4):
+            status, rank, payload = q.get(timeout=RANK_TIMEOUT_S)
+            assert status == "ok", payload
+            got[rank] = payload
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    g = torch.Generator().manual_seed(11)
+    e, h, i = 8, 32, 16
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x, logits = torch.randn(7, h, generator=g), torch.randn(7, e, generator=g)
+    want = get_moe_runner("torch")(x, w13, w2, *select_experts(logits, 2, renormalize=True))
+    held = {1: (8, 2 * i // 4, h), 2: (4, 2 * i // 2, h), 4: (2, 2 * i, h)}
+    for rank, by_config in got.items():
+        for (ep, dispatch), (shape, out) in by_config.items():
+            assert shape == held[ep], (rank, ep)
+            assert (torch.from_numpy(out) - want).abs().max().item() < ATOL, (rank, ep, dispatch)
