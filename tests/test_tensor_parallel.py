@@ -366,3 +366,112 @@ def test_serve_tp2_matches_tp1_over_http_and_exits_non_zero_when_a_rank_dies(tp_
         assert not srv.alive(), "the worker is still up after its rank died"
         assert srv.proc.returncode == 1
         assert "tensor-parallel rank 1" in srv.log_tail(200)
+
+
+# --- embedded SmolLM2 at --tp-size 3 (9 query / 3 KV heads) ------------------------------------
+def test_embedded_smollm2_at_tp3_generates_what_tp1_does_over_generate_and_openai(smollm2_path):
+    """The GGUF shards (one KV head per rank) give TP=1's greedy tokens through /generate, the
+    completions API and the chat API (TP=1 reference: the unified scheduler in this process)."""
+    from openai import OpenAI
+    from pd_fixtures import unified_greedy
+
+    from kvship.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_path)
+    prompts = ["The capital of France is", "Three primary colors are"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = [tok.encode(p) for p in prompts] + [tok.encode_chat(chat)]
+    want = unified_greedy(smollm2_path, ids, 12)
+    with start_server(["--max-total-tokens", "4096", "--tp-size", "3"], timeout=300) as srv:
+        assert srv.get("/get_server_info").json()["tp_size"] == 3
+        sp = {"max_new_tokens": 12, "temperature": 0}
+        r = srv.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == want
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+        model = srv.get("/get_model_info").json()["served_model_name"]
+        for prompt, expected in zip(prompts, want):
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+            assert out.choices[0].text == tok.decode(expected)
+        out = client.chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=0)
+        assert out.choices[0].message.content == tok.decode(want[2])
+
+
+# --- a rank killed mid-generation, behind the real router --------------------------------------
+def test_a_rank_killed_mid_generation_takes_its_worker_down_and_the_router_serves_the_streams_elsewhere(
+    tp_model_dirs,
+):
+    """Worker A (TP=2) and worker B (TP=1) behind `kvship router`; rank 1 of A is SIGKILLed while A
+    streams: A's /health stops answering 200 and A exits 1 within the collective timeout, and every
+    stream still ends with the undisturbed greedy text (the router resumes A's streams on B)."""
+    import concurrent.futures
+    import contextlib
+    import json
+    import threading
+
+    import httpx
+    import psutil
+    from router_fixtures import router_process
+
+    path = tp_model_dirs["qwen3"]
+    base = ["--model-path", path, "--served-model-name", "tiny", "--max-total-tokens", "4096"]
+    base += ["--max-running-requests", "4", "--dist-timeout", "20"]
+    managers = [start_server(base + ["--tp-size", "2"], keep_log=True), start_server(base)]
+    with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]  # the two start-ups overlap
+        for m, f in zip(managers, futures):
+            if f.exception() is None:
+                stack.push(m.__exit__)
+        a, b = (f.result() for f in futures)
+        rank1 = [c for c in psutil.Process(a.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(rank1) == 1
+        bodies = [
+            {"input_ids": PROMPTS[i % 2] + [i + 3], "sampling_params": {"max_new_tokens": 40, "temperature": 0}}
+            for i in range(8)
+        ]
+        for body in bodies:
+            body["sampling_params"]["ignore_eos"] = True
+        # the undisturbed answers, from B directly
+        want = [httpx.post(b.url + "/generate", json=body, timeout=60).json()["text"] for body in bodies]
+        args = ["--worker-urls", a.url, b.url, "--policy", "round_robin", "--health-check-interval", "1"]
+        with router_process(args + ["--max-resumes", "2"]) as (url, _):
+            killed = threading.Event()
+
+            def stream(body: dict) -> dict:
+                last: dict = {}
+                with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=120) as r:
+                    assert r.status_code == 200, r.read()
+                    from_a = r.headers.get("x-kvship-worker") == a.url
+                    n = 0
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        last = json.loads(line[6:])
+                        n += 1
+                        if from_a and n >= 3 and not killed.is_set():
+                            killed.set()
+                            os.kill(rank1[0].pid, signal.SIGKILL)
+                return last
+
+            results = list(pool.map(stream, bodies))
+            assert killed.is_set(), "no stream of worker A got going before the others finished"
+            meta = [r.get("meta_info", {}) for r in results]
+            bad = [
+                (m.get("finish_reason"), m.get("kvship_resumes"))
+                for r, m, w in zip(results, meta, want)
+                if r.get("text") != w
+            ]
+            assert not bad, bad
+            assert any(r["meta_info"].get("kvship_resumes", 0) for r in results)
+        deadline = time.monotonic() + 45  # --dist-timeout 20, plus the shutdown
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(a.url + "/health", timeout=2).status_code != 200:
+                    break
+            except httpx.HTTPError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("worker A still answers /health 200 after its rank died")
+        assert a.proc.wait(45) == 1
+        assert "tensor-parallel rank 1" in a.log_tail(200)

@@ -7,18 +7,22 @@ passed explicitly to whatever needs it (model runner, parallel layers,
 scheduler plumbing); there is no module-level group.
 
 Contract: every rank calls the same collectives in the same order.  A
-collective that cannot complete (a rank died) raises within ``timeout_s`` (gloo
-usually at once, when the dead peer's sockets close); callers treat that as
-fatal for the worker.
+collective that cannot complete (a rank died) raises ``RankLost`` within
+``timeout_s`` (gloo usually at once, when the dead peer's sockets close).
+``RankLost`` is a ``BaseException``: the scheduler's per-batch error handling
+(``except Exception``) lets it through, so the model loop ends, the worker's
+requests finish as "the model loop died" (which a router resumes elsewhere),
+and the worker exits (docs/parallel.md).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,23 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class RankLost(BaseException):
+    """A collective of the worker's group failed: a rank died or timed out.  Fatal for the worker."""
+
+
+def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a failing collective's error into ``RankLost``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, OSError, ValueError) as e:  # gloo / NCCL report a lost peer as these
+            raise RankLost(f"tensor-parallel collective {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -42,11 +63,13 @@ class TPGroup:
         """Rank 0 owns HTTP, the tokenizer's user side and the inbox."""
         return self.rank == 0
 
+    @_collective
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
         dist.all_reduce(t, group=self.device_group)
         return t
 
+    @_collective
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on every rank -> ``[..., size * n]``, rank order along the last dim."""
         t = t.contiguous()
@@ -54,11 +77,13 @@ class TPGroup:
         _all_gather_into(out.view(self.size * t.shape[0], *t.shape[1:]), t, group=self.device_group)
         return out.movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
 
+    @_collective
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``t`` with rank ``src``'s values, in place; returns ``t``."""
         dist.broadcast(t, src=src, group=self.device_group)
         return t
 
+    @_collective
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (the others pass None)."""
         if self.rank == src:
@@ -72,12 +97,14 @@ class TPGroup:
         dist.broadcast(data, src=src, group=self.cpu_group)
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
+    @_collective
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (host group)."""
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
+    @_collective
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (host group)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -9,7 +9,8 @@ stay identical because they see the same inputs in the same order:
   list.  Rank 0 broadcasts at least every idle wait of the loop, so an idle
   worker's ranks still meet (and notice a dead rank) several times a second.
   When rank 0's loop exits, ``close`` broadcasts ``StopRanks`` and the others
-  leave their loops.
+  leave their loops; on rank 0 it calls ``on_stop`` too (its engine stops
+  counting as alive before the loop aborts the open requests).
 * ``RankZeroSampler``: rank 0's sampled ids are the truth.  Logits are the
   same on every rank (all-gathered), and so are the seeds, so every rank
   draws the same ids; broadcasting rank 0's makes that hold even where a
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvship.engine.parallel.group import TPGroup
+from kvship.engine.parallel.group import RankLost, TPGroup
 from kvship.engine.scheduler.inbox import Inbox, Message
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,11 @@ class BroadcastInbox:
             self._closed = True
             try:
                 self.tp.broadcast_object(StopRanks(reason))
-            except Exception as e:  # noqa: BLE001 - a rank is gone already: nothing to tell it
+            except (Exception, RankLost) as e:  # noqa: BLE001 - a rank is gone already: nothing to tell it
                 logger.warning("could not tell the other ranks to stop: %s", e)
+            # the loop has ended: the worker is no longer alive before its open requests get their abort,
+            # so a streaming client (a router) sees "the model loop died" and resumes them elsewhere
+            self._on_stop()
 
 
 class RankZeroSampler:
