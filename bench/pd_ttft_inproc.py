@@ -5,12 +5,12 @@ GPU (Llama-3.1-8B shape, dummy bf16 weights built on the GPU), one device call f
 ``pip install --no-deps --no-build-isolation -e .``; about 1-3 minutes of benchmark after that)::
 
     PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
-    python3 bench/pd_ttft.py --device cuda --shape llama3-8b --prompt-len 4096 \
+    python3 bench/pd_ttft_inproc.py --device cuda --shape llama3-8b --prompt-len 4096 \
         --backend nixl --backend mooncake --backend tcp --out "$OUT" 2>&1 | tail -40
 
 CPU smoke run (embedded SmolLM2-135M, short prompt)::
 
-    .venv/bin/python bench/pd_ttft.py --device cpu --prompt-len 256 --backend tcp --backend mooncake \
+    .venv/bin/python bench/pd_ttft_inproc.py --device cpu --prompt-len 256 --backend tcp --backend mooncake \
         --backend nixl --repeats 3 --out /tmp/pd_ttft
 
 What one run does: builds a prefill ``ModelRunner`` and a decode ``ModelRunner`` in this process (both with a
@@ -60,7 +60,7 @@ from typing import Any, Optional
 
 import torch
 
-logger = logging.getLogger("bench.pd_ttft")
+logger = logging.getLogger("bench.pd_ttft_inproc")
 BENCH_DIR = Path(__file__).resolve().parent
 
 

@@ -30,6 +30,7 @@ Life cycle of a request (see ``kvship.decode`` for the whole picture)::
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -102,15 +103,24 @@ class DecodeRole(PDRole):
         for entry in placed:
             self.transfer_queue.add(entry)
         for entry, state in done:
+            self.stamp_transfer(
+                entry, {"registered": "room_registered", "started": "kv_started", "arrived": "kv_arrived"}
+            )
+            self.stamp(entry.rid, "kv_verified")
             problem = entry.failure() if state != KVPoll.Success or entry.abort_reason else self._check_aux(entry)
             if problem is None:
                 self.prebuilt_queue.add(entry)
             else:  # terminal: nothing can land in the slots any more
                 self.guarded(entry, self.fail_entry, entry, problem, False)
         joined = self.prebuilt_queue.pop_all()
+        traces = [t for t in (self.traces.get(e.rid) for e in joined) if t is not None]  # joining may finish them
         for entry in joined:
+            self.stamp(entry.rid, "admitted")
             self.guarded(entry, self._join_running, entry)
         if joined:
+            now = time.time()
+            for t in traces:
+                t["first_token_flush"] = now
             # prefill's first token goes out now, not with the first decode step's token (saves a step of TTFT)
             self.s.flush()
 

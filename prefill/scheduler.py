@@ -78,9 +78,13 @@ class PrefillRole(PDRole):
         for entry in failed:
             self.guarded(entry, self.fail_entry, entry, entry.failure(), False)
         for entry in ready:
+            self.stamp_transfer(entry, {"registered": "room_registered"})
+            self.stamp(entry.rid, "admitted")
             self.computing[entry.rid] = entry
             self.s.enqueue(entry.req)
         for entry, state in done:
+            self.stamp_transfer(entry, {"transfer_start": "kv_send_start", "transfer_end": "kv_send_end"})
+            self.stamp(entry.rid, "transfer_done")
             if state == KVPoll.Success and entry.abort_reason is None:
                 self.guarded(entry, self._finish_transferred, entry)
             else:  # prefill's own KV is valid: it still goes to the radix cache
@@ -107,6 +111,7 @@ class PrefillRole(PDRole):
             prompt_len=n,
             first_token_top_logprobs=tuple((int(t), float(v)) for t, v in (top_logprobs or ())),
         )
+        self.stamp(req.rid, "forward_done")
         self.inflight_queue.add(entry, pages, aux)
         return True
 

@@ -16,13 +16,21 @@ cancelled and the decode worker is blamed.  5xx / transport errors are
 retried on another pair by ``proxy_request``; 4xx replies go to the client.
 After the decode stream has started, the prefill call finishes in the
 background and only its outcome is recorded.
+
+A body with ``"return_trace": true`` also gets the ``x-kvship-trace``
+response header: the router's own stamps and the prefill worker's
+``meta_info.trace``, wall clock (docs/pd.md, "Reading a request's trace").
+The router then waits for the prefill reply before it answers (the trace is
+a debugging aid; its ``router.prefill_reply`` stamp shows that wait).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import aiohttp
 
@@ -44,8 +52,8 @@ from kvship.router.worker import Worker
 logger = logging.getLogger(__name__)
 
 
-async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str) -> None:
-    """Send to the prefill worker and read its reply to the end; raise ``AttemptFailed`` on error.
+async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str) -> bytes:
+    """Send to the prefill worker, read its reply to the end and return it; raise ``AttemptFailed`` on error.
 
     Finishes ``lease`` on every path.
     """
@@ -69,6 +77,7 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
         lease.finish(not retryable, f"http_{resp.status}")
         raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp))
     lease.finish(True)
+    return body
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -96,6 +105,27 @@ def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
         )
 
 
+def _meta_trace(body: bytes) -> Any:
+    """``meta_info.trace`` of a worker's /generate body (a list of them for a batch), or None."""
+    try:
+        out = json.loads(body)
+    except ValueError:
+        return None
+    pick = lambda o: (o.get("meta_info") or {}).get("trace") if isinstance(o, dict) else None  # noqa: E731
+    return [pick(o) for o in out] if isinstance(out, list) else pick(out)
+
+
+async def _trace_header(ctx: RequestContext, stamps: dict[str, float], p_task: asyncio.Task) -> str:
+    """The ``x-kvship-trace`` header: router stamps + the prefill's trace (waits for its reply)."""
+    prefill = None
+    try:
+        prefill = _meta_trace(await asyncio.shield(p_task))
+    except Exception:  # noqa: BLE001 - a failed prefill call is reported by _finish_background_prefill
+        pass
+    stamps["prefill_reply"] = time.time()
+    return json.dumps({"clock": "time.time", "router": stamps, "prefill": prefill}, separators=(",", ":"))
+
+
 async def pd_attempt(
     ctx: RequestContext, request: RoutingRequest, sel: Selection, path: Optional[str] = None
 ) -> Upstream:
@@ -108,6 +138,7 @@ async def pd_attempt(
     content = boot.inject(request.body)
     router = ctx.router
     path = path or ctx.route
+    stamps = {"received": ctx.started_wall, "sent": time.time()} if request.body.get("return_trace") is True else None
     p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path))
     d_task = asyncio.create_task(open_upstream(ctx, d, Lease(router, d), content, path))
     try:
@@ -118,6 +149,9 @@ async def pd_attempt(
                 await _cancel(d_task)
                 raise p_task.exception()  # type: ignore[misc]
         up = d_task.result()  # raises the decode failure
+        if stamps is not None:
+            stamps["decode_first_byte"] = time.time()
+            trace = await _trace_header(ctx, stamps, p_task)
     except BaseException:
         await _cancel(p_task)
         await _cancel(d_task)
@@ -130,5 +164,7 @@ async def pd_attempt(
         p_task.add_done_callback(lambda t: _finish_background_prefill(ctx, t))
         up.prefill_task = p_task
     up.extra_headers = {"x-kvship-prefill": p.url, "x-kvship-decode": d.url}
+    if stamps is not None:
+        up.extra_headers["x-kvship-trace"] = trace
     logger.debug("request %s: PD pair %s -> %s room %d", ctx.request_id, p.url, d.url, boot.room)
     return up

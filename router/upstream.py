@@ -59,6 +59,7 @@ class RequestContext:
     route: str
     headers: dict[str, str]
     started: float = field(default_factory=time.perf_counter)
+    started_wall: float = field(default_factory=time.time)  # the same moment on the wall clock (PD traces)
     deadline: float = 0.0  # event-loop time
     attempts: int = 0
 

@@ -413,6 +413,19 @@ class KVManager(ABC):
     def create_receiver(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVReceiver:
         raise KVTransferError(f"a {self.role} KV manager cannot create receivers")
 
+    _progress_hook: Optional[Callable[[], None]] = None
+
+    def set_progress_hook(self, hook: Optional[Callable[[], None]]) -> None:
+        """``hook()`` runs on the manager's threads whenever a sender's or receiver's ``poll()`` may report
+        something new (decode registered a room, the KV arrived, a terminal state).  It must not block (the
+        manager's lock may be held); the scheduler wakes its loop with it instead of polling on a timer."""
+        self._progress_hook = hook
+
+    def progressed(self) -> None:
+        hook = self._progress_hook
+        if hook is not None:
+            hook()
+
     @abstractmethod
     def close(self) -> None:
         """Stop threads, close connections, release the backend (idempotent)."""

@@ -14,11 +14,20 @@ stage order:
 * further stages belong to the role (it handles aborts there itself).
 
 The transfer layer is built first; if the role cannot be built it is closed.
+Its progress hook wakes the scheduler loop (``inbox.wake``) whenever a
+sender's or receiver's ``poll()`` may report something new, so a stage
+advances as soon as its transfer moved; ``poll_wait_s`` is only the safety
+net between wakes.
+
+Tracing (docs/pd.md, "Reading a request's trace"): a request submitted with
+a ``trace`` dict (``return_trace``) gets ``stamp(rid, stage)`` entries, wall
+clock (``time.time()``), from the role while it passes the stages.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -50,6 +59,9 @@ class PDRole(ABC):
         self.free_slots_per_rank: Optional[list[int]] = None
         self.counters: Counter = Counter()
         self.poll = TransferPollBackoff()
+        self.traces: dict[str, dict[str, float]] = {}  # rid -> the request's trace (``return_trace`` only)
+        # ``sched.inbox`` is looked up at call time: tensor parallelism replaces it after construction
+        self.kv_manager.set_progress_hook(lambda: sched.inbox.wake())
         try:
             self.stages: tuple[PDStageQueue, ...] = tuple(self.init_stages())
         except BaseException:
@@ -82,6 +94,9 @@ class PDRole(ABC):
         return self.bootstrap_problem(request)
 
     def admit(self, req: Req, request: GenerateRequest) -> bool:
+        if request.trace is not None:
+            self.traces[req.rid] = request.trace
+            self.stamp(req.rid, "scheduled")
         try:
             self.enter_stages(req, request)
         except KVTransferError as e:
@@ -114,6 +129,7 @@ class PDRole(ABC):
 
     def on_finish(self, req: Req) -> None:
         """Staged requests are released by ``abort`` / ``close``; prefill also aborts a registered room here."""
+        self.traces.pop(req.rid, None)
 
     def has_work(self) -> bool:
         return any(self.stages)
@@ -139,6 +155,20 @@ class PDRole(ABC):
         }
 
     # ------------------------------------------------------------ helpers for the roles
+    def stamp(self, rid: str, stage: str, at: Optional[float] = None) -> None:
+        """Record ``stage`` at ``at`` (default now, ``time.time()``) in ``rid``'s trace, if it asked for one."""
+        trace = self.traces.get(rid)
+        if trace is not None:
+            trace[stage] = time.time() if at is None else at
+
+    def stamp_transfer(self, entry: PDEntry, names: dict[str, str]) -> None:
+        """Copy the sender's / receiver's own ``stamps`` (``names``: its key -> the trace's) into the trace."""
+        if entry.rid in self.traces:
+            for key, stage in names.items():
+                at = entry.transfer.stamps.get(key)
+                if at is not None:
+                    self.stamp(entry.rid, stage, at)
+
     def guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
         """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
         try:

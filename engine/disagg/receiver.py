@@ -78,7 +78,12 @@ class _Source:
 
 
 class DecodeReceiver(KVReceiver):
-    """One request's KV on its way in (see kvship.engine.disagg.base for the contract)."""
+    """One request's KV on its way in (see kvship.engine.disagg.base for the contract).
+
+    ``stamps`` holds the wall-clock times (``time.time()``) of the room's steps on this side, for the
+    request's trace (docs/pd.md, "Reading a request's trace"): ``registered`` (the last Register sent),
+    ``started`` (prefill's Started arrived), ``arrived`` (the done signal: every byte has landed).
+    """
 
     def __init__(self, manager: "DecodeKVManager", host: str, port: int, room: int):
         self.room = room
@@ -98,6 +103,7 @@ class DecodeReceiver(KVReceiver):
         self._aborting: Optional[str] = None
         self._abort_at = 0.0
         self._aux: Optional[AuxRecord] = None
+        self.stamps: dict[str, float] = {}
 
     # -- scheduler API --------------------------------------------------
     def init(self, dst_pages: Sequence[int]) -> None:
@@ -215,6 +221,7 @@ class DecodeReceiver(KVReceiver):
     def _register_locked(self, src: _Source) -> None:
         assert self.pages is not None
         algo = default_algorithm(self._m.pool_device) if self._m.config.checksum else None
+        self.stamps["registered"] = time.time()  # before the send: prefill may act on it before send() returns
         if not src.link.send(Register(room=self.room, pages=self.pages, aux_slot=src.aux_slot, checksum=algo)):
             src.ended = True
             self._abort_locked(f"lost the link to prefill {src.link.address} while registering")
@@ -275,11 +282,12 @@ class DecodeReceiver(KVReceiver):
         if src is None:
             return
         if isinstance(msg, Started):
+            self.stamps["started"] = time.time()
             if self._state == KVPoll.WaitingForInput:
                 self._state = KVPoll.Transferring
         elif isinstance(msg, Done):
             src.ended = True
-            self._count_done_locked()
+            self._set_done_locked()
         elif isinstance(msg, Fail):
             self._source_ended_locked(src, f"prefill failed the transfer: {msg.reason}")
         elif isinstance(msg, Abort):
@@ -328,11 +336,14 @@ class DecodeReceiver(KVReceiver):
                 )
         return KVPoll.Success, None, aux
 
-    def _count_done_locked(self) -> None:
-        """One prefill rank's done signal: the room's bytes have all landed after every rank's."""
+    def _set_done_locked(self) -> None:
+        """Every byte of the room has landed: ``poll()`` verifies it next (wake the scheduler for that)."""
         self._dones += 1
-        if self._dones >= len(self.sources):
-            self._done = True
+        if self._dones < len(self.sources):  # one done signal per prefill rank
+            return
+        self._done = True
+        self.stamps["arrived"] = time.time()
+        self._m.progressed()
 
     def _finish_locked(self, state: KVPoll, reason: Optional[str]) -> None:
         if self._state.is_terminal:
@@ -340,6 +351,7 @@ class DecodeReceiver(KVReceiver):
         m = self._m
         self._state = state
         self._reason = reason
+        m.progressed()
         if m.active.get(self.room) is self:
             del m.active[self.room]
             m.backend.forget_room(self.room)
@@ -473,7 +485,7 @@ class DecodeKVManager(KVManager):
             if r is None or r._state.is_terminal:
                 return
             if error is None:
-                r._count_done_locked()
+                r._set_done_locked()
             else:  # the backend already drops this room's later data
                 r._finish_locked(KVPoll.Failed, error)
 

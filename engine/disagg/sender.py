@@ -86,7 +86,13 @@ class _PendingRegistration:
 
 
 class PrefillSender(KVSender):
-    """One request's KV on its way out (see kvship.engine.disagg.base for the contract)."""
+    """One request's KV on its way out (see kvship.engine.disagg.base for the contract).
+
+    ``stamps`` holds the wall-clock times (``time.time()``) of the room's steps on this side, for the
+    request's trace (docs/pd.md, "Reading a request's trace"): ``registered`` (decode's destination
+    known), ``transfer_start`` / ``transfer_end`` (a transfer thread took the room / wrote its last byte
+    and done signal).
+    """
 
     def __init__(self, manager: "PrefillKVManager", room: int):
         self.room = room
@@ -103,6 +109,7 @@ class PrefillSender(KVSender):
         self._failed: Optional[str] = None  # failure decided while busy
         self._tell_decode: list[tuple[_DecodePeer, Message]] = []  # sent once not busy
         self._ack_after: list[_DecodePeer] = []  # decode ranks whose abort is acknowledged when done
+        self.stamps: dict[str, float] = {}
 
     # -- scheduler API --------------------------------------------------
     def poll(self) -> KVPoll:
@@ -169,8 +176,10 @@ class PrefillSender(KVSender):
     def _attach_locked(self, peer: _DecodePeer, reg: Register) -> None:
         if not self._add_target_locked(peer, reg):
             return
+        self.stamps["registered"] = time.time()
         if self._state == KVPoll.Bootstrapping and self.registered:
             self._state = KVPoll.WaitingForInput
+            self._m.progressed()
             if self._payload is not None:
                 self._enqueue_locked()
 
@@ -211,6 +220,7 @@ class PrefillSender(KVSender):
         self._state = state
         self._reason = reason
         self._m.forget(self)
+        self._m.progressed()
         if state == KVPoll.Failed:
             logger.info("KV sender room %d failed: %s", self.room, reason)
         for peer in self._ack_after:
@@ -472,6 +482,7 @@ class PrefillKVManager(KVManager):
         self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray, aux: AuxInfo
     ) -> None:
         layout = self.layout
+        s.stamps["transfer_start"] = time.time()
         dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
         peer.conn.send(Started(room=s.room))
         part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
@@ -518,6 +529,7 @@ class PrefillKVManager(KVManager):
         )
         if not in_band and not peer.conn.send(Done(room=s.room)):
             raise KVTransferError(f"decode connection lost before the done signal: {peer.conn.close_reason}")
+        s.stamps["transfer_end"] = time.time()
 
     # -- housekeeping ------------------------------------------------------
     def _housekeeping(self) -> None:

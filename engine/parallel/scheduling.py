@@ -62,6 +62,9 @@ class BroadcastInbox:
     def empty(self) -> bool:
         return self.local.empty()
 
+    def wake(self) -> None:
+        self.local.wake()
+
     def drain(self, block_s: float = 0.0) -> list[Message]:
         """This step's messages, the same on every rank (a collective)."""
         if self.tp.is_leader:

@@ -33,6 +33,13 @@ class Abort:
 Message = Union[Submit, Abort]
 
 
+class _Wake:
+    """Queued by ``Inbox.wake`` to end a blocking ``get`` early; never handed to the scheduler."""
+
+
+_WAKE = _Wake()
+
+
 class Inbox:
     """A thread-safe FIFO of ``Submit`` / ``Abort`` messages."""
 
@@ -40,6 +47,7 @@ class Inbox:
         self._q: "queue.SimpleQueue[Message]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._wake_pending = False
 
     def put(self, msg: Message) -> None:
         """Enqueue ``msg``; a ``Submit`` after ``close`` raises ``SchedulerClosedError``."""
@@ -49,11 +57,24 @@ class Inbox:
             self._q.put(msg)
 
     def get(self, block_s: float = 0.0) -> Optional[Message]:
-        """The next message, waiting up to ``block_s`` seconds; None when there is none."""
+        """The next message, waiting up to ``block_s`` seconds; None when there is none (or ``wake`` was called)."""
         try:
-            return self._q.get(timeout=block_s) if block_s > 0 else self._q.get_nowait()
+            msg = self._q.get(timeout=block_s) if block_s > 0 else self._q.get_nowait()
+            while msg is _WAKE:
+                self._wake_pending = False
+                msg = self._q.get_nowait()
         except queue.Empty:
             return None
+        return msg  # type: ignore[return-value]
+
+    def wake(self) -> None:
+        """End a blocking ``get`` / ``drain`` now: something the loop polls changed (a KV transfer moved).
+
+        Any thread may call it; wakes that arrive before the loop looks collapse into one.
+        """
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._q.put(_WAKE)
 
     def drain(self, block_s: float = 0.0) -> list[Message]:
         """Every queued message, waiting up to ``block_s`` seconds for the first.
@@ -69,7 +90,8 @@ class Inbox:
         return out
 
     def empty(self) -> bool:
-        return self._q.empty()
+        n = self._q.qsize()
+        return n == 0 or (n == 1 and self._wake_pending)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,453 @@
+r"""TTFT of a PD request over HTTP, broken down stage by stage, beside a unified worker's TTFT in the same run.
+
+What runs (all real processes on this machine): one unified worker (``kvship serve --mode unified``) and, for each
+``--backend``, a ``kvship local`` deployment (router + 1 prefill + 1 decode worker over that transfer backend).  For
+each prompt length and each of ``--repeats`` rounds (after ``--warmup``), three requests in rotating order: the same
+fresh random prompt to the unified worker and to the PD router, and another one to the PD router with
+``"return_trace": true`` (``POST /generate``, ``max_new_tokens: 1``, greedy).  TTFT is from the client's send to its
+first response byte (non-streaming with one token: the whole answer), taken on the untraced requests; the unified
+and PD answers must hold the same token (greedy equality; with ``--shape``'s dummy weights, whose flat logits may flip
+a token, differing tokens are counted in the "same token" column instead).
+
+The breakdown comes from the processes themselves (docs/pd.md, "Reading a request's trace"): the decode worker's
+``meta_info.trace``, and the router's ``x-kvship-trace`` header with its own stamps and the prefill worker's
+``meta_info.trace``.  Every stamp is ``time.time()`` of its process; all processes run on this machine, so they
+share one wall clock.  Stages, in order (ms between consecutive stamps in the table):
+
+    client send -> router received -> prefill http_received / scheduled -> room registered (decode's Register
+    reached prefill) -> prefill admitted -> forward_done (first token sampled) -> kv_send_start -> kv_send_end
+    -> decode kv_arrived -> kv_verified -> decode admitted / first_token_flush -> decode http_respond
+    -> router decode_first_byte -> client first byte
+
+CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
+
+    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 2048 4096 --out /tmp/pd_ttft_tiny
+    .venv/bin/python bench/pd_ttft.py --model smollm2 --prompt-len 128 512 1024 --out /tmp/pd_ttft_smol
+
+GPU (Llama-3.1-8B shape, dummy bf16 weights; a word-level tokenizer of the shape's vocabulary is written beside the
+config, since nothing can be downloaded there), one device call from the repository root with
+``carry: [".device", ".whl"]``::
+
+    PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
+    python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp --backend mooncake \
+        --prompt-len 128 512 2048 4096 8000 --out "$OUT" 2>&1 | tail -60
+
+Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables).  On GPU the
+unified worker and the two PD workers share the device: each gets ``--max-total-tokens`` (default 2 x the longest
+prompt + 1024).  The in-process variant (schedulers in threads of one process, no HTTP) is bench/pd_ttft_inproc.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger("bench.pd_ttft")
+ROOT = Path(__file__).resolve().parent.parent
+
+# (column, from stamp, to stamp): consecutive stages of one PD request; "c." client, "r." router, "p." prefill,
+# "d." decode.  Decode's side runs beside prefill's: its columns show where it waits for prefill.
+SEGMENTS: list[tuple[str, str, str]] = [
+    ("client->router", "c.sent", "r.received"),
+    ("router->prefill http", "r.received", "p.http_received"),
+    ("prefill http->sched", "p.http_received", "p.scheduled"),
+    ("wait for decode's room", "p.scheduled", "p.admitted"),
+    ("prefill forward", "p.admitted", "p.forward_done"),
+    ("hand-off to sender", "p.forward_done", "p.kv_send_start"),
+    ("KV send", "p.kv_send_start", "p.kv_send_end"),
+    ("decode sees KV", "p.kv_send_end", "d.kv_verified"),
+    ("decode admit+flush", "d.kv_verified", "d.first_token_flush"),
+    ("decode http out", "d.first_token_flush", "d.http_respond"),
+    ("router relay", "d.http_respond", "r.decode_first_byte"),
+    ("router->client", "r.prefill_reply", "c.first_byte"),
+]
+# decode's own path to the registration prefill waits for
+DECODE_SIDE: list[tuple[str, str, str]] = [
+    ("d: router->registered", "r.received", "d.room_registered"),
+    ("p: registration seen", "d.room_registered", "p.room_registered"),
+    ("p: registered->admitted", "p.room_registered", "p.admitted"),
+    ("r: trace waits for prefill reply", "r.decode_first_byte", "r.prefill_reply"),
+]
+
+
+# ----------------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "kvship.app.cli"]
+
+
+class Proc:
+    """A child process (own session) with its log file; ``stop()`` SIGINTs it, SIGKILLs it after a grace period."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str):
+        self.name = name
+        self.log = os.path.join(log_dir, f"{name}.log")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log, "wb") as out:
+            self.p = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            )
+
+    def tail(self, n: int = 30) -> str:
+        with open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.p.pid, signal.SIGINT)
+            try:
+                self.p.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+
+
+def wait_ready(proc: Proc, port: int, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.p.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.p.returncode}:\n{proc.tail()}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", path)
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{proc.name} not ready within {timeout:.0f} s:\n{proc.tail()}")
+
+
+class Client:
+    """One kept-alive HTTP connection; ``generate`` returns (status, headers, body, send time, first-byte time)."""
+
+    def __init__(self, port: int, timeout: float):
+        self.port, self.timeout = port, timeout
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+
+    def generate(self, body: dict) -> tuple[int, dict, dict, float, float]:
+        data = json.dumps(body).encode()
+        headers = {"content-type": "application/json"}
+        for attempt in range(2):
+            try:
+                t0 = time.time()
+                self.conn.request("POST", "/generate", data, headers)
+                resp = self.conn.getresponse()  # returns once the status line and headers are in
+                t1 = time.time()
+                raw = resp.read()
+                break
+            except (http.client.HTTPException, OSError):
+                self.conn.close()  # a kept-alive connection the server closed: reconnect once
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+                if attempt:
+                    raise
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw), t0, t1
+
+
+# ----------------------------------------------------------------------------------- models
+
+
+def write_wordlevel_tokenizer(model_dir: str, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per id (``<i>``), so a dummy-weight shape can be served offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", eos_token="<1>").save_pretrained(model_dir)
+
+
+def model_flags(args: argparse.Namespace, work: str) -> tuple[list[str], int, str]:
+    """Worker flags naming the model, its vocabulary size and a label."""
+    if args.shape:
+        spec = importlib.util.spec_from_file_location("bench_decode_latency", ROOT / "bench" / "decode_latency.py")
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        path = mod.write_model_dir(args.shape, work)
+        vocab = int(mod.SHAPES[args.shape]["vocab_size"])
+        write_wordlevel_tokenizer(path, vocab)
+        return ["--model-path", path, "--load-format", "dummy", "--dtype", "bfloat16"], vocab, args.shape
+    if args.model == "tiny":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import _TINY_SPECS, TINY_VOCAB_SIZE, build_tiny_model  # tests/conftest.py, test-only models
+
+        spec = dict(_TINY_SPECS["llama"])
+        path = build_tiny_model(os.path.join(work, "tiny"), spec.pop("arch"), seed=spec.pop("seed"), **spec)
+        return ["--model-path", path], TINY_VOCAB_SIZE, "tiny random Llama"
+    if args.model == "smollm2":
+        from kvship.engine.embedded import embedded_model_path
+
+        return ["--model-path", embedded_model_path()], 49152, "SmolLM2-135M-Instruct (GGUF)"
+    return ["--model-path", args.model], args.vocab_size, os.path.basename(args.model)
+
+
+# ----------------------------------------------------------------------------------- one request
+
+
+def flatten(client: tuple[float, float], headers: dict, body: dict) -> dict[str, float]:
+    """Every stamp of one PD answer under one namespace: c. (client), r. (router), p. (prefill), d. (decode)."""
+    out = {"c.sent": client[0], "c.first_byte": client[1]}
+    for k, v in ((body.get("meta_info") or {}).get("trace") or {}).items():
+        out["d." + k] = v
+    raw = headers.get("x-kvship-trace")
+    if raw:
+        rt = json.loads(raw)
+        for k, v in (rt.get("router") or {}).items():
+            out["r." + k] = v
+        for k, v in (rt.get("prefill") or {}).items():
+            out["p." + k] = v
+    return out
+
+
+def segments(st: dict[str, float]) -> dict[str, float]:
+    return {name: st[b] - st[a] for name, a, b in SEGMENTS + DECODE_SIDE if a in st and b in st}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = tempfile.mkdtemp(prefix="kvship-pd-ttft-")
+    flags, vocab, label = model_flags(args, work)
+    longest = max(args.prompt_len)
+    mtt = args.max_total_tokens or 2 * longest + 1024
+    flags += ["--device", args.device, "--page-size", str(args.page_size), "--max-total-tokens", str(mtt)]
+    flags += ["--context-length", str(longest + 64)]
+    if args.num_threads:
+        flags += ["--num-threads", str(args.num_threads)]
+    flags += args.worker_arg
+    res: dict[str, Any] = {
+        "model": label,
+        "device": args.device,
+        "clock": "time.time() of each process (one machine, one wall clock)",
+        "env": {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()},
+        "label": args.label,
+        "prompt_lens": args.prompt_len,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "page_size": args.page_size,
+        "worker_flags": flags,
+        "unified": {},
+        "backends": {},
+    }
+    if args.device == "cuda":
+        import torch
+
+        res["env"]["gpu"] = torch.cuda.get_device_name(0)
+    rng = random.Random(args.seed)
+    u_port = free_port()
+    unified = Proc("unified", _python() + ["serve", "--mode", "unified", "--port", str(u_port)] + flags, work)
+    logger.info("logs in %s", work)
+    try:
+        wait_ready(unified, u_port, "/health", args.startup_timeout)
+        u_client = Client(u_port, args.timeout)
+        for backend in args.backend:
+            r_port = free_port()
+            local = Proc(
+                f"local-{backend}",
+                _python()
+                + [
+                    "local",
+                    "--port",
+                    str(r_port),
+                    "--transfer-backend",
+                    backend,
+                    "--log-dir",
+                    work,
+                    "--shutdown-grace",
+                    "20",
+                ]
+                + flags,
+                work,
+            )
+            try:
+                wait_ready(local, r_port, "/readiness", args.startup_timeout)
+                res["backends"][backend] = measure(
+                    args, backend, Client(r_port, args.timeout), u_client, vocab, rng, res
+                )
+            except Exception as e:  # noqa: BLE001 - report it, keep the other backends
+                logger.exception("backend %s failed", backend)
+                res["backends"][backend] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                local.stop()
+    finally:
+        unified.stop()
+    return res
+
+
+def measure(
+    args: argparse.Namespace, backend: str, pd: Client, uni: Client, vocab: int, rng: random.Random, res: dict
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in args.prompt_len:
+        rows, u_rows = [], res["unified"].setdefault(str(n), [])
+        for i in range(args.warmup + args.repeats):
+
+            def body(trace: bool) -> dict:  # a fresh prompt: no prefix-cache hit anywhere
+                return {
+                    "input_ids": [rng.randrange(3, vocab) for _ in range(n)],
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+                    "return_trace": trace,
+                }
+
+            plain, traced = body(False), body(True)
+            calls = [("unified", uni, plain), ("pd", pd, plain), ("pd traced", pd, traced)]
+            calls = calls[i % 3 :] + calls[: i % 3]  # rotate who goes first (machine drift, caches)
+            got: dict[str, tuple] = {}
+            for who, client, b in calls:
+                status, headers, answer, t0, t1 = client.generate(b)
+                if status != 200:
+                    raise RuntimeError(f"{backend} {who} prompt {n}: HTTP {status}: {answer}")
+                got[who] = (headers, answer, t0, t1)
+            (_, ua, u0, u1), (_, pa, p0, p1), (th, ta, t0, t1) = got["unified"], got["pd"], got["pd traced"]
+            equal = ua["output_ids"] == pa["output_ids"]
+            if not equal and not args.shape:  # dummy weights: flat logits may flip a token (DESIGN.md); counted
+                raise RuntimeError(f"{backend} prompt {n}: PD answered {pa['output_ids']}, unified {ua['output_ids']}")
+            stamps = flatten((t0, t1), th, ta)
+            row = {
+                "ttft": p1 - p0,
+                "traced_ttft": t1 - t0,
+                "equal": equal,
+                "stamps": stamps,
+                "segments": segments(stamps),
+            }
+            urow = {"ttft": u1 - u0}
+            logger.info(
+                "%s n=%d%s: PD %.2f ms, unified %.2f ms",
+                backend,
+                n,
+                " (warm-up)" if i < args.warmup else "",
+                row["ttft"] * 1e3,
+                urow["ttft"] * 1e3,
+            )
+            if i >= args.warmup:
+                rows.append(row)
+                u_rows.append(urow)
+        seg_names = [s[0] for s in SEGMENTS + DECODE_SIDE]
+        med = {
+            k: statistics.median(r["segments"][k] for r in rows if k in r["segments"])
+            for k in seg_names
+            if any(k in r["segments"] for r in rows)
+        }
+        out[str(n)] = {
+            "ttft": statistics.median(r["ttft"] for r in rows),
+            "traced_ttft": statistics.median(r["traced_ttft"] for r in rows),
+            "unified_ttft": statistics.median(r["ttft"] for r in u_rows[-args.repeats :]),
+            "segments": med,
+            "equal": f"{sum(r['equal'] for r in rows)}/{len(rows)}",
+            "samples": rows,
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------------- report
+
+
+def markdown(res: dict[str, Any]) -> str:
+    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    dev = res["device"] + (" " + res["env"].get("gpu", "") if res["device"] == "cuda" else "")
+    lines = [
+        f"## PD TTFT over HTTP{' (' + res['label'] + ')' if res['label'] else ''}: {res['model']}, {dev}, "
+        f"page {res['page_size']}",
+        "",
+        f"Medians of {res['repeats']} fresh prompts per length (after {res['warmup']} warm-up), `/generate` with "
+        f"`max_new_tokens: 1`; per repeat one unified, one PD and one traced PD request (`return_trace`), in "
+        f"rotating order. TTFT: client send to first response byte, untraced requests. Clock: {res['clock']}.",
+        "",
+        "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b, per in res["backends"].items():
+        if "error" in per:
+            lines.append(f"| {b} | failed: {per['error']} | | | | | |")
+            continue
+        for n, r in per.items():
+            lines.append(
+                f"| {b} | {n} | {ms(r['unified_ttft'])} | {ms(r['ttft'])} | {ms(r['ttft'] - r['unified_ttft'])} | "
+                f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} |"
+            )
+    names = [s[0] for s in SEGMENTS + DECODE_SIDE]
+    lines += [
+        "",
+        "Breakdown (ms between consecutive stamps, medians; the last three columns are decode's path to "
+        "the registration prefill waits for):",
+        "",
+    ]
+    lines.append("| backend | prompt | traced TTFT | " + " | ".join(names) + " |")
+    lines.append("|---|---|---|" + "---|" * len(names))
+    for b, per in res["backends"].items():
+        if "error" in per:
+            continue
+        for n, r in per.items():
+            cells = [ms(r["segments"][k]) if k in r["segments"] else "" for k in names]
+            lines.append(f"| {b} | {n} | {ms(r['traced_ttft'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", action="append", choices=("tcp", "mooncake", "nixl"), help="repeatable (default tcp)")
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a model folder / .gguf (with --vocab-size)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below this (--model PATH)")
+    ap.add_argument("--shape", default=None, help="a bench/decode_latency.py shape, dummy weights (e.g. llama3-8b)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=None, help="each worker's KV pool (default 2 x longest + 1024)"
+    )
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default 1 on cpu)")
+    ap.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeatable, e.g. =--foo)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--label", default="", help="a name for this run in the tables (e.g. before / after)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    args.backend = args.backend or ["tcp"]
+    if args.repeats < 1 or args.warmup < 0 or min(args.prompt_len) < 2:
+        ap.error("--repeats >= 1, --warmup >= 0, every --prompt-len >= 2")
+    if args.model not in ("tiny", "smollm2") and not args.shape and args.vocab_size is None:
+        ap.error("--model PATH needs --vocab-size")
+    if args.num_threads is None and args.device == "cpu":
+        args.num_threads = 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run's finally blocks stop the children
+    res = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    md = markdown(res)
+    with open(os.path.join(args.out, "pd_ttft.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "pd_ttft.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0 if all("error" not in r for r in res["backends"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
