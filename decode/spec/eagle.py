@@ -106,8 +106,9 @@ class EagleDrafter(Drafter):
         r.hidden_capture = HiddenCapture(layers=self.head.cfg.aux_layer_ids, sink=self._store)
         scratch = self.steps * max(self.topk, 1) + 8  # expanded nodes of one request's tree, with room
         rows = self.max_running + 16
-        # entries are per request (no prefix sharing): room for twice the target's pool plus scratch
-        slots = 2 * r.max_total_tokens + rows * scratch
+        # entries are per request (no prefix sharing): as many as the target's slots plus scratch; requests
+        # sharing a cached prefix can outgrow it, and then a round drafts nothing (still lossless)
+        slots = r.max_total_tokens + rows * scratch
         self.pool = KVPool(slots, 1, r.kv_dtype, dmc.num_key_value_heads, dmc.head_dim, 1, r.device)
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, 1)
         self.r2t = ReqToTokenPool(rows, r.context_len + scratch + 2, r.device)
