@@ -70,8 +70,8 @@ SEGMENTS: list[tuple[str, str, str]] = [
     ("wait for decode's room", "p.scheduled", "p.admitted"),
     ("prefill forward", "p.admitted", "p.forward_done"),
     ("hand-off to sender", "p.forward_done", "p.kv_send_start"),
-    ("KV send", "p.kv_send_start", "p.kv_send_end"),
-    ("decode sees KV", "p.kv_send_end", "d.kv_verified"),
+    ("KV lands on decode", "p.kv_send_start", "d.kv_arrived"),
+    ("decode sees KV", "d.kv_arrived", "d.kv_verified"),
     ("decode admit+flush", "d.kv_verified", "d.first_token_flush"),
     ("decode http out", "d.first_token_flush", "d.http_respond"),
     ("router relay", "d.http_respond", "r.decode_first_byte"),
@@ -79,7 +79,9 @@ SEGMENTS: list[tuple[str, str, str]] = [
 ]
 # decode's own path to the registration prefill waits for
 DECODE_SIDE: list[tuple[str, str, str]] = [
-    ("d: router->registered", "r.received", "d.room_registered"),
+    ("d: router->http", "r.sent", "d.http_received"),
+    ("d: http->sched", "d.http_received", "d.scheduled"),
+    ("d: sched->registered", "d.scheduled", "d.room_registered"),
     ("p: registration seen", "d.room_registered", "p.room_registered"),
     ("p: registered->admitted", "p.room_registered", "p.admitted"),
     ("r: trace waits for prefill reply", "r.decode_first_byte", "r.prefill_reply"),
@@ -207,6 +209,42 @@ def model_flags(args: argparse.Namespace, work: str) -> tuple[list[str], int, st
     return ["--model-path", args.model], args.vocab_size, os.path.basename(args.model)
 
 
+def kv_bytes_per_token(model_flags_: list[str], dtype: str) -> Optional[int]:
+    """K+V bytes of one token over all layers, from the model folder's config.json (None without one)."""
+    path = model_flags_[model_flags_.index("--model-path") + 1]
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except OSError:
+        return None
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * size
+
+
+def copy_bandwidth(device: str, mib: int = 512) -> float:
+    """Bytes/s that ``dst.copy_(src)`` moves on ``device`` (bytes copied, not read + written), best of 5."""
+    import torch
+
+    src = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    n = src.numel()
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the device to the workers
+    return n / best
+
+
 # ----------------------------------------------------------------------------------- one request
 
 
@@ -250,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "page_size": args.page_size,
         "worker_flags": flags,
+        "copy_bandwidth_Bps": copy_bandwidth(args.device),
         "unified": {},
         "backends": {},
     }
@@ -264,6 +303,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         wait_ready(unified, u_port, "/health", args.startup_timeout)
         u_client = Client(u_port, args.timeout)
+        info = http.client.HTTPConnection("127.0.0.1", u_port, timeout=30)
+        info.request("GET", "/get_server_info")
+        dtype = json.loads(info.getresponse().read())["model"]["dtype"]
+        res["kv_dtype"] = dtype
+        res["kv_bytes_per_token"] = kv_bytes_per_token(flags, dtype) if "--kv-cache-dtype" not in flags else None
         for backend in args.backend:
             r_port = free_port()
             local = Proc(
@@ -366,6 +410,16 @@ def measure(
 # ----------------------------------------------------------------------------------- report
 
 
+def kv_cells(res: dict[str, Any], n: int, r: dict[str, Any]) -> str:
+    """The prompt's KV size and the rate it moved at (median of the traced samples), or blanks."""
+    per_token = res.get("kv_bytes_per_token")
+    t = r["segments"].get("KV lands on decode")
+    if not per_token or not t:
+        return " | "
+    nbytes = per_token * n
+    return f"{nbytes / 2**20:.1f} | {nbytes / t / 1e9:.2f}"
+
+
 def markdown(res: dict[str, Any]) -> str:
     ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
     dev = res["device"] + (" " + res["env"].get("gpu", "") if res["device"] == "cuda" else "")
@@ -375,25 +429,28 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Medians of {res['repeats']} fresh prompts per length (after {res['warmup']} warm-up), `/generate` with "
         f"`max_new_tokens: 1`; per repeat one unified, one PD and one traced PD request (`return_trace`), in "
-        f"rotating order. TTFT: client send to first response byte, untraced requests. Clock: {res['clock']}.",
+        f"rotating order. TTFT: client send to first response byte, untraced requests. Clock: {res['clock']}. "
+        f"`copy_` on this {res['device']}: {res['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (bytes copied per second).",
         "",
-        "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token |",
-        "|---|---|---|---|---|---|---|",
+        "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token | KV MiB | "
+        "KV GB/s (send start -> landed) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for b, per in res["backends"].items():
         if "error" in per:
-            lines.append(f"| {b} | failed: {per['error']} | | | | | |")
+            lines.append(f"| {b} | failed: {per['error']} | | | | | | | |")
             continue
         for n, r in per.items():
             lines.append(
                 f"| {b} | {n} | {ms(r['unified_ttft'])} | {ms(r['ttft'])} | {ms(r['ttft'] - r['unified_ttft'])} | "
-                f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} |"
+                f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} | {kv_cells(res, int(n), r)} |"
             )
     names = [s[0] for s in SEGMENTS + DECODE_SIDE]
     lines += [
         "",
-        "Breakdown (ms between consecutive stamps, medians; the last three columns are decode's path to "
-        "the registration prefill waits for):",
+        "Breakdown of the traced requests (ms between the stamps named in bench/pd_ttft.py's SEGMENTS, medians; "
+        "the `d:` / `p:` columns are decode's path to the registration prefill waits for, the `r:` column the "
+        "router's wait for the prefill reply, which only traced requests have):",
         "",
     ]
     lines.append("| backend | prompt | traced TTFT | " + " | ".join(names) + " |")
