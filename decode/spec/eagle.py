@@ -31,8 +31,9 @@ Drafts are deterministic candidates, so the verify rules of ``verify`` keep
 the output lossless whatever the head predicts.  A request with no draft row
 or pool left (or a one-token sequence) gets an empty tree: one plain token.
 In PD the decode worker never computed the prompt's features (the prefill
-worker ran the prompt), so those entries read zero features: still lossless,
-lower acceptance on the first rounds.
+worker ran the prompt), so those entries read whatever the slots hold (zeros,
+or a feature left by an earlier user of the slot): still lossless, lower
+acceptance until the context is mostly decoded tokens.
 """
 
 from __future__ import annotations
