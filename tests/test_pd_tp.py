@@ -10,8 +10,9 @@
   transfer a room (2->1, 1->2, 2->2 with replicated heads) with checksums on;
   each decode rank ends with exactly its heads; aborts on one rank end every
   rank's transfer; no room or aux slot is left behind.
-* ``kvship local --prefill-tp-size a --decode-tp-size b`` over tcp: greedy tokens
-  equal to unified TP=1, every rank's KV slots back to full.
+* ``kvship local --prefill-tp-size a --decode-tp-size b`` (2 -> 1 and 1 -> 2 over tcp,
+  2 -> 1 over nixl, 1 -> 2 over mooncake): greedy tokens equal to unified TP=1,
+  every rank's KV slots back to full.
 """
 
 from __future__ import annotations
@@ -246,10 +247,16 @@ PROMPTS = make_prompts(4, seed=12, lo=3, hi=40)
 MAX_NEW = 6
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_kvship_local_with_tensor_parallel_workers_equals_unified_tp1(tiny_llama_dir, prefill_tp, decode_tp):
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,backend", [(2, 1, "tcp"), (1, 2, "tcp"), (2, 1, "nixl"), (1, 2, "mooncake")]
+)
+def test_kvship_local_with_tensor_parallel_workers_equals_unified_tp1(tiny_llama_dir, prefill_tp, decode_tp, backend):
     """4 heads / 2 KV heads: 2 -> 1 gathers both ranks' heads, 1 -> 2 splits them; tokens equal unified TP=1,
     and every rank of both workers has all its KV slots back afterwards."""
+    try:
+        get_transfer_backend(backend)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
     want = unified_greedy(tiny_llama_dir, PROMPTS, MAX_NEW)
     args = [
         "--model-path",
@@ -264,6 +271,8 @@ def test_kvship_local_with_tensor_parallel_workers_equals_unified_tp1(tiny_llama
         str(prefill_tp),
         "--decode-tp-size",
         str(decode_tp),
+        "--transfer-backend",
+        backend,
     ]
     with start_local(args) as cluster:
         for ids, expected in zip(PROMPTS, want):
