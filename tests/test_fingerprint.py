@@ -129,11 +129,12 @@ def test_decode_refuses_a_prefill_of_another_fingerprint_with_a_503_naming_both(
     boot = server_fixtures.free_port()
     with (
         _worker(tiny_llama_dir, "prefill", ["--disaggregation-bootstrap-port", str(boot)]) as p,
-        _worker(tiny_llama_b_dir, "decode", []) as d,
+        _worker(tiny_llama_b_dir, "decode", ["--revision", "rollout-7"]) as d,
     ):
         pi, di = p.get("/get_server_info").json(), d.get("/get_server_info").json()
         assert pi["fingerprint"] != di["fingerprint"]
         assert pi["revision"] == pi["fingerprint"]  # no --revision: the fingerprint is the revision
+        assert di["revision"] == "rollout-7" and len(di["fingerprint"]) == 16  # --revision only renames it
         body = {
             "input_ids": list(range(3, 40)),
             "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
