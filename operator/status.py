@@ -298,13 +298,15 @@ def compute_status(
         conditions.append(cond("RouterSynced", observed.sync.ok, observed.sync.reason, observed.sync.message))
     elif "RouterSynced" in previous:
         conditions.append(previous["RouterSynced"])
+    # A pass that could not read the router keeps the last figures (observedAt says how old they are).
+    fresh = router is not None and router.reachable
     slo: Optional[dict] = None
-    if router is not None:
-        slo = slo_status(router.slo, now) if router.reachable and router.slo is not None else None
+    if fresh:
+        slo = slo_status(router.slo, now) if router.slo is not None else None
     else:
         slo = previous_status.get("slo")
     if cfg.spec.slo is not None:
-        if router is None and "SLOMet" in previous:
+        if not fresh and "SLOMet" in previous:
             conditions.append(previous["SLOMet"])
         else:
             conditions.append(cond("SLOMet", *slo_condition(cfg.spec.slo, slo)))

@@ -420,3 +420,29 @@ async def test_slo_figures_land_in_status_and_slo_met_flips_with_the_target(env)
     stored = kube.get("kvship.io/v1alpha1", "inferenceservices", NS, "s2")["status"]
     assert stored["slo"]["requests"] == 0 and "ttftP50Ms" not in stored["slo"]
     await client.aclose()
+
+
+def test_a_pass_that_cannot_read_the_router_keeps_the_last_figures_and_slo_met():
+    from kvship.operator.status import Observed, compute_status
+
+    spec = dict(PD, slo={"ttftP90Ms": 100})
+    cfg = cfg_of(spec)
+    previous = {
+        "slo": {"window": "60s", "requests": 9, "ttftP90Ms": 140.0, "observedAt": "2026-01-01T00:00:00Z"},
+        "conditions": [
+            {"type": "SLOMet", "status": "False", "reason": "TargetMissed", "message": "m", "lastTransitionTime": "t"}
+        ],
+    }
+    body = {
+        "metadata": {"name": "svc", "namespace": NS, "uid": "u1", "generation": 1},
+        "spec": spec,
+        "status": previous,
+    }
+    down = RouterView("http://router", False, "timed out")
+    st = compute_status(body, cfg, [], [], {}, observed=Observed(revision=rev(spec), router=down))
+    assert st["slo"] == previous["slo"]
+    assert next(c for c in st["conditions"] if c["type"] == "SLOMet") == previous["conditions"][0]
+    up = RouterView("http://router", True, slo={"window_s": 60, "requests": 0, "ttft_p90_ms": None})
+    st = compute_status(body, cfg, [], [], {}, observed=Observed(revision=rev(spec), router=up))
+    assert "ttftP90Ms" not in st["slo"] and st["slo"]["requests"] == 0
+    assert next(c for c in st["conditions"] if c["type"] == "SLOMet")["reason"] == "NoSamples"
