@@ -133,7 +133,7 @@ def _pool(heads: int):
     return KVPool(SLOTS, PAGE, torch.float32, heads, HEAD_DIM, LAYERS, "cpu")
 
 
-def _scenario(backend: str, k: int, a: int, b: int, abort_rank) -> dict:
+def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill) -> dict:
     """``a`` prefill and ``b`` decode rank managers in this process move one room; returns what happened."""
     from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
 
@@ -161,11 +161,14 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank) -> dict:
         receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room) for m in decode]
         for r in receivers:
             r.init(dst_pages)
-        if abort_rank is not None:
+        if abort_rank is not None or kill_prefill is not None:
             deadline = time.monotonic() + 20
             while any(s.poll() == KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
                 time.sleep(0.01)
+        if abort_rank is not None:
             receivers[abort_rank].abort("client went away")
+        if kill_prefill is not None:  # that rank's process is gone: its connections close
+            prefill[kill_prefill].close()
         for s in senders:
             s.send(src_pages, AuxInfo(first_token_id=42, first_token_logprob=-0.5, prompt_len=18))
         deadline = time.monotonic() + 30
@@ -205,14 +208,14 @@ def _scenario_main(conn, *args) -> None:
     os._exit(0)  # skip slow library teardown (UCX, mooncake)
 
 
-def _run_scenario(backend: str, k: int, a: int, b: int, abort_rank=None) -> dict:
+def _run_scenario(backend: str, k: int, a: int, b: int, abort_rank=None, kill_prefill=None) -> dict:
     try:
         get_transfer_backend(backend)
     except BackendUnavailableError as e:
         pytest.skip(str(e))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_scenario_main, args=(child, backend, k, a, b, abort_rank))
+    proc = ctx.Process(target=_scenario_main, args=(child, backend, k, a, b, abort_rank, kill_prefill))
     proc.start()
     try:
         assert parent.poll(90), "the transfer scenario hung"
@@ -240,6 +243,14 @@ def test_an_abort_on_one_decode_rank_ends_every_ranks_transfer_and_frees_everyth
     assert out["senders"] == ["Failed"] and out["receivers"] == ["Failed", "Failed"], out
     assert "client went away" in out["reasons"][1]
     assert out["leftover"] == [0, 0, 0] and all(out["aux_free"])
+
+
+def test_a_prefill_rank_that_dies_fails_the_room_on_every_rank_and_frees_everything():
+    """2 -> 2: prefill rank 1 goes away after both decode ranks registered; both receivers fail (the one
+    that still had rank 0 writing waits for its acknowledgement), rank 0's sender fails, nothing is left."""
+    out = _run_scenario("tcp", 2, 2, 2, kill_prefill=1)
+    assert out["senders"][0] == "Failed" and out["receivers"] == ["Failed", "Failed"], out
+    assert out["leftover"] == [0, 0, 0, 0] and all(out["aux_free"])
 
 
 # --- kvship local with tensor-parallel workers -------------------------------------------------
