@@ -234,9 +234,14 @@ class Router:
             self.sessions.set(session, worker.url)
         return worker
 
-    def choose(self, request: RoutingRequest, exclude: set[str]) -> Selection:
-        """Worker(s) for one attempt, all of the serving revision; raises ``NoWorker``."""
+    def choose(self, request: RoutingRequest, exclude: set[str], prefer_revision: Optional[str] = None) -> Selection:
+        """Worker(s) for one attempt, all of one revision: ``prefer_revision`` while it is ready (a resumed
+        stream goes on with the model it began with), else the serving one; raises ``NoWorker``."""
         revision = self.serving_revision(request.model)
+        if prefer_revision is not None and prefer_revision != revision:
+            available = {role: self.registry.available(role, request.model) for role in self.roles}
+            if prefer_revision in self.registry.revisions.ready_revisions(available):
+                revision = prefer_revision
         if self.config.pd:
             prefill = self._pick("prefill", request, exclude, True, revision)
             decode = self._pick("decode", request, exclude, False, revision)

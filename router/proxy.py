@@ -301,7 +301,7 @@ class ResumingRelay(Response):
         path, body = state.continuation()
         cont = dataclasses.replace(self.request, route=path, body=body, raw=json.dumps(body).encode())
         try:
-            self.up = await open_attempts(ctx, cont, exclude, path)
+            self.up = await open_attempts(ctx, cont, exclude, path, self.up.worker.revision)
         except (AttemptFailed, NoWorker, DeadlineExceeded) as e:
             reason = e.reason if isinstance(e, AttemptFailed) else (str(e) or "deadline passed")
             logger.warning("request %s: could not resume: %s", ctx.request_id, reason)
@@ -330,8 +330,11 @@ def _body(data: bytes) -> dict:
     return {"type": "http.response.body", "body": data, "more_body": True}
 
 
-async def open_attempts(ctx: RequestContext, request: RoutingRequest, exclude: set[str], path: str) -> Upstream:
-    """A resume's continuation: up to 1 + ``--max-retries`` attempts on workers not in ``exclude``.
+async def open_attempts(
+    ctx: RequestContext, request: RoutingRequest, exclude: set[str], path: str, revision: Optional[str] = None
+) -> Upstream:
+    """A resume's continuation: up to 1 + ``--max-retries`` attempts on workers not in ``exclude``, of
+    ``revision`` (the broken stream's) while that revision is ready (docs/router.md, "Revisions").
 
     Raises the last ``AttemptFailed``, ``NoWorker`` or ``DeadlineExceeded``.
     """
@@ -345,7 +348,7 @@ async def open_attempts(ctx: RequestContext, request: RoutingRequest, exclude: s
             if loop.time() + delay >= ctx.deadline:
                 break
             await asyncio.sleep(delay)
-        sel = router.choose(request, exclude)
+        sel = router.choose(request, exclude, revision)
         ctx.attempts += 1
         try:
             if cfg.pd:

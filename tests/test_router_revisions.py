@@ -324,3 +324,15 @@ async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tin
         assert slo["kv_transfer_gbps"] is not None and slo["kv_transfer_gbps"] > 0
         assert db.get("/get_server_info").json()["kv_transfer_bytes"] > 0
         assert slo["requests"] > 0 and slo["ttft_p50_ms"] is not None
+
+
+def test_a_resumed_stream_stays_on_its_revision_while_that_one_is_ready():
+    router = Router(RouterConfig(pd=True, policy="random"))
+    p1, d1 = _worker(router, "p1", "prefill", "r1"), _worker(router, "d1", "decode", "r1")
+    p2, d2 = _worker(router, "p2", "prefill", "r2"), _worker(router, "d2", "decode", "r2")
+    assert router.serving_revision() == "r2"
+    sel = router.choose(_req(), set(), prefer_revision="r1")  # the broken stream began on r1
+    assert (sel.prefill, sel.decode) == (p1, d1)
+    d1.healthy = False  # r1 is not ready any more: the continuation goes to the serving revision
+    sel = router.choose(_req(), set(), prefer_revision="r1")
+    assert (sel.prefill, sel.decode) == (p2, d2)
