@@ -223,7 +223,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         except (RegistrationError, ValueError) as e:
             return _error(400, str(e), "registration_failed")
         logger.info("worker %s (%s) added through the admin API", worker.url, worker.role)
-        return JSONResponse(worker.to_json(), status_code=200)
+        return JSONResponse(router.worker_json(worker), status_code=200)
 
     @app.delete("/workers")
     async def remove_worker(request: Request) -> Response:

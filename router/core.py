@@ -256,13 +256,15 @@ class Router:
             return False
         return True
 
+    def worker_json(self, worker: Worker) -> dict:
+        """One worker as ``/workers`` lists it: its fields plus ``state`` and ``in_rotation``."""
+        rotating = self.in_rotation(worker)
+        return {**worker.to_json(), "state": worker.state(rotating), "in_rotation": rotating}
+
     def workers_report(self) -> dict:
         """``GET /workers``: every worker with its revision, state and ``in_rotation``, and the revisions."""
         serving = self.serving_revisions()
-        workers = []
-        for w in self.registry.all():
-            rotating = self.in_rotation(w)
-            workers.append({**w.to_json(), "state": w.state(rotating), "in_rotation": rotating})
+        workers = [self.worker_json(w) for w in self.registry.all()]
         revisions = []
         for rev in self.registry.revisions.ordered():
             ready = {role: 0 for role in ("prefill", "decode", "unified")}
