@@ -19,6 +19,7 @@ import httpx
 import kube_emulator
 import pytest
 import server_fixtures
+from conftest import TINY_COMMON
 from router_fixtures import running_router, start_double
 
 from kvship.router.circuit import CircuitBreaker
@@ -258,7 +259,7 @@ async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tin
             pd=True, prefill=[pa.url], decode=[da.url], health_check_interval=0.5, slo_scrape_interval=0.3
         )
         async with running_router(config) as (url, app), httpx.AsyncClient(timeout=120) as c:
-            results: list[tuple[int, str, str, str]] = []  # status, prefill, decode, error text
+            results: list[tuple[int, str, str, str, int]] = []  # status, prefill, decode, error text, prompt len
             stop = asyncio.Event()
 
             async def one(i: int) -> None:
@@ -282,6 +283,7 @@ async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tin
                             r.headers.get("x-kvship-prefill", ""),
                             r.headers.get("x-kvship-decode", ""),
                             err,
+                            len(ids),
                         )
                     )
 
@@ -322,7 +324,12 @@ async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tin
         assert all(r[1] == pb.url for r in results[marker:])
         # decode workers report the KV bytes they received; the router turns that into a rate
         assert slo["kv_transfer_gbps"] is not None and slo["kv_transfer_gbps"] > 0
-        assert db.get("/get_server_info").json()["kv_transfer_bytes"] > 0
+        # float32 KV (CPU), page size 1: every prompt token brings K and V of every layer
+        per_token = (
+            TINY_COMMON["num_key_value_heads"] * TINY_COMMON["head_dim"] * 4 * 2 * TINY_COMMON["num_hidden_layers"]
+        )
+        expected = per_token * sum(r[4] for r in results if r[2] == db.url)
+        assert db.get("/get_server_info").json()["kv_transfer_bytes"] == expected > 0
         assert slo["requests"] > 0 and slo["ttft_p50_ms"] is not None
 
 
