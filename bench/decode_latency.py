@@ -1011,7 +1011,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("decode_latency needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.tp_size > 1:
+    if args.tp_size > 1 or args.force_tp_group:
         return tp_main(args, argv)
     return single_gpu_main(args)
 
@@ -1026,6 +1026,12 @@ def build_parser() -> argparse.ArgumentParser:
         "decode loops and writes decode_latency_tp<N>.json",
     )
     ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument(
+        "--force-tp-group",
+        action="store_true",
+        help="at --tp-size 1: run the tensor-parallel code path anyway (a world-size-1 NCCL group: parallel "
+        "layers, NCCL all-reduce in the CUDA graphs) to compare with the plain path on one GPU",
+    )
     ap.add_argument(
         "--ep-size",
         type=int,
