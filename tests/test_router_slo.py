@@ -161,7 +161,8 @@ async def _one(c: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[float
 def small_llama_dir(tmp_path_factory) -> str:
     """A random llama big enough that a decode step takes milliseconds on CPU: with the tiny test model a
     step is so short that the worker's HTTP thread, sharing the GIL with its model loop, sends tokens in
-    bursts and inter-token gaps are mostly ~0 for anyone who measures them."""
+    bursts and inter-token gaps are mostly ~0 for anyone who measures them.  (The worker also runs one torch
+    thread, leaving CPU to the router and the load generator, which otherwise read events late.)"""
     from conftest import build_tiny_model
 
     out = str(tmp_path_factory.mktemp("small_llama"))
@@ -169,19 +170,28 @@ def small_llama_dir(tmp_path_factory) -> str:
         out,
         "llama",
         seed=7,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=6,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=64,
+        head_dim=32,
     )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_slo_figures_agree_with_what_a_load_generator_measures(small_llama_dir):
-    args = ["--model-path", small_llama_dir, "--served-model-name", "tiny", "--max-running-requests", "1"]
+    args = [
+        "--model-path",
+        small_llama_dir,
+        "--served-model-name",
+        "tiny",
+        "--max-running-requests",
+        "1",
+        "--num-threads",
+        "1",
+    ]
     with server_fixtures.start_server(args + ["--max-total-tokens", "4096"]) as worker:
         # the router in its own process, as deployed: a load generator sharing its event loop would
         # see every event late by whatever the router does meanwhile
