@@ -12,7 +12,10 @@ pools; CUDA pools go through a staging buffer).  A frame of many small ranges
 (scattered pages: more than 64, under 256 KiB on average) is instead packed
 page-wise by prefill and unpacked page-wise by decode (numpy row gathers /
 scatters on CPU, torch index_select / index_copy_ on CUDA): the bytes on the
-wire are the same, only the copying differs.  Decode first checks that KV ranges
+wire are the same, only the copying differs.  Ranges that are one head slice
+of many slots (PD between different tensor-parallel sizes, ``tp_slices``: equal
+lengths at one column of ``[slots, slot bytes]`` rows) are gathered and
+scattered as such a column block in one numpy / torch indexing operation.  Decode first checks that KV ranges
 lie on pages registered for that room and that every range is inside its
 region (a range may be part of a page: one token's slice of KV heads when the
 two workers' tensor-parallel sizes differ, ``tp_slices``).  Frames for a room decode no longer expects (aborted, finished) are
@@ -97,6 +100,18 @@ def _segments(region: np.ndarray, off: np.ndarray, length: np.ndarray, num_kv: i
     return [(a, b, int(region[a]), bool(paged[a])) for a, b in zip(starts, ends)]
 
 
+def _strided(off: np.ndarray, length: np.ndarray, row: int) -> Optional[tuple[np.ndarray, int, int]]:
+    """(row indices, first column, width) when every range is the same column block of a ``[*, row]``
+    byte matrix (one head slice per slot), else None."""
+    if off.size == 0 or row <= 0:
+        return None
+    w = int(length[0])
+    col = int(off[0] % row)
+    if col + w > row or (length != w).any() or ((off - col) % row).any():
+        return None
+    return (off - col) // row, col, w
+
+
 def _page_units(off: np.ndarray, length: np.ndarray, page_bytes: int) -> np.ndarray:
     """Page indices covered by ranges (``off``, ``length``), in order."""
     first, counts = off // page_bytes, length // page_bytes
@@ -134,6 +149,7 @@ class TcpBackend(TransferBackend):
         self._threads: list[threading.Thread] = []
         self._num_kv = len(regions) - 1
         self._page_bytes = layout.page_bytes
+        self._row = layout.page_bytes // layout.page_size  # one slot's bytes in a K/V buffer
         # numpy views of host regions: slicing them is cheap (no tensor ops per range)
         self._np = [r.bytes_view().numpy() if r.device == "cpu" else None for r in regions]
         if role == "decode":
@@ -240,6 +256,15 @@ class TcpBackend(TransferBackend):
                     dev = self.regions[reg].tensor.device
                     out.append(self._paged(reg).index_select(0, torch.from_numpy(units).to(dev)).cpu().numpy())
                 continue
+            block = _strided(descs.src_off[a:b], descs.length[a:b], self._row) if reg < self._num_kv else None
+            if block is not None:
+                rows, col, w = block
+                if self._np[reg] is not None:
+                    out.append(self._np[reg].reshape(-1, self._row)[rows, col : col + w])
+                else:
+                    t = self.regions[reg].bytes_view().view(-1, self._row)
+                    out.append(t[torch.from_numpy(rows).to(t.device), col : col + w].cpu().numpy())
+                continue
             for off, n in zip(descs.src_off[a:b].tolist(), descs.length[a:b].tolist()):
                 view = self._np[reg]
                 out.append(
@@ -345,6 +370,16 @@ class TcpBackend(TransferBackend):
             if paged and self._np[reg] is not None:
                 rows = staging[pos : pos + n].numpy().view(f"V{self._page_bytes}")
                 self._rows(reg)[_page_units(off[a:b], length[a:b], self._page_bytes)] = rows
+                continue
+            block = None if paged or reg >= self._num_kv else _strided(off[a:b], length[a:b], self._row)
+            if block is not None:
+                idx, col, w = block
+                data = staging[pos : pos + n].numpy().reshape(-1, w)
+                if self._np[reg] is not None:
+                    self._np[reg].reshape(-1, self._row)[idx, col : col + w] = data
+                else:
+                    t = self.regions[reg].bytes_view().view(-1, self._row)
+                    t[torch.from_numpy(idx).to(t.device), col : col + w] = torch.from_numpy(data).to(t.device)
                 continue
             dev = self.regions[reg].tensor.device
             data = staging[pos : pos + n].to(dev)
