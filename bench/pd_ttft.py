@@ -21,18 +21,19 @@ share one wall clock.  Stages, in order (ms between consecutive stamps in the ta
 
 CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
 
-    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 2048 4096 --out /tmp/pd_ttft_tiny
-    .venv/bin/python bench/pd_ttft.py --model smollm2 --prompt-len 128 512 1024 --out /tmp/pd_ttft_smol
+    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --out /tmp/pd_ttft_tiny
+    .venv/bin/python bench/pd_ttft.py --model smollm2 --prompt-len 128 256 --repeats 4 --out /tmp/pd_ttft_smol
 
 GPU (Llama-3.1-8B shape, dummy bf16 weights; a word-level tokenizer of the shape's vocabulary is written beside the
 config, since nothing can be downloaded there), one device call from the repository root with
 ``carry: [".device", ".whl"]``::
 
     PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
-    python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp --backend mooncake \
-        --prompt-len 128 512 2048 4096 8000 --out "$OUT" 2>&1 | tail -60
+    timeout -s TERM 540 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp \
+        --backend mooncake --prompt-len 512 2048 4096 8000 --repeats 5 --warmup 1 --out "$OUT" 2>&1 | tail -45
 
-Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables).  On GPU the
+Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables), again
+after every backend, so a run cut off by SIGTERM (it stops its children) keeps the backends it finished.  On GPU the
 unified worker and the two PD workers share the device: each gets ``--max-total-tokens`` (default 2 x the longest
 prompt + 1024).  The in-process variant (schedulers in threads of one process, no HTTP) is bench/pd_ttft_inproc.py.
 """
@@ -337,6 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res["backends"][backend] = {"error": f"{type(e).__name__}: {e}"}
             finally:
                 local.stop()
+            write_results(res, args.out)
     finally:
         unified.stop()
     return res
@@ -464,6 +466,18 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(res: dict[str, Any], out: str) -> str:
+    """Write ``out/pd_ttft.json`` and ``out/pd_ttft.md`` (after every backend, so a cut-off run keeps what it
+    measured); returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    md = markdown(res)
+    with open(os.path.join(out, "pd_ttft.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out, "pd_ttft.md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -496,13 +510,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.num_threads = 1
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run's finally blocks stop the children
     res = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    md = markdown(res)
-    with open(os.path.join(args.out, "pd_ttft.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "pd_ttft.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_results(res, args.out))
     return 0 if all("error" not in r for r in res["backends"].values()) else 1
 
 
