@@ -27,7 +27,6 @@ PREFILL_CHAIN = [
 DECODE_CHAIN = [
     "scheduled",
     "room_registered",
-    "kv_started",
     "kv_arrived",
     "kv_verified",
     "admitted",
@@ -46,7 +45,11 @@ def _assert_cross(p: dict[str, float], d: dict[str, float]) -> None:
     """Stamps of the two processes that are causally ordered, compared on the shared clock."""
     assert d["room_registered"] <= p["room_registered"], "prefill saw the registration before decode sent it"
     assert p["room_registered"] <= p["admitted"], "prefill computed before decode registered the room"
-    assert p["kv_send_start"] <= d["kv_started"], "decode saw Started before prefill began the transfer"
+    # Started travels on the control link, the data on the backend's own: it may be seen after the data (or,
+    # once the room is done, not at all)
+    if "kv_started" in d:
+        assert p["kv_send_start"] <= d["kv_started"], "decode saw Started before prefill began the transfer"
+    assert p["kv_send_start"] <= d["kv_arrived"], "the KV arrived before prefill began sending it"
     assert p["forward_done"] <= d["kv_arrived"], "the KV arrived before prefill computed it"
 
 
