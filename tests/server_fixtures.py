@@ -178,3 +178,22 @@ def _wait_healthy(handle: ServerHandle, health_path: str, timeout: float, cmd: l
         if time.monotonic() > deadline:
             raise ServerStartError(f"{' '.join(cmd)} was not healthy after {timeout:.0f} s:\n{handle.log_tail()}")
         time.sleep(0.2)
+
+
+def enter_together(stack: contextlib.ExitStack, managers: Sequence[Any]) -> list:
+    """Enter context managers (e.g. several ``start_server``) at once, so start-ups overlap; ``stack`` exits
+    every one that started.  Raises the first start-up error after the others are registered."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+    handles, error = [], None
+    for m, f in zip(managers, futures):
+        try:
+            handles.append(f.result())
+            stack.push(m.__exit__)
+        except Exception as e:  # noqa: BLE001 - raised below
+            error = error or e
+    if error is not None:
+        raise error
+    return handles

@@ -127,10 +127,14 @@ def _wait_free(urls: list[str], timeout: float = 30.0) -> None:
 @pytest.mark.timeout(300)
 def test_decode_refuses_a_prefill_of_another_fingerprint_with_a_503_naming_both(tiny_llama_dir, tiny_llama_b_dir):
     boot = server_fixtures.free_port()
-    with (
-        _worker(tiny_llama_dir, "prefill", ["--disaggregation-bootstrap-port", str(boot)]) as p,
-        _worker(tiny_llama_b_dir, "decode", ["--revision", "rollout-7"]) as d,
-    ):
+    with contextlib.ExitStack() as stack:
+        p, d = server_fixtures.enter_together(
+            stack,
+            [
+                _worker(tiny_llama_dir, "prefill", ["--disaggregation-bootstrap-port", str(boot)]),
+                _worker(tiny_llama_b_dir, "decode", ["--revision", "rollout-7"]),
+            ],
+        )
         pi, di = p.get("/get_server_info").json(), d.get("/get_server_info").json()
         assert pi["fingerprint"] != di["fingerprint"]
         assert pi["revision"] == pi["fingerprint"]  # no --revision: the fingerprint is the revision

@@ -10,7 +10,6 @@ none fails while the new revision comes up and the old one is removed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import random
 import time
@@ -225,26 +224,10 @@ def _pd_worker(model: str, mode: str) -> contextlib.AbstractContextManager:
     return server_fixtures.start_server(args)
 
 
-def _start_together(stack: contextlib.ExitStack, managers: list) -> list:
-    """Enter the context managers at once (worker start-ups overlap); all are exited by ``stack``."""
-    with concurrent.futures.ThreadPoolExecutor(len(managers)) as pool:
-        futures = [pool.submit(m.__enter__) for m in managers]
-    handles, error = [], None
-    for m, f in zip(managers, futures):
-        try:
-            handles.append(f.result())
-            stack.push(m.__exit__)
-        except Exception as e:  # noqa: BLE001 - raised below, after the others are registered for exit
-            error = error or e
-    if error is not None:
-        raise error
-    return handles
-
-
 @pytest.mark.slow
 async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tiny_llama_dir, tiny_llama_b_dir):
     with contextlib.ExitStack() as stack:
-        pa, da, pb, db = _start_together(
+        pa, da, pb, db = server_fixtures.enter_together(
             stack,
             [
                 _pd_worker(tiny_llama_dir, "prefill"),
