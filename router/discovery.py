@@ -5,8 +5,11 @@ with ``--prefill-selector`` and ``decode`` with ``--decode-selector``), each a
 thread running the ``kubernetes`` client's list + watch loop on pods of
 ``--namespace``:
 
-* a pod that is Ready (condition ``Ready=True``), has a pod IP and is not being
-  deleted is registered as ``http://<podIP>:<port>``, where the port is the
+* a pod that serves (condition ``Ready=True``; or, for a pod carrying the
+  operator's readiness gate ``kvship.io/in-rotation``, ``ContainersReady=True``
+  and every *other* readiness gate True: that gate turns True only once this
+  router lists the pod, so waiting for it would never end), has a pod IP
+  and is not being deleted is registered as ``http://<podIP>:<port>``, where the port is the
   pod annotation ``kvship.io/port`` or ``--service-discovery-port``; its label
   ``kvship.io/revision`` (set by the operator) is the worker's revision
   (docs/router.md, "Revisions"), and its name is reported in ``/workers``;
@@ -37,17 +40,31 @@ logger = logging.getLogger(__name__)
 
 PORT_ANNOTATION = "kvship.io/port"
 REVISION_LABEL = "kvship.io/revision"
+IN_ROTATION_GATE = "kvship.io/in-rotation"  # the readiness gate the operator sets from this router's /workers
+
+
+def pod_serves(pod: Any) -> bool:
+    """Whether the pod's containers serve: ``Ready``, or ready but for the in-rotation gate (module doc)."""
+    conditions = {c.type: c.status for c in (pod.status.conditions or [])}
+    if conditions.get("Ready") == "True":
+        return True
+    gates = [g.condition_type for g in ((pod.spec.readiness_gates if pod.spec is not None else None) or [])]
+    if IN_ROTATION_GATE not in gates:
+        return False
+    others_true = all(conditions.get(g) == "True" for g in gates if g != IN_ROTATION_GATE)
+    return conditions.get("ContainersReady") == "True" and others_true
+
+
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_TIMEOUT_S = 60
 
 
 def pod_worker_url(pod: Any, default_port: int) -> Optional[str]:
-    """``http://ip:port`` of a Ready, addressed, not-terminating pod; ``None`` for any other pod."""
+    """``http://ip:port`` of a serving (``pod_serves``), addressed, not-terminating pod; ``None`` for any other pod."""
     meta, status = pod.metadata, pod.status
     if meta is None or status is None or meta.deletion_timestamp is not None or not status.pod_ip:
         return None
-    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
-    if not ready:
+    if not pod_serves(pod):
         return None
     port = default_port
     raw = (meta.annotations or {}).get(PORT_ANNOTATION)

@@ -326,3 +326,42 @@ def test_a_resumed_stream_stays_on_its_revision_while_that_one_is_ready():
     d1.healthy = False  # r1 is not ready any more: the continuation goes to the serving revision
     sel = router.choose(_req(), set(), prefer_revision="r1")
     assert (sel.prefill, sel.decode) == (p2, d2)
+
+
+def _k8s_pod(conditions: dict, gates: tuple = ()):
+    from kubernetes.client import (
+        V1Container,
+        V1ObjectMeta,
+        V1Pod,
+        V1PodCondition,
+        V1PodReadinessGate,
+        V1PodSpec,
+        V1PodStatus,
+    )
+
+    return V1Pod(
+        metadata=V1ObjectMeta(name="p", namespace="default", annotations={}),
+        spec=V1PodSpec(
+            containers=[V1Container(name="worker")],
+            readiness_gates=[V1PodReadinessGate(condition_type=g) for g in gates] or None,
+        ),
+        status=V1PodStatus(
+            pod_ip="10.0.0.1", conditions=[V1PodCondition(type=t, status=s) for t, s in conditions.items()]
+        ),
+    )
+
+
+def test_discovery_takes_pods_held_back_only_by_the_in_rotation_gate():
+    from kvship.router.discovery import IN_ROTATION_GATE, pod_worker_url
+
+    ready = {"ContainersReady": "True", "Ready": "True"}
+    gated = {"ContainersReady": "True", "Ready": "False"}
+    assert pod_worker_url(_k8s_pod(ready), 30000) == "http://10.0.0.1:30000"
+    # the operator turns the gate True only once this router lists the pod: waiting for Ready would never end
+    assert pod_worker_url(_k8s_pod(gated, (IN_ROTATION_GATE,)), 30000) == "http://10.0.0.1:30000"
+    assert pod_worker_url(_k8s_pod(gated), 30000) is None  # no gate: Ready is what counts
+    assert pod_worker_url(_k8s_pod({"ContainersReady": "False", "Ready": "False"}, (IN_ROTATION_GATE,)), 30000) is None
+    other = {**gated, "example.com/warm": "False"}  # another gate that is not True still holds the pod back
+    assert pod_worker_url(_k8s_pod(other, (IN_ROTATION_GATE, "example.com/warm")), 30000) is None
+    other["example.com/warm"] = "True"
+    assert pod_worker_url(_k8s_pod(other, (IN_ROTATION_GATE, "example.com/warm")), 30000) is not None
