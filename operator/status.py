@@ -183,6 +183,11 @@ def router_url(cfg: ServiceConfig, service: Optional[dict]) -> str:
     return f"http://{child_name(cfg, 'router')}.{cfg.namespace}.svc:{port}"
 
 
+def now_precise() -> str:
+    """RFC 3339 with milliseconds: when the router's figures were read (their window ends then)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
 def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -302,7 +307,7 @@ def compute_status(
     fresh = router is not None and router.reachable
     slo: Optional[dict] = None
     if fresh:
-        slo = slo_status(router.slo, now) if router.slo is not None else None
+        slo = slo_status(router.slo, now_precise()) if router.slo is not None else None
     else:
         slo = previous_status.get("slo")
     if cfg.spec.slo is not None:
