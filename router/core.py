@@ -180,7 +180,7 @@ class Router:
         if ready:
             return ready[-1]
         about = f" serving model {model!r}" if model else ""
-        if any(available.values()) and len(self.roles) > 1:
+        if all(available.values()):  # every role has workers, but no revision has all roles
             raise NoWorker(
                 f"no revision has a healthy {' and a healthy '.join(self.roles)} worker{about} "
                 f"({describe_revisions(available)}): a PD pair never mixes revisions"

@@ -65,10 +65,13 @@ def test_pd_pairs_stay_within_the_newest_revision_that_has_both_roles_ready():
     assert not router.in_rotation(p1) and not router.in_rotation(d1)  # draining
     d2.healthy = False  # r2 loses its decode worker: r1 serves again (never p2 with d1)
     assert _pairs(router) == {(p1.url, d1.url)}
-    d1.healthy = False  # r1 has no decode either, r2 no decode: no pair at all, and it says why
+    d1.healthy = False  # no decode worker at all
+    with pytest.raises(NoWorker, match="no healthy decode worker"):
+        router.choose(_req(), set())
+    d2.healthy, p2.healthy = True, False  # a prefill of r1 and a decode of r2 only: no pair, and it says why
     with pytest.raises(NoWorker, match="never mixes revisions"):
         router.choose(_req(), set())
-    d2.healthy = True
+    p2.healthy = True
     assert _pairs(router) == {(p2.url, d2.url)}
 
 
