@@ -148,7 +148,8 @@ class FusedMoE(nn.Module):
 
     def reset_expert_load_(self) -> None:
         if self._expert_tokens is not None:
-            self._expert_tokens.zero_()
+            with torch.inference_mode():  # made during an inference-mode forward: only writable inside one
+                self._expert_tokens.zero_()
 
     def route(self, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[MoERunner, torch.Tensor, torch.Tensor]:
         """The runner, routing weights and global expert ids for ``x``; counted in the expert load."""
