@@ -68,6 +68,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--draft-layers", type=int, default=6)
     ap.add_argument("--eagle-head", default=None, help="an EAGLE head folder (bench/train_eagle.py)")
     ap.add_argument("--only", default=None, help="comma-separated drafter name prefixes to run (default: all)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 on a shared box: no OpenMP spinning)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +86,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_subset(gguf, draft, args.draft_layers)
     tok = load_tokenizer(gguf)
     base = ServerArgs(
-        model_path=gguf, device="cpu", attention_backend="torch_native", max_total_tokens=4096, disable_radix_cache=True
+        model_path=gguf,
+        device="cpu",
+        attention_backend="torch_native",
+        max_total_tokens=4096,
+        disable_radix_cache=True,
+        num_threads=args.threads,
     )
     runner = ModelRunner(base)
     drafters = {

@@ -292,7 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--noise", type=float, default=0.05, help="input-feature noise, in feature std units")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared box: no OpenMP spinning)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
