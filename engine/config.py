@@ -246,6 +246,11 @@ class ServerArgs:
             raise ValueError("--port must be in 1..65535")
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(
+                f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
+                "experts are split over the tensor-parallel ranks"
+            )
         if self.speculative_algorithm is None and (
             self.speculative_num_draft_tokens is not None
             or self.speculative_eagle_topk is not None
@@ -286,8 +291,3 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
         return dataclass_from_namespace(cls, ns)
-        if self.ep_size < 1 or self.tp_size % self.ep_size:
-            raise ValueError(
-                f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
-                "experts are split over the tensor-parallel ranks"
-            )
