@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from gguf_fixtures import llamacpp_permute, write_gguf
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.loaders.base import resolve_load_format
@@ -112,83 +113,12 @@ def test_dummy_weights_have_real_shapes_finite_outputs_and_depend_on_seed(tiny_l
 
 
 # --- GGUF: tiny files written here ----------------------------------------------------
-def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter layout for q/k rows (what unpermute_qk must undo)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def test_unpermute_qk_inverts_llamacpp_permutation():
     w = np.random.default_rng(0).standard_normal((3 * 64, 10)).astype(np.float32)
     b = np.random.default_rng(1).standard_normal((3 * 64,)).astype(np.float32)
-    assert not np.array_equal(_llamacpp_permute(w, 3), w)
-    assert np.array_equal(unpermute_qk(torch.from_numpy(_llamacpp_permute(w, 3)), 3).numpy(), w)
-    assert np.array_equal(unpermute_qk(torch.from_numpy(_llamacpp_permute(b, 3)), 3).numpy(), b)
-
-
-def _write_gguf(hf_dir: str, out_path: str, arch: str) -> None:
-    """Convert a tiny HF folder to an F32 GGUF the way llama.cpp lays it out."""
-    import gguf
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    state = {k: v.numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
-    w = gguf.GGUFWriter(out_path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    rope_type = cfg.rope_parameters.get("rope_type", "default")
-    if rope_type == "llama3":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        base_inv = 1.0 / (
-            cfg.rope_parameters["rope_theta"] ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim)
-        )
-        scaled_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-        w.add_tensor("rope_freqs.weight", (base_inv / scaled_inv.numpy()).astype(np.float32))
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for key, arr in sorted(state.items()):
-        if key == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif key == "model.norm.weight":
-            name = "output_norm.weight"
-        elif key == "lm_head.weight":
-            name = "output.weight"
-        else:
-            parts = key.split(".")
-            layer, mod, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-            name = f"blk.{layer}.{names[mod]}.{kind}"
-            if arch == "llama" and mod == "self_attn.q_proj":
-                arr = _llamacpp_permute(arr, cfg.num_attention_heads)
-            elif arch == "llama" and mod == "self_attn.k_proj":
-                arr = _llamacpp_permute(arr, cfg.num_key_value_heads)
-        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    assert not np.array_equal(llamacpp_permute(w, 3), w)
+    assert np.array_equal(unpermute_qk(torch.from_numpy(llamacpp_permute(w, 3)), 3).numpy(), w)
+    assert np.array_equal(unpermute_qk(torch.from_numpy(llamacpp_permute(b, 3)), 3).numpy(), b)
 
 
 @pytest.mark.parametrize(
@@ -197,7 +127,7 @@ def _write_gguf(hf_dir: str, out_path: str, arch: str) -> None:
 def test_tiny_gguf_file_matches_its_safetensors_source(key, arch, tiny_model_dirs, tmp_path, kv_driver):
     src = tiny_model_dirs[key]
     path = str(tmp_path / f"{key}.gguf")
-    _write_gguf(src, path, arch)
+    write_gguf(src, path, arch)
     cfg = ModelConfig.from_pretrained(path)
     hf_cfg = ModelConfig.from_pretrained(src)
     assert cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings

@@ -277,14 +277,14 @@ def test_serve_ep2_matches_one_process_over_http_and_exports_expert_load(ep_mode
 def test_a_ranks_gguf_share_is_its_block_of_the_experts_and_reads_no_other(ep_model_dirs, tmp_path):
     """Rank 1 of ``--tp-size 2 --ep-size 2`` from a GGUF file (Mixtral as llama.cpp writes it): experts 4..7
     of every sparse layer equal the whole model's, and only their rows are dequantized."""
-    from moe_fixtures import write_moe_gguf
+    from gguf_fixtures import write_gguf
 
     from kvship.engine.loaders import gguf_file, gguf_loader
     from kvship.engine.loaders.base import load_model
     from kvship.engine.model_config import ModelConfig
 
     path = str(tmp_path / "mixtral.gguf")
-    write_moe_gguf(ep_model_dirs["mixtral"], path, "llama")
+    write_gguf(ep_model_dirs["mixtral"], path, "llama")
     mc = ModelConfig.from_pretrained(path)
     whole = load_model(mc, "auto", "cpu")
     read: list[int] = []

@@ -232,10 +232,10 @@ GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama
 def test_moe_gguf_file_gives_the_safetensors_logits(key, moe_dirs, moe_runners, kv_driver, tmp_path):
     """llama.cpp's layout (stacked ``ffn_*_exps``, router ``ffn_gate_inp``, Mixtral as ``llama`` with
     experts and permuted q/k) loads into the same model as the safetensors folder."""
-    from moe_fixtures import write_moe_gguf
+    from gguf_fixtures import write_gguf
 
     path = str(tmp_path / f"{key}.gguf")
-    write_moe_gguf(moe_dirs[key], path, GGUF_ARCH[key])
+    write_gguf(moe_dirs[key], path, GGUF_ARCH[key])
     cfg, hf_cfg = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(moe_dirs[key])
     assert cfg.architecture == hf_cfg.architecture and cfg.moe is not None
     moe, hf_moe_cfg = cfg.moe, hf_cfg.moe
@@ -264,13 +264,13 @@ def test_moe_gguf_file_gives_the_safetensors_logits(key, moe_dirs, moe_runners, 
 def test_moe_gguf_quantized_experts_dequantize_per_expert(moe_dirs, tmp_path):
     """Q8_0 stacked experts: each expert's matrix is that expert's rows of the dequantized stack."""
     import gguf
-    from moe_fixtures import write_moe_gguf
+    from gguf_fixtures import write_gguf
 
     from kvship.engine.loaders.base import load_model
     from kvship.engine.loaders.gguf_file import dequantize_tensor, gguf_reader
 
     path = str(tmp_path / "q8.gguf")
-    write_moe_gguf(moe_dirs["qwen3_moe"], path, "qwen3moe", expert_quant="Q8_0")
+    write_gguf(moe_dirs["qwen3_moe"], path, "qwen3moe", expert_quant="Q8_0")
     model = load_model(ModelConfig.from_pretrained(path), "auto", "cpu")
     tensors = {t.name: t for t in gguf_reader(path).tensors}
     assert tensors["blk.2.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
