@@ -221,6 +221,15 @@ class InProcessPD:
 _UNIFIED_CACHE: dict = {}
 
 
+def run_until_idle(sched: Any, timeout_s: float = 120.0, block_s: float = 0.01) -> None:
+    """Step a scheduler in this thread until it is idle; fail after ``timeout_s`` (a deadline, not a step count:
+    a grammar compiling on a busy box leaves steps with nothing to run)."""
+    deadline = time.monotonic() + timeout_s
+    while not sched.idle():
+        assert time.monotonic() < deadline, f"scheduler not idle after {timeout_s:.0f} s"
+        sched.step(block_s=0.0 if sched.has_work() else block_s)  # as the serving loop does
+
+
 def unified_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new: int, **kw: Any) -> list[list[int]]:
     """Greedy outputs of the unified scheduler (all prompts submitted at once)."""
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -240,10 +249,7 @@ def unified_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new: in
                     sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0),
                 )
             )
-        for _ in range(100000):
-            sched.step()
-            if sched.idle():
-                break
+        run_until_idle(sched)
         assert all(out.finished(f"u{i}") for i in range(len(prompts)))
         _UNIFIED_CACHE[key] = [out.tokens(f"u{i}") for i in range(len(prompts))]
     return _UNIFIED_CACHE[key]

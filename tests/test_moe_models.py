@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_fixtures import MOE_COMMON, SPECS, build_tiny_moe
+from pd_fixtures import run_until_idle
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -106,10 +107,7 @@ def test_moe_greedy_through_the_scheduler_equals_transformers_generate(key, moe_
     prompts = [_prompt(n, seed=10 + n) for n in (3, 21)]
     for i, p in enumerate(prompts):
         sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=8)))
-    for _ in range(2000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     assert sched.idle()
     for i, p in enumerate(prompts):
         ids = torch.tensor([p])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pd_fixtures import Collector, InProcessPD, _server_args, unified_greedy
+from pd_fixtures import Collector, InProcessPD, _server_args, run_until_idle, unified_greedy
 
 from kvship.app.roles import scheduler_for_mode
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -35,10 +35,7 @@ def _spec_greedy(model_dir: str, prompts, max_new: int, **kw):
     sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
     for i, p in enumerate(prompts):
         sched.submit(GenerateRequest(f"u{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=0.0)))
-    for _ in range(100000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     st = sched.get_stats()
     assert st["free_slots"] == st["total_slots"] and not sched.reqs
     return [out.tokens(f"u{i}") for i in range(len(prompts))], st
@@ -110,10 +107,7 @@ def test_sampled_seeded_and_aborted_requests_leave_every_slot_free(tiny_llama_di
     for _ in range(6):
         sched.step()
     sched.abort("gone")
-    for _ in range(100000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     assert len(out.tokens("hot")) == 40 and len(out.tokens("seeded")) == 20 and len(out.tokens("pen")) == 20
     assert out.finished("gone")[0].finish_reason["type"] == "abort"
     st = sched.get_stats()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pd_fixtures import Collector, InProcessPD, _server_args, unified_greedy
+from pd_fixtures import Collector, InProcessPD, _server_args, run_until_idle, unified_greedy
 
 from kvship.app.roles import scheduler_for_mode
 from kvship.decode.spec.eagle_head import head_config, head_tensor_shapes, save_head
@@ -71,10 +71,7 @@ def _run(model_dir: str, prompts, max_new: int, **kw):
     sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
     for i, p in enumerate(prompts):
         sched.submit(GenerateRequest(f"u{i}", list(p), SamplingParams(max_new_tokens=max_new, temperature=0.0)))
-    for _ in range(100000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     st = sched.get_stats()
     assert st["free_slots"] == st["total_slots"] and not sched.reqs
     drafter = sched.speculator.drafter
@@ -170,10 +167,7 @@ def test_eagle_sampled_and_aborted_requests_leave_every_slot_free(tiny_llama_dir
     for _ in range(5):
         sched.step()
     sched.abort("gone")
-    for _ in range(100000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     assert len(out.tokens("hot")) == 30 and len(out.tokens("seeded")) == 12 and len(out.tokens("stay")) == 25
     assert out.finished("gone")[0].finish_reason["type"] == "abort"
     st = sched.get_stats()

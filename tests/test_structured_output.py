@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import jsonschema
 import pytest
 import torch
-from pd_fixtures import Collector, InProcessPD
+from pd_fixtures import Collector, InProcessPD, run_until_idle
 
 from kvship.engine.config import ServerArgs
 
@@ -220,10 +221,7 @@ def _unified(model_dir, tokenizer, submits, runner=None, **args):
     sched = Scheduler(sa, runner or ModelRunner(sa), tokenizer, out)
     for greq in submits:
         sched.submit(greq)
-    for _ in range(10000):
-        sched.step()
-        if sched.idle():
-            break
+    run_until_idle(sched)
     out.sched = sched
     return out
 
@@ -303,13 +301,13 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(tiny_llama_dir):
             GenerateRequest("g", tok.encode("ip"), SamplingParams(max_new_tokens=30, temperature=0.0, regex=IPV4))
         )
         sched.submit(GenerateRequest("p", tok.encode("plain"), SamplingParams(max_new_tokens=8, temperature=0.0)))
-        for _ in range(10000):
+        deadline = time.monotonic() + 120
+        while not sched.idle():
+            assert time.monotonic() < deadline, "scheduler not idle after 120 s"
             sched.step(block_s=0.001)
             if out.finished("p") and not release.is_set():
                 assert not out.finished("g") and len(sched.grammar_queue) == 1  # still compiling
                 release.set()
-            if sched.idle():
-                break
 
     run()
     assert release.is_set() and out.finished("g")[0].finish_reason["type"] == "stop"

@@ -251,7 +251,7 @@ class Scheduler:
         if wait is not None and self.role.has_work() and not self._has_compute():
             block_s = wait  # nothing to compute, but stages to watch: poll soon, without spinning
         if len(self.grammar_queue) and not self._has_compute():
-            block_s = min(block_s, _GRAMMAR_POLL_S)  # a grammar is compiling: look again soon
+            block_s = _GRAMMAR_POLL_S  # only a grammar compiling: look again soon, without spinning against it
         for msg in self.inbox.drain(block_s):  # the same messages on every tensor-parallel rank
             try:
                 if isinstance(msg, Submit):

@@ -108,6 +108,7 @@ def test_constrained_requests_on_cuda_with_graphs_and_overlap_keep_plain_outputs
 
     import jsonschema
     from conftest import build_tiny_model
+    from pd_fixtures import run_until_idle
 
     from kvship.engine.config import ServerArgs
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -154,10 +155,7 @@ def test_constrained_requests_on_cuda_with_graphs_and_overlap_keep_plain_outputs
         assert sched.overlap is not None  # overlap is on on CUDA
         for r in reqs:
             sched.submit(dataclasses.replace(r))
-        for _ in range(2000):
-            sched.step(block_s=0.001)
-            if sched.idle():
-                break
+        run_until_idle(sched)
         out: dict = {}
         for c in chunks:
             out.setdefault(c.rid, []).extend(c.token_ids)

@@ -77,7 +77,7 @@ def test_gpu_verify_graphs_replay_what_the_eager_verify_computes(tmp_path, backe
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed on this machine")
     from conftest import build_tiny_model
-    from pd_fixtures import Collector, _server_args
+    from pd_fixtures import Collector, _server_args, run_until_idle
 
     from kvship.app.roles import scheduler_for_mode
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -114,10 +114,7 @@ def test_gpu_verify_graphs_replay_what_the_eager_verify_computes(tmp_path, backe
         assert (sched.speculator.graphs is not None) == graphs
         for i, p in enumerate(prompts):
             sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=32, temperature=0.0)))
-        for _ in range(100000):
-            sched.step()
-            if sched.idle():
-                break
+        run_until_idle(sched)
         st = sched.get_stats()
         assert st["free_slots"] == st["total_slots"] and st["spec_rounds"] > 0
         if graphs:

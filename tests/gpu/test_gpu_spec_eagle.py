@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_R
 @pytest.mark.parametrize("variant", ["eagle", "eagle3"])
 def test_gpu_eagle_rounds_with_verify_graphs_equal_eager_rounds(tmp_path, variant):
     from conftest import build_tiny_model
-    from pd_fixtures import Collector, _server_args
+    from pd_fixtures import Collector, _server_args, run_until_idle
     from test_spec_eagle import write_random_head
 
     from kvship.app.roles import scheduler_for_mode
@@ -65,10 +65,7 @@ def test_gpu_eagle_rounds_with_verify_graphs_equal_eager_rounds(tmp_path, varian
         sched.speculator.drafter.draft_trees = recording
         for i, p in enumerate(prompts):
             sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0)))
-        for _ in range(100000):
-            sched.step()
-            if sched.idle():
-                break
+        run_until_idle(sched)
         st = sched.get_stats()
         assert st["free_slots"] == st["total_slots"] and st["spec_rounds"] > 0
         if graphs:
