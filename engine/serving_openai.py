@@ -386,7 +386,10 @@ class OpenAIServing:
             )
         cached = [max(finals[p * body.n + j].cached_tokens for j in range(body.n)) for p in range(len(prompts))]
         usage = usage_info(
-            sum(prompt_lens), sum(d.completion_tokens for d in finals), sum(cached), [d.spec_accept_length for d in finals]
+            sum(prompt_lens),
+            sum(d.completion_tokens for d in finals),
+            sum(cached),
+            [d.spec_accept_length for d in finals],
         )
         return JSONResponse(CompletionResponse(id=cid, model=model, choices=choices, usage=usage).model_dump())
 
