@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.attention.base import AttentionBackend, AttentionContext
@@ -108,7 +109,8 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         order = list(reversed(self.batch_sizes))  # largest first: later graphs reuse its pool blocks
         bar = tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=not show_progress)
-        with torch.inference_mode():
+        # MoE models: padding rows (KV slot 0) stay out of the expert load
+        with torch.inference_mode(), count_rows_by_slot(self.model, self.out_cache_loc):
             for bs in bar:
                 bar.set_postfix(bs=bs)
                 self._capture_one(bs)

@@ -17,7 +17,7 @@ from pd_fixtures import run_until_idle
 from kvship.engine.config import ServerArgs
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.layers.moe.align import moe_align_block_size
-from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.moe.layer import FusedMoE, count_rows_by_slot
 from kvship.engine.layers.moe.runner import get_moe_runner
 from kvship.engine.layers.moe.topk import select_experts
 from kvship.engine.model_config import ModelConfig
@@ -210,6 +210,31 @@ def test_moe_align_block_size_groups_pairs_by_expert_in_padded_blocks(block_m):
         block = sorted_ids[b * block_m : (b + 1) * block_m]
         real = block[block < n].long()
         assert real.numel() > 0 and (flat[real] == expert_ids[b]).all()  # no block for experts 2, 4, 6
+
+
+def test_expert_load_leaves_out_padding_rows_of_a_graph_batch():
+    """Under ``count_rows_by_slot`` (CUDA-graph capture) rows writing KV slot 0 are padding and add nothing to
+    the expert load; the slots are read at run time (a replay with another batch counts its own rows); eager
+    forwards after the block count every row."""
+    layer = FusedMoE(6, 2, 16, 8, renormalize=True)
+    with torch.no_grad():
+        layer.w13_weight.normal_()
+        layer.w2_weight.normal_()
+    model = torch.nn.ModuleList([layer])
+    x, logits = torch.randn(8, 16), torch.randn(8, 6)
+    _, ids = select_experts(logits, 2, renormalize=True)
+    slots = torch.zeros(8, dtype=torch.int64)
+    with count_rows_by_slot(model, slots):
+        slots[:5] = torch.arange(11, 16)  # a batch of 5 padded to 8
+        layer(x, logits)
+        want = torch.bincount(ids[:5].reshape(-1).long(), minlength=6)
+        assert torch.equal(layer.expert_load(), want)
+        slots[:7] = torch.arange(21, 28)  # the next replay: 7 real rows
+        layer(x, logits)
+        want += torch.bincount(ids[:7].reshape(-1).long(), minlength=6)
+        assert torch.equal(layer.expert_load(), want) and int(want.sum()) == (5 + 7) * 2
+    layer(x, logits)  # eager: every row is real
+    assert int(layer.expert_load().sum()) == (5 + 7 + 8) * 2
 
 
 def test_fused_moe_rejects_an_unknown_runner_and_a_bad_shard():

@@ -25,6 +25,7 @@ import torch
 
 from kvship.engine.attention.triton_backend import TritonExtendMeta
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class VerifyGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=dev)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        # MoE targets: padding rows (KV slot 0) stay out of the expert load
+        with torch.inference_mode(), count_rows_by_slot(runner.model, self.out_cache_loc):
             for bs in reversed(self.sizes):
                 self._capture(bs)
         logger.info(

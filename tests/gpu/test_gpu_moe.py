@@ -129,6 +129,7 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
     from moe_fixtures import build_tiny_moe
 
     from kvship.engine.config import ServerArgs
+    from kvship.engine.layers.moe.layer import expert_load, reset_expert_load
     from kvship.engine.model_runner import ModelRunner
 
     path = build_tiny_moe(str(tmp_path / "qwen3_moe"), "qwen3_moe", seed=31)
@@ -166,10 +167,16 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
 
     graph_runner, eager_runner = runner(True), runner(False)
     assert graph_runner.cuda_graph_runner is not None
-    for bs in (1, 3, 16):
+    for bs in (1, 3, 16):  # 3 replays in the graph of 4: its padding row stays out of the expert load
+        for r in (graph_runner, eager_runner):
+            reset_expert_load(r.model)
         before = graph_runner.cuda_graph_runner.replays
         assert greedy(graph_runner, bs) == greedy(eager_runner, bs), f"bs {bs}"
         assert graph_runner.cuda_graph_runner.replays > before
+        tokens = sum(5 + 3 * j for j in range(bs)) + 24 * bs  # prompts, then 24 decode steps of bs rows
+        for r in (graph_runner, eager_runner):
+            load = expert_load(r.model)
+            assert load and all(sum(c) == tokens * 2 for c in load.values()), (bs, {k: sum(c) for k, c in load.items()})
     del graph_runner, eager_runner
     gc.collect()
     torch.cuda.empty_cache()

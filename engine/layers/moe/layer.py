@@ -27,14 +27,17 @@ imports, else ``torch``.  Expert parallelism replaces this layer by
 Expert load: every forward adds the tokens routed to each expert (``[E]``
 int64, on the layer's device, no host sync, so it is captured in CUDA graphs
 too) to a counter that ``expert_load()`` reads (``/metrics``; docs/parallel.md,
-"Expert load").  It counts every row the layer computes: the padding rows of a
-CUDA-graph decode batch included.
+"Expert load").  It counts the rows of real tokens only: while a CUDA graph is
+captured (``count_rows_by_slot``), the layer reads the graph's static KV-slot
+buffer and leaves out the padding rows, which write slot 0 (the KV pool keeps
+it for padding), so a batch of 5 replayed in the graph of 8 counts 5 tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -82,6 +85,8 @@ class FusedMoE(nn.Module):
         self._runners: dict[str, MoERunner] = {}  # device type -> runner
         # tokens routed per (global) expert; made on the first forward, on the activations' device
         self._expert_tokens: Optional[torch.Tensor] = None
+        # while a CUDA graph is captured: the graph's KV-slot buffer; rows writing slot 0 are padding
+        self._rows_slots: Optional[torch.Tensor] = None
 
     def _load_expert(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in EXPERT_PARTS):
@@ -138,7 +143,12 @@ class FusedMoE(nn.Module):
         if counts is None or counts.device != ids.device:
             counts = self._expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
         flat = ids.reshape(-1).long()
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        if self._rows_slots is None:  # eager forwards have no padding rows
+            add = torch.ones_like(flat)
+        else:  # a CUDA graph: padding rows (KV slot 0) add nothing, read at every replay
+            real = (self._rows_slots[: ids.shape[0]] != 0).long()
+            add = real.unsqueeze(1).expand(-1, ids.shape[1]).reshape(-1)
+        counts.scatter_add_(0, flat, add)
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed to each expert since start (or the last ``reset_expert_load_``): int64 ``[E]`` on CPU."""
@@ -180,6 +190,21 @@ def expert_load(model: nn.Module) -> dict[int, list[int]]:
         if isinstance(module, FusedMoE):
             out[_layer_index(name)] = module.expert_load().tolist()
     return out
+
+
+@contextlib.contextmanager
+def count_rows_by_slot(model: nn.Module, out_cache_loc: torch.Tensor) -> Iterator[None]:
+    """While CUDA graphs of ``model`` are captured: its MoE layers count, in the expert load, only the rows
+    whose KV slot in ``out_cache_loc`` (the graph's static buffer, ``[max rows]``) is not 0, the padding slot.
+    The graphs keep reading the buffer at every replay; eager forwards after the block count every row."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for m in layers:
+        m._rows_slots = out_cache_loc
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._rows_slots = None
 
 
 def reset_expert_load(model: nn.Module) -> None:
