@@ -232,6 +232,7 @@ class OpenAIServing:
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
+        accept: list[Optional[float]] = [None] * len(handles)  # speculative acceptance so far, per choice
         cached = 0
         unsent: list[list[int]] = [[] for _ in handles]  # output ids not yet reported to the router
 
@@ -244,7 +245,7 @@ class OpenAIServing:
                 "choices": choices,
             }
             if usage is not None or continuous_usage:
-                payload["usage"] = usage or usage_dict(n_prompt, sum(completion), cached)
+                payload["usage"] = usage or usage_dict(n_prompt, sum(completion), cached, accept)
             if router_ids is not None and choices:
                 i = choices[0]["index"]
                 payload["kvship_token_ids"], unsent[i] = unsent[i], []
@@ -268,6 +269,7 @@ class OpenAIServing:
             dead = None
             async for i, d in stream:
                 completion[i] = d.completion_tokens
+                accept[i] = d.spec_accept_length if d.spec_accept_length is not None else accept[i]
                 cached = max(cached, d.cached_tokens)
                 unsent[i].extend(d.token_ids)
                 lp = chat_logprobs(engine, d) if d.logprobs is not None else None
@@ -284,7 +286,7 @@ class OpenAIServing:
                     dead = dead or _dead_error(engine, [d])
                 yield chunk([choice])
             if include_usage:
-                yield chunk([], usage_dict(n_prompt, sum(completion), cached))
+                yield chunk([], usage_dict(n_prompt, sum(completion), cached, accept))
             if dead is not None:
                 yield sse(dead.body())
             yield sse("[DONE]")
@@ -433,6 +435,7 @@ class OpenAIServing:
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
+        accept: list[Optional[float]] = [None] * len(handles)  # speculative acceptance so far, per choice
         cached = [0] * len(handles)
         offsets = [len(e) for e in echoes]
         unsent: list[list[int]] = [[] for _ in handles]
@@ -440,7 +443,7 @@ class OpenAIServing:
 
         def usage() -> dict:
             per_prompt = [max(cached[p * n : (p + 1) * n]) for p in range(len(prompt_lens))]
-            return usage_dict(sum(prompt_lens), sum(completion), sum(per_prompt))
+            return usage_dict(sum(prompt_lens), sum(completion), sum(per_prompt), accept)
 
         def chunk(choices: list[dict], usage_payload: Optional[dict] = None) -> bytes:
             payload: dict[str, Any] = {
@@ -467,6 +470,7 @@ class OpenAIServing:
             dead = None
             async for k, d in stream:
                 completion[k] = d.completion_tokens
+                accept[k] = d.spec_accept_length if d.spec_accept_length is not None else accept[k]
                 cached[k] = d.cached_tokens
                 unsent[k].extend(d.token_ids)
                 lp = completion_logprobs(engine, [d], offsets[k]) if d.logprobs is not None else None

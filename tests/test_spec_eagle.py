@@ -11,6 +11,8 @@ acceptance a trained head reaches is measured by bench/spec_acceptance.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from pd_fixtures import Collector, InProcessPD, _server_args, run_until_idle, unified_greedy
@@ -239,9 +241,22 @@ def test_served_eagle_reports_acceptance_in_meta_info_usage_and_metrics(tiny_lla
         )
         r.raise_for_status()
         assert 1.0 <= r.json()["usage"]["kvship_spec_accept_length"] <= 5.0
+        # streams: the usage chunk (``stream_options.include_usage``) carries it too, on both OpenAI routes
+        for route, body in (
+            ("completions", {"prompt": _prompts(1, seed=11)[0]}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            body |= {"model": model, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+            body["stream_options"] = {"include_usage": True}
+            with httpx.stream("POST", f"{srv.url}/v1/{route}", json=body, timeout=60) as r:
+                r.raise_for_status()
+                events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            usage = json.loads(events[-2])["usage"]
+            assert usage["completion_tokens"] == 8 and 1.0 <= usage["kvship_spec_accept_length"] <= 5.0, route
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
         count = [ln for ln in metrics.splitlines() if ln.startswith("kvship:spec_accept_length_count")]
-        assert count and float(count[0].split()[-1]) == 2.0
+        assert count and float(count[0].split()[-1]) == 4.0
 
 
 def _reference_chain(model, head_dir: str, seq: list[int], steps: int) -> list[int]:
