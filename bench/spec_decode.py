@@ -56,9 +56,9 @@ def oracle_speculator(k: int) -> Any:
     class OracleSpeculator(Speculator):
         """BENCHMARK ONLY: accepts every draft, whatever the target says."""
 
-        def accept(self, req: Any, tree: DraftTree, logits: torch.Tensor) -> Accepted:
+        def accept(self, req: Any, tree: DraftTree, logits: torch.Tensor, argmax: Any = None) -> Accepted:
             slots = list(range(1, tree.size))
-            bonus = int(logits[tree.size - 1].argmax())
+            bonus = int(logits[tree.size - 1].argmax()) if argmax is None else argmax[tree.size - 1]
             return Accepted(slots, [tree.all_tokens[s] for s in slots] + [bonus], tree.size - 1)
 
     return lambda sched: OracleSpeculator(sched, ChainDrafter())

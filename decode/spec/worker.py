@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -122,11 +122,13 @@ class Speculator:
                 s.allocator.free(mine)
                 r.kv_allocated_len = r.kv_committed_len
             raise
+        # greedy requests' choices for every slot in one host read (one sync per round, not one per request)
+        top = logits.argmax(dim=-1).tolist() if any(r.sampling_params.is_greedy for r in reqs) else None
         off = 0
         for r, t, p, mine in zip(reqs, trees, prefix, per_req):
             lg = logits[off : off + t.size]
+            acc = self.accept(r, t, lg, None if top is None else top[off : off + t.size])
             off += t.size
-            acc = self.accept(r, t, lg)
             self._apply(r, t, p, mine, acc, lg)
         s.counters["decode_steps"] += 1
 
@@ -143,6 +145,12 @@ class Speculator:
         def tt(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.int64, device=dev)
 
+        masks = [t.mask() for t in trees]
+        g = self.graphs
+        if g is not None and g.can_run(len(reqs), ext):  # the graph takes host lists: no eager batch to build
+            with torch.inference_mode():
+                logits = g.replay(ids, pos, locs, [r.req_pool_idx for r in reqs], prefix, masks)
+            return logits[:, : self.s.vocab_size].float()
         starts = [0]
         for e in ext[:-1]:
             starts.append(starts[-1] + e)
@@ -164,20 +172,17 @@ class Speculator:
             extend_seq_lens_cpu=ext,
             extend_prefix_lens_cpu=list(prefix),
             logits_indices=torch.arange(n_tok, device=dev),
-            tree_masks=[t.mask() for t in trees],
+            tree_masks=masks,
         )
-        g = self.graphs
         with torch.inference_mode():
-            if g is not None and g.can_run(len(reqs), ext):
-                logits = g.replay(ids, pos, locs, [r.req_pool_idx for r in reqs], prefix, fb.tree_masks)
-            else:
-                logits = runner.forward(fb).next_token_logits
+            logits = runner.forward(fb).next_token_logits
         return logits[:, : self.s.vocab_size].float()
 
-    def accept(self, req: Req, tree: DraftTree, logits: torch.Tensor) -> Accepted:
-        """The accepted path of ``tree`` given the target's ``logits`` per slot (greedy or lossless sampled)."""
+    def accept(self, req: Req, tree: DraftTree, logits: torch.Tensor, argmax: Optional[list[int]] = None) -> Accepted:
+        """The accepted path of ``tree`` given the target's ``logits`` per slot (greedy or lossless sampled);
+        ``argmax``: the logits' argmax per slot, when the caller read it already."""
         if req.sampling_params.is_greedy:
-            return accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            return accept_greedy(tree, logits.argmax(dim=-1).tolist() if argmax is None else argmax)
         info = SamplingBatchInfo.from_reqs([req] * tree.size, self.s.vocab_size, "cpu")
         probs = torch.softmax(logits.cpu() / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
@@ -215,9 +220,9 @@ class Speculator:
         keep_nodes = acc.slots[: min(len(acc.slots), kept)]
         row = req.req_pool_idx
         keep = [0, *keep_nodes]
-        for depth, slot in enumerate(keep):
-            s.req_to_token_pool.write(row, p + depth, slots[slot : slot + 1])
-        drop = [i for i in range(tree.size) if i not in set(keep)]
+        s.req_to_token_pool.write(row, p, slots[keep])  # the kept path, in depth order, from position p
+        kept_set = set(keep)
+        drop = [i for i in range(tree.size) if i not in kept_set]
         if drop:
             s.allocator.free(slots[drop])
         req.kv_committed_len = req.kv_allocated_len = p + len(keep)
