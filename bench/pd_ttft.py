@@ -14,14 +14,20 @@ The breakdown comes from the processes themselves (docs/pd.md, "Reading a reques
 ``meta_info.trace``.  Every stamp is ``time.time()`` of its process; all processes run on this machine, so they
 share one wall clock.  Stages, in order (ms between consecutive stamps in the table):
 
-    client send -> router received -> prefill http_received / scheduled -> room registered (decode's Register
-    reached prefill) -> prefill admitted -> forward_done (first token sampled) -> kv_send_start -> kv_send_end
+    client send -> router received -> prefill http_received / scheduled -> prefill admitted -> forward_done
+    (first token sampled) -> kv_send_start (once decode's Register reached prefill: room_registered) -> kv_send_end
     -> decode kv_arrived -> kv_verified -> decode admitted / first_token_flush -> decode http_respond
     -> router decode_first_byte -> client first byte
 
+The prefill computes the prompt beside decode's registration; with ``--disaggregation-prefill-wait-for-room`` it
+waits for the registration first (scheduled -> admitted).  ``--variant LABEL=FLAG[,FLAG...]`` runs each backend once
+more with those worker flags (e.g. ``--variant wait-for-room=--disaggregation-prefill-wait-for-room``, the order
+before issue 19) and adds a before/after table: every variant against the plain deployment, in the same run.
+
 CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
 
-    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --out /tmp/pd_ttft_tiny
+    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --out /tmp/pd_ttft_tiny \
+        --variant wait-for-room=--disaggregation-prefill-wait-for-room
     .venv/bin/python bench/pd_ttft.py --model smollm2 --prompt-len 128 256 --repeats 4 --out /tmp/pd_ttft_smol
 
 GPU (Llama-3.1-8B shape, dummy bf16 weights; a word-level tokenizer of the shape's vocabulary is written beside the
@@ -68,9 +74,9 @@ SEGMENTS: list[tuple[str, str, str]] = [
     ("client->router", "c.sent", "r.received"),
     ("router->prefill http", "r.received", "p.http_received"),
     ("prefill http->sched", "p.http_received", "p.scheduled"),
-    ("wait for decode's room", "p.scheduled", "p.admitted"),
+    ("prefill admit (waits for decode's room with the flag)", "p.scheduled", "p.admitted"),
     ("prefill forward", "p.admitted", "p.forward_done"),
-    ("hand-off to sender", "p.forward_done", "p.kv_send_start"),
+    ("hand-off to sender (waits for a later room)", "p.forward_done", "p.kv_send_start"),
     ("KV lands on decode", "p.kv_send_start", "d.kv_arrived"),
     ("decode sees KV", "d.kv_arrived", "d.kv_verified"),
     ("decode admit+flush", "d.kv_verified", "d.first_token_flush"),
@@ -84,7 +90,7 @@ DECODE_SIDE: list[tuple[str, str, str]] = [
     ("d: http->sched", "d.http_received", "d.scheduled"),
     ("d: sched->registered", "d.scheduled", "d.room_registered"),
     ("p: registration seen", "d.room_registered", "p.room_registered"),
-    ("p: registered->admitted", "p.room_registered", "p.admitted"),
+    ("p: room registered after forward_done (< 0: hidden by it)", "p.forward_done", "p.room_registered"),
     ("r: trace waits for prefill reply", "r.decode_first_byte", "r.prefill_reply"),
 ]
 
@@ -310,34 +316,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["kv_dtype"] = dtype
         res["kv_bytes_per_token"] = kv_bytes_per_token(flags, dtype) if "--kv-cache-dtype" not in flags else None
         for backend in args.backend:
-            r_port = free_port()
-            local = Proc(
-                f"local-{backend}",
-                _python()
-                + [
-                    "local",
-                    "--port",
-                    str(r_port),
-                    "--transfer-backend",
-                    backend,
-                    "--log-dir",
-                    work,
-                    "--shutdown-grace",
-                    "20",
-                ]
-                + flags,
-                work,
-            )
+            # every variant of this backend runs at once, so their requests interleave (same machine state)
+            deployments: dict[str, tuple[Proc, int]] = {}
             try:
-                wait_ready(local, r_port, "/readiness", args.startup_timeout)
-                res["backends"][backend] = measure(
-                    args, backend, Client(r_port, args.timeout), u_client, vocab, rng, res
-                )
+                for label, extra in [("", [])] + args.variant:
+                    name = backend + (" " + label if label else "")
+                    r_port = free_port()
+                    argv = ["local", "--port", str(r_port), "--transfer-backend", backend, "--log-dir", work]
+                    argv += ["--shutdown-grace", "20"] + flags + extra
+                    tag = backend + ("-" + label if label else "")
+                    deployments[name] = (Proc(f"local-{tag}", _python() + argv, work), r_port)
+                for proc, port in deployments.values():
+                    wait_ready(proc, port, "/readiness", args.startup_timeout)
+                clients = {name: Client(port, args.timeout) for name, (_, port) in deployments.items()}
+                res["backends"].update(measure(args, backend, clients, u_client, vocab, rng, res))
             except Exception as e:  # noqa: BLE001 - report it, keep the other backends
                 logger.exception("backend %s failed", backend)
-                res["backends"][backend] = {"error": f"{type(e).__name__}: {e}"}
+                for name in deployments or [backend]:
+                    res["backends"][name] = {"error": f"{type(e).__name__}: {e}"}
             finally:
-                local.stop()
+                for proc, _ in deployments.values():
+                    proc.stop()
             write_results(res, args.out)
     finally:
         unified.stop()
@@ -345,11 +344,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, backend: str, pd: Client, uni: Client, vocab: int, rng: random.Random, res: dict
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    args: argparse.Namespace,
+    backend: str,
+    pds: dict[str, Client],
+    uni: Client,
+    vocab: int,
+    rng: random.Random,
+    res: dict,
+) -> dict[str, dict[str, Any]]:
+    """Per deployment name (``pds``' keys), per prompt length: medians and samples."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in pds}
     for n in args.prompt_len:
-        rows, u_rows = [], res["unified"].setdefault(str(n), [])
+        rows: dict[str, list] = {name: [] for name in pds}
+        u_rows = res["unified"].setdefault(str(n), [])
         for i in range(args.warmup + args.repeats):
 
             def body(trace: bool) -> dict:  # a fresh prompt: no prefix-cache hit anywhere
@@ -359,53 +366,59 @@ def measure(
                     "return_trace": trace,
                 }
 
-            plain, traced = body(False), body(True)
-            calls = [("unified", uni, plain), ("pd", pd, plain), ("pd traced", pd, traced)]
-            calls = calls[i % 3 :] + calls[: i % 3]  # rotate who goes first (machine drift, caches)
+            plain = body(False)
+            calls = [("unified", uni, plain)]
+            for name, client in pds.items():
+                calls += [(name, client, plain), (name + " traced", client, body(True))]
+            calls = calls[i % len(calls) :] + calls[: i % len(calls)]  # rotate who goes first (drift, caches)
             got: dict[str, tuple] = {}
             for who, client, b in calls:
                 status, headers, answer, t0, t1 = client.generate(b)
                 if status != 200:
-                    raise RuntimeError(f"{backend} {who} prompt {n}: HTTP {status}: {answer}")
+                    raise RuntimeError(f"{who} prompt {n}: HTTP {status}: {answer}")
                 got[who] = (headers, answer, t0, t1)
-            (_, ua, u0, u1), (_, pa, p0, p1), (th, ta, t0, t1) = got["unified"], got["pd"], got["pd traced"]
-            equal = ua["output_ids"] == pa["output_ids"]
-            if not equal and not args.shape:  # dummy weights: flat logits may flip a token (DESIGN.md); counted
-                raise RuntimeError(f"{backend} prompt {n}: PD answered {pa['output_ids']}, unified {ua['output_ids']}")
-            stamps = flatten((t0, t1), th, ta)
-            row = {
-                "ttft": p1 - p0,
-                "traced_ttft": t1 - t0,
-                "equal": equal,
-                "stamps": stamps,
-                "segments": segments(stamps),
-            }
+            _, ua, u0, u1 = got["unified"]
             urow = {"ttft": u1 - u0}
-            logger.info(
-                "%s n=%d%s: PD %.2f ms, unified %.2f ms",
-                backend,
-                n,
-                " (warm-up)" if i < args.warmup else "",
-                row["ttft"] * 1e3,
-                urow["ttft"] * 1e3,
-            )
             if i >= args.warmup:
-                rows.append(row)
                 u_rows.append(urow)
+            for name in pds:
+                (_, pa, p0, p1), (th, ta, t0, t1) = got[name], got[name + " traced"]
+                equal = ua["output_ids"] == pa["output_ids"]
+                if not equal and not args.shape:  # dummy weights: flat logits may flip a token (DESIGN.md); counted
+                    raise RuntimeError(f"{name} prompt {n}: PD answered {pa['output_ids']}, unified {ua['output_ids']}")
+                stamps = flatten((t0, t1), th, ta)
+                row = {
+                    "ttft": p1 - p0,
+                    "traced_ttft": t1 - t0,
+                    "equal": equal,
+                    "stamps": stamps,
+                    "segments": segments(stamps),
+                }
+                logger.info(
+                    "%s n=%d%s: PD %.2f ms, unified %.2f ms",
+                    name,
+                    n,
+                    " (warm-up)" if i < args.warmup else "",
+                    row["ttft"] * 1e3,
+                    urow["ttft"] * 1e3,
+                )
+                if i >= args.warmup:
+                    rows[name].append(row)
         seg_names = [s[0] for s in SEGMENTS + DECODE_SIDE]
-        med = {
-            k: statistics.median(r["segments"][k] for r in rows if k in r["segments"])
-            for k in seg_names
-            if any(k in r["segments"] for r in rows)
-        }
-        out[str(n)] = {
-            "ttft": statistics.median(r["ttft"] for r in rows),
-            "traced_ttft": statistics.median(r["traced_ttft"] for r in rows),
-            "unified_ttft": statistics.median(r["ttft"] for r in u_rows[-args.repeats :]),
-            "segments": med,
-            "equal": f"{sum(r['equal'] for r in rows)}/{len(rows)}",
-            "samples": rows,
-        }
+        for name, rs in rows.items():
+            med = {
+                k: statistics.median(r["segments"][k] for r in rs if k in r["segments"])
+                for k in seg_names
+                if any(k in r["segments"] for r in rs)
+            }
+            out[name][str(n)] = {
+                "ttft": statistics.median(r["ttft"] for r in rs),
+                "traced_ttft": statistics.median(r["traced_ttft"] for r in rs),
+                "unified_ttft": statistics.median(r["ttft"] for r in u_rows[-args.repeats :]),
+                "segments": med,
+                "equal": f"{sum(r['equal'] for r in rs)}/{len(rs)}",
+                "samples": rs,
+            }
     return out
 
 
@@ -447,6 +460,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {b} | {n} | {ms(r['unified_ttft'])} | {ms(r['ttft'])} | {ms(r['ttft'] - r['unified_ttft'])} | "
                 f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} | {kv_cells(res, int(n), r)} |"
             )
+    lines += compare_lines(res, ms)
     names = [s[0] for s in SEGMENTS + DECODE_SIDE]
     lines += [
         "",
@@ -464,6 +478,34 @@ def markdown(res: dict[str, Any]) -> str:
             cells = [ms(r["segments"][k]) if k in r["segments"] else "" for k in names]
             lines.append(f"| {b} | {n} | {ms(r['traced_ttft'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def compare_lines(res: dict[str, Any], ms: Any) -> list[str]:
+    """Before/after rows: each ``--variant`` deployment against its backend's plain one (same run)."""
+    lines: list[str] = []
+    for name, per in res["backends"].items():
+        backend, _, label = name.partition(" ")
+        base = res["backends"].get(backend)
+        if not label or "error" in per or not base or "error" in base:
+            continue
+        if not lines:
+            lines = [
+                "",
+                "Same run, variant (the `--variant` worker flags) against the plain deployment (untraced TTFT "
+                "medians; ratio = plain / variant):",
+                "",
+                "| backend | prompt | variant | variant TTFT ms | plain TTFT ms | plain - variant ms | plain / variant |",
+                "|---|---|---|---|---|---|---|",
+            ]
+        for n, r in per.items():
+            b = base.get(n)
+            if b is None:
+                continue
+            lines.append(
+                f"| {backend} | {n} | {label} | {ms(r['ttft'])} | {ms(b['ttft'])} | {ms(b['ttft'] - r['ttft'])} | "
+                f"{b['ttft'] / r['ttft']:.2f}x |"
+            )
+    return lines
 
 
 def write_results(res: dict[str, Any], out: str) -> str:
@@ -499,9 +541,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--label", default="", help="a name for this run in the tables (e.g. before / after)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="LABEL=FLAG[,FLAG...]: also run each backend with these worker flags, beside the plain deployment "
+        "(repeatable), e.g. wait-for-room=--disaggregation-prefill-wait-for-room",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     args.backend = args.backend or ["tcp"]
+    variants = []
+    for v in args.variant:
+        label, sep, flag_list = v.partition("=")
+        if not sep or not label or " " in label or not flag_list:
+            ap.error(f"--variant {v!r}: expected LABEL=FLAG[,FLAG...] (a label without spaces)")
+        variants.append((label, flag_list.split(",")))
+    args.variant = variants
     if args.repeats < 1 or args.warmup < 0 or min(args.prompt_len) < 2:
         ap.error("--repeats >= 1, --warmup >= 0, every --prompt-len >= 2")
     if args.model not in ("tiny", "smollm2") and not args.shape and args.vocab_size is None:

@@ -138,6 +138,11 @@ class ServerArgs:
     disaggregation_ib_device: Optional[str] = opt(None, "RDMA device(s) for mooncake, e.g. mlx5_0")
     disaggregation_bootstrap_timeout: float = opt(300.0, "Seconds a request may wait for its peer to bootstrap")
     disaggregation_waiting_timeout: float = opt(300.0, "Seconds decode waits for KV once bootstrapped")
+    disaggregation_prefill_wait_for_room: bool = opt(
+        False,
+        "Prefill: compute a prompt only once decode registered its room (no prefill compute or KV for rooms "
+        "decode cannot take yet; adds decode's registration to the time to first token)",
+    )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
 
     @property

@@ -2,14 +2,21 @@
 
 Life cycle of a request (see ``kvship.prefill`` for the whole picture)::
 
-    submit --> BootstrapQueue --(decode registered the room)--> waiting --> extend(s) (chunked prefill)
-           --> first token sampled --> InflightQueue --(Success)--> KV cached, finished "length 0"
-                                                    \\--(Failed)--> KV cached, finished "abort" + reason
+    submit --> ComputingQueue + waiting --> extend(s) (chunked prefill) --> first token sampled
+           --> InflightQueue (send; the transfer starts once decode registered the room)
+               --(Success)--> KV cached, finished "length 0"
+               \\--(Failed)--> KV cached, finished "abort" + reason
 
 * A request must carry ``bootstrap_room`` (the router injects it); without one
   it is rejected with a message saying so.
-* Nothing is computed for a room before its decode worker has registered the
-  destination pages, so prefill never burns compute on KV nobody can take.
+* The prompt computes as soon as it arrives, beside decode's pre-allocation
+  and registration of the room (docs/pd.md, "Protocol, worker side"); the KV
+  waits in ``InflightQueue`` for the registration if it is not there yet, at
+  most ``--disaggregation-bootstrap-timeout``.  A room that fails while its
+  prompt computes (decode aborted or died, bootstrap timeout) aborts the
+  prompt.  With ``--disaggregation-prefill-wait-for-room`` the request waits
+  in ``BootstrapQueue`` for the registration first instead, so prefill never
+  computes KV nobody can take yet (at the cost of that wait in TTFT).
 * The request's own ``max_new_tokens`` is set to 1 here: prefill samples
   exactly one token and never reserves memory for decoding.
 * The finished chunk of a successful request carries no tokens
@@ -35,7 +42,7 @@ from kvship.engine.disagg.pd_role import PDRole, PDScheduler
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, nan_if_none, request_pages, room_problem
 from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.schedule_batch import Req
-from kvship.prefill.queues import BootstrapQueue, InflightQueue
+from kvship.prefill.queues import BootstrapQueue, ComputingQueue, InflightQueue, unregistered_rooms
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +53,12 @@ class PrefillRole(PDRole):
     mode = "prefill"
 
     def init_stages(self) -> tuple[PDStageQueue, ...]:
-        self.bootstrap_queue = BootstrapQueue(self.kv_manager)
+        self.wait_for_room = self.s.server_args.disaggregation_prefill_wait_for_room
+        self.bootstrap_queue = BootstrapQueue()
         self.inflight_queue = InflightQueue()
-        self.computing: dict[str, PDEntry] = {}  # registered rooms in waiting / extend
+        # rooms whose prompt waits / computes in the scheduler's queues; not a stage of ``PDRole``: an abort
+        # there is the scheduler's (the transfer layer never touches these pages), ``on_finish`` tells decode
+        self.computing = ComputingQueue()
         return self.bootstrap_queue, self.inflight_queue
 
     @property
@@ -67,23 +77,36 @@ class PrefillRole(PDRole):
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
         req.max_new_tokens = 1
-        self.bootstrap_queue.add(req, request.bootstrap_room)
+        room = request.bootstrap_room
+        entry = PDEntry(req=req, transfer=self.kv_manager.create_sender(room), room=room)
+        if self.wait_for_room:
+            self.bootstrap_queue.put(entry)
+        else:
+            self._compute(entry)
+
+    def _compute(self, entry: PDEntry) -> None:
+        self.stamp(entry.rid, "admitted")
+        self.computing.put(entry)
+        self.s.enqueue(entry.req)
 
     # ------------------------------------------------------------ stages
     def advance(self) -> None:
         """Move requests between the stages according to their senders' states."""
         ready, failed = self.bootstrap_queue.pop_ready()
+        lost = self.computing.pop_failed()
         done = self.inflight_queue.pop_done()
-        self.poll.progressed(bool(ready or failed or done))
+        self.poll.progressed(bool(ready or failed or lost or done))
         for entry in failed:
             self.guarded(entry, self.fail_entry, entry, entry.failure(), False)
         for entry in ready:
             self.stamp_transfer(entry, {"registered": "room_registered"})
-            self.stamp(entry.rid, "admitted")
-            self.computing[entry.rid] = entry
-            self.s.enqueue(entry.req)
+            self.guarded(entry, self._compute, entry)
+        for entry in lost:  # the room failed while its prompt computes: stop computing it
+            self.counters["failed"] += 1
+            self.guarded(entry, self.s.abort_request, entry.rid, entry.failure())
         for entry, state in done:
-            self.stamp_transfer(entry, {"transfer_start": "kv_send_start", "transfer_end": "kv_send_end"})
+            names = {"registered": "room_registered", "transfer_start": "kv_send_start", "transfer_end": "kv_send_end"}
+            self.stamp_transfer(entry, names)
             self.stamp(entry.rid, "transfer_done")
             if state == KVPoll.Success and entry.abort_reason is None:
                 self.guarded(entry, self._finish_transferred, entry)
@@ -98,7 +121,7 @@ class PrefillRole(PDRole):
         self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
     ) -> bool:
         """The prompt is computed: send its pages and the first token (stage 2 -> 3)."""
-        entry = self.computing.pop(req.rid, None)
+        entry = self.computing.remove(req.rid)
         if entry is None:
             self.s.finish(req, FinishReason.abort("internal error: prefill request without a KV sender"))
             return True
@@ -116,8 +139,9 @@ class PrefillRole(PDRole):
         return True
 
     def on_finish(self, req: Req) -> None:
-        entry = self.computing.pop(req.rid, None)
-        if entry is not None:  # registered but not sent: tell decode; no transfer reads these pages yet
+        super().on_finish(req)
+        entry = self.computing.remove(req.rid)
+        if entry is not None:  # not sent: tell decode; no transfer reads these pages yet
             reason = req.finished_reason
             entry.transfer.abort((reason.message if reason is not None else "") or "aborted on prefill")
 
@@ -125,7 +149,8 @@ class PrefillRole(PDRole):
         return {
             "disaggregation_bootstrap_port": self.bootstrap_port,
             "transfer_backend": self.kv_manager.config.backend,
-            "bootstrap_queue": len(self.bootstrap_queue),
+            # rooms decode has not registered yet, whatever their stage
+            "bootstrap_queue": len(self.bootstrap_queue) + unregistered_rooms(self.computing, self.inflight_queue),
             "prefill_waiting_queue": len(self.computing),
             "inflight_queue": len(self.inflight_queue),
         }

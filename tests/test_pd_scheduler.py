@@ -153,6 +153,62 @@ def test_abort_in_every_stage_frees_every_slot_on_both_sides(tiny_llama_dir):
         pd.wait_idle()
 
 
+def test_prefill_computes_before_decode_registers_and_sends_once_it_does(tiny_llama_dir):
+    prompt = make_prompts(1, seed=11, lo=70, hi=70)[0]
+    with InProcessPD(tiny_llama_dir, page_size=16) as pd:
+        room = pd.submit("early", prompt, to="prefill")
+        deadline = time.monotonic() + 30
+        while pd.prefill.get_stats()["inflight_queue"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = pd.prefill.get_stats()
+        # computed and handed to the sender, which waits for decode's registration
+        assert (st["inflight_queue"], st["prefill_waiting_queue"], st["bootstrap_queue"]) == (1, 0, 1), st
+        pd.submit("early", prompt, to="decode", room=room)
+        pd.wait(["early"])
+        pd.wait(["early"], side="prefill")
+        assert pd.finish("early", "prefill") == {"type": "length", "length": 0}
+        assert pd.tokens("early") == unified_greedy(tiny_llama_dir, [prompt], MAX_NEW, page_size=16)[0]
+        pd.wait_idle()
+
+
+def test_wait_for_room_flag_keeps_the_prompt_waiting_until_decode_registers(tiny_llama_dir):
+    prompt = make_prompts(1, seed=12, lo=40, hi=40)[0]
+    flag = dict(disaggregation_prefill_wait_for_room=True)
+    with InProcessPD(tiny_llama_dir, page_size=16, prefill_args=flag) as pd:
+        room = pd.submit("held", prompt, to="prefill")
+        time.sleep(0.5)
+        st = pd.prefill.get_stats()
+        assert (st["bootstrap_queue"], st["inflight_queue"], st["free_slots"]) == (1, 0, st["total_slots"]), st
+        pd.submit("held", prompt, to="decode", room=room)
+        pd.wait(["held"])
+        assert pd.tokens("held") == unified_greedy(tiny_llama_dir, [prompt], MAX_NEW, page_size=16)[0]
+        pd.wait_idle()
+
+
+def test_a_room_that_fails_while_its_prompt_waits_for_memory_aborts_the_prompt(tiny_llama_dir):
+    a, b = make_prompts(2, seed=13, lo=100, hi=100)
+    with InProcessPD(tiny_llama_dir, prefill_args=dict(max_total_tokens=160)) as pd:
+        pd.submit("pinned", a, to="prefill")  # computed; its KV stays pinned until decode registers the room
+        deadline = time.monotonic() + 30
+        while pd.prefill.get_stats()["inflight_queue"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pd.submit("starved", b)  # no room for its whole prompt on prefill; decode registers it
+        # "starved" computes (or waits) and prefill saw its registration: only "pinned" is unregistered
+        st = pd.prefill.get_stats()
+        while (st["prefill_waiting_queue"], st["bootstrap_queue"]) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            st = pd.prefill.get_stats()
+        assert (st["prefill_waiting_queue"], st["bootstrap_queue"]) == (1, 1), st
+        pd.decode.abort("starved")  # prefill's sender fails while the prompt waits: the prompt is aborted
+        pd.wait(["starved"], side="prefill")
+        assert "aborted by decode" in pd.finish("starved", "prefill")["message"], pd.finish("starved", "prefill")
+        assert pd.prefill.get_stats()["prefill_waiting_queue"] == 0
+        pd.prefill.abort("pinned")
+        pd.wait(["pinned"], side="prefill")
+        pd.wait(["starved"])
+        pd.wait_idle()
+
+
 def test_transfer_timeouts_fail_the_request_and_free_its_slots(tiny_llama_dir):
     kv = dict(bootstrap_timeout=1.0, waiting_timeout=1.0)
     with InProcessPD(tiny_llama_dir, prefill_kv=kv, decode_kv=kv) as pd:
