@@ -25,20 +25,35 @@ def scheduler_for_mode(mode: str) -> Callable[..., Any]:
     """A factory ``(server_args, model_runner, tokenizer, output_sink, **kw) -> scheduler`` for a worker role.
 
     With ``--speculative-algorithm`` the unified and decode schedulers get a
-    ``Speculator`` (``kvship.decode.spec``); a prefill worker refuses it.
+    ``Speculator`` (``kvship.decode.spec``).  In PD (docs/speculative.md, "PD")
+    an EAGLE decode worker registers its drafter's per-slot features with the
+    transfer layer, and a prefill worker given ``eagle`` / ``eagle3`` computes
+    the prompt's features (``PromptFeatures``) and ships them with the KV; a
+    prefill worker refuses ``ngram`` and ``draft`` (they need nothing from it).
     """
     cls = _scheduler_class(mode)
 
     def build(server_args: Any, model_runner: Any, tokenizer: Any, output_sink: Any, **kw: Any) -> Any:
-        if getattr(server_args, "speculative_algorithm", None) is not None:
-            if mode == "prefill":
+        algo = getattr(server_args, "speculative_algorithm", None)
+        if algo is not None and mode == "prefill":
+            if algo in ("eagle", "eagle3"):
+                from kvship.decode.spec.prompt_features import PromptFeatures
+
+                kw["slot_features"] = PromptFeatures(server_args, model_runner).slot_features
+            else:
                 raise ValueError(
-                    "speculative decoding runs on decode (and unified) workers: "
-                    "drop --speculative-* from the prefill worker"
+                    f"--speculative-algorithm {algo} drafts on the decode worker from tokens alone and needs "
+                    "nothing from a prefill worker: drop --speculative-* from the prefill worker (only eagle and "
+                    "eagle3 use it there, to ship the prompt's features)"
                 )
+        elif algo is not None:
             from kvship.decode.spec.worker import Speculator, create_drafter
 
             drafter = create_drafter(server_args)
+            if mode == "decode":
+                features = drafter.transfer_features(model_runner)
+                if features is not None:
+                    kw["slot_features"] = features
             kw["speculator"] = lambda sched: Speculator(sched, drafter)
         return cls(server_args, model_runner, tokenizer, output_sink, **kw)
 

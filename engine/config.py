@@ -279,9 +279,12 @@ class ServerArgs:
             )
         if self.speculative_algorithm is not None:
             self.speculative_shape  # raises on an inconsistent steps / topk / draft-token combination
-        if self.speculative_algorithm is not None and self.tp_size > 1:
+        # a prefill worker never drafts: it computes the prompt's EAGLE features at any tp size
+        # (docs/speculative.md, "PD"), and its page size must match the decode worker's anyway
+        drafts = self.speculative_algorithm is not None and self.mode != "prefill"
+        if drafts and self.tp_size > 1:
             raise ValueError("speculative decoding with --tp-size > 1 is not supported yet")
-        if self.speculative_algorithm is not None and self.page_size != 1:
+        if drafts and self.page_size != 1:
             raise ValueError("speculative decoding needs --page-size 1 (accepted draft slots are remapped one by one)")
 
         if self.base_gpu_id < 0:

@@ -134,7 +134,8 @@ class InProcessPD:
         # ``runners``: (prefill, decode) ModelRunners to reuse (their pools must be empty: run with
         # disable_radix_cache so no KV stays behind in a cache the next scheduler would not know)
         p_runner, d_runner = runners if runners is not None else (ModelRunner(psa), ModelRunner(dsa))
-        self.prefill = PrefillScheduler(
+        # through the app's factory, so --speculative-algorithm eagle|eagle3 in prefill_args ships prompt features
+        self.prefill: PrefillScheduler = scheduler_for_mode("prefill")(
             psa,
             p_runner,
             tokenizer,
@@ -142,7 +143,7 @@ class InProcessPD:
             kv_config=KVTransferConfig(backend=backend, bootstrap_port=0, **(prefill_kv or {})),
         )
         try:
-            # through the app's factory, so --speculative-* in decode_args gives the decode worker a speculator
+            # --speculative-* in decode_args gives the decode worker a speculator
             self.decode = scheduler_for_mode("decode")(
                 dsa, d_runner, tokenizer, self.d_out, kv_config=KVTransferConfig(backend=backend, **(decode_kv or {}))
             )

@@ -8,6 +8,10 @@ the acceptance length.  Contract:
   CUDA the verify graphs are captured for trees of ``k + 1`` slots.
 * ``attach(target_runner)``: called once by the ``Speculator`` with the
   target's ``ModelRunner`` before the first round.
+* ``transfer_features(target_runner)``: on a decode worker, before the
+  scheduler (and ``attach``): the per-KV-slot buffer the PD transfer layer
+  fills for the prompt's slots (``SlotFeatures``), or None when the drafter
+  needs nothing of the prompt but its tokens.
 * ``draft_trees(reqs)``: one tree per request, in order; the root of a tree is the
   request's newest token (``req.fill_ids[-1]``), whose K/V is not cached yet.
 * ``release_missing(open_rids)``: drop per-request state (rows, KV) of every
@@ -18,11 +22,12 @@ the acceptance length.  Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from kvship.decode.spec.tree import DraftTree
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.disagg.base import SlotFeatures
     from kvship.engine.schedule_batch import Req
 
 
@@ -31,6 +36,10 @@ class Drafter(ABC):
 
     def attach(self, target_runner: Any) -> None:
         """Nothing by default: drafters that read only the token sequence need no part of the target."""
+
+    def transfer_features(self, target_runner: Any) -> Optional["SlotFeatures"]:
+        """None by default: the prompt's tokens are all such a drafter needs from prefill."""
+        return None
 
     @abstractmethod
     def draft_trees(self, reqs: list["Req"]) -> list[DraftTree]: ...

@@ -30,10 +30,17 @@ yet in the target's cache) needs entries ``0 .. L-2``; a round:
 Drafts are deterministic candidates, so the verify rules of ``verify`` keep
 the output lossless whatever the head predicts.  A request with no draft row
 or pool left (or a one-token sequence) gets an empty tree: one plain token.
-In PD the decode worker never computed the prompt's features (the prefill
-worker ran the prompt), so those entries read whatever the slots hold (zeros,
-or a feature left by an earlier user of the slot): still lossless, lower
-acceptance until the context is mostly decoded tokens.
+
+PD.  A decode worker never runs the prompt: its ``features`` buffer is
+registered with the KV transfer layer (``transfer_features``, a
+``SlotFeatures`` of kind ``eagle_head.feature_kind``), and a prefill worker
+started with the same head computes the prompt's features during its own
+forwards (``prompt_features.PromptFeatures``: the same ``project``) and ships
+them with the prompt's K/V pages, so the first round drafts from exactly what
+a unified worker's would.  From a prefill worker without them (or with
+another head) the prompt's slots read whatever they hold (zeros, or a feature
+left by an earlier user of the slot): still lossless, lower acceptance until
+the context is mostly decoded tokens; the transfer layer logs that case.
 """
 
 from __future__ import annotations
@@ -45,9 +52,10 @@ from typing import Any
 import torch
 
 from kvship.decode.spec.drafter import Drafter
-from kvship.decode.spec.eagle_head import build_head
+from kvship.decode.spec.eagle_head import build_head, feature_kind
 from kvship.decode.spec.tree import DraftTree
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
+from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode, HiddenCapture
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -90,20 +98,35 @@ class EagleDrafter(Drafter):
         self.max_running = server_args.max_running_requests
         self.rows: dict[str, _Row] = {}
         self.rounds = 0
+        self.target: Any = None
 
     # --- setup ---------------------------------------------------------------
+    def _load(self, r: Any) -> None:
+        """The head and the per-slot features buffer for target runner ``r`` (once)."""
+        if self.target is not None:
+            if self.target is not r:
+                raise ValueError("an EagleDrafter drafts for one target model runner")
+            return
+        self.target = r
+        self.device = r.device
+        self.head = build_head(self.path, self.variant, r.model, r.model_config, r.device)
+        # one feature per target KV slot (slot 0 and unwritten slots read zeros)
+        self.features = torch.zeros(
+            (r.kv_pool.num_slots + r.page_size, self.head.cfg.model.hidden_size), dtype=r.dtype, device=r.device
+        )
+        self.feature_kind = feature_kind(self.head.cfg, self.head.fc if self.head.eagle3 else None)
+
+    def transfer_features(self, target_runner: Any) -> SlotFeatures:
+        """The per-slot features buffer, for a decode worker's KV transfer layer to fill for prompt slots."""
+        self._load(target_runner)
+        return SlotFeatures(self.feature_kind, self.features)
+
     def attach(self, target_runner: Any) -> None:
         r = target_runner
         mc = r.model_config
-        self.target = r
-        self.device = r.device
-        self.head = build_head(self.path, self.variant, r.model, mc, r.device)
+        self._load(r)
         dmc = self.head.cfg.model
         self.vocab = mc.vocab_size
-        # one feature per target KV slot (slot 0 and unwritten slots read zeros)
-        self.features = torch.zeros(
-            (r.kv_pool.num_slots + r.page_size, dmc.hidden_size), dtype=r.dtype, device=r.device
-        )
         r.hidden_capture = HiddenCapture(layers=self.head.cfg.aux_layer_ids, sink=self._store)
         scratch = self.steps * max(self.topk, 1) + 8  # expanded nodes of one request's tree, with room
         rows = self.max_running + 16

@@ -48,22 +48,26 @@ from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaMLP
 
 
-def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of an EAGLE head folder (``*.safetensors`` or ``pytorch_model*.bin``), ``model.`` prefix dropped."""
+def read_checkpoint(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of an EAGLE head folder (``*.safetensors`` or ``pytorch_model*.bin``), ``model.`` prefix
+    dropped; with ``prefix`` only those whose name starts with it (safetensors files read no other tensor)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     tensors: dict[str, torch.Tensor] = {}
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         for f in files:
-            tensors.update(load_file(f))
+            with safe_open(f, framework="pt") as st:
+                for k in st.keys():
+                    if k.removeprefix("model.").startswith(prefix):
+                        tensors[k] = st.get_tensor(k)
     else:
         files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
         if not files:
             raise FileNotFoundError(f"EAGLE head {path}: no *.safetensors or pytorch_model*.bin weights")
         for f in files:
             tensors.update(torch.load(f, map_location="cpu", weights_only=True))
-    return {k.removeprefix("model."): v for k, v in tensors.items()}
+    return {k.removeprefix("model."): v for k, v in tensors.items() if k.removeprefix("model.").startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,54 @@ class EagleHead(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if self.eagle3 else draft_ids
+
+
+class FeatureProjection(nn.Module):
+    """``EagleHead.project`` alone: what a prefill worker loads of a head to compute the per-slot features
+    a decode worker's drafter reads (docs/speculative.md, "PD").  EAGLE: the target's final hidden state
+    as it is (no weights); EAGLE-3: the head's ``fc`` over the auxiliary layers (only ``fc.*`` is read)."""
+
+    def __init__(self, cfg: EagleConfig, fc_tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.eagle3 = cfg.variant == "eagle3"
+        if self.eagle3:
+            self.fc = Linear(cfg.fc_in, cfg.model.hidden_size, bias="fc.bias" in fc_tensors, dtype=cfg.model.dtype)
+            if "fc.weight" not in fc_tensors:
+                raise ValueError("EAGLE-3 head checkpoint lacks fc.weight")
+            for name, p in self.fc.named_parameters():
+                t = fc_tensors[f"fc.{name}"]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"EAGLE-3 head fc.{name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.weight_loader(p, t.to(p.dtype))
+
+    def forward(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(target_hidden) if self.eagle3 else target_hidden
+
+
+def feature_kind(cfg: EagleConfig, fc: "nn.Module | None") -> str:
+    """What a head's per-slot features are, for the PD handshake: equal kinds mean equal features.
+
+    EAGLE: the target's final hidden state, whatever the head.  EAGLE-3: ``fc`` of the auxiliary layers,
+    so the layer ids and a digest of ``fc``'s parameters (as loaded) name it."""
+    if cfg.variant != "eagle3":
+        return "eagle:final-hidden"
+    import hashlib
+
+    digest = hashlib.sha256()
+    for _, p in sorted(fc.named_parameters()):  # type: ignore[union-attr]
+        digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    layers = ",".join(str(i) for i in cfg.aux_layer_ids)
+    return f"eagle3:layers={layers}:fc={digest.hexdigest()[:16]}"
+
+
+def build_projection(path: str, variant: str, target_config: ModelConfig, device: torch.device) -> FeatureProjection:
+    """The ``FeatureProjection`` of the head at ``path`` for a target of ``target_config``."""
+    cfg = EagleConfig.load(path, variant, target_config, target_config.dtype)
+    tensors = read_checkpoint(path, prefix="fc.") if variant == "eagle3" else {}
+    with torch.device(device):
+        proj = FeatureProjection(cfg, tensors)
+    return proj.eval()
 
 
 def build_head(

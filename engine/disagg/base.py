@@ -24,6 +24,11 @@ Invariants every implementation keeps:
 * Page lists are KV **page indices** (``slot // page_size``) of each side's own
   pool, in prompt order; both sides' lists have the same length and never name
   page 0 (the padding page).  Whole pages travel.
+* A worker may register one :class:`SlotFeatures` buffer (a vector per KV
+  slot, e.g. an EAGLE head's features, docs/speculative.md "PD").  Its
+  pages travel with the K/V pages when both sides registered features of the
+  same ``kind``, width and dtype; otherwise the transfer moves K/V alone and
+  each side logs why (never a failure: the features only speed drafting up).
 """
 
 from __future__ import annotations
@@ -141,6 +146,33 @@ class AuxInfo:
 
 
 @dataclass(frozen=True)
+class SlotFeatures:
+    """A per-KV-slot buffer that travels with the prompt's K/V (see the module docstring).
+
+    ``buffer`` is ``[kv pool rows, dim]`` (rows = ``num_slots + page_size``, the
+    K/V buffers' rows; slot ``s`` is row ``s``), contiguous, on the pool's device.
+    ``kind`` names what the vectors are: two workers exchange features only when
+    their kinds, widths and dtypes are equal.  Tensor parallelism: every rank
+    holds the whole vectors (replicated), so a decode rank takes them from one
+    prefill rank.
+    """
+
+    kind: str
+    buffer: torch.Tensor = field(repr=False, compare=False)
+
+    def check(self, kv_pool) -> None:
+        """ValueError unless ``buffer`` fits ``kv_pool`` (one contiguous row per KV slot, same device)."""
+        rows = kv_pool.num_slots + kv_pool.page_size
+        b = self.buffer
+        if not self.kind:
+            raise ValueError("slot features need a kind")
+        if b.dim() != 2 or b.shape[0] != rows or not b.is_contiguous():
+            raise ValueError(f"slot features must be a contiguous [{rows}, dim] tensor, got {tuple(b.shape)}")
+        if b.device != kv_pool.device:
+            raise ValueError(f"slot features live on {b.device}, the KV pool on {kv_pool.device}")
+
+
+@dataclass(frozen=True)
 class MemoryRegion:
     """One registered buffer: a contiguous tensor's bytes."""
 
@@ -173,7 +205,8 @@ class TransferDescs:
     """A batch of writes: ``length`` bytes from local region/offset to remote region/offset.
 
     Regions are indices into each side's region list (KV buffers in
-    ``KVPool.buffers()`` order, then the aux buffer).  Arrays are int64, equal length.
+    ``KVPool.buffers()`` order, then the ``SlotFeatures`` buffer when that side
+    has one, then the aux buffer).  Arrays are int64, equal length.
     """
 
     src_region: np.ndarray
@@ -194,8 +227,9 @@ class TransferBackend(ABC):
     """The data plane of one worker: moves bytes between registered regions.
 
     Built once per manager with the local regions (registered at construction:
-    the K/V buffers in ``KVPool.buffers()`` order, then the aux buffer) and the
-    pool's layout.
+    the K/V buffers in ``KVPool.buffers()`` order, then the ``SlotFeatures``
+    buffer when the layout has features, then the aux buffer) and the pool's
+    layout.  A peer's region list may differ in its features region only.
     Prefill calls ``add_peer`` when a decode worker's handshake arrives (``info``
     is that decode's ``local_info()``), ``write`` from its transfer threads (any
     number concurrently, to the same or different peers), and ``remove_peer``

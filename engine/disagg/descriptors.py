@@ -5,7 +5,8 @@ page indices of equal length, in prompt order.  Positions where both lists
 advance by one form a *run*; each run becomes one descriptor per K/V buffer, so
 a request whose pages are contiguous on both sides costs ``2 * num_layers``
 descriptors however long it is.  Descriptors for all buffers of a request form
-one batch (buffer-major: every run of K0, then of K1, ..., then V0 ...).
+one batch (buffer-major: every run of K0, then of K1, ..., then V0 ...; then
+the runs of the per-slot features buffer when they travel, ``region_descs``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,28 @@ def kv_descs(runs: np.ndarray, num_buffers: int, page_bytes: int) -> TransferDes
     dst_off = np.tile(runs[:, 1] * page_bytes, num_buffers)
     length = np.tile(runs[:, 2] * page_bytes, num_buffers)
     return TransferDescs(src_region=bufs, src_off=src_off, dst_region=bufs.copy(), dst_off=dst_off, length=length)
+
+
+def region_descs(runs: np.ndarray, src_region: int, dst_region: int, page_bytes: int) -> TransferDescs:
+    """One descriptor per run of one paged region (the per-slot features: ``page_bytes`` per page)."""
+    d = kv_descs(runs, 1, page_bytes)
+    return TransferDescs(
+        src_region=np.full_like(d.src_region, src_region),
+        src_off=d.src_off,
+        dst_region=np.full_like(d.dst_region, dst_region),
+        dst_off=d.dst_off,
+        length=d.length,
+    )
+
+
+def concat_descs(parts: Sequence[TransferDescs]) -> TransferDescs:
+    """One batch of every descriptor of ``parts``, in order."""
+    return TransferDescs(
+        *(
+            np.concatenate([getattr(p, f) for p in parts])
+            for f in ("src_region", "src_off", "dst_region", "dst_off", "length")
+        )
+    )
 
 
 def aux_descs(src_region: int, src_slot: int, dst_region: int, dst_slot: int, record_bytes: int) -> TransferDescs:

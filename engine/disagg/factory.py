@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from kvship.engine.disagg.base import KVManager, KVTransferConfig, get_transfer_backend
+from typing import Optional
+
+from kvship.engine.disagg.base import KVManager, KVTransferConfig, SlotFeatures, get_transfer_backend
 
 
-def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager:
+def create_kv_manager(
+    role: str, kv_pool, config: KVTransferConfig, features: Optional[SlotFeatures] = None
+) -> KVManager:
     """Build the prefill or decode manager for ``kv_pool`` with ``config.backend``.
 
+    ``features``: a per-slot buffer registered with the K/V buffers (prefill: sent
+    with the pages; decode: filled for them) when the peer has the same kind.
+
     Raises ``BackendUnavailableError`` when the backend's package cannot load,
-    ``ValueError`` for an invalid config or role, ``OSError`` when the
+    ``ValueError`` for an invalid config, role or features buffer, ``OSError`` when the
     bootstrap port cannot be bound.
     """
     config.validate()
@@ -17,9 +24,9 @@ def create_kv_manager(role: str, kv_pool, config: KVTransferConfig) -> KVManager
     if role == "prefill":
         from kvship.engine.disagg.sender import PrefillKVManager
 
-        return PrefillKVManager(kv_pool, config, backend_cls)
+        return PrefillKVManager(kv_pool, config, backend_cls, features)
     if role == "decode":
         from kvship.engine.disagg.receiver import DecodeKVManager
 
-        return DecodeKVManager(kv_pool, config, backend_cls)
+        return DecodeKVManager(kv_pool, config, backend_cls, features)
     raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")

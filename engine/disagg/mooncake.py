@@ -102,8 +102,9 @@ class MooncakeBackend(TransferBackend):
             session, ptrs = str(info["session"]), np.array(info["ptrs"], dtype=np.int64)
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"bad mooncake endpoint {info!r}") from e
-        if ptrs.shape != (len(self.regions),):
-            raise KVTransferError(f"mooncake peer has {ptrs.size} regions, expected {len(self.regions)}")
+        # the peer's regions may differ from ours in the features region (its Hello's layout says how many)
+        if ptrs.ndim != 1 or ptrs.size < 2:
+            raise KVTransferError(f"mooncake peer has {ptrs.size} regions, expected the K/V buffers and an aux buffer")
         with self._lock:
             self._peers[peer_id] = (session, ptrs, threading.Lock())
 

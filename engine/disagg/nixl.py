@@ -124,8 +124,9 @@ class NixlBackend(TransferBackend):
             dev = np.array(info["dev"], dtype=np.int64)
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"bad nixl endpoint: {e}") from e
-        if not (ptrs.size == len(mem) == dev.size == len(self.regions)):
-            raise KVTransferError(f"nixl peer has {ptrs.size} regions, expected {len(self.regions)}")
+        # the peer's regions may differ from ours in the features region (its Hello's layout says how many)
+        if not (ptrs.ndim == 1 and ptrs.size == len(mem) == dev.size and ptrs.size >= 2):
+            raise KVTransferError(f"nixl peer has {ptrs.size} regions, expected the K/V buffers and an aux buffer")
         with self._api_lock:
             name = str(info.get("agent", ""))
             if self._agent_refs.get(name, 0) == 0:

@@ -33,6 +33,7 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 from kvship.engine.disagg import KVTransferConfig, KVTransferError
+from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, TransferPollBackoff, make_kv_manager
 from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.schedule_batch import Req
@@ -44,7 +45,9 @@ logger = logging.getLogger(__name__)
 class PDRole(ABC):
     mode: str
 
-    def __init__(self, sched: "Scheduler", kv_config: Optional[KVTransferConfig] = None):
+    def __init__(
+        self, sched: "Scheduler", kv_config: Optional[KVTransferConfig] = None, features: Optional[SlotFeatures] = None
+    ):
         self.s = sched
         # tensor parallelism: this rank's manager, polls agreed over the ranks (kvship.engine.disagg.tp_sync)
         self.tp = sched.runner.tp
@@ -55,6 +58,7 @@ class PDRole(ABC):
             kv_config,
             tp=self.tp,
             total_kv_heads=sched.runner.model_config.num_key_value_heads,
+            features=features,
         )
         self.free_slots_per_rank: Optional[list[int]] = None
         self.counters: Counter = Counter()
@@ -184,7 +188,11 @@ class PDRole(ABC):
 
 
 class PDScheduler(Scheduler):
-    """A ``Scheduler`` whose role is ``role_cls``; adds only the constructor and the transfer layer's handle."""
+    """A ``Scheduler`` whose role is ``role_cls``; adds only the constructor and the transfer layer's handle.
+
+    ``slot_features``: a per-KV-slot buffer the transfer layer ships with the prompt's pages (prefill) or
+    fills for them (decode): an EAGLE head's features (docs/speculative.md, "PD"); the app shell builds it.
+    """
 
     role_cls: type[PDRole]
     role: PDRole
@@ -198,6 +206,7 @@ class PDScheduler(Scheduler):
         tuning: Any = None,
         kv_config: Optional[KVTransferConfig] = None,
         speculator: Any = None,
+        slot_features: Optional[SlotFeatures] = None,
     ):
         super().__init__(
             server_args,
@@ -205,7 +214,7 @@ class PDScheduler(Scheduler):
             tokenizer,
             output_sink,
             tuning,
-            role=lambda sched: self.role_cls(sched, kv_config),
+            role=lambda sched: self.role_cls(sched, kv_config, slot_features),
             speculator=speculator,
         )
 

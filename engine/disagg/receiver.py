@@ -15,6 +15,10 @@ prefill's rank 0; its ``Welcome`` lists every rank's address, and the room is
 registered with each rank (one aux slot each).  The KV has arrived when every
 rank's done signal has; each rank's aux record is checked.
 
+Per-slot features (``SlotFeatures``): registered after the K/V buffers when
+the worker has them; a prefill whose features differ (or that has none) is
+logged once per link and sends the K/V alone (docs/speculative.md, "PD").
+
 A receiver's abort (local, or a timeout) sends ``Abort`` and reaches Failed
 when prefill acknowledges, the link dies, or ``abort_ack_timeout`` passes, so
 the pages are never freed while a write into them may still land.  A receiver
@@ -40,6 +44,7 @@ from kvship.engine.disagg.base import (
     KVTransferConfig,
     KVTransferError,
     MemoryRegion,
+    SlotFeatures,
     TransferBackend,
 )
 from kvship.engine.disagg.bootstrap import BootstrapLink
@@ -371,18 +376,29 @@ class DecodeKVManager(KVManager):
 
     role = "decode"
 
-    def __init__(self, kv_pool, config: KVTransferConfig, backend_cls: type[TransferBackend]):
+    def __init__(
+        self,
+        kv_pool,
+        config: KVTransferConfig,
+        backend_cls: type[TransferBackend],
+        features: Optional[SlotFeatures] = None,
+    ):
         self.config = config
         self.pool = kv_pool
         self.pool_device = kv_pool.device
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads)
+        if features is not None:
+            features.check(kv_pool)
+        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features)
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()
         self.num_aux_slots = max(1, min(config.max_inflight, self.num_pages))
         self.aux_buffer = torch.zeros((self.num_aux_slots, AUX_RECORD_BYTES), dtype=torch.uint8)
         self.aux_free = list(range(self.num_aux_slots - 1, -1, -1))
-        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers] + [MemoryRegion.from_tensor(self.aux_buffer)]
+        extra = [features.buffer] if features is not None else []
+        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers + extra] + [
+            MemoryRegion.from_tensor(self.aux_buffer)
+        ]
         self.backend = backend_cls(config, "decode", self.regions, self.layout)
         self.decode_id = f"decode-{uuid.uuid4().hex[:12]}"
         self.active: dict[int, DecodeReceiver] = {}
@@ -450,7 +466,19 @@ class DecodeKVManager(KVManager):
         problem = w.layout.mismatch(self.layout)
         if problem:
             return f"KV layout mismatch (prefill vs decode): {problem}"
-        return fingerprint_mismatch(w.fingerprint, self.config.fingerprint)
+        problem = fingerprint_mismatch(w.fingerprint, self.config.fingerprint)
+        if problem is None and self.layout.has_features:
+            why = self.layout.features_mismatch(w.layout)
+            if why is not None:
+                logger.warning(
+                    "prefill %s (tp rank %d) sends no %s features (%s): drafting starts without the prompt's "
+                    "features, still lossless (docs/speculative.md, PD)",
+                    w.prefill_id,
+                    w.layout.tp_rank,
+                    self.layout.feature_kind,
+                    why.replace("this side", "decode").replace("the peer", "prefill"),
+                )
+        return problem
 
     def _on_ready(self, link: BootstrapLink) -> None:
         with self.lock:

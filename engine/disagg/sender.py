@@ -15,6 +15,12 @@ prefill rank (docs/parallel.md); a sender waits for all of decode's ranks
 (its tp size comes with the first registration's ``Hello``) and writes each the
 KV heads ``tp_slices.head_slice`` assigns it (maybe none), its aux record and done.
 
+Per-slot features (``SlotFeatures``) go in the same batch as the K/V pages to
+every decode peer whose layout has features of the same kind, width and dtype
+(decided once, at its ``Hello``; otherwise K/V alone, logged).  They are
+replicated over tensor-parallel ranks, so decode rank ``d`` takes them from
+prefill rank ``d mod prefill tp size``.
+
 Registrations whose sender never appears expire after ``bootstrap_timeout``
 (decode is told with ``Fail``).  A decode connection that dies fails every
 room it registered.  A ``Abort`` from decode is acknowledged (``AbortAck``)
@@ -42,6 +48,7 @@ from kvship.engine.disagg.base import (
     KVTransferConfig,
     KVTransferError,
     MemoryRegion,
+    SlotFeatures,
     TransferBackend,
     advertise_host,
 )
@@ -74,6 +81,7 @@ class _DecodePeer:
         self.conn = conn
         self.hello = hello
         self.region_bytes = list(hello.region_bytes)
+        self.features = False  # per-slot features travel to this peer (set at the handshake)
         self.alive = True
         self.inflight = 0
 
@@ -232,20 +240,30 @@ class PrefillKVManager(KVManager):
 
     role = "prefill"
 
-    def __init__(self, kv_pool, config: KVTransferConfig, backend_cls: type[TransferBackend]):
+    def __init__(
+        self,
+        kv_pool,
+        config: KVTransferConfig,
+        backend_cls: type[TransferBackend],
+        features: Optional[SlotFeatures] = None,
+    ):
         self.config = config
         self.pool = kv_pool
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads)
+        if features is not None:
+            features.check(kv_pool)
+        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features)
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()
         self.prefill_id = f"prefill-{uuid.uuid4().hex[:12]}"
         # one aux staging slot per transfer thread (CPU; backends register it with the KV buffers)
         self._aux_staging = torch.zeros((config.transfer_threads, AUX_RECORD_BYTES), dtype=torch.uint8)
-        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers] + [
+        extra = [features.buffer] if features is not None else []
+        self.regions = [MemoryRegion.from_tensor(b) for b in self.buffers + extra] + [
             MemoryRegion.from_tensor(self._aux_staging)
         ]
-        self.aux_region = len(self.buffers)
+        self.feature_region = len(self.buffers) if features is not None else None
+        self.aux_region = len(self.regions) - 1
         self.backend = backend_cls(config, "prefill", self.regions, self.layout)
         self._senders: dict[int, PrefillSender] = {}
         self._pending: dict[int, list[_PendingRegistration]] = {}  # room -> registrations before its sender
@@ -331,8 +349,11 @@ class PrefillKVManager(KVManager):
         problem = self.layout.mismatch(hello.layout)
         if problem:
             return Refuse(reason=f"KV layout mismatch (prefill vs decode): {problem}")
-        if len(hello.region_bytes) != len(self.regions):
-            return Refuse(reason=f"decode registered {len(hello.region_bytes)} regions, expected {len(self.regions)}")
+        if len(hello.region_bytes) != hello.layout.num_regions:
+            return Refuse(
+                reason=f"decode registered {len(hello.region_bytes)} regions, its layout has {hello.layout.num_regions}"
+            )
+        no_features = self.layout.features_mismatch(hello.layout)
         peer_id = hello.peer_id
         with self.lock:
             if peer_id in self._peers:
@@ -341,10 +362,20 @@ class PrefillKVManager(KVManager):
             self.backend.add_peer(peer_id, hello.backend_info)
         except Exception as e:  # noqa: BLE001 - any backend error refuses the peer
             return Refuse(reason=f"prefill cannot reach decode's {self.backend.name} endpoint: {e}")
+        peer = _DecodePeer(peer_id, conn, hello)
+        peer.features = no_features is None
         with self.lock:
-            self._peers[peer_id] = _DecodePeer(peer_id, conn, hello)
+            self._peers[peer_id] = peer
             conn.peer_id = peer_id
         logger.info("decode peer %s connected from %s", peer_id, conn.name)
+        if no_features is not None and hello.layout.has_features:
+            logger.warning(
+                "decode peer %s wants per-slot features (%s) but they cannot travel: %s; "
+                "it gets the KV alone (docs/speculative.md, PD)",
+                peer_id,
+                hello.layout.feature_kind,
+                no_features,
+            )
         return Welcome(
             prefill_id=self.prefill_id,
             backend=self.backend.name,
@@ -493,17 +524,24 @@ class PrefillKVManager(KVManager):
                 checksum = kv_checksum_heads(
                     self.buffers, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
                 )
+        runs = D.page_runs(src_pages, reg.pages)
+        parts = []
         if part is not None:
-            runs = D.page_runs(src_pages, reg.pages)
-            descs = slice_kv_descs(
-                runs,
-                layout.num_buffers,
-                layout.page_size,
-                layout.head_bytes,
-                layout.num_kv_heads,
-                dst.num_kv_heads,
-                part,
+            parts.append(
+                slice_kv_descs(
+                    runs,
+                    layout.num_buffers,
+                    layout.page_size,
+                    layout.head_bytes,
+                    layout.num_kv_heads,
+                    dst.num_kv_heads,
+                    part,
+                )
             )
+        if peer.features and dst.tp_rank % layout.tp_size == layout.tp_rank:  # replicated: one rank sends them
+            parts.append(D.region_descs(runs, self.feature_region, dst.num_buffers, layout.feature_page_bytes))
+        if parts:
+            descs = D.concat_descs(parts)
             D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
             if self._cancelled(s):
                 return

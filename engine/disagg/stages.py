@@ -26,6 +26,7 @@ import torch
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.disagg import BackendUnavailableError, KVManager, KVPoll, KVTransferConfig, create_kv_manager
+from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.schedule_batch import Req
 
 # Seconds an otherwise idle scheduler blocks on its inbox between two polls of pending transfers.
@@ -53,6 +54,7 @@ def make_kv_manager(
     config: Optional[KVTransferConfig] = None,
     tp: Any = None,
     total_kv_heads: int = 0,
+    features: Optional[SlotFeatures] = None,
 ) -> KVManager:
     """The ``role`` ("prefill" | "decode") transfer layer over ``kv_pool``.
 
@@ -60,7 +62,8 @@ def make_kv_manager(
     timeouts).  ``tp`` (a ``TPGroup``, tensor parallelism): this rank's manager,
     wrapped so that every rank's ``poll()`` agrees (``tp_sync.TPKVManager``); rank r
     of a prefill worker binds ``--disaggregation-bootstrap-port`` + r.  ``total_kv_heads``:
-    the model's KV heads (the pool holds this rank's share).
+    the model's KV heads (the pool holds this rank's share).  ``features``: the worker's per-slot
+    features buffer (``base.SlotFeatures``), registered with the K/V buffers.
     Raises ``RuntimeError`` with a user-facing message on failure.
     """
     cfg = config or KVTransferConfig.from_server_args(server_args)
@@ -70,7 +73,7 @@ def make_kv_manager(
     if total_kv_heads:
         cfg = dataclasses.replace(cfg, total_kv_heads=total_kv_heads)
     try:
-        manager = create_kv_manager(role, kv_pool, cfg)
+        manager = create_kv_manager(role, kv_pool, cfg, features)
         if tp is None:
             return manager
         from kvship.engine.disagg.tp_sync import TPKVManager

@@ -18,7 +18,9 @@ lengths at one column of ``[slots, slot bytes]`` rows) are gathered and
 scattered as such a column block in one numpy / torch indexing operation.  Decode first checks that KV ranges
 lie on pages registered for that room and that every range is inside its
 region (a range may be part of a page: one token's slice of KV heads when the
-two workers' tensor-parallel sizes differ, ``tp_slices``).  Frames for a room decode no longer expects (aborted, finished) are
+two workers' tensor-parallel sizes differ, ``tp_slices``); the per-slot
+features region (``SlotFeatures``) is paged like a K/V buffer, with its own
+page size in bytes.  Frames for a room decode no longer expects (aborted, finished) are
 read and dropped, so a late write never lands.  A frame with the done flag
 signals ``on_done(room)`` after its bytes are placed: TCP's ordering makes the
 done signal follow all of the room's data.
@@ -89,10 +91,13 @@ def _gathered(lengths: np.ndarray) -> bool:
     return lengths.size > _GATHER_MIN_DESCS and int(lengths.sum()) < lengths.size * _GATHER_MAX_AVG
 
 
-def _segments(region: np.ndarray, off: np.ndarray, length: np.ndarray, num_kv: int, page_bytes: int):
-    """Maximal runs ``[a, b)`` of table entries on one region; ``paged`` when they are KV ranges
-    made of whole pages (then one index_select / index_copy_ moves them all)."""
-    paged = (region < num_kv) & (off % page_bytes == 0) & (length % page_bytes == 0)
+def _segments(region: np.ndarray, off: np.ndarray, length: np.ndarray, units: np.ndarray):
+    """Maximal runs ``[a, b)`` of table entries on one region; ``paged`` when they are ranges of a paged
+    region (``units[region]``: its page bytes, 0 = not paged) made of whole pages (then one
+    index_select / index_copy_ moves them all)."""
+    unit = units[region]
+    safe = np.maximum(unit, 1)
+    paged = (unit > 0) & (off % safe == 0) & (length % safe == 0)
     n = region.size
     brk = np.flatnonzero((np.diff(region) != 0) | (np.diff(paged.astype(np.int8)) != 0)) + 1
     starts = np.concatenate(([0], brk)).tolist()
@@ -147,8 +152,12 @@ class TcpBackend(TransferBackend):
         self._server: Optional[socket.socket] = None
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self._num_kv = len(regions) - 1
-        self._page_bytes = layout.page_bytes
+        self._num_kv = layout.num_buffers
+        # page bytes of each paged region (K/V buffers, then the features buffer if any); 0 = the aux buffer
+        self._units = np.zeros(len(regions), dtype=np.int64)
+        self._units[: self._num_kv] = layout.page_bytes
+        if layout.has_features:
+            self._units[self._num_kv] = layout.feature_page_bytes
         self._row = layout.page_bytes // layout.page_size  # one slot's bytes in a K/V buffer
         # numpy views of host regions: slicing them is cheap (no tensor ops per range)
         self._np = [r.bytes_view().numpy() if r.device == "cpu" else None for r in regions]
@@ -245,11 +254,9 @@ class TcpBackend(TransferBackend):
         """Host buffers holding the ranges of ``descs`` in order, packed page-wise per region
         (numpy row gathers on CPU pools, torch index_select on CUDA pools)."""
         out: list = []
-        for a, b, reg, paged in _segments(
-            descs.src_region, descs.src_off, descs.length, self._num_kv, self._page_bytes
-        ):
+        for a, b, reg, paged in _segments(descs.src_region, descs.src_off, descs.length, self._units):
             if paged:
-                units = _page_units(descs.src_off[a:b], descs.length[a:b], self._page_bytes)
+                units = _page_units(descs.src_off[a:b], descs.length[a:b], int(self._units[reg]))
                 if self._np[reg] is not None:
                     out.append(np.take(self._rows(reg), units))
                 else:
@@ -275,11 +282,11 @@ class TcpBackend(TransferBackend):
         return out
 
     def _rows(self, reg: int) -> np.ndarray:
-        """A host KV region as a 1-D array of page-sized opaque items (fast row gathers/scatters)."""
-        return self._np[reg].view(f"V{self._page_bytes}")
+        """A host paged region as a 1-D array of page-sized opaque items (fast row gathers/scatters)."""
+        return self._np[reg].view(f"V{int(self._units[reg])}")
 
     def _paged(self, reg: int) -> torch.Tensor:
-        return self.regions[reg].bytes_view().view(-1, self._page_bytes)
+        return self.regions[reg].bytes_view().view(-1, int(self._units[reg]))
 
     # -- decode side -----------------------------------------------------------
     def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
@@ -364,12 +371,13 @@ class TcpBackend(TransferBackend):
             staging = torch.empty(max(total, 1 << 20), dtype=torch.uint8)
         _readinto_exact(reader, memoryview(staging[:total].numpy()))
         region, off, length = table["region"], table["off"], table["len"]
-        for a, b, reg, paged in _segments(region, off, length, self._num_kv, self._page_bytes):
+        for a, b, reg, paged in _segments(region, off, length, self._units):
             pos = int(length[:a].sum())
             n = int(length[a:b].sum())
+            unit = int(self._units[reg])
             if paged and self._np[reg] is not None:
-                rows = staging[pos : pos + n].numpy().view(f"V{self._page_bytes}")
-                self._rows(reg)[_page_units(off[a:b], length[a:b], self._page_bytes)] = rows
+                rows = staging[pos : pos + n].numpy().view(f"V{unit}")
+                self._rows(reg)[_page_units(off[a:b], length[a:b], unit)] = rows
                 continue
             block = None if paged or reg >= self._num_kv else _strided(off[a:b], length[a:b], self._row)
             if block is not None:
@@ -384,8 +392,8 @@ class TcpBackend(TransferBackend):
             dev = self.regions[reg].tensor.device
             data = staging[pos : pos + n].to(dev)
             if paged:
-                idx = torch.from_numpy(_page_units(off[a:b], length[a:b], self._page_bytes)).to(dev)
-                self._paged(reg).index_copy_(0, idx, data.view(-1, self._page_bytes))
+                idx = torch.from_numpy(_page_units(off[a:b], length[a:b], unit)).to(dev)
+                self._paged(reg).index_copy_(0, idx, data.view(-1, unit))
             else:
                 p = 0
                 for o, k in zip(off[a:b].tolist(), length[a:b].tolist()):
@@ -403,7 +411,7 @@ class TcpBackend(TransferBackend):
 
     def _check_frame(self, room: int, table: np.ndarray) -> tuple[bool, Optional[str]]:
         """(accept, problem): the room must still be expected and every range inside
-        its region and, for KV regions, on pages registered for that room."""
+        its region and, for paged regions (K/V, features), on pages registered for that room."""
         with self._lock:
             pages = self._rooms.get(room)
         if pages is None:
@@ -414,10 +422,10 @@ class TcpBackend(TransferBackend):
             reg.min() < 0 or reg.max() >= len(sizes) or (off < 0).any() or ((off + length) > sizes[reg]).any()
         ):
             return False, "tcp: prefill sent a range outside decode's registered memory"
-        pb = self._page_bytes
-        kv = reg < self._num_kv
+        pb = self._units[reg]
+        kv = pb > 0
         if kv.any():
-            o, n = off[kv], length[kv]
+            o, n, pb = off[kv], length[kv], pb[kv]
             first = o // pb
             count = (o + n + pb - 1) // pb - first  # pages the range touches (a head slice: part of one)
             inside = np.searchsorted(pages, first + count) - np.searchsorted(pages, first) == count

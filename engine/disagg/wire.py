@@ -8,7 +8,8 @@ Page lists travel as base64 of little-endian int32.
     decode -> prefill   Hello        once: decode's layout, region sizes, backend endpoint,
                                      model fingerprint
     prefill -> decode   Welcome      prefill's layout (page size, KV dtype, layers,
-                                     KV heads, head dim, TP layout) + backend info +
+                                     KV heads, head dim, TP layout, per-slot features'
+                                     kind / width / dtype) + backend info +
                                      model fingerprint (decode refuses a different one)
                         | Refuse     with the reason (layout, fingerprint or backend mismatch)
     decode -> prefill   Register     per room: destination pages, aux slot, checksum algorithm
@@ -51,7 +52,11 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What both sides must agree on before any byte moves."""
+    """What both sides must agree on before any byte moves.
+
+    The ``feature_*`` fields describe the worker's optional per-slot features
+    (``base.SlotFeatures``; empty / 0 when it has none).  They never refuse a
+    peer: ``features_mismatch`` says whether the features travel."""
 
     page_size: int
     kv_dtype: str
@@ -61,9 +66,13 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     total_kv_heads: int = 0  # the model's KV heads (0: ``num_kv_heads``, a peer that predates the field)
+    feature_kind: str = ""  # what this worker's per-slot features are ("" = none)
+    feature_dim: int = 0
+    feature_dtype: str = ""
 
     @classmethod
-    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0) -> "KVLayout":
+    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0, features=None) -> "KVLayout":
+        """``features``: the worker's ``base.SlotFeatures`` or None."""
         return cls(
             page_size=pool.page_size,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
@@ -73,7 +82,43 @@ class KVLayout:
             tp_size=tp_size,
             tp_rank=tp_rank,
             total_kv_heads=total_kv_heads or pool.num_kv_heads * tp_size,
+            feature_kind=features.kind if features is not None else "",
+            feature_dim=int(features.buffer.shape[1]) if features is not None else 0,
+            feature_dtype=str(features.buffer.dtype).removeprefix("torch.") if features is not None else "",
         )
+
+    @property
+    def has_features(self) -> bool:
+        return bool(self.feature_kind)
+
+    @property
+    def num_regions(self) -> int:
+        """Registered regions: the K/V buffers, the features buffer (if any), the aux buffer."""
+        return self.num_buffers + int(self.has_features) + 1
+
+    @property
+    def feature_page_bytes(self) -> int:
+        """Bytes of one page of the features buffer (0 without features)."""
+        if not self.has_features:
+            return 0
+        return (
+            self.page_size * self.feature_dim * torch.empty((), dtype=getattr(torch, self.feature_dtype)).element_size()
+        )
+
+    def features_mismatch(self, other: "KVLayout") -> Optional[str]:
+        """None if features travel between this layout and ``other`` (both have them, equal kind, width
+        and dtype), else why not (the transfer then moves K/V alone)."""
+        if not self.has_features and not other.has_features:
+            return "neither side has per-slot features"
+        for side, lay in (("this side", self), ("the peer", other)):
+            if not lay.has_features:
+                return f"{side} has no per-slot features"
+        diffs = [
+            f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}"
+            for f in ("feature_kind", "feature_dim", "feature_dtype")
+            if getattr(self, f) != getattr(other, f)
+        ]
+        return ", ".join(diffs) or None
 
     @property
     def model_kv_heads(self) -> int:
@@ -127,6 +172,12 @@ class KVLayout:
     def from_dict(cls, d: dict) -> "KVLayout":
         if not isinstance(d, dict) or not isinstance(getattr(torch, str(d.get("kv_dtype")), None), torch.dtype):
             raise WireError(f"bad KV layout {d!r}: kv_dtype must name a torch dtype")
+        if d.get("feature_kind") and (
+            not isinstance(getattr(torch, str(d.get("feature_dtype")), None), torch.dtype)
+            or not isinstance(d.get("feature_dim"), int)
+            or d["feature_dim"] < 1
+        ):
+            raise WireError(f"bad KV layout {d!r}: features need a positive feature_dim and a torch feature_dtype")
         try:
             return cls(
                 page_size=int(d["page_size"]),
@@ -137,6 +188,9 @@ class KVLayout:
                 tp_size=int(d.get("tp_size", 1)),
                 tp_rank=int(d.get("tp_rank", 0)),
                 total_kv_heads=int(d.get("total_kv_heads", 0)),
+                feature_kind=str(d.get("feature_kind") or ""),
+                feature_dim=int(d.get("feature_dim") or 0),
+                feature_dtype=str(d.get("feature_dtype") or ""),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e
