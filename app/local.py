@@ -8,7 +8,10 @@ What it does, in order:
    127.0.0.1 (free HTTP and bootstrap ports), with every worker flag given to
    ``kvship local`` (``--model-path``, ``--device``, ``--page-size``, ...) passed
    through unchanged; ``--prefill-tp-size`` / ``--decode-tp-size`` give each role
-   its own ``--tp-size`` (docs/parallel.md, PD with tensor parallelism);
+   its own ``--tp-size`` (docs/parallel.md, PD with tensor parallelism).  The
+   speculative flags go to the decode workers, and to the prefill workers only
+   for ``eagle`` / ``eagle3`` (they compute the prompt's features that decode's
+   drafter starts from, docs/speculative.md "PD"; ``role_worker_args``);
 3. waits until each answers ``/health``; if a child exits or misses
    ``--startup-timeout``, it prints that child's log tail, stops the others and
    exits 1;
@@ -196,6 +199,36 @@ def _flag_int(argv: Sequence[str], flag: str, default: int) -> int:
     return value
 
 
+SPECULATIVE_FLAGS = (
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+)
+
+
+def role_worker_args(worker_args: Sequence[str], role: str) -> list[str]:
+    """The pass-through flags for a worker of ``role``: all of them, except that a prefill worker gets the
+    speculative flags only for ``eagle`` / ``eagle3`` (it refuses ngram and draft, which need nothing from it)."""
+    out = list(worker_args)
+    algo = None
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--speculative-algorithm":
+            algo = out[i + 1]
+    if role != "prefill" or algo in (None, "eagle", "eagle3"):
+        return out
+    kept: list[str] = []
+    i = 0
+    while i < len(out):
+        if out[i] in SPECULATIVE_FLAGS:  # every one takes a value (worker_argv writes "--flag value")
+            i += 2
+            continue
+        kept.append(out[i])
+        i += 1
+    return kept
+
+
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A port ``p`` with ``p .. p + n - 1`` all free (rank r of a tensor-parallel prefill binds ``p + r``)."""
     for _ in range(100):
@@ -330,7 +363,7 @@ class LocalDeployment:
                     str(port),
                     "--disaggregation-transfer-backend",
                     backend,
-                    *worker_args,
+                    *role_worker_args(worker_args, role),
                 ]
                 tp_size = cfg.prefill_tp_size if role == "prefill" else cfg.decode_tp_size
                 if tp_size:  # after the pass-through flags: it overrides --tp-size for this role

@@ -204,6 +204,25 @@ def test_speculative_worker_flags_appear_only_when_speculation_is_asked_for():
     assert ns.speculative_algorithm == "eagle" and ns.speculative_draft_model_path == "/cache/models/a/d/main"
 
 
+@pytest.mark.parametrize("algorithm,draft", [("eagle", "hf://a/d"), ("ngram", None), ("draft", "hf://a/small")])
+def test_pd_prefill_pods_get_the_speculative_flags_only_for_eagle(algorithm, draft):
+    """An EAGLE prefill worker computes the prompt's features for decode's drafter (docs/speculative.md, PD);
+    ngram and draft need nothing from prefill, whose worker refuses their flags."""
+    sp = {"algorithm": algorithm, **({"draftModel": draft} if draft else {})}
+    spec = {**PD, "decode": {**PD["decode"], "speculative": sp}}
+    deployments = by_kind(build_children(config(spec), IMAGES), "Deployment")
+    prefill, decode = (container(deployments[f"svc-{role}"])["args"] for role in ("prefill", "decode"))
+    assert decode[decode.index(SPEC_FLAGS["algorithm"]) + 1] == algorithm
+    if algorithm == "eagle":
+        assert prefill[prefill.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
+        assert prefill[prefill.index(SPEC_FLAGS["draft"]) + 1] == decode[decode.index(SPEC_FLAGS["draft"]) + 1]
+        ns, _ = server_parser().parse_known_args(prefill[1:])
+        ServerArgs.from_cli_args(ns).validate()
+        assert ns.mode == "prefill" and ns.speculative_algorithm == "eagle"
+    else:
+        assert not SPEC_WORKER_FLAGS & set(prefill)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: Path(p).name)
 def test_router_arguments_parse_with_the_router_cli(path):
     cfg = example(path)

@@ -329,3 +329,39 @@ def test_workers_whose_features_disagree_move_the_kv_alone(kinds, dims, caplog):
     finally:
         for m in decode + prefill:
             m.close()
+
+
+# --- kvship local: the flags reach the right workers; a TP=2 prefill feeds a TP=1 EAGLE decode ---------------
+def test_kvship_local_gives_prefill_workers_the_speculative_flags_only_for_eagle():
+    from kvship.app.local import role_worker_args
+
+    base = ["--model-path", "/m", "--page-size", "1"]
+    eagle = [*base, "--speculative-algorithm", "eagle3", "--speculative-draft-model-path", "/h"]
+    assert role_worker_args(eagle, "prefill") == eagle == role_worker_args(eagle, "decode")
+    ngram = [*base, "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--disable-radix-cache"]
+    assert role_worker_args(ngram, "prefill") == [*base, "--disable-radix-cache"]
+    assert role_worker_args(ngram, "decode") == ngram
+
+
+def test_kvship_local_tp2_prefill_ships_eagle_features_to_a_tp1_decode(tiny_llama_dir, heads, prompts):
+    """Processes, HTTP and tensor parallelism: a 2-rank prefill computes the features (rank 0 ships them);
+    the decode worker's tokens and per-request acceptance equal the unified worker's."""
+    from pd_fixtures import start_local
+
+    spec = _spec("eagle", heads["eagle", "repeat"])
+    want_tokens, _, want_accept = _unified(tiny_llama_dir, prompts, spec)
+    args = ["--model-path", tiny_llama_dir, "--device", "cpu", "--max-total-tokens", "2048"]
+    args += ["--attention-backend", "torch_native", "--disable-radix-cache", "--prefill-tp-size", "2"]
+    args += ["--transfer-backend", "tcp"]
+    for key, value in spec.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    with start_local(args) as cluster:
+        for ids, tokens, accept in zip(prompts, want_tokens, want_accept):
+            r = cluster.generate(ids, MAX_NEW)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["output_ids"] == tokens
+            assert body["meta_info"]["spec_accept_length"] == pytest.approx(accept, abs=1e-4)  # served rounded
+        urls = cluster.workers("prefill") + cluster.workers("decode")
+        cluster.wait_free(urls)
+        assert "sends no" not in cluster.log("decode-0", 400)

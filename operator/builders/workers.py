@@ -3,7 +3,8 @@
 Unified mode (``prefill.replicas == 0``): role ``unified``, Deployment
 ``<name>-worker``, ``kvship serve --mode unified``.  PD mode: roles
 ``prefill`` and ``decode`` (``--mode prefill|decode`` plus the KV transfer
-flags).  The container's argv is built flag by flag from typed fields; no
+flags; with EAGLE speculation both roles get the speculative flags, the
+others only decode).  The container's argv is built flag by flag from typed fields; no
 value from the custom resource ever passes through a shell.
 """
 
@@ -36,6 +37,7 @@ SPEC_FLAGS = {
     "topk": "--speculative-eagle-topk",
     "tokens": "--speculative-num-draft-tokens",
 }
+EAGLE_ALGORITHMS = ("eagle", "eagle3")
 
 
 # Requested where the spec names no cpu / memory, so a worker is never BestEffort.
@@ -89,7 +91,9 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
         if kv.backend == "mooncake" and kv.rdma_devices:
             args += ["--disaggregation-ib-device", ",".join(kv.rdma_devices)]
     sp = spec.decode.speculative
-    if sp is not None and role in ("decode", "unified"):
+    # a prefill worker takes the EAGLE flags too: it computes the prompt's features for decode's drafter
+    # (docs/speculative.md, "PD"); ngram and draft need nothing from it (and it refuses them)
+    if sp is not None and (role in ("decode", "unified") or sp.algorithm in EAGLE_ALGORITHMS):
         args += [SPEC_FLAGS["algorithm"], sp.algorithm]
         if draft_path:
             args += [SPEC_FLAGS["draft"], draft_path]
