@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.grammar.backend import GrammarMatcher
 from kvship.engine.io_struct import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,7 +98,8 @@ class Req:
         self.generator: Optional[torch.Generator] = None  # per-request RNG (seeded requests; made by the sampler)
         # structured output: the request's grammar matcher (``kvship.engine.grammar``), set before it is scheduled
         self.grammar: Any = None
-        self._grammar_fed: Optional[tuple[int, bool]] = None  # (token, accepted): fed ahead by a chained step
+        # (token, accepted, terminated): fed ahead by a chained step (``feed_grammars``)
+        self._grammar_fed: Optional[tuple[int, bool, bool]] = None
 
     @classmethod
     def from_generate_request(
@@ -164,6 +166,8 @@ class Req:
 
         A constrained request's grammar accepts the token first: a token the
         grammar refuses aborts the request, one that ends the grammar stops it.
+        A token ``feed_grammars`` gave the grammar already is not fed again,
+        and the matcher is not touched (a mask fill may be using it).
         """
         self.output_ids.append(int(token_id))
         if self.return_logprob:
@@ -172,21 +176,35 @@ class Req:
                 self.output_top_logprobs.append(list(top_logprobs or []))
         if self.grammar is not None and self.finished_reason is None:
             fed, self._grammar_fed = self._grammar_fed, None
-            accepted = fed[1] if fed is not None and fed[0] == int(token_id) else self.grammar.accept(token_id)
+            if fed is not None and fed[0] == int(token_id):
+                accepted, terminated = fed[1], fed[2]
+            else:
+                accepted = bool(self.grammar.accept(token_id))
+                terminated = accepted and self.grammar.terminated
             if not accepted:
                 self.finished_reason = FinishReason.abort(f"token {int(token_id)} violates the request's grammar")
                 return
-            if self.grammar.terminated:
+            if terminated:
                 self.finished_reason = FinishReason.stop(int(token_id))
                 return
         self.check_finished(tokenizer)
 
-    def feed_grammar(self, token_id: int) -> bool:
-        """Give the grammar the token ``append_token`` will append next (the overlapped loop's chained
-        step fills the next mask before that); False when the grammar refused it or ended."""
-        accepted = bool(self.grammar.accept(int(token_id)))
-        self._grammar_fed = (int(token_id), accepted)
-        return accepted and not self.grammar.terminated
+    @staticmethod
+    def feed_grammars(reqs: Sequence["Req"], tokens: Sequence[int]) -> list[bool]:
+        """Give each request's grammar the token ``append_token`` will append next, all in one call
+        (the overlapped loop's chained step fills the next masks before those tokens are processed);
+        element ``i`` is False when ``reqs[i]``'s grammar refused ``tokens[i]`` or ended on it."""
+        grammars = [r.grammar for r in reqs]
+        if all(isinstance(g, GrammarMatcher) for g in grammars):
+            outcomes = GrammarMatcher.accept_many(grammars, list(tokens))
+        else:
+            outcomes = []
+            for g, t in zip(grammars, tokens):
+                accepted = bool(g.accept(int(t)))
+                outcomes.append((accepted, accepted and bool(g.terminated)))
+        for r, t, (accepted, terminated) in zip(reqs, tokens, outcomes):
+            r._grammar_fed = (int(t), accepted, terminated)
+        return [accepted and not terminated for accepted, terminated in outcomes]
 
     def check_finished(self, tokenizer: Any = None) -> None:
         """Set ``finished_reason`` when the newest token ends the request.

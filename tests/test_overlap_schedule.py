@@ -9,8 +9,14 @@ forward and whose next token is a pure function of the context.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from concurrent.futures import Future
+
 import pytest
-from test_scheduler import EOS, FakeRunner, assert_all_free, greedy, make, prompt, reference, run
+import torch
+from test_scheduler import EOS, VOCAB, FakeRunner, assert_all_free, greedy, make, prompt, reference, run
 
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.scheduler.overlap import FORCE_ENV
@@ -183,3 +189,190 @@ def test_overlap_is_off_on_cpu_unless_forced(monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)
     sched, _, _ = make()
     assert sched.overlap is None
+
+
+# ------------------------------------------------------------------ constrained requests, masks filled aside
+
+
+class ScriptedGrammar:
+    """A stand-in grammar matcher: token ``t`` is allowed when ``t % 4 != n % 4`` (``n``: tokens accepted),
+    the ``refuse_at``-th token is refused anyway, the grammar ends on its ``end_at``-th token.
+
+    It records any use by two threads at once (``clashes``) and the threads its fills ran on; a fill on
+    the mask filler's thread waits for ``gate`` when one is given.
+    """
+
+    def __init__(self, refuse_at=None, end_at=None, gate=None, fill_s=0.0):
+        self.refuse_at, self.end_at, self.gate, self.fill_s = refuse_at, end_at, gate, fill_s
+        self.n = 0
+        self.done = False
+        self.accepts = 0
+        self.clashes = 0
+        self.fill_threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        if not self._lock.acquire(blocking=False):
+            self.clashes += 1
+            raise AssertionError("two threads use one matcher")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def accept(self, token):
+        with self._exclusive():
+            self.accepts += 1
+            if self.done or self.n + 1 == self.refuse_at:
+                return False
+            self.n += 1
+            self.done = self.n == self.end_at
+            return True
+
+    @property
+    def terminated(self):
+        with self._exclusive():
+            return self.done
+
+    def fill(self, bitmask, row):
+        with self._exclusive():
+            name = threading.current_thread().name
+            self.fill_threads.add(name.split("_")[0])
+            if self.gate is not None and name.startswith("kvship-mask"):
+                assert self.gate.wait(10), "gate never opened"
+            time.sleep(self.fill_s)
+            allowed = torch.tensor([t % 4 != self.n % 4 for t in range(VOCAB)])
+            bitmask[row].copy_(pack_bits(allowed, bitmask.shape[1]))
+
+
+def pack_bits(allowed, words):
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: len(allowed)] = allowed.long()
+    w = (bits.view(words, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+
+
+def scripted(sched, **shared):
+    """Requests of ``sched`` whose ``regex`` is ``"refuse_at=3,end_at=9"`` get a ``ScriptedGrammar``
+    (returned by rid once made: ``grammars[rid]``)."""
+    grammars = {}
+
+    def compile(key):
+        fut = Future()
+        fut.set_result(key[1])
+        return fut
+
+    def matcher(text):
+        kw = {k: int(v) for k, v in (p.split("=") for p in text.split(",") if p)}
+        return ScriptedGrammar(**kw, **shared)
+
+    sched.grammar.compile = compile
+    sched.grammar.matcher = matcher
+    real_poll = sched.grammar_queue.poll
+
+    def poll():
+        ready = real_poll()
+        for req, _, _ in ready:
+            grammars[req.rid] = req.grammar
+        return ready
+
+    sched.grammar_queue.poll = poll
+    return grammars
+
+
+def scripted_mix():
+    return [
+        GenerateRequest("end", prompt(5, 1), greedy(30, regex="end_at=11")),
+        GenerateRequest("refuse", prompt(7, 2), greedy(30, regex="refuse_at=6")),
+        GenerateRequest("free", prompt(4, 3), greedy(14, regex="", ignore_eos=True)),
+        GenerateRequest("plain", prompt(6, 4), greedy(25)),
+        GenerateRequest("stop", prompt(8, 5), greedy(30, regex="", stop_token_ids=[2, 3])),
+    ]
+
+
+def test_constrained_and_plain_requests_chained_with_masks_filled_aside_equal_the_synchronous_loop(overlap_on):
+    def build(sched):
+        build.grammars[sched.overlap is not None] = scripted(sched, fill_s=0.002)
+        staggered(sched, scripted_mix(), every=2)
+
+    build.runner_kw = dict(total_tokens=512)
+    build.grammars = {}
+    res = both(build)
+    (_, out_s), (sched, out_o) = res["sync"], res["overlap"]
+    for rid in ("end", "refuse", "free", "plain", "stop"):
+        assert out_o.tokens(rid) == out_s.tokens(rid), rid
+        assert out_o.final(rid).finish_reason == out_s.final(rid).finish_reason, rid
+    assert out_o.tokens("plain") == reference(prompt(6, 4), 25)  # the masks leave plain rows alone
+    assert out_o.final("end").finish_reason["type"] == "stop" and len(out_o.tokens("end")) == 11
+    refused = out_o.final("refuse").finish_reason
+    assert refused["type"] == "abort" and "grammar" in refused["message"] and len(out_o.tokens("refuse")) == 6
+    assert len(out_o.tokens("free")) == 14 and out_o.tokens("free") != reference(prompt(4, 3), 14)
+    grammars = build.grammars[True]
+    assert sched.launcher.masks.started > 5 and sched.overlap.launched > 5
+    assert any("kvship-mask" in g.fill_threads for g in grammars.values())  # filled on the filler's thread
+    assert sum(g.clashes for g in grammars.values()) == 0
+    assert_all_free(sched)
+
+
+def test_abort_of_a_constrained_request_while_its_mask_fills_frees_its_kv(overlap_on):
+    sched, runner, out = make(FakeRunner(total_tokens=256))
+    gate = threading.Event()
+    grammars = scripted(sched, gate=gate)
+    sched.submit(GenerateRequest("a", prompt(5, 1), greedy(40, regex="")))
+    sched.submit(GenerateRequest("b", prompt(6, 2), greedy(12, regex="")))
+    sched.submit(GenerateRequest("c", prompt(7, 3), greedy(12)))
+    real_process = sched.process
+    seen = {}
+
+    def process(p):
+        real_process(p)  # step N, while N+1's masks fill
+        chained = sched.overlap.pending
+        if not seen and chained is not None and chained.sampling is not None:
+            a = sched.reqs["a"]
+            assert chained.sampling.masks.in_flight and a in chained.batch.reqs
+            sched.abort_request("a", "aborted")  # on the scheduler thread, as ``recv`` does
+            seen.update(pool_idx=a.req_pool_idx, accepts=grammars["a"].accepts)
+            gate.set()  # only now may the fill of a's row finish
+
+    sched.process = process
+    run(sched)
+    assert seen["pool_idx"] is None  # a's KV (its in-flight step's slot included) was released at once
+    assert out.final("a").finish_reason == {"type": "abort", "message": "aborted"}
+    assert grammars["a"].accepts == seen["accepts"]  # its matcher was not touched after the abort
+    ref = make(FakeRunner(total_tokens=256), disable_overlap_schedule=True)
+    scripted(ref[0])
+    for rid, n, i in (("b", 6, 2), ("c", 7, 3)):
+        ref[0].submit(GenerateRequest(rid, prompt(n, i), greedy(12, regex="") if rid == "b" else greedy(12)))
+    run(ref[0])
+    assert out.tokens("b") == ref[2].tokens("b") and out.tokens("c") == ref[2].tokens("c") == reference(
+        prompt(7, 3), 12
+    )
+    assert sum(g.clashes for g in grammars.values()) == 0
+    assert_all_free(sched)
+
+
+def test_a_failure_while_masks_fill_fails_both_steps_after_the_fill_ends(overlap_on):
+    sched, runner, out = make(FakeRunner(total_tokens=256))
+    grammars = scripted(sched, fill_s=0.05)
+    sched.submit(GenerateRequest("a", prompt(5, 1), greedy(30, regex="")))
+    real_process = sched.process
+    failed = []
+
+    def process(p):
+        chained = sched.overlap.pending
+        if not failed and chained is not None and chained.sampling is not None:
+            failed.append(chained.sampling.masks)
+            raise RuntimeError("injected processing failure")
+        real_process(p)
+
+    sched.process = process
+    run(sched)
+    assert out.final("a").finish_reason["type"] == "abort"
+    assert "injected processing failure" in out.final("a").finish_reason["message"]
+    assert not failed[0].in_flight  # abandoned: waited for before the requests were failed
+    assert grammars["a"].clashes == 0
+    sched.submit(GenerateRequest("b", prompt(6, 2), greedy(8)))
+    run(sched)
+    assert out.tokens("b") == reference(prompt(6, 2), 8)
+    assert_all_free(sched)

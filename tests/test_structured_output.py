@@ -429,3 +429,74 @@ def test_blocking_grammar_queue_admits_at_the_first_poll_for_tensor_parallel_loc
         else:
             assert got == [] and len(queue) == 1
     backend.close()
+
+
+def test_masks_filled_aside_give_the_synchronous_loop_tokens_for_a_mixed_batch(tiny_llama_dir, monkeypatch):
+    """Chained steps fill their masks on the mask thread while the previous step is processed: JSON-schema,
+    regex and EBNF requests beside plain ones, ending by grammar, stop string, length, and EOS, give the
+    synchronous loop's tokens and finish reasons, and every KV slot is free afterwards."""
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.model_runner import ModelRunner
+    from kvship.engine.scheduler.overlap import FORCE_ENV
+    from kvship.engine.tokenizer import load_tokenizer
+
+    monkeypatch.setenv(FORCE_ENV, "1")
+    tok = load_tokenizer(tiny_llama_dir)
+    runner = ModelRunner(ServerArgs(model_path=tiny_llama_dir, device="cpu", max_total_tokens=8192))
+    schema = json.dumps(PERSON)
+
+    def submits():
+        sp = lambda **kw: SamplingParams(temperature=0.0, **kw)  # noqa: E731
+        return [
+            GenerateRequest("json0", tok.encode("person 0:"), sp(max_new_tokens=160, json_schema=schema)),
+            GenerateRequest("json1", tok.encode("person 1:"), sp(max_new_tokens=12, json_schema=schema)),  # length
+            GenerateRequest("ip", tok.encode("ip:"), sp(max_new_tokens=30, regex=IPV4)),
+            GenerateRequest("date", tok.encode("date:"), sp(max_new_tokens=30, regex=DATE, stop=["-"])),  # stop str
+            GenerateRequest("ebnf", tok.encode("well?"), sp(max_new_tokens=30, ebnf=EBNF)),
+            GenerateRequest("plain0", tok.encode("plain 0"), sp(max_new_tokens=40, ignore_eos=True)),
+            GenerateRequest("plain1", tok.encode("plain 1"), sp(max_new_tokens=25)),
+        ]
+
+    outs = {
+        mode: _unified(
+            tiny_llama_dir, tok, submits(), runner, disable_overlap_schedule=mode == "sync", disable_radix_cache=True
+        )
+        for mode in ("sync", "overlap")
+    }
+    for greq in submits():
+        assert outs["overlap"].tokens(greq.rid) == outs["sync"].tokens(greq.rid), greq.rid
+        assert outs["overlap"].finished(greq.rid) == outs["sync"].finished(greq.rid), greq.rid
+    reasons = {g.rid: outs["overlap"].finished(g.rid)[0].finish_reason for g in submits()}
+    assert reasons["json1"]["type"] == "length" and reasons["date"] == {"type": "stop", "matched": "-"}, reasons
+    assert all(reasons[r]["type"] == "stop" for r in ("json0", "ip", "ebnf")), reasons
+    jsonschema.validate(json.loads(tok.decode(outs["overlap"].tokens("json0"), skip_special_tokens=True)), PERSON)
+    sched = outs["overlap"].sched
+    assert sched.launcher.masks.started > 10 and sched.overlap.launched > 10
+    assert sched.allocator.available_size() == sched.allocator.total_slots and not sched.reqs
+
+
+def test_batch_accept_matches_one_by_one_accept_refusals_and_termination(tiny_llama_dir):
+    from kvship.engine.grammar import GrammarBackend, GrammarMatcher
+    from kvship.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama_dir)
+    backend = GrammarBackend(tok, 384, [2])
+    compiled = backend.compile(("ebnf", EBNF)).result()
+    words = [tok.encode(w, add_special_tokens=False) for w in ("yes 4", "no 12", "maybe", "no 1x")]
+    batch = [backend.matcher(compiled) for _ in words]
+    single = [backend.matcher(compiled) for _ in words]
+    refused = 0
+    for k in range(max(len(w) for w in words) + 1):
+        idx = [i for i, w in enumerate(words) if k <= len(w)]
+        toks = [words[i][k] if k < len(words[i]) else 2 for i in idx]  # 2: the stop token, after the text
+        got = GrammarMatcher.accept_many([batch[i] for i in idx], toks)
+        want = []
+        for i, t in zip(idx, toks):
+            accepted = single[i].accept(t)
+            want.append((accepted, accepted and single[i].terminated))
+        assert got == want, (k, got, want)
+        refused += sum(not a for a, _ in got)
+    # "maybe" needs a number before the stop token; "no 1x": "x" is refused, the state stays "no 1", which ends
+    assert [m.terminated for m in batch] == [m.terminated for m in single] == [True, True, False, True]
+    assert refused == 2
+    backend.close()

@@ -14,14 +14,15 @@ Contract:
   that ``xgrammar`` is not installed.
 * ``xgrammar`` is imported on the first compile, in the pool, so a worker
   that never sees a constrained request never loads it.
-* A ``GrammarMatcher`` belongs to one request and is used on the scheduler
-  thread only.
+* A ``GrammarMatcher`` belongs to one request and is used by one thread at a
+  time: the scheduler thread, except while a mask fill it was handed to is in
+  flight (``kvship.engine.grammar.mask.MaskFiller``), when only the filler's
+  thread touches it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 import logging
 import re
@@ -62,7 +63,7 @@ def compiler_message(exc: BaseException) -> str:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar (scheduler thread only)."""
+    """One request's position in its grammar (one thread at a time, see the module docstring)."""
 
     def __init__(self, matcher: Any):
         self._m = matcher
@@ -72,13 +73,24 @@ class GrammarMatcher:
         return bool(self._m.accept_token(int(token_id)))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32, 32 tokens a word)."""
+        """Write the allowed next tokens into every word of ``bitmask[row]`` (int32, 32 tokens a word)."""
         self._m.fill_next_token_bitmask(bitmask, row)
 
     @property
     def terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may be generated."""
         return bool(self._m.is_terminated())
+
+    @staticmethod
+    def accept_many(matchers: list["GrammarMatcher"], tokens: list[int]) -> list[tuple[bool, bool]]:
+        """``(accepted, terminated)`` for ``matchers[i].accept(tokens[i])``, every ``i`` in one call into
+        xgrammar: a refused token leaves that matcher's state unchanged (terminated is then False)."""
+        if not matchers:
+            return []
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], [int(t) for t in tokens])
+        return [(bool(a), bool(a) and m.terminated) for m, a in zip(matchers, accepted)]
 
     @staticmethod
     def fill_many(matchers: list["GrammarMatcher"], bitmask: torch.Tensor) -> None:
@@ -90,11 +102,18 @@ class GrammarMatcher:
         _batch_filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
 
 
-@functools.lru_cache(maxsize=1)
-def _batch_filler() -> Any:
-    import xgrammar as xgr
+_fillers = threading.local()
 
-    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+def _batch_filler() -> Any:
+    """xgrammar's batch filler of the calling thread (the scheduler's and the mask filler's threads
+    each have their own, so two fills never share one)."""
+    filler = getattr(_fillers, "filler", None)
+    if filler is None:
+        import xgrammar as xgr
+
+        filler = _fillers.filler = xgr.BatchGrammarMatcher(max_threads="auto")
+    return filler
 
 
 class GrammarBackend:

@@ -9,13 +9,18 @@ disallowed logits of the constrained rows become ``-inf``.  Unconstrained
 rows are not touched, so their tokens are the ones they would get without
 constrained neighbours.
 
+The fill runs either inline (``fill_bitmask``) or on a ``MaskFiller``'s
+worker thread while the scheduler thread does other work; xgrammar's fills
+run in C++ without holding the GIL, so the two really run at once.
+
 The logprobs a constrained request returns are computed after the mask
 (the distribution it actually samples from).
 """
 
 from __future__ import annotations
 
-from typing import Any, Container, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Container, Optional, Sequence
 
 import torch
 
@@ -26,18 +31,93 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def _constrained(reqs: Sequence[Any], skip: Container[int]) -> tuple[list[int], list[Any]]:
+    rows = [j for j, r in enumerate(reqs) if r.grammar is not None and id(r) not in skip]
+    return rows, [reqs[j].grammar for j in rows]
+
+
+def _new_bitmask(n: int, vocab_size: int, pin: bool) -> torch.Tensor:
+    # no initial value: every matcher writes whole rows (and a parallel fill_ here would start
+    # torch's CPU threads on the scheduler's hot path)
+    return torch.empty((n, bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin)
+
+
+def _fill_rows(grammars: list[Any], mask: torch.Tensor) -> None:
+    if grammars and all(isinstance(g, GrammarMatcher) for g in grammars):
+        GrammarMatcher.fill_many(grammars, mask)  # xgrammar's threads, several rows at once
+        return
+    for i, g in enumerate(grammars):
+        g.fill(mask, i)
+
+
 def fill_bitmask(reqs: Sequence[Any], vocab_size: int, skip: Container[int] = ()) -> tuple[list[int], torch.Tensor]:
     """(rows of constrained requests, their bitmask [n, words] int32 on the host); requests whose
     ``id`` is in ``skip`` are left out."""
-    rows = [j for j, r in enumerate(reqs) if r.grammar is not None and id(r) not in skip]
-    mask = torch.full((len(rows), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    grammars = [reqs[j].grammar for j in rows]
-    if all(isinstance(g, GrammarMatcher) for g in grammars):
-        GrammarMatcher.fill_many(grammars, mask)  # xgrammar's threads, several rows at once
-    else:
-        for i, g in enumerate(grammars):
-            g.fill(mask, i)
+    rows, grammars = _constrained(reqs, skip)
+    mask = _new_bitmask(len(rows), vocab_size, pin=False)
+    _fill_rows(grammars, mask)
     return rows, mask
+
+
+class MaskFill:
+    """The bitmask of one step's constrained rows, filled inline (done) or on a ``MaskFiller``'s thread."""
+
+    def __init__(self, rows: list[int], mask: torch.Tensor, future: Optional[Future] = None):
+        self.rows = rows
+        self.mask = mask
+        self._future = future
+
+    @property
+    def in_flight(self) -> bool:
+        """Filled on the worker thread and not waited for yet."""
+        return self._future is not None
+
+    def wait(self) -> tuple[list[int], torch.Tensor]:
+        """(rows, bitmask) once filled; a fill's error is raised here."""
+        if self._future is not None:
+            fut, self._future = self._future, None
+            fut.result()
+        return self.rows, self.mask
+
+    def abandon(self) -> None:
+        """Wait for the fill and drop it (its step failed): the matchers are the caller's again."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the step's requests are being failed already
+            pass
+
+
+class MaskFiller:
+    """Fills constrained rows' bitmasks on one worker thread, started on the first fill.
+
+    Contract: from ``start`` until the returned ``MaskFill``'s ``wait`` (or
+    ``abandon``) returns, the matchers of its rows belong to the worker thread:
+    the caller neither accepts tokens into them, fills them nor reads their
+    ``terminated``.  Their requests may finish meanwhile (their KV freed): the
+    fill holds its own references to the matchers, and the caller ignores the
+    rows of finished requests.  Fills run one after another in ``start`` order.
+    """
+
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.started = 0  # fills handed to the worker thread
+
+    def start(self, reqs: Sequence[Any], vocab_size: int, skip: Container[int] = (), pin: bool = False) -> MaskFill:
+        """Begin filling the bitmask of ``reqs``' constrained rows (``skip`` as in ``fill_bitmask``);
+        ``pin``: allocate it in pinned host memory (it goes to a CUDA device)."""
+        rows, grammars = _constrained(reqs, skip)
+        mask = _new_bitmask(len(rows), vocab_size, pin)
+        if not rows:
+            return MaskFill(rows, mask)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvship-mask")
+        self.started += 1
+        return MaskFill(rows, mask, self._pool.submit(_fill_rows, grammars, mask))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -45,6 +125,21 @@ def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
     bits = (mask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(mask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """Set, in place, ``logits[rows[i], t]`` to ``-inf`` where bit ``t`` of ``mask[i]`` is clear."""
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    if logits.device.type == "cuda":
+        mask = (mask if mask.is_pinned() else mask.pin_memory()).to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(mask, vocab)
+    if len(rows) == logits.shape[0]:  # every row constrained: mask in place
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[idx] = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
 
 
 def apply_grammar_mask(logits: torch.Tensor, reqs: Sequence[Any], skip: Container[int] = ()) -> None:
@@ -56,13 +151,4 @@ def apply_grammar_mask(logits: torch.Tensor, reqs: Sequence[Any], skip: Containe
     """
     if not any(r.grammar is not None and id(r) not in skip for r in reqs):
         return
-    vocab = logits.shape[-1]
-    rows, mask = fill_bitmask(reqs, vocab, skip)
-    if logits.device.type == "cuda":
-        mask = mask.pin_memory().to(logits.device, non_blocking=True)
-    allowed = unpack_bitmask(mask, vocab)
-    if len(rows) == logits.shape[0]:  # every row constrained: mask in place
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits[idx] = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    apply_bitmask(logits, *fill_bitmask(reqs, logits.shape[-1], skip))

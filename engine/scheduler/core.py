@@ -283,11 +283,16 @@ class Scheduler:
             return batch
         return self.decoder.build()
 
-    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None) -> Pending:
+    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
         """Run ``batch`` on the model without waiting for its tokens (``kvship.engine.scheduler.launch``)."""
-        pending = self.launcher.launch(batch, after)
+        pending = self.launcher.launch(batch, after, defer_sampling)
         self.counters["extend_steps" if batch.forward_mode.is_extend() else "decode_steps"] += 1
         return pending
+
+    def sample(self, pending: Pending) -> None:
+        """Queue the sampler of a step launched with ``defer_sampling`` once its grammar masks are filled
+        (``kvship.engine.scheduler.launch``); a no-op for a sampled step."""
+        self.launcher.sample(pending)
 
     def process(self, pending: Pending) -> None:
         """Wait for ``pending``'s tokens and apply them; requests finished meanwhile are skipped."""
@@ -409,6 +414,10 @@ class Scheduler:
         if chunk is not None:
             self._outbox.append(chunk)
 
+    def emit_chunk(self, chunk: TokenChunk) -> None:
+        """Queue a chunk a role built itself (prefill's first token, sent before the request finishes)."""
+        self._outbox.append(chunk)
+
     def finish(self, req: Req, reason: FinishReason, keep_kv: bool = True) -> None:
         """Finish ``req`` with ``reason``; its computed KV goes to the cache unless ``keep_kv`` is False."""
         req.finished_reason = reason
@@ -448,6 +457,7 @@ class Scheduler:
         """The loop is exiting: close the role's stages, reject queued submits, abort every request."""
         if self.overlap is not None:
             self.overlap.drop()
+        self.launcher.close()
         try:
             self.role.close(message)
         except Exception:  # noqa: BLE001 - keep releasing the rest

@@ -1,10 +1,11 @@
 """Launching a batch on the model and reading its sampled tokens back.
 
-``Launcher.launch(batch, after=None)`` allocates the batch's KV slots, builds
-its ``ForwardBatch``, runs the model and the sampler, and returns a
-``Pending`` without waiting for the device: the sampled ids stay on the
-device (``Pending.next_ids``) and are copied to (pinned) host memory behind
-an event.  ``Pending.results()`` waits for that copy.
+``Launcher.launch(batch, after=None, defer_sampling=False)`` allocates the
+batch's KV slots, builds its ``ForwardBatch``, runs the model and the sampler
+(with ``defer_sampling``, the sampler may wait for ``Launcher.sample``), and
+returns a ``Pending`` without waiting for the device: the sampled ids stay on
+the device (``Pending.next_ids``) and are copied to (pinned) host memory
+behind an event.  ``Pending.results()`` waits for that copy.
 
 Contract:
 
@@ -26,11 +27,23 @@ Contract:
   forward is queued, so the host fills masks while the device computes.  In
   a chained step the matchers have not seen ``after``'s tokens yet: the
   launch waits for ``after``'s tokens only (this step's forward is already
-  queued behind them), feeds them to the grammars (``Req.feed_grammar``;
-  ``append_token`` takes that outcome when ``after`` is processed) and then
-  fills the masks.  Rows whose grammar refused or ended on that token are
-  left unmasked: those requests finish when ``after`` is processed and this
-  step's token for them is dropped, as for any request that finished.
+  queued behind them), feeds them to the grammars in one call
+  (``Req.feed_grammars``; ``append_token`` takes that outcome when ``after``
+  is processed) and then fills the masks.  Rows whose grammar refused or
+  ended on that token are left unmasked: those requests finish when
+  ``after`` is processed and this step's token for them is dropped, as for
+  any request that finished.
+* ``defer_sampling=True`` (the overlapped loop's chained steps): when the
+  batch has masks to fill, they fill on the launcher's ``MaskFiller`` thread
+  and the launch returns with the sampler not queued yet
+  (``Pending.sampling``); the caller processes ``after`` meanwhile, then
+  calls ``sample``, which waits for the masks, applies them and queues the
+  sampler.  Until then the matchers of the filled rows belong to the filler
+  (``after``'s processing does not touch them: ``append_token`` takes the
+  fed outcome), ``results`` may not be called, and a request that finishes
+  meanwhile has its KV released as usual (its row is sampled and dropped).
+  A step that fails in between is given up with ``abandon``.  Without
+  ``defer_sampling``, or with no mask to fill, the launch samples at once.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from typing import Any, Optional
 import torch
 
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
-from kvship.engine.grammar.mask import apply_grammar_mask
+from kvship.engine.grammar.mask import MaskFill, MaskFiller, apply_bitmask, fill_bitmask
 from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 
@@ -62,6 +75,15 @@ def needs_host_state(req: Req) -> bool:
 
 
 @dataclass
+class DeferredSampling:
+    """A launched step's sampler inputs, kept until its grammar masks are filled (``Launcher.sample``)."""
+
+    logits: torch.Tensor  # [n sampled, vocab] on the device, the forward's output
+    info: SamplingBatchInfo
+    masks: Optional[MaskFill]  # None: no constrained row
+
+
+@dataclass
 class Pending:
     """A launched batch whose sampled tokens the host has not processed yet."""
 
@@ -71,10 +93,13 @@ class Pending:
     top_nums: list[int]
     event: Optional[Any]  # torch.cuda.Event recorded after the copies (None off CUDA)
     index: dict[int, int]  # id(req) -> row in next_ids (decode batches)
+    sampling: Optional[DeferredSampling] = None  # set while the sampler is not queued yet (``defer_sampling``)
     _results: Optional[Results] = None  # ``results()``, once read
 
     def results(self) -> Results:
         """Wait for the host copies; (ids, logprobs, top logprobs) per sampled request, in batch order."""
+        if self.sampling is not None:
+            raise RuntimeError("this step is not sampled yet: Launcher.sample(pending) first")
         if self._results is None:
             if self.event is not None:
                 self.event.synchronize()
@@ -96,6 +121,7 @@ class Launcher:
         self.cache = cache
         self.device = torch.device(runner.device)
         self.cuda = self.device.type == "cuda"
+        self.masks = MaskFiller()  # chained steps' grammar masks fill on its thread (``defer_sampling``)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -111,7 +137,7 @@ class Launcher:
         h.copy_(t, non_blocking=True)
         return h
 
-    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None) -> Pending:
+    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
         runner = self.runner
         if batch.forward_mode.is_decode():
             fb = self._decode_forward_batch(batch, after)
@@ -120,53 +146,86 @@ class Launcher:
             fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
         reqs = batch.sampling_reqs
         info = self._sampling_info(reqs) if reqs else None
-        out = host = None
         with torch.inference_mode():
-            logits = runner.forward(fb).next_token_logits
-            if logits.shape[0] != len(reqs):
-                raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
-            if info is not None:
-                logits = logits[:, : self.vocab_size]
-                if any(r.grammar is not None for r in reqs):  # structured output: constrained rows only
-                    apply_grammar_mask(logits, reqs, skip=self._feed_grammars(reqs, after))
-                out = self.sampler(logits, info)
-                host = SampleOutput(
-                    next_token_ids=self._to_host(out.next_token_ids),
-                    logprobs=self._to_host(out.logprobs),
-                    top_logprobs=self._to_host(out.top_logprobs),
-                    top_logprob_ids=self._to_host(out.top_logprob_ids),
-                )
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
+            logits = runner.forward(fb).next_token_logits[:, : self.vocab_size]
+        if logits.shape[0] != len(reqs):
+            raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
         batch.commit()
-        return Pending(
+        pending = Pending(
             batch=batch,
-            next_ids=None if out is None else out.next_token_ids,
-            host=host,
+            next_ids=None,
+            host=None,
             top_nums=[] if info is None else info.top_logprobs_nums,
-            event=event,
+            event=None,
             index={id(r): j for j, r in enumerate(reqs)},
         )
+        if info is None:
+            pending.event = self._record_event()
+            return pending
+        masks = None
+        if any(r.grammar is not None for r in reqs):  # structured output: constrained rows only
+            skip = self._feed_grammars(reqs, after)
+            if defer_sampling:
+                masks = self.masks.start(reqs, self.vocab_size, skip, pin=self.cuda)
+            else:
+                masks = MaskFill(*fill_bitmask(reqs, self.vocab_size, skip))
+        pending.sampling = DeferredSampling(logits, info, masks)
+        if masks is None or not masks.in_flight:
+            self.sample(pending)
+        return pending
+
+    def sample(self, pending: Pending) -> None:
+        """Queue the sampler of a step launched with ``defer_sampling`` (a no-op once sampled): wait for
+        its masks, apply them, sample, and start the copies of the tokens to the host."""
+        d, pending.sampling = pending.sampling, None
+        if d is None:
+            return
+        with torch.inference_mode():
+            logits = d.logits
+            if d.masks is not None:
+                apply_bitmask(logits, *d.masks.wait())
+            out = self.sampler(logits, d.info)
+            pending.next_ids = out.next_token_ids
+            pending.host = SampleOutput(
+                next_token_ids=self._to_host(out.next_token_ids),
+                logprobs=self._to_host(out.logprobs),
+                top_logprobs=self._to_host(out.top_logprobs),
+                top_logprob_ids=self._to_host(out.top_logprob_ids),
+            )
+        pending.event = self._record_event()
+
+    @staticmethod
+    def abandon(pending: Optional[Pending]) -> None:
+        """Give up a step whose sampling was deferred (it failed): wait for its mask fill, so its
+        matchers are the scheduler thread's again, and never sample it."""
+        d = None if pending is None else pending.sampling
+        if d is not None:
+            pending.sampling = None
+            if d.masks is not None:
+                d.masks.abandon()
+
+    def close(self) -> None:
+        self.masks.close()
+
+    def _record_event(self) -> Optional[Any]:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @staticmethod
     def _feed_grammars(reqs: list[Req], after: Optional[Pending]) -> set[int]:
         """A chained step's grammars take ``after``'s tokens (see the module docstring); returns the
         ids of requests whose grammar refused or ended on it (their rows stay unmasked)."""
-        done: set[int] = set()
         if after is None:
-            return done
-        ids = None
-        for r in reqs:
-            j = after.index.get(id(r))
-            if r.grammar is None or j is None or r.finished:
-                continue
-            if ids is None:
-                ids = after.results()[0]  # waits for ``after`` only: this step's forward is queued
-            if not r.feed_grammar(ids[j]):
-                done.add(id(r))
-        return done
+            return set()
+        fed = [r for r in reqs if r.grammar is not None and not r.finished and id(r) in after.index]
+        if not fed:
+            return set()
+        ids = after.results()[0]  # waits for ``after`` only: this step's forward is queued
+        ok = Req.feed_grammars(fed, [ids[after.index[id(r)]] for r in fed])
+        return {id(r) for r, keep in zip(fed, ok) if not keep}
 
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         if any(reads_host_tokens(r) for r in reqs):

@@ -5,7 +5,15 @@ Built from the scheduler's public steps (``recv``, ``schedule``, ``launch``,
 
     launch N+1 (its input ids are step N's sampled ids, still on the device)
     -> process N (its tokens were copied to pinned host memory behind an event)
-    -> schedule and launch N+2 ...
+    -> sample N+1 -> schedule and launch N+2 ...
+
+A chained batch with constrained requests launches with its sampling
+deferred: the launch queues N+1's forward, feeds step N's tokens to the
+grammars and starts filling N+1's masks on the launcher's mask thread; the
+scheduler thread processes N and hands its chunks to the output sink
+meanwhile, then ``sample`` joins the fill, applies the masks and queues N+1's
+sampler (``kvship.engine.scheduler.launch``).  Plain batches sample at launch,
+so ``sample`` does nothing for them.
 
 Invariants:
 
@@ -22,6 +30,9 @@ Invariants:
   seeded or uses penalties (``reads_host_tokens``).  Constrained requests
   chain: their grammars take step N's tokens while step N+1's forward runs
   (``kvship.engine.scheduler.launch``).
+* Between steps the pending step is sampled: a step's deferred sampling
+  never outlives it, and a step that fails gives its mask fill up
+  (``Launcher.abandon``) before its requests are failed.
 * Greedy output equals the synchronous loop's token for token.
 
 On CUDA unless ``--disable-overlap-schedule``; ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``
@@ -76,11 +87,15 @@ class OverlapLoop:
                     batch.reqs = [
                         r for r in batch.reqs if not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)
                     ]
-                self.pending = s.launch(batch, after=prev) if batch.reqs else None
+                # masks fill aside only while there is a step to process meanwhile
+                self.pending = s.launch(batch, after=prev, defer_sampling=prev is not None) if batch.reqs else None
                 ran = self.pending is not None
                 self.launched += int(ran and prev is not None)
                 batch = None  # launched: it is ``self.pending`` from here on
-                self._process(prev)
+                self._process(prev)  # while the masks of ``self.pending`` fill, if it has any
+                if self.pending is not None and self.pending.sampling is not None:
+                    s.flush()  # step N's chunks go out before N+1's sampler waits for its masks
+                    s.sample(self.pending)
             else:
                 self.sync()
                 if batch is not None:
@@ -93,6 +108,7 @@ class OverlapLoop:
             failed = list(batch.reqs) if batch is not None else []
             for p in (self._processing, self.pending):  # their host state is half-updated: fail them too
                 if p is not None:
+                    s.launcher.abandon(p)  # a mask fill in flight ends before its requests are failed
                     failed += [r for r in p.batch.reqs if r not in failed]
             self.pending = self._processing = None
             s.fail_step(e, failed if failed or batch is not None else None)
