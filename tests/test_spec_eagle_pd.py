@@ -319,8 +319,10 @@ def test_feature_pages_land_on_every_decode_ranks_slots(backend, a, b):
     [(("k", ""), (DIM, DIM)), (("", "k"), (DIM, DIM)), (("k", "other"), (DIM, DIM)), (("k", "k"), (DIM, DIM + 8))],
     ids=["decode-has-none", "prefill-has-none", "other-kind", "other-width"],
 )
-def test_workers_whose_features_disagree_move_the_kv_alone(kinds, dims, caplog):
-    prefill, decode, _, dfeats = _managers("tcp", 1, 1, kinds, dims)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_workers_whose_features_disagree_move_the_kv_alone(backend, kinds, dims, caplog):
+    _available(backend)
+    prefill, decode, _, dfeats = _managers(backend, 1, 1, kinds, dims)
     try:
         _move_room(prefill, decode)  # the K/V (checksummed) arrives; no feature byte moves
         assert not dfeats[0].any()
