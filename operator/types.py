@@ -27,7 +27,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
-SPEC_ALGORITHMS = ("eagle", "ngram", "draft")
+SPEC_ALGORITHMS = ("eagle", "eagle3", "ngram", "draft")
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady", "RouterSynced", "SLOMet")
 
@@ -153,12 +153,13 @@ class Speculative:
     __cel__ = (
         (
             "self.algorithm == 'ngram' || has(self.draftModel)",
-            "draftModel is required for the eagle and draft algorithms",
+            "draftModel is required for the eagle, eagle3 and draft algorithms",
         ),
     )
 
     algorithm: str = api_field(
-        "eagle (EAGLE draft head), ngram (prompt lookup, no draft model) or draft (a small draft model).",
+        "eagle (EAGLE draft head), eagle3 (EAGLE-3 head over auxiliary hidden states), ngram (prompt lookup, "
+        "no draft model) or draft (a small draft model).",
         required=True,
         enum=SPEC_ALGORITHMS,
     )
@@ -166,7 +167,7 @@ class Speculative:
         "Draft weights, in the same URI forms as model.uri.", pattern=MODEL_URI_PATTERN, hint=URI_HINT
     )
     num_steps: int = api_field("Draft steps per verification.", 3, minimum=1, maximum=16)
-    topk: int = api_field("Branching factor of the draft tree (eagle).", 1, minimum=1, maximum=16)
+    topk: int = api_field("Branching factor of the draft tree (eagle, eagle3).", 1, minimum=1, maximum=16)
     num_draft_tokens: int = api_field("Draft tokens verified per step.", 4, minimum=1, maximum=64)
 
 

@@ -204,7 +204,9 @@ def test_speculative_worker_flags_appear_only_when_speculation_is_asked_for():
     assert ns.speculative_algorithm == "eagle" and ns.speculative_draft_model_path == "/cache/models/a/d/main"
 
 
-@pytest.mark.parametrize("algorithm,draft", [("eagle", "hf://a/d"), ("ngram", None), ("draft", "hf://a/small")])
+@pytest.mark.parametrize(
+    "algorithm,draft", [("eagle", "hf://a/d"), ("eagle3", "hf://a/d3"), ("ngram", None), ("draft", "hf://a/small")]
+)
 def test_pd_prefill_pods_get_the_speculative_flags_only_for_eagle(algorithm, draft):
     """An EAGLE prefill worker computes the prompt's features for decode's drafter (docs/speculative.md, PD);
     ngram and draft need nothing from prefill, whose worker refuses their flags."""
@@ -213,12 +215,12 @@ def test_pd_prefill_pods_get_the_speculative_flags_only_for_eagle(algorithm, dra
     deployments = by_kind(build_children(config(spec), IMAGES), "Deployment")
     prefill, decode = (container(deployments[f"svc-{role}"])["args"] for role in ("prefill", "decode"))
     assert decode[decode.index(SPEC_FLAGS["algorithm"]) + 1] == algorithm
-    if algorithm == "eagle":
-        assert prefill[prefill.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
+    if algorithm in ("eagle", "eagle3"):
+        assert prefill[prefill.index(SPEC_FLAGS["algorithm"]) + 1] == algorithm
         assert prefill[prefill.index(SPEC_FLAGS["draft"]) + 1] == decode[decode.index(SPEC_FLAGS["draft"]) + 1]
         ns, _ = server_parser().parse_known_args(prefill[1:])
         ServerArgs.from_cli_args(ns).validate()
-        assert ns.mode == "prefill" and ns.speculative_algorithm == "eagle"
+        assert ns.mode == "prefill" and ns.speculative_algorithm == algorithm
     else:
         assert not SPEC_WORKER_FLAGS & set(prefill)
 
