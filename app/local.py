@@ -98,6 +98,9 @@ class LocalConfig:
     prefill_tp_size: int = opt(0, "Tensor-parallel size of each prefill worker (0: --tp-size)")
     decode_tp_size: int = opt(0, "Tensor-parallel size of each decode worker (0: --tp-size)")
     max_resumes: int = opt(2, "Router: resumes of one broken stream on another worker (0 = off)")
+    pd_first_token: bool = opt(
+        True, "Router: streamed /generate requests get their first token from the prefill worker (docs/pd.md)"
+    )
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -396,6 +399,7 @@ class LocalDeployment:
             str(min(cfg.shutdown_grace, 5.0)),
             "--max-resumes",
             str(cfg.max_resumes),
+            "--pd-first-token" if cfg.pd_first_token else "--no-pd-first-token",
             # a restarted worker rejoins after one passed check, a dead one leaves after two failed ones
             "--health-check-interval",
             "1",

@@ -29,6 +29,9 @@ CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
     .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --out /tmp/pd_ttft_tiny \
         --variant wait-for-room=--disaggregation-prefill-wait-for-room
     .venv/bin/python bench/pd_ttft.py --model smollm2 --prompt-len 128 256 --repeats 4 --out /tmp/pd_ttft_smol
+    # streamed: the router's first token from prefill (docs/pd.md) against the decode-only stream
+    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --stream 4 \
+        --variant no-first-token=--no-pd-first-token --out /tmp/pd_ttft_stream
 
 GPU (Llama-3.1-8B shape, dummy bf16 weights; a word-level tokenizer of the shape's vocabulary is written beside the
 config, since nothing can be downloaded there), one device call from the repository root with
@@ -37,6 +40,11 @@ config, since nothing can be downloaded there), one device call from the reposit
     PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
     timeout -s TERM 540 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp \
         --backend mooncake --prompt-len 512 2048 4096 8000 --repeats 5 --warmup 1 --out "$OUT" 2>&1 | tail -45
+
+and for the two issue-19 changes (prefill computing beside decode's registration; the first token from prefill), add
+``--backend nixl --prompt-len 512 4096 --variant wait-for-room=--disaggregation-prefill-wait-for-room`` to one run and
+``--stream 4 --variant no-first-token=--no-pd-first-token`` to another (the streamed run's breakdown shows the
+traced, non-streamed requests).
 
 Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables), again
 after every backend, so a run cut off by SIGTERM (it stops its children) keeps the backends it finished.  On GPU the
@@ -160,6 +168,7 @@ class Client:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
     def generate(self, body: dict) -> tuple[int, dict, dict, float, float]:
+        """A streamed body's answer is its last event, and the first-byte time that of its first event."""
         data = json.dumps(body).encode()
         headers = {"content-type": "application/json"}
         for attempt in range(2):
@@ -168,7 +177,16 @@ class Client:
                 self.conn.request("POST", "/generate", data, headers)
                 resp = self.conn.getresponse()  # returns once the status line and headers are in
                 t1 = time.time()
-                raw = resp.read()
+                if body.get("stream") and resp.status == 200:
+                    events = []
+                    for line in resp:
+                        if line.startswith(b"data: "):
+                            if not events:
+                                t1 = time.time()
+                            events.append(line[6:].strip())
+                    raw = next((e for e in reversed(events) if e != b"[DONE]"), b"{}")
+                else:
+                    raw = resp.read()
                 break
             except (http.client.HTTPException, OSError):
                 self.conn.close()  # a kept-alive connection the server closed: reconnect once
@@ -294,6 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "page_size": args.page_size,
+        "stream": args.stream,
         "worker_flags": flags,
         "copy_bandwidth_Bps": copy_bandwidth(args.device),
         "unified": {},
@@ -360,11 +379,15 @@ def measure(
         for i in range(args.warmup + args.repeats):
 
             def body(trace: bool) -> dict:  # a fresh prompt: no prefix-cache hit anywhere
-                return {
+                out = {
                     "input_ids": [rng.randrange(3, vocab) for _ in range(n)],
                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
                     "return_trace": trace,
                 }
+                if args.stream and not trace:  # the traced request stays a one-token answer (its breakdown)
+                    out.update(stream=True, return_trace=False)
+                    out["sampling_params"]["max_new_tokens"] = args.stream
+                return out
 
             plain = body(False)
             calls = [("unified", uni, plain)]
@@ -443,8 +466,14 @@ def markdown(res: dict[str, Any]) -> str:
         f"page {res['page_size']}",
         "",
         f"Medians of {res['repeats']} fresh prompts per length (after {res['warmup']} warm-up), `/generate` with "
-        f"`max_new_tokens: 1`; per repeat one unified, one PD and one traced PD request (`return_trace`), in "
-        f"rotating order. TTFT: client send to first response byte, untraced requests. Clock: {res['clock']}. "
+        + (
+            f"`stream: true`, `max_new_tokens: {res['stream']}` (the traced request: one token, not streamed)"
+            if res.get("stream")
+            else "`max_new_tokens: 1`"
+        )
+        + f"; per repeat one unified, one PD and one traced PD request (`return_trace`), in "
+        f"rotating order. TTFT: client send to first response byte (streamed: first event), untraced requests. "
+        f"Clock: {res['clock']}. "
         f"`copy_` on this {res['device']}: {res['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (bytes copied per second).",
         "",
         "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token | KV MiB | "
@@ -541,6 +570,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--label", default="", help="a name for this run in the tables (e.g. before / after)")
+    ap.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        metavar="N",
+        help="untraced requests stream N tokens (TTFT = first event); with the router's first token from "
+        "prefill (docs/pd.md) compare against --variant no-first-token=--no-pd-first-token",
+    )
     ap.add_argument(
         "--variant",
         action="append",

@@ -110,6 +110,9 @@ class GenerateRequest:
     # ``return_trace``: stage -> time.time() stamps the PD roles add while the request passes (docs/pd.md,
     # "Reading a request's trace"); written by the scheduler thread, read by the HTTP layer after the finish
     trace: Optional[dict[str, float]] = None
+    # PD prefill, streamed: send the first token as soon as it is sampled (the router asks with
+    # PD_FIRST_TOKEN_HEADER; docs/pd.md, "The first token from prefill")
+    pd_first_token: bool = False
 
 
 @dataclass(frozen=True, eq=False)

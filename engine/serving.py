@@ -378,6 +378,9 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> Optional
 # elsewhere): chat/completions chunks get ``kvship_token_ids`` / ``kvship_prompt_ids``, /generate events
 # ``meta_info.kvship_prompt_ids``.  The router strips them; clients never see them.
 ROUTER_IDS_HEADER = "x-kvship-token-ids"
+# Router -> prefill worker header: stream the first token as soon as it is sampled, before its KV travels
+# (docs/pd.md, "The first token from prefill").  Same value as ``kvship.router.wire.PD_FIRST_TOKEN_HEADER``.
+PD_FIRST_TOKEN_HEADER = "x-kvship-first-token"
 
 
 def sse(payload: Any) -> bytes:

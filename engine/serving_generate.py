@@ -37,6 +37,7 @@ from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingPara
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
+    PD_FIRST_TOKEN_HEADER,
     ROUTER_IDS_HEADER,
     build_sampling_params,
     check_grammar,
@@ -197,6 +198,7 @@ class GenerateServing:
         if body.kvship_resume is not None and body.input_ids is None:
             raise bad_request("kvship_resume needs input_ids", "kvship_resume")
         resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], max(sp.n for sp in sps))
+        first_token = bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1"
         reqs: list[GenerateRequest] = []
         outputs: list[_Output] = []
         created = time.time()
@@ -251,6 +253,7 @@ class GenerateServing:
                         created_time=created,
                         resumed=resumed,
                         trace={"http_received": created} if body.return_trace else None,
+                        pd_first_token=first_token,
                     )
                 )
                 outputs.append(

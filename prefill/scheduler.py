@@ -21,7 +21,11 @@ Life cycle of a request (see ``kvship.prefill`` for the whole picture)::
   exactly one token and never reserves memory for decoding.
 * The finished chunk of a successful request carries no tokens
   (``finish_reason = {"type": "length", "length": 0}``): the client's tokens,
-  the first one included, come from the decode worker.  A failed transfer
+  the first one included, come from the decode worker.  Except: a streamed
+  request the router asked the first token of (``pd_first_token``) gets it
+  in a chunk of its own as soon as it is sampled, unless that token ends the
+  request (EOS, a stop token, ``max_new_tokens`` 1) or the request has stop
+  strings or a grammar (docs/pd.md, "The first token from prefill").  A failed transfer
   finishes the request with an ``abort`` naming the reason.
 * Slots: a request's KV is pinned from its extend until the sender reaches a
   terminal state, then handed to the radix cache, so later requests sharing
@@ -40,7 +44,7 @@ from typing import Optional
 from kvship.engine.disagg import AuxInfo, KVPoll
 from kvship.engine.disagg.pd_role import PDRole, PDScheduler
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, nan_if_none, request_pages, room_problem
-from kvship.engine.io_struct import FinishReason, GenerateRequest
+from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.schedule_batch import Req
 from kvship.prefill.queues import BootstrapQueue, ComputingQueue, InflightQueue, unregistered_rooms
 
@@ -76,9 +80,11 @@ class PrefillRole(PDRole):
         return room_problem(request.bootstrap_room)
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
+        first_token = request.pd_first_token and req.max_new_tokens > 1
         req.max_new_tokens = 1
         room = request.bootstrap_room
         entry = PDEntry(req=req, transfer=self.kv_manager.create_sender(room), room=room)
+        entry.extra["first_token"] = first_token
         if self.wait_for_room:
             self.bootstrap_queue.put(entry)
         else:
@@ -136,7 +142,30 @@ class PrefillRole(PDRole):
         )
         self.stamp(req.rid, "forward_done")
         self.inflight_queue.add(entry, pages, aux)
+        if entry.extra.get("first_token") and self._first_token_goes_on(req, int(token_id)):
+            chunk = TokenChunk(
+                rid=req.rid,
+                token_ids=[int(token_id)],
+                prompt_tokens=n,
+                completion_tokens=1,
+                cached_tokens=req.cached_tokens,
+            )
+            if req.return_logprob:
+                chunk.logprobs = [nan_if_none(logprob)]
+                if req.top_logprobs_num > 0:
+                    chunk.top_logprobs = [list(top_logprobs or [])]
+            self.s.emit_chunk(chunk)
         return True
+
+    @staticmethod
+    def _first_token_goes_on(req: Req, token_id: int) -> bool:
+        """Whether the request surely goes on after ``token_id`` (so decode's stream continues it)."""
+        return (
+            token_id not in req.eos_token_ids
+            and token_id not in req.stop_token_ids
+            and not req.stop_strs
+            and req.grammar is None
+        )
 
     def on_finish(self, req: Req) -> None:
         super().on_finish(req)

@@ -17,6 +17,18 @@ retried on another pair by ``proxy_request``; 4xx replies go to the client.
 After the decode stream has started, the prefill call finishes in the
 background and only its outcome is recorded.
 
+The first token from prefill (docs/pd.md): for a streamed ``/generate``
+request the router can resume (``ResumeState``: the token-ids header is on),
+without stop strings and not itself a resume's continuation, the prefill call
+is a stream too, asked (``PD_FIRST_TOKEN_HEADER``) for the first token as
+soon as it is sampled.  If that event comes before decode's first chunk, the
+attempt returns at once: the client's stream is that event, then decode's
+stream without its events that repeat the first token (``completion_tokens``
+<= 1, unfinished; ``/generate`` text is cumulative, so nothing is lost), with
+``meta_info.id`` set to the first event's.  From then on a failure of the
+pair (prefill's transfer, decode's open or stream) is a broken stream that
+``ResumingRelay`` continues elsewhere; before it, retries work as above.
+
 A body with ``"return_trace": true`` also gets the ``x-kvship-trace``
 response header: the router's own stamps and the prefill worker's
 ``meta_info.trace``, wall clock (docs/pd.md, "Reading a request's trace").
@@ -35,6 +47,7 @@ from typing import Any, Optional
 import aiohttp
 
 from kvship.router.core import Selection
+from kvship.router.resume import SSEParser
 from kvship.router.upstream import (
     RETRYABLE_STATUS,
     AttemptFailed,
@@ -46,7 +59,7 @@ from kvship.router.upstream import (
     open_upstream,
     pass_headers,
 )
-from kvship.router.wire import PDBootstrap, RoutingRequest
+from kvship.router.wire import PD_FIRST_TOKEN_HEADER, ROUTE_GENERATE, ROUTER_IDS_HEADER, PDBootstrap, RoutingRequest
 from kvship.router.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -78,6 +91,155 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
         raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp))
     lease.finish(True)
     return body
+
+
+def _event_obj(event: bytes) -> Any:
+    """The JSON object of one SSE event's ``data:`` payload, or None."""
+    lines = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    try:
+        return json.loads(b"\n".join(lines))
+    except ValueError:
+        return None
+
+
+def _is_first_token(obj: Any) -> bool:
+    """Whether a /generate event is an unfinished one with output (prefill's first token)."""
+    if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("meta_info"), dict):
+        return False
+    return bool(obj.get("output_ids")) and obj["meta_info"].get("finish_reason") is None
+
+
+async def _prefill_stream(
+    ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str, first: asyncio.Future
+) -> bytes:
+    """Stream from the prefill worker, asked for the first token: resolve ``first`` with (that event's bytes,
+    the response headers), or None when the first event is something else; then read to the end.  Raise
+    ``AttemptFailed`` on an error status, a transport error or an error event.  Finishes ``lease``."""
+    client = ctx.router.client
+    assert client is not None
+    headers = dict(ctx.headers)
+    headers[PD_FIRST_TOKEN_HEADER] = "1"
+    failure: Optional[AttemptFailed] = None
+    try:
+        async with asyncio.timeout_at(ctx.deadline):
+            async with client.post(worker.url + path, data=content, headers=headers) as resp:
+                if resp.status != 200:
+                    body = await resp.read()
+                    retryable = resp.status in RETRYABLE_STATUS
+                    failure = AttemptFailed(
+                        worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp)
+                    )
+                else:
+                    parser = SSEParser()
+                    async for data in resp.content.iter_any():
+                        for event in parser.feed(data):
+                            obj = _event_obj(event)
+                            if not first.done():
+                                first.set_result(
+                                    (event + b"\n\n", pass_headers(resp)) if _is_first_token(obj) else None
+                                )
+                            err = obj.get("error") if isinstance(obj, dict) else None
+                            if isinstance(err, dict) and failure is None:
+                                failure = AttemptFailed(worker, f"prefill error: {err.get('message', err)}", True)
+    except aiohttp.ClientError as e:
+        failure = AttemptFailed(worker, describe_error(e), True)
+    except TimeoutError:
+        lease.finish(False, "timeout")
+        raise DeadlineExceeded() from None
+    except BaseException:
+        lease.finish(True)
+        raise
+    finally:
+        if not first.done():
+            first.set_result(None)
+    if failure is not None:
+        lease.finish(not failure.retryable, failure.reason)
+        raise failure
+    lease.finish(True)
+    return b""
+
+
+class _DecodeAfterFirstToken:
+    """What the client gets after prefill's first-token event: decode's stream without the events that
+    repeat that token, each event's ``meta_info.id`` set to ``rid`` (the first event's).
+
+    Quacks like the ``aiohttp.ClientResponse`` the relays read (``content.readany`` / ``at_eof``,
+    ``release``, ``close``).  Decode's attempt (``open_upstream``) is awaited on the first read; its
+    failure reads as a broken stream (``aiohttp.ClientPayloadError``), which ``ResumingRelay`` resumes,
+    and its deadline as a read timeout.
+    """
+
+    def __init__(self, d_task: asyncio.Task, rid: Any):
+        self.content = self
+        self._task = d_task
+        self._rid = rid
+        self._up: Optional[Upstream] = None
+        self._parser = SSEParser()
+
+    async def readany(self) -> bytes:
+        while True:
+            if self._up is None:
+                try:
+                    self._up = await asyncio.shield(self._task)
+                except AttemptFailed as e:
+                    raise aiohttp.ClientPayloadError(f"decode failed: {e.reason}") from None
+                except DeadlineExceeded:
+                    raise TimeoutError() from None  # what a read past the deadline raises
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self._task.cancelled() and not (task is not None and task.cancelling()):
+                        return b""  # close() gave up on decode's attempt (the client left): the stream ends
+                    raise
+                data = self._up.first
+            elif self._up.response is None:  # decode answered with a whole body (a 4xx): nothing to stream
+                return b""
+            else:
+                data = await self._up.response.content.readany()
+            if not data:
+                return b""
+            out = b"".join(self._keep(event) for event in self._parser.feed(data))
+            if out:
+                return out
+
+    def _keep(self, event: bytes) -> bytes:
+        obj = _event_obj(event)
+        meta = obj.get("meta_info") if isinstance(obj, dict) else None
+        if not isinstance(meta, dict) or "error" in obj:
+            return event + b"\n\n"
+        if meta.get("finish_reason") is None and int(meta.get("completion_tokens") or 0) <= 1:
+            return b""  # the first token again
+        meta["id"] = self._rid
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def at_eof(self) -> bool:
+        return self._up is not None and self._up.response is not None and self._up.response.content.at_eof()
+
+    def release(self) -> None:
+        if self._up is not None and self._up.response is not None:
+            self._up.response.release()
+
+    def close(self) -> None:
+        if self._up is not None and self._up.response is not None:
+            self._up.response.close()
+        elif not self._task.done():
+            self._task.cancel()  # open_upstream closes the connection and finishes its lease
+
+
+def first_token_from_prefill(ctx: RequestContext, request: RoutingRequest, path: str) -> bool:
+    """Whether this attempt asks the prefill worker for the first token (see the module docstring)."""
+    body = request.body
+    sp = body.get("sampling_params")
+    return (
+        ctx.router.config.pd_first_token
+        and path == ROUTE_GENERATE
+        and request.stream
+        and ctx.headers.get(ROUTER_IDS_HEADER) == "1"
+        and "kvship_resume" not in body
+        and not body.get("return_trace")
+        and not (isinstance(sp, dict) and sp.get("stop"))
+    )
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -139,16 +301,37 @@ async def pd_attempt(
     router = ctx.router
     path = path or ctx.route
     stamps = {"received": ctx.started_wall, "sent": time.time()} if request.body.get("return_trace") is True else None
-    p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path))
-    d_task = asyncio.create_task(open_upstream(ctx, d, Lease(router, d), content, path))
+    first: Optional[asyncio.Future] = None
+    if first_token_from_prefill(ctx, request, path):
+        first = asyncio.get_running_loop().create_future()
+        p_task = asyncio.create_task(_prefill_stream(ctx, p, Lease(router, p), content, path, first))
+    else:
+        p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path))
+    d_lease = Lease(router, d)
+    d_task = asyncio.create_task(open_upstream(ctx, d, d_lease, content, path))
+    early: Optional[tuple[bytes, list[tuple[str, str]]]] = None
     try:
-        pending = {p_task, d_task}
+        pending: set[asyncio.Future] = {p_task, d_task} | ({first} if first is not None else set())
         while d_task in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None:
                 await _cancel(d_task)
                 raise p_task.exception()  # type: ignore[misc]
-        up = d_task.result()  # raises the decode failure
+            if first is not None and first in done and first.result() is not None and d_task not in done:
+                early = first.result()
+                break
+        if early is not None:
+            obj = _event_obj(early[0])
+            up = Upstream(
+                d,
+                d_lease,
+                200,
+                early[1],
+                response=_DecodeAfterFirstToken(d_task, obj["meta_info"].get("id")),  # type: ignore[arg-type]
+                first=early[0],
+            )
+        else:
+            up = d_task.result()  # raises the decode failure
         if stamps is not None:
             stamps["decode_first_byte"] = time.time()
             trace = await _trace_header(ctx, stamps, p_task)
@@ -164,6 +347,8 @@ async def pd_attempt(
         p_task.add_done_callback(lambda t: _finish_background_prefill(ctx, t))
         up.prefill_task = p_task
     up.extra_headers = {"x-kvship-prefill": p.url, "x-kvship-decode": d.url}
+    if early is not None:  # the client's first token came from prefill (docs/pd.md, "The first token from prefill")
+        up.extra_headers["x-kvship-first-token"] = "prefill"
     if stamps is not None:
         up.extra_headers["x-kvship-trace"] = trace
     logger.debug("request %s: PD pair %s -> %s room %d", ctx.request_id, p.url, d.url, boot.room)

@@ -37,6 +37,9 @@ PROXY_ROUTES = (ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE)
 # ``kvship_token_ids``; /generate: ``meta_info.kvship_prompt_ids``), so that a broken stream can be
 # resumed (``kvship.router.resume``).  Same value as the worker's ``kvship.engine.serving.ROUTER_IDS_HEADER``.
 ROUTER_IDS_HEADER = "x-kvship-token-ids"
+# Router -> prefill worker header: stream the first token as soon as it is sampled (docs/pd.md, "The first
+# token from prefill").  Same value as the worker's ``kvship.engine.serving.PD_FIRST_TOKEN_HEADER``.
+PD_FIRST_TOKEN_HEADER = "x-kvship-first-token"
 
 
 class RequestError(Exception):

@@ -1,0 +1,163 @@
+"""The first token from prefill (docs/pd.md): a streamed ``/generate`` request through ``kvship router --pd``
+gets its first token from the prefill worker's stream, then decode's stream without the repeat; what the
+client reads must be exactly what a unified worker streams, event by event (text, ids, finish).
+
+One ``kvship local`` (1 prefill + 1 decode, tcp, tiny random Llama on CPU) beside one unified worker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from pd_fixtures import make_prompts, start_local
+from server_fixtures import start_server
+
+pytestmark = pytest.mark.timeout(400)
+
+FLAGS = ["--device", "cpu", "--page-size", "16", "--max-total-tokens", "8192"]
+
+
+@pytest.fixture(scope="module")
+def pd_and_unified(tiny_llama_dir):
+    flags = ["--model-path", tiny_llama_dir, *FLAGS]
+    with start_local(["--transfer-backend", "tcp", *flags]) as cluster, start_server(flags) as unified:
+        yield cluster, unified
+
+
+def _stream(url: str, body: dict) -> tuple[dict, list[dict]]:
+    """(response headers, the events' objects) of one streamed /generate call; exactly one [DONE] at the end."""
+    events = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+        headers = dict(r.headers)
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    return headers, [json.loads(e) for e in events[:-1]]
+
+
+def _shape(events: list[dict]) -> list[tuple]:
+    """What must match a unified worker's stream: per event the text, ids, token count and finish."""
+    return [
+        (e["text"], e["output_ids"], e["meta_info"]["completion_tokens"], e["meta_info"]["finish_reason"])
+        for e in events
+    ]
+
+
+def _body(ids: list[int], max_new: int, **sp) -> dict:
+    return {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **sp}}
+
+
+def test_streamed_generate_gets_its_first_token_from_prefill_and_equals_unified_event_by_event(pd_and_unified):
+    cluster, unified = pd_and_unified
+    early = 0
+    for ids in make_prompts(6, seed=31, lo=20, hi=120):
+        body = _body(ids, 10, ignore_eos=True)
+        headers, pd_events = _stream(cluster.url, body)
+        _, uni_events = _stream(unified.url, body)
+        assert _shape(pd_events) == _shape(uni_events)
+        assert len({e["meta_info"]["id"] for e in pd_events}) == 1, "the stream's id changed between events"
+        assert not any("kvship_prompt_ids" in e["meta_info"] for e in pd_events)
+        early += headers.get("x-kvship-first-token") == "prefill"
+    # the prefill's event normally wins the race with decode's first chunk (decode needs the KV first)
+    assert early >= 3, early
+    cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
+
+
+def test_requests_whose_first_token_ends_them_or_with_stop_strings_still_equal_unified(pd_and_unified):
+    cluster, unified = pd_and_unified
+    ids = make_prompts(1, seed=32, lo=40, hi=40)[0]
+    _, ref = _stream(unified.url, _body(ids, 8, ignore_eos=True))
+    first_text = ref[0]["text"]
+    cases = [_body(ids, 1, ignore_eos=True), _body(ids, 8, stop_token_ids=[ref[0]["output_ids"][0]])]
+    if first_text.strip():
+        cases.append(_body(ids, 8, ignore_eos=True, stop=[first_text.strip()[:1]]))  # a stop string on token 1
+    for body in cases:
+        headers, pd_events = _stream(cluster.url, body)
+        _, uni_events = _stream(unified.url, body)
+        assert _shape(pd_events) == _shape(uni_events), body["sampling_params"]
+        assert headers.get("x-kvship-first-token") is None, "prefill sent a token that ends the request"
+    cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
+
+
+class _FakeContent:
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = list(chunks)
+
+    async def readany(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def at_eof(self) -> bool:
+        return not self.chunks
+
+
+class _FakeResponse:
+    def __init__(self, chunks: list[bytes]):
+        self.content = _FakeContent(chunks)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _ev(text: str, ids: list[int], finish=None, rid: str = "d-id") -> bytes:
+    meta = {"id": rid, "completion_tokens": len(ids), "finish_reason": finish}
+    return ("data: " + json.dumps({"text": text, "output_ids": ids, "meta_info": meta}) + "\n\n").encode()
+
+
+async def _read_all(stream) -> bytes:
+    out = b""
+    while chunk := await stream.content.readany():
+        out += chunk
+    return out
+
+
+async def test_decode_stream_after_the_first_token_drops_its_repeat_and_keeps_the_first_id():
+    import asyncio
+
+    from kvship.router.pd import _DecodeAfterFirstToken
+    from kvship.router.upstream import Upstream
+
+    first = _ev("A", [7])
+    rest = _ev("AB", [7, 8]) + b"data: [DONE]\n\n"
+    # decode's first chunk (its repeat of token 1) split across reads, as a socket may cut it
+    resp = _FakeResponse([first[5:] + rest[:9], rest[9:]])
+    up = Upstream(worker=None, lease=None, status=200, headers=[], response=resp, first=first[:5])  # type: ignore[arg-type]
+
+    async def opened():
+        return up
+
+    stream = _DecodeAfterFirstToken(asyncio.ensure_future(opened()), "p-id")
+    out = await _read_all(stream)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert len(events) == 2 and events[-1] == b"data: [DONE]"
+    obj = json.loads(events[0][6:])
+    assert (obj["text"], obj["output_ids"], obj["meta_info"]["id"]) == ("AB", [7, 8], "p-id")
+    assert stream.at_eof()
+
+
+async def test_decode_failing_after_the_first_token_reads_as_a_broken_stream_and_close_ends_a_pending_open():
+    import asyncio
+
+    import aiohttp
+
+    from kvship.router.pd import _DecodeAfterFirstToken
+    from kvship.router.upstream import AttemptFailed
+
+    async def fails():
+        raise AttemptFailed(None, "http_503", True)  # type: ignore[arg-type]
+
+    with pytest.raises(aiohttp.ClientPayloadError, match="decode failed: http_503"):
+        await _DecodeAfterFirstToken(asyncio.ensure_future(fails()), "p").content.readany()
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    stream = _DecodeAfterFirstToken(asyncio.ensure_future(never()), "p")
+    reader = asyncio.ensure_future(stream.content.readany())
+    await asyncio.sleep(0.01)
+    stream.close()  # the client left before decode answered
+    assert await asyncio.wait_for(reader, 5) == b""
