@@ -25,6 +25,32 @@ never allowed).  The mask work scales with the tokenizer's vocabulary, so say
 which one ran.
 
     python bench/grammar_overhead.py --tokenizer /path/to/tokenizer --out /tmp/out
+
+``--host-profile`` (CPU only, no model): what the host pays per decode step
+of ``--batch`` constrained requests (``json`` schema; ``--tokenizer``
+defaults to the embedded SmolLM2's), on one trajectory of
+``--profile-steps`` steps of random allowed tokens (a request whose JSON is
+complete is replaced by a new one, so the rows cover every state).  Each
+step is run twice on twin requests given the same tokens:
+
+* baseline (the chained step before mask filling moved aside): tokens
+  accepted one request at a time (``accept`` then ``terminated``), masks
+  filled inline with xgrammar's batch filler, then the real
+  ``Scheduler.process`` of the step's tokens and the hand-off to the output
+  sink, one after the other;
+* now: ``Req.feed_grammars`` (one ``batch_accept_token`` call), the fill
+  started on a ``MaskFiller`` thread, ``Scheduler.process`` + hand-off
+  meanwhile, then the join.
+
+Also timed on the same states: a per-row fill (``GrammarMatcher.fill`` one
+row at a time) against the batch filler, and how fast Python runs beside a
+fill on the filler's thread (1.0 = the fill holds no GIL).  "hand-off" is
+the part of the window until the filler's thread runs the fill (thread
+wake-ups: long on a box whose cores are all busy); "max(fill, process)" is
+the window with a free core for the fill.  The table gives medians in
+microseconds and the ratio now / baseline of the same run:
+
+    python bench/grammar_overhead.py --host-profile --batch 1 8 32 --out /tmp/out
 """
 
 from __future__ import annotations
@@ -119,18 +145,238 @@ def run(runner: Any, tok: Any, bs: int, input_len: int, max_news: list[int], sch
     }
 
 
+class _HostOnlyRunner:
+    """What ``Scheduler`` reads from a model runner, to time its host-side steps (it never runs a forward)."""
+
+    def __init__(self, vocab: int, eos: list[int], max_reqs: int):
+        from types import SimpleNamespace
+
+        from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.model_config = SimpleNamespace(vocab_size=vocab, eos_token_ids=frozenset(eos))
+        self.page_size = 1
+        self.context_len = 1 << 20
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, 8, "cpu")
+        self.kv_pool = KVPool(64, 1, torch.float32, 1, 1, 1, "cpu")
+        self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, 1)
+        self.attn_backend = None
+        self.max_total_tokens = self.allocator.total_slots
+
+
+class _Twin:
+    """One side of the host profile: a scheduler (for ``process``) and its ``bs`` constrained requests."""
+
+    def __init__(self, backend: Any, compiled: Any, schema_text: str, bs: int, vocab: int, eos: int):
+        from kvship.engine.config import ServerArgs
+        from kvship.engine.scheduler import Scheduler
+
+        self.backend, self.compiled, self.schema_text = backend, compiled, schema_text
+        self.sent: list[Any] = []
+        sa = ServerArgs(device="cpu", sampling_backend="torch", disable_overlap_schedule=True)
+        self.sched = Scheduler(sa, _HostOnlyRunner(vocab, [eos], 2 * bs + 2), None, self.sent.extend)
+        self.made = 0
+        self.reqs = [self._new() for _ in range(bs)]
+
+    def _new(self) -> Any:
+        from kvship.engine.io_struct import SamplingParams
+        from kvship.engine.schedule_batch import Req
+
+        sp = SamplingParams(temperature=0.0, max_new_tokens=1 << 30, json_schema=self.schema_text)
+        req = Req(f"r{self.made}", [1, 2, 3], sp)
+        self.made += 1
+        req.grammar = self.backend.matcher(self.compiled)
+        self.sched.reqs[req.rid] = req
+        self.sched.queues.running.append(req)
+        return req
+
+    def pending(self, tokens: list[int]) -> Any:
+        from kvship.engine.forward_batch import ForwardMode
+        from kvship.engine.sampler import SampleOutput
+        from kvship.engine.schedule_batch import ScheduleBatch
+        from kvship.engine.scheduler.launch import Pending
+
+        batch = ScheduleBatch(list(self.reqs), ForwardMode.DECODE, sample_mask=[True] * len(self.reqs))
+        host = SampleOutput(next_token_ids=torch.tensor(tokens), logprobs=None, top_logprobs=None)
+        index = {id(r): j for j, r in enumerate(self.reqs)}
+        return Pending(batch, None, host, [0] * len(tokens), None, index)
+
+    def replace_finished(self) -> None:
+        self.reqs = [self._new() if r.finished else r for r in self.reqs]
+        self.sent.clear()
+
+
+def _pick(mask: torch.Tensor, rows: list[int], bs: int, eos: int, vocab: int, gen: torch.Generator) -> list[int]:
+    """A random allowed token per request (not EOS while anything else is allowed)."""
+    from kvship.engine.grammar.mask import unpack_bitmask
+
+    allowed = unpack_bitmask(mask, vocab)
+    out = [eos] * bs
+    for i, j in enumerate(rows):
+        ids = allowed[i].nonzero().flatten()
+        if len(ids) > 1:
+            ids = ids[ids != eos]
+        out[j] = int(ids[torch.randint(len(ids), (1,), generator=gen)])
+    return out
+
+
+def _python_beside_fill(filler: Any, reqs: list[Any], vocab: int) -> float:
+    """Speed of a pure-Python loop while fills run on the filler's thread, against alone (1.0: no GIL held)."""
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        x = 0
+        for k in range(20000):
+            x += k
+        return time.perf_counter() - t0
+
+    alone = min(loop() for _ in range(5))
+    beside = []
+    for _ in range(5):
+        fills = [filler.start(reqs, vocab) for _ in range(4)]
+        beside.append(loop())
+        for f in fills:
+            f.wait()
+    return alone / min(beside)
+
+
+def host_profile(args: argparse.Namespace) -> int:
+    """``--host-profile`` (see the module docstring)."""
+    from kvship.engine.embedded import embedded_model_path
+    from kvship.engine.grammar import GrammarBackend
+    from kvship.engine.grammar.mask import MaskFiller, fill_bitmask
+    from kvship.engine.schedule_batch import Req
+    from kvship.engine.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)  # OpenMP threads spinning after small ops distort a shared box's timings
+    tok = load_tokenizer(args.tokenizer or embedded_model_path())
+    vocab, eos = tok.vocab_size, tok.eos_token_id
+    backend = GrammarBackend(tok, vocab, [eos])
+    schema_text = schema("json", args.output_len)
+    compiled = backend.compile(("json_schema", schema_text)).result()
+    filler = MaskFiller()
+    load = os.getloadavg()
+    res: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "torch_threads": args.threads,
+        "loadavg_start": load,
+        "tokenizer_vocab": vocab,
+        "batches": [],
+    }
+    keys = ("accept_one_by_one", "accept_batch", "fill_per_row", "fill_batch", "process", "window_baseline")
+    keys += ("window_now", "hand_off", "window_ideal", "step_baseline", "step_now")
+    for bs in args.batch:
+        gen = torch.Generator().manual_seed(args.seed + bs)
+        base, now = (_Twin(backend, compiled, schema_text, bs, vocab, eos) for _ in range(2))
+        rows, mask = fill_bitmask(base.reqs, vocab)
+        t: dict[str, list[float]] = {k: [] for k in keys}
+        for _ in range(args.profile_steps):
+            tokens = _pick(mask, rows, bs, eos, vocab, gen)
+            # baseline: one request at a time, then fill inline, then process
+            t0 = time.perf_counter()
+            skip = set()
+            for r, tk in zip(base.reqs, tokens):
+                accepted = bool(r.grammar.accept(tk))
+                terminated = accepted and r.grammar.terminated
+                r._grammar_fed = (tk, accepted, terminated)
+                if not (accepted and not terminated):
+                    skip.add(id(r))
+            t1 = time.perf_counter()
+            rows, mask = fill_bitmask(base.reqs, vocab, skip)
+            t2 = time.perf_counter()
+            base.sched.process(base.pending(tokens))
+            base.sched.flush()
+            t3 = time.perf_counter()
+            t["accept_one_by_one"].append(t1 - t0)
+            t["fill_batch"].append(t2 - t1)
+            t["process"].append(t3 - t2)
+            t["window_baseline"].append(t3 - t1)
+            t["step_baseline"].append(t3 - t0)
+            # the per-row fill, on the same states (a fill does not move a matcher)
+            live = [r.grammar for r in base.reqs if id(r) not in skip]
+            scratch = torch.empty_like(mask)
+            t0 = time.perf_counter()
+            for i, g in enumerate(live):
+                g.fill(scratch, i)
+            t["fill_per_row"].append(time.perf_counter() - t0)
+            # now: one batch accept, the fill on the filler's thread while process runs
+            t0 = time.perf_counter()
+            ok = Req.feed_grammars(now.reqs, tokens)
+            t1 = time.perf_counter()
+            fill = filler.start(now.reqs, vocab, {id(r) for r, keep in zip(now.reqs, ok) if not keep})
+            t["hand_off"].append(time.perf_counter() - t1)  # until the filler's thread runs the fill
+            now.sched.process(now.pending(tokens))
+            now.sched.flush()
+            fill.wait()
+            t2 = time.perf_counter()
+            t["accept_batch"].append(t1 - t0)
+            t["window_now"].append(t2 - t1)
+            t["window_ideal"].append(max(t["fill_batch"][-1], t["process"][-1]))  # fill and process at once
+            t["step_now"].append(t2 - t0)
+            for twin in (base, now):
+                twin.replace_finished()
+            rows, mask = fill_bitmask(base.reqs, vocab)  # both twins are in the same states
+        beside = _python_beside_fill(filler, now.reqs, vocab) if bs > 1 else None
+        med = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in t.items()}
+        mean = {k: sum(v) / len(v) * 1e6 for k, v in t.items()}
+        res["batches"].append(
+            {"batch": bs, "median_us": med, "mean_us": mean, "python_beside_fill": beside, "requests": base.made}
+        )
+        logger.info("batch %d: %s", bs, {k: round(v) for k, v in med.items()})
+    filler.close()
+    backend.close()
+    res["loadavg_end"] = os.getloadavg()
+    lines = [
+        f"host profile, {res['cpus']} CPUs, load average {load[0]:.1f} -> {res['loadavg_end'][0]:.1f}, "
+        f"tokenizer vocab {vocab}, json schema, {args.profile_steps} steps; medians in us (means in the JSON)",
+        "",
+        "| batch | accept 1-by-1 | accept batch | ratio | fill per row | fill batch | ratio | process | "
+        "window before | window now | ratio | of which hand-off | max(fill, process) | step before | step now | "
+        "ratio | Python beside a fill |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in res["batches"]:
+        m = b["median_us"]
+        beside = "-" if b["python_beside_fill"] is None else f"{b['python_beside_fill']:.2f}"
+        lines.append(
+            f"| {b['batch']} | {m['accept_one_by_one']:.0f} | {m['accept_batch']:.0f} | "
+            f"{m['accept_batch'] / m['accept_one_by_one']:.2f} | {m['fill_per_row']:.0f} | {m['fill_batch']:.0f} | "
+            f"{m['fill_batch'] / m['fill_per_row']:.2f} | {m['process']:.0f} | {m['window_baseline']:.0f} | "
+            f"{m['window_now']:.0f} | {m['window_now'] / m['window_baseline']:.2f} | {m['hand_off']:.0f} | "
+            f"{m['window_ideal']:.0f} | "
+            f"{m['step_baseline']:.0f} | "
+            f"{m['step_now']:.0f} | {m['step_now'] / m['step_baseline']:.2f} | {beside} |"
+        )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "grammar_host_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "grammar_host_profile.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", default=None, help="required on CUDA; --host-profile: the embedded SmolLM2's")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--out", default=".")
     p.add_argument("--schemas", nargs="+", default=["json", "long-string"], choices=["json", "long-string"])
+    p.add_argument("--host-profile", action="store_true", help="CPU: time the host's share of a constrained step")
+    p.add_argument("--profile-steps", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="--host-profile: torch CPU threads (OpenMP)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.host_profile:
+        return host_profile(args)
+    if args.tokenizer is None:
+        p.error("--tokenizer is required (except with --host-profile)")
 
     from kvship.engine.config import ServerArgs
     from kvship.engine.grammar import GrammarBackend

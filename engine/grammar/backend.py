@@ -85,6 +85,9 @@ class GrammarMatcher:
     def accept_many(matchers: list["GrammarMatcher"], tokens: list[int]) -> list[tuple[bool, bool]]:
         """``(accepted, terminated)`` for ``matchers[i].accept(tokens[i])``, every ``i`` in one call into
         xgrammar: a refused token leaves that matcher's state unchanged (terminated is then False)."""
+        if len(matchers) == 1:  # the batch call's conversions cost more than one accept
+            accepted = matchers[0].accept(tokens[0])
+            return [(accepted, accepted and matchers[0].terminated)]
         if not matchers:
             return []
         import xgrammar as xgr

@@ -19,6 +19,7 @@ The logprobs a constrained request returns are computed after the mask
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Container, Optional, Sequence
 
@@ -87,8 +88,18 @@ class MaskFill:
             pass
 
 
+def _fill_aside(grammars: list[Any], mask: torch.Tensor, started: threading.Event) -> None:
+    started.set()
+    _fill_rows(grammars, mask)
+
+
 class MaskFiller:
     """Fills constrained rows' bitmasks on one worker thread, started on the first fill.
+
+    ``start`` returns once the worker runs the fill: a Python thread that wakes
+    up needs the GIL, and would otherwise wait for the caller's Python work to
+    give it up (up to ``sys.getswitchinterval()``, 5 ms); inside xgrammar's
+    batch fill it holds no GIL.
 
     Contract: from ``start`` until the returned ``MaskFill``'s ``wait`` (or
     ``abandon``) returns, the matchers of its rows belong to the worker thread:
@@ -112,7 +123,10 @@ class MaskFiller:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvship-mask")
         self.started += 1
-        return MaskFill(rows, mask, self._pool.submit(_fill_rows, grammars, mask))
+        started = threading.Event()
+        fill = MaskFill(rows, mask, self._pool.submit(_fill_aside, grammars, mask, started))
+        started.wait()
+        return fill
 
     def close(self) -> None:
         if self._pool is not None:
