@@ -88,8 +88,8 @@ class MaskFill:
             pass
 
 
-def _fill_aside(grammars: list[Any], mask: torch.Tensor, started: threading.Event) -> None:
-    started.set()
+def _fill_aside(grammars: list[Any], mask: torch.Tensor, running: threading.Event) -> None:
+    running.set()
     _fill_rows(grammars, mask)
 
 
@@ -123,9 +123,9 @@ class MaskFiller:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvship-mask")
         self.started += 1
-        started = threading.Event()
-        fill = MaskFill(rows, mask, self._pool.submit(_fill_aside, grammars, mask, started))
-        started.wait()
+        running = threading.Event()
+        fill = MaskFill(rows, mask, self._pool.submit(_fill_aside, grammars, mask, running))
+        running.wait()
         return fill
 
     def close(self) -> None:
