@@ -385,7 +385,8 @@ def measure(
                     "return_trace": trace,
                 }
                 if args.stream and not trace:  # the traced request stays a one-token answer (its breakdown)
-                    out.update(stream=True, return_trace=False)
+                    del out["return_trace"]  # a key the router's resume does not know makes a stream unresumable
+                    out["stream"] = True
                     out["sampling_params"]["max_new_tokens"] = args.stream
                 return out
 
@@ -414,6 +415,7 @@ def measure(
                     "ttft": p1 - p0,
                     "traced_ttft": t1 - t0,
                     "equal": equal,
+                    "prefill_first": got[name][0].get("x-kvship-first-token") == "prefill",
                     "stamps": stamps,
                     "segments": segments(stamps),
                 }
@@ -440,6 +442,7 @@ def measure(
                 "unified_ttft": statistics.median(r["ttft"] for r in u_rows[-args.repeats :]),
                 "segments": med,
                 "equal": f"{sum(r['equal'] for r in rs)}/{len(rs)}",
+                "prefill_first": f"{sum(r.get('prefill_first', False) for r in rs)}/{len(rs)}",
                 "samples": rs,
             }
     return out
@@ -476,18 +479,19 @@ def markdown(res: dict[str, Any]) -> str:
         f"Clock: {res['clock']}. "
         f"`copy_` on this {res['device']}: {res['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (bytes copied per second).",
         "",
-        "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token | KV MiB | "
-        "KV GB/s (send start -> landed) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token | "
+        "first token from prefill | KV MiB | KV GB/s (send start -> landed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b, per in res["backends"].items():
         if "error" in per:
-            lines.append(f"| {b} | failed: {per['error']} | | | | | | | |")
+            lines.append(f"| {b} | failed: {per['error']} | | | | | | | | |")
             continue
         for n, r in per.items():
             lines.append(
                 f"| {b} | {n} | {ms(r['unified_ttft'])} | {ms(r['ttft'])} | {ms(r['ttft'] - r['unified_ttft'])} | "
-                f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} | {kv_cells(res, int(n), r)} |"
+                f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} | {r.get('prefill_first', '')} | "
+                f"{kv_cells(res, int(n), r)} |"
             )
     lines += compare_lines(res, ms)
     names = [s[0] for s in SEGMENTS + DECODE_SIDE]
