@@ -289,7 +289,7 @@ class Bench:
                 decode.submit(self.request(rid, ids, room, port))
                 prefill.submit(self.request(rid, ids, room, port))
                 deadline = time.monotonic() + a.timeout
-                while prefill.inflight_queue.get(rid) is None:  # bootstrap, then the extend(s) and the hand-off
+                while prefill.role.inflight_queue.get(rid) is None:  # the extend(s), then the hand-off
                     decode.step()
                     prefill.step()
                     if rid in p_sink.done or rid in d_sink.done:
@@ -298,7 +298,7 @@ class Bench:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{backend}: {rid} not prefilled within {a.timeout} s")
                     time.sleep(0.0002)
-                entry = decode.transfer_queue.get(rid)
+                entry = decode.role.transfer_queue.get(rid)
                 if entry is None:
                     raise RuntimeError(f"{backend}: {rid} is not in decode's transfer queue")
                 while not (state := entry.transfer.poll()).is_terminal:
