@@ -55,6 +55,30 @@ _TOPICS = [
     "the moon landing",
     "honey bees",
     "the internet",
+    "earthquakes",
+    "the printing press",
+    "rainforests",
+    "the immune system",
+    "solar panels",
+    "ancient Egypt",
+    "chess",
+    "the Olympic Games",
+    "plate tectonics",
+    "the periodic table",
+    "jazz music",
+    "recycling",
+    "the Great Wall of China",
+    "dinosaurs",
+    "democracy",
+    "the speed of light",
+    "bread baking",
+    "ocean tides",
+    "the Renaissance",
+    "antibiotics",
+    "wind turbines",
+    "penguins",
+    "the Silk Road",
+    "sleep",
 ]
 _TEMPLATES = [
     "Explain {t} to a ten-year-old.",
@@ -62,6 +86,24 @@ _TEMPLATES = [
     "What are the main advantages and disadvantages of {t}?",
     "Write a short poem about {t}.",
     "Summarize the history of {t} in a paragraph.",
+    "Give a numbered list of five key terms about {t}, with one line each.",
+    "Write a short dialogue between a teacher and a student about {t}.",
+    "Describe {t} in exactly three sentences.",
+]
+# copy-and-change and code prompts, none of them one of bench/spec_acceptance.py's held-out tasks
+_LISTS = [
+    "Monday, Tuesday, Wednesday, Thursday, Friday",
+    "red, orange, yellow, green, blue, indigo, violet",
+    "Paris, London, Berlin, Madrid, Rome, Vienna",
+    "dog, cat, horse, cow, sheep, goat, pig",
+    "January, February, March, April, May, June",
+    "carrot, potato, onion, garlic, pepper, tomato",
+]
+_FUNCS = [
+    "def mean(xs):\n    return sum(xs) / len(xs)\n",
+    "def is_even(n):\n    return n % 2 == 0\n",
+    "def first(items):\n    for item in items:\n        return item\n    return None\n",
+    "def square_all(xs):\n    out = []\n    for x in xs:\n        out.append(x * x)\n    return out\n",
 ]
 _EXTRA = [
     "List the days of the week, then list them again in reverse order.",
@@ -84,9 +126,17 @@ _EXTRA = [
 
 
 def training_prompts(limit: int) -> list[str]:
-    prompts = [tpl.format(t=t) for i, t in enumerate(_TOPICS) for j, tpl in enumerate(_TEMPLATES) if (i + j) % 2 == 0]
-    prompts += _EXTRA
-    return prompts[:limit]
+    """Up to ``limit`` prompts: the first 56 as in the first runs (16 topics x 5 templates, half of them, and
+    the extras), then the copy/code prompts and the other topic x template pairs."""
+    first_topics, first_templates = _TOPICS[:16], _TEMPLATES[:5]
+    pairs = [(i, j) for i in range(len(_TOPICS)) for j in range(len(_TEMPLATES)) if (i + j) % 2 == 0]
+    first = [first_templates[j].format(t=first_topics[i]) for i, j in pairs if i < 16 and j < 5]
+    later = [_TEMPLATES[j].format(t=_TOPICS[i]) for i, j in pairs if i >= 16 or j >= 5]
+    copies = [f"Here is a list: {lst}. Write it again in reverse order." for lst in _LISTS]
+    copies += [f"Here is a list: {lst}. Write it again, one item per line, numbered." for lst in _LISTS]
+    code = [f"{fn}\nRewrite this function exactly, adding a docstring." for fn in _FUNCS]
+    code += [f"{fn}\nRewrite this function with type hints." for fn in _FUNCS]
+    return (first + _EXTRA + copies + code + later)[:limit]
 
 
 def generate(sa: Any, runner: Any, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
