@@ -99,7 +99,7 @@ class LocalConfig:
     decode_tp_size: int = opt(0, "Tensor-parallel size of each decode worker (0: --tp-size)")
     max_resumes: int = opt(2, "Router: resumes of one broken stream on another worker (0 = off)")
     pd_first_token: bool = opt(
-        True, "Router: streamed /generate requests get their first token from the prefill worker (docs/pd.md)"
+        True, "Router: streamed /generate and /v1/completions requests get their first token from the prefill worker"
     )
 
     def validate(self) -> None:

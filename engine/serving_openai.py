@@ -40,6 +40,7 @@ from kvship.engine.openai_protocol import (
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
+    PD_FIRST_TOKEN_HEADER,
     ROUTER_IDS_HEADER,
     build_sampling_params,
     chat_logprobs,
@@ -345,6 +346,8 @@ class OpenAIServing:
                         bootstrap_port=body.bootstrap_port,
                         bootstrap_room=choice_room(body.bootstrap_room, k),
                         resumed=resumed,
+                        # PD prefill: the router asks for the first token at once (docs/pd.md)
+                        pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",
                     )
                 )
         handles = open_requests(engine, reqs)

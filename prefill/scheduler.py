@@ -141,7 +141,6 @@ class PrefillRole(PDRole):
             first_token_top_logprobs=tuple((int(t), float(v)) for t, v in (top_logprobs or ())),
         )
         self.stamp(req.rid, "forward_done")
-        self.inflight_queue.add(entry, pages, aux)
         if entry.extra.get("first_token") and self._first_token_goes_on(req, int(token_id)):
             chunk = TokenChunk(
                 rid=req.rid,
@@ -155,6 +154,8 @@ class PrefillRole(PDRole):
                 if req.top_logprobs_num > 0:
                     chunk.top_logprobs = [list(top_logprobs or [])]
             self.s.emit_chunk(chunk)
+            self.s.flush()  # out before the transfer threads start competing for the host
+        self.inflight_queue.add(entry, pages, aux)
         return True
 
     @staticmethod

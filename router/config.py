@@ -71,8 +71,8 @@ class RouterConfig:
     pd: bool = opt(False, "Prefill/decode mode: send each request to a prefill and a decode worker")
     pd_first_token: bool = opt(
         True,
-        "PD: a streamed /generate request the router can resume (--max-resumes > 0; no stop strings) gets its "
-        "first token from the prefill worker as soon as it is sampled, before its KV reaches decode",
+        "PD: a streamed /generate or /v1/completions request the router can resume (--max-resumes > 0; no stop "
+        "strings) gets its first token from the prefill worker as soon as it is sampled, before its KV reaches decode",
     )
     prefill: list[str] = opt([], "PD: prefill worker URLs (bootstrap port read from their /get_server_info)", nargs="+")
     decode: list[str] = opt([], "PD: decode worker URLs", nargs="+")

@@ -17,15 +17,15 @@ retried on another pair by ``proxy_request``; 4xx replies go to the client.
 After the decode stream has started, the prefill call finishes in the
 background and only its outcome is recorded.
 
-The first token from prefill (docs/pd.md): for a streamed ``/generate``
-request the router can resume (``ResumeState``: the token-ids header is on),
+The first token from prefill (docs/pd.md): for a streamed ``/generate`` or
+``/v1/completions`` request the router can resume (``ResumeState``: the
+token-ids header is on),
 without stop strings and not itself a resume's continuation, the prefill call
 is a stream too, asked (``PD_FIRST_TOKEN_HEADER``) for the first token as
 soon as it is sampled.  If that event comes before decode's first chunk, the
 attempt returns at once: the client's stream is that event, then decode's
-stream without its events that repeat the first token (``completion_tokens``
-<= 1, unfinished; ``/generate`` text is cumulative, so nothing is lost), with
-``meta_info.id`` set to the first event's.  From then on a failure of the
+stream without what repeats the first token, in the first event's id
+(``_DecodeAfterFirstToken``).  From then on a failure of the
 pair (prefill's transfer, decode's open or stream) is a broken stream that
 ``ResumingRelay`` continues elsewhere; before it, retries work as above.
 
@@ -59,7 +59,14 @@ from kvship.router.upstream import (
     open_upstream,
     pass_headers,
 )
-from kvship.router.wire import PD_FIRST_TOKEN_HEADER, ROUTE_GENERATE, ROUTER_IDS_HEADER, PDBootstrap, RoutingRequest
+from kvship.router.wire import (
+    PD_FIRST_TOKEN_HEADER,
+    ROUTE_COMPLETIONS,
+    ROUTE_GENERATE,
+    ROUTER_IDS_HEADER,
+    PDBootstrap,
+    RoutingRequest,
+)
 from kvship.router.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -105,10 +112,17 @@ def _event_obj(event: bytes) -> Any:
 
 
 def _is_first_token(obj: Any) -> bool:
-    """Whether a /generate event is an unfinished one with output (prefill's first token)."""
-    if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("meta_info"), dict):
+    """Whether a /generate or /v1/completions event is an unfinished one with output (prefill's first token)."""
+    if not isinstance(obj, dict) or "error" in obj:
         return False
-    return bool(obj.get("output_ids")) and obj["meta_info"].get("finish_reason") is None
+    if isinstance(obj.get("meta_info"), dict):  # /generate
+        return bool(obj.get("output_ids")) and obj["meta_info"].get("finish_reason") is None
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return False
+    return (
+        bool(obj.get("kvship_token_ids")) and bool(choices[0].get("text")) and choices[0].get("finish_reason") is None
+    )
 
 
 async def _prefill_stream(
@@ -162,8 +176,15 @@ async def _prefill_stream(
 
 
 class _DecodeAfterFirstToken:
-    """What the client gets after prefill's first-token event: decode's stream without the events that
-    repeat that token, each event's ``meta_info.id`` set to ``rid`` (the first event's).
+    """What the client gets after prefill's first-token event ``first``: decode's stream without what repeats
+    that token, in ``first``'s id.
+
+    * ``/generate`` (cumulative text): decode's unfinished events with ``completion_tokens`` <= 1 are
+      dropped; the others get ``meta_info.id`` of ``first``.
+    * ``/v1/completions`` (text deltas, token ids per event under the router's ids header): the first
+      ``len(first's ids)`` ids and ``len(first's text)`` characters of decode's stream are cut (the same
+      detokenizer made both, so decode's text starts with ``first``'s); an event left with nothing and
+      no finish is dropped; ``id`` / ``created`` / ``model`` become ``first``'s.
 
     Quacks like the ``aiohttp.ClientResponse`` the relays read (``content.readany`` / ``at_eof``,
     ``release``, ``close``).  Decode's attempt (``open_upstream``) is awaited on the first read; its
@@ -171,12 +192,18 @@ class _DecodeAfterFirstToken:
     and its deadline as a read timeout.
     """
 
-    def __init__(self, d_task: asyncio.Task, rid: Any):
+    def __init__(self, d_task: asyncio.Task, first: dict):
         self.content = self
         self._task = d_task
-        self._rid = rid
+        self._first = first
         self._up: Optional[Upstream] = None
         self._parser = SSEParser()
+        if isinstance(first.get("meta_info"), dict):
+            self._generate = True
+        else:
+            self._generate = False
+            self._skip_ids = len(first.get("kvship_token_ids") or [])
+            self._skip_chars = len(first["choices"][0].get("text") or "")
 
     async def readany(self) -> bytes:
         while True:
@@ -205,12 +232,34 @@ class _DecodeAfterFirstToken:
 
     def _keep(self, event: bytes) -> bytes:
         obj = _event_obj(event)
-        meta = obj.get("meta_info") if isinstance(obj, dict) else None
-        if not isinstance(meta, dict) or "error" in obj:
+        if not isinstance(obj, dict) or "error" in obj:
             return event + b"\n\n"
-        if meta.get("finish_reason") is None and int(meta.get("completion_tokens") or 0) <= 1:
-            return b""  # the first token again
-        meta["id"] = self._rid
+        if self._generate:
+            meta = obj.get("meta_info")
+            if not isinstance(meta, dict):
+                return event + b"\n\n"
+            if meta.get("finish_reason") is None and int(meta.get("completion_tokens") or 0) <= 1:
+                return b""  # the first token again
+            meta["id"] = self._first["meta_info"].get("id")
+        else:
+            choices = obj.get("choices") or []
+            ids = obj.get("kvship_token_ids")
+            if isinstance(ids, list) and self._skip_ids:
+                cut = min(len(ids), self._skip_ids)
+                obj["kvship_token_ids"], self._skip_ids = ids[cut:], self._skip_ids - cut
+            for c in choices:
+                text = c.get("text") if isinstance(c, dict) else None
+                if isinstance(text, str) and self._skip_chars:
+                    cut = min(len(text), self._skip_chars)
+                    c["text"], self._skip_chars = text[cut:], self._skip_chars - cut
+            if (
+                choices
+                and all(isinstance(c, dict) and not c.get("text") and c.get("finish_reason") is None for c in choices)
+                and not obj.get("kvship_token_ids")
+                and "usage" not in obj
+            ):
+                return b""  # the first token again
+            obj.update({k: self._first.get(k) for k in ("id", "created", "model")})
         return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
     def at_eof(self) -> bool:
@@ -233,8 +282,9 @@ def first_token_from_prefill(ctx: RequestContext, request: RoutingRequest, path:
     sp = body.get("sampling_params")
     return (
         ctx.router.config.pd_first_token
-        and path == ROUTE_GENERATE
+        and path in (ROUTE_GENERATE, ROUTE_COMPLETIONS)
         and request.stream
+        and not body.get("stop")
         and ctx.headers.get(ROUTER_IDS_HEADER) == "1"
         and "kvship_resume" not in body
         and not body.get("return_trace")
@@ -321,13 +371,12 @@ async def pd_attempt(
                 early = first.result()
                 break
         if early is not None:
-            obj = _event_obj(early[0])
             up = Upstream(
                 d,
                 d_lease,
                 200,
                 early[1],
-                response=_DecodeAfterFirstToken(d_task, obj["meta_info"].get("id")),  # type: ignore[arg-type]
+                response=_DecodeAfterFirstToken(d_task, _event_obj(early[0])),  # type: ignore[arg-type]
                 first=early[0],
             )
         else:

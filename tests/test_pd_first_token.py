@@ -16,7 +16,7 @@ from server_fixtures import start_server
 
 pytestmark = pytest.mark.timeout(400)
 
-FLAGS = ["--device", "cpu", "--page-size", "16", "--max-total-tokens", "8192"]
+FLAGS = ["--device", "cpu", "--page-size", "16", "--max-total-tokens", "8192", "--served-model-name", "tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,51 @@ def test_streamed_generate_gets_its_first_token_from_prefill_and_equals_unified_
         assert len({e["meta_info"]["id"] for e in pd_events}) == 1, "the stream's id changed between events"
         assert not any("kvship_prompt_ids" in e["meta_info"] for e in pd_events)
         early += headers.get("x-kvship-first-token") == "prefill"
-    # the prefill's event normally wins the race with decode's first chunk (decode needs the KV first)
-    assert early >= 3, early
+    # the prefill's event races decode's first chunk (which needs the KV first); on a loaded 2-core box
+    # decode may win some: either way the stream equals unified's (the cut itself: the unit tests below)
+    assert early >= 1, early
+    cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
+
+
+def _completion_stream(url: str, body: dict) -> tuple[dict, list[dict]]:
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+        headers = dict(r.headers)
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    return headers, [json.loads(e) for e in events[:-1]]
+
+
+def test_streamed_completions_get_their_first_token_from_prefill_and_equal_unified_event_by_event(pd_and_unified):
+    cluster, unified = pd_and_unified
+    early = with_text = 0
+    for i, ids in enumerate(make_prompts(8, seed=33, lo=20, hi=120)):
+        # a completions stream skips events without text: only a first token with text can come from prefill
+        _, gen = _stream(unified.url, _body(ids, 9, ignore_eos=True))
+        with_text += bool(gen[0]["text"])
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True}
+        if i % 2:
+            body["stream_options"] = {"include_usage": True}
+        headers, pd_events = _completion_stream(cluster.url, body)
+        _, uni_events = _completion_stream(unified.url, body)
+
+        def shape(events: list[dict]) -> list:
+            return [
+                (
+                    [(c["text"], c["finish_reason"]) for c in e["choices"]],
+                    (e.get("usage") or {}).get("completion_tokens"),
+                )
+                for e in events
+            ]
+
+        assert shape(pd_events) == shape(uni_events)
+        assert len({(e["id"], e["created"]) for e in pd_events}) == 1, "the stream's id changed between events"
+        assert not any("kvship_token_ids" in e or "kvship_prompt_ids" in e for e in pd_events)
+        early += headers.get("x-kvship-first-token") == "prefill"
+    assert with_text >= 2 and early >= 1, (early, with_text)
     cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
 
 
@@ -130,7 +173,7 @@ async def test_decode_stream_after_the_first_token_drops_its_repeat_and_keeps_th
     async def opened():
         return up
 
-    stream = _DecodeAfterFirstToken(asyncio.ensure_future(opened()), "p-id")
+    stream = _DecodeAfterFirstToken(asyncio.ensure_future(opened()), json.loads(_ev("A", [7], rid="p-id")[6:]))
     out = await _read_all(stream)
     events = [e for e in out.split(b"\n\n") if e]
     assert len(events) == 2 and events[-1] == b"data: [DONE]"
@@ -151,13 +194,47 @@ async def test_decode_failing_after_the_first_token_reads_as_a_broken_stream_and
         raise AttemptFailed(None, "http_503", True)  # type: ignore[arg-type]
 
     with pytest.raises(aiohttp.ClientPayloadError, match="decode failed: http_503"):
-        await _DecodeAfterFirstToken(asyncio.ensure_future(fails()), "p").content.readany()
+        await _DecodeAfterFirstToken(asyncio.ensure_future(fails()), {"meta_info": {"id": "p"}}).content.readany()
 
     async def never():
         await asyncio.sleep(3600)
 
-    stream = _DecodeAfterFirstToken(asyncio.ensure_future(never()), "p")
+    stream = _DecodeAfterFirstToken(asyncio.ensure_future(never()), {"meta_info": {"id": "p"}})
     reader = asyncio.ensure_future(stream.content.readany())
     await asyncio.sleep(0.01)
     stream.close()  # the client left before decode answered
     assert await asyncio.wait_for(reader, 5) == b""
+
+
+async def test_decode_completion_stream_after_the_first_token_cuts_its_ids_and_text():
+    import asyncio
+
+    from kvship.router.pd import _DecodeAfterFirstToken
+    from kvship.router.upstream import Upstream
+
+    def ev(text, ids, finish=None, cid="d", usage=None):
+        obj = {"id": cid, "created": 2, "model": "m", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        if ids is not None:
+            obj["kvship_token_ids"] = ids
+        if usage is not None:
+            obj = dict(obj, choices=[], usage=usage)
+        return ("data: " + json.dumps(obj) + "\n\n").encode()
+
+    first = json.loads(ev("He", [5], cid="p")[6:])
+    first["created"] = 1
+    # decode's first chunk repeats the first token; another carries the next two tokens, then usage
+    data = (
+        ev("He", [5]) + ev("llo", [6, 7], "length") + ev("", None, usage={"completion_tokens": 3}) + b"data: [DONE]\n\n"
+    )
+    up = Upstream(worker=None, lease=None, status=200, headers=[], response=_FakeResponse([data[7:]]), first=data[:7])  # type: ignore[arg-type]
+
+    async def opened():
+        return up
+
+    out = await _read_all(_DecodeAfterFirstToken(asyncio.ensure_future(opened()), first))
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert [(e["choices"], e.get("kvship_token_ids")) for e in events] == [
+        ([{"index": 0, "text": "llo", "finish_reason": "length"}], [6, 7]),
+        ([], None),
+    ]
+    assert all((e["id"], e["created"]) == ("p", 1) for e in events)
