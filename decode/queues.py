@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kvship.engine.disagg import KVManager, KVPoll
+from kvship.engine.disagg import KVManager
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, request_pages
 from kvship.engine.schedule_batch import Req
 
@@ -35,15 +35,6 @@ class PreallocQueue(PDStageQueue):
     def add(self, req: Req, host: str, port: int, room: int) -> PDEntry:
         """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed."""
         return self.put(PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room))
-
-    def pop_failed(self) -> list[PDEntry]:
-        """Entries whose receiver failed while waiting for memory (bootstrap timeout)."""
-        failed = []
-        for rid, entry in list(self.entries.items()):
-            if entry.transfer.poll() == KVPoll.Failed:
-                del self.entries[rid]
-                failed.append(entry)
-        return failed
 
     def allocate(self, alloc: Callable[[Req], Optional[torch.Tensor]], page_size: int) -> list[PDEntry]:
         """Place requests in arrival order with ``alloc`` (slots or None); register their pages.

@@ -56,14 +56,6 @@ class ComputingQueue(PDStageQueue):
     request, since the transfer layer never touches their pages.
     """
 
-    def pop_failed(self) -> list[PDEntry]:
-        failed = []
-        for rid, entry in list(self.entries.items()):
-            if entry.transfer.poll() == KVPoll.Failed:
-                del self.entries[rid]
-                failed.append(entry)
-        return failed
-
 
 class InflightQueue(PDStageQueue):
     """Stage 3: the prompt's KV and the first token are on their way to decode.

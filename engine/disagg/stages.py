@@ -164,6 +164,16 @@ class PDStageQueue:
         self.entries.clear()
         return out
 
+    def pop_failed(self) -> list[PDEntry]:
+        """Entries whose transfer is ``Failed`` (removed from the queue), for stages that hold no pages the
+        transfer layer touches: their requests are aborted like any other."""
+        failed = []
+        for rid, entry in list(self.entries.items()):
+            if entry.transfer.poll() == KVPoll.Failed:
+                del self.entries[rid]
+                failed.append(entry)
+        return failed
+
     def pop_done(self) -> list[tuple[PDEntry, KVPoll]]:
         """Entries whose transfer reached ``Success`` or ``Failed``, with that state, removed from the queue."""
         done = []
