@@ -348,13 +348,18 @@ def host_profile(args: argparse.Namespace) -> int:
             f"{m['step_baseline']:.0f} | "
             f"{m['step_now']:.0f} | {m['step_now'] / m['step_baseline']:.2f} | {beside} |"
         )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grammar_host_profile.json"), "w") as f:
+    _write_results(args.out, "grammar_host_profile", res, lines)
+    return 0
+
+
+def _write_results(out: str, stem: str, res: Any, lines: list[str]) -> None:
+    """``{out}/{stem}.json`` (the figures) and ``.md`` (the table), and the table on stdout."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "grammar_host_profile.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,12 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{(1 - b['decode_tok_s'] / a['decode_tok_s']) * 100:.1f}% | {b['mean_batch']:.1f} | "
                 f"{a['step_ms']:.2f} | {b['step_ms']:.2f} |"
             )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grammar_overhead.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "grammar_overhead.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write_results(args.out, "grammar_overhead", res, lines)
     return 0
 
 
