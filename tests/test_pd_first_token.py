@@ -26,10 +26,10 @@ def pd_and_unified(tiny_llama_dir):
         yield cluster, unified
 
 
-def _stream(url: str, body: dict) -> tuple[dict, list[dict]]:
-    """(response headers, the events' objects) of one streamed /generate call; exactly one [DONE] at the end."""
+def _stream(url: str, body: dict, route: str = "/generate") -> tuple[dict, list[dict]]:
+    """(response headers, the events' objects) of one streamed call; exactly one [DONE] at the end."""
     events = []
-    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + route, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -69,15 +69,7 @@ def test_streamed_generate_gets_its_first_token_from_prefill_and_equals_unified_
 
 
 def _completion_stream(url: str, body: dict) -> tuple[dict, list[dict]]:
-    events = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-        headers = dict(r.headers)
-    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
-    return headers, [json.loads(e) for e in events[:-1]]
+    return _stream(url, body, "/v1/completions")
 
 
 def test_streamed_completions_get_their_first_token_from_prefill_and_equal_unified_event_by_event(pd_and_unified):
