@@ -49,7 +49,7 @@ def _available(backend: str) -> None:
     try:
         get_transfer_backend(backend)
     except BackendUnavailableError as e:
-        pytest.skip(str(e))
+        pytest.skip(f"transfer backend {backend} not installed here: {e}")
 
 
 def write_repeat_head(path: str, target_dir: str, variant: str) -> str:

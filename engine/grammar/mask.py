@@ -19,6 +19,7 @@ The logprobs a constrained request returns are computed after the mask
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Container, Optional, Sequence
@@ -26,6 +27,8 @@ from typing import Any, Container, Optional, Sequence
 import torch
 
 from kvship.engine.grammar.backend import GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -84,8 +87,8 @@ class MaskFill:
         """Wait for the fill and drop it (its step failed): the matchers are the caller's again."""
         try:
             self.wait()
-        except Exception:  # noqa: BLE001 - the step's requests are being failed already
-            pass
+        except Exception as e:  # noqa: BLE001 - the step's requests are being failed already
+            logger.warning("grammar mask fill of a failed step also failed: %s", e)
 
 
 def _fill_aside(grammars: list[Any], mask: torch.Tensor, running: threading.Event) -> None:
