@@ -334,29 +334,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype = json.loads(info.getresponse().read())["model"]["dtype"]
         res["kv_dtype"] = dtype
         res["kv_bytes_per_token"] = kv_bytes_per_token(flags, dtype) if "--kv-cache-dtype" not in flags else None
+        everything = [("", [])] + args.variant
+        # every variant of a backend runs at once, so their requests interleave (same machine state); with
+        # --one-at-a-time (the default on cuda: five 8B-shape processes do not fit one GPU) each runs alone beside
+        # the unified worker
+        groups = [[v] for v in everything] if args.one_at_a_time else [everything]
         for backend in args.backend:
-            # every variant of this backend runs at once, so their requests interleave (same machine state)
-            deployments: dict[str, tuple[Proc, int]] = {}
-            try:
-                for label, extra in [("", [])] + args.variant:
-                    name = backend + (" " + label if label else "")
-                    r_port = free_port()
-                    argv = ["local", "--port", str(r_port), "--transfer-backend", backend, "--log-dir", work]
-                    argv += ["--shutdown-grace", "20"] + flags + extra
-                    tag = backend + ("-" + label if label else "")
-                    deployments[name] = (Proc(f"local-{tag}", _python() + argv, work), r_port)
-                for proc, port in deployments.values():
-                    wait_ready(proc, port, "/readiness", args.startup_timeout)
-                clients = {name: Client(port, args.timeout) for name, (_, port) in deployments.items()}
-                res["backends"].update(measure(args, backend, clients, u_client, vocab, rng, res))
-            except Exception as e:  # noqa: BLE001 - report it, keep the other backends
-                logger.exception("backend %s failed", backend)
-                for name in deployments or [backend]:
-                    res["backends"][name] = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                for proc, _ in deployments.values():
-                    proc.stop()
-            write_results(res, args.out)
+            for group in groups:
+                deployments: dict[str, tuple[Proc, int]] = {}
+                try:
+                    for label, extra in group:
+                        name = backend + (" " + label if label else "")
+                        r_port = free_port()
+                        argv = ["local", "--port", str(r_port), "--transfer-backend", backend, "--log-dir", work]
+                        argv += ["--shutdown-grace", "20"] + flags + extra
+                        tag = backend + ("-" + label if label else "")
+                        deployments[name] = (Proc(f"local-{tag}", _python() + argv, work), r_port)
+                    for proc, port in deployments.values():
+                        wait_ready(proc, port, "/readiness", args.startup_timeout)
+                    clients = {name: Client(port, args.timeout) for name, (_, port) in deployments.items()}
+                    for name, rows in measure(args, backend, clients, u_client, vocab, rng, res).items():
+                        res["backends"][name] = rows
+                except Exception as e:  # noqa: BLE001 - report it, keep the other backends
+                    logger.exception("backend %s failed", backend)
+                    for name in deployments or [backend]:
+                        res["backends"][name] = {"error": f"{type(e).__name__}: {e}"}
+                finally:
+                    for proc, _ in deployments.values():
+                        proc.stop()
+                write_results(res, args.out)
     finally:
         unified.stop()
     return res
@@ -589,9 +595,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="LABEL=FLAG[,FLAG...]: also run each backend with these worker flags, beside the plain deployment "
         "(repeatable), e.g. wait-for-room=--disaggregation-prefill-wait-for-room",
     )
+    ap.add_argument(
+        "--one-at-a-time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a backend's variants one after another (each beside the unified worker) instead of at once; "
+        "default: on for cuda (a GPU holds three 8B-shape processes, not five)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     args.backend = args.backend or ["tcp"]
+    if args.one_at_a_time is None:
+        args.one_at_a_time = args.device == "cuda"
     variants = []
     for v in args.variant:
         label, sep, flag_list = v.partition("=")
