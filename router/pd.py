@@ -347,7 +347,7 @@ async def pd_attempt(
     assert p is not None and d is not None
     assert p.bootstrap_port is not None  # registry refuses prefill workers without one
     boot = PDBootstrap.for_prefill(p.url, p.bootstrap_port)
-    content = boot.inject(request.body)
+    content = boot.inject(request.body, request.raw)
     router = ctx.router
     path = path or ctx.route
     stamps = {"received": ctx.started_wall, "sent": time.time()} if request.body.get("return_trace") is True else None

@@ -134,17 +134,34 @@ def _text_of_content(content: Any) -> str:
     return ""
 
 
+def _is_ids(value: Any) -> bool:
+    """A list of token ids (JSON integers; ``bool`` is not one). One C-level pass: a 4096-id prompt is checked in
+    ~0.1 ms, against ~0.35 ms for an ``isinstance`` loop."""
+    return isinstance(value, list) and (not value or set(map(type, value)) == {int})
+
+
+def ids_key(ids: list[int]) -> str:
+    """The routing text of a token-id prompt: one character per id, so the cache-aware policy's prefix tree
+    compares ids as it compares characters (~0.25 ms for 4096 ids, against ~0.8 ms to write them as decimals,
+    and a key a sixth as long). Ids no vocabulary reaches (negative, past U+10FFFF) fall back to decimals; the
+    worker refuses them anyway."""
+    try:
+        return "".join(map(chr, ids))
+    except (ValueError, OverflowError):
+        return " ".join(map(str, ids))
+
+
 def _prompt_text(prompt: Any) -> tuple[str, int]:
     """(routing text, batch size) of an OpenAI ``prompt`` or native ``text``/``input_ids`` value."""
     if isinstance(prompt, str):
         return prompt, 1
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return " ".join(map(str, prompt)), 1
+        if _is_ids(prompt):
+            return ids_key(prompt), 1
         if all(isinstance(p, str) for p in prompt):
             return "\n".join(prompt), len(prompt)
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            return "\n".join(" ".join(map(str, p)) for p in prompt), len(prompt)
+        if all(_is_ids(p) for p in prompt):
+            return "\n".join(map(ids_key, prompt)), len(prompt)
     raise RequestError(
         400, "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
     )
@@ -240,13 +257,20 @@ class PDBootstrap:
         host = urlsplit(prefill_url).hostname or "127.0.0.1"
         return cls(host=host, port=bootstrap_port, room=random.getrandbits(63))
 
-    def inject(self, body: dict) -> bytes:
-        """The request body for both workers of the pair, as JSON bytes."""
-        out = dict(body)
-        out["bootstrap_host"] = self.host
-        out["bootstrap_port"] = self.port
-        out["bootstrap_room"] = self.room
-        return json.dumps(out).encode()
+    def inject(self, body: dict, raw: Optional[bytes] = None) -> bytes:
+        """The request body for both workers of the pair, as JSON bytes.
+
+        ``raw``, the client's body that parsed to ``body`` (``RoutingRequest.raw``), gets the three fields
+        spliced in before its closing brace instead of ``body`` being written out again (a 4096-id prompt costs
+        ~0.3 ms to serialise). Only a UTF-8 object without bootstrap fields of its own is spliced; anything
+        else (another encoding, a BOM, a client's own ``bootstrap_*``) is written out from ``body``.
+        """
+        fields = {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+        if raw is not None and not fields.keys() & body.keys():
+            head = raw.rstrip()
+            if head.endswith(b"}") and head.lstrip()[:1] == b"{":
+                return head[:-1] + (b"," if body else b"") + json.dumps(fields)[1:-1].encode() + b"}"
+        return json.dumps({**body, **fields}).encode()
 
 
 def new_request_id() -> str:

@@ -403,3 +403,39 @@ def test_dead_model_loop_gives_503_on_health_and_generation(engine_factory):
             assert info["alive"] is False
 
     asyncio.run(main())
+
+
+def test_body_parser_fast_path_gives_the_models_json_loads_gives():
+    """``_parse`` tries pydantic's JSON parser first; where it accepts a body the result equals json.loads +
+    validation (the path every error still takes), and bodies only json.loads reads (UTF-16, NaN) still parse."""
+    import json
+
+    from starlette.requests import Request
+
+    from kvship.engine.http_server import _parse
+    from kvship.engine.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
+
+    def request(raw: bytes) -> Request:
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+    cases = [
+        (GenerateReqInput, {"input_ids": list(range(3, 4099)), "sampling_params": {"max_new_tokens": 1}}),
+        (GenerateReqInput, {"text": ["a", "caf\u00e9"], "sampling_params": [{"temperature": 0.5}, {"top_k": 3}]}),
+        (GenerateReqInput, {"input_ids": [[1, 2], [3]], "bootstrap_room": 2**62, "stream": True, "rid": "x"}),
+        (CompletionRequest, {"model": "m", "prompt": [5, 6], "logprobs": 2, "stop": ["\n"], "logit_bias": {"7": -1}}),
+        (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 1e308}),
+    ]
+    for model, body in cases:
+        raw = json.dumps(body).encode()
+        got = asyncio.run(_parse(request(raw), model))
+        assert got == model.model_validate(json.loads(raw)), body
+    # only json.loads reads these: the slow path parses them as before
+    utf16 = json.dumps(cases[1][1]).encode("utf-16")
+    assert asyncio.run(_parse(request(utf16), GenerateReqInput)) == GenerateReqInput.model_validate(cases[1][1])
+    nan = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    got = asyncio.run(_parse(request(nan), ChatCompletionRequest))  # the handler's own checks see it, as before
+    assert got.temperature != got.temperature and got.messages[0].content == "x"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from kvship.router.core import Router, SessionTable
 from kvship.router.policies import POLICIES, CacheAwarePolicy, create_policy
 from kvship.router.radix_tree import ApproxRadixTree, common_prefix_len
 from kvship.router.ratelimit import RateLimited, TokenBucket
-from kvship.router.wire import RequestError, RoutingRequest, WorkerInfo
+from kvship.router.wire import PDBootstrap, RequestError, RoutingRequest, WorkerInfo
 from kvship.router.worker import Worker
 
 
@@ -327,4 +328,40 @@ def test_routing_text_covers_chat_completion_and_native_forms():
     comp = RoutingRequest.parse("/v1/completions", b'{"model": "m", "prompt": ["a", "b"]}')
     assert comp.text == "a\nb" and comp.batch_size == 2
     gen = RoutingRequest.parse("/generate", b'{"input_ids": [1, 2, 3], "stream": true}', session_header="h")
-    assert gen.text == "1 2 3" and gen.stream and gen.session_id == "h"
+    assert gen.text == "\x01\x02\x03" and gen.stream and gen.session_id == "h"  # one character per id
+    # a shared id prefix is a shared text prefix (what the cache-aware tree matches on); a batch keys each item
+    a = RoutingRequest.parse("/generate", b'{"input_ids": [70000, 5, 9]}').text
+    b = RoutingRequest.parse("/generate", b'{"input_ids": [70000, 5, 8, 1]}').text
+    assert a[:2] == b[:2] == "\U00011170\x05" and a[2] != b[2]
+    batch = RoutingRequest.parse("/generate", b'{"input_ids": [[1, 2], [3]]}')
+    assert batch.text == "\x01\x02\n\x03" and batch.batch_size == 2
+    # ids no character holds keep the decimal key (the worker answers 400 for them); bools are not ids
+    assert RoutingRequest.parse("/generate", b'{"input_ids": [-1, 2]}').text == "-1 2"
+    assert RoutingRequest.parse("/generate", b'{"input_ids": [99999999999, 2]}').text == "99999999999 2"
+    with pytest.raises(RequestError):
+        RoutingRequest.parse("/generate", b'{"input_ids": [1, true]}')
+
+
+def test_bootstrap_fields_are_spliced_into_the_clients_body_or_written_out_with_it():
+    boot = PDBootstrap(host="10.0.0.7", port=8998, room=2**62 + 5)
+    fields = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 2**62 + 5}
+    cases = [
+        b'{"input_ids": [1, 2, 3], "stream": true}',
+        b'  {"text": "caf\xc3\xa9 \\u00e9 }", "sampling_params": {"max_new_tokens": 4}}\n\r\t ',
+        b"{}",
+        b"{ }",
+    ]
+    for raw in cases:
+        body = json.loads(raw)
+        out = boot.inject(body, raw)
+        assert json.loads(out) == {**body, **fields}, raw
+        assert out.startswith(raw.rstrip()[:-1]), raw  # spliced, not written out again
+    # written out from the body: no raw, a BOM, UTF-16, or the client's own bootstrap fields (ours win)
+    for raw in [b'\xef\xbb\xbf{"text": "x"}', '{"text": "x"}'.encode("utf-16-be"), '{"text": "x"}'.encode("utf-16")]:
+        body = json.loads(raw)
+        out = boot.inject(body, raw)
+        assert json.loads(out) == {**body, **fields} and out.startswith(b'{"text"'), raw
+    own = b'{"text": "x", "bootstrap_room": 7}'
+    out = boot.inject(json.loads(own), own)
+    assert json.loads(out) == {"text": "x", **fields} and out.count(b"bootstrap_room") == 1
+    assert json.loads(boot.inject({"text": "x"})) == {"text": "x", **fields}
