@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -73,6 +74,31 @@ def spec_decode(runner: Any, bs: int, input_len: int, output_len: int, k: int) -
     return r
 
 
+def kernel_profile(runner: Any, bs_list: list[int], ks: list[int], input_len: int, output_len: int) -> str:
+    """Device time per decode step / spec round and its top kernels, from torch.profiler (plain: overlap off)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for bs in bs_list:
+        runs = [("plain (sync)", None)] + [(f"spec oracle k={k}", k) for k in ks]
+        for label, k in runs:
+            spec = None if k is None else oracle_speculator(k)
+            scheduler_decode(runner, bs, input_len, 8, False, speculator=spec, label=label)  # warm (graphs)
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                r = scheduler_decode(runner, bs, input_len, output_len, False, speculator=spec, label=label)
+            steps = r.get("decode_steps") or max(1, round(r["generated"] / (bs * (k or 1))))
+            events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+            total = sum(e.device_time_total for e in events)
+            wall = r["decode_s"] * 1e6 / steps
+            out.append(
+                f"## batch {bs}, {label}: {steps} steps/rounds, wall {wall:.0f} us each, device (all kernels and "
+                f"copies, prefill included) {total / steps:.0f} us each"
+            )
+            for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
+                out.append(f"  {e.device_time_total / steps:8.1f} us/step  x{e.count / steps:5.1f}  {e.key[:110]}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +108,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--attention-backend", default="flashinfer", choices=("flashinfer", "triton"))
+    ap.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="instead of the table: under torch.profiler, the device time per plain step (overlap off) and per "
+        "oracle round at each --accept-lengths, with the kernels that take it (kernel_profile.txt)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -116,6 +148,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "backend": args.attention_backend,
         "rows": [],
     }
+    if args.kernel_profile:
+        text = kernel_profile(runner, bs_list, ks, args.input_len, min(args.output_len, 64))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "kernel_profile.txt").write_text(text)
+        print(text)
+        return 0
     for bs in bs_list:
         base = {}
         for overlap in (True, False):

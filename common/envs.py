@@ -77,6 +77,12 @@ class _Env:
         "KVSHIP_DISABLE_SKINNY_GEMM", _bool, False, "decode projections on cuBLAS instead of our Triton skinny GEMMs"
     )
     PDL = Knob("KVSHIP_PDL", _bool, False, "programmatic dependent launch for our Triton kernels (Hopper)")
+    SPLIT_VERIFY = Knob(
+        "KVSHIP_SPLIT_VERIFY",
+        _bool,
+        False,
+        "speculative verify of few draft tokens on the split-KV kernel (CUDA; opt-in: docs/speculative.md)",
+    )
     FUSE_ROPE_KV_STORE = Knob(
         "KVSHIP_FUSE_ROPE_KV_STORE", _bool, True, "RoPE and the KV-cache store in one kernel on CUDA"
     )

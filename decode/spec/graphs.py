@@ -3,7 +3,9 @@
 Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
 the speculator pads drafts to that size) and whose batch fits a captured size
 replays a graph instead of running the extend eagerly.  The graph's attention
-is our Triton extend kernel with tree masks (``TritonExtendMeta``), whose
+is our Triton extend kernel with tree masks (``TritonExtendMeta``; with
+``KVSHIP_SPLIT_VERIFY=1`` and at most ``SPLIT_VERIFY_MAX_TOKENS`` tokens, the
+split-KV verify kernel, docs/speculative.md), whose
 per-step tensors are static buffers refreshed before each replay; padding
 requests use request row 0 with no prefix and write their K/V into slot 0,
 which the KV pool reserves for padding.
@@ -23,7 +25,9 @@ from typing import Any
 
 import torch
 
-from kvship.engine.attention.triton_backend import TritonExtendMeta
+from kvship.common.envs import ENV
+from kvship.engine.attention.triton_backend import SplitVerify, TritonExtendMeta
+from kvship.engine.attention.triton_ops.verify_attention import SPLIT_VERIFY_MAX_TOKENS
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
@@ -48,7 +52,16 @@ class VerifyGraphs:
         self.mask = torch.zeros(n * k * k, dtype=torch.uint8, device=dev)
         self.mask_starts = torch.arange(n, dtype=torch.int64, device=dev) * (k * k)
         self.logits_idx = torch.arange(n * k, dtype=torch.int64, device=dev)
+        # the split-KV verify attention's per-token view (graphs of at most SPLIT_VERIFY_MAX_TOKENS tokens): the
+        # request's row and prefix length per token, refreshed before each replay; the tree layout is fixed
+        tok = torch.arange(n * k, device=dev)
+        self.tok_rows = torch.zeros(n * k, dtype=torch.int64, device=dev)
+        self.tok_prefix = torch.zeros(n * k, dtype=torch.int32, device=dev)
+        self.tok_local = (tok % k).to(torch.int32)
+        self.tok_size = torch.full((n * k,), k, dtype=torch.int32, device=dev)
+        self.tok_mask_row = tok * k
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.metas: dict[int, TritonExtendMeta] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # an EAGLE head's hidden-state capture: the graphs also output the hidden states, handed to its sink
         self.capture = runner.hidden_capture
@@ -89,6 +102,17 @@ class VerifyGraphs:
 
     def _meta(self, bs: int) -> TritonExtendMeta:
         k = self.k
+        n = bs * k
+        split = None
+        if n <= SPLIT_VERIFY_MAX_TOKENS and ENV.SPLIT_VERIFY:
+            split = SplitVerify(
+                self.tok_rows[:n],
+                self.tok_prefix[:n],
+                self.tok_local[:n],
+                self.tok_size[:n],
+                self.tok_mask_row[:n],
+                k,
+            )
         return TritonExtendMeta(
             self.prefix_lens[:bs],
             self.ext_lens[:bs],
@@ -96,6 +120,7 @@ class VerifyGraphs:
             k,
             self.mask[: bs * k * k],
             self.mask_starts[:bs],
+            split,
         )
 
     def _capture(self, bs: int) -> None:
@@ -113,6 +138,7 @@ class VerifyGraphs:
         with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
             out = self.r.model(fb.input_ids, fb.positions, fb)
         self.graphs[bs] = g
+        self.metas[bs] = meta  # the graph reads its tensors, the split verify's scratch included: keep them alive
         self.outputs[bs] = out.next_token_logits
         if out.hidden_states is not None:
             self.hidden[bs] = out.hidden_states
@@ -147,6 +173,11 @@ class VerifyGraphs:
         self.req_pool_indices[:gbs].copy_(host_r.pin_memory(), non_blocking=True)
         self.prefix_lens[:gbs].copy_(host_pre.pin_memory(), non_blocking=True)
         self.mask[: gbs * k * k].copy_(m.pin_memory(), non_blocking=True)
+        if self.metas[gbs].split is not None:  # the split verify's per-token rows and prefixes
+            per_tok = torch.stack([host_r.repeat_interleave(k), host_pre.to(torch.int64).repeat_interleave(k)])
+            per_tok = per_tok.pin_memory().to(self.tok_rows.device, non_blocking=True)
+            self.tok_rows[: gbs * k].copy_(per_tok[0], non_blocking=True)
+            self.tok_prefix[: gbs * k].copy_(per_tok[1], non_blocking=True)
         self.graphs[gbs].replay()
         self.replays += 1
         if self.capture is not None:

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from kvship.common.envs import ENV
 from kvship.engine.attention.base import (
     AttentionBackend,
     AttentionContext,
@@ -33,6 +34,11 @@ from kvship.engine.attention.base import (
 from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
 from kvship.engine.attention.triton_ops.kv_store import store_kv
+from kvship.engine.attention.triton_ops.verify_attention import (
+    SPLIT_VERIFY_MAX_TOKENS,
+    VERIFY_KV_SPLITS,
+    verify_attention,
+)
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -106,6 +112,22 @@ class TritonExtendMeta:
     max_extend_len: int
     custom_mask: Optional[torch.Tensor] = None  # TARGET_VERIFY: tree masks, uint8, flattened and packed
     mask_starts: Optional[torch.Tensor] = None  # [bs] int64 offsets into custom_mask
+    split: Optional["SplitVerify"] = None  # TARGET_VERIFY with few draft tokens: the split-KV path
+
+
+@dataclass
+class SplitVerify:
+    """Per draft token (``[n]`` each), what ``verify_attention`` reads; the scratch is made at the first layer
+    (under a CUDA graph: during capture, so it is the graph's) and serves every layer of the forward."""
+
+    rows: torch.Tensor  # int64: the request's req_to_token row
+    prefix: torch.Tensor  # int32: the request's prefix length
+    local: torch.Tensor  # int32: index in its tree
+    size: torch.Tensor  # int32: its tree's size
+    mask_row: torch.Tensor  # int64: where its row of custom_mask starts
+    max_tree: int
+    mid_out: Optional[torch.Tensor] = None
+    mid_lse: Optional[torch.Tensor] = None
 
 
 def extend_meta(fb: ForwardBatch, device: torch.device) -> TritonExtendMeta:
@@ -134,6 +156,23 @@ def extend_meta(fb: ForwardBatch, device: torch.device) -> TritonExtendMeta:
             acc += e * e
         meta.custom_mask = flat.to(device, non_blocking=True)
         meta.mask_starts = torch.tensor(offs, dtype=torch.int64).to(device, non_blocking=True)
+        n = sum(ext)
+        if 0 < n <= SPLIT_VERIFY_MAX_TOKENS and device.type == "cuda" and ENV.SPLIT_VERIFY:
+            owner = torch.repeat_interleave(torch.arange(len(ext)), torch.tensor(ext))
+            local = torch.arange(n) - torch.tensor(starts)[owner]
+            size = torch.tensor(ext)[owner]
+            host = torch.stack([torch.tensor(pre)[owner], local, size]).to(torch.int32)
+            mask_row = torch.tensor(offs, dtype=torch.int64)[owner] + local * size
+            dev_i32 = host.to(device, non_blocking=True)
+            rows = fb.req_pool_indices.to(torch.int64)[owner.to(device, non_blocking=True)]
+            meta.split = SplitVerify(
+                rows,
+                dev_i32[0],
+                dev_i32[1],
+                dev_i32[2],
+                mask_row.to(device, non_blocking=True),
+                max(ext),
+            )
     return meta
 
 
@@ -149,6 +188,33 @@ def run_extend(
     h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     qh = q.view(-1, h, d)
     out = torch.empty_like(qh)
+    sp = meta.split
+    if sp is not None:
+        assert meta.custom_mask is not None
+        n = qh.shape[0]
+        if sp.mid_out is None or sp.mid_out.shape[1:] != (h, VERIFY_KV_SPLITS, d):
+            sp.mid_out = torch.empty(n, h, VERIFY_KV_SPLITS, d, dtype=torch.float32, device=q.device)
+            sp.mid_lse = torch.empty(n, h, VERIFY_KV_SPLITS, dtype=torch.float32, device=q.device)
+        verify_attention(
+            qh,
+            k.view(-1, hk, d),
+            v.view(-1, hk, d),
+            out,
+            fb.kv_pool.get_key_buffer(layer.layer_id),
+            fb.kv_pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            sp.rows,
+            sp.prefix,
+            sp.local,
+            sp.size,
+            sp.mask_row,
+            meta.custom_mask,
+            sp.mid_out,
+            sp.mid_lse,  # type: ignore[arg-type]
+            sp.max_tree,
+            layer.scaling,
+        )
+        return out.view(-1, h * d)
     extend_attention(
         qh,
         k.view(-1, hk, d),

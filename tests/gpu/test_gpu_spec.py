@@ -66,6 +66,62 @@ def test_triton_extend_with_tree_masks_matches_masked_attention(head_dim):
         assert _rel(o[starts[i] : starts[i] + ext[i]], ref) < tol, f"request {i}"
 
 
+@cuda_or_interpreter
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 2), (64, 3)])
+def test_split_verify_attention_matches_masked_attention(head_dim, group):
+    """The split-KV verify path (decode stage 1 per draft token over its prefix, then the tree under its mask)
+    equals masked attention, for trees, a chain, a lone root and a request without a prefix."""
+    from kvship.decode.spec.tree import DraftTree
+    from kvship.engine.attention.triton_ops.verify_attention import VERIFY_KV_SPLITS, verify_attention
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    trees = [
+        DraftTree(1, [2, 3, 4, 5, 6], [0, 0, 1, 1, 3]),
+        DraftTree.chain(1, [2, 3]),
+        DraftTree(1, [], []),
+        DraftTree.chain(1, [2, 3, 4]).padded(6),
+    ]
+    prefix = [7, 0, 200, 61]  # 200: four splits of MIN_SPLIT_LEN
+    ext = [t.size for t in trees]
+    bs = len(trees)
+    q, k_new, v_new, k_buf, v_buf, r2t, starts, total = packed_extend_inputs(dev, dtype, prefix, ext, group, head_dim)
+    masks = [tr.mask() for tr in trees]
+    flat = torch.cat([m.reshape(-1).to(torch.uint8) for m in masks]).to(dev)
+    offs = [sum(e * e for e in ext[:i]) for i in range(bs)]
+    rows, pre, local, size, mrow = [], [], [], [], []
+    for i, e in enumerate(ext):
+        for j in range(e):
+            rows.append(i), pre.append(prefix[i]), local.append(j), size.append(e), mrow.append(offs[i] + j * e)
+    n = len(rows)
+
+    def t(v, dt=torch.int32):
+        return torch.tensor(v, dtype=dt, device=dev)
+
+    h = q.shape[1]
+    mid_o = torch.empty(n, h, VERIFY_KV_SPLITS, head_dim, dtype=torch.float32, device=dev)
+    mid_l = torch.empty(n, h, VERIFY_KV_SPLITS, dtype=torch.float32, device=dev)
+    o = torch.full_like(q, float("nan"))
+    verify_attention(
+        q, k_new, v_new, o, k_buf, v_buf, r2t, t(rows, torch.int64), t(pre), t(local), t(size),
+        t(mrow, torch.int64), flat, mid_o, mid_l, max(ext), 1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for i in range(bs):
+        slots = r2t[i, : total[i]].long()
+        ref = _masked_ref(q[starts[i] : starts[i] + ext[i]], k_buf[slots], v_buf[slots], prefix[i], masks[i])
+        assert _rel(o[starts[i] : starts[i] + ext[i]], ref) < tol, f"request {i}"
+    # a request alone computes bit for bit what it computed in the batch (eager vs graph replays agree)
+    a, e = starts[2], ext[2]
+    alone = torch.full_like(q[a : a + e], float("nan"))
+    verify_attention(
+        q[a : a + e], k_new[a : a + e], v_new[a : a + e], alone, k_buf, v_buf, r2t, t([2] * e, torch.int64),
+        t([prefix[2]] * e), t(list(range(e))), t([e] * e), t([j * e for j in range(e)], torch.int64),
+        masks[2].reshape(-1).to(torch.uint8).to(dev), mid_o, mid_l, 16, 1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    assert torch.equal(alone, o[a : a + e])
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
 def test_gpu_verify_graphs_replay_what_the_eager_verify_computes(tmp_path, backend):

@@ -64,6 +64,7 @@ def _decode_stage1(
     stride_ob,
     stride_oh,
     num_kv_heads,
+    min_split_len,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -82,7 +83,7 @@ def _decode_stage1(
 
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     row = tl.load(req_pool_indices + b).to(tl.int64)
-    split_len = (seq_len + num_splits - 1) // num_splits
+    split_len = tl.maximum((seq_len + num_splits - 1) // num_splits, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -258,6 +259,7 @@ def decode_attention(
         o.stride(0),
         o.stride(1),
         num_kv_heads,
+        1,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
