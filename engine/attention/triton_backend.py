@@ -188,34 +188,8 @@ def run_extend(
     h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     qh = q.view(-1, h, d)
     out = torch.empty_like(qh)
-    sp = meta.split
-    if sp is not None:
-        assert meta.custom_mask is not None
-        n = qh.shape[0]
-        if sp.mid_out is None or sp.mid_out.shape[1:] != (h, VERIFY_KV_SPLITS, d):
-            sp.mid_out = torch.empty(n, h, VERIFY_KV_SPLITS, d, dtype=torch.float32, device=q.device)
-            sp.mid_lse = torch.empty(n, h, VERIFY_KV_SPLITS, dtype=torch.float32, device=q.device)
-        verify_attention(
-            qh,
-            k.view(-1, hk, d),
-            v.view(-1, hk, d),
-            out,
-            fb.kv_pool.get_key_buffer(layer.layer_id),
-            fb.kv_pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token,
-            sp.rows,
-            sp.prefix,
-            sp.local,
-            sp.size,
-            sp.mask_row,
-            meta.custom_mask,
-            sp.mid_out,
-            sp.mid_lse,  # type: ignore[arg-type]
-            sp.max_tree,
-            layer.scaling,
-        )
-        return out.view(-1, h * d)
-    extend_attention(
+    # the new tokens, the output, the layer's pool and the slot table: what both kernels read first
+    common = (
         qh,
         k.view(-1, hk, d),
         v.view(-1, hk, d),
@@ -223,15 +197,40 @@ def run_extend(
         fb.kv_pool.get_key_buffer(layer.layer_id),
         fb.kv_pool.get_value_buffer(layer.layer_id),
         fb.req_to_token_pool.req_to_token,
-        fb.req_pool_indices,
-        meta.prefix_lens,
-        meta.extend_lens,
-        meta.extend_starts,
-        meta.max_extend_len,
-        layer.scaling,
-        meta.custom_mask,
-        meta.mask_starts,
     )
+    sp = meta.split
+    if sp is not None:
+        assert meta.custom_mask is not None
+        n = qh.shape[0]
+        if sp.mid_out is None or sp.mid_out.shape[1:] != (h, VERIFY_KV_SPLITS, d):
+            sp.mid_out = torch.empty(n, h, VERIFY_KV_SPLITS, d, dtype=torch.float32, device=q.device)
+            sp.mid_lse = torch.empty(n, h, VERIFY_KV_SPLITS, dtype=torch.float32, device=q.device)
+        assert sp.mid_lse is not None
+        verify_attention(
+            *common,
+            sp.rows,
+            sp.prefix,
+            sp.local,
+            sp.size,
+            sp.mask_row,
+            meta.custom_mask,
+            sp.mid_out,
+            sp.mid_lse,
+            sp.max_tree,
+            layer.scaling,
+        )
+    else:
+        extend_attention(
+            *common,
+            fb.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            meta.max_extend_len,
+            layer.scaling,
+            meta.custom_mask,
+            meta.mask_starts,
+        )
     return out.view(-1, h * d)
 
 

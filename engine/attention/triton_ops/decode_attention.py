@@ -36,6 +36,49 @@ def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 @triton.jit
+def merge_splits(
+    mid_out,
+    mid_lse,
+    b,
+    heads,
+    h_mask,
+    offs_d,
+    hd_mask,
+    num_splits,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Row ``b``'s split partials of ``heads`` as (max, sum of weights, weighted sum of outputs): the output is
+    ``acc / l``; more keys merge in as online softmax does. Reads past L1 (``.cg``): other programs wrote them."""
+    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_H], tl.float32)
+    acc_all = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for sp in range(0, num_splits):
+        lse_s = tl.load(
+            mid_lse + b * stride_lb + heads * stride_lh + sp, mask=h_mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        o_s = tl.load(
+            mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
+            mask=hd_mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_all, lse_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_all - m_ref)
+        w = tl.exp(lse_s - m_ref)
+        l_all = l_all * alpha + w
+        acc_all = acc_all * alpha[:, None] + o_s * w[:, None]
+        m_all = m_new
+    return m_all, l_all, acc_all
+
+
+@triton.jit
 def _decode_stage1(
     q,
     k_buf,
@@ -128,30 +171,11 @@ def _decode_stage1(
         cnt_ptr = counters + b * num_kv_heads + kvh
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
-            m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l_all = tl.zeros([BLOCK_H], tl.float32)
-            acc_all = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             hd_mask = h_mask[:, None] & d_mask[None, :]
-            for sp in range(0, num_splits):
-                lse_s = tl.load(
-                    mid_lse + b * stride_lb + heads * stride_lh + sp,
-                    mask=h_mask,
-                    other=float("-inf"),
-                    cache_modifier=".cg",
-                )
-                o_s = tl.load(
-                    mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
-                    mask=hd_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.maximum(m_all, lse_s)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_all - m_ref)
-                w = tl.exp(lse_s - m_ref)
-                l_all = l_all * alpha + w
-                acc_all = acc_all * alpha[:, None] + o_s * w[:, None]
-                m_all = m_new
+            m_all, l_all, acc_all = merge_splits(
+                mid_out, mid_lse, b, heads, h_mask, offs_d, hd_mask, num_splits,
+                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D,
+            )  # fmt: skip
             res = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
             tl.store(
                 o + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -225,13 +249,55 @@ def decode_attention(
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
-    group = num_heads // num_kv_heads
-    block_h = max(16, triton.next_power_of_2(group))
-    block_d = triton.next_power_of_2(head_dim)
-    block_n = 32 if block_d >= 256 else 64
     if counters is not None and counters.numel() < bs * num_kv_heads:
         raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
-    _decode_stage1[(bs, num_kv_heads, num_splits)](
+    launch_stage1(
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters
+    )
+    if counters is not None:
+        return o
+    _decode_stage2[(bs, num_heads)](
+        mid_out,
+        mid_lse,
+        o,
+        num_splits,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
+        num_warps=4,
+    )
+    return o
+
+
+def launch_stage1(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    num_splits: int,
+    sm_scale: float,
+    o: torch.Tensor,
+    counters: "torch.Tensor | None" = None,
+    min_split_len: int = 1,
+) -> None:
+    """Stage 1 over ``q.shape[0]`` rows (with ``counters``: the merge too, into ``o``). A row's splits cover at
+    least ``min_split_len`` positions each (1: ``ceil(seq_len / num_splits)``, the decode layout)."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_stage1[(rows, num_kv_heads, num_splits)](
         q,
         k_buf,
         v_buf,
@@ -259,33 +325,13 @@ def decode_attention(
         o.stride(0),
         o.stride(1),
         num_kv_heads,
-        1,
+        min_split_len,
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=block_n,
+        BLOCK_N=32 if block_d >= 256 else 64,
         FUSED_MERGE=counters is not None,
         num_warps=4,
         num_stages=2,
     )
-    if counters is not None:
-        return o
-    _decode_stage2[(bs, num_heads)](
-        mid_out,
-        mid_lse,
-        o,
-        num_splits,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        o.stride(0),
-        o.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
-        num_warps=4,
-    )
-    return o

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvship.engine.attention.triton_ops.decode_attention import _decode_stage1
+from kvship.engine.attention.triton_ops.decode_attention import launch_stage1, merge_splits
 
 # at most this many draft tokens in a forward take the split path (beyond it the extend kernel, which reads each
 # prefix once per query block, not once per token, has programs enough to fill the GPU)
@@ -84,24 +84,11 @@ def _verify_merge(
     d_mask = offs_d < HEAD_DIM
     hd_mask = h_mask[:, None] & d_mask[None, :]
 
-    # the prefix: merge stage 1's splits into (max, sum of weights, weighted sum) form
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for sp in range(0, num_splits):
-        lse_s = tl.load(mid_lse + t * stride_lb + heads * stride_lh + sp, mask=h_mask, other=float("-inf"))
-        o_s = tl.load(
-            mid_out + t * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
-            mask=hd_mask,
-            other=0.0,
-        )
-        m_new = tl.maximum(m_i, lse_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_ref)
-        w = tl.exp(lse_s - m_ref)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + o_s * w[:, None]
-        m_i = m_new
+    # the prefix: stage 1's splits as (max, sum of weights, weighted sum)
+    m_i, l_i, acc = merge_splits(
+        mid_out, mid_lse, t, heads, h_mask, offs_d, hd_mask, num_splits,
+        stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
 
     # the tree: this request's draft tokens that the mask row allows (the token itself always)
     local = tl.load(tok_local + t)
@@ -160,48 +147,13 @@ def verify_attention(
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 32 if block_d >= 256 else 64
     if n == 0:
         return o
     num_splits = VERIFY_KV_SPLITS
-    _decode_stage1[(n, num_kv_heads, num_splits)](
-        q,
-        k_buf,
-        v_buf,
-        req_to_token,
-        tok_rows,
-        tok_prefix,
-        mid_out,
-        mid_lse,
-        sm_scale,
-        q.stride(0),
-        q.stride(1),
-        k_buf.stride(0),
-        k_buf.stride(1),
-        v_buf.stride(0),
-        v_buf.stride(1),
-        req_to_token.stride(0),
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        num_splits,
-        o,
-        tok_prefix,  # counters: unused without the fused merge
-        o.stride(0),
-        o.stride(1),
-        num_kv_heads,
-        MIN_SPLIT_LEN,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        FUSED_MERGE=False,
-        num_warps=4,
-        num_stages=2,
-    )
+    launch_stage1(
+        q, k_buf, v_buf, req_to_token, tok_rows, tok_prefix, mid_out, mid_lse, num_splits, sm_scale, o,
+        min_split_len=MIN_SPLIT_LEN,
+    )  # fmt: skip
     _verify_merge[(n, num_kv_heads)](
         q,
         k_new,
