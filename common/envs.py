@@ -80,8 +80,8 @@ class _Env:
     SPLIT_VERIFY = Knob(
         "KVSHIP_SPLIT_VERIFY",
         _bool,
-        False,
-        "speculative verify of few draft tokens on the split-KV kernel (CUDA; opt-in: docs/speculative.md)",
+        True,
+        "speculative verify of few draft tokens on the split-KV kernel (CUDA; docs/speculative.md)",
     )
     FUSE_ROPE_KV_STORE = Knob(
         "KVSHIP_FUSE_ROPE_KV_STORE", _bool, True, "RoPE and the KV-cache store in one kernel on CUDA"

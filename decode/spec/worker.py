@@ -83,6 +83,9 @@ class Speculator:
             sizes = [b for b in cgr.batch_sizes if b <= min(sched.max_running, 64)]
             if sizes:
                 self.graphs = VerifyGraphs(sched.runner, sizes, drafter.k + 1)
+        # on CUDA every round's trees are padded to the graphs' size, replayed or not, so an eager round (a batch
+        # past the largest graph, or graphs off) verifies and accepts exactly what a replay would
+        self.pad_to = drafter.k + 1 if torch.device(sched.runner.device).type == "cuda" else None
         self.counters: Counter = Counter()
         self.accept_lengths: list[int] = []  # emitted tokens per round per request (recent window)
 
@@ -96,8 +99,8 @@ class Speculator:
         s = self.s
         self.drafter.release_missing(set(s.reqs))
         trees = self.drafter.draft_trees(reqs)
-        if self.graphs is not None and len(reqs) <= self.graphs.max_bs:
-            trees = [t.padded(self.graphs.k) for t in trees]
+        if self.pad_to is not None:
+            trees = [t.padded(self.pad_to) for t in trees]
         prefix = [r.kv_committed_len for r in reqs]
         sizes = [t.size for t in trees]
         seq = [p + n for p, n in zip(prefix, sizes)]
