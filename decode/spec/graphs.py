@@ -3,9 +3,9 @@
 Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
 the speculator pads drafts to that size) and whose batch fits a captured size
 replays a graph instead of running the extend eagerly.  The graph's attention
-is our Triton extend kernel with tree masks (``TritonExtendMeta``; with
-``KVSHIP_SPLIT_VERIFY=1`` and at most ``SPLIT_VERIFY_MAX_TOKENS`` tokens, the
-split-KV verify kernel, docs/speculative.md), whose
+is our Triton extend kernel with tree masks (``TritonExtendMeta``; at most
+``SPLIT_VERIFY_MAX_TOKENS`` tokens run the split-KV verify kernel unless
+``KVSHIP_SPLIT_VERIFY=0``, docs/speculative.md), whose
 per-step tensors are static buffers refreshed before each replay; padding
 requests use request row 0 with no prefix and write their K/V into slot 0,
 which the KV pool reserves for padding.
