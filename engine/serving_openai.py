@@ -169,6 +169,8 @@ class OpenAIServing:
                 bootstrap_host=body.bootstrap_host,
                 bootstrap_port=body.bootstrap_port,
                 bootstrap_room=choice_room(body.bootstrap_room, i),
+                # PD prefill: the router asks for the first token at once (docs/pd.md)
+                pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",
             )
             for i in range(body.n)
         ]

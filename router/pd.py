@@ -17,8 +17,8 @@ retried on another pair by ``proxy_request``; 4xx replies go to the client.
 After the decode stream has started, the prefill call finishes in the
 background and only its outcome is recorded.
 
-The first token from prefill (docs/pd.md): for a streamed ``/generate`` or
-``/v1/completions`` request the router can resume (``ResumeState``: the
+The first token from prefill (docs/pd.md): for a streamed ``/generate``,
+``/v1/completions`` or ``/v1/chat/completions`` request the router can resume (``ResumeState``: the
 token-ids header is on),
 without stop strings and not itself a resume's continuation, the prefill call
 is a stream too, asked (``PD_FIRST_TOKEN_HEADER``) for the first token as
@@ -61,6 +61,7 @@ from kvship.router.upstream import (
 )
 from kvship.router.wire import (
     PD_FIRST_TOKEN_HEADER,
+    ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     ROUTE_GENERATE,
     ROUTER_IDS_HEADER,
@@ -111,17 +112,37 @@ def _event_obj(event: bytes) -> Any:
         return None
 
 
-def _is_first_token(obj: Any) -> bool:
-    """Whether a /generate or /v1/completions event is an unfinished one with output (prefill's first token)."""
+def _one_choice(obj: Any) -> Optional[dict]:
+    """The single choice of an OpenAI stream event (not an error), or None."""
     if not isinstance(obj, dict) or "error" in obj:
-        return False
-    if isinstance(obj.get("meta_info"), dict):  # /generate
-        return bool(obj.get("output_ids")) and obj["meta_info"].get("finish_reason") is None
+        return None
     choices = obj.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        return False
+        return None
+    return choices[0]
+
+
+def _choice_text(choice: dict) -> Any:
+    """A completion choice's ``text`` or a chat choice's ``delta.content``."""
+    delta = choice.get("delta")
+    return delta.get("content") if isinstance(delta, dict) else choice.get("text")
+
+
+def _is_role_chunk(obj: Any) -> bool:
+    """Whether an event is a chat stream's role chunk (the role, no content yet, not finished)."""
+    c = _one_choice(obj)
+    delta = c.get("delta") if c is not None else None
+    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and c.get("finish_reason") is None
+
+
+def _is_first_token(obj: Any) -> bool:
+    """Whether a /generate, /v1/completions or chat event is an unfinished one with output (prefill's first
+    token)."""
+    if isinstance(obj, dict) and "error" not in obj and isinstance(obj.get("meta_info"), dict):  # /generate
+        return bool(obj.get("output_ids")) and obj["meta_info"].get("finish_reason") is None
+    c = _one_choice(obj)
     return (
-        bool(obj.get("kvship_token_ids")) and bool(choices[0].get("text")) and choices[0].get("finish_reason") is None
+        c is not None and bool(obj.get("kvship_token_ids")) and bool(_choice_text(c)) and c.get("finish_reason") is None
     )
 
 
@@ -129,7 +150,8 @@ async def _prefill_stream(
     ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str, first: asyncio.Future
 ) -> bytes:
     """Stream from the prefill worker, asked for the first token: resolve ``first`` with (that event's bytes,
-    the response headers), or None when the first event is something else; then read to the end.  Raise
+    a chat stream's role chunk before it, the response headers), or None when the first event is something
+    else; then read to the end.  Raise
     ``AttemptFailed`` on an error status, a transport error or an error event.  Finishes ``lease``."""
     client = ctx.router.client
     assert client is not None
@@ -147,13 +169,17 @@ async def _prefill_stream(
                     )
                 else:
                     parser = SSEParser()
+                    before = b""  # a chat stream's role chunk, which goes out with the first token
                     async for data in resp.content.iter_any():
                         for event in parser.feed(data):
                             obj = _event_obj(event)
                             if not first.done():
-                                first.set_result(
-                                    (event + b"\n\n", pass_headers(resp)) if _is_first_token(obj) else None
-                                )
+                                if path == ROUTE_CHAT and not before and _is_role_chunk(obj):
+                                    before = event + b"\n\n"
+                                else:
+                                    first.set_result(
+                                        (before + event + b"\n\n", pass_headers(resp)) if _is_first_token(obj) else None
+                                    )
                             err = obj.get("error") if isinstance(obj, dict) else None
                             if isinstance(err, dict) and failure is None:
                                 failure = AttemptFailed(worker, f"prefill error: {err.get('message', err)}", True)
@@ -185,6 +211,8 @@ class _DecodeAfterFirstToken:
       ``len(first's ids)`` ids and ``len(first's text)`` characters of decode's stream are cut (the same
       detokenizer made both, so decode's text starts with ``first``'s); an event left with nothing and
       no finish is dropped; ``id`` / ``created`` / ``model`` become ``first``'s.
+    * ``/v1/chat/completions``: the same cut on ``delta.content``; decode's role chunk is dropped (prefill's
+      went out before ``first``).
 
     Quacks like the ``aiohttp.ClientResponse`` the relays read (``content.readany`` / ``at_eof``,
     ``release``, ``close``).  Decode's attempt (``open_upstream``) is awaited on the first read; its
@@ -203,7 +231,7 @@ class _DecodeAfterFirstToken:
         else:
             self._generate = False
             self._skip_ids = len(first.get("kvship_token_ids") or [])
-            self._skip_chars = len(first["choices"][0].get("text") or "")
+            self._skip_chars = len(_choice_text(first["choices"][0]) or "")
 
     async def readany(self) -> bytes:
         while True:
@@ -242,19 +270,25 @@ class _DecodeAfterFirstToken:
                 return b""  # the first token again
             meta["id"] = self._first["meta_info"].get("id")
         else:
+            if _is_role_chunk(obj):
+                return b""  # prefill's role chunk went out with the first token
             choices = obj.get("choices") or []
             ids = obj.get("kvship_token_ids")
             if isinstance(ids, list) and self._skip_ids:
                 cut = min(len(ids), self._skip_ids)
                 obj["kvship_token_ids"], self._skip_ids = ids[cut:], self._skip_ids - cut
             for c in choices:
-                text = c.get("text") if isinstance(c, dict) else None
+                text = _choice_text(c) if isinstance(c, dict) else None
                 if isinstance(text, str) and self._skip_chars:
                     cut = min(len(text), self._skip_chars)
-                    c["text"], self._skip_chars = text[cut:], self._skip_chars - cut
+                    rest, self._skip_chars = text[cut:], self._skip_chars - cut
+                    if isinstance(c.get("delta"), dict):
+                        c["delta"]["content"] = rest
+                    else:
+                        c["text"] = rest
             if (
                 choices
-                and all(isinstance(c, dict) and not c.get("text") and c.get("finish_reason") is None for c in choices)
+                and all(isinstance(c, dict) and not _choice_text(c) and c.get("finish_reason") is None for c in choices)
                 and not obj.get("kvship_token_ids")
                 and "usage" not in obj
             ):
@@ -282,7 +316,7 @@ def first_token_from_prefill(ctx: RequestContext, request: RoutingRequest, path:
     sp = body.get("sampling_params")
     return (
         ctx.router.config.pd_first_token
-        and path in (ROUTE_GENERATE, ROUTE_COMPLETIONS)
+        and path in (ROUTE_GENERATE, ROUTE_COMPLETIONS, ROUTE_CHAT)
         and request.stream
         and not body.get("stop")
         and ctx.headers.get(ROUTER_IDS_HEADER) == "1"
@@ -290,6 +324,15 @@ def first_token_from_prefill(ctx: RequestContext, request: RoutingRequest, path:
         and not body.get("return_trace")
         and not (isinstance(sp, dict) and sp.get("stop"))
     )
+
+
+def _decode_sent_only_its_role(d_task: asyncio.Task) -> bool:
+    """Whether decode's stream opened with nothing but a chat role chunk: it answers that at once, before the
+    KV arrives, so the first token from prefill is still awaited (and decode's role chunk is dropped)."""
+    if not d_task.done() or d_task.cancelled() or d_task.exception() is not None:
+        return False
+    events = SSEParser().feed(d_task.result().first or b"")
+    return bool(events) and all(_is_role_chunk(_event_obj(e)) for e in events)
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -362,21 +405,22 @@ async def pd_attempt(
     early: Optional[tuple[bytes, list[tuple[str, str]]]] = None
     try:
         pending: set[asyncio.Future] = {p_task, d_task} | ({first} if first is not None else set())
-        while d_task in pending:
+        while d_task in pending or (first in pending and _decode_sent_only_its_role(d_task)):
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None:
                 await _cancel(d_task)
                 raise p_task.exception()  # type: ignore[misc]
-            if first is not None and first in done and first.result() is not None and d_task not in done:
-                early = first.result()
-                break
+            if first is not None and first in done and first.result() is not None:
+                if d_task not in done or _decode_sent_only_its_role(d_task):
+                    early = first.result()
+                    break
         if early is not None:
             up = Upstream(
                 d,
                 d_lease,
                 200,
                 early[1],
-                response=_DecodeAfterFirstToken(d_task, _event_obj(early[0])),  # type: ignore[arg-type]
+                response=_DecodeAfterFirstToken(d_task, _event_obj(SSEParser().feed(early[0])[-1])),  # type: ignore[arg-type]
                 first=early[0],
             )
         else:

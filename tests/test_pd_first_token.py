@@ -230,3 +230,79 @@ async def test_decode_completion_stream_after_the_first_token_cuts_its_ids_and_t
         ([], None),
     ]
     assert all((e["id"], e["created"]) == ("p", 1) for e in events)
+
+
+async def test_decode_chat_stream_after_the_first_token_drops_its_role_chunk_and_cuts_the_content():
+    import asyncio
+
+    from kvship.router.pd import _DecodeAfterFirstToken, _is_first_token, _is_role_chunk
+    from kvship.router.upstream import Upstream
+
+    def ev(delta, ids, finish=None, cid="d", extra=None):
+        obj = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": 2,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "kvship_token_ids": ids,
+            **(extra or {}),
+        }
+        return ("data: " + json.dumps(obj) + "\n\n").encode()
+
+    role = json.loads(ev({"role": "assistant", "content": ""}, [], extra={"kvship_prompt_ids": [1, 2]})[6:])
+    first = json.loads(ev({"content": "He"}, [5], cid="p")[6:])
+    first["created"] = 1
+    assert _is_role_chunk(role) and not _is_first_token(role)
+    assert _is_first_token(first) and not _is_role_chunk(first)
+    data = (
+        ev({"role": "assistant", "content": ""}, [], extra={"kvship_prompt_ids": [1, 2]})
+        + ev({"content": "He"}, [5])
+        + ev({"content": "llo"}, [6, 7], "length")
+        + b"data: [DONE]\n\n"
+    )
+    up = Upstream(worker=None, lease=None, status=200, headers=[], response=_FakeResponse([data[9:]]), first=data[:9])  # type: ignore[arg-type]
+
+    async def opened():
+        return up
+
+    out = await _read_all(_DecodeAfterFirstToken(asyncio.ensure_future(opened()), first))
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert [(e["choices"], e["kvship_token_ids"]) for e in events] == [
+        ([{"index": 0, "delta": {"content": "llo"}, "finish_reason": "length"}], [6, 7])
+    ]
+    assert (events[0]["id"], events[0]["created"]) == ("p", 1)
+
+
+def test_streamed_chat_gets_its_first_token_from_prefill_and_equals_unified_event_by_event(pd_and_unified):
+    cluster, unified = pd_and_unified
+    early = 0
+    for i in range(6):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"question {i}: what comes after {i * 7}?"}],
+            "max_tokens": 9,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        if i % 2:
+            body["stream_options"] = {"include_usage": True}
+        headers, pd_events = _stream(cluster.url, body, "/v1/chat/completions")
+        _, uni_events = _stream(unified.url, body, "/v1/chat/completions")
+
+        def shape(events: list[dict]) -> list:
+            return [
+                (
+                    [(c["delta"], c["finish_reason"]) for c in e["choices"]],
+                    (e.get("usage") or {}).get("completion_tokens"),
+                )
+                for e in events
+            ]
+
+        assert shape(pd_events) == shape(uni_events)
+        assert len({(e["id"], e["created"]) for e in pd_events}) == 1, "the stream's id changed between events"
+        assert not any("kvship_token_ids" in e or "kvship_prompt_ids" in e for e in pd_events)
+        early += headers.get("x-kvship-first-token") == "prefill"
+    assert early >= 1, early
+    cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
