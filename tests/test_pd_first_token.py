@@ -68,8 +68,23 @@ def test_streamed_generate_gets_its_first_token_from_prefill_and_equals_unified_
     cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
 
 
-def _completion_stream(url: str, body: dict) -> tuple[dict, list[dict]]:
-    return _stream(url, body, "/v1/completions")
+def _openai_stream_equals_unified(cluster, unified, route: str, body: dict, field: str) -> bool:
+    """Stream ``body`` through the PD router and from the unified worker: per event the choices' ``field``
+    (``text`` or ``delta``) and finish, and the usage, must match; one id throughout; no router-only fields.
+    Returns whether the first token came from prefill."""
+    headers, pd_events = _stream(cluster.url, body, route)
+    _, uni_events = _stream(unified.url, body, route)
+
+    def shape(events: list[dict]) -> list:
+        return [
+            ([(c[field], c["finish_reason"]) for c in e["choices"]], (e.get("usage") or {}).get("completion_tokens"))
+            for e in events
+        ]
+
+    assert shape(pd_events) == shape(uni_events)
+    assert len({(e["id"], e["created"]) for e in pd_events}) == 1, "the stream's id changed between events"
+    assert not any("kvship_token_ids" in e or "kvship_prompt_ids" in e for e in pd_events)
+    return headers.get("x-kvship-first-token") == "prefill"
 
 
 def test_streamed_completions_get_their_first_token_from_prefill_and_equal_unified_event_by_event(pd_and_unified):
@@ -82,22 +97,7 @@ def test_streamed_completions_get_their_first_token_from_prefill_and_equal_unifi
         body = {"model": "tiny", "prompt": ids, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True}
         if i % 2:
             body["stream_options"] = {"include_usage": True}
-        headers, pd_events = _completion_stream(cluster.url, body)
-        _, uni_events = _completion_stream(unified.url, body)
-
-        def shape(events: list[dict]) -> list:
-            return [
-                (
-                    [(c["text"], c["finish_reason"]) for c in e["choices"]],
-                    (e.get("usage") or {}).get("completion_tokens"),
-                )
-                for e in events
-            ]
-
-        assert shape(pd_events) == shape(uni_events)
-        assert len({(e["id"], e["created"]) for e in pd_events}) == 1, "the stream's id changed between events"
-        assert not any("kvship_token_ids" in e or "kvship_prompt_ids" in e for e in pd_events)
-        early += headers.get("x-kvship-first-token") == "prefill"
+        early += _openai_stream_equals_unified(cluster, unified, "/v1/completions", body, "text")
     assert with_text >= 2 and early >= 1, (early, with_text)
     cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
 
@@ -288,21 +288,6 @@ def test_streamed_chat_gets_its_first_token_from_prefill_and_equals_unified_even
         }
         if i % 2:
             body["stream_options"] = {"include_usage": True}
-        headers, pd_events = _stream(cluster.url, body, "/v1/chat/completions")
-        _, uni_events = _stream(unified.url, body, "/v1/chat/completions")
-
-        def shape(events: list[dict]) -> list:
-            return [
-                (
-                    [(c["delta"], c["finish_reason"]) for c in e["choices"]],
-                    (e.get("usage") or {}).get("completion_tokens"),
-                )
-                for e in events
-            ]
-
-        assert shape(pd_events) == shape(uni_events)
-        assert len({(e["id"], e["created"]) for e in pd_events}) == 1, "the stream's id changed between events"
-        assert not any("kvship_token_ids" in e or "kvship_prompt_ids" in e for e in pd_events)
-        early += headers.get("x-kvship-first-token") == "prefill"
+        early += _openai_stream_equals_unified(cluster, unified, "/v1/chat/completions", body, "delta")
     assert early >= 1, early
     cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
