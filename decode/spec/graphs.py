@@ -174,10 +174,8 @@ class VerifyGraphs:
         self.prefix_lens[:gbs].copy_(host_pre.pin_memory(), non_blocking=True)
         self.mask[: gbs * k * k].copy_(m.pin_memory(), non_blocking=True)
         if self.metas[gbs].split is not None:  # the split verify's per-token rows and prefixes
-            per_tok = torch.stack([host_r.repeat_interleave(k), host_pre.to(torch.int64).repeat_interleave(k)])
-            per_tok = per_tok.pin_memory().to(self.tok_rows.device, non_blocking=True)
-            self.tok_rows[: gbs * k].copy_(per_tok[0], non_blocking=True)
-            self.tok_prefix[: gbs * k].copy_(per_tok[1], non_blocking=True)
+            self.tok_rows[: gbs * k].copy_(host_r.repeat_interleave(k).pin_memory(), non_blocking=True)
+            self.tok_prefix[: gbs * k].copy_(host_pre.repeat_interleave(k).pin_memory(), non_blocking=True)
         self.graphs[gbs].replay()
         self.replays += 1
         if self.capture is not None:

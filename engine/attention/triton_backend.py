@@ -158,9 +158,10 @@ def extend_meta(fb: ForwardBatch, device: torch.device) -> TritonExtendMeta:
         meta.mask_starts = torch.tensor(offs, dtype=torch.int64).to(device, non_blocking=True)
         n = sum(ext)
         if 0 < n <= SPLIT_VERIFY_MAX_TOKENS and device.type == "cuda" and ENV.SPLIT_VERIFY:
-            owner = torch.repeat_interleave(torch.arange(len(ext)), torch.tensor(ext))
+            ext_t = torch.tensor(ext)
+            owner = torch.repeat_interleave(torch.arange(len(ext)), ext_t)
             local = torch.arange(n) - torch.tensor(starts)[owner]
-            size = torch.tensor(ext)[owner]
+            size = ext_t[owner]
             host = torch.stack([torch.tensor(pre)[owner], local, size]).to(torch.int32)
             mask_row = torch.tensor(offs, dtype=torch.int64)[owner] + local * size
             dev_i32 = host.to(device, non_blocking=True)
