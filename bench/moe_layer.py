@@ -21,6 +21,10 @@ bandwidth at M <= 16, >= 50% of matmul peak at M >= 4096).
 
     python bench/moe_layer.py --out /tmp/out
 
+``--gemv-sweep --m 1 2 4`` instead tunes the alignment-free GEMV kernels that
+decode batches of at most ``GEMV_MAX_PAIRS`` pairs run (``kernel_config``)
+and times them against the aligned GEMMs at each M (``moe_gemv_sweep.json``).
+
 ``--ep-size N`` (N GPUs, one spawned process each, NCCL) instead times the
 expert-parallel layer (``kvship.engine.parallel.ep.ParallelFusedMoE``: E/N
 experts per rank; docs/parallel.md, "Expert parallelism") for each M, the same
@@ -93,6 +97,59 @@ def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
         "triton_bytes_per_s": nbytes / t_triton,
         "triton_flops": flops / t_triton,
     }
+
+
+def gemv_sweep(args, weights: list) -> dict[str, Any]:
+    """``--gemv-sweep``: the GEMV kernels' block sizes at each M (gate/up first with the default down config,
+    then down with the best gate/up), against the aligned GEMMs with their tuned config, in CUDA graphs."""
+    import itertools
+
+    from kvship.engine.layers.moe.kernel_config import GEMV_CONFIG, aligned_config
+
+    e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
+    copies = len(weights)
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for m in args.m:
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        topk_w, ids = select_experts(torch.randn(m, e, device="cuda", generator=g), k, renormalize=True)
+        ref = fused_experts(x, *weights[0], topk_w, ids, config=aligned_config(m, e, inter, k, x.dtype, gpu)).float()
+
+        def timed(cfg: dict) -> float:
+            out = fused_experts(x, *weights[0], topk_w, ids, config=cfg).float()
+            if ((out - ref).norm() / ref.norm()).item() > 2e-2:
+                raise AssertionError(f"config {cfg} disagrees with the aligned kernels at M={m}")
+            return graph_time(lambda i: fused_experts(x, *weights[i % copies], topk_w, ids, config=cfg), 2 * copies)
+
+        aligned = timed(aligned_config(m, e, inter, k, x.dtype, gpu))
+        default = timed({"gemv": dict(GEMV_CONFIG)})
+        best, best_t = dict(GEMV_CONFIG), default
+        for bn, bk, w, st in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 4)):
+            cfg = dict(best, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+            t = timed({"gemv": cfg})
+            if t < best_t:
+                best, best_t = cfg, t
+        for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (4, 8)):
+            cfg = dict(best, DOWN_BLOCK_N=bn, DOWN_BLOCK_K=bk, down_num_warps=w)
+            t = timed({"gemv": cfg})
+            if t < best_t:
+                best, best_t = cfg, t
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * h * inter * 2 + 2 * m * h * 2
+        row = {
+            "m": m,
+            "active_experts": active,
+            "aligned_us": aligned * 1e6,
+            "gemv_default_us": default * 1e6,
+            "gemv_best_us": best_t * 1e6,
+            "gemv_best": best,
+            "aligned_bytes_per_s": nbytes / aligned,
+            "gemv_best_bytes_per_s": nbytes / best_t,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows}
 
 
 def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
@@ -193,6 +250,9 @@ def main() -> None:
     ap.add_argument("--loop-max-m", type=int, default=8192, help="skip the torch loop above this M")
     ap.add_argument("--out", default=None, help="folder for moe_layer.json / .md")
     ap.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (GPUs): the EP layer sweep")
+    ap.add_argument(
+        "--gemv-sweep", action="store_true", help="tune the GEMV kernels' blocks at each --m against the aligned path"
+    )
     args = ap.parse_args()
     if args.ep_size > 1:
         ep_main(args)
@@ -209,6 +269,19 @@ def main() -> None:
         )
         for _ in range(args.copies)
     ]
+    if args.gemv_sweep:
+        result = {"env": env, "copy_bandwidth_bytes_per_s": copy_bw, **gemv_sweep(args, weights)}
+        for r in result["rows"]:
+            print(
+                f"M={r['m']}: aligned {r['aligned_us']:.1f} us ({r['aligned_bytes_per_s'] / copy_bw:.0%} of copy), "
+                f"gemv default {r['gemv_default_us']:.1f} us, best {r['gemv_best_us']:.1f} us "
+                f"({r['gemv_best_bytes_per_s'] / copy_bw:.0%}) with {r['gemv_best']}"
+            )
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "moe_gemv_sweep.json"), "w") as f:
+                json.dump(result, f, indent=1)
+        return
     rows = []
     for m in args.m:
         r = bench_m(m, args, weights, args.loop_max_m)

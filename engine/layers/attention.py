@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -38,24 +40,40 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         forward_batch: ForwardBatch,
+        qk_norm: Optional[tuple[nn.Module, nn.Module]] = None,
     ) -> torch.Tensor:
-        """RoPE on ``q [T, H, D]`` / ``k [T, Hkv, D]``, then attention with ``v [T, Hkv, D]``.
+        """RoPE on ``q [T, H, D]`` / ``k [T, Hkv, D]``, then attention with ``v [T, Hkv, D]``; ``qk_norm``
+        (Qwen3's per-head ``RMSNorm`` of q and of k) normalises them before the rotation.
 
-        On CUDA with the plain KV pool, one kernel rotates q and k and writes
-        the new keys and values into this layer's pool buffers
-        (``rotary.rotate_and_store``), and the backend runs with
-        ``save_kv_cache=False``; elsewhere ``rotary(positions, q, k)`` then the
-        backend stores them itself.
+        On CUDA with the plain KV pool, one kernel normalises (``qk_norm``) and
+        rotates q and k and writes the new keys and values into this layer's
+        pool buffers (``rotary.rotate_and_store``), and the backend runs with
+        ``save_kv_cache=False``; elsewhere the norms, ``rotary(positions, q, k)``,
+        then the backend stores them itself.
         """
         s = self.spec
         fb = forward_batch
         pool = fb.kv_pool
         stored = False
         if type(pool) is KVPool and q.is_cuda and fb.out_cache_loc is not None:
-            stored = rotary.rotate_and_store(
-                positions, q, k, v, pool.get_key_buffer(s.layer_id), pool.get_value_buffer(s.layer_id), fb.out_cache_loc
-            )
+            norm = None
+            if qk_norm is not None:
+                qn, kn = qk_norm
+                norm = (qn.weight, kn.weight, qn.eps) if qn.eps == kn.eps else None
+            if qk_norm is None or norm is not None:
+                stored = rotary.rotate_and_store(
+                    positions,
+                    q,
+                    k,
+                    v,
+                    pool.get_key_buffer(s.layer_id),
+                    pool.get_value_buffer(s.layer_id),
+                    fb.out_cache_loc,
+                    norm,
+                )
         if not stored:
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
             q, k = rotary(positions, q, k)
         qf = q.reshape(-1, s.num_heads * s.head_dim)
         kf = k.reshape(-1, s.num_kv_heads * s.head_dim)

@@ -171,6 +171,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _head_rmsnorm(x1, x2, w, offs, d_mask, eps, HALF: tl.constexpr):
+    # RMSNorm of each head ([BLOCK_H, HALF] halves), rounded as ``_rmsnorm_kernel`` rounds: x * rsqrt in
+    # float32 -> x's dtype, times the weight in float32 -> x's dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
+    r = tl.rsqrt(var + eps)[:, None]
+    w1 = tl.load(w + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    n1 = (w1 * (f1 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+    n2 = (w2 * (f2 * r).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    return n1, n2
+
+
+@triton.jit
 def _rope_kernel(
     q,
     k,
@@ -189,12 +204,16 @@ def _rope_kernel(
     stride_vh,
     stride_kb,
     stride_vb,
+    q_w,
+    k_w,
+    eps,
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     STORE: tl.constexpr,
+    NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -211,6 +230,8 @@ def _rope_kernel(
         p = q + t * stride_qt + hh[:, None] * stride_qh + offs[None, :]
         x1 = tl.load(p, mask=m, other=0.0)
         x2 = tl.load(p + HALF, mask=m, other=0.0)
+        if NORM:
+            x1, x2 = _head_rmsnorm(x1, x2, q_w, offs, d_mask, eps, HALF)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
@@ -223,6 +244,8 @@ def _rope_kernel(
         p = k + t * stride_kt + hh[:, None] * stride_kh + offs[None, :]
         x1 = tl.load(p, mask=m, other=0.0)
         x2 = tl.load(p + HALF, mask=m, other=0.0)
+        if NORM:
+            x1, x2 = _head_rmsnorm(x1, x2, k_w, offs, d_mask, eps, HALF)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         r1 = (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype)
@@ -246,6 +269,7 @@ def rope_inplace(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (last dim contiguous); returns them.
 
@@ -253,7 +277,9 @@ def rope_inplace(
     then their sin.  With ``store=(v, k_buf, v_buf, loc)`` the same kernel also
     writes the rotated keys and ``v [T, Hk, D]`` into the pool buffers
     ``k_buf`` / ``v_buf`` ``[slots, Hk, D]`` (contiguous) at slots ``loc [T]``,
-    cast to the pool dtype, as ``KVPool.set_kv_buffer`` would.
+    cast to the pool dtype, as ``KVPool.set_kv_buffer`` would.  With ``qk_norm=(q_weight, k_weight, eps)``
+    (Qwen3's per-head RMSNorm, weights ``[D]``) each head of ``q`` and ``k`` is normalised first, in the same
+    kernel, rounded as ``rmsnorm`` rounds.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -278,6 +304,13 @@ def rope_inplace(
         sv = (v, k_buf, v_buf, loc, v.stride(0), v.stride(1), k_buf.stride(0), v_buf.stride(0))
     else:
         sv = (k, k, k, positions, 0, 0, 0, 0)
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        if q_w.shape != (d,) or k_w.shape != (d,) or not q_w.is_contiguous() or not k_w.is_contiguous():
+            raise ValueError("rope_inplace(qk_norm=...) needs contiguous [D] norm weights")
+        nv = (q_w, k_w, float(eps))
+    else:
+        nv = (q, k, 0.0)
     pdl = use_pdl(q)
     _rope_kernel[(t,)](
         q,
@@ -290,12 +323,14 @@ def rope_inplace(
         k.stride(1),
         cos_sin_cache.stride(0),
         *sv,
+        *nv,
         NUM_Q=hq,
         NUM_K=hk,
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half),
         STORE=store is not None,
+        NORM=qk_norm is not None,
         USE_PDL=pdl,
         launch_pdl=pdl,
         num_warps=4,

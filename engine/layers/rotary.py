@@ -88,16 +88,18 @@ class RotaryEmbedding(nn.Module):
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         loc: torch.Tensor,
+        qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
     ) -> bool:
         """Rotate ``q`` / ``k`` in place and write the rotated keys and ``v [T, Hk, D]`` into the pool buffers
         at ``loc``, all in one CUDA kernel; returns False (having done nothing) where that kernel does not apply
         (CPU, no Triton, ``KVSHIP_FUSE_ROPE_KV_STORE=0``, a layout it cannot take): the caller then rotates
-        with ``forward`` and lets the attention backend store the keys and values."""
+        with ``forward`` and lets the attention backend store the keys and values.  ``qk_norm=(q_weight,
+        k_weight, eps)``: per-head RMSNorm of q and k first, in the same kernel (Qwen3)."""
         fused = cuda_fused_ops(q)
         if fused is None or not self.fuse_kv_store:
             return False
         try:  # rope_inplace checks every layout before it launches anything
-            fused.rope_inplace(positions, q, k, self.cos_sin_cache, store=(v, k_buf, v_buf, loc))
+            fused.rope_inplace(positions, q, k, self.cos_sin_cache, store=(v, k_buf, v_buf, loc), qk_norm=qk_norm)
         except ValueError:
             return False
         return True

@@ -55,11 +55,14 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
         out = self.attn.rope_and_forward(
-            self._rotary[0], positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim), forward_batch
+            self._rotary[0],
+            positions,
+            q,
+            k,
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            forward_batch,
+            (self.q_norm, self.k_norm) if self.qk_norm else None,
         )
         return self.o_proj(out)
 

@@ -65,6 +65,35 @@ def test_fused_routing_kernel_equals_select_experts(m, e, k, renormalize):
     got_w, got_ids = route(logits, k, renormalize)
     assert got_ids.dtype == torch.int32 and got_w.dtype == torch.float32
     assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
+    # the expert-load count in the same kernel: every pick, or only rows whose KV slot is not 0 (padding)
+    from kvship.engine.layers.moe.topk import count_routed
+
+    for slots in (None, torch.arange(m, device=logits.device) % 2):
+        got_c, want_c = (torch.zeros(e, dtype=torch.int64, device=logits.device) for _ in range(2))
+        route(logits, k, renormalize, got_c, slots)
+        count_routed(want_c, want_ids, slots)
+        assert torch.equal(got_c, want_c)
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("m,e,k", [(1, 8, 2), (2, 16, 8), (3, 6, 4), (1, 128, 8)])
+def test_gemv_path_equals_the_aligned_path_with_absent_experts(m, e, k):
+    """The alignment-free GEMV kernels (decode batches of a few pairs) give the aligned GEMMs' output, also
+    with ids of -1 (experts on another rank under expert parallelism) that add nothing."""
+    from kvship.engine.layers.moe.kernel_config import GEMV_CONFIG, default_config
+    from kvship.engine.layers.moe.triton_moe import fused_experts
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x, w13, w2, weights, ids = _problem(m, e, k, 256 if dev.type == "cuda" else 64, 96, dtype, dev, seed=e + k)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    gemv = {"gemv": dict(GEMV_CONFIG, BLOCK_K=64, DOWN_BLOCK_K=64)}
+    for absent in (False, True):
+        if absent:
+            ids = torch.where(torch.arange(ids.numel(), device=dev).view(ids.shape) % 3 == 0, -1, ids)
+        want = fused_experts(x, w13, w2, weights, ids, config=default_config(m, e, k), absent=absent)
+        got = fused_experts(x, w13, w2, weights, ids, config=gemv, absent=absent)
+        assert _rel(got, want) < tol and _rel(got, _reference(x, w13, w2, weights, ids)) < tol
 
 
 @cuda_or_interpreter

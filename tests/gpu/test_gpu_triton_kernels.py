@@ -303,3 +303,42 @@ def test_fused_rope_and_kv_store_equals_rope_then_store(dev, hq, hk, d):
     assert torch.equal(v, v_before)
     with pytest.raises(ValueError):
         rope_inplace(pos, q, k, rope.cos_sin_cache, store=(v, kb[:, :1], vb, loc))
+
+
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (32, 4, 128)])
+def test_fused_qk_norm_rope_and_kv_store_equals_the_norms_then_rope(dev, hq, hk, d):
+    """Qwen3's per-head q/k RMSNorm inside the RoPE + KV-store kernel gives what the two ``RMSNorm`` layers
+    followed by the kernel give (bf16: within one ulp of the normalised value, the sum of squares runs in two
+    halves), and writes the normalised, rotated keys into the pool."""
+    from kvship.engine.layers.fused_ops_cuda import rope_inplace
+    from kvship.engine.layers.rmsnorm import RMSNorm
+    from kvship.engine.layers.rotary import RotaryEmbedding
+
+    dtype = _dtype(dev)
+    rope = RotaryEmbedding(d, 4096, 1000000.0).to(dev)
+    q_norm, k_norm = RMSNorm(d, 1e-6, dtype).to(dev), RMSNorm(d, 1e-6, dtype).to(dev)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    t, slots = 11, 200
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype, device=dev) * 3
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    pos = torch.randint(0, 4096, (t,), device=dev)
+    loc = (torch.randperm(slots - 1)[:t] + 1).to(dev)
+    kb = torch.zeros(slots, hk, d, dtype=dtype, device=dev)
+    vb = torch.zeros(slots, hk, d, dtype=dtype, device=dev)
+    with torch.no_grad():
+        q_ref, k_ref = rope_inplace(
+            pos, q_norm(q.clone()).contiguous(), k_norm(k.clone()).contiguous(), rope.cos_sin_cache
+        )
+        rope_inplace(
+            pos, q, k, rope.cos_sin_cache, store=(v, kb, vb, loc), qk_norm=(q_norm.weight, k_norm.weight, 1e-6)
+        )
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(q.float(), q_ref.float(), atol=tol, rtol=tol)
+    assert torch.allclose(k.float(), k_ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(kb[loc], k) and torch.equal(vb[loc], v)
+    with pytest.raises(ValueError):
+        rope_inplace(pos, q, k, rope.cos_sin_cache, qk_norm=(q_norm.weight[:-1], k_norm.weight, 1e-6))

@@ -8,7 +8,9 @@ shared: the aligned blocks are).  Tuned tables live in
 ``configs/`` as JSON files named by ``config_file_name`` (experts, expert
 width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
 as ``_``), each mapping a token count ``M`` (as a string) to a config; a
-lookup takes the entry of the nearest ``M``.  Without a file for the shape
+lookup takes the entry of the nearest ``M``.  A config ``{"gemv": {...}}`` (``GEMV_CONFIG``: column
+and reduction blocks and warps of the gate/up and down GEMVs) selects the alignment-free GEMV kernels,
+which ``get_config`` picks for decode batches of at most ``GEMV_MAX_PAIRS`` pairs.  Without a file for the shape
 and GPU, ``default_config`` applies.  A tuner (``bench/``) writes the files.
 """
 
@@ -66,9 +68,27 @@ def default_config(m: int, num_experts: int, top_k: int) -> dict:
     return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
 
 
+# At most this many (token, expert) pairs run the GEMV kernels (``{"gemv": GEMV_CONFIG}``): one program per
+# pair reads its expert's weights, so two pairs of one expert read them twice, and past a few pairs the
+# aligned GEMMs (which read each active expert once) win; chosen with ``bench/moe_layer.py --gemv-sweep``.
+GEMV_MAX_PAIRS = 16
+GEMV_CONFIG = dict(
+    BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, down_num_warps=4
+)
+
+
 def get_config(
     m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
 ) -> dict:
+    if m * top_k <= GEMV_MAX_PAIRS:
+        return {"gemv": dict(GEMV_CONFIG)}
+    return aligned_config(m, num_experts, intermediate_size, top_k, dtype, device_name)
+
+
+def aligned_config(
+    m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
+) -> dict:
+    """The aligned GEMMs' config for ``m`` tokens: the tuned table's nearest entry, else ``default_config``."""
     table = load_table(num_experts, intermediate_size, dtype, device_name)
     if table:
         return table[min(table, key=lambda k: abs(k - m))]

@@ -137,18 +137,12 @@ class FusedMoE(nn.Module):
             self._runners[x.device.type] = runner
         return runner
 
-    def count_routed(self, ids: torch.Tensor) -> None:
-        """Add ``ids`` (global expert ids ``[M, k]``) to the expert-load counter (device ops only)."""
+    def _counts(self, device: torch.device) -> torch.Tensor:
+        """The expert-load counter (``[E]`` int64 on ``device``), made on the first forward."""
         counts = self._expert_tokens
-        if counts is None or counts.device != ids.device:
-            counts = self._expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
-        flat = ids.reshape(-1).long()
-        if self._rows_slots is None:  # eager forwards have no padding rows
-            add = torch.ones_like(flat)
-        else:  # a CUDA graph: padding rows (KV slot 0) add nothing, read at every replay
-            real = (self._rows_slots[: ids.shape[0]] != 0).long()
-            add = real.unsqueeze(1).expand(-1, ids.shape[1]).reshape(-1)
-        counts.scatter_add_(0, flat, add)
+        if counts is None or counts.device != device:
+            counts = self._expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return counts
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed to each expert since start (or the last ``reset_expert_load_``): int64 ``[E]`` on CPU."""
@@ -164,9 +158,8 @@ class FusedMoE(nn.Module):
     def route(self, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[MoERunner, torch.Tensor, torch.Tensor]:
         """The runner, routing weights and global expert ids for ``x``; counted in the expert load."""
         runner = self.runner_for(x)
-        weights, ids = runner.select_experts(router_logits, self.top_k, self.renormalize)
-        self.count_routed(ids)
-        return runner, weights, ids
+        counts = self._counts(router_logits.device)
+        return runner, *runner.select_experts(router_logits, self.top_k, self.renormalize, counts, self._rows_slots)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         runner, weights, ids = self.route(x, router_logits)

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from kvship.engine.layers.moe.topk import select_experts
+from kvship.engine.layers.moe.topk import count_routed, select_experts
 
 
 class MoERunner(ABC):
@@ -52,11 +52,20 @@ class MoERunner(ABC):
         ``topk_ids`` int ``[M, k]`` -> ``[M, H]`` in ``x.dtype``; with ``absent``, ids of ``-1`` add nothing."""
 
     def select_experts(
-        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        counts: Optional[torch.Tensor] = None,
+        rows_slots: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing for this runner's ``__call__`` (``topk.select_experts``'s contract); a runner may
-        override it with a fused kernel."""
-        return select_experts(router_logits, top_k, renormalize)
+        """Routing for this runner's ``__call__`` (``topk.select_experts``'s contract), adding the picks to
+        the expert-load ``counts`` when given (``topk.count_routed``); a runner may override it with a fused
+        kernel."""
+        weights, ids = select_experts(router_logits, top_k, renormalize)
+        if counts is not None:
+            count_routed(counts, ids, rows_slots)
+        return weights, ids
 
 
 _REGISTRY: dict[str, Callable[[], MoERunner]] = {}

@@ -5,9 +5,14 @@ experts (in float32), the ``top_k`` largest probabilities, divided by their
 sum when ``renormalize`` (Mixtral always; Qwen-MoE when ``norm_topk_prob``).
 Returns float32 weights ``[M, top_k]`` and int32 ids ``[M, top_k]``; no host
 synchronisation, so it runs inside a CUDA graph.
+
+``count_routed(counts, ids, rows_slots)``: the expert-load counter update
+(``FusedMoE``, docs/parallel.md "Expert load"), device ops only.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -18,3 +23,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def count_routed(counts: torch.Tensor, ids: torch.Tensor, rows_slots: Optional[torch.Tensor] = None) -> None:
+    """Add one to ``counts [E]`` (int64) per pick in ``ids [M, k]``; with ``rows_slots`` (a CUDA graph's static
+    KV-slot buffer, read at every replay) rows writing slot 0 are padding and add nothing."""
+    flat = ids.reshape(-1).long()
+    if rows_slots is None:  # eager forwards have no padding rows
+        add = torch.ones_like(flat)
+    else:
+        real = (rows_slots[: ids.shape[0]] != 0).long()
+        add = real.unsqueeze(1).expand(-1, ids.shape[1]).reshape(-1)
+    counts.scatter_add_(0, flat, add)

@@ -160,6 +160,94 @@ def _down_kernel(
 
 
 @triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    num_experts,
+    inter_size,
+    hidden_size,
+    top_k: tl.constexpr,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one (token, expert) pair x BLOCK_N columns of gate and up: a GEMV, no alignment (few pairs per step)
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):  # absent (another rank's expert): its row is never read
+        return
+    row = (pair // top_k).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    x_ptrs = x_ptr + row * stride_xm + offs_k
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        mask_k = offs_k < hidden_size - k0 * BLOCK_K
+        a = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        m2 = mask_n[:, None] & mask_k[None, :]
+        acc_g += tl.load(g_ptrs, mask=m2, other=0.0).to(tl.float32) * a[None, :]
+        acc_u += tl.load(u_ptrs, mask=m2, other=0.0).to(tl.float32) * a[None, :]
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    h = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _down_sum_gemv_kernel(
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    y_ptr,
+    num_experts,
+    hidden_size,
+    inter_size,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_ym,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one token x BLOCK_N output columns: its TOP_K experts' down GEMVs, weighted and summed in float32
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + m * TOP_K + j).to(tl.int64)
+        present = (expert >= 0) & (expert < num_experts)
+        route_w = tl.load(weights_ptr + m * TOP_K + j)
+        expert = tl.where(present, expert, 0)
+        h_ptrs = h_ptr + (m * TOP_K + j) * stride_hm + offs_k
+        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        for k0 in range(0, tl.cdiv(inter_size, BLOCK_K) * present.to(tl.int32)):  # an absent expert: no loop
+            mask_k = offs_k < inter_size - k0 * BLOCK_K
+            a = tl.load(h_ptrs, mask=mask_k, other=0.0).to(tl.float32) * route_w
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            acc += w * a[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     sorted_ids_ptr,
@@ -230,12 +318,20 @@ def _route_kernel(
     ids_ptr,
     num_experts,
     stride_l,
+    counts_ptr,
+    slots_ptr,
     TOP_K: tl.constexpr,
     EXPERTS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    COUNT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
-    # one program per token: softmax over the experts, the TOP_K largest (descending, lowest index on ties)
+    # one program per token: softmax over the experts, the TOP_K largest (descending, lowest index on ties);
+    # COUNT: each pick adds one to its expert's load counter (a row writing KV slot 0 is padding: nothing)
     row = tl.program_id(0)
+    real = 1
+    if HAS_SLOTS:
+        real = (tl.load(slots_ptr + row) != 0).to(tl.int64)
     e = tl.arange(0, EXPERTS)
     logits = tl.load(logits_ptr + row * stride_l + e, mask=e < num_experts, other=-float("inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
@@ -247,6 +343,8 @@ def _route_kernel(
         idx = tl.min(tl.where(remaining == best, e, EXPERTS), axis=0)
         tl.store(weights_ptr + row * TOP_K + j, best)
         tl.store(ids_ptr + row * TOP_K + j, idx)
+        if COUNT:
+            tl.atomic_add(counts_ptr + idx, real, sem="relaxed")
         total += best
         remaining = tl.where(e == idx, -1.0, remaining)
     if RENORMALIZE:
@@ -255,8 +353,15 @@ def _route_kernel(
         tl.store(weights_ptr + row * TOP_K + k, w / total)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk.select_experts`` in one kernel (float32 weights, int32 ids ``[M, top_k]``); top_k a power of 2."""
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: Optional[torch.Tensor] = None,
+    rows_slots: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk.select_experts`` in one kernel (float32 weights, int32 ids ``[M, top_k]``); top_k a power of 2.
+    With ``counts`` (int64 ``[E]``) the same kernel adds the picks to it as ``topk.count_routed`` does."""
     m, num_experts = router_logits.shape
     weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
@@ -264,7 +369,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         _route_kernel[(m,)](
             logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, num_warps=1,
+            ids if counts is None else counts, ids if rows_slots is None else rows_slots,
+            TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+            COUNT=counts is not None, HAS_SLOTS=rows_slots is not None, num_warps=1,
         )  # fmt: skip
     return weights, ids
 
@@ -311,6 +418,8 @@ def fused_experts(
         raise ValueError("expert weights must be contiguous in their last dim")
     x = x.contiguous()
     cfg = config or get_config(m, num_experts, inter, top_k, x.dtype, _device_name(x.device))
+    if "gemv" in cfg:
+        return _fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, cfg["gemv"])
     bm, bn, bk, gm = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if absent:
@@ -343,12 +452,41 @@ def fused_experts(
     return y
 
 
+def _fused_experts_gemv(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, g: dict
+) -> torch.Tensor:
+    """``fused_experts`` for a few pairs (``kernel_config.GEMV_MAX_PAIRS``): one GEMV program per (pair, column
+    block) for gate/up, then one per (token, column block) that runs the token's ``k`` down GEMVs, weights and
+    sums them: no alignment, no per-pair output, no top-k sum kernel.  Ids outside ``[0, E)`` (``-1``: absent
+    under expert parallelism) add nothing."""
+    m, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
+        x, w13, ids, h, num_experts, inter, hidden, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], num_warps=g["num_warps"], num_stages=g["num_stages"],
+    )  # fmt: skip
+    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    _down_sum_gemv_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
+        h, w2, ids, weights, y, num_experts, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TOP_K=top_k, BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"],
+        num_warps=g["down_num_warps"], num_stages=g["num_stages"],
+    )  # fmt: skip
+    return y
+
+
 @register_moe_runner("triton")
 class TritonMoERunner(MoERunner):
     def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False):
         return fused_experts(x, w13, w2, topk_weights, topk_ids, absent=absent)
 
-    def select_experts(self, router_logits, top_k, renormalize):
+    def select_experts(self, router_logits, top_k, renormalize, counts=None, rows_slots=None):
         if top_k & (top_k - 1) or router_logits.shape[1] > 1024:  # the kernel's shapes: fall back
-            return super().select_experts(router_logits, top_k, renormalize)
-        return route(router_logits, top_k, renormalize)
+            return super().select_experts(router_logits, top_k, renormalize, counts, rows_slots)
+        return route(router_logits, top_k, renormalize, counts, rows_slots)
