@@ -23,7 +23,8 @@ bandwidth at M <= 16, >= 50% of matmul peak at M >= 4096).
 
 ``--gemv-sweep --m 1 2 4`` instead tunes the alignment-free GEMV kernels that
 decode batches of at most ``GEMV_MAX_PAIRS`` pairs run (``kernel_config``)
-and times them against the aligned GEMMs at each M (``moe_gemv_sweep.json``).
+and times them against the aligned GEMMs at each M (``moe_gemv_sweep.json``);
+``--write-table`` merges the winner at each M into this GPU's config table.
 
 ``--ep-size N`` (N GPUs, one spawned process each, NCCL) instead times the
 expert-parallel layer (``kvship.engine.parallel.ep.ParallelFusedMoE``: E/N
@@ -125,12 +126,12 @@ def gemv_sweep(args, weights: list) -> dict[str, Any]:
         aligned = timed(aligned_config(m, e, inter, k, x.dtype, gpu))
         default = timed({"gemv": dict(GEMV_CONFIG)})
         best, best_t = dict(GEMV_CONFIG), default
-        for bn, bk, w, st in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 4)):
+        for bn, bk, w, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4)):
             cfg = dict(best, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
             t = timed({"gemv": cfg})
             if t < best_t:
                 best, best_t = cfg, t
-        for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (4, 8)):
+        for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)):
             cfg = dict(best, DOWN_BLOCK_N=bn, DOWN_BLOCK_K=bk, down_num_warps=w)
             t = timed({"gemv": cfg})
             if t < best_t:
@@ -150,6 +151,39 @@ def gemv_sweep(args, weights: list) -> dict[str, Any]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"rows": rows}
+
+
+def write_gemv_entries(args, rows: list[dict]) -> str:
+    """Merge the sweep into this GPU's table (``kernel_config.CONFIG_DIR``): at each swept M the GEMV entry
+    where it beat the aligned GEMMs, else the aligned entry stays (or the default is written, so a lookup
+    near that M does not fall on a GEMV entry).  Returns the file's path."""
+    from kvship.engine.layers.moe.kernel_config import (
+        CONFIG_DIR,
+        aligned_config,
+        config_file_name,
+        load_table,
+    )
+
+    gpu = torch.cuda.get_device_name()
+    name = config_file_name(args.experts, args.inter, torch.bfloat16, gpu)
+    path = os.path.join(CONFIG_DIR, name)
+    table = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            table = json.load(f)
+    for r in rows:
+        m = r["m"]
+        if r["gemv_best_us"] < r["aligned_us"]:
+            table[str(m)] = {"gemv": r["gemv_best"]}
+        else:
+            table[str(m)] = aligned_config(m, args.experts, args.inter, args.topk, torch.bfloat16, gpu)
+    table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    load_table.cache_clear()
+    print(f"wrote {path}")
+    return path
 
 
 def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
@@ -253,6 +287,9 @@ def main() -> None:
     ap.add_argument(
         "--gemv-sweep", action="store_true", help="tune the GEMV kernels' blocks at each --m against the aligned path"
     )
+    ap.add_argument(
+        "--write-table", action="store_true", help="with --gemv-sweep: merge the winners into this GPU's config table"
+    )
     args = ap.parse_args()
     if args.ep_size > 1:
         ep_main(args)
@@ -277,6 +314,8 @@ def main() -> None:
                 f"gemv default {r['gemv_default_us']:.1f} us, best {r['gemv_best_us']:.1f} us "
                 f"({r['gemv_best_bytes_per_s'] / copy_bw:.0%}) with {r['gemv_best']}"
             )
+        if args.write_table:
+            result["table"] = write_gemv_entries(args, result["rows"])
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "moe_gemv_sweep.json"), "w") as f:

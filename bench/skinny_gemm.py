@@ -46,13 +46,16 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
     d = c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     h, i = c["hidden_size"], c["intermediate_size"]
-    return {
+    out = {
         "qkv_proj": (q + 2 * kv, h, sg.ACT_NONE),
         "o_proj": (h, q, sg.ACT_NONE),
         "gate_up_proj": (2 * i, h, sg.ACT_NONE),
         "down_proj": (h, i, sg.ACT_SILU_MUL),
         "lm_head": (c["vocab_size"], h, sg.ACT_NONE),
     }
+    if "num_experts" in c:  # MoE shapes: the router (its experts run the fused-MoE kernels, bench/moe_layer.py)
+        out["router"] = (c["num_experts"], h, sg.ACT_NONE)
+    return out
 
 
 def candidates(m: int, wide: bool = False) -> list[sg.SkinnyConfig]:

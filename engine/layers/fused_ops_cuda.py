@@ -216,7 +216,10 @@ def _rope_kernel(
     NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # program (token t, head block hb): blocks [0, NQB) rotate q heads, the rest k heads (and store k, v)
     t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    NQB: tl.constexpr = (NUM_Q + BLOCK_H - 1) // BLOCK_H
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
     heads = tl.arange(0, BLOCK_H)
@@ -224,8 +227,8 @@ def _rope_kernel(
     pos = tl.load(positions + t).to(tl.int64)
     cos = tl.load(cos_sin + pos * stride_cs + offs, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)
-    for h0 in range(0, NUM_Q, BLOCK_H):
-        hh = h0 + heads
+    if hb < NQB:
+        hh = hb * BLOCK_H + heads
         m = (hh < NUM_Q)[:, None] & d_mask[None, :]
         p = q + t * stride_qt + hh[:, None] * stride_qh + offs[None, :]
         x1 = tl.load(p, mask=m, other=0.0)
@@ -236,10 +239,8 @@ def _rope_kernel(
         f2 = x2.to(tl.float32)
         tl.store(p, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=m)
         tl.store(p + HALF, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=m)
-    if STORE:
-        slot = tl.load(loc + t).to(tl.int64)
-    for h0 in range(0, NUM_K, BLOCK_H):
-        hh = h0 + heads
+    else:
+        hh = (hb - NQB) * BLOCK_H + heads
         m = (hh < NUM_K)[:, None] & d_mask[None, :]
         p = k + t * stride_kt + hh[:, None] * stride_kh + offs[None, :]
         x1 = tl.load(p, mask=m, other=0.0)
@@ -253,6 +254,7 @@ def _rope_kernel(
         tl.store(p, r1, mask=m)
         tl.store(p + HALF, r2, mask=m)
         if STORE:
+            slot = tl.load(loc + t).to(tl.int64)
             # the pool row is [Hkv, D] contiguous: head hh starts at hh * 2 * HALF
             kb = k_buf + slot * stride_kb + hh[:, None] * (2 * HALF) + offs[None, :]
             tl.store(kb, r1.to(k_buf.dtype.element_ty), mask=m)
@@ -288,7 +290,8 @@ def rope_inplace(
     if t == 0:
         return q, k
     half = d // 2
-    block_h = min(16, triton.next_power_of_2(max(hq, hk)))
+    # a few heads per program: a decode step's handful of tokens still spreads over several SMs
+    block_h = min(8, triton.next_power_of_2(max(hq, hk)))
     if store is not None:
         v, k_buf, v_buf, loc = store
         if (
@@ -312,7 +315,7 @@ def rope_inplace(
     else:
         nv = (q, k, 0.0)
     pdl = use_pdl(q)
-    _rope_kernel[(t,)](
+    _rope_kernel[(t, triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h))](
         q,
         k,
         positions,

@@ -8,10 +8,11 @@ shared: the aligned blocks are).  Tuned tables live in
 ``configs/`` as JSON files named by ``config_file_name`` (experts, expert
 width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
 as ``_``), each mapping a token count ``M`` (as a string) to a config; a
-lookup takes the entry of the nearest ``M``.  A config ``{"gemv": {...}}`` (``GEMV_CONFIG``: column
-and reduction blocks and warps of the gate/up and down GEMVs) selects the alignment-free GEMV kernels,
-which ``get_config`` picks for decode batches of at most ``GEMV_MAX_PAIRS`` pairs.  Without a file for the shape
-and GPU, ``default_config`` applies.  A tuner (``bench/``) writes the files.
+lookup takes the entry of the nearest ``M``.  An entry ``{"gemv": {...}}`` (keys of ``GEMV_CONFIG``:
+column and reduction blocks and warps of the gate/up and down GEMVs) selects the alignment-free GEMV
+kernels instead (``bench/moe_layer.py --gemv-sweep --write-table`` puts them where they win).  Without a
+file for the shape and GPU, decode batches of at most ``GEMV_MAX_PAIRS`` pairs take the GEMV kernels with
+``GEMV_CONFIG`` and larger ones ``default_config``.  A tuner (``bench/``) writes the files.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def load_table(num_experts: int, intermediate_size: int, dtype: torch.dtype, dev
 
 
 def _parse(cfg: dict) -> dict:
+    if "gemv" in cfg:
+        return {"gemv": {k: int(cfg["gemv"][k]) for k in GEMV_KEYS}}
     out: dict = {k: int(cfg[k]) for k in KEYS}
     if "down" in cfg:
         out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
@@ -71,25 +74,33 @@ def default_config(m: int, num_experts: int, top_k: int) -> dict:
 # At most this many (token, expert) pairs run the GEMV kernels (``{"gemv": GEMV_CONFIG}``): one program per
 # pair reads its expert's weights, so two pairs of one expert read them twice, and past a few pairs the
 # aligned GEMMs (which read each active expert once) win; chosen with ``bench/moe_layer.py --gemv-sweep``.
+# Without a tuned table: GEMV_CONFIG (the H100's best at M = 1 for E=128, I=768, top-8) up to this many pairs.
 GEMV_MAX_PAIRS = 16
 GEMV_CONFIG = dict(
-    BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, down_num_warps=4
+    BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=4, DOWN_BLOCK_N=8, DOWN_BLOCK_K=512, down_num_warps=8
 )
+GEMV_KEYS = tuple(GEMV_CONFIG)
 
 
 def get_config(
     m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
 ) -> dict:
+    """The config for ``m`` tokens: the tuned table's nearest entry (aligned GEMMs or ``{"gemv": ...}``), else
+    the GEMV kernels for at most ``GEMV_MAX_PAIRS`` pairs and ``default_config`` above."""
+    table = load_table(num_experts, intermediate_size, dtype, device_name)
+    if table:
+        return table[min(table, key=lambda k: abs(k - m))]
     if m * top_k <= GEMV_MAX_PAIRS:
         return {"gemv": dict(GEMV_CONFIG)}
-    return aligned_config(m, num_experts, intermediate_size, top_k, dtype, device_name)
+    return default_config(m, num_experts, top_k)
 
 
 def aligned_config(
     m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
 ) -> dict:
-    """The aligned GEMMs' config for ``m`` tokens: the tuned table's nearest entry, else ``default_config``."""
-    table = load_table(num_experts, intermediate_size, dtype, device_name)
+    """The aligned GEMMs' config for ``m`` tokens: the nearest tuned aligned entry, else ``default_config``."""
+    table = load_table(num_experts, intermediate_size, dtype, device_name) or {}
+    table = {k: v for k, v in table.items() if "gemv" not in v}
     if table:
         return table[min(table, key=lambda k: abs(k - m))]
     return default_config(m, num_experts, top_k)
