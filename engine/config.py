@@ -143,6 +143,11 @@ class ServerArgs:
         "Prefill: compute a prompt only once decode registered its room (no prefill compute or KV for rooms "
         "decode cannot take yet; adds decode's registration to the time to first token)",
     )
+    disaggregation_layerwise: bool = opt(
+        True,
+        "Prefill: when decode registered the room before a prompt's last chunk computes, write each layer's KV "
+        "while later layers compute (docs/pd.md, 'Layer-wise transfer'); off: the whole prompt after the forward",
+    )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
 
     @property

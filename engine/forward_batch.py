@@ -76,6 +76,10 @@ class ForwardBatch:
     capture_hidden: Optional[tuple[int, ...]] = None
     # attention backends keep their per-step metadata here
     attn_metadata: Any = field(default=None, repr=False)
+    # called with a layer's id once that layer's attention stored the new tokens' K/V (on CUDA: queued on the
+    # current stream); None = no call.  A prefill worker ships early layers while later ones compute
+    # (docs/pd.md, "Layer-wise transfer")
+    layer_done: Optional[Callable[[int], None]] = field(default=None, repr=False)
 
     def default_logits_indices(self) -> torch.Tensor:
         """Index of the last new token of each request in the packed tokens."""

@@ -27,6 +27,11 @@ Life cycle of a request (see ``kvship.prefill`` for the whole picture)::
   request (EOS, a stop token, ``max_new_tokens`` 1) or the request has stop
   strings or a grammar (docs/pd.md, "The first token from prefill").  A failed transfer
   finishes the request with an ``abort`` naming the reason.
+* Layer-wise transfer (docs/pd.md): when decode registered the room before
+  the prompt's last chunk computes, the sender writes each layer as the
+  forward stores it (``kvship.prefill.layerwise``); the request then enters
+  ``InflightQueue`` when that forward starts, and ``send`` after it adds the
+  first token.  ``--no-disaggregation-layerwise`` turns it off.
 * Slots: a request's KV is pinned from its extend until the sender reaches a
   terminal state, then handed to the radix cache, so later requests sharing
   the prefix skip that compute.  An abort while the transfer is in flight
@@ -44,11 +49,23 @@ from typing import Optional
 from kvship.engine.disagg import AuxInfo, KVPoll
 from kvship.engine.disagg.pd_role import PDRole, PDScheduler
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, nan_if_none, request_pages, room_problem
+from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
-from kvship.engine.schedule_batch import Req
+from kvship.engine.schedule_batch import Req, ScheduleBatch
+from kvship.prefill.layerwise import LayerwiseWatch
 from kvship.prefill.queues import BootstrapQueue, ComputingQueue, InflightQueue, unregistered_rooms
 
 logger = logging.getLogger(__name__)
+
+# the sender's stamps -> the request's trace (docs/pd.md, "Reading a request's trace")
+_SENDER_STAMPS = {
+    "registered": "room_registered",
+    "transfer_start": "kv_send_start",
+    "layers_first": "kv_layers_first",
+    "layers_last": "kv_layers_last",
+    "tail_start": "kv_tail_start",
+    "transfer_end": "kv_send_end",
+}
 
 
 class PrefillRole(PDRole):
@@ -58,6 +75,8 @@ class PrefillRole(PDRole):
 
     def init_stages(self) -> tuple[PDStageQueue, ...]:
         self.wait_for_room = self.s.server_args.disaggregation_prefill_wait_for_room
+        self.layerwise = self.s.server_args.disaggregation_layerwise and self.kv_manager.config.layerwise
+        self.num_layers = int(self.s.runner.kv_pool.num_layers)
         self.bootstrap_queue = BootstrapQueue()
         self.inflight_queue = InflightQueue()
         # rooms whose prompt waits / computes in the scheduler's queues; not a stage of ``PDRole``: an abort
@@ -111,13 +130,27 @@ class PrefillRole(PDRole):
             self.counters["failed"] += 1
             self.guarded(entry, self.s.abort_request, entry.rid, entry.failure())
         for entry, state in done:
-            names = {"registered": "room_registered", "transfer_start": "kv_send_start", "transfer_end": "kv_send_end"}
-            self.stamp_transfer(entry, names)
+            self.stamp_transfer(entry, _SENDER_STAMPS)
             self.stamp(entry.rid, "transfer_done")
             if state == KVPoll.Success and entry.abort_reason is None:
                 self.guarded(entry, self._finish_transferred, entry)
-            else:  # prefill's own KV is valid: it still goes to the radix cache
-                self.guarded(entry, self.fail_entry, entry, entry.failure(), True)
+            else:  # prefill's own KV is valid (unless a layer-wise room's forward failed): to the radix cache
+                self.guarded(entry, self.fail_entry, entry, entry.failure(), entry.extra.get("computed", True))
+
+    def watch_forward(self, batch: ScheduleBatch) -> Optional[LayerwiseWatch]:
+        """A forward that computes a prompt's last chunk ships its layers as they are stored (docs/pd.md,
+        "Layer-wise transfer"), when layer-wise is on and some prompt of the batch waits for it."""
+        if not self.layerwise or batch.forward_mode != ForwardMode.EXTEND or not self.computing:
+            return None
+        return LayerwiseWatch(self, batch)
+
+    def abort(self, rid: str, message: str) -> bool:
+        entry = self.inflight_queue.get(rid)
+        if entry is not None and entry.extra.get("computed") is False:
+            # a layer-wise room whose forward failed (the scheduler fails its batch): the request leaves the
+            # compute queues now, its slots go once the sender lets go of them
+            self.s.queues.detach(entry.req)
+        return super().abort(rid, message)
 
     def _finish_transferred(self, entry: PDEntry) -> None:
         self.counters["transferred"] += 1
@@ -127,10 +160,11 @@ class PrefillRole(PDRole):
         self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
     ) -> bool:
         """The prompt is computed: send its pages and the first token (stage 2 -> 3)."""
-        entry = self.computing.remove(req.rid)
+        entry = self.computing.remove(req.rid) or self.inflight_queue.get(req.rid)  # inflight: layer-wise
         if entry is None:
             self.s.finish(req, FinishReason.abort("internal error: prefill request without a KV sender"))
             return True
+        entry.extra["computed"] = True
         n = len(req.origin_input_ids)
         s = self.s
         pages = request_pages(s.req_to_token_pool.read(req.req_pool_idx, 0, n), s.page_size)
@@ -183,6 +217,7 @@ class PrefillRole(PDRole):
             "bootstrap_queue": len(self.bootstrap_queue) + unregistered_rooms(self.computing, self.inflight_queue),
             "prefill_waiting_queue": len(self.computing),
             "inflight_queue": len(self.inflight_queue),
+            "kv_transfers_layerwise": self.counters["layerwise"],
         }
 
 

@@ -45,6 +45,7 @@ import torch
 from kvship.common.cli_args import opt
 
 if TYPE_CHECKING:
+    from kvship.engine.disagg.layerwise import LayerProgress
     from kvship.engine.disagg.wire import AuxRecord, KVLayout
 
 
@@ -86,6 +87,9 @@ class KVTransferConfig:
     connect_timeout: float = opt(10.0, "Decode: TCP connect timeout to a prefill bootstrap server")
     checksum: bool = opt(False, "Decode asks for a per-request KV checksum and verifies it")
     transfer_threads: int = opt(2, "Prefill: threads that run transfers")
+    layerwise: bool = opt(
+        True, "Prefill: write a prompt's KV layer by layer while its last chunk computes (docs/pd.md, Layer-wise)"
+    )
     max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
     tp_size: int = opt(1, "Tensor-parallel size of this worker (the peer's may differ: heads are sliced)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
@@ -123,6 +127,7 @@ class KVTransferConfig:
             bootstrap_timeout=args.disaggregation_bootstrap_timeout,
             waiting_timeout=args.disaggregation_waiting_timeout,
             checksum=args.kv_transfer_checksum,
+            layerwise=args.disaggregation_layerwise,
             max_inflight=max(4096, 2 * args.max_running_requests),
         )
         try:
@@ -343,6 +348,7 @@ class KVSender(ABC):
         s = manager.create_sender(room)   # Bootstrapping until decode registered the room
         s.poll()                          # -> WaitingForInput: decode's pages are known
         ... run the prompt's extends, sample the first token, synchronize the device ...
+        s.send_layerwise(src_pages, ready, progress)   # optional, right before the last chunk's forward
         s.send(src_pages, AuxInfo(first_token_id, logprob, prompt_len))   # -> Transferring
         s.poll()                          # -> Success | Failed, then free or cache the pages
         s.abort(reason)                   # any time
@@ -365,6 +371,21 @@ class KVSender(ABC):
     @abstractmethod
     def send(self, src_pages: Sequence[int], aux: AuxInfo) -> None:
         """Ship these pages (prompt order) and the aux record.  Call once."""
+
+    def send_layerwise(self, src_pages: Sequence[int], ready_pages: int, progress: "LayerProgress") -> bool:
+        """Start shipping ``src_pages`` while the forward that computes their last chunk runs.
+
+        Call right before that forward (its KV slots allocated); ``progress`` hears of each
+        layer's K/V as the forward stores them.  The first ``ready_pages`` pages were complete
+        before it (earlier chunks, cached prefix) and may go at once; the others go layer by
+        layer.  ``send(src_pages, aux)`` with the same pages still follows the forward (the
+        aux record and done signal go after every layer).  False (nothing started, nothing
+        changed) where it cannot apply: not every decode rank registered yet, a checksum was
+        asked for, layer-wise is off, or no transfer thread can be spared; ``send`` then ships
+        the whole request as usual.  Aborts and failures behave as for ``send``; an abandoned
+        ``progress`` (the forward raised) fails the room.
+        """
+        return False
 
     @abstractmethod
     def abort(self, reason: str = "aborted") -> None:

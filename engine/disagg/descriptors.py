@@ -92,6 +92,16 @@ def concat_descs(parts: Sequence[TransferDescs]) -> TransferDescs:
     )
 
 
+def select_layers(descs: TransferDescs, num_layers: int, first: int, end: int) -> TransferDescs:
+    """The descriptors of K/V buffers of layers ``[first, end)`` (K of layer i is region i, V is
+    ``num_layers + i``), in order."""
+    layer = descs.src_region % num_layers
+    keep = (descs.src_region < 2 * num_layers) & (layer >= first) & (layer < end)
+    return TransferDescs(
+        *(getattr(descs, f)[keep] for f in ("src_region", "src_off", "dst_region", "dst_off", "length"))
+    )
+
+
 def aux_descs(src_region: int, src_slot: int, dst_region: int, dst_slot: int, record_bytes: int) -> TransferDescs:
     one = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
     return TransferDescs(

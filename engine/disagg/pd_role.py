@@ -117,6 +117,9 @@ class PDRole(ABC):
     ) -> bool:
         return False
 
+    def watch_forward(self, batch: Any) -> Optional[Any]:
+        return None
+
     def abort(self, rid: str, message: str) -> bool:
         entry = self.stages[0].remove(rid)
         if entry is not None:  # no slots yet, or none the transfer layer can touch

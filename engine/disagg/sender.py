@@ -10,6 +10,17 @@ Life cycle of a room on prefill::
         -> Done (control plane, if the backend's done is not in-band) -> Success
     any failure / abort -> Failed (only once no backend call reads the pages)
 
+Layer-wise (``send_layerwise`` right before the forward of the prompt's last
+chunk, decode registered; docs/pd.md, "Layer-wise transfer")::
+
+    send_layerwise(src_pages, ready, progress) --> queued --> transfer thread:
+        Started -> pages [0, ready) of every layer -> for each run of stored layers
+        (``LayerProgress.wait``): the other pages of those layers
+        -> waits for send(src_pages, aux) -> [per-slot features] -> aux (+ done) -> Success
+
+At most ``transfer_threads - 1`` rooms go layer-wise at once (each holds its
+thread until its forward ends), so one thread stays free for whole sends.
+
 With tensor parallelism every decode rank registers the room with every
 prefill rank (docs/parallel.md); a sender waits for all of decode's ranks
 (its tp size comes with the first registration's ``Hello``) and writes each the
@@ -50,10 +61,12 @@ from kvship.engine.disagg.base import (
     MemoryRegion,
     SlotFeatures,
     TransferBackend,
+    TransferDescs,
     advertise_host,
 )
 from kvship.engine.disagg.bootstrap import BootstrapServer, FramedConnection
 from kvship.engine.disagg.checksum import ALGORITHMS, kv_checksum_heads
+from kvship.engine.disagg.layerwise import LayerProgress
 from kvship.engine.disagg.tp_slices import head_slice, slice_kv_descs
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
@@ -99,7 +112,9 @@ class PrefillSender(KVSender):
     ``stamps`` holds the wall-clock times (``time.time()``) of the room's steps on this side, for the
     request's trace (docs/pd.md, "Reading a request's trace"): ``registered`` (decode's destination
     known), ``transfer_start`` / ``transfer_end`` (a transfer thread took the room / wrote its last byte
-    and done signal).
+    and done signal); layer-wise also ``layers_first`` / ``layers_last`` (the write of the first / last
+    run of stored layers began) and ``tail_start`` (the aux record was there: the features, aux and done
+    go next).
     """
 
     def __init__(self, manager: "PrefillKVManager", room: int):
@@ -117,6 +132,11 @@ class PrefillSender(KVSender):
         self._failed: Optional[str] = None  # failure decided while busy
         self._tell_decode: list[tuple[_DecodePeer, Message]] = []  # sent once not busy
         self._ack_after: list[_DecodePeer] = []  # decode ranks whose abort is acknowledged when done
+        # layer-wise (send_layerwise): the forward's progress, the pages and how many were complete before it
+        self._layers: Optional[LayerProgress] = None
+        self._layer_pages: Optional[np.ndarray] = None
+        self._ready_pages = 0
+        self._cond = threading.Condition(manager.lock)  # the transfer thread waits here for send() or a failure
         self.stamps: dict[str, float] = {}
 
     # -- scheduler API --------------------------------------------------
@@ -140,6 +160,13 @@ class PrefillSender(KVSender):
             self._payload = (pages, aux)
             if self._state.is_terminal:
                 return
+            if self._layers is not None:  # layer-wise: the transfer thread waits for the aux record
+                if not np.array_equal(pages, self._layer_pages):
+                    self._fail_locked(
+                        f"room {self.room}: send() names other pages than send_layerwise()", tell=True, kind="fail"
+                    )
+                self._cond.notify_all()
+                return
             try:
                 D.check_pages(pages, self._m.num_pages, "prefill")
             except KVTransferError as e:
@@ -147,6 +174,30 @@ class PrefillSender(KVSender):
                 return
             if self.registered:
                 self._enqueue_locked()
+
+    def send_layerwise(self, src_pages: Sequence[int], ready_pages: int, progress: LayerProgress) -> bool:
+        pages = D.as_pages(src_pages)
+        m = self._m
+        with m.lock:
+            if (
+                not m.config.layerwise
+                or self._state != KVPoll.WaitingForInput
+                or self._payload is not None
+                or self._layers is not None
+                or any(reg.checksum is not None or reg.pages.size != pages.size for _, reg in self.targets.values())
+                or m.layerwise_rooms() >= m.config.transfer_threads - 1
+            ):
+                return False
+            try:
+                D.check_pages(pages, m.num_pages, "prefill")
+            except KVTransferError:
+                return False  # send() fails the room with the reason
+            self._layers, self._layer_pages = progress, pages
+            self._ready_pages = max(0, min(int(ready_pages), pages.size))
+            self._state = KVPoll.Transferring
+            self._queued = True
+            m.enqueue(self)
+            return True
 
     def abort(self, reason: str = "aborted") -> None:
         with self._m.lock:
@@ -219,6 +270,9 @@ class PrefillSender(KVSender):
         if self._busy:
             self._failed = reason
             self._tell_decode = msgs
+            self._cond.notify_all()  # a layer-wise thread waiting for send() or a layer stops at once
+            if self._layers is not None:
+                self._layers.poke()
             return
         self._finish_locked(KVPoll.Failed, reason)
         for peer, msg in msgs:
@@ -339,6 +393,10 @@ class PrefillKVManager(KVManager):
     def forget(self, s: PrefillSender) -> None:
         if self._senders.get(s.room) is s:
             del self._senders[s.room]
+
+    def layerwise_rooms(self) -> int:
+        """Layer-wise rooms not finished yet (each holds, or will hold, a transfer thread through its forward)."""
+        return sum(1 for s in self._senders.values() if s._layers is not None)
 
     # -- control plane callbacks (connection threads) ----------------------
     def _on_hello(self, conn: FramedConnection, hello: Hello) -> Message:
@@ -471,21 +529,20 @@ class PrefillKVManager(KVManager):
                 s._queued = False
                 s._busy = True
                 targets = sorted(s.targets.items())
-                src_pages, aux = s._payload  # type: ignore[misc]
                 for _, (peer, _reg) in targets:
                     peer.inflight += 1
             error: Optional[str] = None
             try:
-                for _, (peer, reg) in targets:
-                    if self._cancelled(s):
-                        break
-                    try:
-                        self._transfer(index, s, peer, reg, src_pages, aux)
-                    except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
-                        error = f"transfer to decode {peer.peer_id} failed: {e}"
-                        if not isinstance(e, KVTransferError):
-                            logger.exception("KV transfer for room %d failed", s.room)
-                        break
+                if s._layers is not None:
+                    error = self._transfer_layerwise(index, s, [t for _, t in targets])
+                else:
+                    src_pages, aux = s._payload  # type: ignore[misc]
+                    for _, (peer, reg) in targets:
+                        if self._cancelled(s):
+                            break
+                        error = self._guard(s, peer, self._transfer, index, s, peer, reg, src_pages, aux)
+                        if error is not None:
+                            break
             finally:
                 with self.lock:
                     s._busy = False
@@ -509,9 +566,98 @@ class PrefillKVManager(KVManager):
         with self.lock:
             return s._failed is not None
 
+    @staticmethod
+    def _guard(s: PrefillSender, peer: _DecodePeer, fn, *args) -> Optional[str]:
+        """Run one step of a transfer to ``peer``; its failure as the room's reason (None: it went well)."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
+            if not isinstance(e, KVTransferError):
+                logger.exception("KV transfer for room %d failed", s.room)
+            return f"transfer to decode {peer.peer_id} failed: {e}"
+        return None
+
+    def _kv_descs(self, peer: _DecodePeer, src_pages: np.ndarray, dst_pages: np.ndarray) -> Optional[TransferDescs]:
+        """The K/V bytes of these pages this rank writes into decode rank ``peer`` (its KV heads,
+        ``tp_slices.head_slice``), or None when it holds none of them."""
+        layout, dst = self.layout, peer.hello.layout
+        part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
+        if part is None or src_pages.size == 0:
+            return None
+        runs = D.page_runs(src_pages, dst_pages)
+        return slice_kv_descs(
+            runs, layout.num_buffers, layout.page_size, layout.head_bytes, layout.num_kv_heads, dst.num_kv_heads, part
+        )
+
+    def _feature_descs(
+        self, peer: _DecodePeer, src_pages: np.ndarray, dst_pages: np.ndarray
+    ) -> Optional[TransferDescs]:
+        """The per-slot features of these pages for decode rank ``peer``, or None (none travel to it from this
+        rank: replicated, so one rank sends them)."""
+        dst = peer.hello.layout
+        if not peer.features or dst.tp_rank % self.layout.tp_size != self.layout.tp_rank:
+            return None
+        runs = D.page_runs(src_pages, dst_pages)
+        return D.region_descs(runs, self.feature_region, dst.num_buffers, self.layout.feature_page_bytes)
+
+    def _write(self, s: PrefillSender, peer: _DecodePeer, descs: Optional[TransferDescs]) -> None:
+        if descs is None or not len(descs):
+            return
+        D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
+        self.backend.write(peer.peer_id, s.room, descs)
+
+    def _transfer_layerwise(
+        self, index: int, s: PrefillSender, targets: list[tuple[_DecodePeer, Register]]
+    ) -> Optional[str]:
+        """A layer-wise room (see the module docstring); the failure reason, or None when it went well or was
+        cancelled (the room's failure is already decided then)."""
+        s.stamps["transfer_start"] = time.time()
+        pages, ready, progress = s._layer_pages, s._ready_pages, s._layers
+        assert pages is not None and progress is not None
+        num_layers = self.layout.num_layers
+        plans = []
+        for peer, reg in targets:
+            peer.conn.send(Started(room=s.room))
+            error = self._guard(s, peer, self._write, s, peer, self._kv_descs(peer, pages[:ready], reg.pages[:ready]))
+            if error is not None or self._cancelled(s):
+                return error
+            plans.append((peer, self._kv_descs(peer, pages[ready:], reg.pages[ready:])))
+        written = 0
+        while written < num_layers:
+            end = progress.wait(written, lambda: self._cancelled(s))
+            if self._cancelled(s):
+                return None
+            if end == 0:
+                return f"the prefill forward failed before layer {written} was stored"
+            now = time.time()
+            s.stamps.setdefault("layers_first", now)
+            s.stamps["layers_last"] = now
+            for peer, descs in plans:
+                part = None if descs is None else D.select_layers(descs, num_layers, written, end)
+                error = self._guard(s, peer, self._write, s, peer, part)
+                if error is not None:
+                    return error
+            written = end
+        with self.lock:
+            s._cond.wait_for(lambda: s._payload is not None or s._failed is not None)
+            if s._failed is not None:
+                return None
+            src_pages, aux = s._payload  # type: ignore[misc]
+        s.stamps["tail_start"] = time.time()
+        for peer, reg in targets:
+            if self._cancelled(s):
+                return None
+            error = self._guard(s, peer, self._write, s, peer, self._feature_descs(peer, src_pages, reg.pages))
+            error = error or self._guard(s, peer, self._finish_peer, index, s, peer, reg, src_pages, aux, None)
+            if error is not None:
+                return error
+        s.stamps["transfer_end"] = time.time()
+        return None
+
     def _transfer(
         self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray, aux: AuxInfo
     ) -> None:
+        """The whole request to one decode rank: its KV heads (and features) in one batch, aux, done."""
         layout = self.layout
         s.stamps["transfer_start"] = time.time()
         dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
@@ -524,22 +670,11 @@ class PrefillKVManager(KVManager):
                 checksum = kv_checksum_heads(
                     self.buffers, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
                 )
-        runs = D.page_runs(src_pages, reg.pages)
-        parts = []
-        if part is not None:
-            parts.append(
-                slice_kv_descs(
-                    runs,
-                    layout.num_buffers,
-                    layout.page_size,
-                    layout.head_bytes,
-                    layout.num_kv_heads,
-                    dst.num_kv_heads,
-                    part,
-                )
-            )
-        if peer.features and dst.tp_rank % layout.tp_size == layout.tp_rank:  # replicated: one rank sends them
-            parts.append(D.region_descs(runs, self.feature_region, dst.num_buffers, layout.feature_page_bytes))
+        parts = [
+            d
+            for d in (self._kv_descs(peer, src_pages, reg.pages), self._feature_descs(peer, src_pages, reg.pages))
+            if d is not None
+        ]
         if parts:
             descs = D.concat_descs(parts)
             D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
@@ -548,6 +683,20 @@ class PrefillKVManager(KVManager):
             self.backend.write(peer.peer_id, s.room, descs)
         if self._cancelled(s):
             return
+        self._finish_peer(index, s, peer, reg, src_pages, aux, checksum)
+        s.stamps["transfer_end"] = time.time()
+
+    def _finish_peer(
+        self,
+        index: int,
+        s: PrefillSender,
+        peer: _DecodePeer,
+        reg: Register,
+        src_pages: np.ndarray,
+        aux: AuxInfo,
+        checksum: Optional[int],
+    ) -> None:
+        """The aux record, then the done signal (in band, or on the control plane)."""
         record = AuxRecord(
             room=s.room,
             first_token_id=int(aux.first_token_id),
@@ -567,7 +716,6 @@ class PrefillKVManager(KVManager):
         )
         if not in_band and not peer.conn.send(Done(room=s.room)):
             raise KVTransferError(f"decode connection lost before the done signal: {peer.conn.close_reason}")
-        s.stamps["transfer_end"] = time.time()
 
     # -- housekeeping ------------------------------------------------------
     def _housekeeping(self) -> None:

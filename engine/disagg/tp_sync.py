@@ -20,8 +20,9 @@ A prefill manager also shares its bootstrap address with the other ranks at
 construction (rank 0's ``Welcome`` lists them all).
 
 Contract: ``poll()`` is called by the scheduler thread of every rank in the
-same order (the stage queues guarantee it); ``send``, ``init`` and ``abort``
-are local.
+same order (the stage queues guarantee it); ``send``, ``send_layerwise``,
+``init`` and ``abort`` are local (ranks may differ in whether a room goes
+layer-wise: each rank's writes are complete either way).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from kvship.engine.disagg.base import AuxInfo, KVManager, KVPoll, KVReceiver, KVSender
 
 if TYPE_CHECKING:
+    from kvship.engine.disagg.layerwise import LayerProgress
     from kvship.engine.parallel.group import TPGroup
 
 
@@ -71,6 +73,9 @@ class TPTransfer(KVSender, KVReceiver):
 
     def send(self, src_pages: Sequence[int], aux: AuxInfo) -> None:
         self.inner.send(src_pages, aux)
+
+    def send_layerwise(self, src_pages: Sequence[int], ready_pages: int, progress: "LayerProgress") -> bool:
+        return self.inner.send_layerwise(src_pages, ready_pages, progress)  # each rank decides for its own sender
 
     def init(self, dst_pages: Sequence[int]) -> None:
         self.inner.init(dst_pages)

@@ -17,6 +17,8 @@ class Attention(nn.Module):
 
     Model code computes q/k/v (projections, norms, RoPE); where the keys and
     values live and how attention is computed is the backend's business.
+    After the backend returns, the layer's K/V are stored: ``forward_batch.layer_done``
+    (when set) hears of it.
     """
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float):
@@ -30,7 +32,10 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch, save_kv_cache: bool = True
     ) -> torch.Tensor:
-        return forward_batch.attn_backend.forward(q, k, v, self.spec, forward_batch, save_kv_cache)
+        out = forward_batch.attn_backend.forward(q, k, v, self.spec, forward_batch, save_kv_cache)
+        if forward_batch.layer_done is not None:
+            forward_batch.layer_done(self.spec.layer_id)
+        return out
 
     def rope_and_forward(
         self,
@@ -83,7 +88,10 @@ class Attention(nn.Module):
             if stored and fb.forward_mode.is_decode()
             else v.reshape(-1, s.num_kv_heads * s.head_dim).contiguous()
         )
-        return fb.attn_backend.forward(qf, kf, vf, s, fb, not stored)
+        out = fb.attn_backend.forward(qf, kf, vf, s, fb, not stored)
+        if fb.layer_done is not None:
+            fb.layer_done(s.layer_id)
+        return out
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -285,7 +285,8 @@ class Scheduler:
 
     def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
         """Run ``batch`` on the model without waiting for its tokens (``kvship.engine.scheduler.launch``)."""
-        pending = self.launcher.launch(batch, after, defer_sampling)
+        watch = self.role.watch_forward(batch) if batch.forward_mode.is_extend() else None
+        pending = self.launcher.launch(batch, after, defer_sampling, watch)
         self.counters["extend_steps" if batch.forward_mode.is_extend() else "decode_steps"] += 1
         return pending
 

@@ -33,6 +33,9 @@ Contract:
   ended on that token are left unmasked: those requests finish when
   ``after`` is processed and this step's token for them is dropped, as for
   any request that finished.
+* ``watch`` (``RoleHooks.watch_forward``): ``start()`` once the batch's
+  slots are allocated, its result as ``ForwardBatch.layer_done``; ``end(ok)``
+  once the model returned or raised.
 * ``defer_sampling=True`` (the overlapped loop's chained steps): when the
   batch has masks to fill, they fill on the launcher's ``MaskFiller`` thread
   and the launch returns with the sampler not queued yet
@@ -57,6 +60,7 @@ from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 from kvship.engine.grammar.mask import MaskFill, MaskFiller, apply_bitmask, fill_bitmask
 from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
 from kvship.engine.schedule_batch import Req, ScheduleBatch
+from kvship.engine.scheduler.role import ForwardWatch
 
 Results = tuple[list[int], Optional[list[float]], Optional[list[list[tuple[int, float]]]]]
 
@@ -137,7 +141,13 @@ class Launcher:
         h.copy_(t, non_blocking=True)
         return h
 
-    def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
+    def launch(
+        self,
+        batch: ScheduleBatch,
+        after: Optional[Pending] = None,
+        defer_sampling: bool = False,
+        watch: Optional[ForwardWatch] = None,
+    ) -> Pending:
         runner = self.runner
         if batch.forward_mode.is_decode():
             fb = self._decode_forward_batch(batch, after)
@@ -146,8 +156,17 @@ class Launcher:
             fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
         reqs = batch.sampling_reqs
         info = self._sampling_info(reqs) if reqs else None
-        with torch.inference_mode():
-            logits = runner.forward(fb).next_token_logits[:, : self.vocab_size]
+        if watch is not None:
+            fb.layer_done = watch.start()
+        try:
+            with torch.inference_mode():
+                logits = runner.forward(fb).next_token_logits[:, : self.vocab_size]
+        except BaseException:
+            if watch is not None:
+                watch.end(False)
+            raise
+        if watch is not None:
+            watch.end(True)
         if logits.shape[0] != len(reqs):
             raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
         batch.commit()

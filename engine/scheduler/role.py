@@ -21,6 +21,12 @@ Contract per hook:
   computed and its first token sampled.  Return True when the role took the
   request (prefill ships it), False for the usual path (append the token,
   join the running batch).
+* ``watch_forward(batch)``: an extend batch is about to launch.  A role
+  that acts while its forward runs returns a ``ForwardWatch``: the launcher
+  calls ``start()`` once the batch's KV slots are allocated, right before the
+  model runs, and puts what it returns into ``ForwardBatch.layer_done``; then
+  ``end(ok)`` when the model returned (``ok``) or raised (not ``ok``; the
+  batch's requests are failed next).  None: nothing to watch (no cost).
 * ``abort(rid, message)``: return True when the request sits in one of the
   role's stages and the role handled the abort (it finishes the request,
   now or once its transfer lets go of the slots); False lets the scheduler
@@ -36,11 +42,19 @@ Contract per hook:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.io_struct import GenerateRequest
-    from kvship.engine.schedule_batch import Req
+    from kvship.engine.schedule_batch import Req, ScheduleBatch
+
+
+class ForwardWatch(Protocol):
+    """What a role does while one batch's forward runs (``RoleHooks.watch_forward``)."""
+
+    def start(self) -> Optional[Callable[[int], None]]: ...
+
+    def end(self, ok: bool) -> None: ...
 
 
 class RoleHooks(Protocol):
@@ -55,6 +69,8 @@ class RoleHooks(Protocol):
     def on_prompt_done(
         self, req: "Req", token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
     ) -> bool: ...
+
+    def watch_forward(self, batch: "ScheduleBatch") -> Optional[ForwardWatch]: ...
 
     def abort(self, rid: str, message: str) -> bool: ...
 
@@ -87,6 +103,9 @@ class UnifiedRole:
         self, req: "Req", token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
     ) -> bool:
         return False
+
+    def watch_forward(self, batch: "ScheduleBatch") -> Optional[ForwardWatch]:
+        return None
 
     def abort(self, rid: str, message: str) -> bool:
         return False
