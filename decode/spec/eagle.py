@@ -8,24 +8,21 @@ feature is a function of the token prefix exactly like that slot's K/V, so it
 follows the slot through prefix caching and the speculator's slot remapping,
 and freed slots need no cleanup.
 
-Entries.  The head keeps K/V in its own one-layer pool (``draft_pool``), one
-row per request: entry ``j`` holds ``(t_{j+1}, f_j)`` (see ``eagle_head``).
-A request whose sequence is ``t_0 .. t_{L-1}`` (``t_{L-1}`` = the root, not
-yet in the target's cache) needs entries ``0 .. L-2``; a round:
+Entries.  The head keeps K/V in its own one-layer pool (``draft_pool``) and ``topk`` rows of its own
+``ReqToTokenPool`` per request (one per tree branch; every row holds the committed entries): entry ``j``
+holds ``(t_{j+1}, f_j)`` (see ``eagle_head``).  A request whose sequence is ``t_0 .. t_{L-1}`` (``t_{L-1}`` =
+the root, not yet in the target's cache) needs entries ``0 .. L-2``; a round:
 
-1. keeps the row's entries whose tokens still match the sequence (the longest
-   common prefix; rejected drafts of earlier rounds are never entries) and
-   computes the others in one batched extend over all requests (the first
-   round computes the whole prompt; later rounds the accepted tokens and the
-   new root, with the target's features of the verified positions);
-2. the root entry's output gives the depth-1 candidates (top-k, scored by
-   log-probability);
-3. each further step (``steps - 1`` of them) runs the nodes expanded so far as
-   one extend with their tree mask over the committed entries (scratch slots,
-   freed after the step) and scores the children of the deepest expanded
-   nodes: cumulative log-probability; the best ``topk`` are expanded next;
-4. the best ``nodes`` candidates of all depths (parents before children) form
-   the ``DraftTree``.
+1. keeps the row's entries whose tokens still match the sequence (the longest common prefix; rejected
+   drafts of earlier rounds are never entries) and computes the others in one batched extend over all
+   requests (the first round computes the whole prompt; later rounds the accepted tokens and the new root,
+   with the target's features of the verified positions).  Variable lengths: this extend runs eagerly;
+2. expands the tree from the root entry's output, ``steps`` top-k steps as one fixed-shape loop on the
+   device (``eagle_tree.TreeExpansion``: each step one decode forward of ``topk`` frontier nodes per
+   request over their branch rows and the request's scratch slots, reserved with its rows), replayed
+   from CUDA graphs at the captured batch sizes (``graphs.DraftGraphs``) on CUDA with graphs;
+3. reads the best ``nodes`` candidates of all depths (parents before children) as the ``DraftTree`` in
+   one host read.
 
 Drafts are deterministic candidates, so the verify rules of ``verify`` keep
 the output lossless whatever the head predicts.  A request with no draft row
@@ -62,32 +59,16 @@ from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocat
 logger = logging.getLogger(__name__)
 
 
+# verify graphs go up to this batch size (worker.Speculator); the draft graphs follow them
+MAX_GRAPH_BS = 64
+
+
 @dataclass
 class _Row:
-    idx: int
+    rows: list[int]  # draft ReqToTokenPool rows, one per branch; rows[0] is the one the entries extend reads
+    scratch: list[int]  # draft KV slots of the tree nodes: (steps - 1) x topk, reserved for the request's life
     tokens: list[int] = field(default_factory=list)  # t_{j+1} of each committed entry j
     slots: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Cand:
-    token: int
-    parent: int  # index into the request's candidates, -1 = the root
-    depth: int
-    score: float  # cumulative log-probability
-
-
-@dataclass
-class _Work:
-    """One request's draft in progress."""
-
-    row: _Row
-    n_entries: int  # committed entries (= L - 1): the root entry is entries[-1]
-    cands: list[_Cand] = field(default_factory=list)
-    expanded: list[int] = field(default_factory=list)  # candidates run through the head, depth order
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> its output (next input feature)
-    root_hidden: Any = None  # the root entry's output: the depth-1 nodes' input feature
-    root_out: Any = None  # the root entry's hidden for logits
 
 
 class EagleDrafter(Drafter):
@@ -96,9 +77,11 @@ class EagleDrafter(Drafter):
         self.path = server_args.speculative_draft_model_path
         self.steps, self.topk, self.k = server_args.speculative_shape
         self.max_running = server_args.max_running_requests
+        self.use_graphs = not server_args.disable_cuda_graph
         self.rows: dict[str, _Row] = {}
         self.rounds = 0
         self.target: Any = None
+        self.graphs: Any = None
 
     # --- setup ---------------------------------------------------------------
     def _load(self, r: Any) -> None:
@@ -122,20 +105,30 @@ class EagleDrafter(Drafter):
         return SlotFeatures(self.feature_kind, self.features)
 
     def attach(self, target_runner: Any) -> None:
+        from kvship.decode.spec.eagle_tree import TreeExpansion
+
         r = target_runner
         mc = r.model_config
         self._load(r)
         dmc = self.head.cfg.model
+        if self.head.cfg.draft_vocab_size < self.topk:
+            raise ValueError(f"a draft vocabulary of {self.head.cfg.draft_vocab_size} has no top-{self.topk}")
         self.vocab = mc.vocab_size
         r.hidden_capture = HiddenCapture(layers=self.head.cfg.aux_layer_ids, sink=self._store)
-        scratch = self.steps * max(self.topk, 1) + 8  # expanded nodes of one request's tree, with room
+        self.scratch = (self.steps - 1) * self.topk  # KV slots of one request's tree nodes
         rows = self.max_running + 16
         # entries are per request (no prefix sharing): as many as the target's slots plus scratch; requests
         # sharing a cached prefix can outgrow it, and then a round drafts nothing (still lossless)
-        slots = r.max_total_tokens + rows * scratch
+        slots = r.max_total_tokens + rows * self.scratch
         self.pool = KVPool(slots, 1, r.kv_dtype, dmc.num_key_value_heads, dmc.head_dim, 1, r.device)
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, 1)
-        self.r2t = ReqToTokenPool(rows, r.context_len + scratch + 2, r.device)
+        # topk rows per request (its branches) and topk padding rows for the unused slots of a graph batch
+        self.r2t = ReqToTokenPool((rows + 1) * self.topk, r.context_len + self.steps + 2, r.device)
+        pad_rows = [self.r2t.alloc() for _ in range(self.topk)]
+        cuda = torch.device(r.device).type == "cuda"
+        # the draft graphs' batch sizes, also when graphs are off: the Triton decode kernel picks its splits by
+        # the size a batch pads to, so eager and replayed draft steps compute alike
+        sizes = [b for b in r.attn_context.cuda_graph_bs if b <= min(self.max_running, MAX_GRAPH_BS)]
         ctx = AttentionContext(
             device=r.device,
             dtype=r.dtype,
@@ -145,11 +138,28 @@ class EagleDrafter(Drafter):
             head_dim=dmc.head_dim,
             page_size=1,
             req_to_token_pool=self.r2t,
-            max_running_requests=self.max_running,
+            max_running_requests=self.max_running * self.topk,
+            cuda_graph_bs=tuple(b * self.topk for b in sizes) if cuda else (),
         )
-        self.backend = create_attention_backend("torch_native", ctx)
+        # Triton kernels on CUDA (the draft steps' decode attention is graph-capturable), torch_native elsewhere
+        self.backend = create_attention_backend("triton" if cuda else "torch_native", ctx)
+        self.tree = TreeExpansion(
+            self.head,
+            self.vocab,
+            self.pool,
+            self.r2t,
+            self.backend,
+            (self.steps, self.topk, self.k),
+            self.max_running,
+            pad_rows,
+            r.dtype,
+        )
+        if cuda and self.use_graphs and r.cuda_graph_runner is not None and sizes:
+            from kvship.decode.spec.graphs import DraftGraphs
+
+            self.graphs = DraftGraphs(self.tree, sizes)
         logger.info(
-            "%s head %s: %d steps, top-%d, %d draft nodes; draft KV %d slots, aux layers %s",
+            "%s head %s: %d steps, top-%d, %d draft nodes; draft KV %d slots, aux layers %s; draft steps %s",
             self.variant,
             self.path,
             self.steps,
@@ -157,6 +167,7 @@ class EagleDrafter(Drafter):
             self.k,
             self.pool.num_slots,
             list(self.head.cfg.aux_layer_ids) or "final",
+            f"replay CUDA graphs (bs {sizes})" if self.graphs is not None else "run eagerly",
         )
 
     def _store(self, out_cache_loc: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -166,33 +177,39 @@ class EagleDrafter(Drafter):
     def release_missing(self, open_rids: set[str]) -> None:
         for rid in [r for r in self.rows if r not in open_rids]:
             row = self.rows.pop(rid)
-            self.allocator.free(row.slots)
-            self.r2t.free(row.idx)
+            self.allocator.free(row.slots + row.scratch)
+            for idx in row.rows:
+                self.r2t.free(idx)
 
     def free_slots(self) -> tuple[int, int]:
         """(free, total) draft KV slots: every slot is free once no request holds a row."""
         return self.allocator.available_size(), self.allocator.total_slots
 
     def _row(self, rid: str) -> _Row | None:
+        """The request's rows and scratch slots, taken at its first round; None (nothing taken) when short."""
         row = self.rows.get(rid)
-        if row is None:
-            idx = self.r2t.alloc()
-            if idx is None:
-                return None
-            row = self.rows[rid] = _Row(idx)
+        if row is not None:
+            return row
+        if self.r2t.available_size() < self.topk:
+            return None
+        scratch = self.allocator.alloc(self.scratch)
+        if scratch is None:
+            return None
+        branch_rows = [self.r2t.alloc() for _ in range(self.topk)]
+        row = self.rows[rid] = _Row([int(i) for i in branch_rows if i is not None], scratch.tolist())
         return row
 
     # --- one round -----------------------------------------------------------
     def draft_trees(self, reqs: list[Any]) -> list[DraftTree]:
         self.rounds += 1
-        works: list[_Work | None] = []
-        batch: list[tuple[_Work, list[int], int, int]] = []
-        for req in reqs:
+        trees = [DraftTree(req.fill_ids[-1]) for req in reqs]
+        live: list[int] = []
+        batch: list[tuple[_Row, list[int], int, int]] = []
+        for i, req in enumerate(reqs):
             seq = req.fill_ids
             n = len(seq) - 1  # entries 0 .. L-2
             row = self._row(req.rid) if n >= 1 else None
             if row is None:
-                works.append(None)
                 continue
             want = seq[1:]
             common = 0
@@ -204,52 +221,73 @@ class EagleDrafter(Drafter):
             if common < len(row.tokens):
                 self.allocator.free(row.slots[common:])
                 del row.slots[common:], row.tokens[common:]
-            w = _Work(row, n)
-            works.append(w)
-            batch.append((w, want[common:], common, req.req_pool_idx))
-        if batch:
-            self._extend_entries(batch)
-        live = [w for w in works if w is not None and w.root_hidden is not None]
-        self._first_step(live)
-        for step in range(2, self.steps + 1):
-            if not live:
-                break
-            self._tree_step(live, step)
-        return [self._tree(req.fill_ids[-1], w) for req, w in zip(reqs, works)]
+            live.append(i)
+            batch.append((row, want[common:], common, req.req_pool_idx))
+        roots = self._extend_entries(batch) if batch else None
+        if roots is None:  # nothing to draft from, or the draft pool is full: plain tokens this round
+            return trees
+        meta = [self.tree.meta_row(len(row.tokens), row.rows, row.scratch) for row, *_ in batch]
+        n_entries = [len(row.tokens) for row, *_ in batch]
+        for i, (tokens, parents) in zip(live, self._expand(*roots, meta, n_entries)):
+            trees[i] = DraftTree(reqs[i].fill_ids[-1], tokens, parents)
+        return trees
 
-    def _extend_entries(self, batch: list[tuple[_Work, list[int], int, int]]) -> None:
-        """Compute the missing committed entries of every request in one extend.
+    def _expand(
+        self, out: torch.Tensor, hidden: torch.Tensor, meta: list[list[int]], n_entries: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """The draft steps for the live requests (root outputs ``out`` / ``hidden``): replayed or eager."""
+        bs = len(meta)
+        g = self.graphs
+        with torch.inference_mode():
+            if g is not None and g.can_run(bs):
+                gbs = g.padded(bs)
+                self.tree.load(out, hidden, meta, gbs)
+                g.replay(gbs)
+            else:
+                self.tree.load(out, hidden, meta, bs)
+                self.tree.run(bs, n_entries)
+            return self.tree.read(bs)
 
-        ``batch``: (work, entry tokens from ``start``, ``start``, the request's target row).
+    def _extend_entries(
+        self, batch: list[tuple[_Row, list[int], int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Compute the missing committed entries of every request in one extend; the root entries' outputs
+        (hidden for logits, next feature), one row per request, or None when the draft pool is full.
+
+        ``batch``: (row, entry tokens from ``start``, ``start``, the request's target row).
         """
         need = sum(len(toks) for _, toks, _, _ in batch)
         locs = self.allocator.alloc(need)
-        if locs is None:  # the draft pool is full: no drafts this round
-            return
+        if locs is None:
+            return None
         t_r2t = self.target.req_to_token_pool.req_to_token
         off = 0
         ids, pos, rows, prefix, ext, tslots = [], [], [], [], [], []
-        for w, toks, start, target_row in batch:
-            mine = locs[off : off + len(toks)]
+        w_rows, w_cols, w_slots = [], [], []  # every branch row holds the committed entries: one write for all
+        for row, toks, start, target_row in batch:
+            mine = locs[off : off + len(toks)].tolist()
             off += len(toks)
-            self.r2t.write(w.row.idx, start, mine)
-            w.row.slots += mine.tolist()
-            w.row.tokens += toks
+            for idx in row.rows:
+                w_rows += [idx] * len(toks)
+                w_cols += range(start, start + len(toks))
+                w_slots += mine
+            row.slots += mine
+            row.tokens += toks
             ids += toks
             pos += range(start, start + len(toks))
-            rows.append(w.row.idx)
+            rows.append(row.rows[0])
             prefix.append(start)
             ext.append(len(toks))
             # entry j reads the target's feature of position j
             tslots.append(t_r2t[target_row, start : start + len(toks)].to(torch.int64))
+        write = torch.tensor([w_rows, w_cols, w_slots], dtype=torch.int64).to(self.device)
+        self.r2t.req_to_token[write[0], write[1]] = write[2].to(torch.int32)
         feats = self.features[torch.cat(tslots).to(self.device)]
-        out, nxt = self._run(ids, feats, pos, rows, prefix, ext, locs, masks=None)
-        ends = (torch.tensor(ext).cumsum(0) - 1).tolist()
-        for (w, *_), e in zip(batch, ends):
-            w.root_hidden = nxt[e]
-            w.root_out = out[e]
+        out, nxt = self._run(ids, feats, pos, rows, prefix, ext, locs)
+        ends = torch.tensor(ext).cumsum(0).to(out.device) - 1
+        return out[ends], nxt[ends]
 
-    def _run(self, ids, feats, pos, rows, prefix, ext, locs, masks):
+    def _run(self, ids, feats, pos, rows, prefix, ext, locs):
         dev = self.device
 
         def t(v: list[int]) -> torch.Tensor:
@@ -275,100 +313,7 @@ class EagleDrafter(Drafter):
             extend_start_loc=t(starts),
             extend_seq_lens_cpu=list(ext),
             extend_prefix_lens_cpu=list(prefix),
-            tree_masks=masks,
         )
         with torch.inference_mode():
             self.backend.init_forward_metadata(fb)
             return self.head(fb.input_ids, feats, fb.positions, fb)
-
-    def _topk(self, hidden: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
-        """Top-k target ids and their log-probabilities for each row of ``hidden`` (logits of the head)."""
-        with torch.inference_mode():
-            logits = self.head.logits(hidden)
-            if not self.head.eagle3:
-                logits = logits[:, : self.vocab]
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            v, ix = torch.topk(lp, min(self.topk, lp.shape[-1]), dim=-1)
-            ix = self.head.to_target_ids(ix)
-        return ix.tolist(), v.tolist()
-
-    def _first_step(self, live: list[_Work]) -> None:
-        if not live:
-            return
-        ids, lps = self._topk(torch.stack([w.root_out for w in live]))
-        for w, toks, vals in zip(live, ids, lps):
-            w.cands = [_Cand(t, -1, 1, v) for t, v in zip(toks, vals)]
-            w.expanded = list(range(len(w.cands)))  # all depth-1 candidates are expanded
-
-    def _tree_step(self, live: list[_Work], step: int) -> None:
-        """Run the expanded nodes (depths 1 .. step-1) and add depth-``step`` candidates."""
-        ids, feats, pos, rows, prefix, ext, masks, runs = [], [], [], [], [], [], [], []
-        need = sum(len(w.expanded) for w in live)
-        locs = self.allocator.alloc(need)
-        if locs is None:
-            return
-        off = 0
-        for w in live:
-            nodes = w.expanded
-            index = {c: i for i, c in enumerate(nodes)}
-            m = torch.zeros((len(nodes), len(nodes)), dtype=torch.bool)
-            for i, c in enumerate(nodes):
-                j = c
-                while j != -1:
-                    m[i, index[j]] = True
-                    j = w.cands[j].parent
-            mine = locs[off : off + len(nodes)]
-            off += len(nodes)
-            self.r2t.write(w.row.idx, w.n_entries, mine)
-            for c in nodes:
-                cand = w.cands[c]
-                ids.append(cand.token)
-                feats.append(w.root_hidden if cand.parent == -1 else w.hidden[cand.parent])
-                pos.append(w.n_entries - 1 + cand.depth)
-            rows.append(w.row.idx)
-            prefix.append(w.n_entries)
-            ext.append(len(nodes))
-            masks.append(m)
-            runs.append(nodes)
-        try:
-            out, nxt = self._run(ids, torch.stack(feats), pos, rows, prefix, ext, locs, masks)
-        finally:
-            self.allocator.free(locs)
-        off = 0
-        deepest_rows, owners = [], []
-        for w, nodes in zip(live, runs):
-            for i, c in enumerate(nodes):
-                w.hidden[c] = nxt[off + i]
-                if w.cands[c].depth == step - 1:
-                    deepest_rows.append(off + i)
-                    owners.append((w, c))
-            off += len(nodes)
-        ids_k, lps_k = self._topk(out[torch.tensor(deepest_rows, device=out.device)])
-        fresh: dict[int, list[int]] = {}
-        for (w, parent), toks, vals in zip(owners, ids_k, lps_k):
-            base = w.cands[parent].score
-            for t, v in zip(toks, vals):
-                w.cands.append(_Cand(t, parent, step, base + v))
-                fresh.setdefault(id(w), []).append(len(w.cands) - 1)
-        for w in live:
-            new = sorted(fresh.get(id(w), []), key=lambda c: -w.cands[c].score)[: self.topk]
-            w.expanded = w.expanded + sorted(new)
-
-    def _tree(self, root: int, w: _Work | None) -> DraftTree:
-        if w is None or not w.cands:
-            return DraftTree(root)
-        order = sorted(range(len(w.cands)), key=lambda c: (-w.cands[c].score, w.cands[c].depth, c))
-        picked: set[int] = set()
-        for c in order:
-            if len(picked) == self.k:
-                break
-            p = w.cands[c].parent
-            if p == -1 or p in picked:
-                picked.add(c)
-        nodes = sorted(picked, key=lambda c: (w.cands[c].depth, -w.cands[c].score, c))
-        slot = {c: i + 1 for i, c in enumerate(nodes)}
-        return DraftTree(
-            root,
-            [w.cands[c].token for c in nodes],
-            [0 if w.cands[c].parent == -1 else slot[w.cands[c].parent] for c in nodes],
-        )

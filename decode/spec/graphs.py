@@ -1,6 +1,7 @@
-"""CUDA graphs for the verify forward: one graph per batch size at a fixed tree size ``k``.
+"""CUDA graphs of a speculative round: the verify forward (``VerifyGraphs``) and an EAGLE head's draft steps
+(``DraftGraphs``), one graph per batch size each.
 
-Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
+Verify.  Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
 the speculator pads drafts to that size) and whose batch fits a captured size
 replays a graph instead of running the extend eagerly.  The graph's attention
 is our Triton extend kernel with tree masks (``TritonExtendMeta``; at most
@@ -14,6 +15,13 @@ Contract: ``can_run(bs, sizes)``; ``replay(...)`` returns a view of the static
 logits ``[bs * k, vocab]``, valid until the next replay.  With the runner's
 ``hidden_capture`` set (EAGLE), the graphs also compute the hidden states and
 ``replay`` hands the real requests' rows to its sink, as an eager forward does.
+
+Draft.  ``DraftGraphs`` captures ``eagle_tree.TreeExpansion.run`` (every draft step after the entries
+extend: top-k, head forwards, selection, the final pick) for each batch size; its inputs are the
+expansion's static buffers, which ``TreeExpansion.load`` refreshes (padding rows included) before
+``replay(bs)``; its output is the expansion's static ``nodes``.  The Triton decode kernel reads the branch
+rows and sequence lengths from those buffers and picks its splits by the batch size alone, so the
+captured attention stays valid for any context length.
 """
 
 from __future__ import annotations
@@ -181,3 +189,54 @@ class VerifyGraphs:
         if self.capture is not None:
             self.capture.sink(self.out_cache_loc[: bs * k], self.hidden[gbs][: bs * k])
         return self.outputs[gbs][: bs * k]
+
+
+class DraftGraphs:
+    def __init__(self, tree: Any, batch_sizes: list[int]):
+        self.tree = tree
+        self.sizes = sorted(set(batch_sizes))
+        self.max_bs = self.sizes[-1]
+        if self.max_bs > tree.max_bs:
+            raise ValueError(f"draft graphs up to bs {self.max_bs} need static buffers of that many rows")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=tree.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                self._capture(bs)
+        logger.info(
+            "captured %d EAGLE draft graphs (%d steps, top-%d, bs %s) in %.1f s",
+            len(self.sizes),
+            tree.steps,
+            tree.topk,
+            self.sizes,
+            time.perf_counter() - t0,
+        )
+
+    def _capture(self, bs: int) -> None:
+        t = self.tree
+        # every row a padding row: the captures write only the padding branch rows and KV slot 0
+        t.load(t.root_out[:0], t.root_hidden[:0], [], bs)
+        pad = [0] * bs
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                t.run(bs, pad)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+            t.run(bs, pad)
+        self.graphs[bs] = g
+
+    def can_run(self, bs: int) -> bool:
+        return 1 <= bs <= self.max_bs
+
+    def padded(self, bs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, bs)]
+
+    def replay(self, bs: int) -> None:
+        """Replay the graph of captured size ``bs`` over the expansion's loaded static inputs."""
+        self.graphs[bs].replay()
+        self.replays += 1
