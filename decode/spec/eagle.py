@@ -81,7 +81,8 @@ class EagleDrafter(Drafter):
         self.rows: dict[str, _Row] = {}
         self.rounds = 0
         self.target: Any = None
-        self.graphs: Any = None
+        self.graphs: Any = None  # graphs.DraftGraphs on CUDA with graphs
+        self.graph_sizes: list[int] = []  # CUDA: the batch sizes draft steps run at (graphs on or off)
 
     # --- setup ---------------------------------------------------------------
     def _load(self, r: Any) -> None:
@@ -154,6 +155,8 @@ class EagleDrafter(Drafter):
             pad_rows,
             r.dtype,
         )
+        if cuda:
+            self.graph_sizes = sizes
         if cuda and self.use_graphs and r.cuda_graph_runner is not None and sizes:
             from kvship.decode.spec.graphs import DraftGraphs
 
@@ -235,17 +238,18 @@ class EagleDrafter(Drafter):
     def _expand(
         self, out: torch.Tensor, hidden: torch.Tensor, meta: list[list[int]], n_entries: list[int]
     ) -> list[tuple[list[int], list[int]]]:
-        """The draft steps for the live requests (root outputs ``out`` / ``hidden``): replayed or eager."""
+        """The draft steps for the live requests (root outputs ``out`` / ``hidden``): (tokens, parent slots) each.
+
+        On CUDA a batch runs at the graph size it pads to, replayed or not, so eager and replayed draft steps
+        compute alike (as the speculator pads verify trees)."""
         bs = len(meta)
-        g = self.graphs
+        rows = next((b for b in self.graph_sizes if b >= bs), bs)
         with torch.inference_mode():
-            if g is not None and g.can_run(bs):
-                gbs = g.padded(bs)
-                self.tree.load(out, hidden, meta, gbs)
-                g.replay(gbs)
+            self.tree.load(out, hidden, meta, rows)
+            if self.graphs is not None and self.graphs.can_run(rows):
+                self.graphs.replay(rows)
             else:
-                self.tree.load(out, hidden, meta, bs)
-                self.tree.run(bs, n_entries)
+                self.tree.run(rows, n_entries + [0] * (rows - bs))
             return self.tree.read(bs)
 
     def _extend_entries(

@@ -109,7 +109,8 @@ class TreeExpansion:
         dev = self.device
         meta = self.meta[:B]
         n = meta[:, 0]
-        rows = meta[:, 1 : 1 + K]
+        # the kernels index these flat, by position: contiguous copies of the strided columns of ``meta``
+        rows = meta[:, 1 : 1 + K].contiguous()
         scratch = meta[:, 1 + K :].reshape(B, S - 1, K)
         tok, lp = self._topk(self.root_out[:B])
         tokens, scores = [tok], [lp.double()]
@@ -129,12 +130,12 @@ class TreeExpansion:
             fb = ForwardBatch(
                 forward_mode=ForwardMode.DECODE,
                 batch_size=B * K,
-                input_ids=f_tok.reshape(-1),
+                input_ids=f_tok.reshape(-1).contiguous(),
                 positions=seq - 1,
-                req_pool_indices=rows.reshape(-1),
-                seq_lens=seq,
+                req_pool_indices=rows.view(-1),
+                seq_lens=seq.contiguous(),
                 seq_lens_cpu=[e + d for e in n_entries for _ in range(K)],
-                out_cache_loc=scratch[:, d - 1, :].reshape(-1),
+                out_cache_loc=scratch[:, d - 1, :].contiguous().view(-1),
                 req_to_token_pool=self.r2t,
                 kv_pool=self.pool,
                 attn_backend=self.backend,

@@ -231,10 +231,8 @@ class DraftGraphs:
         self.graphs[bs] = g
 
     def can_run(self, bs: int) -> bool:
-        return 1 <= bs <= self.max_bs
-
-    def padded(self, bs: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, bs)]
+        """Whether a graph of exactly ``bs`` rows was captured (callers pad batches to a captured size)."""
+        return bs in self.graphs
 
     def replay(self, bs: int) -> None:
         """Replay the graph of captured size ``bs`` over the expansion's loaded static inputs."""
