@@ -15,6 +15,17 @@ Prints a table of decode tok/s and the speedup over plain decoding with overlap
 (the serving default); ``--out`` gets spec_decode.json.  Combine a speedup at
 acceptance length ``a`` with a real acceptance length measured elsewhere
 (e.g. SmolLM2 with n-gram or a draft model) to project a real-weight speedup.
+
+``--eagle-random-head`` instead times real EAGLE rounds: a random one-layer
+head of the target's shape (written to a temporary folder in the checkpoint
+layout) drafts with the real ``EagleDrafter`` and the real verify and
+acceptance (acceptance near 1: the head is random).  Per batch size it runs
+the draft steps replayed from their CUDA graphs and run eagerly (the verify
+graphs on in both) and prints, side by side, the draft time per round (the
+entries extend + the draft steps + the one host read, median over rounds) and
+the round time; ``--eagle-shape`` sets steps, top-k and verified tokens.
+
+    python bench/spec_decode.py --eagle-random-head --batch-sizes 1,8,32 --attention-backend triton
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,6 +86,68 @@ def spec_decode(runner: Any, bs: int, input_len: int, output_len: int, k: int) -
     return r
 
 
+def write_random_eagle_head(model_dir: str, root: str, seed: int = 0) -> str:
+    """A random EAGLE head for the target at ``model_dir`` (the checkpoint layout, bf16), in ``root``."""
+    from kvship.decode.spec.eagle_head import head_config, head_tensor_shapes, save_head
+    from kvship.engine.model_config import ModelConfig
+
+    cfg = head_config("eagle", ModelConfig.from_pretrained(model_dir))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in head_tensor_shapes(cfg).items():
+        noise = torch.randn(shape, generator=g)
+        tensors[name] = (1.0 + 0.1 * noise if "norm" in name else 0.02 * noise).to(torch.bfloat16)
+    path = os.path.join(root, "eagle-random-head")
+    save_head(path, cfg, tensors)
+    return path
+
+
+def eagle_decode(
+    runner: Any, bs: int, input_len: int, output_len: int, head: str, shape: tuple[int, int, int], draft_graphs: bool
+) -> dict[str, Any]:
+    """Real EAGLE rounds through the scheduler: round time, and the drafter's time per round (median)."""
+    import dataclasses
+
+    from kvship.decode.spec.eagle import EagleDrafter
+    from kvship.decode.spec.worker import Speculator
+
+    steps, topk, tokens = shape
+    sa = dataclasses.replace(
+        runner.server_args,
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=head,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+        disable_cuda_graph=not draft_graphs,  # the drafter's own graphs; the verify graphs follow the runner
+    )
+    drafter = EagleDrafter(sa)
+    draft_s: list[float] = []
+    inner = drafter.draft_trees
+
+    def timed(reqs: list[Any]) -> Any:
+        t0 = time.perf_counter()
+        trees = inner(reqs)  # ends with the host read of the trees: synchronised
+        draft_s.append(time.perf_counter() - t0)
+        return trees
+
+    drafter.draft_trees = timed  # type: ignore[method-assign]
+    spec: dict[str, Any] = {}
+
+    def factory(sched: Any) -> Speculator:
+        spec["s"] = Speculator(sched, drafter)
+        return spec["s"]
+
+    label = f"eagle {steps}x{topk}-{tokens} draft {'graphs' if draft_graphs else 'eager'}"
+    r = scheduler_decode(runner, bs, input_len, output_len, overlap=False, speculator=factory, label=label)
+    if draft_graphs and (drafter.graphs is None or drafter.graphs.replays == 0):
+        raise RuntimeError("the EAGLE draft graphs were not replayed (graphs off, or no captured size fits)")
+    r["round_ms"] = r.pop("step_ms")
+    r["draft_ms"] = sorted(draft_s)[len(draft_s) // 2] * 1e3 if draft_s else float("nan")
+    r["accept_length"] = spec["s"].stats()["spec_accept_length"]
+    return r
+
+
 def kernel_profile(runner: Any, bs_list: list[int], ks: list[int], input_len: int, output_len: int) -> str:
     """Device time per decode step / spec round and its top kernels, from torch.profiler (plain: overlap off)."""
     from torch.profiler import ProfilerActivity, profile
@@ -114,6 +188,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="instead of the table: under torch.profiler, the device time per plain step (overlap off) and per "
         "oracle round at each --accept-lengths, with the kernels that take it (kernel_profile.txt)",
     )
+    ap.add_argument(
+        "--eagle-random-head",
+        action="store_true",
+        help="instead of the table: real EAGLE rounds with a random head, draft steps from CUDA graphs vs eager "
+        "(draft ms and round ms per batch size; eagle.json)",
+    )
+    ap.add_argument("--eagle-shape", default="5,4,8", help="EAGLE steps, top-k and verified tokens (root included)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -126,7 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ks = [int(x) for x in args.accept_lengths.split(",")]
     tmp = tempfile.mkdtemp()
     max_bs = max(bs_list)
-    ctx = args.input_len + args.output_len + max(ks) + 16
+    eagle_shape = tuple(int(x) for x in args.eagle_shape.split(","))
+    ctx = args.input_len + args.output_len + max(ks + [eagle_shape[2]]) + 16
     runner = ModelRunner(
         ServerArgs(
             model_path=write_model_dir(args.shape, tmp),
@@ -148,6 +230,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         "backend": args.attention_backend,
         "rows": [],
     }
+    if args.eagle_random_head:
+        head = write_random_eagle_head(runner.model_path, tmp)
+        for bs in bs_list:
+            for graphs in (True, False):
+                r = eagle_decode(runner, bs, args.input_len, args.output_len, head, eagle_shape, graphs)
+                res["rows"].append(r)
+                logger.info("%s", r)
+        by = {(r["batch"], "graphs" in r["mode"]): r for r in res["rows"]}
+        lines = [
+            f"EAGLE {args.eagle_shape} (steps, top-k, verified tokens), random head: acceptance ~1",
+            "| batch | draft ms (graphs) | draft ms (eager) | round ms (graphs) | round ms (eager) | accept length |",
+            "|---|---|---|---|---|---|",
+        ]
+        for bs in bs_list:
+            g, e = by[(bs, True)], by[(bs, False)]
+            lines.append(
+                f"| {bs} | {g['draft_ms']:.2f} | {e['draft_ms']:.2f} | {g['round_ms']:.2f} | {e['round_ms']:.2f} | "
+                f"{g['accept_length']:.2f} |"
+            )
+        print("\n".join(lines))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "eagle.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     if args.kernel_profile:
         text = kernel_profile(runner, bs_list, ks, args.input_len, min(args.output_len, 64))
         Path(args.out).mkdir(parents=True, exist_ok=True)
