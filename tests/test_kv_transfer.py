@@ -4,7 +4,8 @@ A prefill process and a decode process each host real ``KVPool``s filled with
 known data and KV managers built on them; the test drives both over pipes and
 checks the decode pool's pages byte for byte.  Page sizes 1 and 16,
 non-contiguous destination pages, aux after KV, checksum, aborts, peer death,
-layout mismatch and timeouts.  After each test both sides must hold no room
+layout mismatch and timeouts; layer-wise sends (each layer lands once the test
+signals it stored, the fallbacks, aborts and peer death mid-forward).  After each test both sides must hold no room
 and every aux slot must be free again.
 """
 
@@ -33,6 +34,7 @@ PREFILL_MANAGERS = {
     "p16_corrupt": (16, {}, 12),
     "p16_short": (16, {"bootstrap_timeout": 1.0}, 12),
     "p16_big": (16, {}, 13),
+    "p16_whole": (16, {"layerwise": False}, 12),
 }
 CORRUPT_EVERY = {"p16_corrupt": 1}  # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
 DECODE_MANAGERS = {
@@ -77,8 +79,9 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
     from kv_faults import corrupt_kv_every
 
     from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
+    from kvship.engine.disagg.layerwise import LayerProgress
 
-    mgrs, pools, objs, expected = {}, {}, {}, {}
+    mgrs, pools, objs, expected, progress = {}, {}, {}, {}, {}
     specs = PREFILL_MANAGERS if role == "prefill" else DECODE_MANAGERS
     try:
         for name, spec in specs.items():
@@ -166,6 +169,28 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             )
         return poll(room), early
 
+    def buffers_match(mgr, dst_pages, src_seed, src_pages, buffers):
+        """Decode: buffers ``buffers`` (indices into ``pool.buffers()``) hold the source's pages."""
+        pool = pools[mgr]
+        ref = expected_pool(pool.page_size, src_seed, mgr.endswith("_big"))
+        ps = pool.page_size
+        return all(
+            torch.equal(pool.buffers()[b][d * ps : (d + 1) * ps], ref.buffers()[b][s * ps : (s + 1) * ps])
+            for b in buffers
+            for d, s in zip(dst_pages, src_pages)
+        )
+
+    def buffers_zero(mgr, dst_pages, buffers):
+        pool = pools[mgr]
+        ps = pool.page_size
+        return all(
+            int(pool.buffers()[b][d * ps : (d + 1) * ps].count_nonzero()) == 0 for b in buffers for d in dst_pages
+        )
+
+    def layerwise(mgr, room, pages, ready):
+        progress[room] = LayerProgress(pools[mgr].num_layers, "cpu")
+        return objs[room].send_layerwise(pages, ready, progress[room])
+
     def stats(mgr):
         m = mgrs[mgr]
         with m.lock:
@@ -183,6 +208,12 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         "wait_checking_order": wait_checking_order,
         "abort": lambda room, reason: objs[room].abort(reason),
         "pages_match": pages_match,
+        "buffers_match": buffers_match,
+        "buffers_zero": buffers_zero,
+        "layerwise": layerwise,
+        "layer_done": lambda room, layer: progress[room].layer_done(layer),
+        "layers_finish": lambda room: progress[room].finish(),
+        "layers_abandon": lambda room: progress[room].abandon(),
         "outside_untouched": outside_untouched,
         "zero": lambda mgr: [b.zero_() for b in pools[mgr].buffers()] and None,
         "stats": stats,
@@ -498,3 +529,138 @@ def test_many_concurrent_rooms_all_arrive_intact(pair):
     for src, dst in plans:
         assert d("pages_match", "d1", dst, PREFILL_MANAGERS["p1"][2], src)
     assert_clean(p, d, "p1", "d1")
+
+
+# --- layer-wise transfer (docs/pd.md, "Layer-wise transfer") ---------------------------------
+# the SMALL pools have 3 layers: buffers K0 K1 K2 V0 V1 V2
+LAYER_BUFFERS = {0: [0, 3], 1: [1, 4], 2: [2, 5]}
+ALL_BUFFERS = list(range(6))
+
+
+def until(peer, *cmd, timeout: float = 20.0) -> bool:
+    """``peer(*cmd)`` turned true within ``timeout``."""
+    deadline = time.time() + timeout
+    while not peer(*cmd):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def layerwise_room(p, d, src, dst, pm="p16", dm="d16"):
+    room = new_room()
+    d("receiver", dm, p.ports[pm], room)
+    p("sender", pm, room)
+    d("init", room, dst)
+    assert wait_state(p, room, WAITING)[0] == WAITING
+    return room
+
+
+def test_layerwise_send_writes_each_layer_as_it_is_stored(pair):
+    p, d = pair
+    seed = PREFILL_MANAGERS["p16"][2]
+    src, dst = [5, 6, 7, 8, 12, 13], [30, 31, 2, 9, 10, 11]
+    ready, rest_src, rest_dst = 2, src[2:], dst[2:]
+    d("zero", "d16")
+    room = layerwise_room(p, d, src, dst)
+    assert p("layerwise", "p16", room, src, ready) is True
+    # the pages complete before the forward go at once, every layer; the others wait for their layer
+    assert until(d, "buffers_match", "d16", dst[:ready], seed, src[:ready], ALL_BUFFERS)
+    assert d("buffers_zero", "d16", rest_dst, ALL_BUFFERS)
+    p("layer_done", room, 0)
+    assert until(d, "buffers_match", "d16", rest_dst, seed, rest_src, LAYER_BUFFERS[0])
+    assert d("buffers_zero", "d16", rest_dst, LAYER_BUFFERS[1] + LAYER_BUFFERS[2])
+    assert d("poll", room)[0] != SUCCESS
+    p("layer_done", room, 1)
+    p("layers_finish", room)  # the model returned: layer 2 is stored too
+    p("send", room, src, (31, -0.75, 90))
+    st, reason, aux = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert aux == (31, -0.75, 90, room)
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", "d16", dst, seed, src)
+    assert d("outside_untouched", "d16", dst)
+    assert_clean(p, d)
+
+
+def test_layerwise_falls_back_where_it_cannot_apply(pair):
+    p, d = pair
+    src, dst = [4, 5, 6], [20, 21, 3]
+    lonely = new_room()
+    p("sender", "p16", lonely)  # decode has not registered yet
+    assert p("layerwise", "p16", lonely, src, 0) is False
+    p("abort", lonely, "test over")
+    checked = layerwise_room(p, d, src, dst, dm="d16_checksum")
+    assert p("layerwise", "p16", checked, src, 0) is False  # a checksum is asked for
+    off = layerwise_room(p, d, src, dst, pm="p16_whole")
+    assert p("layerwise", "p16_whole", off, src, 0) is False  # layer-wise is off
+    first = layerwise_room(p, d, src, dst)
+    second = layerwise_room(p, d, [7, 8, 9], [14, 15, 16])
+    assert p("layerwise", "p16", first, src, 0) is True
+    assert p("layerwise", "p16", second, [7, 8, 9], 0) is False  # one of the 2 threads stays for whole sends
+    p("layers_finish", first)
+    for room, pages in ((checked, src), (off, src), (first, src), (second, [7, 8, 9])):
+        p("send", room, pages, (1, 0.0, 48))
+        st, reason, _ = d("wait", room, 30)
+        assert st == SUCCESS, reason
+    assert d("pages_match", "d16", [14, 15, 16], PREFILL_MANAGERS["p16"][2], [7, 8, 9])
+    assert_clean(p, d)
+    assert_clean(p, d, "p16_whole", "d16_checksum")
+
+
+def test_decode_abort_and_an_abandoned_forward_end_a_layerwise_send_cleanly(pair):
+    p, d = pair
+    src, dst = [4, 5, 6], [20, 21, 3]
+    room = layerwise_room(p, d, src, dst)
+    assert p("layerwise", "p16", room, src, 1) is True
+    p("layer_done", room, 0)
+    d("abort", room, "client disconnected")  # the transfer thread waits for layer 1: it must let go
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "client disconnected" in reason
+    st, reason, _ = p("wait", room, 10)
+    assert st == FAILED and "aborted by decode" in reason
+    p("layers_finish", room)
+    p("send", room, src, (1, 0.0, 48))  # the forward ending late is harmless
+    assert p("poll", room)[0] == FAILED
+    assert_clean(p, d)
+    room = layerwise_room(p, d, src, dst)
+    assert p("layerwise", "p16", room, src, 0) is True
+    p("layers_abandon", room)  # the forward raised
+    st, reason, _ = d("wait", room, 10)
+    assert st == FAILED and "prefill forward failed" in reason
+    assert p("wait", room, 10)[0] == FAILED
+    assert_clean(p, d)
+
+
+def test_peer_death_during_a_layerwise_send_frees_everything(pair):
+    p, d = pair
+    src, dst = [4, 5, 6], [20, 21, 3]
+    victim = Peer("decode", p.backend, names=["d16"])
+    try:
+        room = layerwise_room(p, victim, src, dst)
+        assert p("layerwise", "p16", room, src, 0) is True
+        p("layer_done", room, 0)
+        victim.kill()
+        st, reason, _ = p("wait", room, 15)
+        assert st == FAILED and "disconnect" in reason.lower()  # the link, or the layer 0 write (nixl)
+        assert p("stats", "p16") == {"senders": 0, "pending": 0}
+    finally:
+        victim.close()
+    victim = Peer("prefill", d.backend, names=["p16"])
+    try:
+        room = layerwise_room(victim, d, src, dst)
+        assert victim("layerwise", "p16", room, src, 0) is True
+        victim("layer_done", room, 0)
+        victim.kill()
+        st, reason, _ = d("wait", room, 15)
+        assert st == FAILED and "disconnected" in reason
+        ds = d("stats", "d16")
+        assert ds["active"] == 0 and ds["aux_free"] == ds["aux_total"]
+    finally:
+        victim.close()
+    room = layerwise_room(p, d, src, dst)  # the transfer threads are free: the next room goes through
+    assert p("layerwise", "p16", room, src, 0) is True
+    p("layers_finish", room)
+    p("send", room, src, (1, 0.0, 48))
+    assert d("wait", room, 30)[0] == SUCCESS
+    assert_clean(p, d)

@@ -7,7 +7,8 @@
 * The lock-step verdict of ``tp_sync.agree``.
 * Real managers on every backend (tcp, mooncake, nixl): ``a`` prefill ranks and
   ``b`` decode ranks, each with its own pool holding its heads of one global KV,
-  transfer a room (2->1, 1->2, 2->2 with replicated heads) with checksums on;
+  transfer a room (2->1, 1->2, 2->2 with replicated heads) with checksums on,
+  and again layer-wise;
   each decode rank ends with exactly its heads; aborts on one rank end every
   rank's transfer; no room or aux slot is left behind.
 * ``kvship local --prefill-tp-size a --decode-tp-size b`` (2 -> 1 and 1 -> 2 over tcp,
@@ -133,9 +134,11 @@ def _pool(heads: int):
     return KVPool(SLOTS, PAGE, torch.float32, heads, HEAD_DIM, LAYERS, "cpu")
 
 
-def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill) -> dict:
-    """``a`` prefill and ``b`` decode rank managers in this process move one room; returns what happened."""
+def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill, layerwise) -> dict:
+    """``a`` prefill and ``b`` decode rank managers in this process move one room; returns what happened.
+    ``layerwise``: every prefill rank sends it layer by layer (no checksum then), its first 2 pages ready."""
     from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
+    from kvship.engine.disagg.layerwise import LayerProgress
 
     full = _global_kv(k)
     common = dict(backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0, total_kv_heads=k)
@@ -152,7 +155,7 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill) ->
     for d in range(b):
         pool = _pool(rank_kv_heads(k, b, d)[1])
         dpools.append(pool)
-        cfg = KVTransferConfig(tp_size=b, tp_rank=d, checksum=True, **common)
+        cfg = KVTransferConfig(tp_size=b, tp_rank=d, checksum=not layerwise, **common)
         decode.append(create_kv_manager("decode", pool, cfg))
     try:
         room = 4242
@@ -161,7 +164,7 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill) ->
         receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room) for m in decode]
         for r in receivers:
             r.init(dst_pages)
-        if abort_rank is not None or kill_prefill is not None:
+        if abort_rank is not None or kill_prefill is not None or layerwise:
             deadline = time.monotonic() + 20
             while any(s.poll() == KVPoll.Bootstrapping for s in senders) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -169,6 +172,12 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill) ->
             receivers[abort_rank].abort("client went away")
         if kill_prefill is not None:  # that rank's process is gone: its connections close
             prefill[kill_prefill].close()
+        if layerwise:
+            progress = [LayerProgress(LAYERS, "cpu") for _ in senders]
+            assert all(s.send_layerwise(src_pages, 2, lp) for s, lp in zip(senders, progress))
+            for lp in progress:
+                lp.layer_done(0)
+                lp.layer_done(1)
         for s in senders:
             s.send(src_pages, AuxInfo(first_token_id=42, first_token_logprob=-0.5, prompt_len=18))
         deadline = time.monotonic() + 30
@@ -208,14 +217,14 @@ def _scenario_main(conn, *args) -> None:
     os._exit(0)  # skip slow library teardown (UCX, mooncake)
 
 
-def _run_scenario(backend: str, k: int, a: int, b: int, abort_rank=None, kill_prefill=None) -> dict:
+def _run_scenario(backend: str, k: int, a: int, b: int, abort_rank=None, kill_prefill=None, layerwise=False) -> dict:
     try:
         get_transfer_backend(backend)
     except BackendUnavailableError as e:
         pytest.skip(str(e))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_scenario_main, args=(child, backend, k, a, b, abort_rank, kill_prefill))
+    proc = ctx.Process(target=_scenario_main, args=(child, backend, k, a, b, abort_rank, kill_prefill, layerwise))
     proc.start()
     try:
         assert parent.poll(90), "the transfer scenario hung"
@@ -232,6 +241,16 @@ def _run_scenario(backend: str, k: int, a: int, b: int, abort_rank=None, kill_pr
 @pytest.mark.parametrize("k,a,b", [(2, 2, 1), (2, 1, 2), (1, 2, 2)])
 def test_each_decode_rank_receives_exactly_its_heads_from_the_prefill_ranks(backend, k, a, b):
     out = _run_scenario(backend, k, a, b)
+    assert out["senders"] == ["Success"] * a and out["receivers"] == ["Success"] * b, out
+    assert out["first_tokens"] == [42] * b and out["heads_ok"] == [True] * b
+    assert out["leftover"] == [0] * (a + b) and all(out["aux_free"])
+
+
+@pytest.mark.parametrize("backend", ["tcp", "mooncake", "nixl"])
+@pytest.mark.parametrize("k,a,b", [(2, 2, 1), (2, 1, 2), (1, 2, 2)])
+def test_layerwise_sends_give_each_decode_rank_exactly_its_heads(backend, k, a, b):
+    """docs/pd.md, "Layer-wise transfer": the head slices, page by page and layer by layer."""
+    out = _run_scenario(backend, k, a, b, layerwise=True)
     assert out["senders"] == ["Success"] * a and out["receivers"] == ["Success"] * b, out
     assert out["first_tokens"] == [42] * b and out["heads_ok"] == [True] * b
     assert out["leftover"] == [0] * (a + b) and all(out["aux_free"])
