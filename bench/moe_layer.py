@@ -48,6 +48,7 @@ import sys
 from typing import Any
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +132,9 @@ def gemv_sweep(args, weights: list) -> dict[str, Any]:
             t = timed({"gemv": cfg})
             if t < best_t:
                 best, best_t = cfg, t
-        for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)):
+        for bn, bk, w in itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8)):
+            if triton.next_power_of_2(k) * bn * bk // (32 * w) > 128:  # float32 accumulators per thread: spills
+                continue
             cfg = dict(best, DOWN_BLOCK_N=bn, DOWN_BLOCK_K=bk, down_num_warps=w)
             t = timed({"gemv": cfg})
             if t < best_t:

@@ -252,6 +252,29 @@ TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
     (*_DOWN, 64): None,
     (*_LM_HEAD, 64): _mma(64, 32, 128),
 }
+# Qwen3-30B-A3B's projections on an H100 (bench/skinny_gemm.py --shape qwen3-30b-a3b, docs/benchmarks.md), the
+# same rule; the experts run the fused-MoE kernels (engine/layers/moe)
+_Q3_QKV, _Q3_O, _Q3_LM_HEAD, _Q3_ROUTER = (5120, 2048), (2048, 4096), (151936, 2048), (128, 2048)
+TUNED.update(
+    {
+        (*_Q3_QKV, 1): _gemv(4, 1024, 4),
+        (*_Q3_QKV, 2): None,
+        (*_Q3_QKV, 4): None,
+        (*_Q3_QKV, 8): None,
+        (*_Q3_O, 1): _gemv(1, 1024, 4),
+        (*_Q3_O, 2): _gemv(8, 1024, 8, bm=2),
+        (*_Q3_O, 4): None,
+        (*_Q3_O, 8): _mma(16, 16, 256),
+        (*_Q3_LM_HEAD, 1): _gemv(4, 1024, 4),
+        (*_Q3_LM_HEAD, 2): None,
+        (*_Q3_LM_HEAD, 4): None,
+        (*_Q3_LM_HEAD, 8): _mma(16, 64, 256),
+        (*_Q3_ROUTER, 1): _gemv(1, 2048, 4),
+        (*_Q3_ROUTER, 2): _gemv(2, 1024, 8, bm=2),
+        (*_Q3_ROUTER, 4): _gemv(2, 1024, 8, bm=4),
+        (*_Q3_ROUTER, 8): _gemv(2, 1024, 8, bm=8),
+    }
+)
 
 
 def _default_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:

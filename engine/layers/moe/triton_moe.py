@@ -220,30 +220,38 @@ def _down_sum_gemv_kernel(
     stride_wn,
     stride_ym,
     TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one token x BLOCK_N output columns: its TOP_K experts' down GEMVs, weighted and summed in float32
+    # one token x BLOCK_N output columns: its TOP_K experts' down GEMVs side by side ([TOP_K, BLOCK_N,
+    # BLOCK_K] weight tiles, so all of them are in flight at once), weighted and summed in float32
     m = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + m * TOP_K + j).to(tl.int64)
-        present = (expert >= 0) & (expert < num_experts)
-        route_w = tl.load(weights_ptr + m * TOP_K + j)
-        expert = tl.where(present, expert, 0)
-        h_ptrs = h_ptr + (m * TOP_K + j) * stride_hm + offs_k
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        for k0 in range(0, tl.cdiv(inter_size, BLOCK_K) * present.to(tl.int32)):  # an absent expert: no loop
-            mask_k = offs_k < inter_size - k0 * BLOCK_K
-            a = tl.load(h_ptrs, mask=mask_k, other=0.0).to(tl.float32) * route_w
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            acc += w * a[None, :]
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)
+    js = tl.arange(0, TOP_K_P2)
+    expert = tl.load(ids_ptr + m * TOP_K + js, mask=js < TOP_K, other=-1).to(tl.int64)
+    present = (expert >= 0) & (expert < num_experts)  # absent: another rank's expert adds nothing
+    route_w = tl.load(weights_ptr + m * TOP_K + js, mask=present, other=0.0)
+    expert = tl.where(present, expert, 0)
+    h_ptrs = h_ptr + (m * TOP_K + js)[:, None] * stride_hm + offs_k[None, :]
+    w_ptrs = (
+        w_ptr
+        + expert[:, None, None] * stride_we
+        + offs_n[None, :, None].to(tl.int64) * stride_wn
+        + offs_k[None, None, :]
+    )
+    row_ok = present[:, None, None] & mask_n[None, :, None]
+    acc = tl.zeros((TOP_K_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(inter_size, BLOCK_K)):
+        mask_k = offs_k < inter_size - k0 * BLOCK_K
+        a = tl.load(h_ptrs, mask=present[:, None] & mask_k[None, :], other=0.0).to(tl.float32) * route_w[:, None]
+        w = tl.load(w_ptrs, mask=row_ok & mask_k[None, None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -475,7 +483,7 @@ def _fused_experts_gemv(
     _down_sum_gemv_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
         h, w2, ids, weights, y, num_experts, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"],
+        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"],
         num_warps=g["down_num_warps"], num_stages=g["num_stages"],
     )  # fmt: skip
     return y
