@@ -5,7 +5,7 @@ both graphs gives plain decoding's tokens.
 
 (As in test_gpu_spec.py, speculative vs plain decoding is compared token for token on CPU,
 tests/test_spec_eagle.py; on the GPU the two run different kernels, so here a difference is allowed only
-where the target's two candidates are tied to float64 rounding.)  The draft steps over the Triton kernels
+where the target's two candidates are tied to within the kernels' rounding.)  The draft steps over the Triton kernels
 are checked against the host-driven reference (tests/test_spec_eagle_tree.py) on CPU under
 ``TRITON_INTERPRET=1``.
 """
@@ -151,7 +151,8 @@ def test_gpu_eagle_draft_graphs_replay_the_eager_draft_trees(tmp_path, variant, 
     assert graphs is not None and graphs.sizes == [1, 4, 8]
     for i, p in enumerate(_prompts(8)):
         sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=40, temperature=0.0)))
-    sched.step()  # prefill: the prompts' features
+    while len(sched.running) < 8:  # prefill: the prompts' features
+        sched.step()
     for _ in range(4):
         reqs = [sched.reqs[f"r{i}"] for i in range(8) if f"r{i}" in sched.reqs]
         for part in (reqs, reqs[:3], reqs[:1]):
@@ -172,9 +173,11 @@ def test_gpu_eagle_draft_graphs_replay_the_eager_draft_trees(tmp_path, variant, 
     assert drafter.free_slots()[0] == drafter.free_slots()[1]
 
 
-def _same_up_to_ties(model_dir: str, prompts, got, want, rel: float = 1e-4) -> int:
-    """Requests whose tokens differ only after a position where the target's two choices are tied to
-    ``rel`` (float64 transformers forward of the common prefix); returns how many differ at all."""
+def _same_up_to_ties(model_dir: str, prompts, got, want, rel: float = 1e-2) -> int:
+    """Checks that requests' tokens differ only after a position where the target's two choices are tied to
+    ``rel`` of the largest logit (float64 transformers forward of the common prefix: the Triton kernels' TF32
+    dots err by about 1e-3 of it, a wrong acceptance picks a token far below the argmax); returns how many
+    requests differ at all."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
@@ -195,7 +198,7 @@ def _same_up_to_ties(model_dir: str, prompts, got, want, rel: float = 1e-4) -> i
 @pytest.mark.parametrize("variant", ["eagle", "eagle3"])
 def test_gpu_eagle_with_draft_graphs_gives_eager_drafts_and_plain_greedy_tokens(tmp_path, variant):
     """Greedy decoding with the verify and draft graphs: every round drafts the trees of eager draft steps
-    (the same tokens follow), and the tokens are plain decoding's (up to float64-rounding ties)."""
+    (the same tokens follow), and the tokens are plain decoding's (up to near ties of the target's logits)."""
     from pd_fixtures import Collector, _server_args, run_until_idle
 
     from kvship.app.roles import scheduler_for_mode
