@@ -22,7 +22,11 @@ share one wall clock.  Stages, in order (ms between consecutive stamps in the ta
 The prefill computes the prompt beside decode's registration; with ``--disaggregation-prefill-wait-for-room`` it
 waits for the registration first (scheduled -> admitted).  ``--variant LABEL=FLAG[,FLAG...]`` runs each backend once
 more with those worker flags (e.g. ``--variant wait-for-room=--disaggregation-prefill-wait-for-room``, the order
-before issue 19) and adds a before/after table: every variant against the plain deployment, in the same run.
+before issue 19, or ``--variant whole=--no-disaggregation-layerwise``, the whole-request send after the forward
+instead of the layer-wise one) and adds a before/after table: every variant against the plain deployment, in the
+same run.  A layer-wise send starts before ``forward_done``: the critical path counts the transfer from
+``max(kv_send_start, forward_done)``, and the ``p:`` transfer columns show the lead, the last layers' write and
+the whole trip (the KV GB/s column's time).
 
 CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
 
@@ -41,10 +45,12 @@ config, since nothing can be downloaded there), one device call from the reposit
     timeout -s TERM 540 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp \
         --backend mooncake --prompt-len 512 2048 4096 8000 --repeats 5 --warmup 1 --out "$OUT" 2>&1 | tail -45
 
-and for the two issue-19 changes (prefill computing beside decode's registration; the first token from prefill), add
-``--backend nixl --prompt-len 512 4096 --variant wait-for-room=--disaggregation-prefill-wait-for-room`` to one run and
+and for the issue-19 changes (prefill computing beside decode's registration; the first token from prefill;
+layer-wise transfer), add
+``--backend nixl --prompt-len 512 4096 --variant wait-for-room=--disaggregation-prefill-wait-for-room`` to one run,
 ``--stream 4 --variant no-first-token=--no-pd-first-token`` to another (the streamed run's breakdown shows the
-traced, non-streamed requests).
+traced, non-streamed requests) and ``--backend nixl --prompt-len 512 4096 --variant whole=--no-disaggregation-layerwise``
+to a third.
 
 Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables), again
 after every backend, so a run cut off by SIGTERM (it stops its children) keeps the backends it finished.  On GPU the
@@ -84,8 +90,8 @@ SEGMENTS: list[tuple[str, str, str]] = [
     ("prefill http->sched", "p.http_received", "p.scheduled"),
     ("prefill admit (waits for decode's room with the flag)", "p.scheduled", "p.admitted"),
     ("prefill forward", "p.admitted", "p.forward_done"),
-    ("hand-off to sender (waits for a later room)", "p.forward_done", "p.kv_send_start"),
-    ("KV lands on decode", "p.kv_send_start", "d.kv_arrived"),
+    ("hand-off to sender (waits for a later room)", "p.forward_done", "p.kv_send_after_forward"),
+    ("KV lands on decode", "p.kv_send_after_forward", "d.kv_arrived"),
     ("decode sees KV", "d.kv_arrived", "d.kv_verified"),
     ("decode admit+flush", "d.kv_verified", "d.first_token_flush"),
     ("decode http out", "d.first_token_flush", "d.http_respond"),
@@ -100,6 +106,15 @@ DECODE_SIDE: list[tuple[str, str, str]] = [
     ("p: registration seen", "d.room_registered", "p.room_registered"),
     ("p: room registered after forward_done (< 0: hidden by it)", "p.forward_done", "p.room_registered"),
     ("r: trace waits for prefill reply", "r.decode_first_byte", "r.prefill_reply"),
+]
+# the KV's whole trip, and a layer-wise send's parts (docs/pd.md, "Layer-wise transfer"): it starts before the
+# forward ends (the lead), so the critical path above only has what is left after forward_done
+KV_TRIP = "p: KV send start -> landed (whole trip)"
+TRANSFER_SIDE: list[tuple[str, str, str]] = [
+    (KV_TRIP, "p.kv_send_start", "d.kv_arrived"),
+    ("p: layer-wise lead (send start before forward_done)", "p.kv_send_start", "p.forward_done"),
+    ("p: last layers -> aux handed over", "p.kv_layers_last", "p.kv_tail_start"),
+    ("p: aux + done", "p.kv_tail_start", "p.kv_send_end"),
 ]
 
 
@@ -285,11 +300,13 @@ def flatten(client: tuple[float, float], headers: dict, body: dict) -> dict[str,
             out["r." + k] = v
         for k, v in (rt.get("prefill") or {}).items():
             out["p." + k] = v
+    if "p.kv_send_start" in out and "p.forward_done" in out:  # what of the transfer is left after the forward
+        out["p.kv_send_after_forward"] = max(out["p.kv_send_start"], out["p.forward_done"])
     return out
 
 
 def segments(st: dict[str, float]) -> dict[str, float]:
-    return {name: st[b] - st[a] for name, a, b in SEGMENTS + DECODE_SIDE if a in st and b in st}
+    return {name: st[b] - st[a] for name, a, b in SEGMENTS + DECODE_SIDE + TRANSFER_SIDE if a in st and b in st}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -435,7 +452,7 @@ def measure(
                 )
                 if i >= args.warmup:
                     rows[name].append(row)
-        seg_names = [s[0] for s in SEGMENTS + DECODE_SIDE]
+        seg_names = [s[0] for s in SEGMENTS + DECODE_SIDE + TRANSFER_SIDE]
         for name, rs in rows.items():
             med = {
                 k: statistics.median(r["segments"][k] for r in rs if k in r["segments"])
@@ -460,7 +477,7 @@ def measure(
 def kv_cells(res: dict[str, Any], n: int, r: dict[str, Any]) -> str:
     """The prompt's KV size and the rate it moved at (median of the traced samples), or blanks."""
     per_token = res.get("kv_bytes_per_token")
-    t = r["segments"].get("KV lands on decode")
+    t = r["segments"].get(KV_TRIP)
     if not per_token or not t:
         return " | "
     nbytes = per_token * n
@@ -500,7 +517,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{kv_cells(res, int(n), r)} |"
             )
     lines += compare_lines(res, ms)
-    names = [s[0] for s in SEGMENTS + DECODE_SIDE]
+    names = [s[0] for s in SEGMENTS + DECODE_SIDE + TRANSFER_SIDE]
     lines += [
         "",
         "Breakdown of the traced requests (ms between the stamps named in bench/pd_ttft.py's SEGMENTS, medians; "

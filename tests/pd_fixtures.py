@@ -11,7 +11,10 @@ In-process (fast, no HTTP):
   sampling={...})``: extra ``SamplingParams`` fields).  ``submit(rid, ids, ...)`` sends a request to both with a fresh
   room (or only to one side), ``wait(rids)`` waits for the decode side's finished
   chunks, ``tokens(rid)`` / ``finish(rid)`` read them, ``wait_idle()`` waits until
-  both sides hold no request and every KV slot is free.
+  both sides hold no request and every KV slot is free; ``run_registered_first(prompts, max_new)``
+  lets decode register every room before prefill sees the requests (layer-wise sends).
+* ``HeldLayer(pd, layer)``: holds the prefill forward's last layer of a layer-wise send;
+  ``layer0_on_decode(pd, rid, n)``: layer 0's KV of ``rid`` reached decode.
 * ``unified_greedy(model_dir, prompts, max_new, **server_args)``: the unified
   scheduler's greedy outputs (the reference PD must equal), cached per arguments.
 * ``make_prompts(n, seed, lo, hi)``: random token-id prompts for the tiny models.
@@ -189,6 +192,29 @@ class InProcessPD:
             self.decode.submit(self.request(rid, ids, room, max_new, **kw))
         return room
 
+    def wait_registered(self, n: int, timeout: float = 30.0) -> None:
+        """Prefill holds ``n`` registrations of rooms it has no request for yet."""
+        m = self.prefill.kv_manager
+        deadline = time.monotonic() + timeout
+        while True:
+            with m.lock:
+                if len(m._pending) >= n:
+                    return
+            assert time.monotonic() < deadline, "decode's registrations never reached prefill"
+            time.sleep(0.01)
+
+    def run_registered_first(self, prompts: Sequence[Sequence[int]], max_new: int, **kw: Any) -> list[str]:
+        """Decode takes every request (and registers its room) before prefill sees any, so every prompt's last
+        chunk may ship layer-wise (docs/pd.md, "Layer-wise transfer"); returns the rids, once both sides finished."""
+        rids = [f"r{i}" for i in range(len(prompts))]
+        rooms = [self.submit(rid, p, max_new, to="decode", **kw) for rid, p in zip(rids, prompts)]
+        self.wait_registered(len(prompts))
+        for rid, p, room in zip(rids, prompts, rooms):
+            self.submit(rid, p, max_new, to="prefill", room=room, **kw)
+        self.wait(rids)
+        self.wait(rids, side="prefill")
+        return rids
+
     def tokens(self, rid: str) -> list[int]:
         return self.d_out.tokens(rid)
 
@@ -217,6 +243,60 @@ class InProcessPD:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not idle after {timeout} s: prefill {stats[0]}, decode {stats[1]}")
             time.sleep(0.05)
+
+
+class HeldLayer:
+    """Wraps the prefill runner's attention backend (a context manager): the first time layer ``layer`` runs in a
+    forward that signals its layers (``ForwardBatch.layer_done``: a layer-wise send), it waits for ``release``
+    before its attention (so its K/V is not stored yet) and runs ``while_held()`` meanwhile (its result in
+    ``result``), or raises with ``fail``.  ``done_at``: when that layer's attention returned."""
+
+    def __init__(self, pd: InProcessPD, layer: int, while_held: Any = None, fail: bool = False):
+        self.backend = pd.prefill.runner.attn_backend
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.result: Any = None
+        self.done_at: Optional[float] = None
+        real = type(self.backend).forward
+
+        def forward(q, k, v, spec, fb, save_kv_cache=True):
+            if spec.layer_id != layer or fb.layer_done is None or self.held.is_set():
+                return real(self.backend, q, k, v, spec, fb, save_kv_cache)
+            self.held.set()
+            if while_held is not None:
+                self.result = while_held()
+            self.release.wait(30)
+            if fail:
+                raise RuntimeError("injected failure in the last layer")
+            out = real(self.backend, q, k, v, spec, fb, save_kv_cache)
+            self.done_at = time.time()
+            return out
+
+        self.backend.forward = forward
+
+    def __enter__(self) -> "HeldLayer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        del self.backend.forward
+
+
+def layer0_on_decode(pd: InProcessPD, rid: str, n: int, timeout: float = 10.0) -> bool:
+    """Layer 0's K and V of ``rid``'s ``n``-token prompt are in decode's pool (what prefill holds) within
+    ``timeout``; ``rid`` waits for its KV on decode."""
+    p_req = pd.prefill.reqs[rid]
+    d_req = pd.decode.role.transfer_queue.get(rid).req
+    src = pd.prefill.req_to_token_pool.read(p_req.req_pool_idx, 0, n).long()
+    dst = pd.decode.req_to_token_pool.read(d_req.req_pool_idx, 0, n).long()
+    p_pool, d_pool = pd.prefill.runner.kv_pool, pd.decode.runner.kv_pool
+    pairs = ((p_pool.k_buffer[0], d_pool.k_buffer[0]), (p_pool.v_buffer[0], d_pool.v_buffer[0]))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(torch.equal(dbuf[dst.to(dbuf.device)], pbuf[src.to(pbuf.device)]) for pbuf, dbuf in pairs):
+            return True
+        time.sleep(0.005)
+    return False
 
 
 _UNIFIED_CACHE: dict = {}
