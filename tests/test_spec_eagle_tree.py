@@ -369,3 +369,15 @@ def test_requests_without_a_row_get_empty_trees_beside_drafted_ones(tiny_llama_d
     assert _as_pairs(got) == _as_pairs(want)
     assert [len(t.tokens) for t in got] == [0, drafter.k, drafter.k, 0, drafter.k]
     assert got[0].root == 17 and "solo" not in drafter.rows
+
+
+def test_selection_takes_the_best_scores_and_breaks_ties_by_the_lower_index():
+    """The device loop's selection (frontier and tree) equals Python's stable sort by descending score."""
+    from kvship.decode.spec.eagle_tree import _best, _set_columns
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-4, 1, (50, 16), generator=g).double()  # many exact ties
+    for n in (1, 3, 7, 16):
+        got = _set_columns(_best(scores, n), n).tolist()
+        want = [sorted(sorted(range(16), key=lambda c: -row[c])[:n]) for row in scores.tolist()]
+        assert got == want

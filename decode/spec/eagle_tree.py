@@ -150,8 +150,7 @@ class TreeExpansion:
             parents.append(f_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
             if d == S - 1:
                 break
-            best = torch.sort(c_score, dim=1, descending=True, stable=True).indices[:, :K]
-            sel = torch.sort(best, dim=1).values
+            sel = _set_columns(_best(c_score, K), K)
             branch = sel // K
             f_idx = K + (d - 1) * K * K + sel
             f_score = c_score.gather(1, sel)
@@ -159,10 +158,35 @@ class TreeExpansion:
             f_feat = nxt.view(B, K, h).gather(1, branch[:, :, None].expand(B, K, h))
             anc = anc.gather(1, branch[:, :, None].expand(B, K, S - 1))
         all_tok, all_score, all_par = torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
-        pick = torch.sort(all_score, dim=1, descending=True, stable=True).indices[:, : self.k]
-        order = torch.sort(self.depth[pick], dim=1, stable=True).indices  # (depth, score descending, index)
-        picked = pick.gather(1, order)
+        pick = _set_columns(_best(all_score, self.k), self.k)  # ascending index: depth already in order
+        depth, score = self.depth[pick], all_score.gather(1, pick)
+        # within a depth, by score descending then index: each node's place among the picked
+        same = depth[:, None, :] == depth[:, :, None]  # [b, i, j]: node j has node i's depth
+        ar = torch.arange(self.k, device=dev)
+        first = ar[None, :] < ar[:, None]  # [i, j]: j < i
+        s_i, s_j = score[:, :, None], score[:, None, :]
+        before = (depth[:, None, :] < depth[:, :, None]) | (same & ((s_j > s_i) | ((s_j == s_i) & first)))
+        place = before.sum(dim=2)
+        picked = torch.empty_like(pick).scatter_(1, place, pick)
         par = all_par.gather(1, picked)
         slot = (par[:, :, None] == picked[:, None, :]).to(torch.int64).argmax(dim=-1) + 1
         self.nodes[:B, 0].copy_(all_tok.gather(1, picked))
         self.nodes[:B, 1].copy_(torch.where(par < 0, 0, slot))
+
+
+def _best(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Mask of each row's best ``n`` columns by (score descending, column ascending): exactly ``n`` per row."""
+    kth = torch.topk(scores, n, dim=1).values[:, -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = n - above.sum(dim=1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=1) <= room))
+
+
+def _set_columns(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The columns of each row's ``n`` set entries, ascending (``[rows, n]``)."""
+    rows, width = mask.shape
+    slot = torch.where(mask, mask.cumsum(dim=1) - 1, n)  # unset columns land in a spare slot, dropped
+    cols = torch.arange(width, device=mask.device).expand(rows, width)
+    out = torch.zeros((rows, n + 1), dtype=torch.int64, device=mask.device)
+    return out.scatter_(1, slot, cols)[:, :n]
