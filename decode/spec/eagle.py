@@ -267,14 +267,9 @@ class EagleDrafter(Drafter):
         t_r2t = self.target.req_to_token_pool.req_to_token
         off = 0
         ids, pos, rows, prefix, ext, tslots = [], [], [], [], [], []
-        w_rows, w_cols, w_slots = [], [], []  # every branch row holds the committed entries: one write for all
         for row, toks, start, target_row in batch:
             mine = locs[off : off + len(toks)].tolist()
             off += len(toks)
-            for idx in row.rows:
-                w_rows += [idx] * len(toks)
-                w_cols += range(start, start + len(toks))
-                w_slots += mine
             row.slots += mine
             row.tokens += toks
             ids += toks
@@ -284,8 +279,11 @@ class EagleDrafter(Drafter):
             ext.append(len(toks))
             # entry j reads the target's feature of position j
             tslots.append(t_r2t[target_row, start : start + len(toks)].to(torch.int64))
-        write = torch.tensor([w_rows, w_cols, w_slots], dtype=torch.int64).to(self.device)
-        self.r2t.req_to_token[write[0], write[1]] = write[2].to(torch.int32)
+        # every branch row of a request holds its committed entries: one write for all of them
+        owner = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(ext))
+        where = torch.stack([owner, torch.tensor(pos), locs]).to(self.device)  # per entry: request, column, slot
+        branch_rows = torch.tensor([row.rows for row, *_ in batch]).to(self.device)[where[0]]  # [entries, topk]
+        self.r2t.req_to_token[branch_rows, where[1][:, None]] = where[2][:, None].to(torch.int32)
         feats = self.features[torch.cat(tslots).to(self.device)]
         out, nxt = self._run(ids, feats, pos, rows, prefix, ext, locs)
         ends = torch.tensor(ext).cumsum(0).to(out.device) - 1
