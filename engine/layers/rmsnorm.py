@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvship.engine.layers.fused_dispatch import cuda_fused_ops
-from kvship.engine.layers.linear import _param
+from kvship.engine.layers.fused_dispatch import cuda_fused_ops, cuda_skinny_gemm
+from kvship.engine.layers.linear import Linear, _param
 
 
 class RMSNorm(nn.Module):
@@ -32,3 +32,23 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def norm_then_linear(
+    norm: nn.Module, layer: Linear, x: torch.Tensor, residual: Optional[torch.Tensor], keep_normed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A pre-norm block's entry: ``h = norm(x + residual)`` (``norm(x)`` on the first layer, ``residual``
+    None), then ``layer(h)``; returns ``(layer(h), x + residual, h if keep_normed)``.  On CUDA at batch-1-sized
+    decode one GEMV kernel computes the RMSNorm in its input (``skinny_gemm_cuda.norm_linear``: no norm
+    kernel, no normalised tensor unless asked); elsewhere the norm layer and then the linear layer."""
+    skinny = cuda_skinny_gemm(x)
+    if skinny is not None and type(layer).forward is Linear.forward and type(norm).forward is RMSNorm.forward:
+        fused = skinny.norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, keep_normed)
+        if fused is not None:
+            y, residual_out, normed = fused
+            return layer.reduce(y), residual_out, normed
+    if residual is None:
+        h, residual_out = norm(x), x
+    else:
+        h, residual_out = norm(x, residual)
+    return layer(h), residual_out, h if keep_normed else None

@@ -70,6 +70,58 @@ def _load_input(x_ptr, k0, K, m_ok, k_ok, ACT: tl.constexpr):
 
 
 @triton.jit
+def _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES: tl.constexpr):
+    """``x (+ residual)`` tile, the sum rounded to the activation dtype as ``fused_ops_cuda.rmsnorm`` rounds it."""
+    xv = tl.load(x_ptr + k0, mask=mask, other=0.0)
+    if HAS_RES:
+        xv = (xv.to(tl.float32) + tl.load(r_ptr + k0, mask=mask, other=0.0).to(tl.float32)).to(xv.dtype)
+    return xv
+
+
+@triton.jit
+def _row_rstd(x_ptr, r_ptr, K, m_ok, rk, eps, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / sqrt(mean(x^2) + eps)`` per row of the (residual-added) input: a first pass over the row."""
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = m_ok[:, None] & ((k0 + rk) < K)[None, :]
+        xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES).to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _normed_input_tile(
+    x_ptr,
+    r_ptr,
+    nw,
+    ro_ptr,
+    no_ptr,
+    k0,
+    K,
+    m_ok,
+    k_ok,
+    rk,
+    rstd,
+    first,
+    HAS_RES: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+):
+    """One input tile of ``rmsnorm(x (+ residual)) @ w^T``, rounded as ``rmsnorm`` rounds; the first program
+    also writes the residual sum (``ro_ptr``) and, with ``WRITE_NORMED``, the normalised rows (``no_ptr``)."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES)
+    h = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
+    wv = tl.load(nw + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+    out = (wv[None, :] * h.to(tl.float32)).to(xv.dtype)
+    if first:
+        if HAS_RES:
+            tl.store(ro_ptr + k0, xv, mask=mask)
+        if WRITE_NORMED:
+            tl.store(no_ptr + k0, out, mask=mask)
+    return out
+
+
+@triton.jit
 def _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT: tl.constexpr, USE_PDL: tl.constexpr):
     """Under PDL: the first weight tile streams in while the previous kernel finishes (weights never depend on
     it), then wait for that kernel and load the first input tile."""
@@ -92,6 +144,11 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    res,
+    norm_w,
+    res_out,
+    normed,
+    eps,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
@@ -99,7 +156,12 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False,
+    WRITE_NORMED: tl.constexpr = False,
 ):
+    # NORM: the input is rmsnorm(x (+ res)) with weight norm_w (rows of K, contiguous), computed here from a
+    # first pass over each row; the first program writes x + res to res_out (and the normalised rows to normed)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -110,6 +172,18 @@ def _gemv_kernel(
     x_ptr = x + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
+    if NORM:
+        row_k = rm[:, None] * K + rk[None, :]  # res, res_out and normed are [M, K] contiguous
+        r_ptr, ro_ptr, no_ptr = res + row_k, res_out + row_k, normed + row_k
+        rstd = _row_rstd(x_ptr, r_ptr, K, m_ok, rk, eps, HAS_RES, BLOCK_M, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xt = _normed_input_tile(
+                x_ptr, r_ptr, norm_w, ro_ptr, no_ptr, k0, K, m_ok, k_ok, rk, rstd, pid == 0, HAS_RES, WRITE_NORMED
+            )
+            acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+        k_start = K
     if USE_PDL:
         w0, x0 = _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT, USE_PDL)
         acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
@@ -338,8 +412,45 @@ def launch(
     if cfg.mma:
         _skinny_mma_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)
     else:
-        _gemv_kernel[cfg.grid(m, n)](x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **common)
+        _gemv_kernel[cfg.grid(m, n)](
+            x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), x, x, x, x, 0.0, **common
+        )  # fmt: skip
     return y
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    keep_normed: bool = False,
+) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    """``rmsnorm(x (+ residual)) @ w^T + bias`` in one GEMV kernel (batch-1-sized decode): returns ``(y, x +
+    residual (x itself without one), the normalised rows if keep_normed)``, rounded as ``fused_ops_cuda.rmsnorm``
+    then ``linear`` round them; None where the GEMV kernel does not apply (more rows, PDL on, a layout it does
+    not take, cuBLAS picked for the shape): the caller then runs the norm and the matmul apart."""
+    if not applies(x, w) or not x.is_contiguous() or use_pdl(x):
+        return None
+    m = x.shape[0]
+    n, k = w.shape
+    cfg = pick_config(m, n, k)
+    if cfg is None or cfg.mma or m > cfg.block_m or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        return None
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        return None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    normed = torch.empty_like(x) if keep_normed else None
+    _gemv_kernel[cfg.grid(m, n)](
+        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        x if residual is None else residual, norm_weight, res_out, x if normed is None else normed, float(eps),
+        ACT=ACT_NONE, HAS_BIAS=bias is not None, EVEN=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=False, launch_pdl=False,
+        NORM=True, HAS_RES=residual is not None, WRITE_NORMED=keep_normed,
+    )  # fmt: skip
+    return y, res_out, normed
 
 
 def linear(

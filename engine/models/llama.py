@@ -20,7 +20,7 @@ from kvship.engine.layers.activation import GatedActivation
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
 from kvship.engine.layers.linear import Linear, StackedLinear, gated_linear
-from kvship.engine.layers.rmsnorm import RMSNorm
+from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.registry import register_model
@@ -50,8 +50,16 @@ class LlamaAttention(nn.Module):
         self._rotary = [rotary]
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        norm: RMSNorm,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input norm (``norm`` over ``hidden + residual``) and attention: ``(output, residual)``."""
+        qkv, residual, _ = norm_then_linear(norm, self.qkv_proj, hidden, residual)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -64,7 +72,7 @@ class LlamaAttention(nn.Module):
             forward_batch,
             (self.q_norm, self.k_norm) if self.qk_norm else None,
         )
-        return self.o_proj(out)
+        return self.o_proj(out), residual
 
 
 class LlamaMLP(nn.Module):
@@ -84,9 +92,17 @@ class LlamaMLP(nn.Module):
         # down_proj(act(gate) * up): one kernel on CUDA at batch 1 (the activation inside the GEMV's input)
         return gated_linear(self.down_proj, self.act, self.gate_up_proj(x))
 
+    def forward_normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the new residual (``rmsnorm.norm_then_linear``)."""
+        gate_up, residual, _ = norm_then_linear(norm, self.gate_up_proj, x, residual)
+        return gated_linear(self.down_proj, self.act, gate_up), residual
+
 
 class LlamaDecoderLayer(nn.Module):
-    """Attention then MLP, pre-norm with a carried residual; ``mlp`` replaces the dense MLP (MoE models)."""
+    """Attention then MLP, pre-norm with a carried residual; ``mlp`` replaces the dense MLP (MoE models) and
+    takes its norm like ``LlamaMLP.forward_normed``."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: Optional[nn.Module] = None):
         super().__init__()
@@ -98,14 +114,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, forward_batch)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):

@@ -28,6 +28,7 @@ from torch import nn
 
 from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.rmsnorm import norm_then_linear
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from kvship.engine.models.registry import register_model
@@ -58,7 +59,18 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        return self._experts(x, self.gate(x))
+
+    def forward_normed(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the new residual: the norm runs inside the router's GEMV at
+        batch-1-sized decode (``rmsnorm.norm_then_linear``), which also hands the experts the normalised rows."""
+        logits, residual, h = norm_then_linear(norm, self.gate, x, residual, keep_normed=True)
+        return self._experts(h, logits), residual
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, logits)
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

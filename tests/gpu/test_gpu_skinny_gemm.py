@@ -77,6 +77,42 @@ def test_linear_matches_reference(sg, m, n, k, act, bias, spec):
     assert _rel(y, ref) < _tol()
 
 
+@pytest.mark.parametrize(
+    "m,n,k,bias,residual", [(1, 96, 256, False, True), (1, 100, 200, True, False), (3, 64, 128, False, True)]
+)
+@pytest.mark.parametrize("keep_normed", [False, True])
+def test_norm_linear_equals_rmsnorm_then_linear(sg, monkeypatch, m, n, k, bias, residual, keep_normed):
+    """The RMSNorm computed in the GEMV's input (a pre-norm block's entry) gives the norm layer then the matmul:
+    the same residual sum, the same normalised rows when asked, the product within the matmul tolerance; and
+    it declines what it cannot run (more rows than its tile, a mismatched norm weight)."""
+    from kvship.engine.layers.fused_ops_cuda import rmsnorm
+
+    dev, dt = kernel_device(), _dtype()
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).to(dev, dt)
+    res = torch.randn(m, k, generator=g).to(dev, dt) if residual else None
+    nw = (torch.rand(k, generator=g) + 0.5).to(dev, dt)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dev, dt)
+    b = torch.randn(n, generator=g).to(dev, dt) if bias else None
+    monkeypatch.setattr(sg, "pick_config", lambda m_, n_, k_: _cfg(sg, ("gemv", sg.bucket(m_), 4, 64, 4)))
+    y, res_out, normed = sg.norm_linear(x, res, nw, 1e-6, w, b, keep_normed)
+    if res is None:
+        want_h, want_res = rmsnorm(x, nw, 1e-6), x
+    else:
+        want_h, want_res = rmsnorm(x, nw, 1e-6, res)
+    ref = want_h.double().cpu() @ w.double().cpu().t() + (b.double().cpu() if bias else 0)
+    assert _rel(y, ref) < _tol()
+    assert torch.equal(res_out, want_res)
+    if keep_normed:
+        tol = 1e-2 if HAS_CUDA else 1e-6  # bf16: one ulp (the sum of squares runs in another order)
+        assert torch.allclose(normed.float(), want_h.float(), rtol=tol, atol=tol)
+    else:
+        assert normed is None
+    assert sg.norm_linear(x, res, nw[:-1], 1e-6, w) is None
+    monkeypatch.setattr(sg, "pick_config", lambda m_, n_, k_: _cfg(sg, ("mma", 16, 16, 32, 4)))
+    assert sg.norm_linear(x, res, nw, 1e-6, w) is None  # the tensor-core kernel does not take the norm
+
+
 def test_pick_config_table_and_fallbacks(sg):
     # the tuned H100 table: GEMV at batch 1, cuBLAS where it won
     assert sg.pick_config(1, 4096, 4096) == sg.SkinnyConfig(False, 1, 2, 2048, num_warps=4)
