@@ -355,6 +355,31 @@ def test_device_tree_expansion_drafts_the_trees_of_the_host_reference(tiny_llama
 
 
 @pytest.mark.parametrize("shape", ["tree-3x2-5", "chain-4"])
+def test_batches_padded_to_a_graph_size_draft_the_same_trees(tiny_llama_dir, heads, shape):
+    """As on CUDA, where a batch runs at the graph size it pads to: padding rows change no live row's tree."""
+    sched, _ = _scheduler(tiny_llama_dir, heads["random"], "eagle", SHAPES[shape])
+    drafter = sched.speculator.drafter
+    drafter.graph_sizes = [2, 8]  # what attach sets on CUDA; 3..5 requests run as 8 rows
+    ref = _ReferenceDrafter(drafter)
+    inner = drafter.draft_trees
+    rounds = []
+
+    def checked(reqs):
+        ref.release_missing(set(sched.reqs))
+        want = ref.draft_trees(reqs)
+        got = inner(reqs)
+        assert _as_pairs(got) == _as_pairs(want), f"round {len(rounds)}"
+        rounds.append(len(reqs))
+        return got
+
+    drafter.draft_trees = checked
+    for i, p in enumerate(_prompts(5, seed=9)):
+        sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(max_new_tokens=6 + 2 * i, temperature=0.0)))
+    run_until_idle(sched)
+    assert len(rounds) >= 3 and any(n > 2 for n in rounds)
+
+
+@pytest.mark.parametrize("shape", ["tree-3x2-5", "chain-4"])
 def test_requests_without_a_row_get_empty_trees_beside_drafted_ones(tiny_llama_dir, heads, shape):
     sched, _ = _scheduler(tiny_llama_dir, heads["random"], "eagle", SHAPES[shape])
     drafter = sched.speculator.drafter
