@@ -19,7 +19,6 @@ PREFILL_CHAIN = [
     "scheduled",
     "admitted",
     "forward_done",
-    "kv_send_start",
     "kv_send_end",
     "transfer_done",
 ]
@@ -45,7 +44,13 @@ def _assert_cross(p: dict[str, float], d: dict[str, float]) -> None:
     assert d["room_registered"] <= p["room_registered"], "prefill saw the registration before decode sent it"
     # the prompt computes beside decode's registration; the transfer waits for both
     assert p["scheduled"] <= p["admitted"] <= p["forward_done"]
-    assert max(p["room_registered"], p["forward_done"]) <= p["kv_send_start"], "KV sent before it had a place"
+    if "kv_layers_first" in p:  # layer-wise (docs/pd.md): the send starts with the forward of the last chunk
+        _assert_chain(p, ["admitted", "kv_send_start", "kv_layers_first", "kv_layers_last", "kv_tail_start"], "p")
+        assert p["room_registered"] <= p["kv_send_start"], "KV sent before it had a place"
+        assert p["forward_done"] <= p["kv_tail_start"] <= p["kv_send_end"], "aux record before the first token"
+    else:
+        assert max(p["room_registered"], p["forward_done"]) <= p["kv_send_start"], "KV sent before it had a place"
+    assert p["kv_send_start"] <= p["kv_send_end"]
     # Started travels on the control link, the data on the backend's own: it may be seen after the data (or,
     # once the room is done, not at all)
     if "kv_started" in d:
