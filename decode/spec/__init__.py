@@ -11,5 +11,8 @@ One round for a request whose newest token ``t`` has no K/V yet (the *root*)::
 
 Pieces here: ``tree`` (the draft tree and its mask / positions / walk arrays),
 ``verify`` (greedy longest-path acceptance and the lossless rejection rule for
-sampled requests), ``ngram`` (prompt-lookup drafting, no extra model).
+sampled requests), ``ngram`` (prompt-lookup drafting, no extra model),
+``eagle`` / ``eagle_head`` / ``eagle_tree`` (EAGLE heads: entries, the draft
+steps as a fixed-shape device loop), ``graphs`` (CUDA graphs of the verify
+forward and of the EAGLE draft steps), ``worker`` (the ``Speculator``).
 """
