@@ -79,49 +79,6 @@ def _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(x_ptr, r_ptr, K, m_ok, rk, eps, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``1 / sqrt(mean(x^2) + eps)`` per row of the (residual-added) input: a first pass over the row."""
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-        xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES).to(tl.float32)
-        ss += tl.sum(xv * xv, axis=1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed_input_tile(
-    x_ptr,
-    r_ptr,
-    nw,
-    ro_ptr,
-    no_ptr,
-    k0,
-    K,
-    m_ok,
-    k_ok,
-    rk,
-    rstd,
-    first,
-    HAS_RES: tl.constexpr,
-    WRITE_NORMED: tl.constexpr,
-):
-    """One input tile of ``rmsnorm(x (+ residual)) @ w^T``, rounded as ``rmsnorm`` rounds; the first program
-    also writes the residual sum (``ro_ptr``) and, with ``WRITE_NORMED``, the normalised rows (``no_ptr``)."""
-    mask = m_ok[:, None] & k_ok[None, :]
-    xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES)
-    h = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
-    wv = tl.load(nw + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-    out = (wv[None, :] * h.to(tl.float32)).to(xv.dtype)
-    if first:
-        if HAS_RES:
-            tl.store(ro_ptr + k0, xv, mask=mask)
-        if WRITE_NORMED:
-            tl.store(no_ptr + k0, out, mask=mask)
-    return out
-
-
-@triton.jit
 def _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT: tl.constexpr, USE_PDL: tl.constexpr):
     """Under PDL: the first weight tile streams in while the previous kernel finishes (weights never depend on
     it), then wait for that kernel and load the first input tile."""
@@ -160,8 +117,9 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr = False,
     WRITE_NORMED: tl.constexpr = False,
 ):
-    # NORM: the input is rmsnorm(x (+ res)) with weight norm_w (rows of K, contiguous), computed here from a
-    # first pass over each row; the first program writes x + res to res_out (and the normalised rows to normed)
+    # NORM: the input is rmsnorm(x (+ res)) with weight norm_w (rows of K, contiguous); the per-row scale is
+    # applied to the product at the end; the first program writes x + res to res_out (and the normalised rows to
+    # normed, a second pass over its row)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -173,16 +131,33 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
     if NORM:
+        # one pass: y = rstd * (w @ (norm_w * (x + res))) with the rows' sums of squares gathered on the way
         row_k = rm[:, None] * K + rk[None, :]  # res, res_out and normed are [M, K] contiguous
-        r_ptr, ro_ptr, no_ptr = res + row_k, res_out + row_k, normed + row_k
-        rstd = _row_rstd(x_ptr, r_ptr, K, m_ok, rk, eps, HAS_RES, BLOCK_M, BLOCK_K)
+        r_ptr = res + row_k
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk) < K
+            mask = m_ok[:, None] & k_ok[None, :]
             wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            xt = _normed_input_tile(
-                x_ptr, r_ptr, norm_w, ro_ptr, no_ptr, k0, K, m_ok, k_ok, rk, rstd, pid == 0, HAS_RES, WRITE_NORMED
-            )
-            acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+            xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES)
+            if HAS_RES:
+                if pid == 0:
+                    tl.store(res_out + row_k + k0, xv, mask=mask)
+            xf = xv.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            xt = xf * tl.load(norm_w + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
+        rstd = tl.rsqrt(ss / K + eps)
+        if WRITE_NORMED:
+            if pid == 0:  # the normalised rows for later consumers, rounded as rmsnorm rounds them
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = (k0 + rk) < K
+                    mask = m_ok[:, None] & k_ok[None, :]
+                    xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES)
+                    h = (xv.to(tl.float32) * rstd[:, None]).to(xv.dtype)
+                    nv = tl.load(norm_w + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                    tl.store(normed + row_k + k0, (nv[None, :] * h.to(tl.float32)).to(xv.dtype), mask=mask)
+        acc = acc * rstd[:, None, None]
         k_start = K
     if USE_PDL:
         w0, x0 = _first_tile_after_wait(w_ptr, x_ptr, K, n_ok, m_ok, rk, ACT, USE_PDL)
@@ -428,8 +403,11 @@ def norm_linear(
     keep_normed: bool = False,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """``rmsnorm(x (+ residual)) @ w^T + bias`` in one GEMV kernel (batch-1-sized decode): returns ``(y, x +
-    residual (x itself without one), the normalised rows if keep_normed)``, rounded as ``fused_ops_cuda.rmsnorm``
-    then ``linear`` round them; None where the GEMV kernel does not apply (more rows, PDL on, a layout it does
+    residual (x itself without one), the normalised rows if keep_normed)``.  One pass over the weights: the
+    product is taken with ``norm_w * (x + residual)`` and scaled by each row's ``rsqrt(mean square + eps)`` at
+    the end, so the normalised input is not rounded to the activation dtype first (the difference is within
+    bf16 rounding of the product); the residual sum and the normalised rows are rounded as
+    ``fused_ops_cuda.rmsnorm`` rounds them.  None where the GEMV kernel does not apply (more rows, PDL on, a layout it does
     not take, cuBLAS picked for the shape): the caller then runs the norm and the matmul apart."""
     if not applies(x, w) or not x.is_contiguous() or use_pdl(x):
         return None

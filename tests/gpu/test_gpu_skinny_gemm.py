@@ -201,11 +201,12 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
     logits equal the same model on cuBLAS (``KVSHIP_DISABLE_SKINNY_GEMM=1``) within bf16 noise."""
     from kvship.engine.config import ServerArgs
     from kvship.engine.layers import linear as linear_mod
+    from kvship.engine.layers import rmsnorm as rmsnorm_mod
     from kvship.engine.layers import skinny_gemm_cuda
     from kvship.engine.model_runner import ModelRunner
 
-    calls = {"linear": 0, "silu": 0}
-    real_linear = skinny_gemm_cuda.linear
+    calls = {"linear": 0, "silu": 0, "norm": 0}
+    real_linear, real_norm_linear = skinny_gemm_cuda.linear, skinny_gemm_cuda.norm_linear
 
     def counted_linear(*a, **kw):
         out = real_linear(*a, **kw)
@@ -213,9 +214,17 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
         calls["silu"] += out is not None and kw.get("act") == skinny_gemm_cuda.ACT_SILU_MUL
         return out
 
+    def counted_norm_linear(*a, **kw):  # a pre-norm block's entry: the RMSNorm inside the GEMV's input
+        out = real_norm_linear(*a, **kw)
+        calls["linear"] += out is not None
+        calls["norm"] += out is not None
+        return out
+
     monkeypatch.setattr(skinny_gemm_cuda, "linear", counted_linear)
+    monkeypatch.setattr(skinny_gemm_cuda, "norm_linear", counted_norm_linear)
     if not HAS_CUDA:  # the interpreter runs the kernels on CPU tensors
         monkeypatch.setattr(linear_mod, "cuda_skinny_gemm", lambda t: skinny_gemm_cuda)
+        monkeypatch.setattr(rmsnorm_mod, "cuda_skinny_gemm", lambda t: skinny_gemm_cuda)
     dev = "cuda" if HAS_CUDA else "cpu"
     dtype = "bfloat16" if HAS_CUDA else "float32"
     path = tiny_model_dirs[arch]
@@ -244,9 +253,11 @@ def test_model_decode_through_the_kernels(arch, tiny_model_dirs, kv_driver, monk
             drv.free(req)
 
     ours = run()
-    # per decode step: q/k/v, o, gate/up and down (activation fused) in every layer, plus the LM head
+    # per decode step: q/k/v and gate/up (their RMSNorm inside), o and down (activation fused) in every layer,
+    # plus the LM head
     layers = 2
     assert calls["linear"] >= (4 * layers + 1) * len(follow) and calls["silu"] >= layers * len(follow)
+    assert calls["norm"] >= 2 * layers * len(follow)
     if HAS_CUDA:
         monkeypatch.setenv("KVSHIP_DISABLE_SKINNY_GEMM", "1")
         ref = run()
