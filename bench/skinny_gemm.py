@@ -17,6 +17,7 @@ none of them.  Bandwidth = weight bytes / time, as a fraction of the measured
 copy bandwidth.  Writes ``skinny_gemm.json`` / ``skinny_gemm.md`` to ``--out``.
 
     python bench/skinny_gemm.py --out /tmp/out            # on a GPU
+    python bench/skinny_gemm.py --norm --ms 1,2,4,8       # the RMSNorm inside the GEMV vs norm + matmul
     TRITON_INTERPRET=1 python bench/skinny_gemm.py --smoke  # CPU: checks the candidates only
 """
 
@@ -161,6 +162,65 @@ def bench_case(
     return row
 
 
+NORMED = ("qkv_proj", "gate_up_proj", "router")  # projections whose input is a pre-norm block's RMSNorm
+
+
+def bench_norm_case(name: str, n: int, k: int, m: int, hbm: float) -> dict[str, Any]:
+    """``--norm``: the RMSNorm kernel (with the residual add) then the matmul as the layers pick it, against
+    ``norm_linear`` (the norm inside the GEMV's input) with each GEMV tile config, inside CUDA graphs."""
+    from kvship.engine.layers.fused_ops_cuda import rmsnorm
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    wbytes = n * k * 2
+    copies = max(2, -(-(256 << 20) // wbytes))
+    gen = torch.Generator(device=dev).manual_seed(n * 17 + k)
+    ws = [torch.randn(n, k, dtype=dtype, device=dev, generator=gen) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, dtype=dtype, device=dev, generator=gen)
+    res = torch.randn(m, k, dtype=dtype, device=dev, generator=gen)
+    nw = torch.rand(k, dtype=dtype, device=dev, generator=gen) + 0.5
+    calls = max(8, min(64, int(4e-3 / max(wbytes / hbm, 1e-7))))
+
+    def apart(i: int) -> torch.Tensor:
+        h, _ = rmsnorm(x, nw, 1e-6, res)
+        y = sg.linear(h, ws[i % copies])
+        return y if y is not None else F.linear(h, ws[i % copies])
+
+    ref = apart(0).float()
+    row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, "configs": []}
+    t = graph_time(apart, calls)
+    row["apart_us"], row["apart_frac"] = t * 1e6, wbytes / t / hbm
+    auto = sg.pick_norm_config(m, n, k)
+    row["auto"] = str(auto)
+    cands = [c for c in candidates(m) if not c.mma]
+    bm = 1 << (m - 1).bit_length()
+    for bn in (4, 8, 16):  # wider programs read the input fewer times
+        for bk in (256, 512, 1024):
+            if bm * bn * bk // 128 <= 64:
+                cands.append(sg.SkinnyConfig(False, bm, bn, bk, num_warps=4))
+    best = None
+    for cfg in dict.fromkeys(cands):
+        entry: dict[str, Any] = {"cfg": cfg.__dict__.copy()}
+        try:
+            out = sg.norm_linear(x, res, nw, 1e-6, ws[0], cfg=cfg)
+            err = ((out[0].float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:
+                entry["error"] = f"wrong result: relative error {err:.3g}"
+            else:
+                t = graph_time(lambda i, c=cfg: sg.norm_linear(x, res, nw, 1e-6, ws[i % copies], cfg=c), calls)
+                entry["us"] = t * 1e6
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["configs"].append(entry)
+    if best is not None:
+        row["best_us"], row["best_cfg"] = best[0] * 1e6, best[1].__dict__.copy()
+        row["apart_over_best"] = row["apart_us"] / row["best_us"]
+    del ws
+    torch.cuda.empty_cache()
+    return row
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [
         f"GPU: {res['env'].get('gpu')}, torch {res['env'].get('torch')}, triton {res['env'].get('triton')}; "
@@ -206,6 +266,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", default="", help="comma list of projections (default: all)")
     ap.add_argument("--wide", action="store_true", help="also time deeper-pipelined / 8-warp tensor-core tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter works)")
+    ap.add_argument(
+        "--norm", action="store_true", help="time the RMSNorm inside the GEMV (norm_linear) against norm + matmul"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     ms = [int(v) for v in a.ms.split(",") if v]
@@ -226,6 +289,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         projs = {k: v for k, v in projs.items() if k in a.layers.split(",")}
     res: dict[str, Any] = {"env": env, "shape": a.shape, "hbm_TBps": hbm / 1e12, "rows": []}
     t0 = time.time()
+    if a.norm:
+        for name, (n, k, _act) in projs.items():
+            if name not in NORMED:
+                continue
+            for m in [m for m in ms if m <= sg.GEMV_MAX_M]:
+                row = bench_norm_case(name, n, k, m, hbm)
+                res["rows"].append(row)
+                bc = row.get("best_cfg") or {}
+                print(
+                    f"{name:13s} m={m}: norm + matmul {row['apart_us']:7.1f} us, norm inside the GEMV best "
+                    f"{row.get('best_us', float('nan')):7.1f} us (n{bc.get('block_n')} k{bc.get('block_k')} "
+                    f"w{bc.get('num_warps')}), auto {row['auto']}",
+                    flush=True,
+                )
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "skinny_norm.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     for name, (n, k, act) in projs.items():
         for m in ms:
             if a.smoke:

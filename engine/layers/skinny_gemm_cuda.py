@@ -138,7 +138,10 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk) < K
             mask = m_ok[:, None] & k_ok[None, :]
-            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if EVEN:
+                wt = tl.load(w_ptr + k0, eviction_policy="evict_first")
+            else:
+                wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             xv = _norm_input_tile(x_ptr, r_ptr, k0, mask, HAS_RES)
             if HAS_RES:
                 if pid == 0:
@@ -341,6 +344,29 @@ def pick_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
     return TUNED[key] if key in TUNED else _default_config(m, n, k)
 
 
+# (N, K, bucket) -> the GEMV config that computes an RMSNorm in its input (``norm_linear``), or None where the
+# norm kernel + the plain matmul were faster (bench/skinny_gemm.py --norm; docs/benchmarks.md).  Every program
+# reads the input row, its residual and the norm weight besides its BLOCK_N weight rows, so a GEMV of many
+# narrow programs (the 8B shape's gate/up: 14k programs of 2 rows) pays more in input reads than the norm
+# kernel costs.
+NORM_TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {}
+
+
+def pick_norm_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
+    """The config of ``norm_linear`` for ``[m, k] x [n, k]^T``, or None (run the norm, then ``linear``).
+    Untuned shapes: the plain GEMV config where its programs' input reads stay under half the weight bytes
+    (``3 * K`` elements per program against ``BLOCK_N * K``), or the whole matrix is small (a router)."""
+    if m < 1 or m > GEMV_MAX_M:
+        return None
+    key = (n, k, bucket(m))
+    if key in NORM_TUNED:
+        return NORM_TUNED[key]
+    cfg = pick_config(m, n, k)
+    if cfg is None or cfg.mma:
+        return None
+    return cfg if cfg.block_n >= 6 or n * k <= 1 << 20 else None
+
+
 def _enabled() -> bool:
     return not ENV.DISABLE_SKINNY_GEMM
 
@@ -401,6 +427,7 @@ def norm_linear(
     w: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     keep_normed: bool = False,
+    cfg: Optional[SkinnyConfig] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """``rmsnorm(x (+ residual)) @ w^T + bias`` in one GEMV kernel (batch-1-sized decode): returns ``(y, x +
     residual (x itself without one), the normalised rows if keep_normed)``.  One pass over the weights: the
@@ -413,7 +440,7 @@ def norm_linear(
         return None
     m = x.shape[0]
     n, k = w.shape
-    cfg = pick_config(m, n, k)
+    cfg = cfg or pick_norm_config(m, n, k)
     if cfg is None or cfg.mma or m > cfg.block_m or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         return None
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
@@ -424,7 +451,7 @@ def norm_linear(
     _gemv_kernel[cfg.grid(m, n)](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         x if residual is None else residual, norm_weight, res_out, x if normed is None else normed, float(eps),
-        ACT=ACT_NONE, HAS_BIAS=bias is not None, EVEN=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        ACT=ACT_NONE, HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=False, launch_pdl=False,
         NORM=True, HAS_RES=residual is not None, WRITE_NORMED=keep_normed,
     )  # fmt: skip
