@@ -349,13 +349,23 @@ def pick_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
 # reads the input row, its residual and the norm weight besides its BLOCK_N weight rows, so a GEMV of many
 # narrow programs (the 8B shape's gate/up: 14k programs of 2 rows) pays more in input reads than the norm
 # kernel costs.
-NORM_TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {}
+NORM_TUNED: dict[tuple[int, int, int], Optional[SkinnyConfig]] = {
+    # Qwen3-30B-A3B: qkv at batch 1 (10.1 vs 10.8 us), the router at every bucket (2.5-4.7 vs 3.8-5.5 us)
+    (*_Q3_QKV, 1): _gemv(8, 512, 4),
+    (*_Q3_ROUTER, 1): _gemv(2, 2048, 4),
+    (*_Q3_ROUTER, 2): _gemv(2, 1024, 8, bm=2),
+    (*_Q3_ROUTER, 4): _gemv(2, 1024, 8, bm=4),
+    (*_Q3_ROUTER, 8): _gemv(2, 1024, 8, bm=8),
+    # Llama-3.1-8B: qkv ties at batch 1 (20.4 vs 20.3 us) and gate/up loses (79.7 vs 77.5 us): the norm apart
+    (*_QKV, 1): None,
+    (*_GATE_UP, 1): None,
+}
 
 
 def pick_norm_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
     """The config of ``norm_linear`` for ``[m, k] x [n, k]^T``, or None (run the norm, then ``linear``).
-    Untuned shapes: the plain GEMV config where its programs' input reads stay under half the weight bytes
-    (``3 * K`` elements per program against ``BLOCK_N * K``), or the whole matrix is small (a router)."""
+    Untuned shapes: the plain GEMV config where the matrix is small (a router: at most 1M
+    elements); larger matrices measured no gain (docs/benchmarks.md)."""
     if m < 1 or m > GEMV_MAX_M:
         return None
     key = (n, k, bucket(m))
@@ -364,7 +374,7 @@ def pick_norm_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
     cfg = pick_config(m, n, k)
     if cfg is None or cfg.mma:
         return None
-    return cfg if cfg.block_n >= 6 or n * k <= 1 << 20 else None
+    return cfg if n * k <= 1 << 20 else None
 
 
 def _enabled() -> bool:
