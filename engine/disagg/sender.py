@@ -61,19 +61,16 @@ from kvship.engine.disagg.base import (
     MemoryRegion,
     SlotFeatures,
     TransferBackend,
-    TransferDescs,
     advertise_host,
 )
 from kvship.engine.disagg.bootstrap import BootstrapServer, FramedConnection
-from kvship.engine.disagg.checksum import ALGORITHMS, kv_checksum_heads
+from kvship.engine.disagg.checksum import ALGORITHMS
 from kvship.engine.disagg.layerwise import LayerProgress
-from kvship.engine.disagg.tp_slices import head_slice, slice_kv_descs
+from kvship.engine.disagg.room_writes import RoomWriter
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
     Abort,
     AbortAck,
-    AuxRecord,
-    Done,
     Fail,
     Hello,
     KVLayout,
@@ -81,7 +78,6 @@ from kvship.engine.disagg.wire import (
     Ping,
     Refuse,
     Register,
-    Started,
     Welcome,
 )
 
@@ -319,6 +315,15 @@ class PrefillKVManager(KVManager):
         self.feature_region = len(self.buffers) if features is not None else None
         self.aux_region = len(self.regions) - 1
         self.backend = backend_cls(config, "prefill", self.regions, self.layout)
+        self.writer = RoomWriter(
+            self.layout,
+            self.backend,
+            self.buffers,
+            [r.nbytes for r in self.regions],
+            self.feature_region,
+            self.aux_region,
+            self._aux_staging,
+        )
         self._senders: dict[int, PrefillSender] = {}
         self._pending: dict[int, list[_PendingRegistration]] = {}  # room -> registrations before its sender
         self._peers: dict[str, _DecodePeer] = {}
@@ -532,15 +537,25 @@ class PrefillKVManager(KVManager):
                 for _, (peer, _reg) in targets:
                     peer.inflight += 1
             error: Optional[str] = None
+            w = self.writer
+
+            def cancelled(s: PrefillSender = s) -> bool:
+                return self._cancelled(s)
+
             try:
                 if s._layers is not None:
-                    error = self._transfer_layerwise(index, s, [t for _, t in targets])
+                    peers = [t for _, t in targets]
+                    first_token = lambda s=s: self._first_token(s)  # noqa: E731
+                    pages, ready, progress = s._layer_pages, s._ready_pages, s._layers
+                    error = w.layerwise(index, s.room, s.stamps, peers, pages, ready, progress, cancelled, first_token)
                 else:
                     src_pages, aux = s._payload  # type: ignore[misc]
                     for _, (peer, reg) in targets:
-                        if self._cancelled(s):
+                        if cancelled():
                             break
-                        error = self._guard(s, peer, self._transfer, index, s, peer, reg, src_pages, aux)
+                        error = w.guard(
+                            s.room, peer, w.whole, index, s.room, s.stamps, peer, reg, src_pages, aux, cancelled
+                        )
                         if error is not None:
                             break
             finally:
@@ -566,156 +581,11 @@ class PrefillKVManager(KVManager):
         with self.lock:
             return s._failed is not None
 
-    @staticmethod
-    def _guard(s: PrefillSender, peer: _DecodePeer, fn, *args) -> Optional[str]:
-        """Run one step of a transfer to ``peer``; its failure as the room's reason (None: it went well)."""
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - every failure fails the room cleanly
-            if not isinstance(e, KVTransferError):
-                logger.exception("KV transfer for room %d failed", s.room)
-            return f"transfer to decode {peer.peer_id} failed: {e}"
-        return None
-
-    def _kv_descs(self, peer: _DecodePeer, src_pages: np.ndarray, dst_pages: np.ndarray) -> Optional[TransferDescs]:
-        """The K/V bytes of these pages this rank writes into decode rank ``peer`` (its KV heads,
-        ``tp_slices.head_slice``), or None when it holds none of them."""
-        layout, dst = self.layout, peer.hello.layout
-        part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
-        if part is None or src_pages.size == 0:
-            return None
-        runs = D.page_runs(src_pages, dst_pages)
-        return slice_kv_descs(
-            runs, layout.num_buffers, layout.page_size, layout.head_bytes, layout.num_kv_heads, dst.num_kv_heads, part
-        )
-
-    def _feature_descs(
-        self, peer: _DecodePeer, src_pages: np.ndarray, dst_pages: np.ndarray
-    ) -> Optional[TransferDescs]:
-        """The per-slot features of these pages for decode rank ``peer``, or None (none travel to it from this
-        rank: replicated, so one rank sends them)."""
-        dst = peer.hello.layout
-        if not peer.features or dst.tp_rank % self.layout.tp_size != self.layout.tp_rank:
-            return None
-        runs = D.page_runs(src_pages, dst_pages)
-        return D.region_descs(runs, self.feature_region, dst.num_buffers, self.layout.feature_page_bytes)
-
-    def _write(self, s: PrefillSender, peer: _DecodePeer, descs: Optional[TransferDescs]) -> None:
-        if descs is None or not len(descs):
-            return
-        D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
-        self.backend.write(peer.peer_id, s.room, descs)
-
-    def _transfer_layerwise(
-        self, index: int, s: PrefillSender, targets: list[tuple[_DecodePeer, Register]]
-    ) -> Optional[str]:
-        """A layer-wise room (see the module docstring); the failure reason, or None when it went well or was
-        cancelled (the room's failure is already decided then)."""
-        s.stamps["transfer_start"] = time.time()
-        pages, ready, progress = s._layer_pages, s._ready_pages, s._layers
-        assert pages is not None and progress is not None
-        num_layers = self.layout.num_layers
-        plans = []
-        for peer, reg in targets:
-            peer.conn.send(Started(room=s.room))
-            error = self._guard(s, peer, self._write, s, peer, self._kv_descs(peer, pages[:ready], reg.pages[:ready]))
-            if error is not None or self._cancelled(s):
-                return error
-            plans.append((peer, self._kv_descs(peer, pages[ready:], reg.pages[ready:])))
-        written = 0
-        while written < num_layers:
-            end = progress.wait(written, lambda: self._cancelled(s))
-            if self._cancelled(s):
-                return None
-            if end == 0:
-                return f"the prefill forward failed before layer {written} was stored"
-            now = time.time()
-            s.stamps.setdefault("layers_first", now)
-            s.stamps["layers_last"] = now
-            for peer, descs in plans:
-                part = None if descs is None else D.select_layers(descs, num_layers, written, end)
-                error = self._guard(s, peer, self._write, s, peer, part)
-                if error is not None:
-                    return error
-            written = end
+    def _first_token(self, s: PrefillSender) -> Optional[tuple[np.ndarray, AuxInfo]]:
+        """A layer-wise room's transfer thread: wait for ``send()`` (its pages and aux); None once the room failed."""
         with self.lock:
             s._cond.wait_for(lambda: s._payload is not None or s._failed is not None)
-            if s._failed is not None:
-                return None
-            src_pages, aux = s._payload  # type: ignore[misc]
-        s.stamps["tail_start"] = time.time()
-        for peer, reg in targets:
-            if self._cancelled(s):
-                return None
-            error = self._guard(s, peer, self._write, s, peer, self._feature_descs(peer, src_pages, reg.pages))
-            error = error or self._guard(s, peer, self._finish_peer, index, s, peer, reg, src_pages, aux, None)
-            if error is not None:
-                return error
-        s.stamps["transfer_end"] = time.time()
-        return None
-
-    def _transfer(
-        self, index: int, s: PrefillSender, peer: _DecodePeer, reg: Register, src_pages: np.ndarray, aux: AuxInfo
-    ) -> None:
-        """The whole request to one decode rank: its KV heads (and features) in one batch, aux, done."""
-        layout = self.layout
-        s.stamps["transfer_start"] = time.time()
-        dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
-        peer.conn.send(Started(room=s.room))
-        part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
-        checksum = None
-        if reg.checksum is not None:
-            checksum = 0
-            if part is not None:
-                checksum = kv_checksum_heads(
-                    self.buffers, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
-                )
-        parts = [
-            d
-            for d in (self._kv_descs(peer, src_pages, reg.pages), self._feature_descs(peer, src_pages, reg.pages))
-            if d is not None
-        ]
-        if parts:
-            descs = D.concat_descs(parts)
-            D.check_descs(descs, [r.nbytes for r in self.regions], peer.region_bytes)
-            if self._cancelled(s):
-                return
-            self.backend.write(peer.peer_id, s.room, descs)
-        if self._cancelled(s):
-            return
-        self._finish_peer(index, s, peer, reg, src_pages, aux, checksum)
-        s.stamps["transfer_end"] = time.time()
-
-    def _finish_peer(
-        self,
-        index: int,
-        s: PrefillSender,
-        peer: _DecodePeer,
-        reg: Register,
-        src_pages: np.ndarray,
-        aux: AuxInfo,
-        checksum: Optional[int],
-    ) -> None:
-        """The aux record, then the done signal (in band, or on the control plane)."""
-        record = AuxRecord(
-            room=s.room,
-            first_token_id=int(aux.first_token_id),
-            first_token_logprob=float(aux.first_token_logprob),
-            prompt_len=int(aux.prompt_len),
-            num_pages=int(src_pages.size),
-            checksum=checksum,
-            top_logprobs=tuple(aux.first_token_top_logprobs),
-        )
-        self._aux_staging[index].copy_(torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8))
-        in_band = self.backend.in_band_done
-        self.backend.write(
-            peer.peer_id,
-            s.room,
-            D.aux_descs(self.aux_region, index, len(peer.region_bytes) - 1, reg.aux_slot, AUX_RECORD_BYTES),
-            done=in_band,
-        )
-        if not in_band and not peer.conn.send(Done(room=s.room)):
-            raise KVTransferError(f"decode connection lost before the done signal: {peer.conn.close_reason}")
+            return None if s._failed is not None else s._payload
 
     # -- housekeeping ------------------------------------------------------
     def _housekeeping(self) -> None:

@@ -156,9 +156,9 @@ class Launcher:
             fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
         reqs = batch.sampling_reqs
         info = self._sampling_info(reqs) if reqs else None
-        if watch is not None:
-            fb.layer_done = watch.start()
         try:
+            if watch is not None:
+                fb.layer_done = watch.start()
             with torch.inference_mode():
                 logits = runner.forward(fb).next_token_logits[:, : self.vocab_size]
         except BaseException:
