@@ -521,7 +521,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines += [
         "",
         "Breakdown of the traced requests (ms between the stamps named in bench/pd_ttft.py's SEGMENTS, medians; "
-        "the `d:` / `p:` columns are decode's path to the registration prefill waits for, the `r:` column the "
+        "the `d:` / `p:` columns are decode's path to the registration prefill waits for and the KV's trip (a "
+        "layer-wise send's lead over forward_done, its last layers, its aux + done), the `r:` column the "
         "router's wait for the prefill reply, which only traced requests have):",
         "",
     ]
