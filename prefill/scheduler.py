@@ -160,7 +160,10 @@ class PrefillRole(PDRole):
         self, req: Req, token_id: int, logprob: Optional[float], top_logprobs: Optional[list[tuple[int, float]]]
     ) -> bool:
         """The prompt is computed: send its pages and the first token (stage 2 -> 3)."""
-        entry = self.computing.remove(req.rid) or self.inflight_queue.get(req.rid)  # inflight: layer-wise
+        entry = self.computing.remove(req.rid)
+        if entry is None:  # a layer-wise room: in flight since its forward started
+            held = self.inflight_queue.get(req.rid)
+            entry = held if held is not None and held.extra.get("computed") is False else None
         if entry is None:
             self.s.finish(req, FinishReason.abort("internal error: prefill request without a KV sender"))
             return True
