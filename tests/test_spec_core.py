@@ -119,3 +119,30 @@ def test_padding_a_tree_adds_root_children_that_never_change_the_greedy_outcome(
     assert p.size == 6 and p.tokens == [5, 7, 9, 9, 9] and p.parents == [0, 1, 0, 0, 0]
     target = [5, 7, 2, 0, 0, 0]
     assert accept_greedy(p, target).tokens == accept_greedy(t, target[:3]).tokens == [5, 7, 2]
+
+
+def _random_trees(seed: int, k: int, count: int) -> list[DraftTree]:
+    rng = torch.Generator().manual_seed(seed)
+    trees = []
+    for _ in range(count):
+        parents = [int(torch.randint(0, i, (1,), generator=rng)) for i in range(1, k)]
+        trees.append(DraftTree(5, [7] * (k - 1), parents))
+    return trees
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_tree_arrays_from_parents_equal_the_draft_trees(k):
+    """The verify graph's positions and tree mask, built from the parent slots alone (``tree_build``), are the
+    ``DraftTree``'s: chains, bushes and random trees, several per batch, each with its own prefix."""
+    from kvship.decode.spec.tree_build import build_tree_arrays
+
+    trees = _random_trees(k, k, 5) + [DraftTree(5, [7] * (k - 1), list(range(k - 1)))]  # + a chain
+    prefix = [0, 3, 17, 1, 250, 9]
+    parents = torch.tensor([t.all_parents for t in trees], dtype=torch.int32)
+    pos = torch.full((len(trees) * k + 3,), -1, dtype=torch.int64)
+    mask = torch.full((len(trees) * k * k + 3,), 9, dtype=torch.uint8)
+    build_tree_arrays(parents, torch.tensor(prefix, dtype=torch.int32), pos, mask)
+    assert pos[: len(trees) * k].tolist() == [q for t, p in zip(trees, prefix) for q in t.positions(p)]
+    want = torch.cat([t.mask().reshape(-1).to(torch.uint8) for t in trees])
+    assert torch.equal(mask[: len(trees) * k * k], want)
+    assert pos[-3:].tolist() == [-1] * 3 and mask[-3:].tolist() == [9] * 3  # nothing written past the trees

@@ -3,7 +3,9 @@
 
 Verify.  Every round whose trees all have exactly ``k`` slots (root + ``k - 1`` nodes;
 the speculator pads drafts to that size) and whose batch fits a captured size
-replays a graph instead of running the extend eagerly.  The graph's attention
+replays a graph instead of running the extend eagerly.  The graph first derives
+the trees' positions and tree mask from their parent slots (``tree_build``'s
+Triton kernel; a replay copies only the parents).  The graph's attention
 is our Triton extend kernel with tree masks (``TritonExtendMeta``; at most
 ``SPLIT_VERIFY_MAX_TOKENS`` tokens run the split-KV verify kernel unless
 ``KVSHIP_SPLIT_VERIFY=0``, docs/speculative.md), whose
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from kvship.common.envs import ENV
+from kvship.decode.spec.tree_build import build_tree_arrays
 from kvship.engine.attention.triton_backend import SplitVerify, TritonExtendMeta
 from kvship.engine.attention.triton_ops.verify_attention import SPLIT_VERIFY_MAX_TOKENS
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
@@ -58,6 +61,8 @@ class VerifyGraphs:
         self.ext_lens = torch.full((n,), k, dtype=torch.int32, device=dev)
         self.starts = (torch.arange(n, dtype=torch.int32, device=dev) * k).contiguous()
         self.mask = torch.zeros(n * k * k, dtype=torch.uint8, device=dev)
+        # the trees' parent slots; the graph builds positions and the mask from them (tree_build)
+        self.parents = torch.full((n, k), -1, dtype=torch.int32, device=dev)
         self.mask_starts = torch.arange(n, dtype=torch.int64, device=dev) * (k * k)
         self.logits_idx = torch.arange(n * k, dtype=torch.int64, device=dev)
         # the split-KV verify attention's per-token view (graphs of at most SPLIT_VERIFY_MAX_TOKENS tokens): the
@@ -140,16 +145,21 @@ class VerifyGraphs:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):
-                self.r.model(fb.input_ids, fb.positions, fb)
+                self._forward(bs, fb)
         torch.cuda.current_stream().wait_stream(self.stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
-            out = self.r.model(fb.input_ids, fb.positions, fb)
+            out = self._forward(bs, fb)
         self.graphs[bs] = g
         self.metas[bs] = meta  # the graph reads its tensors, the split verify's scratch included: keep them alive
         self.outputs[bs] = out.next_token_logits
         if out.hidden_states is not None:
             self.hidden[bs] = out.hidden_states
+
+    def _forward(self, bs: int, fb: ForwardBatch) -> Any:
+        """What a graph runs: the trees' positions and mask from their parents, then the verify forward."""
+        build_tree_arrays(self.parents[:bs], self.prefix_lens[:bs], self.positions, self.mask)
+        return self.r.model(fb.input_ids, fb.positions, fb)
 
     def can_run(self, bs: int, tree_sizes: list[int]) -> bool:
         return 1 <= bs <= self.max_bs and all(s == self.k for s in tree_sizes)
@@ -157,30 +167,26 @@ class VerifyGraphs:
     def replay(
         self,
         ids: list[int],
-        pos: list[int],
+        parents: list[list[int]],
         locs: torch.Tensor,
         rows: list[int],
         prefix: list[int],
-        masks: list[torch.Tensor],
     ) -> torch.Tensor:
+        """``parents``: each tree's ``DraftTree.all_parents`` (``k`` slots); the graph derives the positions
+        and the tree mask from them and ``prefix`` (``tree_build``)."""
         bs, k = len(rows), self.k
         gbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
         pad = gbs - bs
         host_i = torch.tensor(ids + [0] * pad * k, dtype=torch.int64)
-        host_p = torch.tensor(pos + [0] * pad * k, dtype=torch.int64)
         host_l = torch.cat([locs.to(torch.int64), torch.zeros(pad * k, dtype=torch.int64)])
         host_r = torch.tensor(rows + [0] * pad, dtype=torch.int64)
         host_pre = torch.tensor(prefix + [0] * pad, dtype=torch.int32)
-        m = torch.cat(
-            [mm.reshape(-1).to(torch.uint8) for mm in masks]
-            + [torch.tril(torch.ones(k, k, dtype=torch.uint8)).reshape(-1)] * pad
-        )
+        host_par = torch.tensor(parents + [list(range(-1, k - 1))] * pad, dtype=torch.int32)  # padding: chains
         self.input_ids[: gbs * k].copy_(host_i.pin_memory(), non_blocking=True)
-        self.positions[: gbs * k].copy_(host_p.pin_memory(), non_blocking=True)
         self.out_cache_loc[: gbs * k].copy_(host_l.pin_memory(), non_blocking=True)
         self.req_pool_indices[:gbs].copy_(host_r.pin_memory(), non_blocking=True)
         self.prefix_lens[:gbs].copy_(host_pre.pin_memory(), non_blocking=True)
-        self.mask[: gbs * k * k].copy_(m.pin_memory(), non_blocking=True)
+        self.parents[:gbs].copy_(host_par.pin_memory(), non_blocking=True)
         if self.metas[gbs].split is not None:  # the split verify's per-token rows and prefixes
             self.tok_rows[: gbs * k].copy_(host_r.repeat_interleave(k).pin_memory(), non_blocking=True)
             self.tok_prefix[: gbs * k].copy_(host_pre.repeat_interleave(k).pin_memory(), non_blocking=True)

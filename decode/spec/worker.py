@@ -138,22 +138,22 @@ class Speculator:
     def _verify(self, reqs: list[Req], trees: list[DraftTree], prefix: list[int], locs: torch.Tensor) -> torch.Tensor:
         runner = self.s.runner
         dev = self.s.device
-        ids, pos, ext = [], [], []
-        for t, p in zip(trees, prefix):
+        ids, ext = [], []
+        for t in trees:
             ids += t.all_tokens
-            pos += t.positions(p)
             ext.append(t.size)
         n_tok = len(ids)
 
         def tt(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.int64, device=dev)
 
-        masks = [t.mask() for t in trees]
         g = self.graphs
-        if g is not None and g.can_run(len(reqs), ext):  # the graph takes host lists: no eager batch to build
+        if g is not None and g.can_run(len(reqs), ext):  # the graph builds positions and masks from the parents
             with torch.inference_mode():
-                logits = g.replay(ids, pos, locs, [r.req_pool_idx for r in reqs], prefix, masks)
+                logits = g.replay(ids, [t.all_parents for t in trees], locs, [r.req_pool_idx for r in reqs], prefix)
             return logits[:, : self.s.vocab_size].float()
+        masks = [t.mask() for t in trees]
+        pos = [q for t, p in zip(trees, prefix) for q in t.positions(p)]
         starts = [0]
         for e in ext[:-1]:
             starts.append(starts[-1] + e)

@@ -178,3 +178,25 @@ def test_gpu_verify_graphs_replay_what_the_eager_verify_computes(tmp_path, backe
         return [out.tokens(f"r{i}") for i in range(len(prompts))]
 
     assert run(graphs=True) == run(graphs=False)
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("k", [1, 4, 8, 6])
+def test_tree_kernel_equals_the_torch_reference(k):
+    """The Triton tree kernel (run inside the verify graphs) writes the reference's positions and mask, over a
+    buffer holding an earlier replay's mask (it clears its rows)."""
+    from kvship.decode.spec.tree_build import build_tree_arrays_reference
+    from kvship.decode.spec.tree_build_cuda import tree_kernel_launch
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(k)
+    parents = torch.tensor(
+        [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, k)] for _ in range(7)],
+        dtype=torch.int32,
+    )
+    prefix = torch.randint(0, 1000, (7,), generator=g, dtype=torch.int32)
+    want_pos, want_mask = build_tree_arrays_reference(parents, prefix)
+    pos = torch.full((7 * k,), -1, dtype=torch.int64, device=dev)
+    mask = torch.ones(7 * k * k, dtype=torch.uint8, device=dev)
+    tree_kernel_launch(parents.to(dev), prefix.to(dev), pos, mask)
+    assert torch.equal(pos.cpu(), want_pos) and torch.equal(mask.cpu(), want_mask)
