@@ -58,6 +58,7 @@ from typing import Any, Optional, Sequence
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
+from kvship.common.ports import free_port
 from kvship.engine.config import TRANSFER_BACKENDS, ServerArgs
 
 logger = logging.getLogger("kvship.local")
@@ -185,12 +186,6 @@ def _resolved_device(device: str) -> str:
     if device != "auto":
         return device
     return ServerArgs(device="auto").resolved_device
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _flag_int(argv: Sequence[str], flag: str, default: int) -> int:

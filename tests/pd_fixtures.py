@@ -128,7 +128,11 @@ class InProcessPD:
         from kvship.prefill.scheduler import PrefillScheduler
 
         psa = _server_args(
-            model_dir, mode="prefill", disaggregation_transfer_backend=backend, **{**common, **(prefill_args or {})}
+            model_dir,
+            mode="prefill",
+            disaggregation_transfer_backend=backend,
+            # layer-wise sends on (the product default is off, docs/pd.md): these tests cover both sends
+            **{"disaggregation_layerwise": True, **common, **(prefill_args or {})},
         )
         dsa = _server_args(
             model_dir, mode="decode", disaggregation_transfer_backend=backend, **{**common, **(decode_args or {})}

@@ -20,11 +20,11 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from kvship.common.ports import free_port
 from kvship.engine.config import ServerArgs
 from kvship.engine.parallel.group import TPGroup, init_tp_group
 
@@ -32,12 +32,6 @@ logger = logging.getLogger(__name__)
 
 RankTarget = Callable[[int, ServerArgs, str], None]
 PARENT_POLL_S = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankProcesses:
@@ -50,7 +44,7 @@ class RankProcesses:
 
     @classmethod
     def start(cls, target: RankTarget, server_args: ServerArgs) -> "RankProcesses":
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(target=target, args=(rank, server_args, init_method), name=f"kvship-tp-rank{rank}")
