@@ -752,6 +752,112 @@ def host_profile(runner: Any, bs: int, input_len: int, steps: int = 20) -> dict[
     return out
 
 
+def _gpu_clock_sampler(path: str) -> Optional[subprocess.Popen]:
+    """``nvidia-smi`` sampling the SM clock and power every 20 ms into ``path`` (None where it is missing)."""
+    try:
+        return subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20"],
+            stdout=open(path, "w"),
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
+
+
+def _clock_summary(path: str) -> dict[str, Any]:
+    clocks = []
+    for line in open(path):
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            clocks.append(float(parts[0]))
+        except (ValueError, IndexError):
+            continue
+    if not clocks:
+        return {}
+    return {"samples": len(clocks), "sm_mhz_min": min(clocks), "sm_mhz_max": max(clocks), "sm_mhz_first": clocks[0]}
+
+
+def prefill_timing(runner: Any, prompt_len: int, repeats: int = 6, idle_s: float = 0.5) -> dict[str, Any]:
+    """Where one prompt's prefill forward (batch 1, eager, as a prefill worker runs it) spends its time:
+    the host's time to enqueue it, the GPU's time between events around it, and the wall time to the
+    result, back to back (``hot``) and after ``idle_s`` of an idle GPU (``idle``: what a lone request
+    meets); then the kernels of one forward (count, summed GPU time) and its host profile (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    orig = runner.forward
+    rec: dict[str, float] = {}
+
+    def timed(fb: Any) -> Any:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        out = orig(fb)
+        e1.record()
+        rec["host_ms"] = (time.perf_counter() - t0) * 1e3
+        rec["events"] = (e0, e1)  # type: ignore[assignment]
+        return out
+
+    def one(gen: torch.Generator) -> dict[str, float]:
+        drv = DecodeDriver(runner, 1)
+        try:
+            t0 = time.perf_counter()
+            ids = drv.prefill(prompt_len, gen)
+            ids.tolist()
+            wall = (time.perf_counter() - t0) * 1e3
+        finally:
+            drv.free()
+        e0, e1 = rec["events"]  # type: ignore[misc]
+        return {"wall_ms": wall, "host_ms": rec["host_ms"], "gpu_ms": e0.elapsed_time(e1)}
+
+    def med(rows: list[dict[str, float]]) -> dict[str, float]:
+        return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+
+    runner.forward = timed
+    out: dict[str, Any] = {"prompt_len": prompt_len}
+    try:
+        gen = torch.Generator().manual_seed(prompt_len)
+        for _ in range(2):
+            one(gen)
+        torch.cuda.synchronize()
+        out["hot"] = med([one(gen) for _ in range(repeats)])
+        idle = []
+        for _ in range(repeats):
+            time.sleep(idle_s)
+            idle.append(one(gen))
+        out["idle"] = med(idle)
+        out["idle_all"] = idle
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one(gen)
+            torch.cuda.synchronize()
+        cuda_type = torch.autograd.DeviceType.CUDA
+        kernels: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if getattr(ev, "device_type", cuda_type) != cuda_type or not ev.key:
+                continue
+            tr = getattr(ev, "time_range", None)
+            if tr is not None:
+                kernels.setdefault(ev.key[:70], []).append(tr.end - tr.start)
+        out["kernel_count"] = sum(len(v) for v in kernels.values())
+        out["kernel_ms"] = sum(sum(v) for v in kernels.values()) / 1e3
+        out["top_kernels"] = sorted(
+            ({"kernel": k, "calls": len(v), "ms": sum(v) / 1e3} for k, v in kernels.items()), key=lambda r: -r["ms"]
+        )[:12]
+        cp = cProfile.Profile()
+        cp.enable()
+        one(gen)
+        cp.disable()
+        buf = io.StringIO()
+        pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(20)
+        out["host_profile"] = buf.getvalue()[-5000:]
+    finally:
+        runner.forward = orig
+    return out
+
+
 # --- transformers baseline -----------------------------------------------------------------
 def hf_generate(
     shape: str,
@@ -1077,6 +1183,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
     ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
+    ap.add_argument(
+        "--prefill-lens",
+        default="",
+        help="prompt lengths whose batch-1 prefill forward is timed (host enqueue, GPU, wall; hot and after an "
+        "idle GPU) and profiled, before the decode modes",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     return ap
 
@@ -1182,6 +1294,33 @@ def single_gpu_main(args: argparse.Namespace) -> int:
                 res.setdefault("errors", []).append(f"profile bs{bs}{suffix}: {e!r}")
         save()
 
+    prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x]
+    if prefill_lens:
+        clock_log = os.path.join(tempfile.mkdtemp(), "clocks.csv")
+        sampler = _gpu_clock_sampler(clock_log)
+        res["prefill"] = []
+        for n in prefill_lens:
+            try:
+                res["prefill"].append(prefill_timing(runner, n))
+                p = res["prefill"][-1]
+                print(
+                    f"prefill {n}: hot wall {p['hot']['wall_ms']:.2f} ms (host enqueue {p['hot']['host_ms']:.2f}, "
+                    f"GPU {p['hot']['gpu_ms']:.2f}); after idle wall {p['idle']['wall_ms']:.2f} ms (host "
+                    f"{p['idle']['host_ms']:.2f}, GPU {p['idle']['gpu_ms']:.2f}); {p['kernel_count']} kernels, "
+                    f"{p['kernel_ms']:.2f} ms busy"
+                )
+                for k in p["top_kernels"][:8]:
+                    print(f"    x{k['calls']:<4d} {k['ms']:8.3f} ms  {k['kernel']}")
+                print(p["host_profile"][:2500])
+            except Exception as e:  # noqa: BLE001
+                logger.exception("prefill timing %d failed", n)
+                res.setdefault("errors", []).append(f"prefill {n}: {e!r}")
+        if sampler is not None:
+            sampler.terminate()
+            sampler.wait()
+            res["prefill_clocks"] = _clock_summary(clock_log)
+            print("SM clocks during the prefill timings:", res["prefill_clocks"])
+        save()
     run_modes(runner, modes)
     profile_runner(runner, "")
     for bs in [int(x) for x in args.host_profile_bs.split(",") if x]:

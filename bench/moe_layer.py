@@ -101,6 +101,33 @@ def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
     }
 
 
+def kernel_breakdown(m: int, args, weights: list, calls: int = 6) -> list[dict[str, Any]]:
+    """``--profile``: the GPU time of each kernel of one ``fused_experts`` call at ``m`` tokens (torch profiler,
+    averaged over ``calls`` calls rotating the weight copies), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    e, k, h = args.experts, args.topk, args.hidden
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    topk_w, ids = select_experts(torch.randn(m, e, device="cuda", generator=g), k, renormalize=True)
+    for i in range(3):
+        fused_experts(x, *weights[i % len(weights)], topk_w, ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fused_experts(x, *weights[i % len(weights)], topk_w, ids)
+        torch.cuda.synchronize()
+    cuda_type = torch.autograd.DeviceType.CUDA
+    by: dict[str, list[float]] = {}
+    for ev in prof.events():
+        tr = getattr(ev, "time_range", None)
+        if getattr(ev, "device_type", cuda_type) != cuda_type or not ev.key or tr is None:
+            continue
+        by.setdefault(ev.key[:80], []).append(tr.end - tr.start)
+    rows = [{"kernel": name, "calls": len(t) / calls, "us": sum(t) / calls} for name, t in by.items()]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def gemv_sweep(args, weights: list) -> dict[str, Any]:
     """``--gemv-sweep``: the GEMV kernels' block sizes at each M (gate/up first with the default down config,
     then down with the best gate/up), against the aligned GEMMs with their tuned config, in CUDA graphs."""
@@ -293,6 +320,7 @@ def main() -> None:
     ap.add_argument(
         "--write-table", action="store_true", help="with --gemv-sweep: merge the winners into this GPU's config table"
     )
+    ap.add_argument("--profile", type=int, nargs="*", default=None, help="token counts: per-kernel GPU time only")
     args = ap.parse_args()
     if args.ep_size > 1:
         ep_main(args)
@@ -309,6 +337,19 @@ def main() -> None:
         )
         for _ in range(args.copies)
     ]
+    if args.profile:
+        prof = {}
+        for m in args.profile:
+            prof[m] = kernel_breakdown(m, args, weights)
+            total = sum(r["us"] for r in prof[m])
+            print(f"M={m}: {total:.1f} us of kernels per call")
+            for r in prof[m]:
+                print(f"  {r['us']:8.1f} us  x{r['calls']:.0f}  {r['kernel']}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "moe_layer_profile.json"), "w") as f:
+                json.dump({"env": env, "profile": prof}, f, indent=1)
+        return
     if args.gemv_sweep:
         result = {"env": env, "copy_bandwidth_bytes_per_s": copy_bw, **gemv_sweep(args, weights)}
         for r in result["rows"]:
