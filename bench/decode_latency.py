@@ -1184,6 +1184,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
     ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
     ap.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=2048,
+        help="the runner's --prefill-graph-max-tokens (prefill timings run with and without the graphs)",
+    )
+    ap.add_argument(
         "--prefill-lens",
         default="",
         help="prompt lengths whose batch-1 prefill forward is timed (host enqueue, GPU, wall; hot and after an "
@@ -1263,7 +1269,8 @@ def single_gpu_main(args: argparse.Namespace) -> int:
         max_total_tokens=max_bs * (ctx + args.page_size) + 4096,
         max_running_requests=max_bs,
         cuda_graph_max_bs=max_bs,
-        disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes),
+        disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes) and not args.prefill_lens,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
     )
     runner = ModelRunner(runner_args)
     res["weight_gb"] = runner.weight_bytes / 1e9
@@ -1299,12 +1306,15 @@ def single_gpu_main(args: argparse.Namespace) -> int:
         clock_log = os.path.join(tempfile.mkdtemp(), "clocks.csv")
         sampler = _gpu_clock_sampler(clock_log)
         res["prefill"] = []
-        for n in prefill_lens:
+        pg = getattr(runner, "prefill_graph_runner", None)
+        variants = ["graphs", "eager"] if pg is not None else ["eager"]
+        for n, variant in [(n, v) for n in prefill_lens for v in variants]:
             try:
-                res["prefill"].append(prefill_timing(runner, n))
+                runner.prefill_graph_runner = pg if variant == "graphs" else None
+                res["prefill"].append(dict(prefill_timing(runner, n), variant=variant))
                 p = res["prefill"][-1]
                 print(
-                    f"prefill {n}: hot wall {p['hot']['wall_ms']:.2f} ms (host enqueue {p['hot']['host_ms']:.2f}, "
+                    f"prefill {n} {variant}: hot wall {p['hot']['wall_ms']:.2f} ms (host enqueue {p['hot']['host_ms']:.2f}, "
                     f"GPU {p['hot']['gpu_ms']:.2f}); after idle wall {p['idle']['wall_ms']:.2f} ms (host "
                     f"{p['idle']['host_ms']:.2f}, GPU {p['idle']['gpu_ms']:.2f}); {p['kernel_count']} kernels, "
                     f"{p['kernel_ms']:.2f} ms busy"
@@ -1315,6 +1325,8 @@ def single_gpu_main(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001
                 logger.exception("prefill timing %d failed", n)
                 res.setdefault("errors", []).append(f"prefill {n}: {e!r}")
+            finally:
+                runner.prefill_graph_runner = pg
         if sampler is not None:
             sampler.terminate()
             sampler.wait()

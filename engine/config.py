@@ -123,6 +123,11 @@ class ServerArgs:
     cuda_graph_bs: list[int] = opt(
         [], "Decode batch sizes to capture (default: 1,2,4,8,16,24,32,... up to --cuda-graph-max-bs)"
     )
+    prefill_graph_max_tokens: int = opt(
+        2048,
+        "CUDA: prefill forwards of up to this many tokens replay piecewise CUDA graphs (all but attention; "
+        'docs/gpu.md, "Prefill graphs"); 0 = eager',
+    )
     disable_overlap_schedule: bool = opt(False, "Do not overlap CPU scheduling with GPU work")
     num_threads: Optional[int] = opt(None, "CPU: torch intra-op threads (default: torch's choice)")
 

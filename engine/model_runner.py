@@ -46,6 +46,7 @@ from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocat
 from kvship.engine.model_config import ModelConfig, parse_dtype
 from kvship.engine.parallel.group import TPGroup
 from kvship.engine.parallel.layers import head_split
+from kvship.engine.prefill_graph_runner import maybe_create_prefill_graph_runner
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,19 @@ class ModelRunner:
         self.cuda_graph_runner = maybe_create_cuda_graph_runner(
             self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
         )
+        # piecewise CUDA graphs for short prefills (None on CPU, with --disable-cuda-graph or
+        # --prefill-graph-max-tokens 0); they share the decode graphs' memory pool
+        self.prefill_graph_runner = maybe_create_prefill_graph_runner(
+            self.model,
+            self.attn_backend,
+            self.req_to_token_pool,
+            self.kv_pool,
+            self.device,
+            0 if server_args.mode == "decode" else server_args.prefill_graph_max_tokens,  # decode: rare resumes
+            server_args.disable_cuda_graph,
+            ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
+            pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,
+        )
         reset_expert_load(self.model)  # MoE: the expert-load counters start after warm-up and capture
         logger.info(
             "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s%s",
@@ -207,6 +221,9 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(forward_batch)
             hc = self.hidden_capture
             if hc is None:
+                pg = self.prefill_graph_runner
+                if pg is not None and pg.can_run(forward_batch):
+                    return pg.replay(forward_batch)
                 return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             forward_batch.capture_hidden = hc.layers
             out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

@@ -194,6 +194,14 @@ class LlamaForCausalLM(nn.Module):
         else:  # speculative drafting reads the target's hidden states (docs/speculative.md)
             hidden, aux = self.model.forward_with_aux(input_ids, positions, forward_batch, capture)
             captured = torch.cat(aux, dim=-1) if capture else hidden
+        return self.logits(hidden, forward_batch, captured)
+
+    def logits(
+        self, hidden: torch.Tensor, forward_batch: ForwardBatch, captured: Optional[torch.Tensor] = None
+    ) -> LogitsOutput:
+        """The LM head over the final hidden states' rows ``forward_batch.logits_indices`` (default: each
+        request's last new token); the prefill graphs (engine/prefill_graph_runner.py) call it after their
+        replay of ``self.model``."""
         idx = forward_batch.logits_indices
         if idx is None:
             idx = forward_batch.default_logits_indices()
