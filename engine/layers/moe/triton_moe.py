@@ -4,8 +4,10 @@ Steps for ``x [M, H]`` routed to ``k`` experts per token (``n = M * k`` pairs):
 
 1. ``align_block_size``: pairs sorted by expert, each run padded to
    ``BLOCK_SIZE_M`` (fixed-size outputs, no host sync): one Triton program
-   (``_align_kernel``) for decode-sized batches, else ``align.moe_align_block_size``'s
-   torch ops (same outputs).
+   (``_align_kernel``) for decode-sized batches, else ``_align_chunked``'s
+   three kernels (per-chunk expert counts, one program scanning them, per-chunk
+   scatter and padding), or ``align.moe_align_block_size``'s torch ops past
+   ``_ALIGN_MAX_EXPERTS`` experts (all three give the same outputs).
 2. ``_gate_up_kernel``: for each block of one expert's pairs and each
    ``BLOCK_SIZE_N`` columns of the expert width ``I``, ``x[pair // k] @
    w13[e, gate rows]^T`` and ``... @ w13[e, up rows]^T`` side by side, then
@@ -296,18 +298,162 @@ def _align_kernel(
     tl.store(ntp_ptr, total)
 
 
-# the one-program align takes up to this many (pairs x experts) one-hot cells; more goes to the torch ops
+# the one-program align takes up to this many (pairs x experts) one-hot cells; more goes to the chunked kernels
 _ALIGN_MAX_CELLS = 128 * 256
+# chunked align: pairs per program of the count and scatter kernels; the scan kernel holds [E] vectors in one
+# program, so past this many experts the torch ops run instead
+_ALIGN_CHUNK = 256
+_ALIGN_MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, ET: tl.constexpr):
+    # one program per CHUNK pairs: its expert histogram (one-hot [CHUNK, ET] per ET experts) into counts[chunk, :]
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    for e0 in range(0, num_experts, ET):
+        experts = e0 + tl.arange(0, ET)
+        cnt = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + chunk * num_experts + experts, cnt, mask=experts < num_experts)
+
+
+@triton.jit
+def _align_scan_kernel(
+    counts_ptr,
+    prefix_ptr,
+    meta_ptr,
+    ntp_ptr,
+    num_chunks,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    TILE_C: tl.constexpr,
+):
+    # one program: prefix[c, e] = pairs of expert e in chunks before c (a cumsum down TILE_C chunks at a time,
+    # carried across tiles), then each expert's padded run: meta = [starts | ends | starts + count], ntp
+    experts = tl.arange(0, EXPERTS)
+    emask = experts < num_experts
+    running = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, TILE_C):
+        rows = c0 + tl.arange(0, TILE_C)
+        offs = rows[:, None] * num_experts + experts[None, :]
+        mask = (rows < num_chunks)[:, None] & emask[None, :]
+        cnt = tl.load(counts_ptr + offs, mask=mask, other=0)
+        tl.store(prefix_ptr + offs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=mask)
+        running += tl.sum(cnt, axis=0)
+    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(meta_ptr + experts, starts, mask=emask)
+    tl.store(meta_ptr + num_experts + experts, ends, mask=emask)
+    tl.store(meta_ptr + 2 * num_experts + experts, starts + running, mask=emask)
+    tl.store(ntp_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr,
+    prefix_ptr,
+    meta_ptr,
+    ntp_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    blocks_per_prog,
+    BLOCK_M: tl.constexpr,
+    BM_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    JT: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    NB: tl.constexpr,
+):
+    # one program per CHUNK pairs.  Scatter: pair -> its run start + earlier chunks' pairs of its expert + its
+    # rank among its expert's pairs in this chunk (equal ids before it: [CHUNK, JT] compares, no [CHUNK, E]
+    # one-hot), so the order within an expert is the pair order.
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    pmask = pairs < num_pairs
+    ids = tl.load(ids_ptr + pairs, mask=pmask, other=-1)
+    rank = tl.zeros((CHUNK,), dtype=tl.int32)
+    for j0 in tl.static_range(0, CHUNK, JT):
+        js = chunk * CHUNK + j0 + tl.arange(0, JT)
+        jids = tl.load(ids_ptr + js, mask=js < num_pairs, other=-1)
+        same = (jids[None, :] == ids[:, None]) & (js[None, :] < pairs[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
+    e = tl.where(pmask, ids, 0)
+    start = tl.load(meta_ptr + e, mask=pmask, other=0)
+    before = tl.load(prefix_ptr + chunk * num_experts + e, mask=pmask, other=0)
+    tl.store(sorted_ids_ptr + start + before + rank, pairs, mask=pmask)
+    # This program's share of the blocks: expert_ids and the padding entries (= num_pairs).  The padding
+    # slots (past an expert's pairs in its run, and past the last run) are exactly the slots no pair is
+    # scattered to, so no program's fill can race with any program's scatter.
+    experts = tl.arange(0, EXPERTS)
+    ends = tl.load(meta_ptr + num_experts + experts, mask=experts < num_experts, other=2147483647)
+    total = tl.load(ntp_ptr)
+    b_end = tl.minimum((chunk + 1) * blocks_per_prog, num_blocks)
+    cols = tl.arange(0, BM_P2)
+    for b0 in range(chunk * blocks_per_prog, b_end, NB):
+        blocks = b0 + tl.arange(0, NB)
+        bmask = blocks < b_end
+        bstart = blocks * BLOCK_M
+        # block b's expert: the number of runs ending at or before b * BLOCK_M (clamped, as searchsorted is)
+        eid = tl.minimum(tl.sum((ends[None, :] <= bstart[:, None]).to(tl.int32), axis=1), num_experts - 1)
+        tl.store(expert_ids_ptr + blocks, eid, mask=bmask)
+        data_end = tl.load(meta_ptr + 2 * num_experts + eid, mask=bmask, other=0)
+        data_end = tl.where(bstart < total, data_end, 0)  # blocks past the last run: all padding
+        pos = bstart[:, None] + cols[None, :]
+        pad = bmask[:, None] & (cols < BLOCK_M)[None, :] & (pos >= data_end[:, None])
+        tl.store(sorted_ids_ptr + pos, num_pairs, mask=pad)
+
+
+def _align_chunked(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align.moe_align_block_size`` (same outputs) for any number of pairs: three launches, fixed grids
+    (``cdiv(n, chunk)``, 1, ``cdiv(n, chunk)``), no host sync; ``chunk`` a power of 2."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    size = padded_size(n, num_experts, block_m)
+    num_blocks = size // block_m
+    num_chunks = max(1, triton.cdiv(n, chunk))
+    experts = triton.next_power_of_2(num_experts)
+    counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=dev)
+    prefix = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=dev)
+    meta = torch.empty(3, num_experts, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    ntp = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_count_kernel[(num_chunks,)](
+        flat, counts, n, num_experts, CHUNK=chunk, ET=min(experts, max(1, 8192 // chunk)), num_warps=4
+    )
+    tile_c = min(triton.next_power_of_2(num_chunks), max(1, 8192 // experts))
+    _align_scan_kernel[(1,)](
+        counts, prefix, meta, ntp, num_chunks, num_experts,
+        BLOCK_M=block_m, EXPERTS=experts, TILE_C=max(2, tile_c), num_warps=8,
+    )  # fmt: skip
+    _align_scatter_kernel[(num_chunks,)](
+        flat, prefix, meta, ntp, sorted_ids, expert_ids, n, num_experts, num_blocks, triton.cdiv(num_blocks, num_chunks),
+        BLOCK_M=block_m, BM_P2=triton.next_power_of_2(block_m), CHUNK=chunk, JT=min(chunk, 64), EXPERTS=experts,
+        NB=32, num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, ntp
 
 
 def align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``align.moe_align_block_size`` (same outputs): one Triton program for decode-sized batches."""
+    """``align.moe_align_block_size`` (same outputs): one Triton program for decode-sized batches, three
+    (``_align_chunked``) for larger ones, the torch ops past ``_ALIGN_MAX_EXPERTS`` experts."""
     n = topk_ids.numel()
     pairs, experts = triton.next_power_of_2(max(n, 16)), triton.next_power_of_2(max(num_experts, 16))
     if pairs * experts > _ALIGN_MAX_CELLS:
-        return moe_align_block_size(topk_ids, block_m, num_experts)
+        if num_experts > _ALIGN_MAX_EXPERTS:
+            return moe_align_block_size(topk_ids, block_m, num_experts)
+        return _align_chunked(topk_ids, block_m, num_experts)
     size = padded_size(n, num_experts, block_m)
     sorted_ids = torch.empty(size, dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
