@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
+
 MAX_KV_SPLITS = 16
 
 
@@ -114,10 +117,12 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_enter(USE_PDL)  # q and the new token's K/V come from the kernels before
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_h
@@ -201,9 +206,11 @@ def _decode_stage2(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_enter(USE_PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -254,6 +261,7 @@ def decode_attention(
     launch_stage1(
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters
     )
+    pdl = use_pdl(q)
     if counters is not None:
         return o
     _decode_stage2[(bs, num_heads)](
@@ -272,6 +280,8 @@ def decode_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
         num_warps=4,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return o
 
@@ -297,6 +307,7 @@ def launch_stage1(
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    pdl = use_pdl(q)
     _decode_stage1[(rows, num_kv_heads, num_splits)](
         q,
         k_buf,
@@ -334,4 +345,6 @@ def launch_stage1(
         FUSED_MERGE=counters is not None,
         num_warps=4,
         num_stages=2,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )

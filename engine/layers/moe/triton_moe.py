@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
 from kvship.engine.layers.moe.align import moe_align_block_size, padded_size
 from kvship.engine.layers.moe.kernel_config import get_config
 from kvship.engine.layers.moe.runner import MoERunner, register_moe_runner
@@ -177,9 +179,11 @@ def _gate_up_gemv_kernel(
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one (token, expert) pair x BLOCK_N columns of gate and up: a GEMV, no alignment (few pairs per step)
     pair = tl.program_id(0)
+    pdl_enter(USE_PDL)  # the expert id comes from the routing kernel before this one
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):  # absent (another rank's expert): its row is never read
         return
@@ -225,10 +229,12 @@ def _down_sum_gemv_kernel(
     TOP_K_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one token x BLOCK_N output columns: its TOP_K experts' down GEMVs side by side ([TOP_K, BLOCK_N,
     # BLOCK_K] weight tiles, so all of them are in flight at once), weighted and summed in float32
     m = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_K)
@@ -410,7 +416,7 @@ def _align_scatter_kernel(
 
 
 def _align_chunked(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK, jt: int = 64, warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``align.moe_align_block_size`` (same outputs) for any number of pairs: three launches, fixed grids
     (``cdiv(n, chunk)``, 1, ``cdiv(n, chunk)``), no host sync; ``chunk`` a power of 2."""
@@ -437,8 +443,8 @@ def _align_chunked(
     )  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         flat, prefix, meta, ntp, sorted_ids, expert_ids, n, num_experts, num_blocks, triton.cdiv(num_blocks, num_chunks),
-        BLOCK_M=block_m, BM_P2=triton.next_power_of_2(block_m), CHUNK=chunk, JT=min(chunk, 64), EXPERTS=experts,
-        NB=32, num_warps=4,
+        BLOCK_M=block_m, BM_P2=triton.next_power_of_2(block_m), CHUNK=chunk, JT=min(chunk, jt), EXPERTS=experts,
+        NB=32, num_warps=warps,
     )  # fmt: skip
     return sorted_ids, expert_ids, ntp
 
@@ -479,10 +485,12 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     COUNT: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per token: softmax over the experts, the TOP_K largest (descending, lowest index on ties);
     # COUNT: each pick adds one to its expert's load counter (a row writing KV slot 0 is padding: nothing)
     row = tl.program_id(0)
+    pdl_enter(USE_PDL)
     real = 1
     if HAS_SLOTS:
         real = (tl.load(slots_ptr + row) != 0).to(tl.int64)
@@ -521,11 +529,13 @@ def route(
     ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
     if m:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        pdl = use_pdl(logits)
         _route_kernel[(m,)](
             logits, weights, ids, num_experts, logits.stride(0),
             ids if counts is None else counts, ids if rows_slots is None else rows_slots,
             TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
             COUNT=counts is not None, HAS_SLOTS=rows_slots is not None, num_warps=1,
+            USE_PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return weights, ids
 
@@ -620,17 +630,19 @@ def _fused_experts_gemv(
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)  # the decode chain's kernels launch under PDL (fused_dispatch; opt-in)
     _gate_up_gemv_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
         x, w13, ids, h, num_experts, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], num_warps=g["num_warps"], num_stages=g["num_stages"],
+        USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     _down_sum_gemv_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
         h, w2, ids, weights, y, num_experts, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"],
-        num_warps=g["down_num_warps"], num_stages=g["num_stages"],
+        num_warps=g["down_num_warps"], num_stages=g["num_stages"], USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return y
 
