@@ -76,7 +76,12 @@ class _Env:
     DISABLE_SKINNY_GEMM = Knob(
         "KVSHIP_DISABLE_SKINNY_GEMM", _bool, False, "decode projections on cuBLAS instead of our Triton skinny GEMMs"
     )
-    PDL = Knob("KVSHIP_PDL", _bool, False, "programmatic dependent launch for our Triton kernels (Hopper)")
+    PDL = Knob(
+        "KVSHIP_PDL",
+        _bool,
+        True,
+        "programmatic dependent launch for our Triton kernels (Hopper and later; 0 turns it off)",
+    )
     SPLIT_VERIFY = Knob(
         "KVSHIP_SPLIT_VERIFY",
         _bool,

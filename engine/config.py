@@ -149,10 +149,9 @@ class ServerArgs:
         "decode cannot take yet; adds decode's registration to the time to first token)",
     )
     disaggregation_layerwise: bool = opt(
-        False,
+        True,
         "Prefill: when decode registered the room before a prompt's last chunk computes, write each layer's KV "
-        "while later layers compute (docs/pd.md, 'Layer-wise transfer'; off by default until a stall seen when a "
-        "decode worker dies mid-burst is understood); off: the whole prompt after the forward",
+        "while later layers compute (docs/pd.md, 'Layer-wise transfer'); off: the whole prompt after the forward",
     )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
 

@@ -16,7 +16,7 @@ tokens into the KV pool's layer buffers in the same kernel (``store=``), which
 saves the separate KV-store kernel of every attention layer.
 
 On Hopper every kernel here can launch with programmatic dependent launch
-(``fused_dispatch.use_pdl``, opt-in ``KVSHIP_PDL=1``): it waits for the previous kernel with
+(``fused_dispatch.use_pdl``, on by default, ``KVSHIP_PDL=0`` off): it waits for the previous kernel with
 ``griddepcontrol.wait`` before touching memory, then lets the next kernel be
 scheduled at once (``launch_dependents``).
 

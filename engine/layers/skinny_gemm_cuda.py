@@ -26,7 +26,7 @@ faster, so the caller falls back to ``F.linear``.  ``KVSHIP_DISABLE_SKINNY_GEMM=
 turns them off (the benchmark's cuBLAS baseline).
 
 On Hopper both can launch with programmatic dependent launch
-(``fused_dispatch.use_pdl``, opt-in): a program loads its first weight tile (weights
+(``fused_dispatch.use_pdl``, on by default): a program loads its first weight tile (weights
 never depend on the previous kernel) before ``griddepcontrol.wait``, so the
 weight stream starts while the kernel before it drains.
 

@@ -149,7 +149,7 @@ def test_page_size_16_graph_replay_equals_eager(model_path, kv_driver):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_pdl_and_fused_rope_store_keep_greedy_tokens(model_path, kv_driver, monkeypatch, graphs):
-    """Programmatic dependent launch of our Triton kernels (opt-in, ``KVSHIP_PDL=1``) and the fused RoPE + KV
+    """Programmatic dependent launch of our Triton kernels (on by default, ``KVSHIP_PDL=0`` off) and the fused RoPE + KV
     store change no token: 64 greedy steps at batch 3 (a padded graph) and 17 with both on equal those with
     both off."""
     requires_flashinfer()

@@ -154,10 +154,13 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(m):
 
 
 @requires_cuda
-def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver):
+def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver, monkeypatch):
+    """Graphs (prefill and decode) with programmatic dependent launch on (the default on Hopper) against eager
+    steps with it off: the same tokens, and the same expert load."""
     from moe_fixtures import build_tiny_moe
 
     from kvship.engine.config import ServerArgs
+    from kvship.engine.layers import fused_dispatch
     from kvship.engine.layers.moe.layer import expert_load, reset_expert_load
     from kvship.engine.model_runner import ModelRunner
 
@@ -179,7 +182,12 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
             )
         )
 
+    def pdl(flag: str) -> None:
+        monkeypatch.setenv("KVSHIP_PDL", flag)
+        fused_dispatch._PDL.clear()
+
     def greedy(r: ModelRunner, bs: int) -> list[list[int]]:
+        pdl("1" if r.cuda_graph_runner is not None else "0")
         d = kv_driver(r)
         reqs = [d.new() for _ in range(bs)]
         gen = torch.Generator().manual_seed(bs)
@@ -194,7 +202,10 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
             d.free(q)
         return out
 
-    graph_runner, eager_runner = runner(True), runner(False)
+    pdl("1")  # captured with PDL
+    graph_runner = runner(True)
+    pdl("0")
+    eager_runner = runner(False)
     assert graph_runner.cuda_graph_runner is not None
     for bs in (1, 3, 16):  # 3 replays in the graph of 4: its padding row stays out of the expert load
         for r in (graph_runner, eager_runner):

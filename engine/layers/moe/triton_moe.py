@@ -308,7 +308,7 @@ def _align_kernel(
 _ALIGN_MAX_CELLS = 128 * 256
 # chunked align: pairs per program of the count and scatter kernels; the scan kernel holds [E] vectors in one
 # program, so past this many experts the torch ops run instead
-_ALIGN_CHUNK = 256
+_ALIGN_CHUNK = 128
 _ALIGN_MAX_EXPERTS = 1024
 
 
@@ -416,7 +416,7 @@ def _align_scatter_kernel(
 
 
 def _align_chunked(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK, jt: int = 64, warps: int = 4
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK, jt: int = 32, warps: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``align.moe_align_block_size`` (same outputs) for any number of pairs: three launches, fixed grids
     (``cdiv(n, chunk)``, 1, ``cdiv(n, chunk)``), no host sync; ``chunk`` a power of 2."""
@@ -630,7 +630,7 @@ def _fused_experts_gemv(
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x)  # the decode chain's kernels launch under PDL (fused_dispatch; opt-in)
+    pdl = use_pdl(x)  # the decode chain's kernels launch under PDL (fused_dispatch)
     _gate_up_gemv_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
         x, w13, ids, h, num_experts, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
