@@ -40,7 +40,7 @@ def candidates(m: int, num_experts: int, top_k: int) -> list[dict]:
     elif m <= 512:
         space = dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4])
     else:
-        space = dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4])
+        space = dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4, 5])
     out = []
     for bm, bn, bk, g, w, s in itertools.product(*space.values()):
         if bm * bn > 128 * 128:  # two fp32 accumulators of this size spill

@@ -56,6 +56,21 @@ def test_triton_runner_matches_torch_runner_on_a_tiny_shape(m):
 
 
 @cuda_or_interpreter
+@pytest.mark.parametrize("h,i", [(64, 48), (64, 64), (96, 64)])
+def test_aligned_kernels_with_and_without_whole_tiles(h, i):
+    """The aligned GEMMs' unmasked K loop (H and I whole tiles) and the masked one give the reference result,
+    and padding rows (each expert's run padded to BLOCK_SIZE_M) are never stored."""
+    from kvship.engine.layers.moe.triton_moe import fused_experts
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x, w13, w2, weights, ids = _problem(21, 8, 2, h, i, dtype, dev, seed=h + i)
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+    out = fused_experts(x, w13, w2, weights, ids, config=cfg)
+    assert _rel(out, _reference(x, w13, w2, weights, ids)) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@cuda_or_interpreter
 @pytest.mark.parametrize("m,e,k,renormalize", [(1, 8, 2, True), (5, 128, 8, True), (3, 60, 4, False), (0, 8, 2, True)])
 def test_fused_routing_kernel_equals_select_experts(m, e, k, renormalize):
     from kvship.engine.layers.moe.triton_moe import route
