@@ -28,6 +28,10 @@ stream without what repeats the first token, in the first event's id
 (``_DecodeAfterFirstToken``).  From then on a failure of the
 pair (prefill's transfer, decode's open or stream) is a broken stream that
 ``ResumingRelay`` continues elsewhere; before it, retries work as above.
+While the router waits for that event after decode's chat role chunk, it
+reads decode's stream too: more from decode ends the wait (decode's stream
+goes to the client), its end fails the attempt on decode (prefill would wait
+for the room's registration until its bootstrap timeout).
 
 A body with ``"return_trace": true`` also gets the ``x-kvship-trace``
 response header: the router's own stamps and the prefill worker's
@@ -348,6 +352,20 @@ async def _cancel(task: asyncio.Task) -> None:
         result.lease.finish(True)
 
 
+async def _more_from_decode(up: Upstream) -> Optional[str]:
+    """Read decode's open stream once more, appending what came to ``up.first`` (its readers start there);
+    None when bytes came, else how the stream ended."""
+    assert up.response is not None
+    try:
+        data = await up.response.content.readany()
+    except aiohttp.ClientError as e:
+        return describe_error(e)
+    if not data:
+        return "connection closed"
+    up.first += data
+    return None
+
+
 def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
     if task.cancelled():
         return
@@ -403,9 +421,17 @@ async def pd_attempt(
     d_lease = Lease(router, d)
     d_task = asyncio.create_task(open_upstream(ctx, d, d_lease, content, path))
     early: Optional[tuple[bytes, list[tuple[str, str]]]] = None
+    watch: Optional[asyncio.Task] = None  # decode's stream past its role chunk (see below)
     try:
         pending: set[asyncio.Future] = {p_task, d_task} | ({first} if first is not None else set())
         while d_task in pending or (first in pending and _decode_sent_only_its_role(d_task)):
+            if d_task not in pending and watch is None:
+                # Decode answered a chat stream's role chunk at once, before its room reached prefill.  If it
+                # dies now, prefill waits for that registration until its bootstrap timeout (minutes), and
+                # its first token may never come as an event of its own (text the detokenizer holds back):
+                # so read decode's stream beside prefill's, and let its end fail the attempt.
+                watch = asyncio.create_task(_more_from_decode(d_task.result()))
+                pending.add(watch)
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None:
                 await _cancel(d_task)
@@ -414,6 +440,13 @@ async def pd_attempt(
                 if d_task not in done or _decode_sent_only_its_role(d_task):
                     early = first.result()
                     break
+            if watch is not None and watch in done:
+                ended, watch = watch.result(), None
+                if ended is not None:  # decode's stream ended with its role chunk alone
+                    reason = f"decode stream ended before its first token: {ended}"
+                    d_up = d_task.result()
+                    d_up.lease.finish(False, reason)
+                    raise AttemptFailed(d, reason, True)
         if early is not None:
             up = Upstream(
                 d,
@@ -429,9 +462,13 @@ async def pd_attempt(
             stamps["decode_first_byte"] = time.time()
             trace = await _trace_header(ctx, stamps, p_task)
     except BaseException:
+        if watch is not None:
+            await _cancel(watch)
         await _cancel(p_task)
         await _cancel(d_task)
         raise
+    if watch is not None:  # a read not begun leaves decode's bytes in its stream; one that ended kept them
+        await _cancel(watch)
     if p_task.done():
         _finish_background_prefill(ctx, p_task)
     else:

@@ -131,7 +131,8 @@ class InProcessPD:
             model_dir,
             mode="prefill",
             disaggregation_transfer_backend=backend,
-            # layer-wise sends on (the product default is off, docs/pd.md): these tests cover both sends
+            # layer-wise sends on (the product default, docs/pd.md; explicit so that these tests cover it whatever
+            # the default): they cover both sends
             **{"disaggregation_layerwise": True, **common, **(prefill_args or {})},
         )
         dsa = _server_args(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import httpx
 import pytest
@@ -153,3 +154,114 @@ async def test_pd_waits_for_both_roles_and_forwards_batches_with_one_room():
         assert batch.status_code == 200  # workers use room + i for item i
         assert isinstance(batch.json()["bootstrap"]["bootstrap_room"], int)
         assert one.status_code == 200
+
+
+# -- a decode worker that dies right after a chat stream's role chunk --------------------------------------
+
+
+def _chat_event(delta: dict, finish=None, ids=None, prompt_ids=None) -> bytes:
+    obj = {"id": "c", "object": "chat.completion.chunk", "model": "fake", "created": 1}
+    obj["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    obj["kvship_token_ids"] = ids or []
+    if prompt_ids is not None:
+        obj["kvship_prompt_ids"] = prompt_ids
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@contextlib.asynccontextmanager
+async def _fake_worker(mode: str, chat):
+    """A worker in this event loop (aiohttp): the info routes the router reads, and ``chat(request, response)``
+    writing a prepared SSE response of ``/v1/chat/completions``."""
+    from aiohttp import web
+
+    async def info(_):
+        port = 9100 if mode == "prefill" else None
+        return web.json_response({"served_model_name": "fake", "mode": mode, "disaggregation_bootstrap_port": port})
+
+    async def ok(_):
+        return web.json_response({"model_path": "/models/fake", "is_generation": True})
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def completions(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await chat(request, response)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_server_info", info)
+    app.router.add_get("/get_model_info", ok)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_decode_worker_dying_after_its_chat_role_chunk_fails_the_attempt_instead_of_waiting_for_prefill():
+    """Decode answers a chat stream's role chunk before its room reaches prefill.  When it dies then, prefill
+    waits for that registration until its bootstrap timeout, and its first token may never come as an event
+    (text the detokenizer holds back): the router waited with it, the client's stream hung for minutes (the
+    layer-wise resume-test time-outs).  Now decode's stream ending fails the attempt at once: prefill's call is
+    closed (the worker aborts the room) and the request goes to another pair."""
+    calls = {"prefill": [], "decode": 0}
+    role = {"role": "assistant", "content": ""}
+
+    async def prefill(request, response):
+        i = len(calls["prefill"])
+        closed = asyncio.Event()
+        calls["prefill"].append(closed)
+        await response.write(_chat_event(role, prompt_ids=[1, 2, 3]))
+        # the first attempt's room is never registered (its decode died): like a prefill worker, say
+        # nothing more until the router gives up on the call; later attempts finish
+        for _ in range(600 if i == 0 else 5):
+            await asyncio.sleep(0.02)
+            if request.transport is None or request.transport.is_closing():
+                closed.set()
+                return
+        await response.write(_chat_event({}, finish="length"))
+        await response.write(b"data: [DONE]\n\n")
+
+    async def decode(request, response):
+        calls["decode"] += 1
+        await response.write(_chat_event(role, prompt_ids=[1, 2, 3]))
+        if calls["decode"] == 1:
+            await asyncio.sleep(0.1)
+            request.transport.abort()  # SIGKILLed before it registered the room
+            return
+        for k, word in enumerate(["hello", " there"]):
+            await response.write(_chat_event({"content": word}, ids=[10 + k]))
+        await response.write(_chat_event({}, finish="length"))
+        await response.write(b"data: [DONE]\n\n")
+
+    async with (
+        _fake_worker("prefill", prefill) as p,
+        _fake_worker("decode", decode) as d0,
+        _fake_worker("decode", decode) as d1,
+    ):
+        config = RouterConfig(
+            pd=True, prefill=[p], decode=[d0, d1], health_check_interval=60, retry_backoff_base=0.01, max_resumes=2
+        )
+        async with running_router(config) as (url, _):
+            async with httpx.AsyncClient(timeout=30) as c:
+                body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+                async def read() -> tuple[httpx.Response, list[str]]:
+                    async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                        return r, [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+                r, events = await asyncio.wait_for(read(), 10)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        objs = [json.loads(e) for e in events[:-1]]
+        assert "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o["choices"]) == "hello there"
+        assert calls["decode"] == 2 and len(calls["prefill"]) == 2
+        assert calls["prefill"][0].is_set()  # the first attempt's prefill call was closed, not left to time out
