@@ -76,7 +76,6 @@ def _gate_up_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    EVEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
@@ -87,8 +86,7 @@ def _gate_up_kernel(
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
-    # padding entries read row 0 (their results are never stored): the K loop's loads need no row mask
-    row = tl.where(mask_m, pair // top_k, 0).to(tl.int64)
+    row = (pair // top_k).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     mask_n = offs_n < inter_size
@@ -99,15 +97,10 @@ def _gate_up_kernel(
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
-        if EVEN:  # K and N are whole tiles: unmasked loads (the common case; H and I are multiples of 64)
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_SIZE_K
@@ -139,7 +132,6 @@ def _down_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    EVEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
@@ -155,18 +147,13 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     mask_n = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    # padding entries read row 0 of the intermediate (never stored), so the K loop needs no row mask
-    a_ptrs = a_ptr + tl.where(mask_m, pair64, 0)[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + pair64[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(inter_size, BLOCK_SIZE_K)):
-        if EVEN:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            mask_k = offs_k < inter_size - k0 * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        mask_k = offs_k < inter_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_SIZE_K
         w_ptrs += BLOCK_SIZE_K
@@ -612,8 +599,7 @@ def fused_experts(
     _gate_up_kernel[(triton.cdiv(padded, bm) * triton.cdiv(inter, bn),)](
         x, w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm,
-        EVEN=hidden % bk == 0 and inter % bn == 0, **launch,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
     )  # fmt: skip
     out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -623,8 +609,7 @@ def fused_experts(
     _down_kernel[(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn),)](
         h, w2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm,
-        EVEN=inter % bk == 0 and hidden % bn == 0, **launch,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
