@@ -153,6 +153,11 @@ class ServerArgs:
         "Prefill: when decode registered the room before a prompt's last chunk computes, write each layer's KV "
         "while later layers compute (docs/pd.md, 'Layer-wise transfer'); off: the whole prompt after the forward",
     )
+    disaggregation_layerwise_min_tokens: int = opt(
+        256,
+        "Prefill: prompts shorter than this send their KV whole after the forward, not layer-wise (a short "
+        "forward gains less from the early layers than the per-layer sends cost it; docs/pd.md)",
+    )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
 
     @property
@@ -249,6 +254,10 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.disaggregation_layerwise_min_tokens < 0:
+            raise ValueError("--disaggregation-layerwise-min-tokens must be >= 0")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError("--prefill-graph-max-tokens must be >= 0 (0: prefill runs eagerly)")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

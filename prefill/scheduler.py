@@ -76,6 +76,7 @@ class PrefillRole(PDRole):
     def init_stages(self) -> tuple[PDStageQueue, ...]:
         self.wait_for_room = self.s.server_args.disaggregation_prefill_wait_for_room
         self.layerwise = self.s.server_args.disaggregation_layerwise and self.kv_manager.config.layerwise
+        self.layerwise_min_tokens = self.s.server_args.disaggregation_layerwise_min_tokens
         self.num_layers = int(self.s.runner.kv_pool.num_layers)
         self.bootstrap_queue = BootstrapQueue()
         self.inflight_queue = InflightQueue()

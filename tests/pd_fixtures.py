@@ -133,7 +133,12 @@ class InProcessPD:
             disaggregation_transfer_backend=backend,
             # layer-wise sends on (the product default, docs/pd.md; explicit so that these tests cover it whatever
             # the default): they cover both sends
-            **{"disaggregation_layerwise": True, **common, **(prefill_args or {})},
+            **{
+                "disaggregation_layerwise": True,
+                "disaggregation_layerwise_min_tokens": 0,
+                **common,
+                **(prefill_args or {}),
+            },
         )
         dsa = _server_args(
             model_dir, mode="decode", disaggregation_transfer_backend=backend, **{**common, **(decode_args or {})}

@@ -47,6 +47,22 @@ def test_layerwise_pd_greedy_output_equals_unified(tiny_llama_dir, backend, page
         pd.wait_idle()
 
 
+def test_prompts_below_the_layerwise_minimum_send_the_whole_request(tiny_llama_dir):
+    """``--disaggregation-layerwise-min-tokens``: a prompt shorter than it goes whole after the forward, a
+    longer one layer-wise; both give unified's tokens."""
+    short, long = make_prompts(1, seed=45, lo=20, hi=30) + make_prompts(1, seed=46, lo=70, hi=90)
+    kw = dict(page_size=16, chunked_prefill_size=CHUNK)
+    expected = unified_greedy(tiny_llama_dir, [short, long], MAX_NEW, **kw)
+    threads = dict(transfer_threads=3)
+    with InProcessPD(
+        tiny_llama_dir, prefill_kv=threads, prefill_args=dict(disaggregation_layerwise_min_tokens=50), **kw
+    ) as pd:
+        rids = pd.run_registered_first([short, long], MAX_NEW)
+        assert [pd.tokens(r) for r in rids] == expected
+        assert _layerwise_count(pd) == 1  # the long one
+        pd.wait_idle()
+
+
 def test_layerwise_off_checksum_and_late_registration_send_the_whole_request(tiny_llama_dir):
     prompts = make_prompts(3, seed=44, lo=40, hi=90)
     kw = dict(page_size=16, chunked_prefill_size=CHUNK)
