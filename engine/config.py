@@ -158,6 +158,10 @@ class ServerArgs:
         "Prefill: prompts shorter than this send their KV whole after the forward, not layer-wise (a short "
         "forward gains less from the early layers than the per-layer sends cost it; docs/pd.md)",
     )
+    disaggregation_layerwise_writes: int = opt(
+        4,
+        "Prefill: a layer-wise send writes the layers in about this many groups (0 = one write per stored layer)",
+    )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
 
     @property
@@ -254,6 +258,8 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.disaggregation_layerwise_writes < 0:
+            raise ValueError("--disaggregation-layerwise-writes must be >= 0")
         if self.disaggregation_layerwise_min_tokens < 0:
             raise ValueError("--disaggregation-layerwise-min-tokens must be >= 0")
         if self.prefill_graph_max_tokens < 0:

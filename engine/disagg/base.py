@@ -90,6 +90,11 @@ class KVTransferConfig:
     layerwise: bool = opt(
         True, "Prefill: write a prompt's KV layer by layer while its last chunk computes (docs/pd.md, Layer-wise)"
     )
+    layerwise_writes: int = opt(
+        4,
+        "Prefill: a layer-wise send writes a prompt's layers in about this many groups, each once its last layer "
+        "is stored (fewer transfer calls competing with the forward's thread); 0 = one write per stored layer",
+    )
     max_inflight: int = opt(4096, "Decode: most receivers at once (aux slots)")
     tp_size: int = opt(1, "Tensor-parallel size of this worker (the peer's may differ: heads are sliced)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
@@ -128,6 +133,7 @@ class KVTransferConfig:
             waiting_timeout=args.disaggregation_waiting_timeout,
             checksum=args.kv_transfer_checksum,
             layerwise=args.disaggregation_layerwise,
+            layerwise_writes=args.disaggregation_layerwise_writes,
             max_inflight=max(4096, 2 * args.max_running_requests),
         )
         try:

@@ -55,8 +55,12 @@ class RoomWriter:
         feature_region: Optional[int],
         aux_region: int,
         aux_staging: torch.Tensor,
+        layerwise_writes: int = 0,
     ):
         self.layout = layout
+        # a layer-wise send writes groups of this many layers (the last may be shorter); 1: each stored layer
+        n = layout.num_layers
+        self.layer_group = -(-n // layerwise_writes) if 0 < layerwise_writes < n else 1
         self.backend = backend
         self.buffers = list(buffers)
         self.region_sizes = list(region_sizes)
@@ -143,7 +147,9 @@ class RoomWriter:
             plans.append((peer, self.kv_descs(peer, pages[ready:], reg.pages[ready:])))
         written = 0
         while written < num_layers:
-            end = progress.wait(written, cancelled)
+            # wait for a whole group: each write is a transfer call on this thread, and fewer of them during
+            # the forward leave its thread the interpreter more often (docs/pd.md, "Layer-wise transfer")
+            end = progress.wait(min(written + self.layer_group, num_layers) - 1, cancelled)
             if cancelled():
                 return None
             if end == 0:

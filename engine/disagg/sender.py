@@ -323,6 +323,7 @@ class PrefillKVManager(KVManager):
             self.feature_region,
             self.aux_region,
             self._aux_staging,
+            layerwise_writes=config.layerwise_writes,
         )
         self._senders: dict[int, PrefillSender] = {}
         self._pending: dict[int, list[_PendingRegistration]] = {}  # room -> registrations before its sender
