@@ -154,7 +154,7 @@ class ServerArgs:
         "while later layers compute (docs/pd.md, 'Layer-wise transfer'); off: the whole prompt after the forward",
     )
     disaggregation_layerwise_min_tokens: int = opt(
-        512,
+        256,
         "Prefill: prompts shorter than this send their KV whole after the forward, not layer-wise (a short "
         "forward gains less from the early layers than the per-layer sends cost it; docs/pd.md)",
     )

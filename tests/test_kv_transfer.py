@@ -35,6 +35,7 @@ PREFILL_MANAGERS = {
     "p16_short": (16, {"bootstrap_timeout": 1.0}, 12),
     "p16_big": (16, {}, 13),
     "p16_whole": (16, {"layerwise": False}, 12),
+    "p16_grouped": (16, {"layerwise_writes": 2}, 12),  # 3 layers in groups of 2: [0, 2) then [2, 3)
 }
 CORRUPT_EVERY = {"p16_corrupt": 1}  # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
 DECODE_MANAGERS = {
@@ -580,6 +581,29 @@ def test_layerwise_send_writes_each_layer_as_it_is_stored(pair):
     assert p("wait", room, 10)[0] == SUCCESS
     assert d("pages_match", "d16", dst, seed, src)
     assert d("outside_untouched", "d16", dst)
+    assert_clean(p, d)
+
+
+def test_layerwise_send_in_groups_writes_a_group_once_its_last_layer_is_stored(pair):
+    """``layerwise_writes``: with 3 layers in 2 groups, layer 0 alone moves nothing; layer 1 moves 0 and 1."""
+    p, d = pair
+    seed = PREFILL_MANAGERS["p16_grouped"][2]
+    src, dst = [5, 6, 7], [30, 31, 2]
+    d("zero", "d16")
+    room = layerwise_room(p, d, src, dst, pm="p16_grouped")
+    assert p("layerwise", "p16_grouped", room, src, 0) is True
+    p("layer_done", room, 0)
+    time.sleep(0.3)
+    assert d("buffers_zero", "d16", dst, ALL_BUFFERS)  # the group is not complete: nothing written yet
+    p("layer_done", room, 1)
+    assert until(d, "buffers_match", "d16", dst, seed, src, LAYER_BUFFERS[0] + LAYER_BUFFERS[1])
+    assert d("buffers_zero", "d16", dst, LAYER_BUFFERS[2])
+    p("layers_finish", room)
+    p("send", room, src, (7, -0.5, 3))
+    st, reason, _ = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", "d16", dst, seed, src)
     assert_clean(p, d)
 
 
