@@ -40,3 +40,28 @@ def requires_flashinfer() -> None:
     """Skip the calling test when flashinfer does not import (reason printed)."""
     if importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer is not installed (the device bundle provides it)")
+
+
+def smollm2_or_tiny_llama(tmp_path_factory, name: str, seed: int) -> str:
+    """The model GPU equality tests run: the SmolLM2 GGUF (``KVSHIP_SMOLLM2_GGUF``, else the embedded one;
+    real weights, so greedy choices are not near-ties), else a tiny random Llama written by transformers."""
+    path = os.environ.get("KVSHIP_SMOLLM2_GGUF")
+    if path:
+        return path
+    try:
+        from kvship.engine.embedded import embedded_model_path
+
+        return embedded_model_path()
+    except FileNotFoundError:
+        from conftest import build_tiny_model
+
+        return build_tiny_model(
+            str(tmp_path_factory.mktemp(name)),
+            "llama",
+            seed=seed,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        )

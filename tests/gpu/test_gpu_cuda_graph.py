@@ -11,11 +11,10 @@ near-ties) where present, else a tiny random model.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
-from gpu_common import requires_cuda, requires_flashinfer
+from gpu_common import requires_cuda, requires_flashinfer, smollm2_or_tiny_llama
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.forward_batch import ForwardMode
@@ -29,26 +28,7 @@ STEPS = 64
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = os.environ.get("KVSHIP_SMOLLM2_GGUF")
-    if path:
-        return path
-    try:
-        from kvship.engine.embedded import embedded_model_path
-
-        return embedded_model_path()
-    except FileNotFoundError:
-        from conftest import build_tiny_model
-
-        return build_tiny_model(
-            str(tmp_path_factory.mktemp("graph_model")),
-            "llama",
-            seed=21,
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        )
+    return smollm2_or_tiny_llama(tmp_path_factory, "graph_model", seed=21)
 
 
 def make_runner(model_path: str, backend: str, graphs: bool, page_size: int = 1, max_bs: int = 64) -> ModelRunner:

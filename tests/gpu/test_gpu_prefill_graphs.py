@@ -14,11 +14,10 @@ tiny random Llama; a tiny random Qwen3-MoE covers the MoE layers.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
-from gpu_common import requires_cuda, requires_flashinfer
+from gpu_common import requires_cuda, requires_flashinfer, smollm2_or_tiny_llama
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.model_runner import ModelRunner
@@ -31,26 +30,7 @@ MAX_TOKENS = 512
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = os.environ.get("KVSHIP_SMOLLM2_GGUF")
-    if path:
-        return path
-    try:
-        from kvship.engine.embedded import embedded_model_path
-
-        return embedded_model_path()
-    except FileNotFoundError:
-        from conftest import build_tiny_model
-
-        return build_tiny_model(
-            str(tmp_path_factory.mktemp("pg_model")),
-            "llama",
-            seed=23,
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        )
+    return smollm2_or_tiny_llama(tmp_path_factory, "pg_model", seed=23)
 
 
 def make_runner(model_path: str, backend: str, prefill_graphs: bool, page_size: int = 16) -> ModelRunner:

@@ -19,12 +19,11 @@ Run on the device: ``pytest -q tests/gpu/test_gpu_tp.py``.
 from __future__ import annotations
 
 import gc
-import os
 import socket
 
 import pytest
 import torch
-from gpu_common import requires_cuda
+from gpu_common import requires_cuda, smollm2_or_tiny_llama
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.model_runner import ModelRunner
@@ -37,26 +36,7 @@ STEPS = 32
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    path = os.environ.get("KVSHIP_SMOLLM2_GGUF")
-    if path:
-        return path
-    try:
-        from kvship.engine.embedded import embedded_model_path
-
-        return embedded_model_path()
-    except FileNotFoundError:
-        from conftest import build_tiny_model
-
-        return build_tiny_model(
-            str(tmp_path_factory.mktemp("tp_model")),
-            "llama",
-            seed=23,
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        )
+    return smollm2_or_tiny_llama(tmp_path_factory, "tp_model", seed=23)
 
 
 @pytest.fixture(scope="module")
