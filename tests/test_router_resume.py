@@ -18,7 +18,10 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -353,15 +356,59 @@ async def reference_answers(c: httpx.AsyncClient, url: str, bodies) -> list[str]
     return await asyncio.gather(*(one(route, body) for route, body in bodies))
 
 
-async def burst_with_a_kill(c, url, bodies, victim_pid: int, victim_url: str, header: str, min_started: int = 4):
+# polls the victim's /metrics from a process of its own; SIGKILLs it once it generated argv[3] tokens
+# and still has requests running or queued
+_KILL_WHEN_BUSY = """
+import os, signal, sys, time, urllib.request
+pid, url, min_tokens = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+def value(text, name):
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name))
+while True:
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    except OSError:
+        sys.exit(1)
+    busy = value(text, "kvship:num_running_reqs{") + value(text, "kvship:num_queue_reqs{")
+    if value(text, "kvship:generation_tokens_total{") >= min_tokens and busy:
+        os.kill(pid, signal.SIGKILL)
+        print("killed", flush=True)
+        sys.exit(0)
+    time.sleep(0.005)
+"""
+
+
+def kill_when_busy(victim_pid: int, victim_url: str, min_tokens: int) -> subprocess.Popen:
+    """A process that SIGKILLs ``victim_pid`` once the worker at ``victim_url`` has generated
+    ``min_tokens`` tokens and still has requests in flight.  It watches the worker, not the client:
+    on a loaded 2-core machine the client (sharing its event loop, and the interpreter lock, with the
+    router) can read a stream's first tokens only after the worker finished every request, leaving
+    nothing to resume."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _KILL_WHEN_BUSY, str(victim_pid), victim_url, str(min_tokens)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def burst_with_a_kill(
+    c,
+    url,
+    bodies,
+    victim_pid: int,
+    victim_url: str,
+    header: str,
+    min_started: int = 4,
+    busy_tokens: Optional[int] = None,
+):
     """Stream every body at once; SIGKILL ``victim_pid`` once ``min_started`` streams served by it
-    (response header ``header`` == ``victim_url``) relayed tokens to the client."""
+    (response header ``header`` == ``victim_url``) relayed tokens to the client, or, with
+    ``busy_tokens``, once the victim generated that many tokens and is still busy (``kill_when_busy``)."""
     started = 0
-    killed = asyncio.Event()
-    t_kill = [0.0]
+    killed = False
+    watcher = kill_when_busy(victim_pid, victim_url, busy_tokens) if busy_tokens is not None else None
 
     async def one(route, body):
-        nonlocal started
+        nonlocal started, killed
         events = []
         async with c.stream("POST", url + route, json={**body, "stream": True}) as r:
             assert r.status_code == 200, await r.aread()
@@ -373,14 +420,19 @@ async def burst_with_a_kill(c, url, bodies, victim_pid: int, victim_url: str, he
                 if not counted and len(events) >= 3:
                     counted = True
                     started += 1
-                    if started >= min_started and not killed.is_set():
+                    if watcher is None and started >= min_started and not killed:
                         os.kill(victim_pid, signal.SIGKILL)
-                        t_kill[0] = time.monotonic()
-                        killed.set()
+                        killed = True
         return events
 
-    results = await asyncio.wait_for(asyncio.gather(*(one(r, b) for r, b in bodies)), 120)
-    assert killed.is_set(), "the burst finished before the kill"
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(one(r, b) for r, b in bodies)), 120)
+    finally:
+        if watcher is not None:
+            if watcher.poll() is None:
+                watcher.kill()
+            killed = watcher.wait(10) == 0 and "killed" in watcher.stdout.read()
+    assert killed, "the burst finished before the kill"
     return results
 
 
@@ -439,7 +491,11 @@ async def test_streams_survive_a_unified_worker_sigkilled_mid_burst(two_workers)
     async with running_router(cfg) as (url, _):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as c:
             victim = two_workers[0]
-            results = await burst_with_a_kill(c, url, bodies, victim.proc.pid, victim.url, "x-kvship-worker")
+            # killed once it generated 2 streams' worth of tokens and is still busy (its 20 streams
+            # ask for 960 tokens, 4 run at once)
+            results = await burst_with_a_kill(
+                c, url, bodies, victim.proc.pid, victim.url, "x-kvship-worker", busy_tokens=2 * MAX_NEW
+            )
             resumed = await check_burst(c, url, bodies, results)
             assert resumed >= 1
             assert _resumes((await c.get(url + "/metrics")).text) == resumed
