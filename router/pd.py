@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from kvship.common import fastjson
 from kvship.router.core import Selection
 from kvship.router.resume import SSEParser
 from kvship.router.upstream import (
@@ -111,7 +112,7 @@ def _event_obj(event: bytes) -> Any:
     if not lines:
         return None
     try:
-        return json.loads(b"\n".join(lines))
+        return fastjson.loads(b"\n".join(lines))
     except ValueError:
         return None
 

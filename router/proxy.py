@@ -54,12 +54,34 @@ from kvship.router.wire import ROUTER_IDS_HEADER, RoutingRequest, error_body
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RelayResponse", "ResumingRelay", "backoff_delay", "error_response", "proxy_request"]
+__all__ = ["RelayResponse", "ResumingRelay", "WholeResponse", "backoff_delay", "error_response", "proxy_request"]
 
 
 def _sse_error(message: str, code: str) -> bytes:
     payload = {"error": {"message": message, "type": "server_error", "code": code}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class WholeResponse(Response):
+    """A worker's whole (non-streamed) reply.  Its accounting (the SLO sample, the request's metrics and
+    log line: ~0.1-0.3 ms) runs once the bytes went out, off the client's latency; a send that fails
+    is still accounted."""
+
+    def __init__(self, ctx: RequestContext, up: Upstream, headers: dict[str, str]):
+        assert up.body is not None
+        super().__init__(up.body, status_code=up.status, headers=headers)
+        self.ctx = ctx
+        self.up = up
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            ctx, up = self.ctx, self.up
+            if up.status == 200:
+                assert up.body is not None
+                ctx.router.slo.record(ctx.route, RequestMeter.body_sample(ctx.started, up.body))
+            ctx.finish(up.status, up.worker.url)
 
 
 class RelayResponse(Response):
@@ -443,10 +465,7 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
             )
         headers = _response_headers(ctx, up)
         if up.body is not None:
-            if up.status == 200:
-                router.slo.record(ctx.route, RequestMeter.body_sample(ctx.started, up.body))
-            ctx.finish(up.status, up.worker.url)
-            return Response(up.body, status_code=up.status, headers=headers)
+            return WholeResponse(ctx, up, headers)
         router.metrics.ttft.labels(ctx.route).observe(time.perf_counter() - ctx.started)
         if state is not None:
             return ResumingRelay(ctx, up, headers, request, state)

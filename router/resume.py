@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from kvship.common import fastjson
 from kvship.router.wire import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTER_IDS_HEADER, RoutingRequest
 
 __all__ = ["ROUTER_IDS_HEADER", "RESUMABLE_ERROR_CODES", "ResumeState", "SSEParser"]
@@ -188,7 +189,7 @@ class ResumeState:
         obj: Any = None
         if payload is not None and payload.strip() != "[DONE]":
             try:
-                obj = json.loads(payload)
+                obj = fastjson.loads(payload)
             except ValueError:
                 obj = None
         err = obj.get("error") if isinstance(obj, dict) else None
@@ -199,7 +200,7 @@ class ResumeState:
             self._held.append(event)
             return b"", None
         held, self._held = self._held, []
-        out = b"".join(self._relay(h, json.loads(_data(h) or "{}")) for h in held)
+        out = b"".join(self._relay(h, fastjson.loads(_data(h) or "{}")) for h in held)
         if payload is None:
             return out + event + b"\n\n", None
         if payload.strip() == "[DONE]":

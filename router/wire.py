@@ -19,12 +19,16 @@ worker.
 
 from __future__ import annotations
 
+import array
 import json
 import random
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit
+
+from kvship.common import fastjson
 
 WIRE_VERSION = 1
 
@@ -140,13 +144,18 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and (not value or set(map(type, value)) == {int})
 
 
+assert array.array("I").itemsize == 4  # a C unsigned int: the UTF-32 code unit
+_UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
+
+
 def ids_key(ids: list[int]) -> str:
     """The routing text of a token-id prompt: one character per id, so the cache-aware policy's prefix tree
-    compares ids as it compares characters (~0.25 ms for 4096 ids, against ~0.8 ms to write them as decimals,
-    and a key a sixth as long). Ids no vocabulary reaches (negative, past U+10FFFF) fall back to decimals; the
-    worker refuses them anyway."""
+    compares ids as it compares characters (a key a sixth as long as the decimals).  Built as UTF-32 in one
+    C-level pass (~0.1 ms for 4096 ids, against ~0.25 ms for ``chr`` per id and ~0.8 ms for decimals); ids
+    in the surrogate range are characters too.  Ids no vocabulary reaches (negative, past U+10FFFF) fall
+    back to decimals; the worker refuses them anyway."""
     try:
-        return "".join(map(chr, ids))
+        return array.array("I", ids).tobytes().decode(_UTF32, "surrogatepass")
     except (ValueError, OverflowError):
         return " ".join(map(str, ids))
 
@@ -184,7 +193,7 @@ class RoutingRequest:
     def parse(cls, route: str, raw: bytes, session_header: Optional[str] = None) -> "RoutingRequest":
         """Parse and check a body for ``route``; raise ``RequestError`` (400) when malformed."""
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):

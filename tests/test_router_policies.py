@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from kvship.common import fastjson
 from kvship.router.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvship.router.config import RouterConfig
 from kvship.router.core import Router, SessionTable
@@ -338,8 +339,40 @@ def test_routing_text_covers_chat_completion_and_native_forms():
     # ids no character holds keep the decimal key (the worker answers 400 for them); bools are not ids
     assert RoutingRequest.parse("/generate", b'{"input_ids": [-1, 2]}').text == "-1 2"
     assert RoutingRequest.parse("/generate", b'{"input_ids": [99999999999, 2]}').text == "99999999999 2"
+    assert RoutingRequest.parse("/generate", b'{"input_ids": [1114112, 2]}').text == "1114112 2"  # past U+10FFFF
+    # ids in the surrogate range and at the top of Unicode are one character each, like every other id
+    top = RoutingRequest.parse("/generate", b'{"input_ids": [55296, 57343, 1114111, 0]}').text
+    assert top == "".join(map(chr, [55296, 57343, 1114111, 0]))
     with pytest.raises(RequestError):
         RoutingRequest.parse("/generate", b'{"input_ids": [1, true]}')
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        rb'{"input_ids": [1, 2, 3], "x": 1.5e-7, "s": "caf\u00e9 \n", "n": null}',
+        b'{"x": NaN, "y": -Infinity}',  # orjson refuses these; json.loads takes them
+        b'{"big": 123456789012345678901234567890}',  # past 64 bits: orjson would make it a float
+        b'[18446744073709551615, 18446744073709551616, -9223372036854775808, -9223372036854775809]',
+        '{"text": "caf\u00e9", "ids": [-9223372036854775809]}',  # str input
+        rb'{"s": "\ud800"}',  # a lone surrogate escape
+        '{"utf16": "é"}'.encode("utf-16"),  # json.loads detects UTF-16/32
+        b'  {"ws": [ ] }\n',
+    ],
+)
+def test_fastjson_loads_is_json_loads(raw):
+    want = json.loads(raw)
+    got = fastjson.loads(raw)
+    assert repr(got) == repr(want)  # repr: NaN != NaN
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b'{"a": 1', b"\xff\xfe{", b'{"a": 1} x'])
+def test_fastjson_refuses_what_json_loads_refuses_with_its_error(raw):
+    with pytest.raises(ValueError) as want:
+        json.loads(raw)
+    with pytest.raises(ValueError) as got:
+        fastjson.loads(raw)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
 
 
 def test_bootstrap_fields_are_spliced_into_the_clients_body_or_written_out_with_it():
