@@ -84,12 +84,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (column, from stamp, to stamp): consecutive stages of one PD request; "c." client, "r." router, "p." prefill,
 # "d." decode.  Decode's side runs beside prefill's: its columns show where it waits for prefill.
+FORWARD = "prefill forward"
 SEGMENTS: list[tuple[str, str, str]] = [
     ("client->router", "c.sent", "r.received"),
     ("router->prefill http", "r.received", "p.http_received"),
     ("prefill http->sched", "p.http_received", "p.scheduled"),
     ("prefill admit (waits for decode's room with the flag)", "p.scheduled", "p.admitted"),
-    ("prefill forward", "p.admitted", "p.forward_done"),
+    (FORWARD, "p.admitted", "p.forward_done"),
     ("hand-off to sender (waits for a later room)", "p.forward_done", "p.kv_send_after_forward"),
     ("KV lands on decode", "p.kv_send_after_forward", "d.kv_arrived"),
     ("decode sees KV", "d.kv_arrived", "d.kv_verified"),
@@ -134,10 +135,10 @@ def _python() -> list[str]:
 class Proc:
     """A child process (own session) with its log file; ``stop()`` SIGINTs it, SIGKILLs it after a grace period."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: str):
+    def __init__(self, name: str, argv: list[str], log_dir: str, env: Optional[dict[str, str]] = None):
         self.name = name
         self.log = os.path.join(log_dir, f"{name}.log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.log, "wb") as out:
             self.p = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
@@ -157,6 +158,16 @@ class Proc:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait(10)
+
+
+def code_env(tree: str, where: str) -> dict[str, str]:
+    """The environment that makes a process import ``kvship`` from the checkout ``tree`` (``--code``): a folder
+    holding a ``kvship`` link to it, first on ``PYTHONPATH`` (ahead of the editable install's finder)."""
+    os.makedirs(where, exist_ok=True)
+    link = os.path.join(where, "kvship")
+    if not os.path.islink(link):
+        os.symlink(os.path.abspath(tree), link)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def wait_ready(proc: Proc, port: int, path: str, timeout: float) -> None:
@@ -351,7 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype = json.loads(info.getresponse().read())["model"]["dtype"]
         res["kv_dtype"] = dtype
         res["kv_bytes_per_token"] = kv_bytes_per_token(flags, dtype) if "--kv-cache-dtype" not in flags else None
-        everything = [("", [])] + args.variant
+        everything = [("", [], None)] + args.variant
         # every variant of a backend runs at once, so their requests interleave (same machine state); with
         # --one-at-a-time (the default on cuda: five 8B-shape processes do not fit one GPU) each runs alone beside
         # the unified worker
@@ -360,13 +371,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for group in groups:
                 deployments: dict[str, tuple[Proc, int]] = {}
                 try:
-                    for label, extra in group:
+                    for label, extra, tree in group:
                         name = backend + (" " + label if label else "")
                         r_port = free_port()
                         argv = ["local", "--port", str(r_port), "--transfer-backend", backend, "--log-dir", work]
                         argv += ["--shutdown-grace", "20"] + flags + extra
                         tag = backend + ("-" + label if label else "")
-                        deployments[name] = (Proc(f"local-{tag}", _python() + argv, work), r_port)
+                        env = code_env(tree, os.path.join(work, "code-" + label)) if tree else None
+                        deployments[name] = (Proc(f"local-{tag}", _python() + argv, work, env), r_port)
                     for proc, port in deployments.values():
                         wait_ready(proc, port, "/readiness", args.startup_timeout)
                     clients = {name: Client(port, args.timeout) for name, (_, port) in deployments.items()}
@@ -462,6 +474,7 @@ def measure(
             out[name][str(n)] = {
                 "ttft": statistics.median(r["ttft"] for r in rs),
                 "traced_ttft": statistics.median(r["traced_ttft"] for r in rs),
+                "fixed": fixed_cost(rs),
                 "unified_ttft": statistics.median(r["ttft"] for r in u_rows[-args.repeats :]),
                 "segments": med,
                 "equal": f"{sum(r['equal'] for r in rs)}/{len(rs)}",
@@ -469,6 +482,13 @@ def measure(
                 "samples": rs,
             }
     return out
+
+
+def fixed_cost(rows: list[dict[str, Any]]) -> Optional[float]:
+    """Median over the traced requests of their TTFT less their prefill forward: what PD adds around the
+    computation.  Steadier than PD - unified on a busy machine, where the forwards vary by more than it."""
+    vals = [r["traced_ttft"] - r["segments"][FORWARD] for r in rows if FORWARD in r["segments"]]
+    return statistics.median(vals) if vals else None
 
 
 # ----------------------------------------------------------------------------------- report
@@ -526,14 +546,15 @@ def markdown(res: dict[str, Any]) -> str:
         "router's wait for the prefill reply, which only traced requests have):",
         "",
     ]
-    lines.append("| backend | prompt | traced TTFT | " + " | ".join(names) + " |")
-    lines.append("|---|---|---|" + "---|" * len(names))
+    lines.append("| backend | prompt | traced TTFT | traced TTFT - prefill forward | " + " | ".join(names) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(names))
     for b, per in res["backends"].items():
         if "error" in per:
             continue
         for n, r in per.items():
             cells = [ms(r["segments"][k]) if k in r["segments"] else "" for k in names]
-            lines.append(f"| {b} | {n} | {ms(r['traced_ttft'])} | " + " | ".join(cells) + " |")
+            fixed = ms(r["fixed"]) if r.get("fixed") is not None else ""
+            lines.append(f"| {b} | {n} | {ms(r['traced_ttft'])} | {fixed} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -548,11 +569,12 @@ def compare_lines(res: dict[str, Any], ms: Any) -> list[str]:
         if not lines:
             lines = [
                 "",
-                "Same run, variant (the `--variant` worker flags) against the plain deployment (untraced TTFT "
-                "medians; ratio = plain / variant):",
+                "Same run, variant (the `--variant` worker flags or `--code` checkout) against the plain deployment "
+                "(untraced TTFT medians; ratio = plain / variant; fixed = traced TTFT - prefill forward, medians):",
                 "",
-                "| backend | prompt | variant | variant TTFT ms | plain TTFT ms | plain - variant ms | plain / variant |",
-                "|---|---|---|---|---|---|---|",
+                "| backend | prompt | variant | variant TTFT ms | plain TTFT ms | plain - variant ms | plain / variant "
+                "| variant fixed ms | plain fixed ms |",
+                "|---|---|---|---|---|---|---|---|---|",
             ]
         for n, r in per.items():
             b = base.get(n)
@@ -560,9 +582,13 @@ def compare_lines(res: dict[str, Any], ms: Any) -> list[str]:
                 continue
             lines.append(
                 f"| {backend} | {n} | {label} | {ms(r['ttft'])} | {ms(b['ttft'])} | {ms(b['ttft'] - r['ttft'])} | "
-                f"{b['ttft'] / r['ttft']:.2f}x |"
+                f"{b['ttft'] / r['ttft']:.2f}x | {_ms_or_blank(ms, r.get('fixed'))} | {_ms_or_blank(ms, b.get('fixed'))} |"
             )
     return lines
+
+
+def _ms_or_blank(ms: Any, v: Optional[float]) -> str:
+    return "" if v is None else ms(v)
 
 
 def write_results(res: dict[str, Any], out: str) -> str:
@@ -614,6 +640,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         "(repeatable), e.g. wait-for-room=--disaggregation-prefill-wait-for-room",
     )
     ap.add_argument(
+        "--code",
+        action="append",
+        default=[],
+        help="LABEL=PATH: also run each backend's PD deployment with the kvship code of the checkout at PATH "
+        "(e.g. `git worktree add /tmp/before HEAD~1`), beside the plain one: a code change's before/after in one "
+        "run (repeatable)",
+    )
+    ap.add_argument(
         "--one-at-a-time",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -630,7 +664,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         label, sep, flag_list = v.partition("=")
         if not sep or not label or " " in label or not flag_list:
             ap.error(f"--variant {v!r}: expected LABEL=FLAG[,FLAG...] (a label without spaces)")
-        variants.append((label, flag_list.split(",")))
+        variants.append((label, flag_list.split(","), None))
+    for v in args.code:
+        label, sep, tree = v.partition("=")
+        if not sep or not label or " " in label or not os.path.isfile(os.path.join(tree, "app", "cli.py")):
+            ap.error(f"--code {v!r}: expected LABEL=PATH of a kvship checkout (a label without spaces)")
+        variants.append((label, [], tree))
     args.variant = variants
     if args.repeats < 1 or args.warmup < 0 or min(args.prompt_len) < 2:
         ap.error("--repeats >= 1, --warmup >= 0, every --prompt-len >= 2")

@@ -30,7 +30,7 @@ from kvship.engine.grammar.backend import GrammarError
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, Resumed, SamplingParams
 from kvship.engine.openai_protocol import PromptTokensDetails, ResponseFormat, ResumeInfo, UsageInfo
-from kvship.engine.scheduler.admission import check_prompt
+from kvship.engine.scheduler.admission import check_prompt, ids_in_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ async def encode_text(engine: Engine, text: str, param: str, add_special_tokens:
 
 def check_token_ids(engine: Engine, ids: Sequence[int], param: str) -> None:
     vocab = engine.vocab_size
-    if ids and 0 <= min(ids) and max(ids) < vocab:  # C-level passes: the common case costs no Python loop
+    if ids_in_vocab(ids, vocab):  # C-level passes: the common case costs no Python loop
         return
     for t in ids:
         if not 0 <= t < vocab:

@@ -2,8 +2,8 @@
 transfer").
 
 ``start()`` runs once the batch's KV slots are allocated, right before the model: every request whose last chunk
-computes in this batch and whose room decode has registered starts its transfer layer-wise
-(``KVSender.send_layerwise``, one ``LayerProgress`` for the batch) and moves from the role's ``ComputingQueue``
+computes in this batch starts its transfer layer-wise (``KVSender.send_layerwise``, one ``LayerProgress`` for the
+batch; a room decode registers later starts then, with every layer stored by that time) and moves from the role's ``ComputingQueue``
 to its ``InflightQueue`` at once, since from then on the transfer layer reads its pages: an abort there waits for
 the sender's terminal state before the slots are freed.  The pages before the chunk's first token (earlier
 chunks, cached prefix) are complete and go first.  ``end(ok)`` tells the progress that the model returned or
@@ -47,7 +47,6 @@ class LayerwiseWatch:
             role.computing.remove(req.rid)
             entry.extra["computed"] = False
             role.inflight_queue.put(entry)
-            role.counters["layerwise"] += 1
             self.progress = progress
         return None if self.progress is None else self.progress.layer_done
 

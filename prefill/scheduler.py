@@ -131,6 +131,8 @@ class PrefillRole(PDRole):
             self.counters["failed"] += 1
             self.guarded(entry, self.s.abort_request, entry.rid, entry.failure())
         for entry, state in done:
+            if "layers_first" in entry.transfer.stamps:  # some of its layers went while the forward ran
+                self.counters["layerwise"] += 1
             self.stamp_transfer(entry, _SENDER_STAMPS)
             self.stamp(entry.rid, "transfer_done")
             if state == KVPoll.Success and entry.abort_reason is None:

@@ -610,10 +610,6 @@ def test_layerwise_send_in_groups_writes_a_group_once_its_last_layer_is_stored(p
 def test_layerwise_falls_back_where_it_cannot_apply(pair):
     p, d = pair
     src, dst = [4, 5, 6], [20, 21, 3]
-    lonely = new_room()
-    p("sender", "p16", lonely)  # decode has not registered yet
-    assert p("layerwise", "p16", lonely, src, 0) is False
-    p("abort", lonely, "test over")
     checked = layerwise_room(p, d, src, dst, dm="d16_checksum")
     assert p("layerwise", "p16", checked, src, 0) is False  # a checksum is asked for
     off = layerwise_room(p, d, src, dst, pm="p16_whole")
@@ -630,6 +626,72 @@ def test_layerwise_falls_back_where_it_cannot_apply(pair):
     assert d("pages_match", "d16", [14, 15, 16], PREFILL_MANAGERS["p16"][2], [7, 8, 9])
     assert_clean(p, d)
     assert_clean(p, d, "p16_whole", "d16_checksum")
+
+
+def test_a_room_registered_after_the_forward_started_goes_layer_wise_from_then(pair):
+    """``send_layerwise`` before decode registers: the writes start with the registration, every layer stored by
+    then at once; a registration that asks for a checksum turns the room into a whole send after ``send``."""
+    p, d = pair
+    seed = PREFILL_MANAGERS["p16"][2]
+    src, dst = [5, 6, 7], [30, 31, 2]
+    d("zero", "d16")
+    room = new_room()
+    p("sender", "p16", room)
+    assert p("layerwise", "p16", room, src, 0) is True  # decode has not registered yet
+    p("layer_done", room, 0)
+    p("layer_done", room, 1)
+    assert p("poll", room)[0] == BOOTSTRAPPING
+    d("receiver", "d16", p.ports["p16"], room)
+    d("init", room, dst)
+    # layers 0 and 1 were stored before the registration: they go at once; layer 2 waits for its store
+    assert until(d, "buffers_match", "d16", dst, seed, src, LAYER_BUFFERS[0] + LAYER_BUFFERS[1])
+    assert d("buffers_zero", "d16", dst, LAYER_BUFFERS[2])
+    p("layers_finish", room)
+    p("send", room, src, (9, -0.25, 5))
+    st, reason, aux = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert aux == (9, -0.25, 5, room)
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", "d16", dst, seed, src)
+    assert_clean(p, d)
+    # registered only after the forward and send(): everything goes at the registration
+    d("zero", "d16")
+    room = new_room()
+    p("sender", "p16", room)
+    assert p("layerwise", "p16", room, src, 0) is True
+    p("layers_finish", room)
+    p("send", room, src, (3, 0.0, 1))
+    d("receiver", "d16", p.ports["p16"], room)
+    d("init", room, dst)
+    st, reason, _ = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", "d16", dst, seed, src)
+    assert_clean(p, d)
+    # the registration asks for a checksum (computed over the whole KV): the whole send after send()
+    room = new_room()
+    p("sender", "p16", room)
+    assert p("layerwise", "p16", room, src, 0) is True
+    p("layer_done", room, 0)
+    d("receiver", "d16_checksum", p.ports["p16"], room)
+    d("init", room, dst)
+    assert wait_state(p, room, WAITING)[0] == WAITING  # a whole send now: it waits for send()
+    p("layers_finish", room)
+    p("send", room, src, (4, 0.0, 2))
+    st, reason, _ = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", "d16_checksum", dst, seed, src)
+    assert_clean(p, d, dm="d16_checksum")
+    # never registered: the bootstrap timeout fails it and frees it, as any room
+    room = new_room()
+    p("sender", "p16_short", room)
+    assert p("layerwise", "p16_short", room, src, 0) is True
+    p("layers_finish", room)
+    p("send", room, src, (4, 0.0, 2))
+    st, reason, _ = wait_state(p, room, FAILED, timeout=10)
+    assert st == FAILED and "bootstrap timeout" in reason
+    assert_clean(p, d, pm="p16_short")
 
 
 def test_decode_abort_and_an_abandoned_forward_end_a_layerwise_send_cleanly(pair):

@@ -63,7 +63,7 @@ def test_prompts_below_the_layerwise_minimum_send_the_whole_request(tiny_llama_d
         pd.wait_idle()
 
 
-def test_layerwise_off_checksum_and_late_registration_send_the_whole_request(tiny_llama_dir):
+def test_layerwise_off_and_checksum_send_the_whole_request_a_late_registration_goes_layerwise(tiny_llama_dir):
     prompts = make_prompts(3, seed=44, lo=40, hi=90)
     kw = dict(page_size=16, chunked_prefill_size=CHUNK)
     expected = unified_greedy(tiny_llama_dir, prompts, MAX_NEW, **kw)
@@ -88,7 +88,9 @@ def test_layerwise_off_checksum_and_late_registration_send_the_whole_request(tin
         rids = [f"r{i}" for i in range(len(prompts))]
         pd.wait(rids)
         assert [pd.tokens(r) for r in rids] == expected
-        assert _layerwise_count(pd) == 0
+        # the first room went layer-wise once registered (every layer at once: its forward was over); it held
+        # the one layer-wise transfer thread meanwhile, so the other two went whole
+        assert _layerwise_count(pd) == 1
         pd.wait_idle()
 
 

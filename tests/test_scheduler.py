@@ -378,6 +378,8 @@ def test_bad_requests_finish_with_an_abort_message_and_serving_continues():
     sched.submit(GenerateRequest("long", prompt(20, 1), greedy(3)))
     sched.submit(GenerateRequest("empty", [], greedy(3)))
     sched.submit(GenerateRequest("badtok", [1, 2, VOCAB], greedy(3)))
+    sched.submit(GenerateRequest("negtok", [-1, 2, 3], greedy(3)))
+    sched.submit(GenerateRequest("strtok", [1, "2", 3], greedy(3)))  # in-process callers skip the HTTP checks
     sched.submit(GenerateRequest("badtemp", [3, 4], SamplingParams(temperature=-1.0)))
     sched.submit(GenerateRequest("ok", prompt(5, 2), greedy(3)))
     sched.submit(GenerateRequest("ok", prompt(5, 2), greedy(3)))  # duplicate rid while "ok" is open
@@ -386,6 +388,8 @@ def test_bad_requests_finish_with_an_abort_message_and_serving_continues():
         ("long", "context length"),
         ("empty", "empty"),
         ("badtok", "token ids"),
+        ("negtok", "token ids"),
+        ("strtok", "token ids"),
         ("badtemp", "temperature"),
     ]:
         fin = out.final(rid)

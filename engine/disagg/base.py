@@ -385,11 +385,14 @@ class KVSender(ABC):
         layer's K/V as the forward stores them.  The first ``ready_pages`` pages were complete
         before it (earlier chunks, cached prefix) and may go at once; the others go layer by
         layer.  ``send(src_pages, aux)`` with the same pages still follows the forward (the
-        aux record and done signal go after every layer).  False (nothing started, nothing
-        changed) where it cannot apply: not every decode rank registered yet, a checksum was
-        asked for, layer-wise is off, or no transfer thread can be spared; ``send`` then ships
-        the whole request as usual.  Aborts and failures behave as for ``send``; an abandoned
-        ``progress`` (the forward raised) fails the room.
+        aux record and done signal go after every layer).  A room not every decode rank has
+        registered yet starts once the last registration arrives, with every layer stored by then
+        (or, if that registration asks for a checksum, goes whole after ``send``).  False (nothing
+        started, nothing changed) where it cannot apply: a checksum was asked for, layer-wise is
+        off, or no transfer thread can be spared; ``send`` then ships the whole request as usual.
+        Aborts and failures behave as for ``send``; an abandoned ``progress`` (the forward raised)
+        fails the room.  A room whose layers went (at least partly) this way gets a ``layers_first``
+        stamp.
         """
         return False
 

@@ -11,9 +11,10 @@ Life cycle of a room on prefill::
     any failure / abort -> Failed (only once no backend call reads the pages)
 
 Layer-wise (``send_layerwise`` right before the forward of the prompt's last
-chunk, decode registered; docs/pd.md, "Layer-wise transfer")::
+chunk; docs/pd.md, "Layer-wise transfer")::
 
-    send_layerwise(src_pages, ready, progress) --> queued --> transfer thread:
+    send_layerwise(src_pages, ready, progress) --> queued (at once, or once decode's last
+    registration arrives: the thread then starts with every layer stored by then) --> transfer thread:
         Started -> pages [0, ready) of every layer -> for each run of stored layers
         (``LayerProgress.wait``): the other pages of those layers
         -> waits for send(src_pages, aux) -> [per-slot features] -> aux (+ done) -> Success
@@ -177,10 +178,10 @@ class PrefillSender(KVSender):
         with m.lock:
             if (
                 not m.config.layerwise
-                or self._state != KVPoll.WaitingForInput
+                or self._state not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
                 or self._payload is not None
                 or self._layers is not None
-                or any(reg.checksum is not None or reg.pages.size != pages.size for _, reg in self.targets.values())
+                or not self._layerwise_fits_locked(pages.size)
                 or m.layerwise_rooms() >= m.config.transfer_threads - 1
             ):
                 return False
@@ -190,10 +191,21 @@ class PrefillSender(KVSender):
                 return False  # send() fails the room with the reason
             self._layers, self._layer_pages = progress, pages
             self._ready_pages = max(0, min(int(ready_pages), pages.size))
-            self._state = KVPoll.Transferring
-            self._queued = True
-            m.enqueue(self)
+            if self.registered:
+                self._start_layerwise_locked()
+            # else: deferred until decode's last registration (_attach_locked) starts it with every layer
+            # stored by then (docs/pd.md, "Layer-wise transfer")
             return True
+
+    def _layerwise_fits_locked(self, n_pages: int) -> bool:
+        """Whether the registrations so far allow a layer-wise send of ``n_pages`` pages (no checksum: it is
+        computed over the whole KV; decode's page count equal to prefill's)."""
+        return all(reg.checksum is None and reg.pages.size == n_pages for _, reg in self.targets.values())
+
+    def _start_layerwise_locked(self) -> None:
+        self._state = KVPoll.Transferring
+        self._queued = True
+        self._m.enqueue(self)
 
     def abort(self, reason: str = "aborted") -> None:
         with self._m.lock:
@@ -235,6 +247,14 @@ class PrefillSender(KVSender):
         if self._state == KVPoll.Bootstrapping and self.registered:
             self._state = KVPoll.WaitingForInput
             self._m.progressed()
+            if self._layers is not None:  # a deferred layer-wise send (send_layerwise before the registration)
+                assert self._layer_pages is not None
+                if self._layerwise_fits_locked(self._layer_pages.size):
+                    self._start_layerwise_locked()
+                    return
+                # decode asked for a checksum, or other pages: the whole send after the forward, which
+                # send() brings (or brought: its pages were checked against send_layerwise's)
+                self._layers = self._layer_pages = None
             if self._payload is not None:
                 self._enqueue_locked()
 

@@ -54,7 +54,7 @@ from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.mem.radix_cache import create_prefix_cache
 from kvship.engine.sampler import create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch
-from kvship.engine.scheduler.admission import Admission, RequestQueues, check_prompt
+from kvship.engine.scheduler.admission import Admission, RequestQueues, check_prompt, ids_in_vocab
 from kvship.engine.scheduler.decode import DecodeBatcher
 from kvship.engine.scheduler.inbox import Abort, Inbox, Submit
 from kvship.engine.scheduler.kv_budget import KVBudget
@@ -364,7 +364,7 @@ class Scheduler:
         problem = self.role.check(greq)
         if problem is not None:
             return problem
-        if any(not 0 <= int(t) < self.vocab_size for t in greq.input_ids):
+        if not ids_in_vocab(greq.input_ids, self.vocab_size):
             return f"prompt token ids must be in [0, {self.vocab_size})"
         try:
             greq.sampling_params.verify(self.vocab_size)
