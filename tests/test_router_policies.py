@@ -353,7 +353,7 @@ def test_routing_text_covers_chat_completion_and_native_forms():
         rb'{"input_ids": [1, 2, 3], "x": 1.5e-7, "s": "caf\u00e9 \n", "n": null}',
         b'{"x": NaN, "y": -Infinity}',  # orjson refuses these; json.loads takes them
         b'{"big": 123456789012345678901234567890}',  # past 64 bits: orjson would make it a float
-        b'[18446744073709551615, 18446744073709551616, -9223372036854775808, -9223372036854775809]',
+        b"[18446744073709551615, 18446744073709551616, -9223372036854775808, -9223372036854775809]",
         '{"text": "caf\u00e9", "ids": [-9223372036854775809]}',  # str input
         rb'{"s": "\ud800"}',  # a lone surrogate escape
         '{"utf16": "é"}'.encode("utf-16"),  # json.loads detects UTF-16/32
