@@ -52,6 +52,15 @@ layer-wise transfer), add
 traced, non-streamed requests) and ``--backend nixl --prompt-len 512 4096 --variant whole=--no-disaggregation-layerwise``
 to a third.
 
+``--code LABEL=PATH`` runs each backend's PD deployment once more with the kvship code of another checkout (its
+processes import ``kvship`` from PATH: ``git worktree add /tmp/before <commit>``), beside the plain one and
+interleaved with it, so a code change's before/after comes from one run; the tables add each deployment's fixed
+cost, the traced TTFT less its prefill forward (what PD adds around the computation; steadier than PD - unified on
+a busy CPU, where the forwards vary by more than it)::
+
+    git worktree add /tmp/before HEAD~1
+    .venv/bin/python bench/pd_ttft.py --model tiny --prompt-len 128 512 1536 --repeats 10 --code before=/tmp/before
+
 Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables), again
 after every backend, so a run cut off by SIGTERM (it stops its children) keeps the backends it finished.  On GPU the
 unified worker and the two PD workers share the device: each gets ``--max-total-tokens`` (default 2 x the longest
