@@ -211,7 +211,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             body = json.loads(await read_body_limited(request, 64 * 1024))
         except RequestError as e:
             return _error(e.status, e.message, e.code)
-        except ValueError:
+        except (ValueError, RecursionError):
             return _error(400, 'body must be JSON: {"url": ..., "role": ...}', "invalid_json")
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             return _error(400, 'body must be {"url": "http://host:port", "role": ...}', "invalid_request")

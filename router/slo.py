@@ -152,7 +152,7 @@ class RequestMeter:
         tokens = 0
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         for item in obj if isinstance(obj, list) else [obj]:
             if not isinstance(item, dict):

@@ -196,6 +196,8 @@ class RoutingRequest:
             body = fastjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "request body nests JSON too deeply") from None
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object")
         model = body.get("model")

@@ -303,6 +303,8 @@ async def test_token_bucket_gives_back_the_reservation_of_a_cancelled_waiter():
     "route,body,msg",
     [
         ("/v1/chat/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b"[" * 100_000, "too deeply"),
+        ("/generate", b'{"text": ' + b"[" * 3000 + b"]" * 3000 + b"}", "too deeply"),
         ("/v1/chat/completions", b"[1, 2]", "JSON object"),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
         ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
