@@ -84,3 +84,50 @@ async def test_streaming_from_a_real_worker_arrives_incrementally_and_matches_th
     assert "".join(pieces) == full
     assert len(stamps) > 3
     assert stamps[0] < stamps[-1]  # the first chunk came before the request finished
+
+
+# values a client may put in any field: wrong types, out-of-range numbers, NaN, nesting
+_ODD_VALUES = [None, True, 0, -1, 1.5, 2**70, "", "x" * 10, [], [1, 2], [[1], [2]], ["a", 1], {}, {"a": 1},
+               [{"role": "user", "content": "hi"}], [{"role": 5}], [{"content": "hi"}], float("nan"), [True, 1], [-5],
+               [{"role": "user", "content": [1, {"type": "text", "text": 5}]}], {"include_usage": "yes"}]  # fmt: skip
+_ODD_FIELDS = ["model", "messages", "prompt", "stream", "session_id", "input_ids", "text", "stream_options", "n",
+               "max_tokens", "sampling_params", "logprobs", "stop", "return_trace", "bootstrap_room", "kvship_resume",
+               "rid", "temperature", "response_format", "tools"]  # fmt: skip
+
+
+async def test_malformed_bodies_get_4xx_json_errors_never_5xx_and_the_workers_keep_serving(workers):
+    """A seeded sweep of bodies with odd values in known fields (and cut-off JSON) through the router to real
+    workers: every answer is a 2xx, or a 4xx with a JSON error body; afterwards both workers still serve."""
+    import random
+
+    rng = random.Random(19)
+    routes = ["/v1/chat/completions", "/v1/completions", "/generate"]
+    async with running_router(RouterConfig(worker_urls=[w.url for w in workers], max_retries=0)) as (url, _):
+        async with httpx.AsyncClient(timeout=60) as c:
+            for _ in range(240):
+                route = rng.choice(routes)
+                body: dict = {"sampling_params": {"max_new_tokens": 3}} if route == "/generate" else {"max_tokens": 3}
+                if rng.random() < 0.7:
+                    body["model"] = "tiny"
+                body.update(
+                    {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}.get(route, {})
+                    if rng.random() < 0.6
+                    else {}
+                )
+                if rng.random() < 0.6:
+                    body["prompt" if route == "/v1/completions" else "text"] = "hi"
+                for _ in range(rng.randint(0, 4)):
+                    body[rng.choice(_ODD_FIELDS)] = rng.choice(_ODD_VALUES)
+                raw = json.dumps(body)
+                if rng.random() < 0.1:
+                    raw = raw[: rng.randint(0, len(raw))]
+                r = await c.post(url + route, content=raw, headers={"content-type": "application/json"})
+                assert r.status_code < 500, (route, raw, r.status_code, r.text[:300])
+                if r.status_code >= 400:
+                    assert "error" in r.json(), (route, raw, r.text[:300])
+            for route in routes:  # nested past any parser's depth limit
+                r = await c.post(url + route, content=b"[" * 5000, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"], r.text[:300]
+            for w in workers:  # still serving
+                ok = await c.post(w.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+                assert ok.status_code == 200
