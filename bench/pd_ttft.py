@@ -562,7 +562,7 @@ def markdown(res: dict[str, Any]) -> str:
             continue
         for n, r in per.items():
             cells = [ms(r["segments"][k]) if k in r["segments"] else "" for k in names]
-            fixed = ms(r["fixed"]) if r.get("fixed") is not None else ""
+            fixed = _ms_or_blank(ms, r.get("fixed"))
             lines.append(f"| {b} | {n} | {ms(r['traced_ttft'])} | {fixed} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

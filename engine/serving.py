@@ -109,7 +109,7 @@ async def encode_text(engine: Engine, text: str, param: str, add_special_tokens:
 
 def check_token_ids(engine: Engine, ids: Sequence[int], param: str) -> None:
     vocab = engine.vocab_size
-    if ids_in_vocab(ids, vocab):  # C-level passes: the common case costs no Python loop
+    if ids_in_vocab(ids, vocab):  # the per-id loop below only names the first bad id
         return
     for t in ids:
         if not 0 <= t < vocab:

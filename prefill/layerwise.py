@@ -3,12 +3,12 @@ transfer").
 
 ``start()`` runs once the batch's KV slots are allocated, right before the model: every request whose last chunk
 computes in this batch starts its transfer layer-wise (``KVSender.send_layerwise``, one ``LayerProgress`` for the
-batch; a room decode registers later starts then, with every layer stored by that time) and moves from the role's ``ComputingQueue``
-to its ``InflightQueue`` at once, since from then on the transfer layer reads its pages: an abort there waits for
-the sender's terminal state before the slots are freed.  The pages before the chunk's first token (earlier
-chunks, cached prefix) are complete and go first.  ``end(ok)`` tells the progress that the model returned or
-raised; after a raise the scheduler fails the batch and the role's ``abort`` takes these requests out of the
-compute queues (their KV is incomplete: freed, not cached).
+batch; a room decode registers later starts then, with every layer stored by that time) and moves from the role's
+``ComputingQueue`` to its ``InflightQueue`` at once, since from then on the transfer layer reads its pages: an
+abort there waits for the sender's terminal state before the slots are freed.  The pages before the chunk's first
+token (earlier chunks, cached prefix) are complete and go first.  ``end(ok)`` tells the progress that the model
+returned or raised; after a raise the scheduler fails the batch and the role's ``abort`` takes these requests out
+of the compute queues (their KV is incomplete: freed, not cached).
 """
 
 from __future__ import annotations

@@ -548,6 +548,18 @@ def until(peer, *cmd, timeout: float = 20.0) -> bool:
     return True
 
 
+def send_and_land(p, d, room, src, dst, aux, pm="p16", dm="d16"):
+    """``send()`` the room's first token; both sides end in Success, decode holds prefill's pages and nothing
+    is left over.  Returns decode's aux record."""
+    p("send", room, src, aux)
+    st, reason, got = d("wait", room, 30)
+    assert st == SUCCESS, reason
+    assert p("wait", room, 10)[0] == SUCCESS
+    assert d("pages_match", dm, dst, PREFILL_MANAGERS[pm][2], src)
+    assert_clean(p, d, pm, dm)
+    return got
+
+
 def layerwise_room(p, d, src, dst, pm="p16", dm="d16"):
     room = new_room()
     d("receiver", dm, p.ports[pm], room)
@@ -599,12 +611,7 @@ def test_layerwise_send_in_groups_writes_a_group_once_its_last_layer_is_stored(p
     assert until(d, "buffers_match", "d16", dst, seed, src, LAYER_BUFFERS[0] + LAYER_BUFFERS[1])
     assert d("buffers_zero", "d16", dst, LAYER_BUFFERS[2])
     p("layers_finish", room)
-    p("send", room, src, (7, -0.5, 3))
-    st, reason, _ = d("wait", room, 30)
-    assert st == SUCCESS, reason
-    assert p("wait", room, 10)[0] == SUCCESS
-    assert d("pages_match", "d16", dst, seed, src)
-    assert_clean(p, d)
+    send_and_land(p, d, room, src, dst, (7, -0.5, 3), pm="p16_grouped")
 
 
 def test_layerwise_falls_back_where_it_cannot_apply(pair):
@@ -647,13 +654,7 @@ def test_a_room_registered_after_the_forward_started_goes_layer_wise_from_then(p
     assert until(d, "buffers_match", "d16", dst, seed, src, LAYER_BUFFERS[0] + LAYER_BUFFERS[1])
     assert d("buffers_zero", "d16", dst, LAYER_BUFFERS[2])
     p("layers_finish", room)
-    p("send", room, src, (9, -0.25, 5))
-    st, reason, aux = d("wait", room, 30)
-    assert st == SUCCESS, reason
-    assert aux == (9, -0.25, 5, room)
-    assert p("wait", room, 10)[0] == SUCCESS
-    assert d("pages_match", "d16", dst, seed, src)
-    assert_clean(p, d)
+    assert send_and_land(p, d, room, src, dst, (9, -0.25, 5)) == (9, -0.25, 5, room)
     # registered only after the forward and send(): everything goes at the registration
     d("zero", "d16")
     room = new_room()
@@ -677,12 +678,7 @@ def test_a_room_registered_after_the_forward_started_goes_layer_wise_from_then(p
     d("init", room, dst)
     assert wait_state(p, room, WAITING)[0] == WAITING  # a whole send now: it waits for send()
     p("layers_finish", room)
-    p("send", room, src, (4, 0.0, 2))
-    st, reason, _ = d("wait", room, 30)
-    assert st == SUCCESS, reason
-    assert p("wait", room, 10)[0] == SUCCESS
-    assert d("pages_match", "d16_checksum", dst, seed, src)
-    assert_clean(p, d, dm="d16_checksum")
+    send_and_land(p, d, room, src, dst, (4, 0.0, 2), dm="d16_checksum")
     # never registered: the bootstrap timeout fails it and frees it, as any room
     room = new_room()
     p("sender", "p16_short", room)
