@@ -676,6 +676,141 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
     return top
 
 
+def graph_replay_ms(runner: Any, bs: int, input_len: int, replays: int = 64) -> float:
+    """Milliseconds per decode graph replay, ``replays`` back to back with no host work between them:
+    the device's own step time, the floor a scheduler loop can reach."""
+    drv = DecodeDriver(runner, bs)
+    ids = drv.prefill(input_len, torch.Generator().manual_seed(0))
+    ids = drv.decode_step(ids)  # fills the graph's input buffers with a real step
+    torch.cuda.synchronize()
+    graph = runner.cuda_graph_runner.graphs[runner.cuda_graph_runner.padded_size(bs)]
+    per = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) / replays)
+    drv.free()
+    per.sort()
+    return per[len(per) // 2]
+
+
+# the scheduler's phases, labelled in the host trace of ``sched_gap_profile``
+_SCHED_PHASES = ("recv", "schedule", "launch", "sample", "process", "flush", "end_step")
+
+
+def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> dict[str, Any]:
+    """Where the overlapped scheduler loop leaves the GPU idle at batch ``bs``: ``steps`` decode steps
+    of the real ``Scheduler`` (overlap on) under the profiler, host and device.  Reports the device's idle
+    time per step (gaps between its kernels and copies, merged), the largest gaps with the scheduler phase
+    and the CUDA runtime calls the host was in when each began, and the host's blocking calls
+    (synchronizes, allocations) in the window."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.scheduler import Scheduler
+
+    sa = dataclasses.replace(
+        runner.server_args, disable_overlap_schedule=False, disable_radix_cache=True, chunked_prefill_size=16384
+    )
+    sched = Scheduler(sa, runner, None, lambda chunks: None)
+    for name in _SCHED_PHASES:  # label each phase in the trace (this bench's instance only)
+        fn = getattr(sched, name)
+
+        def labelled(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            with record_function("sched." + _name):
+                return _fn(*a, **k)
+
+        setattr(sched, name, labelled)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    gen = torch.Generator().manual_seed(bs)
+    vocab = runner.model_config.vocab_size
+    for i in range(bs):
+        ids = torch.randint(3, vocab, (input_len,), generator=gen).tolist()
+        sp = SamplingParams(temperature=0.0, max_new_tokens=steps + 24, ignore_eos=True)
+        sched.submit(GenerateRequest(f"gap{bs}-{i}", ids, sp))
+    while sched.waiting or sched.chunked_req is not None or not sched.inbox.empty():
+        sched.step()
+    for _ in range(6):
+        sched.step()
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            sched.step()
+        sync()
+    wall = time.perf_counter() - t0
+    while sched.has_work():
+        sched.step()
+    cuda_type = torch.autograd.DeviceType.CUDA
+    dev, host = [], []
+    for ev in prof.events():
+        tr = getattr(ev, "time_range", None)
+        if tr is None or not ev.key:
+            continue
+        (dev if getattr(ev, "device_type", None) == cuda_type else host).append((tr.start, tr.end, ev.key))
+    dev.sort()
+    gaps = []
+    end = dev[0][1] if dev else 0.0
+    for s, e, name in dev[1:]:
+        if s > end:
+            gaps.append((s - end, end, s, name))
+        end = max(end, e)
+    span = (end - dev[0][0]) if dev else 0.0
+    idle = sum(g[0] for g in gaps)
+
+    def host_at(t: float) -> list[str]:
+        """Host events in flight at ``t``: the innermost scheduler phase and any CUDA runtime call."""
+        live = [(s, e, n) for s, e, n in host if s <= t <= e]
+        phases = sorted((x for x in live if x[2].startswith("sched.")), key=lambda x: -x[0])[:1]
+        calls = [x for x in live if x[2].startswith("cuda")]
+        return [n for _, _, n in phases] + [f"{n} ({e - s:.0f} us)" for s, e, n in calls]
+
+    big = sorted(gaps, reverse=True)[:12]
+    blocking: dict[str, dict[str, float]] = {}
+    for s, e, n in host:
+        if (
+            n.startswith(
+                (
+                    "cudaStreamSynchronize",
+                    "cudaEventSynchronize",
+                    "cudaDeviceSynchronize",
+                    "cudaHostAlloc",
+                    "cudaMalloc",
+                    "cudaMemcpy ",
+                    "cudaFree",
+                    "cudaGraphLaunch",
+                )
+            )
+            or n == "cudaMemcpy"
+        ):
+            d = blocking.setdefault(n, {"calls": 0, "us": 0.0})
+            d["calls"] += 1
+            d["us"] += e - s
+    phases: dict[str, float] = {}
+    for s, e, n in host:
+        if n.startswith("sched."):
+            phases[n] = phases.get(n, 0.0) + (e - s) / steps
+    return {
+        "batch": bs,
+        "steps": steps,
+        "step_ms_under_profiler": wall / steps * 1e3,
+        "device_span_us_per_step": span / steps,
+        "device_idle_us_per_step": idle / steps,
+        "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "largest_gaps": [
+            {"us": g[0], "next": g[3][:60], "host_at_start": host_at(g[1]), "host_at_end": host_at(g[2])} for g in big
+        ],
+        "host_calls": blocking,
+        "host_phase_us_per_step": phases,
+    }
+
+
 def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
     """The kernels of one profiled step in launch order, each with its duration and the idle gap before it
     (GPU time between the previous kernel's end and its start): where the step loses time to bubbles."""
@@ -1184,6 +1319,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-bs", default="1,64", help="batch sizes to profile (empty: none)")
     ap.add_argument("--host-profile-bs", default="", help="batch sizes whose eager steps run under cProfile")
     ap.add_argument(
+        "--gap-profile-bs",
+        default="",
+        help="batch sizes whose overlapped scheduler steps run under the host+device profiler (where the GPU "
+        "idles between steps), with the pure graph-replay step time beside them",
+    )
+    ap.add_argument(
         "--prefill-graph-max-tokens",
         type=int,
         default=2048,
@@ -1335,6 +1476,27 @@ def single_gpu_main(args: argparse.Namespace) -> int:
         save()
     run_modes(runner, modes)
     profile_runner(runner, "")
+    for bs in [int(x) for x in args.gap_profile_bs.split(",") if x]:
+        try:
+            gp = sched_gap_profile(runner, bs, args.input_len)
+            gp["graph_replay_ms"] = graph_replay_ms(runner, bs, args.input_len)
+            res.setdefault("gap_profile", []).append(gp)
+            print(
+                f"gap profile bs {bs}: graph replay alone {gp['graph_replay_ms']:.3f} ms/step; scheduler under the "
+                f"profiler {gp['step_ms_under_profiler']:.3f} ms/step, device span {gp['device_span_us_per_step']:.0f} "
+                f"us/step, idle {gp['device_idle_us_per_step']:.0f} us/step ({gp['gaps_over_20us']} gaps > 20 us)"
+            )
+            for g in gp["largest_gaps"]:
+                print(f"    gap {g['us']:7.1f} us before {g['next']}: host {g['host_at_start']} -> {g['host_at_end']}")
+            print("    host calls:", json.dumps(gp["host_calls"]))
+            print(
+                "    host phases us/step:",
+                json.dumps({k: round(v, 1) for k, v in gp["host_phase_us_per_step"].items()}),
+            )
+        except Exception as e:  # noqa: BLE001
+            logger.exception("gap profile bs %d failed", bs)
+            res.setdefault("errors", []).append(f"gap profile bs{bs}: {e!r}")
+        save()
     for bs in [int(x) for x in args.host_profile_bs.split(",") if x]:
         try:
             hp = host_profile(runner, bs, args.input_len)
