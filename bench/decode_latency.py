@@ -811,6 +811,104 @@ def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> 
     }
 
 
+def sched_step_events(runner: Any, bs: int, input_len: int, steps: int = 64) -> dict[str, Any]:
+    """The overlapped scheduler's decode steps at ``bs`` timed without a profiler: CUDA events at each
+    launch's entry and around its graph replay, host clocks around the phases.  Per step (medians): the
+    graph's device time, the device time from one graph's end to the next launch's first op (the previous
+    step's sampler and copies, plus any idle wait for the host), from that op to the graph's start (the
+    step's input ops), and the host's time in the graph launch call and in each phase."""
+    import dataclasses
+
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.scheduler import Scheduler
+
+    sa = dataclasses.replace(
+        runner.server_args, disable_overlap_schedule=False, disable_radix_cache=True, chunked_prefill_size=16384
+    )
+    sched = Scheduler(sa, runner, None, lambda chunks: None)
+    cgr = runner.cuda_graph_runner
+    graph = cgr.graphs[cgr.padded_size(bs)]
+    log: list[tuple[str, Any, float]] = []  # (what, event, host clock)
+    on = [False]
+    real_replay = graph.replay
+
+    def replay() -> None:
+        if not on[0]:
+            return real_replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t = time.perf_counter()
+        real_replay()
+        log.append(("launch_call", None, time.perf_counter() - t))
+        b.record()
+        log.append(("graph_start", a, 0.0))
+        log.append(("graph_end", b, 0.0))
+
+    graph.replay = replay
+    host: dict[str, list[float]] = {}
+    for name in _SCHED_PHASES:
+        fn = getattr(sched, name)
+
+        def timed(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            if _name == "launch" and on[0]:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                log.append(("launch_entry", e, 0.0))
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                if on[0]:
+                    host.setdefault(_name, []).append(time.perf_counter() - t)
+
+        setattr(sched, name, timed)
+    gen = torch.Generator().manual_seed(bs)
+    vocab = runner.model_config.vocab_size
+    for i in range(bs):
+        ids = torch.randint(3, vocab, (input_len,), generator=gen).tolist()
+        sp = SamplingParams(temperature=0.0, max_new_tokens=steps + 24, ignore_eos=True)
+        sched.submit(GenerateRequest(f"ev{bs}-{i}", ids, sp))
+    while sched.waiting or sched.chunked_req is not None or not sched.inbox.empty():
+        sched.step()
+    for _ in range(6):
+        sched.step()
+    torch.cuda.synchronize()
+    on[0] = True
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    on[0] = False
+    del graph.replay
+    while sched.has_work():
+        sched.step()
+    entries = [e for w, e, _ in log if w == "launch_entry"]
+    starts = [e for w, e, _ in log if w == "graph_start"]
+    ends = [e for w, e, _ in log if w == "graph_end"]
+    n = min(len(entries), len(starts), len(ends))
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    graph_ms = [starts[i].elapsed_time(ends[i]) for i in range(n)]
+    inputs_ms = [entries[i].elapsed_time(starts[i]) for i in range(n)]
+    between_ms = [ends[i - 1].elapsed_time(entries[i]) for i in range(1, n)]
+    period_ms = [starts[i - 1].elapsed_time(starts[i]) for i in range(1, n)]
+    return {
+        "batch": bs,
+        "steps": n,
+        "step_ms": wall / steps * 1e3,
+        "graph_ms": med(graph_ms),
+        "step_inputs_ms": med(inputs_ms),
+        "graph_end_to_next_launch_ms": med(between_ms),
+        "graph_period_ms": med(period_ms),
+        "launch_call_ms": med([x * 1e3 for w, _, x in log if w == "launch_call"]),
+        "host_phase_ms": {k: med(v) * 1e3 for k, v in host.items()},
+    }
+
+
 def kernel_timeline(prof: Any, steps: int) -> Optional[dict[str, Any]]:
     """The kernels of one profiled step in launch order, each with its duration and the idle gap before it
     (GPU time between the previous kernel's end and its start): where the step loses time to bubbles."""
@@ -1480,6 +1578,13 @@ def single_gpu_main(args: argparse.Namespace) -> int:
         try:
             gp = sched_gap_profile(runner, bs, args.input_len)
             gp["graph_replay_ms"] = graph_replay_ms(runner, bs, args.input_len)
+            gp["step_events"] = ev = sched_step_events(runner, bs, args.input_len)
+            print(
+                f"step events bs {bs}: {ev['step_ms']:.3f} ms/step; graph {ev['graph_ms']:.3f} ms, inputs before it "
+                f"{ev['step_inputs_ms']:.3f} ms, graph end -> next launch {ev['graph_end_to_next_launch_ms']:.3f} ms, "
+                f"graph start period {ev['graph_period_ms']:.3f} ms; host: graph launch call {ev['launch_call_ms']:.3f} "
+                f"ms, phases {json.dumps({k: round(v, 3) for k, v in ev['host_phase_ms'].items()})}"
+            )
             res.setdefault("gap_profile", []).append(gp)
             print(
                 f"gap profile bs {bs}: graph replay alone {gp['graph_replay_ms']:.3f} ms/step; scheduler under the "
