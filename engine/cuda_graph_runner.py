@@ -72,11 +72,14 @@ class CudaGraphRunner:
         self.fill_seq_len = int(self.attn_backend.get_cuda_graph_seq_len_fill_value())
 
         dev, n = self.device, self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((n,), self.fill_seq_len, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        # the static inputs, rows of one buffer: the batch's packed ``decode_inputs`` land in one copy
+        self.static_inputs = torch.zeros((5, n), dtype=torch.int64, device=dev)
+        self.input_ids = self.static_inputs[0]
+        self.positions = self.static_inputs[1]
+        self.req_pool_indices = self.static_inputs[2]
+        self.seq_lens = self.static_inputs[3]
+        self.seq_lens.fill_(self.fill_seq_len)
+        self.out_cache_loc = self.static_inputs[4]
         self.attn_backend.init_cuda_graph_state(n, n)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -162,10 +165,13 @@ class CudaGraphRunner:
             self.seq_lens[bs:gbs].fill_(self.fill_seq_len)
             self.out_cache_loc[bs:gbs].zero_()
         self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(fb.positions, non_blocking=True)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
-        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        if fb.decode_inputs is not None:  # positions, rows, lengths, slots: one copy
+            self.static_inputs[1:, :bs].copy_(fb.decode_inputs, non_blocking=True)
+        else:
+            self.positions[:bs].copy_(fb.positions, non_blocking=True)
+            self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
+            self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
+            self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
         seq_cpu = list(fb.seq_lens_cpu) + [self.fill_seq_len] * (gbs - bs)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             gbs,

@@ -59,6 +59,9 @@ class ForwardBatch:
     req_to_token_pool: "ReqToTokenPool"
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
+    # decode: positions, req_pool_indices, seq_lens and out_cache_loc as the rows of one [4, bs] int64 tensor
+    # (those fields are its rows), so a CUDA graph's inputs take one copy; None where they lie apart
+    decode_inputs: Optional[torch.Tensor] = None
     # extend-only
     extend_seq_lens: Optional[torch.Tensor] = None  # [bs] int64
     extend_prefix_lens: Optional[torch.Tensor] = None  # [bs] int64

@@ -21,7 +21,11 @@ Contract:
 * Decode inputs go to the device in one non-blocking copy from pinned
   memory, and so do the sampling tensors, unless a request samples from a
   seeded per-request generator or uses penalties (``reads_host_tokens``),
-  whose tensors are built on the device directly.
+  whose tensors are built on the device directly.  An all-greedy batch's
+  sampling tensors stay on the host: its sampler reads only the logits.
+  The decode inputs reach a CUDA graph's buffers in one copy
+  (``ForwardBatch.decode_inputs``), and a chained step whose rows are
+  ``after``'s in order takes ``after.next_ids`` as its input ids as they are.
 * Constrained requests (structured output) get their grammar's mask applied
   to the logits before sampling (``kvship.engine.grammar.mask``), after the
   forward is queued, so the host fills masks while the device computes.  In
@@ -250,6 +254,8 @@ class Launcher:
         if any(reads_host_tokens(r) for r in reqs):
             return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
         info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, "cpu")
+        if info.is_all_greedy:
+            return info  # the sampler reads only the logits of an all-greedy batch: no tensor to copy
         for f in fields(info):
             v = getattr(info, f.name)
             if isinstance(v, torch.Tensor):
@@ -280,8 +286,11 @@ class Launcher:
         d = self._to_device(host)
         positions, rows_d, seq_d = d[0:n], d[n : 2 * n], d[2 * n : 3 * n]
         loc_d, src_d, hid_d = d[3 * n : 4 * n], d[4 * n : 5 * n], d[5 * n :]
-        ids_pool = hid_d if prev_ids is None else torch.cat([prev_ids, hid_d])
-        input_ids = ids_pool.index_select(0, src_d)
+        if prev_ids is not None and not host_ids and src == list(range(n_prev)):
+            input_ids = prev_ids  # the steady chained step: ``after``'s rows in order, nothing to gather
+        else:
+            ids_pool = hid_d if prev_ids is None else torch.cat([prev_ids, hid_d])
+            input_ids = ids_pool.index_select(0, src_d)
         table = runner.req_to_token_pool.req_to_token
         table[rows_d, positions] = loc_d.to(table.dtype)
         return ForwardBatch(
@@ -293,6 +302,7 @@ class Launcher:
             seq_lens=seq_d,
             seq_lens_cpu=list(batch.seq_lens),
             out_cache_loc=loc_d,
+            decode_inputs=d[: 4 * n].view(4, n),
             req_to_token_pool=runner.req_to_token_pool,
             kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
