@@ -151,3 +151,24 @@ def test_overlapped_scheduler_decodes_the_same_greedy_tokens_and_frees_every_slo
             assert finish == {"type": "length", "length": r.sampling_params.max_new_tokens}, r.rid
     assert n_stopped >= (len(reqs) + 1) // 2
     assert_free(st_sched)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_graph_decode_through_the_scheduler_equals_eager(runner, bs):
+    """The launcher's packed decode inputs (one copy into the graph's buffers) and the chained step's input
+    ids taken as they are give eager decoding's tokens; at captured sizes both run the same kernels."""
+    reqs = requests(runner, bs)
+    graphs = runner.cuda_graph_runner
+    assert graphs is not None and bs in graphs.batch_sizes
+    runner.cuda_graph_runner = None
+    try:
+        eager, e_sched = serve(runner, reqs, overlap=False)
+    finally:
+        runner.cuda_graph_runner = graphs
+    replays = graphs.replays
+    over, o_sched = serve(runner, reqs, overlap=True)
+    assert graphs.replays - replays >= STEPS - 1
+    for r in reqs:
+        assert over[r.rid]["tokens"] == eager[r.rid]["tokens"], r.rid
+    assert_free(e_sched)
+    assert_free(o_sched)
