@@ -746,23 +746,3 @@ def test_peer_death_during_a_layerwise_send_frees_everything(pair):
     p("send", room, src, (1, 0.0, 48))
     assert d("wait", room, 30)[0] == SUCCESS
     assert_clean(p, d)
-
-
-@pytest.mark.parametrize("layers", [1, 2, 3, 5, 28, 32, 48, 61])
-@pytest.mark.parametrize("writes", [0, 1, 2, 3, 4, 8, 64])
-def test_layer_groups_cover_every_layer_once_and_leave_the_last_layer_alone(layers, writes):
-    """A layer-wise send's write plan: ``writes`` groups in layer order covering every layer once (one per layer
-    for 0 or ``writes >= layers``), the last layer alone after any multi-layer group, the others near-equal."""
-    from kvship.engine.disagg.room_writes import layer_group_ends
-
-    ends = layer_group_ends(layers, writes)
-    assert ends[-1] == layers and ends == sorted(set(ends)) and ends[0] >= 1
-    if writes <= 0 or writes >= layers:
-        assert ends == list(range(1, layers + 1))
-        return
-    assert len(ends) == writes
-    if writes >= 2:
-        assert ends[-1] - ends[-2] == 1
-        sizes = [b - a for a, b in zip([0] + ends[:-2], ends[:-1])]
-        assert max(sizes) - min(sizes) <= 1
-    assert layer_group_ends(32, 4) == [10, 20, 31, 32]

@@ -38,20 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def layer_group_ends(num_layers: int, writes: int) -> list[int]:
-    """The exclusive layer ends of a layer-wise send's ``writes`` writes (0, or ``num_layers`` or more: one
-    per layer).  The last layer goes alone and the others in ``writes - 1`` near-equal groups: what is left to
-    write once the forward ends is one layer's pages, and each earlier group has the next layers' compute
-    time to land in (docs/pd.md, "Layer-wise transfer")."""
-    if writes <= 0 or writes >= num_layers:
-        return list(range(1, num_layers + 1))
-    if writes == 1:
-        return [num_layers]
-    head = num_layers - 1
-    groups = writes - 1
-    return [head * (g + 1) // groups for g in range(groups)] + [num_layers]
-
-
 class RoomWriter:
     """The write sequences of one prefill rank's rooms (see the module docstring).
 
@@ -72,8 +58,9 @@ class RoomWriter:
         layerwise_writes: int = 0,
     ):
         self.layout = layout
-        # the exclusive layer ends of a layer-wise send's writes (``layer_group_ends``)
-        self.group_ends = layer_group_ends(layout.num_layers, layerwise_writes)
+        # a layer-wise send writes groups of this many layers (the last may be shorter); 1: each stored layer
+        n = layout.num_layers
+        self.layer_group = -(-n // layerwise_writes) if 0 < layerwise_writes < n else 1
         self.backend = backend
         self.buffers = list(buffers)
         self.region_sizes = list(region_sizes)
@@ -159,12 +146,10 @@ class RoomWriter:
                 return error
             plans.append((peer, self.kv_descs(peer, pages[ready:], reg.pages[ready:])))
         written = 0
-        for group_end in self.group_ends:
-            if written >= group_end:
-                continue
+        while written < num_layers:
             # wait for a whole group: each write is a transfer call on this thread, and fewer of them during
             # the forward leave its thread the interpreter more often (docs/pd.md, "Layer-wise transfer")
-            end = progress.wait(group_end - 1, cancelled)
+            end = progress.wait(min(written + self.layer_group, num_layers) - 1, cancelled)
             if cancelled():
                 return None
             if end == 0:
