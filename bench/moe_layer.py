@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_latency import copy_bandwidth, cuda_time, environment, graph_time  # noqa: E402
 
+from kvship.engine.layers.moe.kernel_config import get_config  # noqa: E402
 from kvship.engine.layers.moe.runner import get_moe_runner  # noqa: E402
 from kvship.engine.layers.moe.topk import select_experts  # noqa: E402
 from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
@@ -83,6 +84,16 @@ def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     copies = len(weights)
     t_triton = graph_time(lambda i: fused_experts(x, *weights[i % copies], topk_w, ids), calls=2 * copies)
+    t_one_dot = None
+    if args.one_dot:  # the gate/up GEMM as one interleaved MMA, same tiles (the aligned path only)
+        cfg = get_config(m, e, inter, k, x.dtype, torch.cuda.get_device_name())
+        if "gemv" not in cfg:
+            cfg = {**cfg, "one_dot": True}
+            out1 = fused_experts(x, w13_0, w2_0, topk_w, ids, config=cfg)
+            assert ((out1.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+            t_one_dot = graph_time(
+                lambda i: fused_experts(x, *weights[i % copies], topk_w, ids, config=cfg), calls=2 * copies
+            )
     t_loop = None
     if m <= loop_max_m:
         runner = get_moe_runner("torch")
@@ -94,6 +105,7 @@ def bench_m(m: int, args, weights: list, loop_max_m: int) -> dict[str, Any]:
         "active_experts": active,
         "rel_err_vs_loop": rel,
         "triton_us": t_triton * 1e6,
+        "one_dot_us": None if t_one_dot is None else t_one_dot * 1e6,
         "loop_us": None if t_loop is None else t_loop * 1e6,
         "speedup": None if t_loop is None else t_loop / t_triton,
         "triton_bytes_per_s": nbytes / t_triton,
@@ -319,6 +331,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--write-table", action="store_true", help="with --gemv-sweep: merge the winners into this GPU's config table"
+    )
+    ap.add_argument(
+        "--one-dot", action="store_true", help="also time the gate/up GEMM as one interleaved MMA (one_dot config)"
     )
     ap.add_argument("--profile", type=int, nargs="*", default=None, help="token counts: per-kernel GPU time only")
     args = ap.parse_args()

@@ -235,3 +235,22 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
     del graph_runner, eager_runner
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("m,e,k,inter", [(5, 8, 2, 96), (33, 16, 4, 80), (64, 6, 3, 64)])
+def test_one_dot_gate_up_equals_the_two_dot_kernel(m, e, k, inter):
+    """``one_dot`` (gate and up rows interleaved in one weight tile, one MMA a step, split after) gives the
+    two-accumulator kernel's output, also where ``inter`` is not a whole number of N tiles."""
+    from kvship.engine.layers.moe.kernel_config import default_config
+    from kvship.engine.layers.moe.triton_moe import fused_experts
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x, w13, w2, weights, ids = _problem(m, e, k, 128, inter, dtype, dev, seed=m + e)
+    cfg = dict(default_config(m, e, k), BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
+    cfg.pop("gemv", None)
+    want = fused_experts(x, w13, w2, weights, ids, config=cfg)
+    got = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, one_dot=True))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(got, want) < tol and _rel(got, _reference(x, w13, w2, weights, ids)) < tol

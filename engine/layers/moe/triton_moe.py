@@ -76,6 +76,7 @@ def _gate_up_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
@@ -92,20 +93,38 @@ def _gate_up_kernel(
     mask_n = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + inter_size * stride_wn
-    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
-        mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_SIZE_K
-        g_ptrs += BLOCK_SIZE_K
-        u_ptrs += BLOCK_SIZE_K
+    if ONE_DOT:
+        # one [BLOCK_K, 2 * BLOCK_N] weight tile, gate and up rows interleaved (even columns gate, odd up):
+        # one MMA of twice the width per step instead of two that each read the activation tile
+        offs_j = tl.arange(0, 2 * BLOCK_SIZE_N)
+        col = pid_n * BLOCK_SIZE_N + offs_j // 2
+        mask_j = col < inter_size
+        w_row = (col + (offs_j % 2) * inter_size).to(tl.int64)
+        b_ptrs = w_ptr + expert * stride_we + w_row[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
+            mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_SIZE_K
+            b_ptrs += BLOCK_SIZE_K
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_SIZE_M, BLOCK_SIZE_N, 2)))
+    else:
+        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + inter_size * stride_wn
+        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
+            mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_SIZE_K
+            g_ptrs += BLOCK_SIZE_K
+            u_ptrs += BLOCK_SIZE_K
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -599,7 +618,8 @@ def fused_experts(
     _gate_up_kernel[(triton.cdiv(padded, bm) * triton.cdiv(inter, bn),)](
         x, w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, ONE_DOT=bool(cfg.get("one_dot")),
+        **launch,
     )  # fmt: skip
     out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
