@@ -4,7 +4,8 @@ A config is ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
 "GROUP_SIZE_M", "num_warps", "num_stages"}`` for both GEMMs, plus an
 optional ``"down"`` dict overriding ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``,
 ``num_warps`` and ``num_stages`` for the down GEMM (``BLOCK_SIZE_M`` is
-shared: the aligned blocks are).  Tuned tables live in
+shared: the aligned blocks are) and an optional ``"one_dot": true`` (the gate/up GEMM as one MMA over
+interleaved gate and up weight rows, ``triton_moe._gate_up_kernel``).  Tuned tables live in
 ``configs/`` as JSON files named by ``config_file_name`` (experts, expert
 width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
 as ``_``), each mapping a token count ``M`` (as a string) to a config; a
@@ -59,6 +60,8 @@ def _parse(cfg: dict) -> dict:
     out: dict = {k: int(cfg[k]) for k in KEYS}
     if "down" in cfg:
         out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
+    if cfg.get("one_dot"):  # the gate/up GEMM as one interleaved MMA (triton_moe._gate_up_kernel)
+        out["one_dot"] = True
     return out
 
 
