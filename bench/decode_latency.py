@@ -717,15 +717,10 @@ def graph_replay_ms(runner: Any, bs: int, input_len: int, replays: int = 64) -> 
 _SCHED_PHASES = ("recv", "schedule", "launch", "sample", "process", "flush", "end_step")
 
 
-def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> dict[str, Any]:
-    """Where the overlapped scheduler loop leaves the GPU idle at batch ``bs``: ``steps`` decode steps
-    of the real ``Scheduler`` (overlap on) under the profiler, host and device.  Reports the device's idle
-    time per step (gaps between its kernels and copies, merged), the largest gaps with the scheduler phase
-    and the CUDA runtime calls the host was in when each began, and the host's blocking calls
-    (synchronizes, allocations) in the window."""
+def _decoding_scheduler(runner: Any, bs: int, input_len: int, max_new: int, tag: str, wrap: Callable) -> Any:
+    """A ``Scheduler`` (overlap on) whose phases (``_SCHED_PHASES``) are wrapped by ``wrap(name, fn)``, with
+    ``bs`` greedy requests of ``input_len`` random ids admitted, prefilled and 6 decode steps in."""
     import dataclasses
-
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
     from kvship.engine.scheduler import Scheduler
@@ -734,25 +729,38 @@ def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> 
         runner.server_args, disable_overlap_schedule=False, disable_radix_cache=True, chunked_prefill_size=16384
     )
     sched = Scheduler(sa, runner, None, lambda chunks: None)
-    for name in _SCHED_PHASES:  # label each phase in the trace (this bench's instance only)
-        fn = getattr(sched, name)
-
-        def labelled(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
-            with record_function("sched." + _name):
-                return _fn(*a, **k)
-
-        setattr(sched, name, labelled)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for name in _SCHED_PHASES:  # this bench's instance only
+        setattr(sched, name, wrap(name, getattr(sched, name)))
     gen = torch.Generator().manual_seed(bs)
     vocab = runner.model_config.vocab_size
     for i in range(bs):
         ids = torch.randint(3, vocab, (input_len,), generator=gen).tolist()
-        sp = SamplingParams(temperature=0.0, max_new_tokens=steps + 24, ignore_eos=True)
-        sched.submit(GenerateRequest(f"gap{bs}-{i}", ids, sp))
+        sp = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+        sched.submit(GenerateRequest(f"{tag}{bs}-{i}", ids, sp))
     while sched.waiting or sched.chunked_req is not None or not sched.inbox.empty():
         sched.step()
     for _ in range(6):
         sched.step()
+    return sched
+
+
+def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> dict[str, Any]:
+    """Where the overlapped scheduler loop leaves the GPU idle at batch ``bs``: ``steps`` decode steps
+    of the real ``Scheduler`` (overlap on) under the profiler, host and device.  Reports the device's idle
+    time per step (gaps between its kernels and copies, merged), the largest gaps with the scheduler phase
+    and the CUDA runtime calls the host was in when each began, and the host's blocking calls
+    (synchronizes, allocations) in the window."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(name: str, fn: Callable) -> Callable:
+        def call(*a: Any, **k: Any) -> Any:
+            with record_function("sched." + name):
+                return fn(*a, **k)
+
+        return call
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "gap", labelled)
     sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -832,15 +840,6 @@ def sched_step_events(runner: Any, bs: int, input_len: int, steps: int = 64) -> 
     graph's device time, the device time from one graph's end to the next launch's first op (the previous
     step's sampler and copies, plus any idle wait for the host), from that op to the graph's start (the
     step's input ops), and the host's time in the graph launch call and in each phase."""
-    import dataclasses
-
-    from kvship.engine.io_struct import GenerateRequest, SamplingParams
-    from kvship.engine.scheduler import Scheduler
-
-    sa = dataclasses.replace(
-        runner.server_args, disable_overlap_schedule=False, disable_radix_cache=True, chunked_prefill_size=16384
-    )
-    sched = Scheduler(sa, runner, None, lambda chunks: None)
     cgr = runner.cuda_graph_runner
     graph = cgr.graphs[cgr.padded_size(bs)]
     log: list[tuple[str, Any, float]] = []  # (what, event, host clock)
@@ -861,32 +860,23 @@ def sched_step_events(runner: Any, bs: int, input_len: int, steps: int = 64) -> 
 
     graph.replay = replay
     host: dict[str, list[float]] = {}
-    for name in _SCHED_PHASES:
-        fn = getattr(sched, name)
 
-        def timed(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
-            if _name == "launch" and on[0]:
+    def timed(name: str, fn: Callable) -> Callable:
+        def call(*a: Any, **k: Any) -> Any:
+            if name == "launch" and on[0]:
                 e = torch.cuda.Event(enable_timing=True)
                 e.record()
                 log.append(("launch_entry", e, 0.0))
             t = time.perf_counter()
             try:
-                return _fn(*a, **k)
+                return fn(*a, **k)
             finally:
                 if on[0]:
-                    host.setdefault(_name, []).append(time.perf_counter() - t)
+                    host.setdefault(name, []).append(time.perf_counter() - t)
 
-        setattr(sched, name, timed)
-    gen = torch.Generator().manual_seed(bs)
-    vocab = runner.model_config.vocab_size
-    for i in range(bs):
-        ids = torch.randint(3, vocab, (input_len,), generator=gen).tolist()
-        sp = SamplingParams(temperature=0.0, max_new_tokens=steps + 24, ignore_eos=True)
-        sched.submit(GenerateRequest(f"ev{bs}-{i}", ids, sp))
-    while sched.waiting or sched.chunked_req is not None or not sched.inbox.empty():
-        sched.step()
-    for _ in range(6):
-        sched.step()
+        return call
+
+    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "ev", timed)
     torch.cuda.synchronize()
     on[0] = True
     t0 = time.perf_counter()
