@@ -56,6 +56,21 @@ def _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
+def _dot_k_loop(a_ptrs, b_ptrs, mask_rows, mask_cols, k_size, acc, BLOCK_SIZE_K: tl.constexpr):
+    """``acc += A @ B`` over ``k_size`` in ``BLOCK_SIZE_K`` steps: ``a_ptrs`` a ``[M, K]`` tile of (gathered)
+    rows, ``b_ptrs`` a ``[K, N]`` weight tile, both advancing along K; masked rows and columns read zeros."""
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    for k0 in range(0, tl.cdiv(k_size, BLOCK_SIZE_K)):
+        mask_k = offs_k < k_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_cols[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_SIZE_K
+        b_ptrs += BLOCK_SIZE_K
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     a_ptr,
     w_ptr,
@@ -102,13 +117,7 @@ def _gate_up_kernel(
         w_row = (col + (offs_j % 2) * inter_size).to(tl.int64)
         b_ptrs = w_ptr + expert * stride_we + w_row[None, :] * stride_wn + offs_k[:, None]
         acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
-        for k0 in range(0, tl.cdiv(hidden_size, BLOCK_SIZE_K)):
-            mask_k = offs_k < hidden_size - k0 * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_SIZE_K
-            b_ptrs += BLOCK_SIZE_K
+        acc = _dot_k_loop(a_ptrs, b_ptrs, mask_m, mask_j, hidden_size, acc, BLOCK_SIZE_K)
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_SIZE_M, BLOCK_SIZE_N, 2)))
     else:
         g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
@@ -169,13 +178,7 @@ def _down_kernel(
     a_ptrs = a_ptr + pair64[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(inter_size, BLOCK_SIZE_K)):
-        mask_k = offs_k < inter_size - k0 * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_SIZE_K
-        w_ptrs += BLOCK_SIZE_K
+    acc = _dot_k_loop(a_ptrs, w_ptrs, mask_m, mask_n, inter_size, acc, BLOCK_SIZE_K)
     route_w = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
     acc = acc * route_w[:, None]
     out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
