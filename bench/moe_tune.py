@@ -7,9 +7,16 @@ over weight copies (as ``bench/moe_layer.py`` does); the fastest wins, then
 the down GEMM's own tiles are tried with the winner's ``BLOCK_SIZE_M``.
 Writes ``{M: config}`` as JSON named by ``kernel_config.config_file_name``
 into ``--out`` (and into ``engine/layers/moe/configs/`` with ``--save``),
-where ``kernel_config.get_config`` finds it.
+where ``kernel_config.get_config`` finds it.  Above 512 tokens every tile is
+tried with the gate/up GEMM as two MMAs and as one (``"one_dot"``).
+``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
+``candidates`` and ``DOWN_SPACE``); ``--merge`` keeps the table's other
+entries and replaces only the tuned ``M``.
 
     python bench/moe_tune.py --out /tmp/out --save     # Qwen3-30B-A3B shape by default
+    python bench/moe_tune.py --m 4096 --merge --save --out /tmp/out \
+        --space '{"BM": [128], "BN": [64, 128], "BK": [64], "G": [8], "W": [8], "S": [3, 4, 5], "one_dot": [true]}' \
+        --down-space '{"BN": [128, 256], "BK": [64], "W": [8], "S": [3, 4]}'
 """
 
 from __future__ import annotations
@@ -34,18 +41,35 @@ from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
 DEFAULT_M = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
-def candidates(m: int, num_experts: int, top_k: int) -> list[dict]:
+DOWN_SPACE = dict(BN=[32, 64, 128, 256], BK=[64, 128], W=[4, 8], S=[3, 4])
+
+
+def search_space(m: int, num_experts: int, top_k: int) -> dict:
     if m * top_k <= 2 * num_experts:  # decode: a few tokens per expert, weight-bandwidth bound
-        space = dict(BM=[16], BN=[32, 64, 128], BK=[64, 128, 256], G=[1], W=[4], S=[2, 3, 4])
-    elif m <= 512:
-        space = dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4])
-    else:
-        space = dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4, 5])
+        return dict(BM=[16], BN=[32, 64, 128], BK=[64, 128, 256], G=[1], W=[4], S=[2, 3, 4], one_dot=[False])
+    if m <= 512:
+        return dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4], one_dot=[False])
+    return dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4, 5], one_dot=[False, True])
+
+
+def candidates(space: dict) -> list[dict]:
     out = []
-    for bm, bn, bk, g, w, s in itertools.product(*space.values()):
-        if bm * bn > 128 * 128:  # two fp32 accumulators of this size spill
+    for bm, bn, bk, g, w, s, one in itertools.product(
+        *(space[k] for k in ("BM", "BN", "BK", "G", "W", "S", "one_dot"))
+    ):
+        if bm * bn > 128 * 128:  # two fp32 accumulators (or one twice as wide) of this size spill
             continue
-        out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s))
+        cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
+        out.append(dict(cfg, one_dot=True) if one else cfg)
+    return out
+
+
+def down_candidates(space: dict, block_m: int) -> list[dict]:
+    out = []
+    for bn, bk, w, s in itertools.product(*(space[k] for k in ("BN", "BK", "W", "S"))):
+        if block_m * bn > 128 * 256 or (block_m * bn > 128 * 128 and w < 8):  # one fp32 accumulator
+            continue
+        out.append(dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s))
     return out
 
 
@@ -60,6 +84,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--save", action="store_true", help=f"also write the table into {CONFIG_DIR}")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop tuning new sizes after this long")
+    ap.add_argument("--space", type=json.loads, default=None, help="JSON: the gate/up search space (all sizes)")
+    ap.add_argument("--down-space", type=json.loads, default=None, help="JSON: the down GEMM's search space")
+    ap.add_argument("--merge", action="store_true", help="keep the saved table's other entries")
     args = ap.parse_args()
     t0 = time.time()
     e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
@@ -83,7 +110,8 @@ def main() -> None:
             lambda i: fused_experts(x, *weights[i % args.copies], w, ids, default_config(m, e, k)), 6
         )
         best, best_t = None, float("inf")
-        for cfg in candidates(m, e, k):
+        space = dict(search_space(m, e, k), **(args.space or {}))
+        for cfg in candidates(space):
             try:
                 out = fused_experts(x, *weights[0], w, ids, config=cfg).float()
                 if ((out - ref).norm() / ref.norm()).item() > 1e-2:
@@ -96,8 +124,11 @@ def main() -> None:
             if t < best_t:
                 best, best_t = cfg, t
         # then the down GEMM's own tiles, with the winner's BLOCK_SIZE_M
-        for bn, bk, w_, s_ in itertools.product([32, 64, 128], [64, 128], [4, 8], [3, 4]):
-            cfg = dict(best, down=dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w_, num_stages=s_))
+        if best is None:
+            print(f"M={m}: no candidate ran", flush=True)
+            continue
+        for down in down_candidates(dict(DOWN_SPACE, **(args.down_space or {})), best["BLOCK_SIZE_M"]):
+            cfg = dict(best, down=down)
             try:
                 out = fused_experts(x, *weights[0], w, ids, config=cfg).float()
                 if ((out - ref).norm() / ref.norm()).item() > 1e-2:
@@ -111,6 +142,11 @@ def main() -> None:
         table[str(m)] = best
         print(f"M={m}: default {t_default * 1e6:.1f} us, best {best_t * 1e6:.1f} us {best}", flush=True)
     name = config_file_name(e, inter, torch.bfloat16, torch.cuda.get_device_name())
+    saved = os.path.join(CONFIG_DIR, name)
+    if args.merge and os.path.isfile(saved):
+        with open(saved) as f:
+            table = dict(json.load(f), **table)
+        table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
     targets = ([args.out] if args.out else []) + ([CONFIG_DIR] if args.save else [])
     for folder in targets:
         os.makedirs(folder, exist_ok=True)

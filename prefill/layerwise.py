@@ -41,7 +41,7 @@ class LayerwiseWatch:
             n = len(req.origin_input_ids)
             if n < role.layerwise_min_tokens:  # short: the whole send after the forward costs less
                 continue
-            pages = request_pages(s.req_to_token_pool.read(req.req_pool_idx, 0, n), s.page_size)
+            pages = request_pages(s.req_to_token_pool.read_host(req.req_pool_idx, 0, n), s.page_size)
             if not entry.transfer.send_layerwise(pages, prefix_len // s.page_size, progress):
                 continue
             role.computing.remove(req.rid)

@@ -173,7 +173,7 @@ class PrefillRole(PDRole):
         entry.extra["computed"] = True
         n = len(req.origin_input_ids)
         s = self.s
-        pages = request_pages(s.req_to_token_pool.read(req.req_pool_idx, 0, n), s.page_size)
+        pages = request_pages(s.req_to_token_pool.read_host(req.req_pool_idx, 0, n), s.page_size)
         aux = AuxInfo(
             first_token_id=int(token_id),
             first_token_logprob=nan_if_none(logprob),

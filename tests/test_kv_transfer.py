@@ -36,6 +36,7 @@ PREFILL_MANAGERS = {
     "p16_big": (16, {}, 13),
     "p16_whole": (16, {"layerwise": False}, 12),
     "p16_grouped": (16, {"layerwise_writes": 2}, 12),  # 3 layers in groups of 2: [0, 2) then [2, 3)
+    "p16_aux": (16, {}, 12),  # its aux staging buffer shows whether an aux record was written
 }
 CORRUPT_EVERY = {"p16_corrupt": 1}  # test-only fault injection (tests/kv_faults.py): every KV batch gets a wrong page
 DECODE_MANAGERS = {
@@ -44,7 +45,10 @@ DECODE_MANAGERS = {
     "d16_checksum": (16, {"checksum": True}),
     "d16_short": (16, {"waiting_timeout": 1.0, "bootstrap_timeout": 1.0}),
     "d16_big": (16, {}),
+    "d16_old": (16, {}),  # a decode worker from before ``aux_in_done`` (its endpoint does not advertise it)
+    "d16_big_old": (16, {}),
 }
+OLD_DECODE = {"d16_old", "d16_big_old"}
 
 os.environ.setdefault("UCX_MODULES", "^ib")  # Debian's ibverbs-providers makes UCX crash at exit
 
@@ -89,7 +93,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             if names is not None and name not in names:
                 continue
             ps, overrides = spec[0], spec[1]
-            pool = make_pool(ps, big=name.endswith("_big"))
+            pool = make_pool(ps, big="_big" in name)
             if role == "prefill":
                 fill_pool(pool, spec[2])
             pools[name] = pool
@@ -99,6 +103,11 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             mgrs[name] = create_kv_manager(role, pool, cfg)
             if name in CORRUPT_EVERY:
                 corrupt_kv_every(mgrs[name], CORRUPT_EVERY[name])
+            if name in OLD_DECODE:
+                info = mgrs[name].backend.local_info
+                mgrs[name].backend.local_info = lambda info=info: {
+                    k: v for k, v in info().items() if k != "aux_in_done"
+                }
     except Exception:  # noqa: BLE001 - report to the test
         conn.send(("err", traceback.format_exc()))
         return
@@ -112,7 +121,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
 
     def pages_match(mgr, dst_pages, src_seed, src_pages):
         pool = pools[mgr]
-        ref = expected_pool(pool.page_size, src_seed, mgr.endswith("_big"))
+        ref = expected_pool(pool.page_size, src_seed, "_big" in mgr)
         ps = pool.page_size
         for got, want in zip(pool.buffers(), ref.buffers()):
             for d, s in zip(dst_pages, src_pages):
@@ -164,7 +173,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             time.sleep(0.0002)
         early = None
         if snap is not None:
-            ref = expected_pool(ps, src_seed, mgr.endswith("_big"))
+            ref = expected_pool(ps, src_seed, "_big" in mgr)
             early = all(
                 torch.equal(got, ref.buffers()[i].index_select(0, rows(src_pages))) for got, i in zip(snap, (0, -1))
             )
@@ -173,7 +182,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
     def buffers_match(mgr, dst_pages, src_seed, src_pages, buffers):
         """Decode: buffers ``buffers`` (indices into ``pool.buffers()``) hold the source's pages."""
         pool = pools[mgr]
-        ref = expected_pool(pool.page_size, src_seed, mgr.endswith("_big"))
+        ref = expected_pool(pool.page_size, src_seed, "_big" in mgr)
         ps = pool.page_size
         return all(
             torch.equal(pool.buffers()[b][d * ps : (d + 1) * ps], ref.buffers()[b][s * ps : (s + 1) * ps])
@@ -218,6 +227,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
         "outside_untouched": outside_untouched,
         "zero": lambda mgr: [b.zero_() for b in pools[mgr].buffers()] and None,
         "stats": stats,
+        "aux_staging_used": lambda mgr: int(mgrs[mgr]._aux_staging.count_nonzero()) > 0,
     }
     while True:
         try:
@@ -355,22 +365,46 @@ def test_pages_land_in_the_registered_slots_for_every_layer(pair, page_size):
     assert_clean(p, d, pm, dm)
 
 
-def test_aux_record_only_becomes_visible_after_the_kv(pair):
+@pytest.mark.parametrize("dm", ["d16_big", "d16_big_old"])
+def test_aux_record_only_becomes_visible_after_the_kv(pair, dm):
+    """Where the aux record is a write (every backend to an older decode worker, all but nixl to any), the
+    moment it is visible all KV has landed.  Where it rides in nixl's done notification it is placed with the
+    done signal, so the poll loop may never see it before the end: then it must not have seen it early."""
     p, d = pair
     src = list(range(1, 121))  # 120 pages x 6 buffers x 16 KiB = 11 MiB
     dst = list(range(250, 130, -1))  # reversed: one descriptor per page and buffer
-    d("zero", "d16_big")
+    d("zero", dm)
     room = new_room()
-    d("receiver", "d16_big", p.ports["p16_big"], room)
+    d("receiver", dm, p.ports["p16_big"], room)
     p("sender", "p16_big", room)
     d("init", room, dst)
     p("send", room, src, (1, 0.0, 1920))
-    (st, reason, _), early = d("wait_checking_order", "d16_big", room, 30, PREFILL_MANAGERS["p16_big"][2], src)
+    (st, reason, _), early = d("wait_checking_order", dm, room, 30, PREFILL_MANAGERS["p16_big"][2], src)
     assert st == SUCCESS, reason
-    assert early is not None, "the aux record was never seen in decode memory before the transfer finished"
-    assert early is True, "the aux record was visible before all KV pages had landed"
-    assert d("pages_match", "d16_big", dst, PREFILL_MANAGERS["p16_big"][2], src)
-    assert_clean(p, d, "p16_big", "d16_big")
+    if p.backend != "nixl" or dm.endswith("_old"):
+        assert early is not None, "the aux record was never seen in decode memory before the transfer finished"
+    assert early is not False, "the aux record was visible before all KV pages had landed"
+    assert d("pages_match", dm, dst, PREFILL_MANAGERS["p16_big"][2], src)
+    assert_clean(p, d, "p16_big", dm)
+
+
+def test_aux_record_rides_in_the_done_signal_where_backend_and_peer_can(pair):
+    """nixl sends the aux record inside its done notification to a decode worker that advertises
+    ``aux_in_done`` (prefill's aux staging stays untouched), and as an aux write to one that does not (an older
+    worker); the other backends always write it.  Every way gives the same record and KV."""
+    p, d = pair
+    src, dst = [3, 4, 9], [20, 7, 11]
+    for dm in ("d16", "d16_old"):
+        d("zero", dm)
+        room = transfer(p, d, "p16_aux", dm, src, dst, aux=(31, -0.75, 40))
+        st, reason, aux = d("wait", room, 30)
+        assert st == SUCCESS, reason
+        assert aux == (31, -0.75, 40, room)
+        assert p("wait", room, 10)[0] == SUCCESS
+        assert d("pages_match", dm, dst, PREFILL_MANAGERS["p16_aux"][2], src)
+        written = p("aux_staging_used", "p16_aux")
+        assert written == (p.backend != "nixl" or dm == "d16_old"), (p.backend, dm)
+        assert_clean(p, d, "p16_aux", dm)
 
 
 def test_checksum_passes_clean_transfers_and_fails_a_corrupted_page(pair):

@@ -1,6 +1,7 @@
 """RadixCache: match/insert/split, page alignment, locks, LRU eviction, request hand-off."""
 
 import pytest
+import torch
 
 from kvship.engine.io_struct import SamplingParams
 from kvship.engine.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
@@ -203,3 +204,32 @@ def test_disabled_cache_never_matches_and_frees_everything():
     assert cache.match_prefix([1, 2, 3, 4]).length == 0
     assert alloc.available_size() == total and pool.available_size() == 8
     assert isinstance(make_cache()[0], RadixCache)
+
+
+def test_req_to_token_host_mirror_serves_host_written_rows_and_defers_device_written_ones():
+    """On a non-CPU device the pool mirrors host-written slots and ``read_host`` answers from the mirror (the
+    "meta" device holds no data: a device read raises); a row written from device values reads the device
+    until it is freed; ``write_points`` (a decode step's slots) updates the mirror."""
+    pool = ReqToTokenPool(size=4, max_context_len=16, device="meta")
+    assert pool.host is not None and pool.host is not pool.req_to_token
+    row = pool.alloc()
+    pool.write(row, 0, torch.tensor([5, 6, 7], dtype=torch.int64))
+    assert pool.read_host(row, 0, 3).tolist() == [5, 6, 7]
+    assert pool.read_host(row, 0, 3).dtype == torch.int64
+    rows, cols, slots = torch.tensor([row]), torch.tensor([3]), torch.tensor([8])
+    pool.write_points(rows, cols, slots, (rows.to("meta"), cols.to("meta"), slots.to("meta")))
+    assert pool.read_host(row, 0, 4).tolist() == [5, 6, 7, 8]
+    pool.write(row, 4, torch.tensor([9], device="meta"))  # slots decided on the device: the mirror is stale
+    with pytest.raises(NotImplementedError):  # so the read goes to the device (meta: no data to copy)
+        pool.read_host(row, 0, 5)
+    pool.free(row)
+    again = pool.alloc()
+    assert again == row
+    pool.write(again, 0, torch.tensor([1, 2], dtype=torch.int64))
+    assert pool.read_host(again, 0, 2).tolist() == [1, 2]
+    cpu = ReqToTokenPool(size=2, max_context_len=8, device="cpu")  # on the CPU the table is its own mirror
+    assert cpu.host is cpu.req_to_token
+    no_mirror = ReqToTokenPool(size=2, max_context_len=8, device="meta", host_mirror=False)
+    no_mirror.write(0, 0, torch.tensor([3]))
+    with pytest.raises(NotImplementedError):
+        no_mirror.read_host(0, 0, 1)

@@ -124,7 +124,7 @@ class EagleDrafter(Drafter):
         self.pool = KVPool(slots, 1, r.kv_dtype, dmc.num_key_value_heads, dmc.head_dim, 1, r.device)
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, 1)
         # topk rows per request (its branches) and topk padding rows for the unused slots of a graph batch
-        self.r2t = ReqToTokenPool((rows + 1) * self.topk, r.context_len + self.steps + 2, r.device)
+        self.r2t = ReqToTokenPool((rows + 1) * self.topk, r.context_len + self.steps + 2, r.device, host_mirror=False)
         pad_rows = [self.r2t.alloc() for _ in range(self.topk)]
         cuda = torch.device(r.device).type == "cuda"
         # the draft graphs' batch sizes, also when graphs are off: the Triton decode kernel picks its splits by

@@ -256,6 +256,9 @@ class TransferBackend(ABC):
 
     name: ClassVar[str] = ""
     in_band_done: ClassVar[bool] = False
+    # ``send_aux_done`` carries the aux record inside the done signal: one message after the KV instead of
+    # an aux write and then the done (only to peers whose ``local_info`` says ``"aux_in_done": true``)
+    aux_in_done: ClassVar[bool] = False
 
     def __init__(self, config: KVTransferConfig, role: str, regions: Sequence[MemoryRegion], layout: "KVLayout"):
         self.config = config
@@ -283,10 +286,20 @@ class TransferBackend(ABC):
     def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
         """Prefill: carry out ``descs`` (all for ``room``) into the peer; raise KVTransferError on failure."""
 
-    def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
-        """Decode: deliver in-band done signals as ``on_done(room, None)``; a backend
-        that detects a bad write for a room reports ``on_done(room, reason)`` instead
-        (and drops that room's later data)."""
+    def peer_takes_aux_in_done(self, peer_id: str) -> bool:
+        """Prefill: whether ``send_aux_done`` may replace the aux write and done for this peer."""
+        return False
+
+    def send_aux_done(self, peer_id: str, room: int, aux_slot: int, record: bytes) -> None:
+        """Prefill (``aux_in_done`` backends, peers that take it): the aux record for ``aux_slot`` and the done
+        signal of ``room`` in one message, sent after every write of the room has completed; decode's
+        ``on_done(room, None, (aux_slot, record))`` gets it once that KV has landed."""
+        raise KVTransferError(f"the {self.name} backend sends the aux record as a write")
+
+    def start_receiving(self, on_done: Callable[..., None]) -> None:
+        """Decode: deliver in-band done signals as ``on_done(room, None)`` (``on_done(room, None, (aux_slot,
+        record))`` when the aux record rides in it); a backend that detects a bad write for a room reports
+        ``on_done(room, reason)`` instead (and drops that room's later data)."""
 
     def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
         """Decode: ``room`` may now be written into ``dst_pages``."""

@@ -5,9 +5,13 @@ registered once, as ``VRAM`` (CUDA pools) or ``DRAM`` (CPU pools and the aux
 buffer).  Decode's ``local_info`` carries its agent metadata (base64), so the
 bootstrap handshake is the metadata exchange: prefill ``add_remote_agent``s it
 and writes with ``WRITE`` transfers built from (address, length, device)
-descriptors.  The aux write carries the notification ``kvship-done:<room>``;
-NIXL delivers it after that transfer's data, and decode's notification thread
-turns it into the done signal (``in_band_done = True``).
+descriptors.  After a room's last KV write has completed, one standalone
+notification ``kvship-aux:<room>:<aux slot>:<aux record>`` carries the aux
+record and the done signal (``aux_in_done``): decode's notification thread
+puts the record in its aux slot and signals done.  To a peer that does not
+advertise ``aux_in_done`` (an older worker) the aux record is a write whose
+notification ``kvship-done:<room>`` NIXL delivers after that transfer's data
+(``in_band_done = True``).
 
 On CPU, UCX moves the bytes through shared memory.  Debian's
 ``ibverbs-providers`` makes UCX crash at process exit: keep it uninstalled or
@@ -42,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 _HINT = "Install `nixl` (it pulls `nixl-cu12`/`nixl-cu13`; on CPU it runs over UCX shared memory)."
 _NOTIF_PREFIX = b"kvship-done:"
+_AUX_PREFIX = b"kvship-aux:"
 _BUSY_POLL_S = 100e-6  # polling interval cap while a transfer is in flight / expected
 _IDLE_POLL_S = 5e-3  # decode's notification polling with no room expected
+_PUMP_S = 0.5  # prefill: progress the agent this long after an untracked notification
 
 
 def _import_nixl():
@@ -65,16 +71,32 @@ def _mem_type(region: MemoryRegion) -> str:
 
 
 class _Peer:
-    def __init__(self, agent_name: str, ptrs: np.ndarray, mem: list[str], dev: np.ndarray):
+    def __init__(self, agent_name: str, ptrs: np.ndarray, mem: list[str], dev: np.ndarray, aux_in_done: bool):
         self.agent_name = agent_name
         self.ptrs = ptrs
         self.mem = mem
         self.dev = dev
+        self.aux_in_done = aux_in_done
+
+
+def parse_notif(msg: bytes) -> Optional[tuple[int, Optional[tuple[int, bytes]]]]:
+    """``(room, None)`` for ``kvship-done:<room>``, ``(room, (aux slot, record))`` for
+    ``kvship-aux:<room>:<slot>:<record>``, None for anything else."""
+    try:
+        if msg.startswith(_NOTIF_PREFIX):
+            return int(msg[len(_NOTIF_PREFIX) :]), None
+        if msg.startswith(_AUX_PREFIX):
+            room, slot, record = msg[len(_AUX_PREFIX) :].split(b":", 2)
+            return int(room), (int(slot), bytes(record))
+    except ValueError:
+        pass
+    return None
 
 
 @register_transfer_backend("nixl")
 class NixlBackend(TransferBackend):
     in_band_done = True
+    aux_in_done = True
 
     @classmethod
     def check_available(cls) -> None:
@@ -106,6 +128,9 @@ class NixlBackend(TransferBackend):
         self._notif_thread: Optional[threading.Thread] = None
         self._expected: set[int] = set()  # decode: rooms whose done notification may arrive
         self._wake = threading.Event()
+        self._pump_thread: Optional[threading.Thread] = None  # prefill: see ``_pump``
+        self._pump_wake = threading.Event()
+        self._pump_until = 0.0
 
     def local_info(self) -> dict:
         return {
@@ -114,6 +139,7 @@ class NixlBackend(TransferBackend):
             "ptrs": self._ptrs.tolist(),
             "mem": self._mem,
             "dev": self._dev.tolist(),
+            "aux_in_done": True,
         }
 
     # -- prefill side ----------------------------------------------------------
@@ -133,7 +159,7 @@ class NixlBackend(TransferBackend):
                 got = self.agent.add_remote_agent(meta)
                 name = got.decode() if isinstance(got, bytes) else str(got)
             self._agent_refs[name] = self._agent_refs.get(name, 0) + 1
-            self._peers[peer_id] = _Peer(name, ptrs, mem, dev)
+            self._peers[peer_id] = _Peer(name, ptrs, mem, dev, info.get("aux_in_done") is True)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._api_lock:
@@ -147,6 +173,45 @@ class NixlBackend(TransferBackend):
                     self.agent.remove_remote_agent(peer.agent_name)
                 except Exception as e:  # noqa: BLE001 - the peer is gone either way
                     logger.debug("nixl remove_remote_agent(%s): %s", peer.agent_name, e)
+
+    def peer_takes_aux_in_done(self, peer_id: str) -> bool:
+        with self._api_lock:
+            peer = self._peers.get(peer_id)
+        return peer is not None and peer.aux_in_done
+
+    def send_aux_done(self, peer_id: str, room: int, aux_slot: int, record: bytes) -> None:
+        with self._api_lock:
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                raise KVTransferError(f"nixl peer {peer_id} is not known")
+            try:
+                self.agent.send_notif(peer.agent_name, _AUX_PREFIX + f"{room}:{aux_slot}:".encode() + record)
+                # the room's writes were flushed before (a transfer is DONE once its data is remote), so this
+                # lands after their data, as a transfer's own notification does.  The send is not tracked: a
+                # message the transport queued (e.g. while its lane is wired up) leaves as the agent progresses,
+                # so progress now and keep the pump progressing for a while (this side receives no
+                # notifications: nothing is lost by fetching them)
+                self.agent.get_new_notifs()
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise KVTransferError(
+                    f"nixl notification to {peer.agent_name} for room {room} failed: {type(e).__name__}: {e}"
+                ) from e
+            self._pump_until = time.monotonic() + _PUMP_S
+            if self._pump_thread is None:
+                self._pump_thread = threading.Thread(target=self._pump, name="kv-nixl-pump", daemon=True)
+                self._pump_thread.start()
+        self._pump_wake.set()
+
+    def _pump(self) -> None:
+        """Prefill: progress the agent for ``_PUMP_S`` after each untracked notification (``send_aux_done``)."""
+        while not self._closed.is_set():
+            if time.monotonic() >= self._pump_until:
+                self._pump_wake.wait()
+                self._pump_wake.clear()
+                continue
+            with self._api_lock:
+                self.agent.get_new_notifs()
+            time.sleep(_BUSY_POLL_S)
 
     def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
         with self._api_lock:
@@ -209,7 +274,7 @@ class NixlBackend(TransferBackend):
                         logger.debug("nixl release_xfer_handle: %s", e)
 
     # -- decode side -----------------------------------------------------------
-    def start_receiving(self, on_done: Callable[[int, Optional[str]], None]) -> None:
+    def start_receiving(self, on_done: Callable[..., None]) -> None:
         def loop() -> None:
             idle = 0.0
             while not self._closed.is_set():
@@ -218,13 +283,15 @@ class NixlBackend(TransferBackend):
                 got = False
                 for msgs in notifs.values():
                     for msg in msgs:
-                        if msg.startswith(_NOTIF_PREFIX):
-                            try:
-                                room = int(msg[len(_NOTIF_PREFIX) :])
-                            except ValueError:
-                                continue
-                            got = True
+                        parsed = parse_notif(msg)
+                        if parsed is None:
+                            continue
+                        got = True
+                        room, aux = parsed
+                        if aux is None:
                             on_done(room, None)
+                        else:
+                            on_done(room, None, aux)
                 # poll fast while some room is expected (the notification is the done signal), slowly when idle
                 cap = _BUSY_POLL_S if self._expected else _IDLE_POLL_S
                 idle = 0.0 if got else min(idle * 2 or 10e-6, cap)
@@ -251,8 +318,10 @@ class NixlBackend(TransferBackend):
             return
         self._closed.set()
         self._wake.set()
-        if self._notif_thread is not None:
-            self._notif_thread.join(timeout=5)
+        self._pump_wake.set()
+        for t in (self._notif_thread, self._pump_thread):
+            if t is not None:
+                t.join(timeout=5)
         with self._api_lock:
             for name in list(self._agent_refs):
                 try:

@@ -507,11 +507,18 @@ class DecodeKVManager(KVManager):
         if not self._closed.is_set():
             logger.warning("KV link to prefill %s closed: %s", link.address, reason)
 
-    def _on_backend_done(self, room: int, error: Optional[str] = None) -> None:
+    def _on_backend_done(self, room: int, error: Optional[str] = None, aux: Optional[tuple[int, bytes]] = None) -> None:
         with self.lock:
             r = self.active.get(room)
             if r is None or r._state.is_terminal:
                 return
+            if error is None and aux is not None:  # the aux record rode in the done signal: place it in its slot
+                slot, record = aux
+                if slot not in {src.aux_slot for src in r.sources} or not 0 < len(record) <= AUX_RECORD_BYTES:
+                    r._finish_locked(KVPoll.Failed, f"done signal with a bad aux record (slot {slot}, {len(record)} B)")
+                    return
+                self.aux_buffer[slot].zero_()
+                self.aux_buffer[slot, : len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
             if error is None:
                 r._set_done_locked()
             else:  # the backend already drops this room's later data

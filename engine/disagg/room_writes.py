@@ -220,7 +220,8 @@ class RoomWriter:
         aux: AuxInfo,
         checksum: Optional[int],
     ) -> None:
-        """The aux record, then the done signal (in band, or on the control plane)."""
+        """The aux record, then the done signal (in band, or on the control plane), or both in one message
+        where the backend and the peer can (``TransferBackend.send_aux_done``)."""
         record = AuxRecord(
             room=room,
             first_token_id=int(aux.first_token_id),
@@ -230,7 +231,12 @@ class RoomWriter:
             checksum=checksum,
             top_logprobs=tuple(aux.first_token_top_logprobs),
         )
-        self.aux_staging[index].copy_(torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8))
+        packed = record.pack()
+        if self.backend.aux_in_done and self.backend.peer_takes_aux_in_done(peer.peer_id):
+            # one message after the KV: the record and the done signal (docs/pd.md, "How a request's KV travels")
+            self.backend.send_aux_done(peer.peer_id, room, reg.aux_slot, packed)
+            return
+        self.aux_staging[index].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
         in_band = self.backend.in_band_done
         self.backend.write(
             peer.peer_id,

@@ -34,11 +34,27 @@ def page_round_up(n: int, page_size: int) -> int:
 
 
 class ReqToTokenPool:
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device):
+    """``req_to_token`` on the model's device, and its host mirror.
+
+    ``host`` holds the same table on the CPU (on a CPU device it is the table itself): every write whose
+    slots come from the host (the allocator's, the radix cache's) lands in both, so the scheduler reads a
+    request's slots back (``read_host``: a finishing request's, prefill's pages to send) with no device
+    sync.  A device read would wait for every kernel queued before it, in the overlapped loop the next
+    step's forward too (docs/gpu.md, "Step boundary").  A row written from device values is read from the
+    device until it is freed; a pool made with ``host_mirror=False`` (written on the device only, read
+    only by kernels: the EAGLE head's branch rows) keeps no mirror.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device, host_mirror: bool = True):
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        if self.device.type == "cpu":
+            self.host: Optional[torch.Tensor] = self.req_to_token
+        else:
+            self.host = torch.zeros((size, max_context_len), dtype=torch.int32) if host_mirror else None
+        self._device_rows: set[int] = set()  # rows written from device values: their mirror is stale
         self._free: list[int] = list(range(size - 1, -1, -1))
 
     def available_size(self) -> int:
@@ -53,14 +69,41 @@ class ReqToTokenPool:
             raise ValueError(f"req pool index {index} out of range")
         if index in self._free:
             raise ValueError(f"req pool index {index} freed twice")
+        self._device_rows.discard(index)
         self._free.append(index)
 
     def write(self, index: int, start: int, slots: torch.Tensor) -> None:
         """Set ``req_to_token[index, start:start+len(slots)] = slots``."""
-        self.req_to_token[index, start : start + slots.numel()] = slots.to(self.device, torch.int32)
+        end = start + slots.numel()
+        if slots.device.type == "cpu" and self.host is not None:
+            self.host[index, start:end] = slots
+            if self.host is self.req_to_token:
+                return
+        elif self.host is not None:
+            self._device_rows.add(index)
+        self.req_to_token[index, start:end] = slots.to(self.device, torch.int32)
+
+    def write_points(
+        self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor, on_device: tuple[torch.Tensor, ...]
+    ) -> None:
+        """``req_to_token[rows[i], cols[i]] = slots[i]``: ``rows``, ``cols``, ``slots`` on the host (the mirror),
+        ``on_device`` the same three already on the device (one decode step's new slots)."""
+        if self.host is not None:
+            self.host[rows, cols] = slots.to(torch.int32)
+            if self.host is self.req_to_token:
+                return
+        rows_d, cols_d, slots_d = on_device
+        self.req_to_token[rows_d, cols_d] = slots_d.to(torch.int32)
 
     def read(self, index: int, start: int, end: int) -> torch.Tensor:
+        """The slots on the model's device (int64), for kernels."""
         return self.req_to_token[index, start:end].to(torch.int64)
+
+    def read_host(self, index: int, start: int, end: int) -> torch.Tensor:
+        """The slots as an int64 CPU tensor (a copy), from the mirror where it holds them."""
+        if self.host is None or index in self._device_rows:
+            return self.req_to_token[index, start:end].to("cpu", torch.int64)
+        return self.host[index, start:end].to(torch.int64)
 
 
 class KVPool:

@@ -125,8 +125,8 @@ class BasePrefixCache(ABC):
         e.g. after a failed forward): free owned slots, unlock, free the row."""
         if req.req_pool_idx is None:
             return
-        owned = self.req_to_token_pool.read(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len)
-        self.allocator.free(owned.cpu())
+        owned = self.req_to_token_pool.read_host(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len)
+        self.allocator.free(owned)
         self._finish_release(req)
 
     # shared plumbing ------------------------------------------------------
@@ -348,7 +348,7 @@ class RadixCache(BasePrefixCache):
 
     # --- request-level operations ------------------------------------------
     def _req_slots(self, req: Any, end: int) -> torch.Tensor:
-        return self.req_to_token_pool.read(req.req_pool_idx, 0, end).cpu()
+        return self.req_to_token_pool.read_host(req.req_pool_idx, 0, end)
 
     def cache_finished_req(self, req: Any) -> None:
         if req.req_pool_idx is None:

@@ -291,8 +291,10 @@ class Launcher:
         else:
             ids_pool = hid_d if prev_ids is None else torch.cat([prev_ids, hid_d])
             input_ids = ids_pool.index_select(0, src_d)
-        table = runner.req_to_token_pool.req_to_token
-        table[rows_d, positions] = loc_d.to(table.dtype)
+        # the new slots into req_to_token and its host mirror (host: the same rows, positions and slots)
+        runner.req_to_token_pool.write_points(
+            host[n : 2 * n], host[0:n], host[3 * n : 4 * n], (rows_d, positions, loc_d)
+        )
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=n,

@@ -172,3 +172,35 @@ def test_graph_decode_through_the_scheduler_equals_eager(runner, bs):
         assert over[r.rid]["tokens"] == eager[r.rid]["tokens"], r.rid
     assert_free(e_sched)
     assert_free(o_sched)
+
+
+def test_host_mirror_of_req_to_token_equals_the_device_table(runner):
+    """Finishing requests' slots (and prefill's pages to send) are read from ``ReqToTokenPool``'s host mirror,
+    with no device sync: after every step of an overlapped, radix-cached run each live row's mirror equals the
+    device table, including a request whose prefix row was written from a cache match."""
+    sa = dataclasses.replace(
+        runner.server_args, disable_overlap_schedule=False, disable_radix_cache=False, sampling_backend="torch"
+    )
+    sched = Scheduler(sa, runner, None, lambda chunks: None)
+    pool = sched.req_to_token_pool
+    assert pool.host is not None and pool.host is not pool.req_to_token
+    reqs = requests(runner, 3)
+    checked = 0
+    for phase in (reqs, [dataclasses.replace(reqs[0], rid="again")]):  # the second hits the first's cached pages
+        for r in phase:
+            sched.submit(dataclasses.replace(r))
+        for _ in range(10 * STEPS):
+            sched.step()
+            torch.cuda.synchronize()
+            for req in list(sched.reqs.values()):
+                if req.req_pool_idx is None:
+                    continue
+                n = req.kv_allocated_len
+                device = pool.req_to_token[req.req_pool_idx, :n].cpu().long()
+                assert torch.equal(pool.read_host(req.req_pool_idx, 0, n), device), req.rid
+                checked += 1
+            if sched.idle():
+                break
+    assert checked > STEPS
+    assert sched.get_stats()["cached_tokens"] > 0
+    assert_free(sched)
