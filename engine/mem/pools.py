@@ -40,7 +40,7 @@ class ReqToTokenPool:
     slots come from the host (the allocator's, the radix cache's) lands in both, so the scheduler reads a
     request's slots back (``read_host``: a finishing request's, prefill's pages to send) with no device
     sync.  A device read would wait for every kernel queued before it, in the overlapped loop the next
-    step's forward too (docs/gpu.md, "Step boundary").  A row written from device values is read from the
+    step's forward too (docs/gpu.md, "Performance").  A row written from device values is read from the
     device until it is freed; a pool made with ``host_mirror=False`` (written on the device only, read
     only by kernels: the EAGLE head's branch rows) keeps no mirror.
     """
