@@ -7,7 +7,8 @@
 # Expects in the working tree (carried with the device tool's `carry`):
 #   $BUNDLE/ (default .device)  device-setup.sh + fi.tar.xz + fi_aot.tar.xz [+ mc/nx/py bundles]
 #   .whl/*.whl                  extra wheels the bundle lacks (gguf, xgrammar, orjson: the router needs it;
-#                               jsonschema + attrs, referencing, jsonschema-specifications, rpds-py: the grammar tests), cp312
+#                               jsonschema + attrs, referencing, jsonschema-specifications, rpds-py: the grammar tests;
+#                               httptools: uvicorn[standard], what the product installs; the image has only h11), cp312
 #   .devmodel/*.gguf            optional SmolLM2 layer subset (bench/smollm2_subset.py) for the tests
 # Parts:
 #   tests       pytest tests/gpu                      -> $OUT/gpu_suite.log (+ summary)

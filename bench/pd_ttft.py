@@ -39,7 +39,8 @@ CPU (tiny random Llama, then the embedded SmolLM2-135M; tcp backend)::
 
 GPU (Llama-3.1-8B shape, dummy bf16 weights; a word-level tokenizer of the shape's vocabulary is written beside the
 config, since nothing can be downloaded there), one device call from the repository root with
-``carry: [".device", ".whl"]``::
+``carry: [".device", ".whl"]`` (``.whl`` with the ``httptools`` wheel: the product's ``uvicorn[standard]`` parses
+HTTP with it, the device image has only ``h11``)::
 
     PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
     timeout -s TERM 540 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend tcp \
