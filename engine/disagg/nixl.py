@@ -49,7 +49,8 @@ _NOTIF_PREFIX = b"kvship-done:"
 _AUX_PREFIX = b"kvship-aux:"
 _BUSY_POLL_S = 100e-6  # polling interval cap while a transfer is in flight / expected
 _IDLE_POLL_S = 5e-3  # decode's notification polling with no room expected
-_PUMP_S = 0.5  # prefill: progress the agent this long after an untracked notification
+_PUMP_S = 0.5  # prefill: progress the agent this long after an untracked notification ...
+_PUMP_POLL_S = 1e-3  # ... this often (a queued message is rare: a lane still being wired up)
 
 
 def _import_nixl():
@@ -211,7 +212,7 @@ class NixlBackend(TransferBackend):
                 continue
             with self._api_lock:
                 self.agent.get_new_notifs()
-            time.sleep(_BUSY_POLL_S)
+            time.sleep(_PUMP_POLL_S)
 
     def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
         with self._api_lock:
