@@ -780,3 +780,13 @@ def test_peer_death_during_a_layerwise_send_frees_everything(pair):
     p("send", room, src, (1, 0.0, 48))
     assert d("wait", room, 30)[0] == SUCCESS
     assert_clean(p, d)
+
+
+def test_nixl_notification_parsing_takes_both_forms_and_ignores_the_rest():
+    from kvship.engine.disagg.nixl import parse_notif
+
+    record = b"KVAX\x00:\xff" + bytes(range(20))  # binary, with the separator inside
+    assert parse_notif(b"kvship-done:42") == (42, None)
+    assert parse_notif(b"kvship-aux:42:7:" + record) == (42, (7, record))
+    for bad in (b"kvship-done:x", b"kvship-aux:42", b"kvship-aux:a:7:r", b"other:1", b""):
+        assert parse_notif(bad) is None, bad

@@ -256,9 +256,6 @@ class TransferBackend(ABC):
 
     name: ClassVar[str] = ""
     in_band_done: ClassVar[bool] = False
-    # ``send_aux_done`` carries the aux record inside the done signal: one message after the KV instead of
-    # an aux write and then the done (only to peers whose ``local_info`` says ``"aux_in_done": true``)
-    aux_in_done: ClassVar[bool] = False
 
     def __init__(self, config: KVTransferConfig, role: str, regions: Sequence[MemoryRegion], layout: "KVLayout"):
         self.config = config
@@ -287,12 +284,13 @@ class TransferBackend(ABC):
         """Prefill: carry out ``descs`` (all for ``room``) into the peer; raise KVTransferError on failure."""
 
     def peer_takes_aux_in_done(self, peer_id: str) -> bool:
-        """Prefill: whether ``send_aux_done`` may replace the aux write and done for this peer."""
+        """Prefill: whether ``send_aux_done`` replaces the aux write and the done signal for this peer (a
+        backend that can, to a peer whose ``local_info`` says ``"aux_in_done": true``)."""
         return False
 
     def send_aux_done(self, peer_id: str, room: int, aux_slot: int, record: bytes) -> None:
-        """Prefill (``aux_in_done`` backends, peers that take it): the aux record for ``aux_slot`` and the done
-        signal of ``room`` in one message, sent after every write of the room has completed; decode's
+        """Prefill (where ``peer_takes_aux_in_done``): the aux record for ``aux_slot`` and the done signal of
+        ``room`` in one message after the KV, sent once every write of the room has completed; decode's
         ``on_done(room, None, (aux_slot, record))`` gets it once that KV has landed."""
         raise KVTransferError(f"the {self.name} backend sends the aux record as a write")
 

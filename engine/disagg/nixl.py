@@ -7,7 +7,7 @@ bootstrap handshake is the metadata exchange: prefill ``add_remote_agent``s it
 and writes with ``WRITE`` transfers built from (address, length, device)
 descriptors.  After a room's last KV write has completed, one standalone
 notification ``kvship-aux:<room>:<aux slot>:<aux record>`` carries the aux
-record and the done signal (``aux_in_done``): decode's notification thread
+record and the done signal (``send_aux_done``): decode's notification thread
 puts the record in its aux slot and signals done.  To a peer that does not
 advertise ``aux_in_done`` (an older worker) the aux record is a write whose
 notification ``kvship-done:<room>`` NIXL delivers after that transfer's data
@@ -89,15 +89,14 @@ def parse_notif(msg: bytes) -> Optional[tuple[int, Optional[tuple[int, bytes]]]]
         if msg.startswith(_AUX_PREFIX):
             room, slot, record = msg[len(_AUX_PREFIX) :].split(b":", 2)
             return int(room), (int(slot), bytes(record))
-    except ValueError:
-        pass
+    except ValueError:  # a malformed message (not ours, or cut short): ignored like any foreign one
+        return None
     return None
 
 
 @register_transfer_backend("nixl")
 class NixlBackend(TransferBackend):
     in_band_done = True
-    aux_in_done = True
 
     @classmethod
     def check_available(cls) -> None:
@@ -288,11 +287,7 @@ class NixlBackend(TransferBackend):
                         if parsed is None:
                             continue
                         got = True
-                        room, aux = parsed
-                        if aux is None:
-                            on_done(room, None)
-                        else:
-                            on_done(room, None, aux)
+                        on_done(parsed[0], None, parsed[1])
                 # poll fast while some room is expected (the notification is the done signal), slowly when idle
                 cap = _BUSY_POLL_S if self._expected else _IDLE_POLL_S
                 idle = 0.0 if got else min(idle * 2 or 10e-6, cap)

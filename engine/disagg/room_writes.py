@@ -232,7 +232,7 @@ class RoomWriter:
             top_logprobs=tuple(aux.first_token_top_logprobs),
         )
         packed = record.pack()
-        if self.backend.aux_in_done and self.backend.peer_takes_aux_in_done(peer.peer_id):
+        if self.backend.peer_takes_aux_in_done(peer.peer_id):
             # one message after the KV: the record and the done signal (docs/pd.md, "How a request's KV travels")
             self.backend.send_aux_done(peer.peer_id, room, reg.aux_slot, packed)
             return
