@@ -8,15 +8,19 @@ the down GEMM's own tiles are tried with the winner's ``BLOCK_SIZE_M``.
 Writes ``{M: config}`` as JSON named by ``kernel_config.config_file_name``
 into ``--out`` (and into ``engine/layers/moe/configs/`` with ``--save``),
 where ``kernel_config.get_config`` finds it.  Above 512 tokens every tile is
-tried with the gate/up GEMM as two MMAs and as one (``"one_dot"``).
+tried with the gate/up GEMM as two MMAs and as one (``"one_dot"``), the one-MMA
+form also with its weight tiles fetched by TMA (``"tma"``), and the down GEMM's
+tiles with and without TMA (on GPUs without it the TMA candidates time the
+pointer path again).
 ``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
 ``candidates`` and ``DOWN_SPACE``); ``--merge`` keeps the table's other
 entries and replaces only the tuned ``M``.
 
     python bench/moe_tune.py --out /tmp/out --save     # Qwen3-30B-A3B shape by default
     python bench/moe_tune.py --m 4096 --merge --save --out /tmp/out \
-        --space '{"BM": [128], "BN": [64, 128], "BK": [64], "G": [8], "W": [8], "S": [3, 4, 5], "one_dot": [true]}' \
-        --down-space '{"BN": [128, 256], "BK": [64], "W": [8], "S": [3, 4]}'
+        --space '{"BM": [128], "BN": [64, 128], "BK": [64], "G": [8], "W": [8], "S": [3, 4, 5], "one_dot": [true],
+                  "tma": [false, true]}' \
+        --down-space '{"BN": [128, 256], "BK": [64], "W": [8], "S": [3, 4], "tma": [false, true]}'
 """
 
 from __future__ import annotations
@@ -46,35 +50,48 @@ from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
 DEFAULT_M = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
-DOWN_SPACE = dict(BN=[32, 64, 128, 256], BK=[64, 128], W=[4, 8], S=[3, 4])
+DOWN_SPACE = dict(BN=[32, 64, 128, 256], BK=[64, 128], W=[4, 8], S=[3, 4], tma=[False])
+DOWN_SPACE_LARGE = dict(DOWN_SPACE, tma=[False, True])  # above 512 tokens
 
 
 def search_space(m: int, num_experts: int, top_k: int) -> dict:
     if m * top_k <= 2 * num_experts:  # decode: a few tokens per expert, weight-bandwidth bound
-        return dict(BM=[16], BN=[32, 64, 128], BK=[64, 128, 256], G=[1], W=[4], S=[2, 3, 4], one_dot=[False])
+        return dict(
+            BM=[16], BN=[32, 64, 128], BK=[64, 128, 256], G=[1], W=[4], S=[2, 3, 4], one_dot=[False], tma=[False]
+        )
     if m <= 512:
-        return dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4], one_dot=[False])
-    return dict(BM=[64, 128], BN=[64, 128, 256], BK=[64, 128], G=[8], W=[4, 8], S=[3, 4, 5], one_dot=[False, True])
+        return dict(BM=[16, 32, 64], BN=[64, 128], BK=[64, 128], G=[8], W=[4], S=[3, 4], one_dot=[False], tma=[False])
+    return dict(
+        BM=[64, 128],
+        BN=[64, 128, 256],
+        BK=[64, 128],
+        G=[8],
+        W=[4, 8],
+        S=[3, 4, 5],
+        one_dot=[False, True],
+        tma=[False, True],
+    )
 
 
 def candidates(space: dict) -> list[dict]:
     out = []
-    for bm, bn, bk, g, w, s, one in itertools.product(
-        *(space[k] for k in ("BM", "BN", "BK", "G", "W", "S", "one_dot"))
+    for bm, bn, bk, g, w, s, one, tma in itertools.product(
+        *(space[k] for k in ("BM", "BN", "BK", "G", "W", "S", "one_dot", "tma"))
     ):
-        if bm * bn > 128 * 128:  # two fp32 accumulators (or one twice as wide) of this size spill
+        if bm * bn > 128 * 128 or (tma and not one):  # spills; TMA's gate/up is one MMA (its pointer fallback too)
             continue
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
-        out.append(dict(cfg, one_dot=True) if one else cfg)
+        out.append(dict(cfg, one_dot=True, **({"tma": True} if tma else {})) if one else cfg)
     return out
 
 
 def down_candidates(space: dict, block_m: int) -> list[dict]:
     out = []
-    for bn, bk, w, s in itertools.product(*(space[k] for k in ("BN", "BK", "W", "S"))):
+    for bn, bk, w, s, tma in itertools.product(*(space[k] for k in ("BN", "BK", "W", "S", "tma"))):
         if block_m * bn > 128 * 256 or (block_m * bn > 128 * 128 and w < 8):  # one fp32 accumulator
             continue
-        out.append(dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s))
+        down = dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s)
+        out.append(dict(down, tma=True) if tma else down)
     return out
 
 
@@ -133,7 +150,8 @@ def main() -> None:
         if best is None:
             print(f"M={m}: no candidate ran", flush=True)
             continue
-        for down in down_candidates(dict(DOWN_SPACE, **(args.down_space or {})), best["BLOCK_SIZE_M"]):
+        down_space = DOWN_SPACE_LARGE if m > 512 else DOWN_SPACE
+        for down in down_candidates(dict(down_space, **(args.down_space or {})), best["BLOCK_SIZE_M"]):
             cfg = dict(best, down=down)
             try:
                 out = fused_experts(x, *weights[0], w, ids, config=cfg).float()

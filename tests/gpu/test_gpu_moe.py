@@ -254,3 +254,38 @@ def test_one_dot_gate_up_equals_the_two_dot_kernel(m, e, k, inter):
     got = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, one_dot=True))
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert _rel(got, want) < tol and _rel(got, _reference(x, w13, w2, weights, ids)) < tol
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize(
+    "m,e,k,inter,absent", [(5, 8, 2, 96, False), (33, 16, 4, 80, True), (64, 6, 3, 64, False), (700, 128, 8, 768, True)]
+)
+def test_tma_weight_tiles_equal_the_pointer_kernels(m, e, k, inter, absent):
+    """``"tma"`` (the weight tiles fetched by the tensor memory accelerator: gate/up one block of gate rows and
+    one of up rows, down a ``[1, N, K]`` block of ``w2``) gives the pointer kernels' output, also where ``inter``
+    is not a whole number of N tiles (TMA reads zeros past it) and with ids of -1 (expert parallelism).  On a
+    Hopper GPU (and in the interpreter) the descriptors are really built, not the pointer fallback."""
+    from kvship.engine.layers.moe import triton_moe
+    from kvship.engine.layers.moe.triton_moe import fused_experts
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if m > 64 and dev.type != "cuda":
+        pytest.skip("the Qwen3-30B-A3B-sized case needs CUDA")
+    h = 2048 if m > 64 else 128
+    x, w13, w2, weights, ids = _problem(m, e, k, h, inter, dtype, dev, seed=m + e)
+    if absent:
+        ids = torch.where(torch.arange(ids.numel(), device=dev).view(ids.shape) % 5 == 0, -1, ids)
+    big = m > 64 and dev.type == "cuda"
+    cfg = dict(BLOCK_SIZE_M=64 if big else 16, BLOCK_SIZE_N=64 if big else 32, BLOCK_SIZE_K=64 if big else 32)
+    cfg.update(GROUP_SIZE_M=8, num_warps=4, num_stages=3, one_dot=True)
+    down = dict(BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], num_warps=4, num_stages=3)
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9:
+        assert triton_moe._weight_desc(w13, (e * 2, inter, h), (2, 32, 32)) is not None
+        assert triton_moe._weight_desc(w2, (e, h, inter), (1, 32, 32)) is not None
+    want = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, down=down), absent=absent)
+    got = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, tma=True, down=dict(down, tma=True)), absent=absent)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(got, want) < tol
+    if not absent:  # (the pointer kernels' absent experts are checked against the reference above)
+        assert _rel(got, _reference(x, w13, w2, weights, ids)) < tol

@@ -5,7 +5,9 @@ A config is ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
 optional ``"down"`` dict overriding ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``,
 ``num_warps`` and ``num_stages`` for the down GEMM (``BLOCK_SIZE_M`` is
 shared: the aligned blocks are) and an optional ``"one_dot": true`` (the gate/up GEMM as one MMA over
-interleaved gate and up weight rows, ``triton_moe._gate_up_kernel``).  Tuned tables live in
+interleaved gate and up weight rows, ``triton_moe._gate_up_kernel``).  ``"tma": true`` (top level for
+gate/up, which is then one MMA over a block of gate rows and a block of up rows, or in ``"down"``) has the
+GEMM fetch its weight tiles with the tensor memory accelerator on GPUs that have one (Hopper on).  Tuned tables live in
 ``configs/`` as JSON files named by ``config_file_name`` (experts, expert
 width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
 as ``_``), each mapping a token count ``M`` (as a string) to a config; a
@@ -60,8 +62,11 @@ def _parse(cfg: dict) -> dict:
     out: dict = {k: int(cfg[k]) for k in KEYS}
     if "down" in cfg:
         out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
-    if cfg.get("one_dot"):  # the gate/up GEMM as one interleaved MMA (triton_moe._gate_up_kernel)
-        out["one_dot"] = True
+        if cfg["down"].get("tma"):
+            out["down"]["tma"] = True
+    for flag in ("one_dot", "tma"):
+        if cfg.get(flag):
+            out[flag] = True
     return out
 
 

@@ -30,6 +30,7 @@ Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -41,6 +42,11 @@ from kvship.engine.layers.fused_ops_cuda import pdl_enter
 from kvship.engine.layers.moe.align import moe_align_block_size, padded_size
 from kvship.engine.layers.moe.kernel_config import get_config
 from kvship.engine.layers.moe.runner import MoERunner, register_moe_runner
+
+try:  # host-side TMA descriptors (Triton 3.4+)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer path only
+    TensorDescriptor = None
 
 
 @triton.jit
@@ -71,6 +77,33 @@ def _dot_k_loop(a_ptrs, b_ptrs, mask_rows, mask_cols, k_size, acc, BLOCK_SIZE_K:
 
 
 @triton.jit
+def _dot_k_loop_tma(
+    a_ptrs,
+    mask_rows,
+    k_size,
+    w_desc,
+    lead,
+    n0,
+    acc,
+    LEAD: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """``_dot_k_loop`` with the weight tile fetched by TMA: ``w_desc`` a 3-D descriptor whose block
+    ``[LEAD, BLOCK_N, BLOCK_K]`` at ``(lead, n0, k)`` is used as one ``[K, LEAD * BLOCK_N]`` operand (the
+    tensor memory accelerator writes it to shared memory without registers or per-thread addresses;
+    out-of-range rows and columns read zeros).  ``a_ptrs`` stays a gathered pointer tile."""
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    for k0 in range(0, tl.cdiv(k_size, BLOCK_SIZE_K)):
+        mask_k = offs_k < k_size - k0 * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+        b = tl.reshape(w_desc.load([lead, n0, k0 * BLOCK_SIZE_K]), (LEAD * BLOCK_SIZE_N, BLOCK_SIZE_K))
+        acc = tl.dot(a, b.T, acc)
+        a_ptrs += BLOCK_SIZE_K
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     a_ptr,
     w_ptr,
@@ -92,6 +125,7 @@ def _gate_up_kernel(
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     ONE_DOT: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
@@ -103,12 +137,21 @@ def _gate_up_kernel(
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
     row = (pair // top_k).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert32 = tl.load(expert_ids_ptr + pid_m)
+    expert = expert32.to(tl.int64)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     mask_n = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    if ONE_DOT:
+    if TMA:
+        # ``w_ptr`` is a descriptor of w13 as ``[E * 2, I, H]``: one TMA block holds this expert's gate rows
+        # and its up rows, so the accumulator's first BLOCK_N columns are gate and the next BLOCK_N up
+        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        acc = _dot_k_loop_tma(
+            a_ptrs, mask_m, hidden_size, w_ptr, expert32 * 2, pid_n * BLOCK_SIZE_N, acc, 2, BLOCK_SIZE_N, BLOCK_SIZE_K
+        )
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+    elif ONE_DOT:
         # one [BLOCK_K, 2 * BLOCK_N] weight tile, gate and up rows interleaved (even columns gate, odd up):
         # one MMA of twice the width per step instead of two that each read the activation tile
         offs_j = tl.arange(0, 2 * BLOCK_SIZE_N)
@@ -160,6 +203,7 @@ def _down_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
@@ -171,14 +215,19 @@ def _down_kernel(
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
     pair64 = pair.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert32 = tl.load(expert_ids_ptr + pid_m)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     mask_n = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + pair64[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc = _dot_k_loop(a_ptrs, w_ptrs, mask_m, mask_n, inter_size, acc, BLOCK_SIZE_K)
+    if TMA:  # ``w_ptr`` is a descriptor of w2 ``[E, H, I]``
+        acc = _dot_k_loop_tma(
+            a_ptrs, mask_m, inter_size, w_ptr, expert32, pid_n * BLOCK_SIZE_N, acc, 1, BLOCK_SIZE_N, BLOCK_SIZE_K
+        )
+    else:
+        w_ptrs = w_ptr + expert32.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+        acc = _dot_k_loop(a_ptrs, w_ptrs + offs_k[:, None], mask_m, mask_n, inter_size, acc, BLOCK_SIZE_K)
     route_w = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
     acc = acc * route_w[:, None]
     out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
@@ -574,6 +623,33 @@ def _topk_sum_kernel(in_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + m.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _weight_desc(w: torch.Tensor, shape: tuple, block: tuple):
+    """A TMA descriptor of the expert weights ``w [E, R, K]`` seen as ``shape = (E * L, R / L, K)`` (``L`` = 2
+    splits each expert's rows in gate and up halves), or None where TMA cannot serve: no Hopper-class GPU (the
+    interpreter emulates it), a Triton without host descriptors, or a layout TMA cannot address (strides not 16-byte
+    multiples, or the halves of a padded expert not one stride apart); the kernels then read the same tiles
+    through pointers.  ``"tma"`` in a config asks for it (``kernel_config``; ``bench/moe_tune.py`` tries it)."""
+    if TensorDescriptor is None or not _tma_capable(w.device) or w.stride(-1) != 1:
+        return None
+    row = w.stride(1)
+    if shape[0] == w.shape[0]:
+        lead = w.stride(0)
+    elif w.stride(0) == w.shape[1] * row:
+        lead = shape[1] * row
+    else:
+        return None
+    if w.data_ptr() % 16 or (row * w.element_size()) % 16 or (lead * w.element_size()) % 16:
+        return None
+    return TensorDescriptor(w, list(shape), [lead, row, 1], list(block))
+
+
+@functools.cache
+def _tma_capable(device: torch.device) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs descriptor loads on CPU tensors
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @functools.cache
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -618,21 +694,24 @@ def fused_experts(
     n = m * top_k
     padded = sorted_ids.numel()
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    # the gate/up weights as [E * 2, I, H] (gate rows, then up rows of each expert) for a TMA block of both
+    w13_tma = cfg.get("tma") and _weight_desc(w13, (num_experts * 2, inter, hidden), (2, bn, bk))
     _gate_up_kernel[(triton.cdiv(padded, bm) * triton.cdiv(inter, bn),)](
-        x, w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
+        x, w13_tma or w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, ONE_DOT=bool(cfg.get("one_dot")),
-        **launch,
+        TMA=bool(w13_tma), **launch,
     )  # fmt: skip
     out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     down = {**cfg, **cfg.get("down", {})}  # the down GEMM may override N/K tiles, warps and stages
     bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
     launch = dict(num_warps=down["num_warps"], num_stages=down["num_stages"])
+    w2_tma = cfg.get("down", {}).get("tma") and _weight_desc(w2, (num_experts, hidden, inter), (1, bn, bk))
     _down_kernel[(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn),)](
-        h, w2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
+        h, w2_tma or w2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, **launch,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, TMA=bool(w2_tma), **launch,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
