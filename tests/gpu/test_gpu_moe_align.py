@@ -59,8 +59,9 @@ def _assert_same(got, want):
         (2000, 1, 64, 256, "one"),  # a single expert
         (2047, 129, 16, 256, "one"),  # everything on the last of 129 experts (the EP sentinel's shape)
         (4096, 129, 128, 256, "uniform"),  # a multiple of the chunk, E + 1 experts
-        (3000, 129, 16, 32, "uniform"),  # 94 chunks: the scan kernel runs several chunk tiles
-        (4000, 1000, 64, 128, "skewed"),  # 1024-wide expert vectors, 32 chunks in 4 scan tiles
+        (3000, 129, 16, 32, "uniform"),  # 94 chunks on 9 scan programs (16 experts each, the last one)
+        (3000, 129, 16, 8, "uniform"),  # 375 chunks: each scan program runs two chunk tiles
+        (4000, 1000, 64, 128, "skewed"),  # 1024-wide expert vectors (the layout program), 63 scan programs
         (300, 1000, 64, 256, "uniform"),  # 300 blocks on 2 programs: several fill tiles per program
         (777, 33, 16, 16, "sorted"),  # tiny chunks, already grouped input
         (513, 3, 4, 256, "uniform"),  # a block size below the padding tile

@@ -5,8 +5,8 @@ Steps for ``x [M, H]`` routed to ``k`` experts per token (``n = M * k`` pairs):
 1. ``align_block_size``: pairs sorted by expert, each run padded to
    ``BLOCK_SIZE_M`` (fixed-size outputs, no host sync): one Triton program
    (``_align_kernel``) for decode-sized batches, else ``_align_chunked``'s
-   three kernels (per-chunk expert counts, one program scanning them, per-chunk
-   scatter and padding), or ``align.moe_align_block_size``'s torch ops past
+   three kernels (per-chunk expert counts and per-expert totals, a scan per 16
+   experts, per-chunk scatter and padding), or ``align.moe_align_block_size``'s torch ops past
    ``_ALIGN_MAX_EXPERTS`` experts (all three give the same outputs).
 2. ``_gate_up_kernel``: for each block of one expert's pairs and each
    ``BLOCK_SIZE_N`` columns of the expert width ``I``, ``x[pair // k] @
@@ -384,8 +384,9 @@ _ALIGN_MAX_EXPERTS = 1024
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, ET: tl.constexpr):
-    # one program per CHUNK pairs: its expert histogram (one-hot [CHUNK, ET] per ET experts) into counts[chunk, :]
+def _align_count_kernel(ids_ptr, counts_ptr, totals_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, ET: tl.constexpr):
+    # one program per CHUNK pairs: its expert histogram (one-hot [CHUNK, ET] per ET experts) into counts[chunk, :],
+    # and added to totals (zeroed before; integer adds, so the order does not matter)
     chunk = tl.program_id(0)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
@@ -393,11 +394,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, CHUNK: tl.c
         experts = e0 + tl.arange(0, ET)
         cnt = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
         tl.store(counts_ptr + chunk * num_experts + experts, cnt, mask=experts < num_experts)
+        tl.atomic_add(totals_ptr + experts, cnt, mask=(experts < num_experts) & (cnt > 0), sem="relaxed")
 
 
 @triton.jit
 def _align_scan_kernel(
     counts_ptr,
+    totals_ptr,
     prefix_ptr,
     meta_ptr,
     ntp_ptr,
@@ -405,13 +408,15 @@ def _align_scan_kernel(
     num_experts,
     BLOCK_M: tl.constexpr,
     EXPERTS: tl.constexpr,
+    EB: tl.constexpr,
     TILE_C: tl.constexpr,
 ):
-    # one program: prefix[c, e] = pairs of expert e in chunks before c (a cumsum down TILE_C chunks at a time,
-    # carried across tiles), then each expert's padded run: meta = [starts | ends | starts + count], ntp
-    experts = tl.arange(0, EXPERTS)
+    # one program per EB experts: prefix[c, e] = pairs of expert e in chunks before c (a cumsum down TILE_C
+    # chunks at a time, carried across tiles).  Program 0 also lays out every expert's padded run from the
+    # totals: meta = [starts | ends | starts + count], ntp.
+    experts = tl.program_id(0) * EB + tl.arange(0, EB)
     emask = experts < num_experts
-    running = tl.zeros((EXPERTS,), dtype=tl.int32)
+    running = tl.zeros((EB,), dtype=tl.int32)
     for c0 in range(0, num_chunks, TILE_C):
         rows = c0 + tl.arange(0, TILE_C)
         offs = rows[:, None] * num_experts + experts[None, :]
@@ -419,13 +424,16 @@ def _align_scan_kernel(
         cnt = tl.load(counts_ptr + offs, mask=mask, other=0)
         tl.store(prefix_ptr + offs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=mask)
         running += tl.sum(cnt, axis=0)
-    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(meta_ptr + experts, starts, mask=emask)
-    tl.store(meta_ptr + num_experts + experts, ends, mask=emask)
-    tl.store(meta_ptr + 2 * num_experts + experts, starts + running, mask=emask)
-    tl.store(ntp_ptr, tl.sum(padded, axis=0))
+    if tl.program_id(0) == 0:
+        every = tl.arange(0, EXPERTS)
+        total = tl.load(totals_ptr + every, mask=every < num_experts, other=0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        tl.store(meta_ptr + every, starts, mask=every < num_experts)
+        tl.store(meta_ptr + num_experts + every, ends, mask=every < num_experts)
+        tl.store(meta_ptr + 2 * num_experts + every, starts + total, mask=every < num_experts)
+        tl.store(ntp_ptr, tl.sum(padded, axis=0))
 
 
 @triton.jit
@@ -490,7 +498,8 @@ def _align_chunked(
     topk_ids: torch.Tensor, block_m: int, num_experts: int, chunk: int = _ALIGN_CHUNK, jt: int = 32, warps: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``align.moe_align_block_size`` (same outputs) for any number of pairs: three launches, fixed grids
-    (``cdiv(n, chunk)``, 1, ``cdiv(n, chunk)``), no host sync; ``chunk`` a power of 2."""
+    (``cdiv(n, chunk)``, ``cdiv(E, 16)``, ``cdiv(n, chunk)``) after zeroing the per-expert totals, no host
+    sync; ``chunk`` a power of 2."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
     n = flat.numel()
@@ -499,18 +508,20 @@ def _align_chunked(
     num_chunks = max(1, triton.cdiv(n, chunk))
     experts = triton.next_power_of_2(num_experts)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=dev)
+    totals = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     prefix = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=dev)
     meta = torch.empty(3, num_experts, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     ntp = torch.empty(1, dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](
-        flat, counts, n, num_experts, CHUNK=chunk, ET=min(experts, max(1, 8192 // chunk)), num_warps=4
+        flat, counts, totals, n, num_experts, CHUNK=chunk, ET=min(experts, max(1, 8192 // chunk)), num_warps=4
     )
-    tile_c = min(triton.next_power_of_2(num_chunks), max(1, 8192 // experts))
-    _align_scan_kernel[(1,)](
-        counts, prefix, meta, ntp, num_chunks, num_experts,
-        BLOCK_M=block_m, EXPERTS=experts, TILE_C=max(2, tile_c), num_warps=8,
+    eb = min(experts, 16)
+    tile_c = min(triton.next_power_of_2(num_chunks), max(2, 4096 // eb))
+    _align_scan_kernel[(triton.cdiv(num_experts, eb),)](
+        counts, totals, prefix, meta, ntp, num_chunks, num_experts,
+        BLOCK_M=block_m, EXPERTS=experts, EB=eb, TILE_C=max(2, tile_c), num_warps=4,
     )  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         flat, prefix, meta, ntp, sorted_ids, expert_ids, n, num_experts, num_blocks, triton.cdiv(num_blocks, num_chunks),
