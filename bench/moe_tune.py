@@ -12,7 +12,8 @@ tried with the gate/up GEMM as two MMAs and as one (``"one_dot"``), the one-MMA
 form also with its weight tiles fetched by TMA (``"tma"``), and the down GEMM's
 tiles with and without TMA (on GPUs without it the TMA candidates time the
 pointer path again).
-``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
+``--toggle FLAG`` skips the search and A/Bs one top-level flag of each saved
+entry (``tma``, ``one_dot``) in alternating rounds.  ``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
 ``candidates`` and ``DOWN_SPACE``); ``--merge`` keeps the table's other
 entries and replaces only the tuned ``M``.
 
@@ -95,6 +96,25 @@ def down_candidates(space: dict, block_m: int) -> list[dict]:
     return out
 
 
+def toggle(saved: dict, flag: str, run, timed, ref: torch.Tensor, m: int, rounds: int = 3) -> dict:
+    """``--toggle``: ``saved`` with ``flag`` on and off, timed in alternating rounds (the median of each
+    kept); the faster config is returned.  A variant whose output is off the default config's is dropped."""
+    on, off = dict(saved, **{flag: True}), {kk: v for kk, v in saved.items() if kk != flag}
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for name, cfg in (("on", on), ("off", off)):
+        out = run(cfg).float()
+        if ((out - ref).norm() / ref.norm()).item() > 1e-2:
+            print(f"M={m} {flag} {name}: wrong result", flush=True)
+            return off if name == "on" else on
+    for _ in range(rounds):
+        for name, cfg in (("on", on), ("off", off)):
+            times[name].append(timed(cfg))
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    pick = "on" if med["on"] < med["off"] else "off"
+    print(f"M={m}: {flag} on {med['on'] * 1e6:.1f} us, off {med['off'] * 1e6:.1f} us -> {pick}", flush=True)
+    return on if pick == "on" else off
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=DEFAULT_M)
@@ -109,6 +129,12 @@ def main() -> None:
     ap.add_argument("--space", type=json.loads, default=None, help="JSON: the gate/up search space (all sizes)")
     ap.add_argument("--down-space", type=json.loads, default=None, help="JSON: the down GEMM's search space")
     ap.add_argument("--merge", action="store_true", help="keep the saved table's other entries")
+    ap.add_argument(
+        "--toggle",
+        default=None,
+        help='a config flag ("tma", "one_dot"): no search; each --m\'s saved entry timed with the flag on and '
+        "off (alternating rounds, both checked against the default config), the faster kept",
+    )
     args = ap.parse_args()
     t0 = time.time()
     e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
@@ -131,6 +157,15 @@ def main() -> None:
         t_default = graph_time(
             lambda i: fused_experts(x, *weights[i % args.copies], w, ids, default_config(m, e, k)), 6
         )
+        if args.toggle:
+            saved_cfg = (load_table(e, inter, torch.bfloat16, torch.cuda.get_device_name()) or {}).get(m)
+            if saved_cfg is None or "gemv" in saved_cfg:
+                print(f"M={m}: no aligned entry saved; --toggle skips it", flush=True)
+                continue
+            table[str(m)] = toggle(saved_cfg, args.toggle, lambda c: fused_experts(x, *weights[0], w, ids, config=c),
+                                   lambda c: graph_time(lambda i: fused_experts(x, *weights[i % args.copies], w, ids, c), 6),
+                                   ref, m)  # fmt: skip
+            continue
         best, best_t = None, float("inf")
         space = dict(search_space(m, e, k), **(args.space or {}))
         for cfg in candidates(space):
