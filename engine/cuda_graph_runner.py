@@ -27,6 +27,8 @@ Contract for callers:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -43,6 +45,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.mem.pools import KVPool
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Collect once, then keep Python's cyclic garbage collector off for the block (every loop of graph
+    captures runs in one).  A collection inside a capture runs the finalizers of whatever earlier objects
+    became garbage, and some make CUDA calls a capture forbids (a pinned host buffer's free, a transfer
+    engine's memory deregistration): the capture is invalidated and the worker fails to start.  Seen on the
+    H100 when a process built a second model runner and a generation-1 collection of the first one's objects
+    landed inside a decode-graph capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CudaGraphRunner:
@@ -113,7 +133,7 @@ class CudaGraphRunner:
         order = list(reversed(self.batch_sizes))  # largest first: later graphs reuse its pool blocks
         bar = tqdm(order, desc="Capturing CUDA graphs", unit="graph", disable=not show_progress)
         # MoE models: padding rows (KV slot 0) stay out of the expert load
-        with torch.inference_mode(), count_rows_by_slot(self.model, self.out_cache_loc):
+        with torch.inference_mode(), count_rows_by_slot(self.model, self.out_cache_loc), collector_paused():
             for bs in bar:
                 bar.set_postfix(bs=bs)
                 self._capture_one(bs)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch import nn
 
+from kvship.engine.cuda_graph_runner import collector_paused
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
@@ -198,7 +199,7 @@ class PrefillGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         order = list(reversed(self.token_sizes))  # largest first: the others reuse its pool blocks
         bar = tqdm(order, desc="Capturing prefill graphs", unit="size", disable=not show_progress)
-        with torch.inference_mode(), count_rows_by_slot(self.model, self.out_cache_loc):
+        with torch.inference_mode(), count_rows_by_slot(self.model, self.out_cache_loc), collector_paused():
             for t in bar:
                 bar.set_postfix(tokens=t)
                 self._capture_one(t)

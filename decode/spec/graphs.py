@@ -39,6 +39,7 @@ from kvship.common.envs import ENV
 from kvship.decode.spec.tree_build import build_tree_arrays
 from kvship.engine.attention.triton_backend import SplitVerify, TritonExtendMeta
 from kvship.engine.attention.triton_ops.verify_attention import SPLIT_VERIFY_MAX_TOKENS
+from kvship.engine.cuda_graph_runner import collector_paused
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
@@ -84,7 +85,7 @@ class VerifyGraphs:
         self.stream = torch.cuda.Stream(device=dev)
         t0 = time.perf_counter()
         # MoE targets: padding rows (KV slot 0) stay out of the expert load
-        with torch.inference_mode(), count_rows_by_slot(runner.model, self.out_cache_loc):
+        with torch.inference_mode(), count_rows_by_slot(runner.model, self.out_cache_loc), collector_paused():
             for bs in reversed(self.sizes):
                 self._capture(bs)
         logger.info(
@@ -209,7 +210,7 @@ class DraftGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=tree.device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             for bs in reversed(self.sizes):
                 self._capture(bs)
         logger.info(

@@ -165,3 +165,45 @@ def test_pdl_and_fused_rope_store_keep_greedy_tokens(model_path, kv_driver, monk
     off = run("0")
     assert fused_calls and not any(fused_calls)
     assert on == off
+
+
+@requires_cuda
+def test_capture_survives_garbage_whose_finalizer_is_capture_unsafe(model_path, kv_driver, monkeypatch):
+    """Cyclic garbage whose finalizer does CUDA work a capture forbids (here it synchronizes the device, as a
+    pinned buffer's free or a transfer engine's deregistration does CUDA work) becomes garbage inside every
+    capture, with a collection due at nearly every allocation: the collector stays off while the graphs are
+    captured (``cuda_graph_runner.collector_paused``), so the decode and prefill graphs capture, their
+    finalizers run after, and the graphs replay the eager tokens.  Without the guard the first capture fails."""
+
+    class CudaFinalizer:
+        ran = 0
+
+        def __init__(self):
+            self.me = self  # a cycle: only the collector frees it
+
+        def __del__(self):
+            CudaFinalizer.ran += 1
+            torch.cuda.synchronize()  # forbidden while a stream captures (global capture mode)
+
+    eager = make_runner(model_path, "triton", graphs=False)
+    want = greedy_batch(eager, kv_driver, 3, steps=8)
+    _release(eager)
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_and_drop_garbage(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        CudaFinalizer()  # garbage from the first statement of the capture on
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_and_drop_garbage)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        runner = make_runner(model_path, "triton", graphs=True)
+    finally:
+        gc.set_threshold(*thresholds)
+        monkeypatch.undo()
+    gc.collect()
+    assert runner.cuda_graph_runner is not None and runner.prefill_graph_runner is not None
+    assert CudaFinalizer.ran >= len(runner.cuda_graph_runner.graphs) and gc.isenabled()
+    assert greedy_batch(runner, kv_driver, 3, steps=8) == want
+    _release(runner)

@@ -169,7 +169,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(m):
 
 
 @requires_cuda
-def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver, monkeypatch):
+def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver, monkeypatch, request):
     """Graphs (prefill and decode) with programmatic dependent launch on (the default on Hopper) against eager
     steps with it off: the same tokens, and the same expert load."""
     from moe_fixtures import build_tiny_moe
@@ -200,6 +200,8 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
     def pdl(flag: str) -> None:
         monkeypatch.setenv("KVSHIP_PDL", flag)
         fused_dispatch._PDL.clear()
+
+    request.addfinalizer(fused_dispatch._PDL.clear)  # later tests read the default again, not this test's last flag
 
     def greedy(r: ModelRunner, bs: int) -> list[list[int]]:
         pdl("1" if r.cuda_graph_runner is not None else "0")
