@@ -8,7 +8,7 @@ that trial succeeds, back to ``open`` (cool-down restarts) when it fails.
 Callers keep this protocol: filter candidates with ``can_attempt()``, call
 ``on_attempt()`` for the worker actually chosen (this is what turns an
 expired ``open`` into ``half_open`` and claims the trial slot), then report
-exactly one ``record_success()`` or ``record_failure()`` per attempt.
+exactly one ``record_success()``, ``record_failure()`` or ``release_trial()`` (no verdict) per attempt.
 A ``failure_threshold`` of 0 disables the breaker (always closed).
 """
 
@@ -60,6 +60,10 @@ class CircuitBreaker:
             if self.state != OPEN:
                 self.opened_at = self._clock()
             self.state = OPEN
+
+    def release_trial(self) -> None:
+        """An attempt ended with no verdict on the worker: a half-open circuit may send its trial again."""
+        self._trial_in_flight = False
 
     def reset(self) -> None:
         """Back to closed (a worker that was restarted and passed its health checks)."""

@@ -54,6 +54,7 @@ from kvship.common import fastjson
 from kvship.router.core import Selection
 from kvship.router.resume import SSEParser
 from kvship.router.upstream import (
+    PAIR_FAILED_CODE,
     RETRYABLE_STATUS,
     AttemptFailed,
     DeadlineExceeded,
@@ -62,6 +63,7 @@ from kvship.router.upstream import (
     Upstream,
     describe_error,
     open_upstream,
+    pair_failure,
     pass_headers,
 )
 from kvship.router.wire import (
@@ -100,7 +102,7 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
         raise
     if resp.status >= 400:
         retryable = resp.status in RETRYABLE_STATUS
-        lease.finish(not retryable, f"http_{resp.status}")
+        lease.finish(not retryable, f"http_{resp.status}", blame=not pair_failure(body))
         raise AttemptFailed(worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp))
     lease.finish(True)
     return body
@@ -163,6 +165,7 @@ async def _prefill_stream(
     headers = dict(ctx.headers)
     headers[PD_FIRST_TOKEN_HEADER] = "1"
     failure: Optional[AttemptFailed] = None
+    blame = True  # False when the failure is its pair's (``pair_failure``)
     try:
         async with asyncio.timeout_at(ctx.deadline):
             async with client.post(worker.url + path, data=content, headers=headers) as resp:
@@ -172,6 +175,7 @@ async def _prefill_stream(
                     failure = AttemptFailed(
                         worker, f"prefill http_{resp.status}", retryable, resp.status, body, pass_headers(resp)
                     )
+                    blame = not pair_failure(body)
                 else:
                     parser = SSEParser()
                     before = b""  # a chat stream's role chunk, which goes out with the first token
@@ -188,6 +192,7 @@ async def _prefill_stream(
                             err = obj.get("error") if isinstance(obj, dict) else None
                             if isinstance(err, dict) and failure is None:
                                 failure = AttemptFailed(worker, f"prefill error: {err.get('message', err)}", True)
+                                blame = err.get("code") != PAIR_FAILED_CODE
     except aiohttp.ClientError as e:
         failure = AttemptFailed(worker, describe_error(e), True)
     except TimeoutError:
@@ -200,7 +205,7 @@ async def _prefill_stream(
         if not first.done():
             first.set_result(None)
     if failure is not None:
-        lease.finish(not failure.retryable, failure.reason)
+        lease.finish(not failure.retryable, failure.reason, blame=blame)
         raise failure
     lease.finish(True)
     return b""

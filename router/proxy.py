@@ -42,6 +42,7 @@ from kvship.router.pd import pd_attempt
 from kvship.router.resume import ResumeState, SSEParser
 from kvship.router.slo import RequestMeter
 from kvship.router.upstream import (
+    PAIR_FAILED_CODE,
     AttemptFailed,
     DeadlineExceeded,
     Lease,
@@ -276,7 +277,8 @@ class ResumingRelay(Response):
                 assert up.response is not None
                 up.response.close()
                 up.cancel_prefill()
-                up.lease.finish(why == "timeout", why)
+                paired = why.startswith("worker_error") and state.failed_code == PAIR_FAILED_CODE  # its peer's failure
+                up.lease.finish(why == "timeout", why, blame=not paired)
                 exclude.add(up.worker.url)
                 logger.warning(
                     "request %s: stream from %s broke after %d token(s): %s",

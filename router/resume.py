@@ -126,6 +126,7 @@ class ResumeState:
         self.out_ids: list[int] = []  # aligned output ids: their text reached the client
         self.resumes = 0
         self.finished = False
+        self.failed_code: Optional[str] = None  # the code of the error event that failed the last stream
         self._held: list[bytes] = []  # an abort finish (and what follows it) waiting for the next event
         self.text_relayed = False  # some output text reached the client
         self.relayed_chars = 0  # characters of output text the client has
@@ -194,6 +195,7 @@ class ResumeState:
                 obj = None
         err = obj.get("error") if isinstance(obj, dict) else None
         if isinstance(err, dict) and err.get("code") in RESUMABLE_ERROR_CODES and not self.finished:
+            self.failed_code = err.get("code")
             self._held = []
             return b"", "failed"  # (held events are dropped)
         if isinstance(obj, dict) and err is None and (self._held or _aborts(self.route, obj)):

@@ -15,6 +15,7 @@ lease is finished by whoever relays it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,7 +95,9 @@ class Lease:
         worker.breaker.on_attempt()
         router.metrics.in_flight.labels(worker.url).set(worker.in_flight)
 
-    def finish(self, ok: bool, reason: str = "") -> None:
+    def finish(self, ok: bool, reason: str = "", blame: bool = True) -> None:
+        """``blame=False``: a failed attempt that says nothing of this worker's own health (its PD peer
+        failed, see ``pair_failure``): counted and reported, but the circuit breaker only frees its trial."""
         if self.done:
             return
         self.done = True
@@ -103,7 +106,10 @@ class Lease:
         if ok:
             w.breaker.record_success()
         else:
-            w.breaker.record_failure()
+            if blame:
+                w.breaker.record_failure()
+            else:
+                w.breaker.release_trial()
             w.total_failures += 1
             w.last_error = reason
             m.worker_failures.labels(w.url, reason.split(":", 1)[0] or "error").inc()
@@ -164,6 +170,21 @@ def pass_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
     return out
 
 
+PAIR_FAILED_CODE = "pd_request_failed"
+
+
+def pair_failure(body: bytes) -> bool:
+    """Whether a PD worker's error body says the attempt failed on its pair (``pd_request_failed``: the KV
+    transfer failed or timed out, the peer went away).  A live worker answers this when its peer died, so
+    it is not counted against the worker that answered: the dead one is caught by its own connection
+    errors and health checks (docs/router.md, "Circuit breakers")."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == PAIR_FAILED_CODE
+
+
 def describe_error(e: BaseException) -> str:
     """``Type: message`` (or just ``Type``) of an attempt's exception, for logs, metrics and errors."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -197,7 +218,7 @@ async def open_upstream(
             first = await resp.content.readany()
             return Upstream(worker, lease, status, pass_headers(resp), response=resp, first=first)
     except AttemptFailed as e:
-        lease.finish(False, e.reason)
+        lease.finish(False, e.reason, blame=not pair_failure(e.body))
         close_response(resp)
         raise
     except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's socket timeouts subclass both

@@ -86,6 +86,7 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
         "tokens": 4,
         "fail_next": 0,
         "fail_status": 503,
+        "fail_code": None,  # the error body's code (``pd_request_failed``: a PD worker reporting its pair's failure)
         "healthy": True,
         "die_after_chunks": -1,
     }
@@ -147,7 +148,10 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
         )
         if state["fail_next"] > 0:
             state["fail_next"] -= 1
-            return JSONResponse({"error": {"message": f"{name} told to fail"}}, status_code=state["fail_status"])
+            err = {"message": f"{name} told to fail"}
+            if state["fail_code"]:
+                err["code"] = state["fail_code"]
+            return JSONResponse({"error": err}, status_code=state["fail_status"])
         if state["delay"]:
             await asyncio.sleep(state["delay"])
         n = int(

@@ -120,6 +120,9 @@ async def test_decode_worker_sigkilled_mid_burst_streams_complete_and_the_worker
             assert r.status_code == 200, r.text
             served_by.add(r.headers["x-kvship-decode"])
         assert victim in served_by  # the restarted worker takes traffic again
+        # the prefill workers that were sending to the dead one reported their pair's failure, not their own
+        workers = (await c.get(cluster.url + "/workers")).json()["workers"]
+        assert all(w["circuit"] == "closed" for w in workers if w["role"] == "prefill"), workers
     wait_kv_free(cluster.workers("prefill") + decode, headers=AUTH)
 
 
@@ -128,6 +131,13 @@ async def test_prefill_worker_sigkilled_mid_burst_streams_complete_with_the_undi
     victim = cluster.workers("prefill")[0]
     old_pid = int(_info(victim)["pid"])
     async with httpx.AsyncClient(timeout=120, headers=AUTH, limits=httpx.Limits(max_connections=200)) as c:
+        deadline = time.monotonic() + 60
+        while True:  # the burst must reach the victim: every worker serving (the previous test's restart is over)
+            workers = (await c.get(cluster.url + "/workers")).json()["workers"]
+            if all(w["state"] == "serving" for w in workers):
+                break
+            assert time.monotonic() < deadline, workers
+            await asyncio.sleep(0.5)
         results = await burst_with_a_kill(c, cluster.url, bodies, old_pid, victim, "x-kvship-prefill", min_started=1)
         await check_burst(c, cluster.url, bodies, results)
         deadline = time.monotonic() + 120

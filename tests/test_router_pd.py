@@ -120,6 +120,37 @@ async def test_pd_retries_on_another_decode_worker_when_decode_fails():
         assert all(r.status_code == 200 and r.headers["x-kvship-decode"] == decode[1].url for r in rs)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("code", ["pd_request_failed", None])
+async def test_a_worker_reporting_its_pairs_failure_is_retried_elsewhere_but_keeps_its_circuit_closed(role, code):
+    """A live PD worker answers 503 ``pd_request_failed`` when its peer died mid-transfer: the request goes to
+    another pair, but the reporter's circuit stays closed (the CI flake this fixes: one decode worker's
+    death opened the circuit of the prefill worker paired with it for 30 s).  Any other 503 opens it."""
+    with pd_fleet(2, 2) as (prefill, decode):
+        reporter = (prefill if role == "prefill" else decode)[0]
+        reporter.control(fail_next=3, fail_status=503, fail_code=code)
+        config = pd_config(
+            prefill,
+            decode,
+            policy="round_robin",
+            prefill_policy="round_robin",
+            circuit_failure_threshold=2,
+            circuit_cooldown=600,
+        )
+        async with running_router(config) as (url, _):
+            async with httpx.AsyncClient(timeout=30) as c:
+                rs = [await c.post(url + "/generate", json={"text": f"t{i}"}) for i in range(6)]
+                state = {w["url"]: w for w in (await c.get(url + "/workers")).json()["workers"]}[reporter.url]
+                metrics = (await c.get(url + "/metrics")).text
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert len(reporter.requests()) >= 2
+        failures = 3 if code == "pd_request_failed" else 2  # (an open circuit gets no more attempts)
+        assert state["circuit"] == ("closed" if code else "open") and state["total_failures"] == failures, state
+        assert (
+            f'kvship_router_worker_failures_total{{reason="http_503",worker="{reporter.url}"}} {failures}.0' in metrics
+        )
+
+
 async def test_pd_prefill_client_error_reaches_the_client_and_cancels_decode():
     with pd_fleet(1, 1) as (prefill, decode):
         prefill[0].control(fail_next=1, fail_status=400)
@@ -171,7 +202,7 @@ def _chat_event(delta: dict, finish=None, ids=None, prompt_ids=None) -> bytes:
 @contextlib.asynccontextmanager
 async def _fake_worker(mode: str, chat):
     """A worker in this event loop (aiohttp): the info routes the router reads, and ``chat(request, response)``
-    writing a prepared SSE response of ``/v1/chat/completions``."""
+    writing a prepared SSE response of ``/v1/chat/completions`` (and of ``/v1/completions``)."""
     from aiohttp import web
 
     async def info(_):
@@ -196,6 +227,7 @@ async def _fake_worker(mode: str, chat):
     app.router.add_get("/get_model_info", ok)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)  # (a resumed stream's continuation)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -265,3 +297,68 @@ async def test_a_decode_worker_dying_after_its_chat_role_chunk_fails_the_attempt
         assert "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o["choices"]) == "hello there"
         assert calls["decode"] == 2 and len(calls["prefill"]) == 2
         assert calls["prefill"][0].is_set()  # the first attempt's prefill call was closed, not left to time out
+
+
+@pytest.mark.parametrize("code", ["pd_request_failed", "engine_dead"])
+async def test_a_decode_stream_failing_on_its_pair_is_resumed_and_keeps_the_decode_circuit_closed(code):
+    """Mid-stream, a decode worker whose prefill peer died says so with an error event ``pd_request_failed``:
+    the stream is resumed on another pair and that decode worker's circuit stays closed; any other failure
+    (``engine_dead``: the worker's own model loop) opens it (threshold 1 here)."""
+    calls = {"decode": []}
+    role = {"role": "assistant", "content": ""}
+
+    async def prefill(request, response):
+        await response.write(_chat_event(role, prompt_ids=[1, 2, 3]))
+        await response.write(_chat_event({}, finish="length"))
+        await response.write(b"data: [DONE]\n\n")
+
+    def decode_for(url_box):
+        async def decode(request, response):
+            calls["decode"].append((url_box[0], request.path))
+            if request.path == "/v1/completions":  # the continuation: a token-id prompt
+                for obj in ({"text": " there", "finish_reason": None}, {"text": "", "finish_reason": "length"}):
+                    event = {"id": "k", "object": "text_completion", "choices": [{"index": 0, **obj}]}
+                    event["kvship_token_ids"] = [11] if obj["text"] else []
+                    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await response.write(b"data: [DONE]\n\n")
+                return
+            await response.write(_chat_event(role, prompt_ids=[1, 2, 3]))
+            if len(calls["decode"]) == 1:
+                await response.write(_chat_event({"content": "hello"}, ids=[10]))
+                err = {"error": {"message": "KV transfer: the peer went away", "code": code}}
+                await response.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                return
+
+        return decode
+
+    b0, b1 = [""], [""]
+    async with (
+        _fake_worker("prefill", prefill) as p,
+        _fake_worker("decode", decode_for(b0)) as d0,
+        _fake_worker("decode", decode_for(b1)) as d1,
+    ):
+        b0[0], b1[0] = d0, d1
+        config = RouterConfig(
+            pd=True,
+            prefill=[p],
+            decode=[d0, d1],
+            health_check_interval=60,
+            retry_backoff_base=0.01,
+            circuit_failure_threshold=1,
+            circuit_cooldown=600,
+            decode_policy="round_robin",
+        )
+        async with running_router(config) as (url, _):
+            async with httpx.AsyncClient(timeout=30) as c:
+                body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+                workers = {w["url"]: w for w in (await c.get(url + "/workers")).json()["workers"]}
+        assert r.status_code == 200 and events[-1] == "[DONE]", events
+        objs = [json.loads(e) for e in events[:-1]]
+        assert "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o["choices"]) == "hello there"
+        [(first, route0), (second, route1)] = calls["decode"]
+        assert first != second and route1 == "/v1/completions"  # resumed on the other decode worker
+        failed = workers[first]
+        assert failed["total_failures"] == 1
+        assert failed["circuit"] == ("closed" if code == "pd_request_failed" else "open"), failed
