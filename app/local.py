@@ -58,7 +58,7 @@ from typing import Any, Optional, Sequence
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
-from kvship.common.ports import free_port
+from kvship.common.ports import MOONCAKE_PORTS, free_port
 from kvship.engine.config import TRANSFER_BACKENDS, ServerArgs
 
 logger = logging.getLogger("kvship.local")
@@ -231,7 +231,7 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A port ``p`` with ``p .. p + n - 1`` all free (rank r of a tensor-parallel prefill binds ``p + r``)."""
     for _ in range(100):
         base = free_port(host)
-        if base + n > 65536:
+        if base + n > 65536 or any(port in MOONCAKE_PORTS for port in range(base, base + n)):
             continue
         try:
             with contextlib.ExitStack() as stack:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 from typing import Optional
 
@@ -76,12 +77,28 @@ def run(args: argparse.Namespace) -> int:
     from kvship.engine.engine import Engine
     from kvship.engine.http_server import serve_engine
 
+    sock = listen_or_none(server_args)
+    if sock is None:
+        return 1
     try:
         engine = Engine(server_args, scheduler_factory=scheduler_for_mode(server_args.mode))
-        return serve_engine(engine, server_args)
+        return serve_engine(engine, server_args, sock=sock)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
+    finally:
+        sock.close()
+
+
+def listen_or_none(server_args: ServerArgs) -> Optional[socket.socket]:
+    """The worker's HTTP socket (``bind_http_socket``), or None after logging why it cannot be had."""
+    from kvship.engine.http_server import bind_http_socket
+
+    try:
+        return bind_http_socket(server_args)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", server_args.host, server_args.port, e)
+        return None
 
 
 def check_tensor_parallel(server_args: ServerArgs) -> None:
@@ -121,6 +138,9 @@ def run_tensor_parallel(server_args: ServerArgs) -> int:
     except (FileNotFoundError, ValueError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
+    sock = listen_or_none(server_args)  # (the ranks are spawned, not forked: they do not inherit it)
+    if sock is None:
+        return 1
     ranks = RankProcesses.start(_rank_main, server_args)
     starting = ranks.exit_on_failure_while_starting()
     try:
@@ -133,13 +153,14 @@ def run_tensor_parallel(server_args: ServerArgs) -> int:
                 return ranks.failure() or f"the model loop of rank 0 died ({engine.failure})"
             return ranks.failure()
 
-        return serve_engine(engine, server_args, monitor=monitor)
+        return serve_engine(engine, server_args, monitor=monitor, sock=sock)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
     finally:
         starting.set()
         ranks.stop()
+        sock.close()
 
 
 def _rank_main(rank: int, server_args: ServerArgs, init_method: str) -> None:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
@@ -176,12 +177,36 @@ def _rid_family(engine: Engine, rid: str) -> list[str]:
 FATAL_EXIT_GRACE_S = 30.0
 
 
-def serve_engine(engine: Engine, server_args: ServerArgs, monitor: Optional[Callable[[], Optional[str]]] = None) -> int:
+def bind_http_socket(server_args: ServerArgs) -> socket.socket:
+    """The worker's HTTP socket, bound and listening on ``--host``/``--port`` before the engine is built:
+    the port is the worker's from its first moment (a transfer engine starting later picks its own ports
+    among the free ones) and a port in use fails at once, not after the model loaded.  Connections made
+    before serving starts wait in the backlog.  OSError when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in server_args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((server_args.host, server_args.port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_engine(
+    engine: Engine,
+    server_args: ServerArgs,
+    monitor: Optional[Callable[[], Optional[str]]] = None,
+    sock: Optional[socket.socket] = None,
+) -> int:
     """Serve ``engine`` over HTTP until interrupted, then shut it down (always). Returns an exit code.
 
-    ``monitor`` (a tensor-parallel worker's rank watch) is polled while
-    serving; when it returns a message the worker logs it, shuts down and
-    exits 1 (hard, after ``FATAL_EXIT_GRACE_S``, if the shutdown hangs).
+    ``sock`` is the socket ``bind_http_socket`` bound (else uvicorn binds
+    ``--host``/``--port`` itself).  ``monitor`` (a tensor-parallel worker's
+    rank watch) is polled while serving; when it returns a message the worker
+    logs it, shuts down and exits 1 (hard, after ``FATAL_EXIT_GRACE_S``, if the
+    shutdown hangs).
     """
     import uvicorn
 
@@ -201,10 +226,12 @@ def serve_engine(engine: Engine, server_args: ServerArgs, monitor: Optional[Call
         if monitor is not None:
             threading.Thread(target=_watch, args=(server, monitor, failures), name="kvship-watch", daemon=True).start()
         logger.info("serving %s on http://%s:%d", engine.served_model_name, server_args.host, server_args.port)
-        server.run()  # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown
+        server.run(sockets=[sock] if sock is not None else None)  # re-raises SIGTERM/SIGINT after shutting down
         return 0 if server.started and not failures else 1
     finally:
         engine.shutdown()
+        if sock is not None:
+            sock.close()
 
 
 def _watch(server: Any, monitor: Callable[[], Optional[str]], failures: list[str], every_s: float = 0.2) -> None:

@@ -1,0 +1,99 @@
+"""Ports a worker owns: picked out of Mooncake's range, and bound before the model loads.
+
+CI once failed when ``kvship local`` gave prefill-0 an HTTP port that the worker's own Mooncake transfer
+engine, started before the HTTP server, had taken meanwhile: the worker exited ("address already in use")
+and kvship local's health check spoke HTTP to Mooncake's TCP transport.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvship.app.local import free_port_run
+from kvship.common.ports import MOONCAKE_PORTS, free_port
+
+
+def test_mooncake_engines_take_their_ports_in_the_range_we_keep_out_of():
+    """The range is Mooncake's behaviour, not ours: check it against the real library."""
+    engine_mod = pytest.importorskip("mooncake.engine")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from mooncake.engine import TransferEngine\n"
+            "es = [TransferEngine() for _ in range(8)]\n"
+            "for e in es: assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') == 0\n"
+            "print(*[e.get_rpc_port() for e in es])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    ports = [int(p) for p in out.stdout.split()]
+    assert len(ports) == 8 and all(p in MOONCAKE_PORTS for p in ports), (ports, engine_mod.__file__)
+
+
+def test_picked_ports_stay_out_of_mooncakes_range():
+    picked = [free_port() for _ in range(300)]
+    assert not [p for p in picked if p in MOONCAKE_PORTS]
+    assert len(set(picked)) > 100  # still spread (a fixed answer would collide between children)
+    runs = [free_port_run(4) for _ in range(100)]
+    assert not [b for b in runs if any(p in MOONCAKE_PORTS for p in range(b, b + 4))]
+
+
+def test_a_worker_whose_port_is_taken_exits_1_before_loading_the_model(tiny_llama_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", tiny_llama_dir, "--device", "cpu"]
+            + ["--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Address already in use" in out.stderr
+    assert "loaded " not in out.stderr and "Traceback" not in out.stderr  # the model was never loaded
+    assert time.monotonic() - started < 60
+
+
+def test_the_worker_owns_its_port_while_the_model_loads(tiny_llama_dir, tmp_path):
+    """The port is bound before the engine is built: a bind to it during start-up fails, and the worker
+    answers on it once ready (a request made meanwhile waits in the backlog instead of being refused)."""
+    import httpx
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", tiny_llama_dir, "--device", "cpu"]
+        + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"],
+        stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # bind the port ourselves until that fails: the worker has it
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    break
+            time.sleep(0.01)
+        text = (tmp_path / "serve.log").read_text()
+        assert "serving tiny" not in text, text  # taken before the server started (uvicorn binds after this line)
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=120)  # waits in the backlog until served
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
