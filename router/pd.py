@@ -54,7 +54,6 @@ from kvship.common import fastjson
 from kvship.router.core import Selection
 from kvship.router.resume import SSEParser
 from kvship.router.upstream import (
-    PAIR_FAILED_CODE,
     RETRYABLE_STATUS,
     AttemptFailed,
     DeadlineExceeded,
@@ -62,6 +61,7 @@ from kvship.router.upstream import (
     RequestContext,
     Upstream,
     describe_error,
+    is_pair_error,
     open_upstream,
     pair_failure,
     pass_headers,
@@ -192,7 +192,7 @@ async def _prefill_stream(
                             err = obj.get("error") if isinstance(obj, dict) else None
                             if isinstance(err, dict) and failure is None:
                                 failure = AttemptFailed(worker, f"prefill error: {err.get('message', err)}", True)
-                                blame = err.get("code") != PAIR_FAILED_CODE
+                                blame = not is_pair_error(err)
     except aiohttp.ClientError as e:
         failure = AttemptFailed(worker, describe_error(e), True)
     except TimeoutError:

@@ -173,16 +173,20 @@ def pass_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
 PAIR_FAILED_CODE = "pd_request_failed"
 
 
+def is_pair_error(err: object) -> bool:
+    """Whether a PD worker's error object (``{"message": ..., "code": ...}``) says the attempt failed on its
+    pair (``pd_request_failed``: the KV transfer failed or timed out, the peer went away).  A live worker
+    answers this when its peer died, so it is not counted against the worker that answered: the dead one
+    is caught by its own connection errors and health checks (docs/router.md, "Reliability")."""
+    return isinstance(err, dict) and err.get("code") == PAIR_FAILED_CODE
+
+
 def pair_failure(body: bytes) -> bool:
-    """Whether a PD worker's error body says the attempt failed on its pair (``pd_request_failed``: the KV
-    transfer failed or timed out, the peer went away).  A live worker answers this when its peer died, so
-    it is not counted against the worker that answered: the dead one is caught by its own connection
-    errors and health checks (docs/router.md, "Circuit breakers")."""
+    """``is_pair_error`` of an error reply's body."""
     try:
-        err = json.loads(body).get("error")
+        return is_pair_error(json.loads(body).get("error"))
     except (ValueError, AttributeError):
         return False
-    return isinstance(err, dict) and err.get("code") == PAIR_FAILED_CODE
 
 
 def describe_error(e: BaseException) -> str:
