@@ -12,8 +12,9 @@ tried with the gate/up GEMM as two MMAs and as one (``"one_dot"``), the one-MMA
 form also with its weight tiles fetched by TMA (``"tma"``), and the down GEMM's
 tiles with and without TMA (on GPUs without it the TMA candidates time the
 pointer path again).
-``--toggle FLAG`` skips the search and A/Bs one top-level flag of each saved
-entry (``tma``, ``one_dot``) in alternating rounds.  ``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
+``--toggle FLAG`` skips the search and A/Bs one flag of each saved
+entry (``tma``, ``one_dot``, ``persistent``, or the down GEMM's as ``down.tma``, ``down.persistent``) in
+alternating rounds.  Spaces take ``"persistent": [false, true]`` too (gate/up and down).  ``--space`` / ``--down-space`` replace the searched values (JSON, keys as in
 ``candidates`` and ``DOWN_SPACE``); ``--merge`` keeps the table's other
 entries and replaces only the tuned ``M``.
 
@@ -76,30 +77,42 @@ def search_space(m: int, num_experts: int, top_k: int) -> dict:
 
 def candidates(space: dict) -> list[dict]:
     out = []
-    for bm, bn, bk, g, w, s, one, tma in itertools.product(
-        *(space[k] for k in ("BM", "BN", "BK", "G", "W", "S", "one_dot", "tma"))
+    for bm, bn, bk, g, w, s, one, tma, persistent in itertools.product(
+        *(space.get(k, [False]) for k in ("BM", "BN", "BK", "G", "W", "S", "one_dot", "tma", "persistent"))
     ):
         if bm * bn > 128 * 128 or (tma and not one):  # spills; TMA's gate/up is one MMA (its pointer fallback too)
             continue
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
-        out.append(dict(cfg, one_dot=True, **({"tma": True} if tma else {})) if one else cfg)
+        cfg = dict(cfg, one_dot=True, **({"tma": True} if tma else {})) if one else cfg
+        out.append(dict(cfg, persistent=True) if persistent else cfg)
     return out
 
 
 def down_candidates(space: dict, block_m: int) -> list[dict]:
     out = []
-    for bn, bk, w, s, tma in itertools.product(*(space[k] for k in ("BN", "BK", "W", "S", "tma"))):
+    for bn, bk, w, s, tma, persistent in itertools.product(
+        *(space.get(k, [False]) for k in ("BN", "BK", "W", "S", "tma", "persistent"))
+    ):
         if block_m * bn > 128 * 256 or (block_m * bn > 128 * 128 and w < 8):  # one fp32 accumulator
             continue
         down = dict(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s)
-        out.append(dict(down, tma=True) if tma else down)
+        down = dict(down, tma=True) if tma else down
+        out.append(dict(down, persistent=True) if persistent else down)
     return out
+
+
+def _with_flag(cfg: dict, flag: str, value: bool) -> dict:
+    """``cfg`` with ``flag`` (``"tma"``, or ``"down.tma"`` for the down GEMM's) set or removed."""
+    if flag.startswith("down."):
+        return dict(cfg, down=_with_flag(cfg.get("down", {}), flag.removeprefix("down."), value))
+    out = {k: v for k, v in cfg.items() if k != flag}
+    return dict(out, **{flag: True}) if value else out
 
 
 def toggle(saved: dict, flag: str, run, timed, ref: torch.Tensor, m: int, rounds: int = 3) -> dict:
     """``--toggle``: ``saved`` with ``flag`` on and off, timed in alternating rounds (the median of each
     kept); the faster config is returned.  A variant whose output is off the default config's is dropped."""
-    on, off = dict(saved, **{flag: True}), {kk: v for kk, v in saved.items() if kk != flag}
+    on, off = _with_flag(saved, flag, True), _with_flag(saved, flag, False)
     times: dict[str, list[float]] = {"on": [], "off": []}
     for name, cfg in (("on", on), ("off", off)):
         out = run(cfg).float()
@@ -132,7 +145,7 @@ def main() -> None:
     ap.add_argument(
         "--toggle",
         default=None,
-        help='a config flag ("tma", "one_dot"): no search; each --m\'s saved entry timed with the flag on and '
+        help='a config flag ("tma", "one_dot", "persistent"; "down.tma", "down.persistent" for the down GEMM): no search; each --m\'s saved entry timed with the flag on and '
         "off (alternating rounds, both checked against the default config), the faster kept",
     )
     args = ap.parse_args()

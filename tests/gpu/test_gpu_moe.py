@@ -291,3 +291,38 @@ def test_tma_weight_tiles_equal_the_pointer_kernels(m, e, k, inter, absent):
     assert _rel(got, want) < tol
     if not absent:  # (the pointer kernels' absent experts are checked against the reference above)
         assert _rel(got, _reference(x, w13, w2, weights, ids)) < tol
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("m,e,k,inter,absent,tma", [(5, 8, 2, 96, False, False), (33, 16, 4, 80, True, True),
+                                                    (64, 6, 3, 64, False, True), (700, 128, 8, 768, True, True),
+                                                    (4096, 128, 8, 768, False, True)])  # fmt: skip
+def test_persistent_gemms_equal_one_program_per_tile(m, e, k, inter, absent, tma):
+    """``"persistent"`` (about one program per multiprocessor, four in the interpreter, each looping over the
+    tiles of the rows actually used) gives the one-program-per-tile kernels' output bit for bit: each tile is
+    the same MMAs in the same order, only the program that runs it differs.  Tiny shapes walk several tiles
+    per program; on CUDA the Qwen3-30B-A3B shape runs with the H100 table's tiles."""
+    from kvship.engine.layers.moe.triton_moe import fused_experts
+
+    dev = kernel_device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if m > 64 and dev.type != "cuda":
+        pytest.skip("the Qwen3-30B-A3B-sized cases need CUDA")
+    h = 2048 if m > 64 else 128
+    x, w13, w2, weights, ids = _problem(m, e, k, h, inter, dtype, dev, seed=m + e + 1)
+    if absent:
+        ids = torch.where(torch.arange(ids.numel(), device=dev).view(ids.shape) % 5 == 0, -1, ids)
+    big = m > 64
+    cfg = dict(BLOCK_SIZE_M=128 if big else 16, BLOCK_SIZE_N=128 if big else 32, BLOCK_SIZE_K=64 if big else 32)
+    cfg.update(GROUP_SIZE_M=8, num_warps=8 if big else 4, num_stages=3, one_dot=True, tma=tma)
+    down = dict(BLOCK_SIZE_N=256 if big else 32, BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], num_warps=cfg["num_warps"])
+    down.update(num_stages=4 if big else 3, tma=tma)
+    want = fused_experts(x, w13, w2, weights, ids, config=dict(cfg, down=down), absent=absent)
+    for persistent in ({"persistent": True}, {"down": dict(down, persistent=True)}):
+        got = fused_experts(x, w13, w2, weights, ids, config={**cfg, "down": down, **persistent}, absent=absent)
+        assert torch.equal(got, want), persistent
+    both = dict(cfg, persistent=True, down=dict(down, persistent=True))
+    got = fused_experts(x, w13, w2, weights, ids, config=both, absent=absent)
+    assert torch.equal(got, want)
+    if not absent:
+        assert _rel(got, _reference(x, w13, w2, weights, ids)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

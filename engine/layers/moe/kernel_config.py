@@ -7,7 +7,9 @@ optional ``"down"`` dict overriding ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``,
 shared: the aligned blocks are) and an optional ``"one_dot": true`` (the gate/up GEMM as one MMA over
 interleaved gate and up weight rows, ``triton_moe._gate_up_kernel``).  ``"tma": true`` (top level for
 gate/up, which is then one MMA over a block of gate rows and a block of up rows, or in ``"down"``) has the
-GEMM fetch its weight tiles with the tensor memory accelerator on GPUs that have one (Hopper on).  Tuned tables live in
+GEMM fetch its weight tiles with the tensor memory accelerator on GPUs that have one (Hopper on);
+``"persistent": true`` (top level for gate/up, in ``"down"`` for down) launches the GEMM with about one program
+per multiprocessor, each looping over tiles (``triton_moe._gate_up_kernel``).  Tuned tables live in
 ``configs/`` as JSON files named by ``config_file_name`` (experts, expert
 width, dtype, GPU name as ``torch.cuda.get_device_name`` reports it, spaces
 as ``_``), each mapping a token count ``M`` (as a string) to a config; a
@@ -62,9 +64,10 @@ def _parse(cfg: dict) -> dict:
     out: dict = {k: int(cfg[k]) for k in KEYS}
     if "down" in cfg:
         out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
-        if cfg["down"].get("tma"):
-            out["down"]["tma"] = True
-    for flag in ("one_dot", "tma"):
+        for flag in ("tma", "persistent"):
+            if cfg["down"].get(flag):
+                out["down"][flag] = True
+    for flag in ("one_dot", "tma", "persistent"):
         if cfg.get(flag):
             out[flag] = True
     return out

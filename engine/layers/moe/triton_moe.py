@@ -23,7 +23,9 @@ contract; ties go to the lower expert id).
 
 Both kernels skip blocks past ``num_tokens_post_padded`` and padding entries,
 so the launch grid depends only on ``M`` and the config: the step is captured
-in CUDA graphs like any other.  Launch configs: ``kernel_config.get_config``.
+in CUDA graphs like any other.  With ``"persistent"`` a GEMM runs one program
+per multiprocessor that loops over the used tiles (``_gate_up_kernel``); the
+tiles, and so the output, are the same.  Launch configs: ``kernel_config.get_config``.
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
@@ -126,13 +128,55 @@ def _gate_up_kernel(
     GROUP_SIZE_M: tl.constexpr,
     ONE_DOT: tl.constexpr = False,
     TMA: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
+    # PERSISTENT: about one program per multiprocessor, each walking every num_programs-th tile of the aligned
+    # rows actually used (num_tokens_post_padded); one flattened loop lets the compiler's pipeline fetch the next
+    # tile's first operands during this tile's epilogue.  Else one program per tile, none past the used rows.
     num_pid_n = tl.cdiv(inter_size, BLOCK_SIZE_N)
-    pid_m, pid_n = _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
-        return
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(tl.load(ntp_ptr), BLOCK_SIZE_M)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _block_coords(tile, num_pid_m, num_pid_n, GROUP_SIZE_M)
+            _gate_up_tile(
+                pid_m, pid_n, a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, inter_size,
+                hidden_size, top_k, stride_am, stride_we, stride_wn, stride_om,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, ONE_DOT, TMA,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _block_coords(tl.program_id(0), tl.cdiv(padded_len, BLOCK_SIZE_M), num_pid_n, GROUP_SIZE_M)
+        if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
+            return
+        _gate_up_tile(
+            pid_m, pid_n, a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, inter_size, hidden_size,
+            top_k, stride_am, stride_we, stride_wn, stride_om,
+            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, ONE_DOT, TMA,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gate_up_tile(
+    pid_m,
+    pid_n,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    inter_size,
+    hidden_size,
+    top_k: tl.constexpr,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    ONE_DOT: tl.constexpr,
+    TMA: tl.constexpr,
+):
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
@@ -204,13 +248,50 @@ def _down_kernel(
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     TMA: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(padded_len, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(hidden_size, BLOCK_SIZE_N)
-    pid_m, pid_n = _block_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
-        return
+    num_pid_n = tl.cdiv(hidden_size, BLOCK_SIZE_N)  # PERSISTENT: as in _gate_up_kernel
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(tl.load(ntp_ptr), BLOCK_SIZE_M)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _block_coords(tile, num_pid_m, num_pid_n, GROUP_SIZE_M)
+            _down_tile(
+                pid_m, pid_n, a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs,
+                hidden_size, inter_size, stride_am, stride_we, stride_wn, stride_om,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, TMA,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _block_coords(tl.program_id(0), tl.cdiv(padded_len, BLOCK_SIZE_M), num_pid_n, GROUP_SIZE_M)
+        if pid_m * BLOCK_SIZE_M >= tl.load(ntp_ptr):
+            return
+        _down_tile(
+            pid_m, pid_n, a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, hidden_size,
+            inter_size, stride_am, stride_we, stride_wn, stride_om, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, TMA,
+        )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    pid_m,
+    pid_n,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    hidden_size,
+    inter_size,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    TMA: tl.constexpr,
+):
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
@@ -661,6 +742,19 @@ def _tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _grid(tiles: int, persistent: bool, device: torch.device) -> tuple[int]:
+    """A GEMM's launch grid: one program per tile of the padded rows, or with ``persistent`` (config
+    ``"persistent"``) at most one per multiprocessor, each looping over tiles; fixed by the shapes either way."""
+    return (min(tiles, _num_sms(device)) if persistent else tiles,)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: a few programs, so that each walks several tiles
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.cache
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -707,11 +801,12 @@ def fused_experts(
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # the gate/up weights as [E * 2, I, H] (gate rows, then up rows of each expert) for a TMA block of both
     w13_tma = cfg.get("tma") and _weight_desc(w13, (num_experts * 2, inter, hidden), (2, bn, bk))
-    _gate_up_kernel[(triton.cdiv(padded, bm) * triton.cdiv(inter, bn),)](
+    persistent = bool(cfg.get("persistent"))
+    _gate_up_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(inter, bn), persistent, x.device)](
         x, w13_tma or w13, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, ONE_DOT=bool(cfg.get("one_dot")),
-        TMA=bool(w13_tma), **launch,
+        TMA=bool(w13_tma), PERSISTENT=persistent, **launch,
     )  # fmt: skip
     out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -719,10 +814,12 @@ def fused_experts(
     bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
     launch = dict(num_warps=down["num_warps"], num_stages=down["num_stages"])
     w2_tma = cfg.get("down", {}).get("tma") and _weight_desc(w2, (num_experts, hidden, inter), (1, bn, bk))
-    _down_kernel[(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn),)](
+    persistent = bool(cfg.get("down", {}).get("persistent"))
+    _down_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn), persistent, x.device)](
         h, w2_tma or w2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, TMA=bool(w2_tma), **launch,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, TMA=bool(w2_tma), PERSISTENT=persistent,
+        **launch,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
