@@ -8,7 +8,10 @@ What it does, in order:
    127.0.0.1 (free HTTP and bootstrap ports), with every worker flag given to
    ``kvship local`` (``--model-path``, ``--device``, ``--page-size``, ...) passed
    through unchanged; ``--prefill-tp-size`` / ``--decode-tp-size`` give each role
-   its own ``--tp-size`` (docs/parallel.md, PD with tensor parallelism).  The
+   its own ``--tp-size`` (docs/parallel.md, PD with tensor parallelism).  On CUDA
+   each worker gets its own ``--base-gpu-id`` (``--gpu-placement``, see
+   ``spread_gpus``: consecutive GPUs from ``--base-gpu-id`` on, shared once
+   every GPU is taken).  The
    speculative flags go to the decode workers, and to the prefill workers only
    for ``eagle`` / ``eagle3`` (they compute the prompt's features that decode's
    drafter starts from, docs/speculative.md "PD"; ``role_worker_args``);
@@ -102,6 +105,12 @@ class LocalConfig:
     pd_first_token: bool = opt(
         True, "Router: streamed /generate and /v1/completions requests get their first token from the prefill worker"
     )
+    gpu_placement: str = opt(
+        "spread",
+        "CUDA: spread = each worker on the next free GPUs from --base-gpu-id on (prefill workers first), sharing "
+        "them again from --base-gpu-id once every visible GPU is taken; shared = every worker from --base-gpu-id",
+        choices=("spread", "shared"),
+    )
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -152,6 +161,46 @@ def worker_argv(flags: Any) -> list[str]:
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+def spread_gpus(tp_sizes: Sequence[int], num_gpus: int, base_gpu_id: int = 0) -> list[int]:
+    """Each worker's ``--base-gpu-id`` for ``--gpu-placement spread``, given the workers' TP sizes in start order.
+
+    Worker ``i`` takes the ``tp_sizes[i]`` consecutive GPUs after the previous worker's; when its group would
+    pass the last visible GPU it starts again at ``base_gpu_id``, and from there on workers share GPUs (each
+    then needs ``--max-total-tokens``, see docs/pd.md "kvship local").  ``ValueError`` when one worker's group
+    does not fit between ``base_gpu_id`` and the last GPU at all.
+    """
+    out: list[int] = []
+    nxt = base_gpu_id
+    for tp in tp_sizes:
+        if base_gpu_id + tp > num_gpus:
+            need = base_gpu_id + tp
+            raise ValueError(f"--tp-size {tp} from --base-gpu-id {base_gpu_id} needs {need} GPUs, {num_gpus} visible")
+        if nxt + tp > num_gpus:
+            nxt = base_gpu_id
+        out.append(nxt)
+        nxt += tp
+    return out
+
+
+def worker_gpus(cfg: LocalConfig, flags: Any, device: str, num_gpus: Optional[int] = None) -> Optional[list[int]]:
+    """Every worker's ``--base-gpu-id`` in start order (prefill workers, then decode), or None off CUDA.
+
+    ``flags``: the pass-through worker flags (their ``tp_size`` and ``base_gpu_id``).  ``num_gpus`` defaults
+    to the GPUs this process sees (``torch.cuda.device_count()``: ``CUDA_VISIBLE_DEVICES`` applies, and the
+    children inherit it)."""
+    if device != "cuda":
+        return None
+    tp_sizes = [cfg.prefill_tp_size or flags.tp_size] * cfg.prefill
+    tp_sizes += [cfg.decode_tp_size or flags.tp_size] * cfg.decode
+    if cfg.gpu_placement == "shared":
+        return [flags.base_gpu_id] * len(tp_sizes)
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    return spread_gpus(tp_sizes, num_gpus, flags.base_gpu_id)
 
 
 def resolve_transfer_backend(choice: str, device: str, ib_device: Optional[str] = None) -> str:
@@ -338,11 +387,20 @@ def _raise_stop(signum: int, _frame: Any) -> None:
 class LocalDeployment:
     """The children of one ``kvship local`` run; ``start`` / ``watch`` / ``stop``."""
 
-    def __init__(self, cfg: LocalConfig, worker_args: list[str], backend: str, log_dir: str):
+    def __init__(
+        self,
+        cfg: LocalConfig,
+        worker_args: list[str],
+        backend: str,
+        log_dir: str,
+        gpus: Optional[Sequence[int]] = None,
+    ):
+        """``gpus``: each worker's ``--base-gpu-id`` in start order (``worker_gpus``); None adds none."""
         self.cfg = cfg
         self.backend = backend
         self.log_dir = log_dir
         self.workers: list[Child] = []
+        self.gpus_of: dict[str, list[int]] = {}  # worker name -> its GPUs (CUDA only)
         api_key = cfg.api_key or ENV.API_KEY
         worker_key = cfg.worker_api_key or ENV.WORKER_API_KEY or api_key
         # Keys go through the environment (never argv, which `ps` shows); each child gets exactly its own.
@@ -366,9 +424,13 @@ class LocalDeployment:
                 tp_size = cfg.prefill_tp_size if role == "prefill" else cfg.decode_tp_size
                 if tp_size:  # after the pass-through flags: it overrides --tp-size for this role
                     argv += ["--tp-size", str(tp_size)]
+                ranks = tp_size or _flag_int(worker_args, "--tp-size", 1)
                 if role == "prefill":
-                    ranks = tp_size or _flag_int(worker_args, "--tp-size", 1)
                     argv += ["--disaggregation-bootstrap-port", str(free_port_run(ranks))]
+                if gpus is not None:  # after the pass-through flags: it overrides --base-gpu-id for this worker
+                    first = gpus[len(self.workers)]
+                    argv += ["--base-gpu-id", str(first)]
+                    self.gpus_of[f"{role}-{i}"] = list(range(first, first + ranks))
                 self.workers.append(
                     Child(
                         f"{role}-{i}",
@@ -557,15 +619,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
         ServerArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}).validate()
-        backend = resolve_transfer_backend(
-            cfg.transfer_backend, _resolved_device(flags.device), flags.disaggregation_ib_device
-        )
+        device = _resolved_device(flags.device)
+        backend = resolve_transfer_backend(cfg.transfer_backend, device, flags.disaggregation_ib_device)
+        gpus = worker_gpus(cfg, flags, device)
     except (ValueError, RuntimeError) as e:
         logger.error("invalid settings: %s", e)
         return 2
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="kvship-local-")
     os.makedirs(log_dir, exist_ok=True)
-    deployment = LocalDeployment(cfg, worker_argv(flags), backend, log_dir)
+    deployment = LocalDeployment(cfg, worker_argv(flags), backend, log_dir, gpus)
     logger.info(
         "starting %d prefill + %d decode workers (transfer backend %s); logs in %s",
         cfg.prefill,
@@ -573,6 +635,8 @@ def run(args: argparse.Namespace) -> int:
         backend,
         log_dir,
     )
+    for name, ids in deployment.gpus_of.items():
+        logger.info("%s on GPU%s %s", name, "s" if len(ids) > 1 else "", ",".join(map(str, ids)))
     old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:

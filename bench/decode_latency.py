@@ -649,6 +649,11 @@ def scheduler_decode(
     return out
 
 
+def is_collective_kernel(name: str) -> bool:
+    """NCCL's device kernels (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_AllGather_...``)."""
+    return "nccl" in name.lower()
+
+
 def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list[dict[str, Any]]:
     """Top CUDA kernels of graph decode steps at ``bs`` (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -677,6 +682,17 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
     for r in rows:
         r["share"] = r["us_per_step"] / total if total else 0.0
     top = rows[:15]
+    coll = [r for r in rows if is_collective_kernel(r["kernel"])]
+    if coll:  # the tensor-parallel all-reduces / all-gathers (NCCL kernels, inside the graph too)
+        us = sum(r["us_per_step"] for r in coll)
+        top.append(
+            {
+                "kernel": "COLLECTIVES (nccl)",
+                "us_per_step": us,
+                "calls_per_step": sum(r["calls_per_step"] for r in coll),
+                "share": us / total if total else 0.0,
+            }
+        )
     top.append(
         {
             "kernel": "TOTAL (all kernels)",
@@ -1276,7 +1292,8 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
         ep_dispatch=args.ep_dispatch,
         base_gpu_id=args.base_gpu_id,
     )
-    tp = join_tp_group(runner_args, rank, init_method)
+    # tp_size 1 without --force-tp-group: the plain single-GPU runner (tp_main's same-run baseline)
+    tp = join_tp_group(runner_args, rank, init_method) if args.tp_size > 1 or args.force_tp_group else None
     runner = ModelRunner(runner_args, tp=tp)
     res: dict[str, Any] = {
         "tp_size": args.tp_size,
@@ -1293,6 +1310,17 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
                 logger.info(
                     "tp %d bs %d %s: %.1f tok/s (%.2f ms/step)", args.tp_size, bs, mode, r["decode_tok_s"], r["step_ms"]
                 )
+    if runner.cuda_graph_runner is not None:  # every rank profiles the same steps, so the collectives pair up
+        for bs in [int(x) for x in args.profile_bs.split(",") if x and int(x) in bs_list]:
+            rows = kernel_profile(runner, bs, args.input_len)
+            res.setdefault("profile", {})[str(bs)] = rows
+            coll = [r for r in rows if r["kernel"] == "COLLECTIVES (nccl)"]
+            total = next(r["us_per_step"] for r in rows if r["kernel"] == "TOTAL (all kernels)")
+            res.setdefault("collectives", {})[str(bs)] = {
+                "us_per_step": coll[0]["us_per_step"] if coll else 0.0,
+                "calls_per_step": coll[0]["calls_per_step"] if coll else 0,
+                "kernels_us_per_step": total,
+            }
     mc = runner.model_config
     graphed = [r for r in res["engine"] if r["batch"] == 1 and r["mode"] != "eager"]
     if graphed:  # per rank: its weight shard and its KV heads, against one GPU's copy bandwidth
@@ -1309,15 +1337,61 @@ def _tp_rank_main(rank: int, argv: Optional[list[str]], init_method: str) -> Non
     tp_bench(rank, build_parser().parse_args(argv), init_method)
 
 
+def _baseline_main(argv: Optional[list[str]], out: Any) -> None:
+    """The same loops on one GPU with the plain runner (no group): ``tp_main``'s baseline, in its own process so
+    its memory is gone before the ranks load."""
+    logging.basicConfig(level=logging.WARNING)
+    args = build_parser().parse_args(argv)
+    args.tp_size, args.ep_size, args.force_tp_group = 1, 1, False
+    try:
+        out.put(tp_bench(0, args, ""))
+    except BaseException as e:  # noqa: BLE001 - the TP run goes on without its baseline, and says why
+        logger.exception("the one-GPU baseline failed")
+        out.put({"error": repr(e)})
+        raise
+
+
+def side_by_side(base: dict[str, Any], res: dict[str, Any]) -> str:
+    """Markdown: every (batch, mode) of the TP run beside the one-GPU baseline of the same run, with the ratio
+    and the collectives' GPU time per step from the kernel profile."""
+    n, ep = res["tp_size"], res.get("ep_size", 1)
+    label = f"TP={n}" + (f" EP={ep}" if ep > 1 else "")
+    lines = [
+        f"| batch | mode | 1 GPU tok/s | {label} tok/s | {label} / 1 GPU | {label} ms/step | nccl us/step (share) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    one = {(r["batch"], r["mode"]): r for r in base.get("engine", [])}
+    for r in res.get("engine", []):
+        b = one.get((r["batch"], r["mode"]))
+        coll = (res.get("collectives") or {}).get(str(r["batch"])) if r["mode"] != "eager" else None
+        cs = f"{coll['us_per_step']:.0f} ({coll['us_per_step'] / coll['kernels_us_per_step']:.0%})" if coll else "-"
+        lines.append(
+            f"| {r['batch']} | {r['mode']} | {b['decode_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+            f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}x | {r['step_ms']:.3f} | {cs} |"
+            if b
+            else f"| {r['batch']} | {r['mode']} | - | {r['decode_tok_s']:.1f} | - | {r['step_ms']:.3f} | {cs} |"
+        )
+    return "\n".join(lines)
+
+
 def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    """``--tp-size N`` > 1: ranks 1..N-1 spawned here, rank 0 in this process; writes ``decode_latency_tp<N>.json``."""
+    """``--tp-size N`` > 1: ranks 1..N-1 spawned here, rank 0 in this process; writes ``decode_latency_tp<N>.json``.
+    Unless ``--no-baseline``, the same loops run first on one GPU (plain runner) and the table puts them side by
+    side."""
     import multiprocessing as mp
     import socket
 
+    ctx = mp.get_context("spawn")
+    base: dict[str, Any] = {}
+    if args.baseline and args.tp_size > 1:
+        q = ctx.Queue()
+        p = ctx.Process(target=_baseline_main, args=(argv, q))
+        p.start()
+        base = q.get(timeout=3600) or {}
+        p.join(120)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_tp_rank_main, args=(r, argv, init_method)) for r in range(1, args.tp_size)]
     for p in procs:
         p.start()
@@ -1332,6 +1406,8 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     res.update(
         env=environment(), shape=args.shape, input_len=args.input_len, output_len=args.output_len, hbm_TBps=hbm / 1e12
     )
+    if base:
+        res["baseline_1gpu"] = base
     roof = res.get("roofline_per_rank")
     if roof:
         roof["roofline_tok_s"] = hbm / (roof["bytes_per_step_GB"] * 1e9)
@@ -1346,6 +1422,11 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         )
     if roof:
         print(f"bs 1 per-rank roofline fraction: {roof['fraction']:.1%}")
+    if base:
+        md = side_by_side(base, res)
+        print(md)
+        with open(os.path.join(args.out, f"decode_latency_tp{args.tp_size}{ep}.md"), "w") as f:
+            f.write(f"{args.shape}, dummy bf16 weights, {res['env'].get('gpu', '')}\n\n{md}\n")
     return 0
 
 
@@ -1384,6 +1465,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(writes decode_latency_tp<N>_ep<E>.json)",
     )
     ap.add_argument("--ep-dispatch", default="all_reduce", choices=("all_reduce", "all_to_all"))
+    ap.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tp-size N > 1: run the same loops on one GPU first and print both side by side",
+    )
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batch-sizes", default="1,8,32,64,128")
     ap.add_argument("--input-len", type=int, default=512)

@@ -34,9 +34,10 @@ experts per rank; docs/parallel.md, "Expert parallelism") for each M, the same
 tokens and routing on every rank: ``local`` (a rank's experts alone, the
 ``absent`` Triton path, in a CUDA graph), ``all_reduce`` (local + the NCCL
 all-reduce, in a CUDA graph, as decode runs it), ``all_to_all`` (eager:
-counts, dispatch, local experts, combine, all-gather); rank 0 writes
-``moe_layer_ep<N>.json`` / ``.md``.  Run ``--ep-size 1`` rows of the plain
-mode in the same session for the single-GPU baseline.
+counts, dispatch, local experts, combine, all-gather), beside the plain
+single-GPU layer with every expert on rank 0's GPU (the baseline of the same
+run, with the speed-ups); rank 0 writes
+``moe_layer_ep<N>.json`` / ``.md``.
 
     python bench/moe_layer.py --ep-size 2 --out /tmp/out   # nvidia-h200-x2
 """
@@ -275,6 +276,12 @@ def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) ->
     with torch.no_grad():
         layer.w13_weight.normal_(0, h**-0.5)
         layer.w2_weight.normal_(0, inter**-0.5)
+    full = None
+    if rank == 0:  # the one-GPU baseline of the same run: every expert on this GPU, the plain fused layer
+        full = (
+            torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * h**-0.5,
+            torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * inter**-0.5,
+        )
     rows = []
     with torch.inference_mode():
         for m in args.m:
@@ -291,9 +298,13 @@ def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) ->
             layer.dispatch = "all_to_all"
             t_a2a = cuda_time(lambda: layer(x, logits), iters=3)
             mine = int(torch.unique(local[local >= 0]).numel())
+            one_gpu = None
+            if full is not None:  # the other ranks wait in the next collective meanwhile
+                one_gpu = graph_time(lambda i: fused_experts(x, full[0], full[1], topk_w, ids), calls=2)
             rows.append(
                 {
                     "m": m,
+                    "one_gpu_us": one_gpu * 1e6 if one_gpu is not None else None,
                     "local_experts_hit": mine,
                     "local_us": t_local * 1e6,
                     "all_reduce_us": t_ar * 1e6,
@@ -326,13 +337,15 @@ def ep_main(args: argparse.Namespace) -> None:
         f"MoE layer E={args.experts} top-{args.topk} H={args.hidden} I={args.inter} bf16, --ep-size {args.ep_size} "
         f"on {env['gpu']} (rank 0's times)",
         "",
-        "| M | rank 0's experts hit | local experts us | all_reduce (graph) us | all_to_all (eager) us |",
-        "|---|---|---|---|---|",
+        "| M | rank 0's experts hit | 1 GPU (all experts) us | local experts us | all_reduce (graph) us | "
+        "all_to_all (eager) us | all_reduce speed-up vs 1 GPU | all_to_all speed-up |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        one = r["one_gpu_us"]
         lines.append(
-            f"| {r['m']} | {r['local_experts_hit']} | {r['local_us']:.1f} | {r['all_reduce_us']:.1f} | "
-            f"{r['all_to_all_us']:.1f} |"
+            f"| {r['m']} | {r['local_experts_hit']} | {one:.1f} | {r['local_us']:.1f} | {r['all_reduce_us']:.1f} | "
+            f"{r['all_to_all_us']:.1f} | {one / r['all_reduce_us']:.2f}x | {one / r['all_to_all_us']:.2f}x |"
         )
     md = "\n".join(lines)
     print(md)

@@ -64,8 +64,24 @@ a busy CPU, where the forwards vary by more than it)::
 
 Writes ``--out/pd_ttft.json`` (every sample with its whole trace) and ``--out/pd_ttft.md`` (the tables), again
 after every backend, so a run cut off by SIGTERM (it stops its children) keeps the backends it finished.  On GPU the
-unified worker and the two PD workers share the device: each gets ``--max-total-tokens`` (default 2 x the longest
-prompt + 1024).  The in-process variant (schedulers in threads of one process, no HTTP) is bench/pd_ttft_inproc.py.
+unified worker runs on GPU 0 and ``kvship local`` spreads its workers (``--gpu-placement spread``, docs/pd.md):
+with 2+ GPUs prefill runs on GPU 0 beside the unified worker and decode on GPU 1, so the KV crosses GPUs (nixl: CUDA
+IPC over NVLink); with one GPU all three share it.  Every worker gets ``--max-total-tokens`` (default 2 x the
+longest prompt + 1024).  Each deployment's devices are read back from its workers' ``/get_server_info``.
+
+The KV GB/s column is read against ``copy_`` rates measured in the same run, in a child process before the PD
+workers start (``device_copies``): a ``--copy-tokens`` (4096) token prompt's KV copied GPU0->GPU1 and within GPU 0;
+the last column is the KV rate over the GPU0->GPU1 one (issue 15's goal: >= 70%).  Without two GPUs the output says
+why that reference is missing.  ``--check-tokens N`` sends a few fixed prompts with greedy ``max_new_tokens: N``
+to the unified worker and to each PD deployment, one at a time, and counts the answers equal token for token.
+``--variant one-gpu=--gpu-placement,shared`` adds PD on GPU 0 alone beside the cross-GPU one.
+Two H100s (issue 15, part 4)::
+
+    PARTS=none bash bench/gpu_suite.sh >/dev/null 2>&1; . /tmp/site/env.sh; \
+    timeout -s TERM 540 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend mooncake \
+        --prompt-len 512 4096 --repeats 5 --warmup 1 --check-tokens 32 --out "$OUT" 2>&1 | tail -45
+
+The in-process variant (schedulers in threads of one process, no HTTP) is bench/pd_ttft_inproc.py.
 """
 
 from __future__ import annotations
@@ -292,18 +308,92 @@ def copy_bandwidth(device: str, mib: int = 512) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(6):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    n = src.numel()
-    del src, dst
-    if device == "cuda":
-        torch.cuda.empty_cache()  # leave the device to the workers
-    return n / best
+    return src.numel() / best
+
+
+def gpu_copy_rates(nbytes: int, repeats: int = 10) -> dict[str, Any]:
+    """``copy_`` of ``nbytes`` within GPU 0 and from GPU 0 to GPU 1 (when there is one): bytes/s, medians
+    and bests of ``repeats`` copies timed with CUDA events on GPU 0's stream (where a cross-device
+    ``copy_`` runs), after 3 warm-up copies (the first GPU0->GPU1 one enables peer access)."""
+    import torch
+
+    out: dict[str, Any] = {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "same_device_Bps": copy_bandwidth("cuda:0"),
+    }
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    targets = {"gpu0_gpu0": "cuda:0"}
+    if torch.cuda.device_count() >= 2:
+        targets["gpu0_gpu1"] = "cuda:1"
+    with torch.cuda.device(0):
+        for key, target in targets.items():
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=target)
+            for _ in range(3):
+                dst.copy_(src)
+            torch.cuda.synchronize(target)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            out[key + "_Bps"] = nbytes / statistics.median(times)
+            out[key + "_best_Bps"] = nbytes / min(times)
+            del dst
+    return out
+
+
+def device_copies(device: str, kv_nbytes: int, kv_tokens: int) -> dict[str, Any]:
+    """The ``copy_`` rates the KV rates are read against, measured before the PD workers start.
+
+    ``same_device_Bps``: 512 MiB within the device (CPU memory, or GPU 0's).  On CUDA, ``gpu0_gpu0_Bps`` and
+    ``gpu0_gpu1_Bps``: a ``kv_tokens``-token prompt's KV (``kv_nbytes``) copied within GPU 0 and from GPU 0
+    to GPU 1, where PD's prefill and decode workers run (``kvship local --gpu-placement spread``); without a
+    second GPU ``peer_skipped`` says why.  The CUDA part runs in a child process, so that this one never holds
+    GPU memory (or a CUDA context) the workers need.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    out: dict[str, Any] = {"kv_tokens": kv_tokens, "kv_bytes": kv_nbytes, "peer_skipped": None}
+    if device != "cuda":
+        out["same_device_Bps"] = copy_bandwidth(device)
+        out["peer_skipped"] = f"--device {device}: GPU0->GPU1 copy_ not measured"
+        return out
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        out.update(pool.submit(gpu_copy_rates, kv_nbytes).result())
+    if "gpu0_gpu1_Bps" not in out:
+        out["peer_skipped"] = f"{len(out['gpus'])} GPU visible: GPU0->GPU1 copy_ not measured"
+    return out
+
+
+def worker_devices(router_port: int) -> dict[str, list[str]]:
+    """Each PD role's devices, read back from its workers (the router's ``/workers``, then each worker's
+    ``/get_server_info`` ``device``: ``cuda:1``, or rank 0's at ``--tp-size`` > 1)."""
+    out: dict[str, list[str]] = {}
+    for w in http_json(router_port, "/workers")["workers"]:
+        port = int(w["url"].rsplit(":", 1)[1])
+        out.setdefault(w["role"], []).append(http_json(port, "/get_server_info")["device"])
+    return out
+
+
+def http_json(port: int, path: str) -> Any:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", path)
+        return json.loads(c.getresponse().read())
+    finally:
+        c.close()
 
 
 # ----------------------------------------------------------------------------------- one request
@@ -336,7 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     longest = max(args.prompt_len)
     mtt = args.max_total_tokens or 2 * longest + 1024
     flags += ["--device", args.device, "--page-size", str(args.page_size), "--max-total-tokens", str(mtt)]
-    flags += ["--context-length", str(longest + 64)]
+    flags += ["--context-length", str(longest + max(64, args.check_tokens + 8))]
     if args.num_threads:
         flags += ["--num-threads", str(args.num_threads)]
     flags += args.worker_arg
@@ -352,14 +442,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_size": args.page_size,
         "stream": args.stream,
         "worker_flags": flags,
-        "copy_bandwidth_Bps": copy_bandwidth(args.device),
         "unified": {},
         "backends": {},
+        "devices": {},  # deployment -> role -> the devices its workers report
+        "token_check": {},  # deployment -> --check-tokens' result
     }
-    if args.device == "cuda":
-        import torch
-
-        res["env"]["gpu"] = torch.cuda.get_device_name(0)
     rng = random.Random(args.seed)
     u_port = free_port()
     unified = Proc("unified", _python() + ["serve", "--mode", "unified", "--port", str(u_port)] + flags, work)
@@ -372,6 +459,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype = json.loads(info.getresponse().read())["model"]["dtype"]
         res["kv_dtype"] = dtype
         res["kv_bytes_per_token"] = kv_bytes_per_token(flags, dtype) if "--kv-cache-dtype" not in flags else None
+        res["devices"]["unified"] = {"unified": [http_json(u_port, "/get_server_info")["device"]]}
+        kv_nbytes = (res["kv_bytes_per_token"] or 2**17) * args.copy_tokens  # 128 KiB a token: Llama-3-8B's
+        res["copy"] = device_copies(args.device, kv_nbytes, args.copy_tokens)
+        res["copy_bandwidth_Bps"] = res["copy"]["same_device_Bps"]
+        if args.device == "cuda":
+            res["env"]["gpu"] = res["copy"]["gpus"][0]
+            res["env"]["gpus"] = res["copy"]["gpus"]
+        logger.info("copy_ rates: %s", {k: v for k, v in res["copy"].items() if k != "gpus"})
         everything = [("", [], None)] + args.variant
         # every variant of a backend runs at once, so their requests interleave (same machine state); with
         # --one-at-a-time (the default on cuda: five 8B-shape processes do not fit one GPU) each runs alone beside
@@ -391,9 +486,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         deployments[name] = (Proc(f"local-{tag}", _python() + argv, work, env), r_port)
                     for proc, port in deployments.values():
                         wait_ready(proc, port, "/readiness", args.startup_timeout)
+                    for name, (_, port) in deployments.items():
+                        res["devices"][name] = worker_devices(port)
+                        logger.info("%s runs on %s", name, res["devices"][name])
                     clients = {name: Client(port, args.timeout) for name, (_, port) in deployments.items()}
                     for name, rows in measure(args, backend, clients, u_client, vocab, rng, res).items():
                         res["backends"][name] = rows
+                    if args.check_tokens:
+                        for name, client in clients.items():
+                            res["token_check"][name] = check_tokens(args, client, u_client, vocab)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other backends
                     logger.exception("backend %s failed", backend)
                     for name in deployments or [backend]:
@@ -491,6 +592,43 @@ def measure(
                 "prefill_first": f"{sum(r.get('prefill_first', False) for r in rs)}/{len(rs)}",
                 "samples": rs,
             }
+            out[name][str(n)].update(kv_rates(res, n, med))
+    return out
+
+
+def check_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """The fixed prompts of ``--check-tokens`` (the same for every deployment): 16, 128, 1024 tokens and the
+    longest ``--prompt-len``, each short enough for its answer to fit the context."""
+    rng = random.Random(args.seed + 1)
+    room = max(args.prompt_len) + max(64, args.check_tokens + 8) - args.check_tokens
+    lens = sorted({min(n, room) for n in (16, 128, 1024, max(args.prompt_len))})
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def check_tokens(args: argparse.Namespace, pd: Client, uni: Client, vocab: int) -> dict[str, Any]:
+    """Greedy ``--check-tokens`` N-token answers of the unified worker and of the PD deployment to the same fixed
+    prompts, one request at a time: how many sequences are equal token for token (PD across GPUs must equal
+    unified), with the first differing position of each that is not."""
+    out: dict[str, Any] = {"max_new_tokens": args.check_tokens, "prompts": [], "equal": 0}
+    for ids in check_prompts(args, vocab):
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": args.check_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
+        answers = []
+        for client in (uni, pd):
+            status, _, answer, _, _ = client.generate(body)
+            if status != 200:
+                raise RuntimeError(f"--check-tokens, prompt of {len(ids)}: HTTP {status}: {answer}")
+            answers.append(answer["output_ids"])
+        u, p = answers
+        first_diff = next((i for i, (a, b) in enumerate(zip(u, p)) if a != b), None)
+        if first_diff is None and len(u) != len(p):
+            first_diff = min(len(u), len(p))
+        out["equal"] += first_diff is None
+        out["prompts"].append({"prompt_len": len(ids), "tokens": len(u), "first_difference": first_diff})
+    out["summary"] = f"{out['equal']}/{len(out['prompts'])}"
+    logger.info("--check-tokens %d: %s sequences equal", args.check_tokens, out["summary"])
     return out
 
 
@@ -504,14 +642,72 @@ def fixed_cost(rows: list[dict[str, Any]]) -> Optional[float]:
 # ----------------------------------------------------------------------------------- report
 
 
-def kv_cells(res: dict[str, Any], n: int, r: dict[str, Any]) -> str:
-    """The prompt's KV size and the rate it moved at (median of the traced samples), or blanks."""
-    per_token = res.get("kv_bytes_per_token")
-    t = r["segments"].get(KV_TRIP)
+def kv_rates(res: dict[str, Any], n: int, segments_: dict[str, float]) -> dict[str, Any]:
+    """A prompt's KV bytes, the rate they moved at (bytes/s over the median trip of the traced samples) and
+    that rate over the GPU0->GPU1 ``copy_`` rate of the same run (the issue's goal: >= 0.7); {} without them."""
+    per_token, t = res.get("kv_bytes_per_token"), segments_.get(KV_TRIP)
     if not per_token or not t:
-        return " | "
-    nbytes = per_token * n
-    return f"{nbytes / 2**20:.1f} | {nbytes / t / 1e9:.2f}"
+        return {}
+    out: dict[str, Any] = {"kv_bytes": per_token * n, "kv_Bps": per_token * n / t}
+    peer = res.get("copy", {}).get("gpu0_gpu1_Bps")
+    if peer:
+        out["kv_over_gpu0_gpu1_copy"] = out["kv_Bps"] / peer
+    return out
+
+
+def kv_cells(r: dict[str, Any]) -> str:
+    """The prompt's KV size, its rate and that rate's share of the GPU0->GPU1 ``copy_`` rate, or blanks."""
+    if "kv_Bps" not in r:
+        return " | | "
+    share = f"{100 * r['kv_over_gpu0_gpu1_copy']:.0f}%" if "kv_over_gpu0_gpu1_copy" in r else ""
+    return f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_Bps'] / 1e9:.2f} | {share}"
+
+
+def copy_lines(res: dict[str, Any]) -> list[str]:
+    """Where each deployment ran and the ``copy_`` rates its KV rate is read against."""
+    c = res.get("copy") or {}
+    lines = []
+    if c:
+        lines.append(
+            f"`copy_` within this {res['device']} (512 MiB): {c['same_device_Bps'] / 1e9:.1f} GB/s (bytes copied "
+            "per second, best of 6)."
+        )
+    if "gpu0_gpu1_Bps" in c:
+        lines.append(
+            f"`copy_` of a {c['kv_tokens']}-token prompt's KV ({c['kv_bytes'] / 2**20:.1f} MiB), medians of 10 after "
+            f"warm-up: GPU0->GPU1 {c['gpu0_gpu1_Bps'] / 1e9:.1f} GB/s (best {c['gpu0_gpu1_best_Bps'] / 1e9:.1f}), "
+            f"within GPU 0 {c['gpu0_gpu0_Bps'] / 1e9:.1f} GB/s; the KV table's last column is the KV rate over "
+            "the GPU0->GPU1 one (goal >= 70%)."
+        )
+    elif c.get("peer_skipped"):
+        lines.append(f"No GPU0->GPU1 reference: {c['peer_skipped']}.")
+    if res.get("devices"):
+        where = "; ".join(
+            f"{name}: " + ", ".join(f"{role} {'/'.join(devs)}" for role, devs in roles.items())
+            for name, roles in res["devices"].items()
+        )
+        lines.append(f"Devices (each worker's `/get_server_info`): {where}.")
+    return [" ".join(lines)] if lines else []
+
+
+def check_lines(res: dict[str, Any]) -> list[str]:
+    """``--check-tokens``: PD's greedy answers against unified's, per deployment."""
+    checks = res.get("token_check") or {}
+    if not checks:
+        return []
+    lines = [
+        "",
+        "Token-for-token check (`--check-tokens`): greedy answers of the unified worker and of the PD deployment "
+        "to the same fixed prompts, one request at a time:",
+        "",
+        "| deployment | max_new_tokens | equal sequences | prompt lengths | first difference (per prompt) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in checks.items():
+        lens = ", ".join(str(p["prompt_len"]) for p in c["prompts"])
+        diffs = ", ".join("-" if p["first_difference"] is None else str(p["first_difference"]) for p in c["prompts"])
+        lines.append(f"| {name} | {c['max_new_tokens']} | {c['summary']} | {lens} | {diffs} |")
+    return lines
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -529,23 +725,25 @@ def markdown(res: dict[str, Any]) -> str:
         )
         + f"; per repeat one unified, one PD and one traced PD request (`return_trace`), in "
         f"rotating order. TTFT: client send to first response byte (streamed: first event), untraced requests. "
-        f"Clock: {res['clock']}. "
-        f"`copy_` on this {res['device']}: {res['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (bytes copied per second).",
+        f"Clock: {res['clock']}.",
+        "",
+        *copy_lines(res),
         "",
         "| backend | prompt | unified TTFT ms | PD TTFT ms | PD - unified ms | PD / unified | same token | "
-        "first token from prefill | KV MiB | KV GB/s (send start -> landed) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "first token from prefill | KV MiB | KV GB/s (send start -> landed) | KV / GPU0->GPU1 copy_ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b, per in res["backends"].items():
         if "error" in per:
-            lines.append(f"| {b} | failed: {per['error']} | | | | | | | | |")
+            lines.append(f"| {b} | failed: {per['error']} | | | | | | | | | |")
             continue
         for n, r in per.items():
             lines.append(
                 f"| {b} | {n} | {ms(r['unified_ttft'])} | {ms(r['ttft'])} | {ms(r['ttft'] - r['unified_ttft'])} | "
                 f"{r['ttft'] / r['unified_ttft']:.2f}x | {r['equal']} | {r.get('prefill_first', '')} | "
-                f"{kv_cells(res, int(n), r)} |"
+                f"{kv_cells(r)} |"
             )
+    lines += check_lines(res)
     lines += compare_lines(res, ms)
     names = [s[0] for s in SEGMENTS + DECODE_SIDE + TRANSFER_SIDE]
     lines += [
@@ -664,6 +862,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="run a backend's variants one after another (each beside the unified worker) instead of at once; "
         "default: on for cuda (a GPU holds three 8B-shape processes, not five)",
     )
+    ap.add_argument(
+        "--check-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="per deployment, also send a few fixed prompts with greedy max_new_tokens N to unified and to PD and "
+        "count the answers equal token for token (0: off)",
+    )
+    ap.add_argument(
+        "--copy-tokens",
+        type=int,
+        default=4096,
+        help="the GPU0->GPU1 copy_ reference moves this many tokens' KV (cuda with 2+ GPUs)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     args.backend = args.backend or ["tcp"]
@@ -681,8 +893,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--code {v!r}: expected LABEL=PATH of a kvship checkout (a label without spaces)")
         variants.append((label, [], tree))
     args.variant = variants
-    if args.repeats < 1 or args.warmup < 0 or min(args.prompt_len) < 2:
-        ap.error("--repeats >= 1, --warmup >= 0, every --prompt-len >= 2")
+    if args.repeats < 1 or args.warmup < 0 or min(args.prompt_len) < 2 or args.check_tokens < 0:
+        ap.error("--repeats >= 1, --warmup >= 0, --check-tokens >= 0, every --prompt-len >= 2")
     if args.model not in ("tiny", "smollm2") and not args.shape and args.vocab_size is None:
         ap.error("--model PATH needs --vocab-size")
     if args.num_threads is None and args.device == "cpu":

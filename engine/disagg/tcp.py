@@ -352,8 +352,8 @@ class TcpBackend(TransferBackend):
                         _readinto_exact(reader, memoryview(staging[:length].numpy()))
                         self.regions[reg].bytes_view()[off : off + length].copy_(staging[:length])
                 if ok and flags & _FLAG_DONE and self._on_done is not None:
-                    if any(r.device == "cuda" for r in self.regions):
-                        torch.cuda.synchronize()
+                    for dev in {r.device_id for r in self.regions if r.device == "cuda"}:
+                        torch.cuda.synchronize(dev)  # this thread's current device may be another GPU
                     self._on_done(room, None)
         except (OSError, ConnectionError, KVTransferError) as e:
             if not self._closed.is_set():

@@ -1,32 +1,146 @@
-"""``--load-format dummy``: random weights at the real shapes (benchmarks, no checkpoint needed).
+"""``--load-format dummy``: seeded random weights at the real shapes (benchmarks, no checkpoint needed).
 
-Deterministic by ``seed``; generated directly on the parameters' device.
-Norm weights are 1 and everything else is N(0, 0.02), so activations stay
-finite in every dtype.
+The weights are a synthetic Hugging Face checkpoint that is never written:
+``checkpoint_shapes(config)`` lists the tensors a checkpoint of the
+architecture holds (names and full shapes), and the values of each are a
+function of ``(seed, name)`` only.  They reach the model through its
+``load_weights`` like safetensors' tensors do, as ``CheckpointSlice``s on a
+tensor- or expert-parallel rank, so every rank gets exactly its block of the
+``--tp-size 1`` weights: the same model at every TP / EP size, which makes a
+TP=2 vs TP=1 token comparison on dummy weights meaningful.
+
+Values: norm weights are 1, everything else is N(0, ``DUMMY_STD``), so
+activations stay finite in every dtype.  They are drawn on the model's device
+in the model's dtype, in blocks of whole rows (about ``BLOCK_ELEMENTS``
+elements): block ``i`` of a tensor comes from a generator seeded with
+``(seed, name, i)``, so a slice materialises only the row blocks it touches
+(a column slice, which row-parallel layers take, draws whole rows and keeps
+its columns), and nothing is ever drawn for the whole model at once.  The
+values depend on the seed, the dtype and the device (CPU and CUDA generators
+differ, CUDA's also with the GPU model), never on the TP / EP size.
+``dummy_checkpoint(config, seed, device)`` yields the checkpoint as lazy slices.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+from typing import Iterator
+
 import torch
 from torch import nn
 
-from kvship.engine.loaders.base import ModelLoader, register_loader
+from kvship.engine.loaders.base import ModelLoader, fill_from_checkpoint, register_loader
+from kvship.engine.loaders.lazy import CheckpointSlice
 from kvship.engine.model_config import ModelConfig
 
 DUMMY_STD = 0.02
+# elements drawn per generator seed: a block of whole rows of a tensor
+BLOCK_ELEMENTS = 1 << 22
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> full shape, for every tensor a checkpoint of ``config``'s model holds.
+
+    One naming for the whole Llama family (``kvship.engine.models``): MoE
+    routers are ``mlp.gate`` and experts ``mlp.experts.<N>.{gate,up,down}_proj``
+    (Qwen-MoE's names; the model reads Mixtral's as these).  A tied model has
+    no ``lm_head.weight``.
+    """
+    h = config.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        out[layer + "input_layernorm.weight"] = (h,)
+        out[layer + "post_attention_layernorm.weight"] = (h,)
+        attn = layer + "self_attn."
+        for proj, rows in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
+            out[f"{attn}{proj}_proj.weight"] = (rows, h)
+            if config.attention_bias:
+                out[f"{attn}{proj}_proj.bias"] = (rows,)
+        out[attn + "o_proj.weight"] = (h, config.q_size)
+        if config.o_proj_bias:
+            out[attn + "o_proj.bias"] = (h,)
+        if config.qk_norm:
+            out[attn + "q_norm.weight"] = (config.head_dim,)
+            out[attn + "k_norm.weight"] = (config.head_dim,)
+        moe = config.moe
+        if moe is None or not moe.is_sparse_layer(i):
+            out.update(_mlp_shapes(layer + "mlp.", h, config.intermediate_size, config.mlp_bias))
+            continue
+        out[layer + "mlp.gate.weight"] = (moe.num_experts, h)
+        for e in range(moe.num_experts):
+            out.update(_mlp_shapes(f"{layer}mlp.experts.{e}.", h, moe.intermediate_size, bias=False))
+        if moe.shared_expert_intermediate_size:
+            shared = moe.shared_expert_intermediate_size
+            out.update(_mlp_shapes(layer + "mlp.shared_expert.", h, shared, config.mlp_bias))
+            out[layer + "mlp.shared_expert_gate.weight"] = (1, h)
+    out["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, h)
+    return out
+
+
+def _mlp_shapes(prefix: str, hidden: int, width: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for proj, shape in (("gate", (width, hidden)), ("up", (width, hidden)), ("down", (hidden, width))):
+        out[f"{prefix}{proj}_proj.weight"] = shape
+        if bias:
+            out[f"{prefix}{proj}_proj.bias"] = shape[:1]
+    return out
+
+
+class SyntheticTensor:
+    """One dummy checkpoint tensor: ``read(ranges)`` (a ``CheckpointSlice`` reader) draws only the row blocks
+    ``ranges`` touches, in ``dtype`` on ``generator``'s device."""
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, generator: torch.Generator
+    ) -> None:
+        self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype
+        self.generator = generator
+        self.rows_per_block = max(1, BLOCK_ELEMENTS // math.prod(shape[1:]))
+        self.is_norm = name.endswith("norm.weight")
+
+    def read(self, ranges: tuple[slice, ...]) -> torch.Tensor:
+        rows = ranges[0]
+        out = torch.empty(tuple(r.stop - r.start for r in ranges), dtype=self.dtype, device=self.generator.device)
+        if self.is_norm:
+            return out.fill_(1.0)
+        per, row = self.rows_per_block, rows.start
+        while row < rows.stop:  # one block at a time: never more than the slice and one block in memory
+            i = row // per
+            end = min(rows.stop, (i + 1) * per)
+            block = self._block(i)[(slice(row - i * per, end - i * per),) + ranges[1:]]
+            out[row - rows.start : end - rows.start] = block
+            row = end
+        return out
+
+    def _block(self, i: int) -> torch.Tensor:
+        per = self.rows_per_block
+        rows = min(per, self.shape[0] - i * per)
+        key = hashlib.blake2b(f"{self.seed}:{self.name}:{i}".encode(), digest_size=8).digest()
+        self.generator.manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+        out = torch.empty((rows,) + self.shape[1:], dtype=self.dtype, device=self.generator.device)
+        return out.normal_(0.0, DUMMY_STD, generator=self.generator)
+
+
+def dummy_checkpoint(
+    config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, CheckpointSlice]]:
+    """``(name, CheckpointSlice)`` for every tensor of ``checkpoint_shapes(config)``: nothing is drawn until a
+    slice is loaded, on ``device`` in ``config.dtype``."""
+    generator = torch.Generator(device=device)
+    for name, shape in checkpoint_shapes(config).items():
+        yield name, CheckpointSlice(shape, SyntheticTensor(name, shape, seed, config.dtype, generator).read)
 
 
 @register_loader("dummy")
 class DummyLoader(ModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
-        # a tensor-parallel rank draws its own shapes: the weights differ from --tp-size 1 (benchmarks only)
-        gens: dict[torch.device, torch.Generator] = {}
+        device = next(model.parameters()).device
+        tensors = dummy_checkpoint(model_config, seed, device)
+        if not lazy:  # the whole model on one device: each tensor whole, one at a time
+            tensors = ((name, whole.load()) for name, whole in tensors)
         with torch.no_grad():
-            for name, p in sorted(model.named_parameters()):
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                    continue
-                gen = gens.get(p.device)
-                if gen is None:
-                    gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-                p.normal_(0.0, DUMMY_STD, generator=gen)
+            fill_from_checkpoint(model, tensors, len(checkpoint_shapes(model_config)), "Generating dummy weights")

@@ -198,6 +198,11 @@ class Scheduler:
         self._thread = threading.current_thread()
         self._loop_running = True
         reason = "server is shutting down"
+        device = getattr(self.runner, "device", None)
+        if device is not None and device.type == "cuda":
+            # the current CUDA device is per thread and a new thread starts on cuda:0: a worker on another GPU
+            # (--base-gpu-id, a TP rank) would record its step events and launch kernels on the wrong device
+            torch.cuda.set_device(device)
         try:
             while not stop_event.is_set():
                 self.step(block_s=0.0 if self.has_work() else self.tuning.idle_wait_s)

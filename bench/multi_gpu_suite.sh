@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# multi_gpu_suite.sh -- the two-GPU run (TP=2, EP=2, PD across GPUs) in one or two device calls; runs ON a
+# machine with N >= 2 GPUs of one host (the device tool's nvidia-h100-x2 / nvidia-h200-x2).
+#
+#   PARTS="tests tp equality" bash bench/multi_gpu_suite.sh        # first call
+#   PARTS="ep_layer ep_decode pd" bash bench/multi_gpu_suite.sh     # second call
+#
+# Carry what bench/gpu_suite.sh needs (.device, .whl).  Setup is gpu_suite.sh's (PARTS=none).  Every part has its
+# own time limit (seconds: T_<PART>), writes under /tmp/res/<part>/, and after each part everything so far is packed
+# into $OUT/multi_gpu_results.tar.xz, so a call cut off at its limit still brings back what finished.
+# Parts:
+#   tests      pytest tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_pd_two_gpus.py
+#   equality   bench/tp_equality.py: Llama-3.1-8B shape, dummy weights, TP=2 vs two TP=1 runs, first mismatches
+#   tp         bench/decode_latency.py --tp-size $N (Llama-3.1-8B shape) beside one GPU, NCCL time per step
+#   ep_layer   bench/moe_layer.py --ep-size $N (Qwen3-30B-A3B layer) beside one GPU
+#   ep_decode  bench/decode_latency.py --shape qwen3-30b-a3b --tp-size $N --ep-size $N beside one GPU
+#   pd         bench/pd_ttft.py: prefill on GPU 0, decode on GPU 1 (nixl, mooncake) beside unified; KV GB/s
+#              against the GPU0->GPU1 copy bandwidth; token-for-token check
+# NVLink multicast stays off (the device notes: NCCL_NVLS_ENABLE=0 and friends are set on the machine; set again here).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/res
+START=$(date +%s); el() { echo $(( $(date +%s) - START )); }
+PARTS=${PARTS:-tests tp equality}
+N=${N:-2}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+PARTS=none bash bench/gpu_suite.sh > /tmp/res/setup.log 2>&1
+tail -4 /tmp/res/setup.log
+. /tmp/site/env.sh
+[ -d /tmp/kvsrc ] && export PYTHONPATH=/tmp/kvsrc:$PYTHONPATH
+exec > >(tee -a /tmp/res/multi_gpu_suite.log) 2>&1
+echo "== machine [$(el)s]"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>&1 | head -6
+python3 -c "import torch; print('visible GPUs', torch.cuda.device_count())"
+
+pack() { tar -C /tmp/res -cf - . | xz -3 -T0 > "$OUT/multi_gpu_results.tar.xz"; }
+
+part() {  # part NAME DEFAULT_LIMIT COMMAND...
+  local name=$1 limit=$2; shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  local var="T_${name^^}"; limit=${!var:-$limit}
+  mkdir -p "/tmp/res/$name"
+  echo "== $name (limit ${limit}s) [$(el)s]"
+  timeout -k 10 "$limit" "$@" > "/tmp/res/$name/log" 2>&1
+  echo "$name rc=$? [$(el)s]"
+  # a part cut off at its limit leaves servers and spawned ranks holding GPU memory: end them before the next
+  pkill -9 -f "kvship.app.cli|multiprocessing.spawn|multiprocessing.resource_tracker" 2>/dev/null && sleep 2
+  grep -E "^\||PASSED|FAILED|ERROR|SKIPPED|verdict|Traceback|Error" "/tmp/res/$name/log" | cut -c1-240 | tail -40
+  pack
+}
+
+part tests 200 python3 -m pytest -v -rs -p no:cacheprovider --timeout 190 \
+  tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_pd_two_gpus.py
+part tp 160 python3 bench/decode_latency.py --tp-size "$N" --batch-sizes 1,8,32,64 --modes graph \
+  --input-len 512 --output-len 128 --profile-bs 1,64 --out /tmp/res/tp
+part equality 150 python3 bench/tp_equality.py --device cuda --shape llama3-8b --tp-size "$N" --steps 64 \
+  --out /tmp/res/equality
+part ep_layer 100 python3 bench/moe_layer.py --ep-size "$N" --m 1 16 64 512 2048 4096 8192 --out /tmp/res/ep_layer
+part ep_decode 200 python3 bench/decode_latency.py --shape qwen3-30b-a3b --tp-size "$N" --ep-size "$N" \
+  --batch-sizes 1,32,128 --modes graph --attention-backend triton --input-len 256 --output-len 128 --profile-bs 1 \
+  --out /tmp/res/ep_decode
+part pd 240 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend mooncake \
+  --prompt-len 512 4096 --repeats 3 --warmup 1 --check-tokens 32 --out /tmp/res/pd
+echo "== end [$(el)s]"
+pack; ls -la "$OUT"
