@@ -650,8 +650,10 @@ def scheduler_decode(
 
 
 def is_collective_kernel(name: str) -> bool:
-    """NCCL's device kernels (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_AllGather_...``)."""
-    return "nccl" in name.lower()
+    """NCCL's device kernels (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``, ``ncclKernel_AllGather_...``) and the
+    one-shot peer-memory all-reduce's (``...symmetric_memory::one_shot_all_reduce_kernel...``)."""
+    low = name.lower()
+    return "nccl" in low or "all_reduce" in low or "allreduce" in low
 
 
 def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list[dict[str, Any]]:
@@ -683,11 +685,11 @@ def kernel_profile(runner: Any, bs: int, input_len: int, steps: int = 8) -> list
         r["share"] = r["us_per_step"] / total if total else 0.0
     top = rows[:15]
     coll = [r for r in rows if is_collective_kernel(r["kernel"])]
-    if coll:  # the tensor-parallel all-reduces / all-gathers (NCCL kernels, inside the graph too)
+    if coll:  # the tensor-parallel all-reduces / all-gathers (inside the graph too)
         us = sum(r["us_per_step"] for r in coll)
         top.append(
             {
-                "kernel": "COLLECTIVES (nccl)",
+                "kernel": "COLLECTIVES",
                 "us_per_step": us,
                 "calls_per_step": sum(r["calls_per_step"] for r in coll),
                 "share": us / total if total else 0.0,
@@ -1314,7 +1316,7 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
         for bs in [int(x) for x in args.profile_bs.split(",") if x and int(x) in bs_list]:
             rows = kernel_profile(runner, bs, args.input_len)
             res.setdefault("profile", {})[str(bs)] = rows
-            coll = [r for r in rows if r["kernel"] == "COLLECTIVES (nccl)"]
+            coll = [r for r in rows if r["kernel"] == "COLLECTIVES"]
             total = next(r["us_per_step"] for r in rows if r["kernel"] == "TOTAL (all kernels)")
             res.setdefault("collectives", {})[str(bs)] = {
                 "us_per_step": coll[0]["us_per_step"] if coll else 0.0,
@@ -1353,11 +1355,11 @@ def _baseline_main(argv: Optional[list[str]], out: Any) -> None:
 
 def side_by_side(base: dict[str, Any], res: dict[str, Any]) -> str:
     """Markdown: every (batch, mode) of the TP run beside the one-GPU baseline of the same run, with the ratio
-    and the collectives' GPU time per step from the kernel profile."""
+    and the collectives' GPU time per step from the kernel profile (NCCL and the peer-memory all-reduce)."""
     n, ep = res["tp_size"], res.get("ep_size", 1)
     label = f"TP={n}" + (f" EP={ep}" if ep > 1 else "")
     lines = [
-        f"| batch | mode | 1 GPU tok/s | {label} tok/s | {label} / 1 GPU | {label} ms/step | nccl us/step (share) |",
+        f"| batch | mode | 1 GPU tok/s | {label} tok/s | {label} / 1 GPU | {label} ms/step | collectives us/step (share) |",
         "|---|---|---|---|---|---|---|",
     ]
     one = {(r["batch"], r["mode"]): r for r in base.get("engine", [])}

@@ -97,6 +97,13 @@ class _Env:
         "auto",
         "fused-MoE runner: auto (triton on CUDA, else torch), torch or triton",
     )
+    TP_ALLREDUCE = Knob(
+        "KVSHIP_TP_ALLREDUCE",
+        str,
+        "auto",
+        "tensor-parallel all-reduce of tensors up to 1 MiB: auto (one-shot over peer GPU memory where every rank "
+        "can map it, else NCCL) or nccl",
+    )
     K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False, "store Linear weights K-major for the decode GEMVs")
     FLASHINFER_CUDA_CORE_DECODE_BS = Knob(
         "KVSHIP_FLASHINFER_CUDA_CORE_DECODE_BS",

@@ -21,11 +21,14 @@ import datetime
 import functools
 import logging
 import pickle
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from kvship.common.envs import ENV
+from kvship.engine.parallel.p2p_all_reduce import P2PAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class TPGroup:
     size: int
     device_group: Any  # tensors on the model's device: NCCL on CUDA, gloo on CPU
     cpu_group: Any  # host objects: always gloo
+    p2p: Optional[P2PAllReduce] = None  # small all-reduces over peer GPU memory (CUDA), else None
 
     @property
     def is_leader(self) -> bool:
@@ -66,6 +70,8 @@ class TPGroup:
     @_collective
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
+        if self.p2p is not None and self.p2p.fits(t):
+            return self.p2p.all_reduce_(t)
         dist.all_reduce(t, group=self.device_group)
         return t
 
@@ -123,4 +129,6 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device, 
     device_group = dist.group.WORLD
     cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     logger.info("tensor-parallel rank %d/%d joined (%s) on %s", rank, size, backend, device)
-    return TPGroup(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+    group = TPGroup(rank=rank, size=size, device_group=device_group, cpu_group=cpu_group)
+    p2p = P2PAllReduce.create(device_group, device, size, agree=group.min_int, mode=ENV.TP_ALLREDUCE)
+    return replace(group, p2p=p2p) if p2p is not None else group

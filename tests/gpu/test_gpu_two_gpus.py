@@ -125,6 +125,70 @@ def test_dummy_llama3_8b_loads_in_seconds_on_one_gpu(tmp_path):
 
 
 # --- workers ---------------------------------------------------------------------------------------
+def _p2p_rank(rank: int, init_method: str, out) -> None:
+    """One rank of ``test_p2p_all_reduce_...``: the group's one-shot all-reduce against NCCL's, eager and in a
+    CUDA graph; rank 0 reports."""
+    import torch.distributed as dist
+
+    from kvship.engine.parallel.group import init_tp_group
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    tp = init_tp_group(rank, 2, init_method, dev, timeout_s=120)
+    report = {"p2p": tp.p2p is not None, "eager": [], "graph": None}
+    g = torch.Generator(device=dev).manual_seed(100 + rank)
+    for rows, dtype in ((1, torch.bfloat16), (7, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):
+        x = torch.randn(rows, 4096, device=dev, dtype=dtype, generator=g)
+        ref = x.clone()
+        dist.all_reduce(ref, group=tp.device_group)  # NCCL
+        report["eager"].append((rows, str(dtype), torch.equal(tp.all_reduce(x.clone()), ref)))
+    static = torch.randn(8, 4096, device=dev, dtype=torch.bfloat16, generator=g)
+    tp.all_reduce(static.clone())  # warm-up outside the capture
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    work = static.clone()
+    with torch.cuda.graph(graph):
+        tp.all_reduce(work)
+    same = []
+    for _ in range(3):
+        fresh = torch.randn(8, 4096, device=dev, dtype=torch.bfloat16, generator=g)
+        work.copy_(fresh)
+        graph.replay()
+        ref = fresh.clone()
+        dist.all_reduce(ref, group=tp.device_group)
+        same.append(torch.equal(work, ref))
+    report["graph"] = same
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(report)
+
+
+def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
+    """The TP group's small all-reduces go over peer memory (``engine/parallel/p2p_all_reduce.py``): at two ranks
+    the one-shot sum is NCCL's bit for bit (one rounding of a + b), eager and replayed from a CUDA graph."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_p2p_rank, args=(r, init_method, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        report = q.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert report["p2p"], "the two H100s' group fell back to NCCL for small all-reduces (see the rank logs)"
+    assert all(ok for _, _, ok in report["eager"]), report
+    assert report["graph"] == [True, True, True], report
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(15)
