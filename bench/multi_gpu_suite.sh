@@ -12,7 +12,7 @@
 #   tests      pytest tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_pd_two_gpus.py
 #   equality   bench/tp_equality.py: Llama-3.1-8B shape, dummy weights, TP=2 vs two TP=1 runs, first mismatches
 #   tp         bench/decode_latency.py --tp-size $N (Llama-3.1-8B shape) beside one GPU, NCCL time per step
-#   tp_nccl    the same TP loops with every all-reduce on NCCL (KVSHIP_TP_ALLREDUCE=nccl), no baseline
+#   tp_p2p     the same TP loops with the small all-reduces one-shot over peer memory (KVSHIP_TP_ALLREDUCE=p2p)
 #   ep_layer   bench/moe_layer.py --ep-size $N (Qwen3-30B-A3B layer) beside one GPU
 #   ep_decode  bench/decode_latency.py --shape qwen3-30b-a3b --tp-size $N --ep-size $N beside one GPU
 #   pd         bench/pd_ttft.py: prefill on GPU 0, decode on GPU 1 (nixl, mooncake) beside unified; KV GB/s
@@ -57,8 +57,8 @@ part tests 200 python3 -m pytest -v -rs -p no:cacheprovider --timeout 190 \
   ${TESTS:-tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_pd_two_gpus.py}
 part tp 160 python3 bench/decode_latency.py --tp-size "$N" --batch-sizes 1,8,32,64 --modes graph \
   --input-len 512 --output-len 128 --profile-bs 1,64 --out /tmp/res/tp
-part tp_nccl 60 env KVSHIP_TP_ALLREDUCE=nccl python3 bench/decode_latency.py --tp-size "$N" --no-baseline \
-  --batch-sizes 1,64 --modes graph --input-len 512 --output-len 128 --profile-bs 1,64 --out /tmp/res/tp_nccl
+part tp_p2p 60 env KVSHIP_TP_ALLREDUCE=p2p python3 bench/decode_latency.py --tp-size "$N" --no-baseline \
+  --batch-sizes 1,64 --modes graph --input-len 512 --output-len 128 --profile-bs 1,64 --out /tmp/res/tp_p2p
 part equality 150 python3 bench/tp_equality.py --device cuda --shape llama3-8b --tp-size "$N" --steps 64 \
   --out /tmp/res/equality
 part ep_layer 100 python3 bench/moe_layer.py --ep-size "$N" --m 1 16 64 512 2048 4096 8192 --out /tmp/res/ep_layer

@@ -100,9 +100,9 @@ class _Env:
     TP_ALLREDUCE = Knob(
         "KVSHIP_TP_ALLREDUCE",
         str,
-        "auto",
-        "tensor-parallel all-reduce of tensors up to 1 MiB: auto (one-shot over peer GPU memory where every rank "
-        "can map it, else NCCL) or nccl",
+        "nccl",
+        "tensor-parallel all-reduce of tensors up to 1 MiB: nccl, or p2p (one-shot over peer GPU memory where every "
+        "rank can map it, else NCCL; not yet measured on a GPU pair, docs/parallel.md)",
     )
     K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False, "store Linear weights K-major for the decode GEMVs")
     FLASHINFER_CUDA_CORE_DECODE_BS = Knob(

@@ -479,7 +479,7 @@ def test_a_rank_killed_mid_generation_takes_its_worker_down_and_the_router_serve
 
 def test_p2p_all_reduce_is_only_for_cuda_groups_of_several_ranks():
     """The one-shot peer-memory all-reduce (engine/parallel/p2p_all_reduce.py) is never set up on CPU, at one
-    rank or with KVSHIP_TP_ALLREDUCE=nccl, and asks no peer anything then (``agree`` is a collective)."""
+    rank or without KVSHIP_TP_ALLREDUCE=p2p, and asks no peer anything then (``agree`` is a collective)."""
     from kvship.engine.parallel.p2p_all_reduce import P2PAllReduce
 
     def no_collective(ok: int) -> int:
@@ -488,3 +488,10 @@ def test_p2p_all_reduce_is_only_for_cuda_groups_of_several_ranks():
     assert P2PAllReduce.create(None, torch.device("cpu"), 2, agree=no_collective) is None
     assert P2PAllReduce.create(None, torch.device("cuda", 0), 1, agree=no_collective) is None
     assert P2PAllReduce.create(None, torch.device("cuda", 0), 2, agree=no_collective, mode="nccl") is None
+
+
+def test_p2p_all_reduce_is_opt_in():
+    """Until it is measured on a GPU pair, TP groups keep NCCL unless KVSHIP_TP_ALLREDUCE=p2p."""
+    from kvship.common.envs import ENV
+
+    assert ENV.TP_ALLREDUCE == "nccl"

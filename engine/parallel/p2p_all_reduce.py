@@ -9,11 +9,14 @@ of one allocation per rank), waits on a device-side barrier, and sums all
 ranks' copies in one kernel (``symm_mem.one_shot_all_reduce``): one read of
 each peer's bytes over NVLink, no ring steps.  It runs inside CUDA graphs.
 
-``P2PAllReduce.create`` returns None (the group keeps NCCL) on CPU, at one
-rank, with ``KVSHIP_TP_ALLREDUCE=nccl``, or when this PyTorch or machine
-cannot map peer memory; every rank takes the same decision (the check is
-agreed over the host group), and a self-check against known sums runs before
-it is used.  Tensors above ``max_bytes`` keep NCCL's all-reduce (prefill).
+Opt-in (``KVSHIP_TP_ALLREDUCE=p2p``) until it has been measured on a GPU pair:
+its first two-GPU run stopped at a fault in the self-check itself (a bfloat16
+``arange`` cannot hold 4096 distinct values), and the session's device time
+was spent.  ``P2PAllReduce.create`` returns None (the group keeps NCCL)
+unless asked for, on CPU, at one rank, or when this PyTorch or machine cannot
+map peer memory; every rank takes the same decision (agreed over the host
+group), and a self-check against known sums runs before it is used.  Tensors
+above ``max_bytes`` keep NCCL's all-reduce (prefill).
 """
 
 from __future__ import annotations
@@ -61,12 +64,12 @@ class P2PAllReduce:
         device: torch.device,
         size: int,
         agree: Callable[[int], int],
-        mode: str = "auto",
+        mode: str = "p2p",
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> Optional["P2PAllReduce"]:
         """The group's P2P all-reduce, or None for NCCL.  ``agree(ok)`` is the minimum of ``ok`` over the ranks
         (host group), so a rank that cannot map peer memory takes every rank back to NCCL."""
-        if mode == "nccl" or device.type != "cuda" or size < 2:
+        if mode != "p2p" or device.type != "cuda" or size < 2:
             return None
         made: Optional[P2PAllReduce] = None
         reason = ""
@@ -92,14 +95,16 @@ class P2PAllReduce:
         return made
 
     def _self_check(self, size: int, device: torch.device) -> None:
-        """Every rank contributes rank+1 (and a ramp): the sums must be exact, in each dtype."""
+        """Every rank contributes a ramp plus rank+1 (small integers, exact in every dtype): the sums must be
+        exact."""
         import torch.distributed as dist
 
         rank = dist.get_rank()
+        ramp = torch.arange(4096, device=device, dtype=torch.float32) % 7
         for dtype in DTYPES:
-            t = torch.arange(4096, device=device, dtype=dtype) % 7 + (rank + 1)
+            t = (ramp + (rank + 1)).to(dtype)
             self.all_reduce_(t)
-            want = (torch.arange(4096, device=device, dtype=torch.float32) % 7) * size + size * (size + 1) / 2
+            want = ramp * size + size * (size + 1) / 2
             if not torch.equal(t.float(), want):
                 raise RuntimeError(f"self-check failed for {dtype}")
         torch.cuda.synchronize(device)

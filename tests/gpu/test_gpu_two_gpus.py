@@ -132,6 +132,7 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
 
     from kvship.engine.parallel.group import init_tp_group
 
+    os.environ["KVSHIP_TP_ALLREDUCE"] = "p2p"  # opt-in until measured (engine/parallel/p2p_all_reduce.py)
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     tp = init_tp_group(rank, 2, init_method, dev, timeout_s=120)
@@ -164,8 +165,9 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
 
 
 def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
-    """The TP group's small all-reduces go over peer memory (``engine/parallel/p2p_all_reduce.py``): at two ranks
-    the one-shot sum is NCCL's bit for bit (one rounding of a + b), eager and replayed from a CUDA graph."""
+    """With ``KVSHIP_TP_ALLREDUCE=p2p`` the TP group's small all-reduces go over peer memory
+    (``engine/parallel/p2p_all_reduce.py``): at two ranks the one-shot sum is NCCL's bit for bit (one rounding of
+    a + b), eager and replayed from a CUDA graph.  Not yet run to the end on a GPU pair (docs/parallel.md)."""
     import multiprocessing as mp
     import socket
 
