@@ -11,6 +11,7 @@
 # Parts:
 #   tests      pytest tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_pd_two_gpus.py
 #   equality   bench/tp_equality.py: Llama-3.1-8B shape, dummy weights, TP=2 vs two TP=1 runs, first mismatches
+#   equality_fp32  the same in float32 (bf16 rounding of the row-parallel partial sums taken out)
 #   tp         bench/decode_latency.py --tp-size $N (Llama-3.1-8B shape) beside one GPU, NCCL time per step
 #   tp_p2p     the same TP loops with the small all-reduces one-shot over peer memory (KVSHIP_TP_ALLREDUCE=p2p)
 #   ep_layer   bench/moe_layer.py --ep-size $N (Qwen3-30B-A3B layer) beside one GPU
@@ -61,13 +62,15 @@ part tp_p2p 60 env KVSHIP_TP_ALLREDUCE=p2p python3 bench/decode_latency.py --tp-
   --batch-sizes 1,64 --modes graph --input-len 512 --output-len 128 --profile-bs 1,64 --out /tmp/res/tp_p2p
 part equality 150 python3 bench/tp_equality.py --device cuda --shape llama3-8b --tp-size "$N" --steps 64 \
   --out /tmp/res/equality
+part equality_fp32 200 python3 bench/tp_equality.py --device cuda --shape llama3-8b --tp-size "$N" --steps 64 \
+  --dtype float32 --out /tmp/res/equality_fp32
 part ep_layer 100 python3 bench/moe_layer.py --ep-size "$N" --m 1 16 64 512 2048 4096 8192 --out /tmp/res/ep_layer
 part ep_decode 200 python3 bench/decode_latency.py --shape qwen3-30b-a3b --tp-size "$N" --ep-size "$N" \
   --batch-sizes 1,32,128 --modes graph --attention-backend triton --input-len 256 --output-len 128 --profile-bs 1 \
   --out /tmp/res/ep_decode
 part pd 240 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend mooncake \
   --prompt-len 512 4096 --repeats 3 --warmup 1 --check-tokens 32 --out /tmp/res/pd
-part pd_whole 90 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --prompt-len 4096 \
+part pd_whole 150 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --prompt-len 4096 \
   --repeats 3 --warmup 1 --variant whole=--no-disaggregation-layerwise --out /tmp/res/pd_whole
 echo "== end [$(el)s]"
 pack; ls -la "$OUT"

@@ -41,6 +41,8 @@ import sys
 import tempfile
 from typing import Any, Optional
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from decode_latency import SHAPES, write_model_dir  # noqa: E402
@@ -87,7 +89,17 @@ def greedy_runs(args: argparse.Namespace, path: str, prompts: list[list[int]]) -
     """Runs A, B (--tp-size 1) and T (--tp-size N): started together, then asked one at a time; per run and
     prompt its ids and top-2 logprobs."""
     sizes = {"A": 1, "B": 1, "T": args.tp_size}
-    managers = [start_server(worker_flags(args, path, n), timeout=args.start_timeout) for n in sizes.values()]
+    # B on the last GPU where there are several: its rerun noise then spans GPUs too, and a float32 8B run fits
+    # (A and T's rank 0 on GPU 0, B and T's rank 1 on GPU 1)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    base = {"A": 0, "B": max(gpus - 1, 0), "T": 0}
+    managers = [
+        start_server(
+            worker_flags(args, path, n) + (["--base-gpu-id", str(base[name])] if gpus else []),
+            timeout=args.start_timeout,
+        )
+        for name, n in sizes.items()
+    ]
     sp = {"max_new_tokens": args.steps, "temperature": 0, "ignore_eos": True}
     body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 2}
     runs = {}
