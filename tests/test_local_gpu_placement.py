@@ -48,13 +48,13 @@ def _last_flag(argv: list[str], flag: str):
 def test_spread_gives_workers_consecutive_gpus_and_wraps_when_a_group_no_longer_fits(
     tp_sizes, num_gpus, base, expected
 ):
-    from kvship.app.local import spread_gpus
+    from kvship.app.gpu_placement import spread_gpus
 
     assert spread_gpus(tp_sizes, num_gpus, base) == expected
 
 
 def test_spread_refuses_a_worker_whose_group_cannot_fit_at_all():
-    from kvship.app.local import spread_gpus
+    from kvship.app.gpu_placement import spread_gpus
 
     with pytest.raises(ValueError, match="--tp-size 2 from --base-gpu-id 1 needs 3 GPUs, 2 visible"):
         spread_gpus([1, 2], 2, 1)
@@ -63,7 +63,7 @@ def test_spread_refuses_a_worker_whose_group_cannot_fit_at_all():
 
 
 def test_placement_defaults_to_spread_and_only_applies_on_cuda():
-    from kvship.app.local import worker_gpus
+    from kvship.app.gpu_placement import worker_gpus
 
     cfg, flags = _config(["--prefill", "2", "--decode", "2"])
     assert cfg.gpu_placement == "spread"
@@ -80,7 +80,8 @@ def test_placement_defaults_to_spread_and_only_applies_on_cuda():
 
 
 def test_children_argv_carry_each_workers_base_gpu_id(tmp_path):
-    from kvship.app.local import LocalDeployment, worker_argv, worker_gpus
+    from kvship.app.gpu_placement import worker_gpus
+    from kvship.app.local import LocalDeployment, worker_argv
 
     cfg, flags = _config(["--prefill", "2", "--decode", "2", "--device", "cuda", "--base-gpu-id", "1"])
     gpus = worker_gpus(cfg, flags, "cuda", num_gpus=3)
@@ -99,7 +100,8 @@ def test_children_argv_carry_each_workers_base_gpu_id(tmp_path):
 
 
 def test_children_argv_have_no_gpu_flag_on_cpu(tmp_path):
-    from kvship.app.local import LocalDeployment, worker_argv, worker_gpus
+    from kvship.app.gpu_placement import worker_gpus
+    from kvship.app.local import LocalDeployment, worker_argv
 
     cfg, flags = _config(["--prefill", "2", "--device", "cpu"])
     dep = LocalDeployment(cfg, worker_argv(flags), "tcp", str(tmp_path), worker_gpus(cfg, flags, "cpu"))
