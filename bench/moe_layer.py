@@ -32,7 +32,9 @@ and times them against the aligned GEMMs at each M (``moe_gemv_sweep.json``);
 expert-parallel layer (``kvship.engine.parallel.ep.ParallelFusedMoE``: E/N
 experts per rank; docs/parallel.md, "Expert parallelism") for each M, the same
 tokens and routing on every rank: ``local`` (a rank's experts alone, the
-``absent`` Triton path, in a CUDA graph), ``all_reduce`` (local + the NCCL
+``absent`` Triton path, in a CUDA graph, with the kernel configs of the whole
+layer as the product looks them up, and again under the rank's own expert
+count as before session 14), ``all_reduce`` (local + the NCCL
 all-reduce, in a CUDA graph, as decode runs it), ``all_to_all`` (eager:
 counts, dispatch, local experts, combine, all-gather), beside the plain
 single-GPU layer with every expert on rank 0's GPU (the baseline of the same
@@ -292,7 +294,9 @@ def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) ->
             local = ids - layer.expert_start
             local = torch.where((local >= 0) & (local < layer.num_local_experts), local, -1)
             w13, w2 = layer.w13_weight, layer.w2_weight
-            t_local = graph_time(lambda i: fused_experts(x, w13, w2, topk_w, local, absent=True), calls=2)
+            # the layer looks its configs up under the model's expert count; before, under the rank's own
+            t_local = graph_time(lambda i: fused_experts(x, w13, w2, topk_w, local, absent=True, config_experts=e), 2)
+            t_local_own = graph_time(lambda i: fused_experts(x, w13, w2, topk_w, local, absent=True), calls=2)
             layer.dispatch = "all_reduce"
             t_ar = graph_time(lambda i: layer(x, logits), calls=2)
             layer.dispatch = "all_to_all"
@@ -307,6 +311,7 @@ def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) ->
                     "one_gpu_us": one_gpu * 1e6 if one_gpu is not None else None,
                     "local_experts_hit": mine,
                     "local_us": t_local * 1e6,
+                    "local_own_lookup_us": t_local_own * 1e6,
                     "all_reduce_us": t_ar * 1e6,
                     "all_to_all_us": t_a2a * 1e6,
                 }
@@ -337,15 +342,16 @@ def ep_main(args: argparse.Namespace) -> None:
         f"MoE layer E={args.experts} top-{args.topk} H={args.hidden} I={args.inter} bf16, --ep-size {args.ep_size} "
         f"on {env['gpu']} (rank 0's times)",
         "",
-        "| M | rank 0's experts hit | 1 GPU (all experts) us | local experts us | all_reduce (graph) us | "
-        "all_to_all (eager) us | all_reduce speed-up vs 1 GPU | all_to_all speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| M | rank 0's experts hit | 1 GPU (all experts) us | local experts us | local, configs under E/N us | "
+        "all_reduce (graph) us | all_to_all (eager) us | all_reduce speed-up vs 1 GPU | all_to_all speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         one = r["one_gpu_us"]
         lines.append(
-            f"| {r['m']} | {r['local_experts_hit']} | {one:.1f} | {r['local_us']:.1f} | {r['all_reduce_us']:.1f} | "
-            f"{r['all_to_all_us']:.1f} | {one / r['all_reduce_us']:.2f}x | {one / r['all_to_all_us']:.2f}x |"
+            f"| {r['m']} | {r['local_experts_hit']} | {one:.1f} | {r['local_us']:.1f} | "
+            f"{r['local_own_lookup_us']:.1f} | {r['all_reduce_us']:.1f} | {r['all_to_all_us']:.1f} | "
+            f"{one / r['all_reduce_us']:.2f}x | {one / r['all_to_all_us']:.2f}x |"
         )
     md = "\n".join(lines)
     print(md)

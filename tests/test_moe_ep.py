@@ -384,3 +384,38 @@ def test_every_ep_size_dividing_tp4_gives_the_whole_layer_on_every_rank():
         for (ep, dispatch), (shape, out) in by_config.items():
             assert shape == held[ep], (rank, ep)
             assert (torch.from_numpy(out) - want).abs().max().item() < ATOL, (rank, ep, dispatch)
+
+
+def test_a_ranks_experts_use_the_whole_layers_kernel_configs():
+    """Under EP a rank's E/N experts carry the whole layer's load per expert, so ``ParallelFusedMoE`` asks its
+    runner for the configs tuned for the model's expert count (``config_experts``): on the H100 the E=128 table
+    (persistent GEMMs at 4096 tokens), where the rank's own count (64) has no table and gets the defaults that
+    made the EP=2 layer 1.01x one GPU at 4096 tokens (docs/benchmarks.md, "Two GPUs")."""
+    import torch.distributed as dist
+
+    from kvship.engine.layers.moe.kernel_config import get_config
+    from kvship.engine.layers.moe.runner import TorchMoERunner, register_moe_runner
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert get_config(4096, 128, 768, 8, torch.bfloat16, h100).get("persistent")
+    assert not get_config(4096, 64, 768, 8, torch.bfloat16, h100).get("persistent")
+
+    calls = []
+
+    @register_moe_runner("test-recording")
+    class Recording(TorchMoERunner):
+        def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False, config_experts=None):
+            calls.append((w13.shape[0], absent, config_experts))
+            return super().__call__(x, w13, w2, topk_weights, topk_ids, absent, config_experts)
+
+    # rank 0 of two, in a one-process gloo group (its all-reduce is the identity): the layer holds experts 0..3
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        tp = TPGroup(rank=0, size=2, device_group=dist.group.WORLD, cpu_group=dist.group.WORLD)
+        layer = ParallelFusedMoE(FusedMoE(8, 2, 32, 16, renormalize=True, runner="test-recording"), tp, 2)
+        with torch.no_grad():
+            layer(torch.randn(5, 32), torch.randn(5, 8))
+    finally:
+        dist.destroy_process_group()
+    assert calls == [(4, True, 8)]

@@ -147,7 +147,8 @@ class ParallelFusedMoE(FusedMoE):
             return self._all_to_all(runner, x, weights, ids)
         local = ids - self.expert_start
         local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-        y = runner(x, self.w13_weight, self.w2_weight, weights, local, absent=True)
+        # the kernel configs of the whole layer (docs/parallel.md, "Expert parallelism": tuned tables)
+        y = runner(x, self.w13_weight, self.w2_weight, weights, local, absent=True, config_experts=self.num_experts)
         return self.tp.all_reduce(y)
 
     def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

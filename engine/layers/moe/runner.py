@@ -47,9 +47,12 @@ class MoERunner(ABC):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         absent: bool = False,
+        config_experts: Optional[int] = None,
     ) -> torch.Tensor:
         """``x [M, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` float32 ``[M, k]``,
-        ``topk_ids`` int ``[M, k]`` -> ``[M, H]`` in ``x.dtype``; with ``absent``, ids of ``-1`` add nothing."""
+        ``topk_ids`` int ``[M, k]`` -> ``[M, H]`` in ``x.dtype``; with ``absent``, ids of ``-1`` add nothing.
+        ``config_experts``: the expert count a kernel-tuned runner looks its configs up under, where it is not
+        ``E`` (expert parallelism: the model's, whose load per expert a rank's ``E`` experts carry)."""
 
     def select_experts(
         self,
@@ -97,7 +100,7 @@ def get_moe_runner(name: str) -> MoERunner:
 class TorchMoERunner(MoERunner):
     """Per-expert loop in PyTorch: gather the expert's tokens, two matmuls, scatter-add weighted rows."""
 
-    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False):
+    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False, config_experts=None):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the torch MoE runner reads the routing on the host and cannot be captured in a CUDA graph: "

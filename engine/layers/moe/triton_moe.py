@@ -768,8 +768,11 @@ def fused_experts(
     topk_ids: torch.Tensor,
     config: Optional[dict] = None,
     absent: bool = False,
+    config_experts: Optional[int] = None,
 ) -> torch.Tensor:
-    """The ``MoERunner`` contract (runner.py) with Triton kernels; ``config`` overrides the lookup (tuner).
+    """The ``MoERunner`` contract (runner.py) with Triton kernels; ``config`` overrides the lookup (tuner), which
+    is keyed by ``config_experts`` where given (expert parallelism: the model's expert count; a rank's experts
+    carry the load per expert of the whole layer, so the whole layer's tuned tiles fit them) and by ``E`` else.
 
     ``absent`` (expert parallelism): ids of ``-1`` become a sentinel expert ``E`` that sorts last; its
     run is cut off ``num_tokens_post_padded``, so both GEMMs skip it, and its rows of the per-pair output
@@ -784,7 +787,7 @@ def fused_experts(
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("expert weights must be contiguous in their last dim")
     x = x.contiguous()
-    cfg = config or get_config(m, num_experts, inter, top_k, x.dtype, _device_name(x.device))
+    cfg = config or get_config(m, config_experts or num_experts, inter, top_k, x.dtype, _device_name(x.device))
     if "gemv" in cfg:
         return _fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, cfg["gemv"])
     bm, bn, bk, gm = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"]
@@ -859,8 +862,8 @@ def _fused_experts_gemv(
 
 @register_moe_runner("triton")
 class TritonMoERunner(MoERunner):
-    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False):
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, absent=absent)
+    def __call__(self, x, w13, w2, topk_weights, topk_ids, absent=False, config_experts=None):
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, absent=absent, config_experts=config_experts)
 
     def select_experts(self, router_logits, top_k, renormalize, counts=None, rows_slots=None):
         if top_k & (top_k - 1) or router_logits.shape[1] > 1024:  # the kernel's shapes: fall back
