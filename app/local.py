@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -53,12 +52,11 @@ import sys
 import tempfile
 import time
 import typing
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from kvship.app.gpu_placement import worker_gpus
+from kvship.app.local_child import Child, ChildFailed
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -207,6 +205,13 @@ def _flag_int(argv: Sequence[str], flag: str, default: int) -> int:
     return value
 
 
+def _set_flag(argv: list[str], flag: str, value: str) -> None:
+    """Set every occurrence of ``flag``'s value in ``argv`` (in place)."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg == flag:
+            argv[i + 1] = value
+
+
 SPECULATIVE_FLAGS = (
     "--speculative-algorithm",
     "--speculative-draft-model-path",
@@ -252,89 +257,6 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
         except OSError:
             continue
     raise RuntimeError(f"no run of {n} free ports found")
-
-
-def _parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM this child when its parent dies (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-
-
-class Child:
-    """One child process (a worker or the router) with its log file.
-
-    ``env`` is added to this process's environment (API keys travel there, not
-    on the command line); ``health_key`` is sent as a Bearer token on health checks.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        argv: list[str],
-        url: str,
-        log_path: str,
-        health_path: str,
-        env: Optional[dict[str, str]] = None,
-        health_key: Optional[str] = None,
-    ):
-        self.name = name
-        self.argv = argv
-        self.url = url
-        self.log_path = log_path
-        self.health_path = health_path
-        self.env = env or {}
-        self.health_key = health_key
-        self.proc: Optional[subprocess.Popen] = None
-        self.restarts = 0
-
-    def start(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(self.env)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvship.app.cli", *self.argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None,
-            )
-
-    def exited(self) -> Optional[int]:
-        return None if self.proc is None else self.proc.poll()
-
-    def healthy(self) -> bool:
-        req = urllib.request.Request(self.url + self.health_path)
-        if self.health_key:
-            req.add_header("Authorization", f"Bearer {self.health_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=2.0) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
-
-    def signal(self, sig: int) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-
-
-class ChildFailed(RuntimeError):
-    """A child exited or did not become healthy in time."""
 
 
 class _Stop(Exception):
@@ -457,11 +379,37 @@ class LocalDeployment:
             self.router.start()
             self._wait_healthy([self.router], deadline, bar)
 
+    def _retry_taken_port(self, c: Child) -> bool:
+        """A worker that exited at start because its port was taken: the ports are picked free here and bound
+        by the child seconds later, and another process may bind one in between.  Pick another port (HTTP or
+        bootstrap, from the message ``kvship serve`` exits with), point the router at it and start the worker
+        again, at most 3 times; False when the exit had another cause."""
+        if c is self.router or c.port_retries >= 3:
+            return False
+        said = c.log_since_start()
+        if "cannot listen on" in said:
+            old = c.url
+            port = free_port()
+            _set_flag(c.argv, "--port", str(port))
+            c.url = f"http://127.0.0.1:{port}"
+            self.router.argv = [c.url if a == old else a for a in self.router.argv]
+        elif "cannot bind the KV bootstrap server" in said:
+            ranks = _flag_int(c.argv, "--tp-size", 1)
+            _set_flag(c.argv, "--disaggregation-bootstrap-port", str(free_port_run(ranks)))
+        else:
+            return False
+        c.port_retries += 1
+        logger.warning("%s: its port was taken before it could bind it; starting it again on another", c.name)
+        c.start()
+        return True
+
     def _wait_healthy(self, children: Sequence[Child], deadline: float, bar: Any) -> None:
         pending = list(children)
         while pending:
             for c in list(pending):
                 code = c.exited()
+                if code is not None and self._retry_taken_port(c):
+                    continue
                 if code is not None:
                     raise ChildFailed(
                         f"{c.name} exited with status {code} while starting; its log "

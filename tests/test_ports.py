@@ -97,3 +97,31 @@ def test_the_worker_owns_its_port_while_the_model_loads(tiny_llama_dir, tmp_path
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def test_kvship_local_starts_a_worker_again_when_its_picked_port_is_taken(tiny_llama_dir, tmp_path):
+    """kvship local picks its workers' ports free and each worker binds its own seconds later; another process
+    binding one in between (CI saw it once: decode-0 exited "cannot listen on ...: Address already in use") makes
+    that worker exit at once, and kvship local starts it again on another port and points the router there."""
+    import argparse
+
+    from kvship.app import local
+    from kvship.engine.config import dataclass_from_namespace
+
+    parser = argparse.ArgumentParser()
+    local.add_parser(parser.add_subparsers())
+    ns = parser.parse_args(["local", "--model-path", tiny_llama_dir, "--device", "cpu", "--transfer-backend", "tcp"])
+    cfg, flags = dataclass_from_namespace(local.LocalConfig, ns), dataclass_from_namespace(local.WorkerFlags, ns)
+    dep = local.LocalDeployment(cfg, local.worker_argv(flags), "tcp", str(tmp_path))
+    decode = dep.workers[-1]
+    taken_url = decode.url
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(taken_url.rsplit(":", 1)[1])))
+        taken.listen(1)
+        try:
+            dep.start()
+            assert decode.port_retries == 1 and decode.url != taken_url
+            assert decode.url in dep.router.argv and taken_url not in dep.router.argv
+            assert decode.healthy() and dep.router.healthy()
+        finally:
+            dep.stop()

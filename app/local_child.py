@@ -1,0 +1,110 @@
+"""One child process of ``kvship local`` (a worker or the router): started in its own session with its log
+file, health-checked over HTTP, signalled as a process group, and SIGTERMed by Linux if ``kvship local`` dies."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from typing import Optional
+
+
+def _parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM this child when its parent dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+class Child:
+    """One child process (a worker or the router) with its log file.
+
+    ``env`` is added to this process's environment (API keys travel there, not
+    on the command line); ``health_key`` is sent as a Bearer token on health checks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        url: str,
+        log_path: str,
+        health_path: str,
+        env: Optional[dict[str, str]] = None,
+        health_key: Optional[str] = None,
+    ):
+        self.name = name
+        self.argv = argv
+        self.url = url
+        self.log_path = log_path
+        self.health_path = health_path
+        self.env = env or {}
+        self.health_key = health_key
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+        self.port_retries = 0
+        self._log_start = 0  # the log's size when the current process started
+
+    def start(self) -> None:
+        with contextlib.suppress(OSError):
+            self._log_start = os.path.getsize(self.log_path)
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvship.app.cli", *self.argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None,
+            )
+
+    def exited(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def healthy(self) -> bool:
+        req = urllib.request.Request(self.url + self.health_path)
+        if self.health_key:
+            req.add_header("Authorization", f"Bearer {self.health_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=2.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def log_since_start(self) -> str:
+        """What the current process wrote to the log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or did not become healthy in time."""
