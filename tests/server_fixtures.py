@@ -59,6 +59,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target, world: int, args: tuple, timeout: float):
+    """Spawn ``world`` processes ``target(rank, init_method, *args, queue)`` (a torch.distributed group's
+    ranks); rank 0 puts ``("ok", payload)`` or ``("error", text)`` on the queue.  Returns the payload once
+    every rank exited 0; kills any rank left alive."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=target, args=(r, init, *args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = q.get(timeout=timeout)
+        assert status == "ok", payload
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return payload
+
+
 @dataclass
 class ServerHandle:
     url: str

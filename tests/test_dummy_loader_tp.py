@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from moe_fixtures import build_tiny_moe
-from server_fixtures import free_port
+from server_fixtures import run_ranks
 from test_moe_ep import _run_steps
 
 from kvship.engine.config import ServerArgs
@@ -176,23 +176,7 @@ def _rank_main(rank: int, init_method: str, paths: dict, out: "mp.Queue") -> Non
 
 @pytest.fixture(scope="module")
 def tp2_results(model_dirs) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init, model_dirs, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = q.get(timeout=RANK_TIMEOUT_S)
-        assert status == "ok", payload
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return payload
+    return run_ranks(_rank_main, 2, (model_dirs,), RANK_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name,ep", RANK_CASES, ids=[f"{n}-ep{e}" for n, e in RANK_CASES])

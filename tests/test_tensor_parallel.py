@@ -22,7 +22,7 @@ import traceback
 import pytest
 import torch
 from conftest import KVDriver, build_tiny_model
-from server_fixtures import free_port, start_server
+from server_fixtures import run_ranks, start_server
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.model_runner import ModelRunner
@@ -123,23 +123,7 @@ def _rank_main(rank: int, init_method: str, paths: dict, out: "mp.Queue") -> Non
 @pytest.fixture(scope="module")
 def tp_results(tp_model_dirs) -> dict[int, dict]:
     """{tp size: {model name: rank 0's results}} from one group of 3 rank processes."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init, tp_model_dirs, q), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = q.get(timeout=RANK_TIMEOUT_S)
-        assert status == "ok", payload
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return payload
+    return run_ranks(_rank_main, WORLD, (tp_model_dirs,), RANK_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
