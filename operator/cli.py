@@ -20,6 +20,7 @@ from kvship.operator.config import OperatorConfig
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "operator",
+        allow_abbrev=False,
         help="run the Kubernetes operator",
         description="Run the kvship operator: InferenceService -> prefill/decode/router "
         "Deployments, Services, RBAC, autoscalers.",
@@ -56,8 +57,9 @@ def run(config: OperatorConfig) -> int:
     from kvship.operator.handlers import register
     from kvship.operator.kube import load_auth
 
-    if not config.clusterwide and not config.namespace:
-        config = config.with_namespace_default(load_auth(config.kubeconfig).default_namespace)
+    if not config.operator_namespace or (not config.clusterwide and not config.namespace):
+        own = load_auth(config.kubeconfig).default_namespace
+        config = config.with_namespace_default(own).with_operator_namespace_default(own)
     registry = kopf.OperatorRegistry()
     register(registry, config)
     logging.getLogger(__name__).info(

@@ -1,6 +1,6 @@
 """Layer 3, the glue: one reconcile pass of an InferenceService.
 
-``reconcile`` = parse + validate -> build -> apply -> observe -> ask the router
+``reconcile`` = parse + validate -> make/read the Secrets -> build -> apply -> observe -> ask the router
 -> retire drained revisions -> set the pods' in-rotation gates -> write status.
 It is level-based and idempotent: the kopf create/update/resume handlers, the
 resync timer and the child-event handler may all call it at any time.  Only
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvship.operator.apply import ApplyResult, apply_children, merged_with_nulls, observe_children, removed_fields
-from kvship.operator.builders import Images, build_children, instance_labels, worker_revision
-from kvship.operator.builders.common import ROLE_LABEL, router_gated
+from kvship.operator.builders import Images, Network, build_children, instance_labels, worker_revision
+from kvship.operator.builders.common import ROLE_LABEL
+from kvship.operator.credentials import ensure_credentials
 from kvship.operator.kube import KubeApiError, KubeClient
 from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.rollout import (
@@ -148,15 +149,21 @@ async def sync_gates(client: KubeClient, cfg: ServiceConfig, router: Optional[Ro
 
 
 async def reconcile(
-    client: KubeClient, body: dict, images: Images, router_access: Optional[RouterAccess] = None
+    client: KubeClient,
+    body: dict,
+    images: Images,
+    router_access: Optional[RouterAccess] = None,
+    network: Network = Network(),
 ) -> Outcome:
     """One full pass; raises only on API failures of the status write itself.
 
-    Without ``router_access`` the router is not read: no gates are set and old revisions are kept.
+    Without ``router_access`` the router is not read: no gates are set and old revisions are kept.  While
+    the service's Secrets cannot be made or read, nothing is applied (the pods could not start) and the
+    router is not read; the errors go to status like a failed apply.
     """
     out = Outcome()
     try:
-        out.config = parse_service(body)
+        out.config = parse_service(body, images.allowed_prefixes)
     except SpecError as e:
         out.spec_errors = e.errors
         out.status = compute_status(body, None, e.errors, [], {})
@@ -164,15 +171,19 @@ async def reconcile(
         return out
     cfg = out.config
     out.revision = revision = worker_revision(cfg, images)
-    out.applied = await apply_children(client, cfg, build_children(cfg, images), keep=keeps_old_revision(cfg, revision))
+    creds = await ensure_credentials(client, cfg)
+    if creds.errors:
+        out.applied = ApplyResult(errors=list(creds.errors))
+    else:
+        desired = build_children(cfg, images, network, creds.digest)
+        out.applied = await apply_children(client, cfg, desired, keep=keeps_old_revision(cfg, revision))
     children = await observe_children(client, cfg)
     router_dep = children.get(("Deployment", f"{cfg.name}-router"))
     router_ready = role_state("router", router_dep).ready > 0
-    gated = router_gated(cfg)
-    if router_access is not None and router_ready and gated:
-        out.router = await read_router(router_access.url_of(cfg), router_access.timeout)
+    if router_access is not None and router_ready and creds.worker_key:
+        out.router = await read_router(router_access.url_of(cfg), router_access.timeout, api_key=creds.worker_key)
     elif router_access is not None:
-        reason = "the router requires an API key" if not gated else "no router pod is ready"
+        reason = "no router pod is ready" if creds.worker_key else "the worker key Secret could not be read"
         out.router = RouterView(router_access.url_of(cfg), False, reason)
     old = old_worker_revisions(cfg, revision, children)
     out.plan = plan_rollout(revision, old, out.router)
@@ -189,7 +200,7 @@ async def reconcile(
         except KubeApiError as e:
             out.applied.errors.append(f"setting readiness gates: {e.status} {e.reason}: {e.message}")
             pods = []
-        sync = router_synced(pods, revision, out.router, gated, router_ready)
+        sync = router_synced(pods, revision, out.router, router_ready)
     observed = Observed(revision=revision, router=out.router, sync=sync, plan=out.plan)
     out.status = compute_status(body, cfg, [], out.applied.errors, children, observed=observed)
     out.status_written = await write_status(client, body, out.status)
@@ -209,7 +220,7 @@ async def refresh_status(client: KubeClient, namespace: str, name: str, images: 
     if ready.get("reason") in ("ApplyFailed", "InvalidSpec"):
         return None
     try:
-        cfg = parse_service(body)
+        cfg = parse_service(body, images.allowed_prefixes)
     except SpecError:
         return None
     children = await observe_children(client, cfg)

@@ -150,7 +150,7 @@ def crd_paths(root: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print or write the InferenceService CRD")
+    parser = argparse.ArgumentParser(description="Print or write the InferenceService CRD", allow_abbrev=False)
     parser.add_argument("--write", action="store_true", help="write crds/ and the chart's crds/ in this checkout")
     args = parser.parse_args(argv)
     text = render_crd_yaml()

@@ -39,7 +39,12 @@ log = logging.getLogger(__name__)
 
 
 def _images(config: OperatorConfig) -> Images:
-    return Images(worker=config.worker_image, router=config.router_image, pull_policy=config.image_pull_policy)
+    return Images(
+        worker=config.worker_image,
+        router=config.router_image,
+        pull_policy=config.image_pull_policy,
+        allowed_prefixes=config.image_prefixes,
+    )
 
 
 def _router_access(config: OperatorConfig) -> RouterAccess:
@@ -89,7 +94,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
     async def reconcile_service(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-        outcome = await reconcile(memo.client, dict(body), images, routers)
+        outcome = await reconcile(memo.client, dict(body), images, routers, config.network)
         if outcome.spec_errors:
             message = "; ".join(outcome.spec_errors)
             logger.info("invalid spec, nothing created: %s", message)
@@ -136,7 +141,7 @@ async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images
                 if body["metadata"].get("deletionTimestamp"):
                     continue
                 try:
-                    outcome = await reconcile(client, body, images, routers)
+                    outcome = await reconcile(client, body, images, routers, config.network)
                 except Exception as e:  # keep the loop alive; the next pass retries
                     log.warning(
                         "resync of %s/%s failed: %s", body["metadata"].get("namespace"), body["metadata"]["name"], e

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 # (apiVersion, kind) -> (plural, namespaced)
 KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "ConfigMap"): ("configmaps", True),
+    ("v1", "Secret"): ("secrets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("v1", "Service"): ("services", True),
     ("v1", "ServiceAccount"): ("serviceaccounts", True),
     ("v1", "Pod"): ("pods", True),

@@ -188,12 +188,8 @@ class SyncSummary:
     message: str
 
 
-def router_synced(
-    pods: list[dict], target: str, router: Optional[RouterView], gated: bool, router_ready: bool
-) -> SyncSummary:
+def router_synced(pods: list[dict], target: str, router: Optional[RouterView], router_ready: bool) -> SyncSummary:
     """True when the router could be read and every running worker pod of revision ``target`` is in rotation."""
-    if not gated:
-        return SyncSummary(None, "ApiKeyRequired", "the router requires an API key, which the operator does not read")
     if not router_ready:
         return SyncSummary(False, "RouterNotReady", "no router pod is ready")
     if router is None or not router.reachable:

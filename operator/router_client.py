@@ -7,12 +7,19 @@ The router documents both (docs/router.md); the operator uses
   when an old revision has drained (kvship.operator.rollout);
 * ``/slo`` -> the figures of ``status.slo``.
 
-A router that cannot be reached (or answers garbage) gives a :class:`RouterView` with ``reachable``
-False and the reason in ``error``; nothing here raises.
+Both are read with ``Authorization: Bearer <worker key>`` (the service's ``<name>-worker-key`` Secret; the
+router accepts it on these two routes only, docs/router.md).  A body is read as a stream and dropped past
+:data:`MAX_BODY_BYTES` (whatever ``Content-Length`` claims), and each request has one deadline for the whole
+exchange, so a router that answers endlessly or a byte at a time costs the operator at most that.
+
+A router that cannot be reached (or answers garbage, or too much) gives a :class:`RouterView` with
+``reachable`` False and the reason in ``error``; nothing here raises.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,6 +27,12 @@ from typing import Any, Optional
 import httpx
 
 log = logging.getLogger(__name__)
+# GET /workers of a router with a few thousand workers is well under 1 MiB.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class BodyTooLarge(Exception):
+    pass
 
 
 @dataclass(frozen=True)
@@ -60,28 +73,61 @@ def _rev(worker: dict[str, Any]) -> str:
     return str(worker.get("revision") or "")
 
 
-async def read_router(url: str, timeout: float, client: Optional[httpx.AsyncClient] = None) -> RouterView:
-    """``GET url/workers`` and ``GET url/slo`` (see the module docstring)."""
+async def _get(
+    http: httpx.AsyncClient, url: str, timeout: float, headers: dict[str, str], limit: int
+) -> tuple[int, bytes]:
+    """``(status, body)`` of ``GET url``; :class:`BodyTooLarge` past ``limit`` bytes (decoded)."""
+
+    async def exchange() -> tuple[int, bytes]:
+        async with http.stream("GET", url, timeout=timeout, headers=headers) as r:
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise BodyTooLarge(f"Content-Length {declared}")
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyTooLarge(f"more than {limit} bytes")
+            return r.status_code, bytes(body)
+
+    return await asyncio.wait_for(exchange(), timeout)
+
+
+async def read_router(
+    url: str,
+    timeout: float,
+    client: Optional[httpx.AsyncClient] = None,
+    api_key: Optional[str] = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> RouterView:
+    """``GET url/workers`` and ``GET url/slo`` with ``api_key`` as Bearer (see the module docstring)."""
     own = client is None
     http = client or httpx.AsyncClient(timeout=timeout)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         try:
-            r = await http.get(url + "/workers", timeout=timeout)
-            if r.status_code != 200:
-                return RouterView(url, False, f"GET /workers answered {r.status_code}: {r.text[:200]}")
-            data = r.json()
+            status, body = await _get(http, url + "/workers", timeout, headers, max_body_bytes)
+            if status != 200:
+                text = body[:200].decode("utf-8", "replace")
+                return RouterView(url, False, f"GET /workers answered {status}: {text}")
+            data = json.loads(body)
             if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
                 return RouterView(url, False, "GET /workers did not answer {workers: [...]}")
+        except BodyTooLarge as e:
+            return RouterView(url, False, f"GET {url}/workers: body too large ({e}); not read")
+        except asyncio.TimeoutError:
+            return RouterView(url, False, f"GET {url}/workers: no whole answer within {timeout:g} s")
         except (httpx.HTTPError, ValueError) as e:
             return RouterView(url, False, f"GET {url}/workers failed: {type(e).__name__}: {e}")
         slo: Optional[dict[str, Any]] = None
         try:
-            s = await http.get(url + "/slo", timeout=timeout)
-            if s.status_code == 200 and isinstance(s.json(), dict):
-                slo = s.json()
+            status, body = await _get(http, url + "/slo", timeout, headers, max_body_bytes)
+            parsed = json.loads(body) if status == 200 else None
+            if isinstance(parsed, dict):
+                slo = parsed
             else:
-                log.debug("router %s: GET /slo answered %d", url, s.status_code)
-        except (httpx.HTTPError, ValueError) as e:
+                log.debug("router %s: GET /slo answered %d", url, status)
+        except (BodyTooLarge, asyncio.TimeoutError, httpx.HTTPError, ValueError) as e:
             log.debug("router %s: GET /slo failed: %s", url, e)
         workers = [w for w in data["workers"] if isinstance(w, dict)]
         revisions = [r for r in data.get("revisions") or [] if isinstance(r, dict)]

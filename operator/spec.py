@@ -20,57 +20,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvship.common import metrics_names
+from kvship.operator.extra_args import router_args_errors, worker_args_errors
 from kvship.operator.typed import ParseErrors, parse
 from kvship.operator.types import Autoscaling, InferenceServiceSpec, WorkerRole
 
-# `kvship serve` flags the operator owns; extraArgs may not set them.
-MANAGED_WORKER_FLAGS = (
-    "--host",
-    "--port",
-    "--mode",
-    "--model-path",
-    "--served-model-name",
-    "--tokenizer-path",
-    "--api-key",
-    "--dtype",
-    "--kv-cache-dtype",
-    "--context-length",
-    "--attention-backend",
-    "--mem-fraction-static",
-    "--cuda-graph-max-bs",
-    "--tp-size",
-    "--ep-size",
-    "--disaggregation-bootstrap-port",
-    "--disaggregation-transfer-backend",
-    "--disaggregation-ib-device",
-    "--speculative-algorithm",
-    "--speculative-draft-model-path",
-    "--speculative-num-steps",
-    "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens",
-)
-MANAGED_ROUTER_FLAGS = (
-    "--host",
-    "--port",
-    "--api-key",
-    "--worker-urls",
-    "--pd",
-    "--prefill",
-    "--decode",
-    "--service-discovery",
-    "--selector",
-    "--prefill-selector",
-    "--decode-selector",
-    "--namespace",
-    "--service-discovery-port",
-    "--kubeconfig",
-    "--policy",
-    "--prefill-policy",
-    "--decode-policy",
-    "--cache-threshold",
-    "--balance-abs-threshold",
-    "--balance-rel-threshold",
-)
+# Credentials the operator gives pods from Secrets (KVSHIP_API_KEY, KVSHIP_WORKER_API_KEY, KVSHIP_ADMIN_API_KEY,
+# KVSHIP_KV_TRANSFER_SECRET, ...): a role's env may not replace them (docs/operator.md, "Credentials").
+OWNED_ENV = re.compile(r"^KVSHIP_\w*(API_KEYS?|SECRET)\w*$")
 # Longest child-name suffix is "-prefill": names must leave room for it inside a 63-character DNS label.
 MAX_NAME_LENGTH = 63 - len("-prefill")
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -146,8 +102,12 @@ class ServiceConfig:
         return self.spec.model.served_name or self.model.default_served_name
 
 
-def parse_service(body: dict) -> ServiceConfig:
-    """The custom resource (metadata + spec) -> :class:`ServiceConfig`, or :class:`SpecError`."""
+def parse_service(body: dict, allowed_image_prefixes: tuple[str, ...] = ()) -> ServiceConfig:
+    """The custom resource (metadata + spec) -> :class:`ServiceConfig`, or :class:`SpecError`.
+
+    ``allowed_image_prefixes`` (the operator's ``--allowed-image-prefixes``; empty = any image): an image the
+    spec names (``engine.image``, ``router.image``) must start with one of them.
+    """
     meta = body.get("metadata") or {}
     errors: list[str] = []
     name = meta.get("name") or ""
@@ -163,6 +123,7 @@ def parse_service(body: dict) -> ServiceConfig:
         spec = None
     if spec is not None:
         errors.extend(cross_field_errors(spec))
+        errors.extend(image_errors(spec, allowed_image_prefixes))
     if errors:
         raise SpecError(errors)
     assert spec is not None
@@ -188,9 +149,19 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     if unified and spec.prefill.autoscaling is not None:
         errors.append("spec.prefill.autoscaling: needs prefill.replicas > 0 (0 means unified mode: no prefill role)")
     for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
-        errors.extend(_flag_errors(f"spec.{role}.extraArgs", r.extra_args, MANAGED_WORKER_FLAGS))
-    errors.extend(_flag_errors("spec.engine.extraArgs", spec.engine.extra_args, MANAGED_WORKER_FLAGS))
-    errors.extend(_flag_errors("spec.router.extraArgs", spec.router.extra_args, MANAGED_ROUTER_FLAGS))
+        errors.extend(worker_args_errors(f"spec.{role}.extraArgs", r.extra_args))
+    errors.extend(worker_args_errors("spec.engine.extraArgs", spec.engine.extra_args))
+    errors.extend(router_args_errors("spec.router.extraArgs", spec.router.extra_args))
+    for path, env in (
+        ("spec.prefill.env", spec.prefill.env),
+        ("spec.decode.env", spec.decode.env),
+        ("spec.router.env", spec.router.env),
+    ):
+        errors.extend(
+            f"{path}[{i}]: {e['name']} is a credential the operator sets from the service's Secrets"
+            for i, e in enumerate(env)
+            if isinstance(e.get("name"), str) and OWNED_ENV.match(e["name"])
+        )
     if spec.router.autoscaling is not None:
         errors.extend(_autoscaling_errors("spec.router.autoscaling", spec.router.autoscaling))
     sp = spec.decode.speculative
@@ -214,6 +185,24 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     if spec.model.cache_volume_claim and spec.model.uri.startswith("pvc://"):
         if spec.model.uri[len("pvc://") :].split("/", 1)[0] == spec.model.cache_volume_claim:
             errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
+    return errors
+
+
+def image_errors(spec: InferenceServiceSpec, allowed_prefixes: tuple[str, ...]) -> list[str]:
+    """Images named by the spec that start with none of ``allowed_prefixes`` (no check when it is empty).
+
+    A spec's images run with the pods' service accounts, Secrets and network position, so an operator may
+    restrict them to its registries (docs/operator.md, "What an InferenceService author can do").
+    """
+    if not allowed_prefixes:
+        return []
+    errors = []
+    for path, image in (("spec.engine.image", spec.engine.image), ("spec.router.image", spec.router.image)):
+        if image and not image.startswith(tuple(allowed_prefixes)):
+            errors.append(
+                f"{path}: {image!r} is not allowed by this operator (images must start with one of: "
+                f"{', '.join(allowed_prefixes)})"
+            )
     return errors
 
 
@@ -266,13 +255,4 @@ def _autoscaling_errors(path: str, a: Autoscaling) -> list[str]:
         errors.append(
             f"{path}.metric: {a.metric} is not a gauge kvship workers export (one of {', '.join(metrics_names.GAUGES)})"
         )
-    return errors
-
-
-def _flag_errors(path: str, args: list[str], managed: tuple[str, ...]) -> list[str]:
-    errors = []
-    for i, arg in enumerate(args):
-        flag = arg.split("=", 1)[0]
-        if flag in managed:
-            errors.append(f"{path}[{i}]: {flag} is set by the operator from the spec; use the matching field")
     return errors

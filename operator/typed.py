@@ -93,6 +93,15 @@ KUBE_SCHEMAS: dict[str, dict[str, Any]] = {
         },
     },
     "int-or-string": {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True},
+    "network-peers": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "description": "A NetworkPolicyPeer: podSelector, namespaceSelector (both: pods of those namespaces) "
+            "or ipBlock.",
+        },
+    },
 }
 
 
@@ -391,7 +400,7 @@ def _check_kube(kube: str, raw: Any, path: str, errors: list[str]) -> Any:
             for res, qty in items.items():
                 if isinstance(qty, bool) or not isinstance(qty, (int, str)) or not _QUANTITY_RE.match(str(qty)):
                     errors.append(f"{path}.{part}.{res}: {qty!r} is not a Kubernetes quantity")
-    elif kube in ("env", "tolerations"):
+    elif kube in ("env", "tolerations", "network-peers"):
         for i, item in enumerate(raw):
             if not isinstance(item, dict):
                 errors.append(f"{path}[{i}]: must be an object (got {_kind(item)})")

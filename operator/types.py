@@ -121,7 +121,8 @@ class EngineSpec:
     )
     extra_args: list[str] = api_field(
         'More `kvship serve` flags, one argument per item (no shell), e.g. ["--page-size", "16"]. '
-        "Flags the operator sets itself (--host, --port, --mode, --model-path, --disaggregation-*) are refused.",
+        "Flags are spelled in full; unknown flags and flags the operator owns (--host, --port, --mode, "
+        "--model-path, keys and secrets, the KV-transfer settings, ...) are refused.",
         [],
     )
 
@@ -303,11 +304,35 @@ class RouterSpec:
     )
     balance_rel_threshold: float = api_field("cache_aware: ... and this many times as many.", 1.5, minimum=1)
     api_key_secret_ref: Optional[SecretKeyRef] = api_field(
-        "Secret holding the API key clients must send as 'Authorization: Bearer KEY' (also required by the "
-        "workers from the router); no authentication when absent."
+        "Secret holding the API key clients must send to the router as 'Authorization: Bearer KEY' (given to "
+        "the router only; workers require the operator-made worker key instead); no client authentication when "
+        "absent."
     )
     service: RouterServiceSpec = api_field("The router's Service.", RouterServiceSpec)
-    extra_args: list[str] = api_field("More `kvship router` flags, one argument per item (no shell).", [])
+    extra_args: list[str] = api_field(
+        "More `kvship router` flags, one argument per item (no shell), spelled in full; unknown flags and "
+        "flags the operator owns (keys, discovery, selectors, allow-lists, policies) are refused.",
+        [],
+    )
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """NetworkPolicies the operator makes for the service's pods (docs/operator.md, "Network policies")."""
+
+    enabled: bool = api_field(
+        "Create NetworkPolicies: KV bootstrap and transfer ports open only between this service's prefill and "
+        "decode pods, the workers' HTTP port only to this service's router and the operator, the router's port "
+        "to anyone. Turn off on clusters without a NetworkPolicy controller or to manage policies yourself.",
+        True,
+    )
+    worker_http_from: list[dict[str, Any]] = api_field(
+        "More peers (NetworkPolicyPeer objects: podSelector, namespaceSelector, ipBlock) allowed to reach the "
+        "workers' HTTP port, e.g. a metrics scraper: [{namespaceSelector: {matchLabels: "
+        "{kubernetes.io/metadata.name: monitoring}}}].",
+        [],
+        kube="network-peers",
+    )
 
 
 @dataclass(frozen=True)
@@ -336,6 +361,9 @@ class InferenceServiceSpec:
     kv_transfer: KvTransfer = api_field("KV cache transfer between prefill and decode workers.", KvTransfer)
     slo: Optional[SloTargets] = api_field(
         "Targets for the live latency figures (status.slo); sets the SLOMet condition."
+    )
+    network_policy: NetworkPolicySpec = api_field(
+        "NetworkPolicies of the service's pods (on by default).", NetworkPolicySpec
     )
 
 

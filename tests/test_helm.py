@@ -62,9 +62,12 @@ def test_rendered_objects_pass_the_kubernetes_schema(sets):
 @pytest.mark.parametrize(
     "sets,kinds",
     [
-        ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment"}),
-        (("watch.allNamespaces=true",), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}),
-        (("serviceAccount.create=false", "rbac.create=false"), {"Deployment"}),
+        ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "NetworkPolicy"}),
+        (
+            ("watch.allNamespaces=true",),
+            {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy"},
+        ),
+        (("serviceAccount.create=false", "rbac.create=false", "networkPolicy.enabled=false"), {"Deployment"}),
     ],
 )
 def test_chart_renders_exactly_these_kinds(sets, kinds):
@@ -154,6 +157,8 @@ def expected_grants() -> set[tuple[str, str, str]]:
     grants |= {("kvship.io", "inferenceservices/status", v) for v in ("get", "patch")}
     grants |= {("", "pods", v) for v in ("get", "list", "watch")}  # what it grants routers, it must hold
     grants.add(("", "events", "create"))
+    # each service's Secrets: read by name, created once, patched to rotate (kvship.operator.credentials)
+    grants |= {("", "secrets", v) for v in ("get", "create", "patch")}
     return grants
 
 
@@ -173,6 +178,27 @@ def test_rbac_covers_what_the_operator_does_and_nothing_more(sets):
     # spelled out, the things that must never appear
     for grants in [cluster, *namespaced]:
         assert not any("*" in g for g in grants), "no wildcards"
-        assert not any(res == "secrets" for _, res, _ in grants), "the operator never reads Secrets"
+        assert not {("", "secrets", v) for v in ("list", "watch", "delete")} & grants, "Secrets only by name"
         assert not any(v in ("update", "escalate", "bind", "impersonate") for _, _, v in grants)
         assert not {("", r, "watch") for r in ("configmaps", "services", "serviceaccounts")} & grants
+
+
+def test_operator_network_policy_admits_only_its_liveness_port_and_can_be_switched_off():
+    docs = render("livenessPort=9090")
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    selector = _deployment(docs)["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": selector}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9090}]}]
+    assert not [d for d in render("networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+def test_operator_flags_name_its_own_pods_namespace_cidrs_and_image_prefixes():
+    docs = render("allowedImagePrefixes={reg.io/a/,reg.io/b/}", "workerAllowCidrs={10.1.0.0/16}")
+    cfg = OperatorConfig(**vars(_operator_args(docs)))
+    cfg.validate()
+    pod_labels = _deployment(docs)["spec"]["template"]["metadata"]["labels"]
+    assert cfg.operator_namespace == "kvship-system"
+    assert dict(cfg.network.operator_pod_labels).items() <= pod_labels.items()
+    assert cfg.image_prefixes == ("reg.io/a/", "reg.io/b/") and cfg.network.worker_allow_cidrs == ("10.1.0.0/16",)
+    assert OperatorConfig(**vars(_operator_args(render()))).image_prefixes == ()

@@ -51,11 +51,11 @@ BASE = {"model": {"uri": "builtin:smollm2"}, "decode": {"nodeSelector": {"pool":
 async def test_first_pass_creates_everything_and_second_changes_nothing(kube, client):
     cfg = config(BASE, "a1")
     first = await apply(client, cfg)
-    assert not first.errors and len(first.created) == 8 and not first.patched
+    assert not first.errors and len(first.created) == 10 and not first.patched
     dep = kube.get("apps/v1", "deployments", "default", "a1-worker")
     assert LAST_APPLIED in dep["metadata"]["annotations"]
     second = await apply(client, cfg)
-    assert not second.changed and len(second.unchanged) == 8 and not second.errors
+    assert not second.changed and len(second.unchanged) == 10 and not second.errors
 
 
 async def test_a_spec_change_patches_only_what_differs(kube, client):
@@ -136,7 +136,7 @@ async def test_concurrent_passes_race_to_create_without_duplicates_or_errors(kub
     finally:
         await other.aclose()
     assert not one.errors and not two.errors
-    assert len(one.created) + len(two.created) == 8
+    assert len(one.created) + len(two.created) == 10
     assert len(kube.list("apps/v1", "deployments", "default", "app.kubernetes.io/instance=a7")) == 2
 
 

@@ -82,6 +82,8 @@ def test_unified_children_and_names():
         ("ConfigMap", "svc-config"),
         ("Deployment", "svc-router"),
         ("Deployment", "svc-worker"),
+        ("NetworkPolicy", "svc-router"),
+        ("NetworkPolicy", "svc-worker"),
         ("Role", "svc-router"),
         ("RoleBinding", "svc-router"),
         ("Service", "svc-router"),
@@ -358,13 +360,16 @@ def test_pvc_models_mount_read_only():
     assert "initContainers" not in pod
 
 
-def test_api_key_secret_reaches_router_and_workers_by_environment():
+def test_client_key_secret_reaches_the_router_only_and_workers_require_the_worker_key():
     spec = {"model": {"uri": "builtin:smollm2"}, "router": {"apiKeySecretRef": {"name": "k", "key": "api-key"}}}
-    env = {"name": "KVSHIP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}
+    client_key = {"name": "KVSHIP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}
+    worker_key = {"name": "KVSHIP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "svc-worker-key", "key": "key"}}}
     deps = by_kind(build_children(config(spec), IMAGES), "Deployment")
-    for dep in deps.values():
-        c = container(dep)
-        assert env in c["env"] and "--api-key" not in c["args"]
+    router, worker = container(deps["svc-router"]), container(deps["svc-worker"])
+    assert client_key in router["env"] and client_key not in worker["env"]
+    assert worker_key in worker["env"]
+    for c in (router, worker):
+        assert "--api-key" not in c["args"]
 
 
 def test_router_rbac_only_reads_pods():

@@ -227,6 +227,11 @@ def test_applied_service_gets_owned_children_and_goes_ready(cluster):
     for dep in deps.values():
         (ref,) = dep["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceService", "smollm2", uid, True)
+    # the service's Secrets and NetworkPolicies, made under the chart's RBAC (docs/operator.md, "Credentials")
+    for name in ("smollm2-kv-transfer", "smollm2-worker-key", "smollm2-admin-key"):
+        assert kube.get("v1", "secrets", NS, name)["metadata"]["ownerReferences"][0]["uid"] == uid
+    policies = kube.list("networking.k8s.io/v1", "networkpolicies", NS, "app.kubernetes.io/instance=smollm2")
+    assert {p["metadata"]["name"] for p in policies} == {"smollm2-worker", "smollm2-router"}
     worker_args = deps["smollm2-worker"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert worker_args[:7] == ["serve", "--host", "0.0.0.0", "--port", "30000", "--mode", "unified"]
     assert (
@@ -375,6 +380,30 @@ def test_invalid_spec_is_reported_and_creates_nothing_until_fixed(cluster):
     )
     wait_for(lambda: len(deployments(kube, "broken")) == 2, 30, "children once the spec is fixed")
     wait_for(lambda: phase(kube, "broken") == "Progressing", 30, "phase Progressing after the fix")
+
+
+def test_an_abbreviated_extra_arg_is_an_invalid_spec_with_an_event(cluster):
+    kube, _, _ = cluster
+    bad = {
+        "apiVersion": "kvship.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "sneaky"},
+        "spec": {"model": {"uri": "builtin:smollm2"}, "engine": {"extraArgs": ["--api-k", ""]}},
+    }
+    kube.create("kvship.io/v1alpha1", "inferenceservices", NS, bad)
+    events = wait_for(
+        lambda: [
+            e
+            for e in kube.list("v1", "events", NS)
+            if e.get("involvedObject", {}).get("name") == "sneaky" and e.get("reason") == "InvalidSpec"
+        ],
+        30,
+        "an InvalidSpec event",
+    )
+    assert "spec.engine.extraArgs: unrecognized arguments: --api-k" in events[0]["message"]
+    assert phase(kube, "sneaky") == "Failed" and deployments(kube, "sneaky") == {}
+    assert kube.get("v1", "secrets", NS, "sneaky-worker-key") is None, "nothing is made for an invalid spec"
+    kube.delete("kvship.io/v1alpha1", "inferenceservices", NS, "sneaky")
 
 
 def test_pd_service_gets_prefill_decode_router_and_autoscaler(cluster):

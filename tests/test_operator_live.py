@@ -17,6 +17,7 @@ The ``kubectl get`` captures of the rollout are printed (docs/operator.md shows 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import json
@@ -102,10 +103,13 @@ SLO_CLIENTS = 8
 
 
 class Pods:
-    """Starts one real process per Deployment (replicas are 1 here) on first sight; records port -> revision."""
+    """Starts one real process per Deployment (replicas are 1 here) on first sight; records port -> revision.
 
-    def __init__(self, workdir: Path, kubeconfig: str, router_port: int):
-        self.workdir, self.kubeconfig, self.router_port = workdir, kubeconfig, router_port
+    Plays the kubelet's part with Secrets too: env ``secretKeyRef``s get the Secret's value, and a secret
+    volume is written into the work folder, the container's arguments pointing there instead of its mount."""
+
+    def __init__(self, workdir: Path, kubeconfig: str, router_port: int, kube: Any):
+        self.workdir, self.kubeconfig, self.router_port, self.kube = workdir, kubeconfig, router_port, kube
         self.ports: dict[str, int] = {}
         self.revision_of_port: dict[int, Optional[str]] = {}
         self.procs: list[subprocess.Popen] = []
@@ -130,6 +134,8 @@ class Pods:
                     args += ["--disaggregation-bootstrap-port", str(free_port())]
             log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env.update(self._secret_env(container))
+            args = self._mount_secrets(name, dep["spec"]["template"]["spec"], container, args)
             # Workers run at a lower CPU priority than the router and the load generator: on a 2-core box they
             # would otherwise delay both, and each would time the other's events late (separate nodes don't).
             proc = subprocess.Popen(
@@ -146,6 +152,36 @@ class Pods:
             self.ports[name] = port
             self.revision_of_port[port] = dep["metadata"]["labels"].get("kvship.io/revision")
             return port
+
+    def _secret(self, name: str) -> dict[str, bytes]:
+        secret = self.kube.get("v1", "secrets", NS, name)
+        assert secret is not None, f"Secret {name} does not exist: the pod could not start"
+        return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+
+    def _secret_env(self, container: dict) -> dict[str, str]:
+        out = {}
+        for e in container.get("env") or []:
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                out[e["name"]] = self._secret(ref["name"])[ref["key"]].decode()
+        return out
+
+    def _mount_secrets(self, name: str, pod: dict, container: dict, args: list[str]) -> list[str]:
+        volumes = {v["name"]: v for v in pod.get("volumes") or []}
+        for mount in container.get("volumeMounts") or []:
+            secret = (volumes.get(mount["name"]) or {}).get("secret")
+            if not secret:
+                continue
+            local = self.workdir / f"{name}-{mount['name']}"
+            local.mkdir(exist_ok=True)
+            data = self._secret(secret["secretName"])
+            for item in secret.get("items") or [{"key": k, "path": k} for k in data]:
+                (local / item["path"]).write_bytes(data[item["key"]])
+                (local / item["path"]).chmod(secret.get("defaultMode", 0o644))
+            args = [
+                a.replace(mount["mountPath"], str(local), 1) if a.startswith(mount["mountPath"]) else a for a in args
+            ]
+        return args
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -198,7 +234,7 @@ def live(tmp_path_factory, models):
 
         kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / "inferenceservices.kvship.io.yaml"))
         sa = install_chart_rbac(kube)
-        pods = Pods(workdir, kube.kubeconfig, router_port)
+        pods = Pods(workdir, kube.kubeconfig, router_port, kube)
         op = Operator(kube.service_account_kubeconfig("kvship-system", sa), workdir, f"http://127.0.0.1:{router_port}")
         with Workloads(kube, NS, pods, period=0.2) as workloads:
             op.start()
@@ -229,9 +265,15 @@ def worker_pods(kube) -> list[dict]:
     return [p for p in kube.list("v1", "pods", NS) if "kvship.io/revision" in p["metadata"]["labels"]]
 
 
-def in_rotation(router_url: str) -> dict[str, dict]:
+def worker_key_header(kube) -> dict[str, str]:
+    """What GET /workers needs (the worker key, as the operator sends it)."""
+    secret = kube.get("v1", "secrets", NS, f"{NAME}-worker-key")
+    return {"Authorization": "Bearer " + base64.b64decode(secret["data"]["key"]).decode()} if secret else {}
+
+
+def in_rotation(router_url: str, kube) -> dict[str, dict]:
     try:
-        workers = httpx.get(router_url + "/workers", timeout=5).json()["workers"]
+        workers = httpx.get(router_url + "/workers", timeout=5, headers=worker_key_header(kube)).json()["workers"]
     except (httpx.HTTPError, ValueError, KeyError):
         return {}
     return {w["url"]: w for w in workers if w.get("in_rotation")}
@@ -259,7 +301,7 @@ class GateWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            listed = in_rotation(self.router_url)
+            listed = in_rotation(self.router_url, self.kube)
             now = time.monotonic()
             for url in listed:
                 self.listed_at.setdefault(url, now)
@@ -268,7 +310,7 @@ class GateWatch:
                 name = p["metadata"]["name"]
                 if gate(p) == "True" and name not in self.gate_at:
                     self.gate_at[name] = now
-                    if url not in self.listed_at and url not in in_rotation(self.router_url):
+                    if url not in self.listed_at and url not in in_rotation(self.router_url, self.kube):
                         self.violations.append(f"{name} ({url}) gate True before the router listed it")
             self._stop.wait(0.1)
 
@@ -280,7 +322,8 @@ def test_first_revision_comes_up_and_its_gates_follow_the_router(live, models):
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},
         "kvTransfer": {"backend": "tcp"},
-        "router": {"policy": "round_robin", "extraArgs": ["--slo-window", str(SLO_WINDOW)]},
+        # --debug-headers: the test checks each answer's x-kvship-prefill / -decode pair (off by default)
+        "router": {"policy": "round_robin", "extraArgs": ["--slo-window", str(SLO_WINDOW), "--debug-headers"]},
     }
     body = {"apiVersion": "kvship.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": NAME}, "spec": spec}
     with GateWatch(kube, router_url) as gates:

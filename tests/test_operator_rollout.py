@@ -10,6 +10,7 @@ real ``kvship router`` and workers is tests/test_operator_live.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import threading
@@ -94,12 +95,13 @@ def test_prefill_and_decode_of_one_spec_carry_the_same_revision_label():
             assert d["spec"]["template"]["spec"]["readinessGates"] == [{"conditionType": GATE}]
 
 
-def test_a_router_api_key_turns_the_gate_off():
+def test_a_router_client_key_keeps_the_gate_the_operator_reads_with_the_worker_key():
     from kvship.operator.builders import build_children
 
     spec = dict(PD, router={"apiKeySecretRef": {"name": "k", "key": "key"}})
-    for d in (c for c in build_children(cfg_of(spec), IMAGES) if c["kind"] == "Deployment"):
-        assert "readinessGates" not in d["spec"]["template"]["spec"]
+    workers = [c for c in build_children(cfg_of(spec), IMAGES) if c["kind"] == "Deployment"][:2]
+    for d in workers:
+        assert d["spec"]["template"]["spec"]["readinessGates"] == [{"conditionType": GATE}]
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -168,6 +170,7 @@ class FakeRouter:
         self.in_flight: dict[str, int] = {}
         self.slo: dict[str, Any] = {"window_s": 60, "requests": 0}
         self.reads = 0
+        self.refused = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -175,6 +178,13 @@ class FakeRouter:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                # like the router: /workers and /slo only with a service's worker key (docs/router.md)
+                if self.path != "/health" and self.headers.get("Authorization") not in outer.worker_bearers():
+                    outer.refused += 1
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 body = outer.answer(self.path)
                 data = json.dumps(body).encode()
                 self.send_response(200)
@@ -194,6 +204,14 @@ class FakeRouter:
 
     def __exit__(self, *exc: Any) -> None:
         self.server.shutdown()
+
+    def worker_bearers(self) -> set[str]:
+        """``Bearer <key>`` of every ``<name>-worker-key`` Secret the operator made in the namespace."""
+        return {
+            "Bearer " + base64.b64decode(s["data"]["key"]).decode()
+            for s in self.kube.list("v1", "secrets", NS)
+            if s["metadata"]["name"].endswith("-worker-key")
+        }
 
     def answer(self, path: str) -> dict:
         if path == "/slo":

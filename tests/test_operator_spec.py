@@ -109,9 +109,129 @@ def test_extra_args_may_not_override_operator_flags():
         }
     )
     assert errs == [
-        "spec.engine.extraArgs[2]: --port is set by the operator from the spec; use the matching field",
-        "spec.router.extraArgs[0]: --selector is set by the operator from the spec; use the matching field",
+        "spec.engine.extraArgs[2]: --port is set by the operator; it cannot be changed",
+        "spec.router.extraArgs[0]: --selector is set by the operator; it cannot be changed",
     ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--hos", "127.0.0.1"],  # an abbreviation argparse would otherwise expand to --host
+        ["--api-k", ""],  # ... to --api-key, switching worker authentication off
+        ["--kv-transfer-secret", "/tmp/x"],  # ... to --kv-transfer-secret-file
+        ["--kv-transfer-in"],  # ... to --kv-transfer-insecure
+        ["--no-such-flag", "1"],
+        ["--page-size"],  # a flag without its value
+        ["stray"],  # no positionals
+        ["--", "--host", "x"],
+    ],
+)
+def test_worker_extra_args_that_argparse_would_not_take_exactly_are_refused(args):
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "prefill": {"replicas": 1}, "decode": {"extraArgs": args}})
+    assert len(errs) == 1 and errs[0].startswith("spec.decode.extraArgs: "), errs
+    assert "spelled in full" in errs[0]
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--host=0.0.0.0"], "--host"),
+        (["--api-key", ""], "--api-key"),
+        (["--api-key="], "--api-key"),
+        (["--kv-transfer-secret-file", "/tmp/mine"], "--kv-transfer-secret-file"),
+        (["--kv-transfer-insecure"], "--kv-transfer-insecure"),
+        (["--no-kv-transfer-insecure"], "--no-kv-transfer-insecure"),
+        (["--disaggregation-bootstrap-port=1"], "--disaggregation-bootstrap-port"),
+        (["--mode", "unified"], "--mode"),
+    ],
+)
+def test_worker_extra_args_setting_an_owned_setting_are_refused_in_every_spelling(args, flag):
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "engine": {"extraArgs": ["--seed", "3", *args]}})
+    assert errs == [f"spec.engine.extraArgs[2]: {flag} is set by the operator; " + errs[0].split("; ", 1)[1]]
+
+
+def test_owned_settings_point_to_the_field_to_use():
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "engine": {"extraArgs": ["--dtype=float16"]}})
+    assert errs == ["spec.engine.extraArgs[0]: --dtype is set by the operator; use spec.model.dtype"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--admin-api-key", "x"],
+        ["--worker-api-key=x"],
+        ["--api-key", "x"],
+        ["--worker-allow-cidrs", "0.0.0.0/0"],
+        ["--worker-allow-hosts", "*"],
+        ["--no-service-discovery"],
+        ["--namespace", "other"],
+        ["--selec", "a=b"],
+        ["--kubeconfig", "/x"],
+    ],
+)
+def test_router_extra_args_cannot_touch_keys_allow_lists_or_discovery(args):
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "router": {"extraArgs": args}})
+    assert len(errs) == 1 and errs[0].startswith("spec.router.extraArgs"), errs
+
+
+def test_ordinary_extra_args_pass_in_every_spelling():
+    cfg = parse_service(
+        body(
+            {
+                "model": {"uri": "hf://a/b"},
+                "prefill": {"replicas": 1},
+                "engine": {"extraArgs": ["--page-size=16", "--disable-radix-cache", "--cuda-graph-bs", "1", "2"]},
+                "decode": {"extraArgs": ["--no-disable-overlap-schedule", "--max-running-requests", "8"]},
+                "router": {"extraArgs": ["--slo-window", "20", "--max-retries=2"]},
+            }
+        )
+    )
+    assert cfg.spec.engine.extra_args[0] == "--page-size=16"
+
+
+def test_worker_flag_table_is_the_engines_flag_set():
+    """The operator parses extraArgs against a copy of `kvship serve`'s flags (it cannot import the engine);
+    after adding a ServerArgs field run `python -m kvship.operator.worker_flags --write`."""
+    from kvship.operator.worker_flags import WORKER_FLAGS, engine_flag_table
+
+    assert WORKER_FLAGS == engine_flag_table()
+
+
+def test_every_owned_setting_is_a_real_flag_of_its_process():
+    """A renamed flag would silently leave the policy: each owned destination must exist in the parser."""
+    from kvship.operator.extra_args import ROUTER_OWNED, WORKER_OWNED, router_flag_table
+    from kvship.operator.worker_flags import WORKER_FLAGS
+
+    assert WORKER_OWNED <= {dest for _, dest, _ in WORKER_FLAGS}
+    assert ROUTER_OWNED <= {dest for _, dest, _ in router_flag_table()}
+
+
+def test_credential_env_cannot_be_replaced_by_a_role_env():
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "decode": {"env": [{"name": "KVSHIP_API_KEY", "value": ""}, {"name": "LOG", "value": "1"}]},
+            "router": {"env": [{"name": "KVSHIP_WORKER_API_KEY", "value": "x"}]},
+        }
+    )
+    assert errs == [
+        "spec.decode.env[0]: KVSHIP_API_KEY is a credential the operator sets from the service's Secrets",
+        "spec.router.env[0]: KVSHIP_WORKER_API_KEY is a credential the operator sets from the service's Secrets",
+    ]
+
+
+def test_images_outside_the_allowed_prefixes_are_refused():
+    spec = {"model": {"uri": "hf://a/b"}, "engine": {"image": "evil.io/x:1"}, "router": {"image": "reg.io/kvship/r:1"}}
+    with pytest.raises(SpecError) as e:
+        parse_service(body(spec), allowed_image_prefixes=("reg.io/kvship/", "ghcr.io/kvship/"))
+    assert e.value.errors == [
+        "spec.engine.image: 'evil.io/x:1' is not allowed by this operator (images must start with one of: "
+        "reg.io/kvship/, ghcr.io/kvship/)"
+    ]
+    parse_service(body(spec))  # no prefixes: any image
+    # without engine.image the worker image is the operator's own --worker-image
+    parse_service(body(dict(spec, engine={})), allowed_image_prefixes=("reg.io/kvship/",))
 
 
 def test_autoscaling_bounds_and_targets():

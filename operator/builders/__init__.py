@@ -14,6 +14,10 @@ Children (unified mode has ``worker`` instead of ``prefill`` + ``decode``)::
     ServiceAccount   <name>-router   + Role + RoleBinding (pods get/list/watch)
     HPA              <name>-<role>   when the role has autoscaling
     PDB              <name>-<role>   when the role can have 2+ pods
+    NetworkPolicy    <name>-worker, <name>-router   unless spec.networkPolicy.enabled is false
+
+The Secrets (``<name>-kv-transfer``, ``<name>-worker-key``, ``<name>-admin-key``) are not built here: their
+values are random and made once (kvship.operator.credentials); the pods only refer to them by name.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvship.operator.builders.common import (
     REVISION_LABEL,
     ROLE_LABEL,
     Images,
+    Network,
     child_name,
     deployment_name,
     instance_labels,
@@ -33,6 +38,7 @@ from kvship.operator.builders.common import (
     worker_roles,
 )
 from kvship.operator.builders.extras import autoscaler, config_map, disruption_budget
+from kvship.operator.builders.network import network_policies
 from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
 from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
 from kvship.operator.revision import compute_revision
@@ -48,21 +54,27 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 
 
-def build_children(cfg: ServiceConfig, images: Images) -> list[dict[str, Any]]:
-    """Every child of the service, in apply order (config and RBAC before the pods that use them).
+def build_children(
+    cfg: ServiceConfig, images: Images, network: Network = Network(), credentials: str | None = None
+) -> list[dict[str, Any]]:
+    """Every child of the service, in apply order (config, RBAC and network policies before the pods).
 
     Worker Deployments are those of the spec's current revision (:func:`worker_revision`); Deployments of
-    older revisions are kept or removed by the rollout (kvship.operator.rollout), not here.
+    older revisions are kept or removed by the rollout (kvship.operator.rollout), not here.  ``credentials``:
+    a digest of the service's Secrets (kvship.operator.credentials), put on the pod templates so that a
+    rotated Secret rolls the pods.
     """
     revision = worker_revision(cfg, images)
-    deployments = [worker_deployment(cfg, role, images, revision) for role in worker_roles(cfg)]
-    deployments.append(router_deployment(cfg, images))
+    deployments = [worker_deployment(cfg, role, images, revision, credentials) for role in worker_roles(cfg)]
+    deployments.append(router_deployment(cfg, images, network, credentials))
     argv = {_role_of(d): d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments}
     out: list[dict[str, Any]] = [config_map(cfg, argv, revision)]
     out += router_rbac(cfg)
+    out += network_policies(cfg, network)
     out += [worker_service(cfg, role) for role in worker_roles(cfg)]
     out.append(router_service(cfg))
     out += deployments
@@ -90,6 +102,7 @@ __all__ = [
     "build_children",
     "CHILD_KINDS",
     "Images",
+    "Network",
     "MANAGED_BY",
     "ROLE_LABEL",
     "REVISION_LABEL",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.spec import ServiceConfig
@@ -27,6 +27,25 @@ RUN_AS = 1000
 ROLES = ("prefill", "decode", "unified", "router")
 
 
+# Where a worker may be registered from (router --worker-allow-cidrs): the private ranges pods get addresses in.
+DEFAULT_WORKER_ALLOW_CIDRS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "fd00::/8")
+# The operator's pods, as the chart labels them (allowed to reach the workers' HTTP port).
+DEFAULT_OPERATOR_POD_LABELS = (("app.kubernetes.io/name", "kvship-operator"),)
+CREDENTIALS_ANNOTATION = "kvship.io/credentials"
+
+
+@dataclass(frozen=True)
+class Network:
+    """The operator's network settings (its flags) that shape the children.
+
+    ``operator_namespace`` None: the operator's pods are looked for in the service's own namespace only.
+    """
+
+    worker_allow_cidrs: tuple[str, ...] = DEFAULT_WORKER_ALLOW_CIDRS
+    operator_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_POD_LABELS
+    operator_namespace: Optional[str] = None
+
+
 @dataclass(frozen=True)
 class Images:
     """Images used when the spec names none (the operator's --worker-image / --router-image)."""
@@ -34,6 +53,8 @@ class Images:
     worker: str
     router: str
     pull_policy: str = "IfNotPresent"
+    # --allowed-image-prefixes: images a spec may name (empty = any); kvship.operator.spec.image_errors
+    allowed_prefixes: tuple[str, ...] = ()
 
 
 def child_name(cfg: ServiceConfig, role: str) -> str:
@@ -48,12 +69,6 @@ def deployment_name(cfg: ServiceConfig, role: str, revision: str) -> str:
     if role in ("prefill", "decode"):
         return f"{child_name(cfg, role)}-{revision}"
     return child_name(cfg, role)
-
-
-def router_gated(cfg: ServiceConfig) -> bool:
-    """Whether worker pods carry the in-rotation readiness gate: the operator must be able to ask the router,
-    which it cannot when the router requires an API key (the operator never reads Secrets)."""
-    return cfg.spec.router.api_key_secret_ref is None
 
 
 def worker_roles(cfg: ServiceConfig) -> tuple[str, ...]:

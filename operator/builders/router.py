@@ -13,9 +13,11 @@ from typing import Any
 
 from kvship.operator.builders import common
 from kvship.operator.builders.common import (
+    CREDENTIALS_ANNOTATION,
     ROUTER_PORT,
     WORKER_PORT,
     Images,
+    Network,
     child_name,
     container_security_context,
     http_probe,
@@ -25,6 +27,7 @@ from kvship.operator.builders.common import (
     role_selector,
     secret_env,
 )
+from kvship.operator.builders.credentials import admin_key_env, worker_key_env
 from kvship.operator.spec import ServiceConfig
 
 # Requested where the spec names no cpu / memory, so the router is never BestEffort.
@@ -35,8 +38,12 @@ def _selector_args(selector: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in sorted(selector.items())]
 
 
-def router_args(cfg: ServiceConfig) -> list[str]:
-    """The router container's argv after the ``kvship`` entrypoint (flags of ``kvship router``)."""
+def router_args(cfg: ServiceConfig, network: Network = Network()) -> list[str]:
+    """The router container's argv after the ``kvship`` entrypoint (flags of ``kvship router``).
+
+    ``POST /workers`` may register only workers of this namespace's Services or of the pod network
+    (``--worker-allow-hosts`` / ``--worker-allow-cidrs``); discovered pods are registered by the router's own
+    discovery, which the allow-list does not limit (docs/router.md)."""
     r = cfg.spec.router
     args = [
         "router",
@@ -57,6 +64,10 @@ def router_args(cfg: ServiceConfig) -> list[str]:
         cfg.namespace,
         "--service-discovery-port",
         str(WORKER_PORT),
+        "--worker-allow-hosts",
+        f"*.{cfg.namespace}.svc,*.{cfg.namespace}.svc.cluster.local",
+        "--worker-allow-cidrs",
+        ",".join(network.worker_allow_cidrs),
     ]
     if cfg.unified:
         args += ["--selector", *_selector_args(role_selector(cfg, "unified"))]
@@ -75,26 +86,31 @@ def router_args(cfg: ServiceConfig) -> list[str]:
     return args + list(r.extra_args)
 
 
-def router_deployment(cfg: ServiceConfig, images: Images) -> dict[str, Any]:
+def router_deployment(
+    cfg: ServiceConfig, images: Images, network: Network = Network(), credentials: str | None = None
+) -> dict[str, Any]:
+    """The router's Deployment: the client key (the user's Secret, optional), the worker key (what it sends to
+    workers) and the admin key (``POST`` / ``DELETE /workers``) come from Secrets as env
+    (builders/credentials.py); ``credentials`` rolls the pods when those Secrets change."""
     r = cfg.spec.router
     pull = cfg.spec.engine.image_pull_policy or images.pull_policy
     env: list[dict[str, Any]] = []
     if r.api_key_secret_ref is not None:
         env.append(secret_env("KVSHIP_API_KEY", r.api_key_secret_ref))
+    env += [worker_key_env(cfg, "KVSHIP_WORKER_API_KEY"), admin_key_env(cfg)]
     env += [dict(e) for e in r.env]
     container: dict[str, Any] = {
         "name": "router",
         "image": r.image or images.router,
         "imagePullPolicy": pull,
-        "args": router_args(cfg),
+        "args": router_args(cfg, network),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "securityContext": container_security_context(),
         "readinessProbe": http_probe("/health", "http", period=5, timeout=3, failures=3),
         "livenessProbe": http_probe("/health", "http", period=15, timeout=5, failures=4),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
-    if env:
-        container["env"] = env
+    container["env"] = env
     container["resources"] = common.with_default_requests(r.resources, DEFAULT_REQUESTS)
     pod: dict[str, Any] = {
         "serviceAccountName": child_name(cfg, "router"),
@@ -110,7 +126,7 @@ def router_deployment(cfg: ServiceConfig, images: Images) -> dict[str, Any]:
         "router",
         pod,
         replicas=replicas,
-        pod_annotations={},
+        pod_annotations={CREDENTIALS_ANNOTATION: credentials} if credentials else {},
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         progress_deadline=600,
     )

@@ -22,8 +22,8 @@ from kvship.operator.builders.common import (
     metadata,
     role_labels,
     role_selector,
-    secret_env,
 )
+from kvship.operator.builders.credentials import KV_SECRET_FILE, kv_secret_mount, kv_secret_volume, worker_key_env
 from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
 from kvship.operator.spec import GPU, ServiceConfig
 from kvship.operator.types import WorkerRole
@@ -90,6 +90,8 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
             args += ["--disaggregation-bootstrap-port", str(kv.bootstrap_port)]
         if kv.backend == "mooncake" and kv.rdma_devices:
             args += ["--disaggregation-ib-device", ",".join(kv.rdma_devices)]
+        # the per-service KV-plane secret, mounted from <name>-kv-transfer (builders/credentials.py)
+        args += ["--kv-transfer-secret-file", KV_SECRET_FILE]
     sp = spec.decode.speculative
     # a prefill worker takes the EAGLE flags too: it computes the prompt's features for decode's drafter
     # (docs/speculative.md, "PD"); ngram and draft need nothing from it (and it refuses them)
@@ -122,8 +124,8 @@ def _env(cfg: ServiceConfig, r: WorkerRole) -> list[dict[str, Any]]:
     kv = cfg.spec.kv_transfer
     if not cfg.unified and kv.backend == "nixl" and kv.rdma_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": ",".join(kv.rdma_devices)})
-    if cfg.spec.router.api_key_secret_ref is not None:
-        env.append(secret_env("KVSHIP_API_KEY", cfg.spec.router.api_key_secret_ref))
+    # The key this worker requires: the service's worker key (the router's and the operator's), never the client key.
+    env.append(worker_key_env(cfg))
     return env + [dict(e) for e in r.env]
 
 
@@ -158,7 +160,11 @@ def shm_size(cfg: ServiceConfig, role: str) -> str:
     return GPU_SHM if GPU in (role_spec(cfg, role).resources.get("limits") or {}) else CPU_SHM
 
 
-def worker_deployment(cfg: ServiceConfig, role: str, images: Images, revision: str) -> dict[str, Any]:
+def worker_deployment(
+    cfg: ServiceConfig, role: str, images: Images, revision: str, credentials: str | None = None
+) -> dict[str, Any]:
+    """The role's Deployment; ``credentials`` (a digest of the Secrets' values) goes into the pod template, so
+    a rotated Secret rolls the pods that read it at start (docs/operator.md, "Credentials")."""
     r = role_spec(cfg, role)
     eng = cfg.spec.engine
     image = eng.image or images.worker
@@ -193,6 +199,9 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images, revision: s
         cache_volume(cfg),
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(cfg, role)}},
     ] + plan.volumes
+    if ships_kv(cfg, role):
+        container["volumeMounts"].append(kv_secret_mount())
+        volumes.append(kv_secret_volume(cfg))
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "securityContext": common.pod_security_context(),
@@ -202,9 +211,8 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images, revision: s
     }
     if plan.init_containers:
         pod["initContainers"] = plan.init_containers
-    if common.router_gated(cfg):
-        # Ready only once the router dispatches to the pod (the operator sets the condition from GET /workers).
-        pod["readinessGates"] = [{"conditionType": common.IN_ROTATION_GATE}]
+    # Ready only once the router dispatches to the pod (the operator sets the condition from GET /workers).
+    pod["readinessGates"] = [{"conditionType": common.IN_ROTATION_GATE}]
     common.scheduling(pod, r.node_selector, r.tolerations, r.affinity, eng.image_pull_secrets)
     uses_gpu = GPU in (r.resources.get("limits") or {})
     # GPU roles never surge (a spare GPU rarely exists); CPU roles surge for zero-downtime rollouts.
@@ -216,6 +224,8 @@ def worker_deployment(cfg: ServiceConfig, role: str, images: Images, revision: s
     if ships_kv(cfg, role) and cfg.spec.kv_transfer.networks:
         annotations[NETWORKS_ANNOTATION] = ",".join(cfg.spec.kv_transfer.networks)
     annotations.update(r.pod_annotations)
+    if credentials:
+        annotations[common.CREDENTIALS_ANNOTATION] = credentials
     replicas = None if r.autoscaling is not None else r.replicas
     return common.deployment(
         cfg,

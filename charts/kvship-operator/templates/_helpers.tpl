@@ -54,6 +54,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# Each service's Secrets (<name>-kv-transfer, -worker-key, -admin-key): read by name, created once, patched only
+# to rotate; no list (the operator never enumerates the namespace's Secrets) and no delete (owner references do).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
 # The operator grants routers read access to pods, so it must hold that access itself.
 - apiGroups: [""]
   resources: ["pods"]
