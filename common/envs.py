@@ -61,6 +61,19 @@ class _Env:
     WORKER_API_KEY = Knob(
         "KVSHIP_WORKER_API_KEY", _opt_str, None, "API key the router sends to workers (same as --worker-api-key)"
     )
+    ADMIN_API_KEY = Knob(
+        "KVSHIP_ADMIN_API_KEY",
+        _opt_str,
+        None,
+        "key of the router's admin API: POST/DELETE /workers (same as --admin-api-key; unset = admin API off)",
+    )
+    KV_TRANSFER_SECRET = Knob(
+        "KVSHIP_KV_TRANSFER_SECRET",
+        _opt_str,
+        None,
+        "the KV transfer secret itself (prefill and decode workers; `kvship local` hands its generated one to its "
+        "children this way); --kv-transfer-secret-file wins (docs/pd.md, KV plane authentication)",
+    )
     CACHE_DIR = Knob(
         "KVSHIP_CACHE_DIR", _opt_str, None, "where converted tokenizers are cached (default ~/.cache/kvship)"
     )

@@ -15,11 +15,14 @@ and one of these statuses:
 
 ``BodyGuardMiddleware`` (pure ASGI) rejects oversized bodies before any
 handler runs and checks the bearer token when ``--api-key`` is set (every
-route but ``/health``).
+route but ``/health``, ``/abort_request`` and the info routes included).  On a
+deployed worker that key is the *worker key* the router sends, never a
+client's key (docs/router.md, "Authentication").
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -182,6 +185,7 @@ class BodyGuardMiddleware:
         self.app = app
         self.max_bytes = max_bytes
         self.api_key = api_key
+        self._key_digest = hashlib.sha256((api_key or "").encode("utf-8", "replace")).digest()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -241,9 +245,9 @@ class BodyGuardMiddleware:
         for name, value in scope.get("headers") or []:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode("utf-8", "replace"), (self.api_key or "").encode("utf-8")
-                )
+                # digests of equal length: the compare's time says nothing of the key's bytes or length
+                got = hashlib.sha256(token.strip().encode("utf-8", "replace")).digest()
+                return scheme.lower() == "bearer" and hmac.compare_digest(got, self._key_digest)
         return False
 
     @staticmethod

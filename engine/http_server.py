@@ -20,6 +20,12 @@ GET  /get_model_info       model path, name, architectures, context, vocab
 GET  /metrics              Prometheus text format
 =====================  =====================================================
 
+With ``--api-key`` (env ``KVSHIP_API_KEY``; in a deployment the *worker key*,
+docs/router.md "Authentication") every route but ``GET /health`` requires
+``Authorization: Bearer <key>`` (``BodyGuardMiddleware``): ``/abort_request``
+and the info routes included.  A prefill or decode worker without one logs a
+warning at startup: anyone who reaches it could then steer its KV transfers.
+
 The event loop never waits on the model: handlers only enqueue requests and
 await their chunk queues (``kvship.engine.engine``).  Request bodies are
 parsed by hand so malformed JSON (400) and schema errors (422) get
@@ -102,6 +108,13 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None, *, own_
     app.state.engine = engine
     install_exception_handlers(app)
     app.add_middleware(BodyGuardMiddleware, max_bytes=sa.max_request_bytes, api_key=sa.api_key)
+    if sa.mode in ("prefill", "decode") and not sa.api_key:
+        logger.warning(
+            "this %s worker has no --api-key (env KVSHIP_API_KEY): any caller that reaches its port can send it "
+            "requests, abort others' and point its KV transfers anywhere. Run PD workers behind the worker key "
+            '(docs/router.md, "Authentication"); the operator and `kvship local` always set one.',
+            sa.mode,
+        )
     openai = OpenAIServing(engine)
     native = GenerateServing(engine)
 

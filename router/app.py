@@ -1,24 +1,32 @@
 """The router's HTTP surface (FastAPI on uvicorn).
 
-Public: ``GET /health`` (always 200 while the process serves; JSON counts).
-Behind ``--api-key`` when set: ``POST /v1/chat/completions``,
-``/v1/completions``, ``/generate`` (proxied), ``GET /v1/models`` (union of the
-workers' models), ``GET /readiness`` (503 until some revision has an
-available worker of every role), ``GET /metrics``, ``GET /slo[?window_s=S]``
-(live SLO figures, ``kvship.router.slo``), and the admin API ``GET /workers``
-(workers with revision, state and ``in_rotation``, and the revisions;
-docs/router.md), ``POST /workers`` ``{"url": ..., "role":
-"unified|prefill|decode"}``, ``DELETE /workers?url=...``.
+Who may call what (docs/router.md, "Authentication"; keys in ``kvship.router.auth``):
 
-Checks done here, before any worker is involved: API key (401), rate limit
-(429 + ``Retry-After``), body size (413), JSON shape (400), unknown model
-(404).  Every response carries ``x-request-id`` (the
-client's, or a new one); proxied ones also ``x-kvship-worker``.
+* open: ``GET /health`` (always 200 while the process serves; JSON counts).
+* a client key (open when the router has none): ``POST /v1/chat/completions``,
+  ``/v1/completions``, ``/generate`` (proxied), ``GET /v1/models`` (union of the
+  workers' models); ``GET /readiness`` (503 until some revision has an available
+  worker of every role) also takes the admin and worker keys.
+* the admin or the worker key (open only on a router with no key at all):
+  ``GET /workers`` (workers with revision, state and ``in_rotation``, and the
+  revisions), ``GET /slo[?window_s=S]`` (live SLO figures,
+  ``kvship.router.slo``), ``GET /metrics`` (its labels name worker URLs).
+* the admin key only (403 "admin API disabled" without ``--admin-api-key``):
+  ``POST /workers`` ``{"url": ..., "role": "unified|prefill|decode"}`` (the URL
+  must pass the allow-list, else 403 and nothing is sent to it),
+  ``DELETE /workers?url=...``.
+
+A missing or unknown key is a 401; a valid key of the wrong kind a 403.
+
+Checks done here, before any worker is involved: the key (401/403), the
+per-key limits (429 + ``Retry-After``), the global rate limit (429), body size
+(413), JSON shape (400), unknown model (404).  Every response carries
+``x-request-id`` (the client's, or a new one); the ``x-kvship-*`` headers
+(worker URLs, traces) only with ``--debug-headers``.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -30,8 +38,9 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvship.router.auth import ADMIN, CLIENT, WORKER, bearer_token, key_id
 from kvship.router.config import RouterConfig
-from kvship.router.core import Router
+from kvship.router.core import Router, WorkerNotAllowed
 from kvship.router.proxy import error_response, proxy_request
 from kvship.router.ratelimit import RateLimited
 from kvship.router.upstream import RequestContext
@@ -69,10 +78,34 @@ async def read_body_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_CLIENT_ONLY = frozenset({CLIENT})
+_OPERATOR = frozenset({ADMIN, WORKER})
+_ADMIN_ONLY = frozenset({ADMIN})
+_ANY_KEY = frozenset({CLIENT, ADMIN, WORKER})
+
+
+class _Endpoint:
+    """A proxied route as a plain ASGI app: ``handler(request, releases)`` builds the response, and every
+    callable it put in ``releases`` (the per-key in-flight count) runs once that response has ended, its
+    stream included, however it ended."""
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        releases: list = []
+        try:
+            response = await self.handler(Request(scope, receive, send), releases)
+            await response(scope, receive, send)
+        finally:
+            for release in releases:
+                release()
+
+
 def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI:
     """The ASGI app of one router; its lifespan starts and stops ``router`` (built from ``config`` if None)."""
     router = router or Router(config)
-    auth_value = f"Bearer {config.api_key}".encode() if config.api_key else None
+    creds = router.credentials
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -85,28 +118,56 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
     app = FastAPI(title="kvship router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
 
-    def unauthorized(request: Request) -> Optional[Response]:
-        if auth_value is None:
+    def _denied(request: Request, allowed: frozenset[str], what: str) -> Optional[Response]:
+        kind = creds.classify(request.headers.get("authorization")).kind
+        if kind in allowed:
             return None
-        got = request.headers.get("authorization", "").encode()
-        if hmac.compare_digest(got, auth_value):
-            return None
-        return _error(
-            401,
-            "missing or wrong API key (send 'Authorization: Bearer <key>')",
-            "invalid_api_key",
-            {"www-authenticate": "Bearer"},
-        )
+        if kind is None:
+            return _error(
+                401,
+                f"missing or wrong API key: {what} (send 'Authorization: Bearer <key>')",
+                "invalid_api_key",
+                {"www-authenticate": "Bearer"},
+            )
+        return _error(403, f"a {kind} key is not accepted here: {what}", "forbidden")
 
-    def forward_headers(request: Request, request_id: str) -> dict[str, str]:
+    def unauthorized(request: Request) -> Optional[Response]:
+        """The serving routes: a client key, when the router has any."""
+        if not creds.has_client_keys:
+            return None
+        return _denied(request, _CLIENT_ONLY, "this route takes a client key")
+
+    def not_operator(request: Request) -> Optional[Response]:
+        """``GET /workers``, ``/slo``, ``/metrics``: the admin or the worker key."""
+        if not (creds.has_admin_key or creds.has_worker_key):
+            if not creds.any:
+                return None  # a router with no key at all is open (docs/router.md, "Authentication")
+            return _error(
+                403,
+                "this route takes the admin or the worker key, and the router has neither "
+                "(--admin-api-key / --worker-api-key)",
+                "admin_api_disabled",
+            )
+        return _denied(request, _OPERATOR, "this route takes the admin or the worker key")
+
+    def not_admin(request: Request) -> Optional[Response]:
+        """``POST`` / ``DELETE /workers``: the admin key; 403 when the router has none."""
+        if not creds.has_admin_key:
+            return _error(403, "admin API disabled: start the router with --admin-api-key", "admin_api_disabled")
+        return _denied(request, _ADMIN_ONLY, "the admin API takes the admin key (--admin-api-key)")
+
+    def limit_key(request: Request) -> str:
+        """Whom the per-key limits count: the client key presented, else the client's address."""
+        if creds.has_client_keys:
+            return key_id(bearer_token(request.headers.get("authorization")) or "")
+        return "addr:" + (request.client.host if request.client else "?")
+
+    def forward_headers(request_id: str) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": request_id}
-        if router.worker_headers:
-            h.update(router.worker_headers)
-        elif "authorization" in request.headers:
-            h["authorization"] = request.headers["authorization"]
+        h.update(router.worker_headers)  # the worker key; a client's own Authorization never goes to a worker
         return h
 
-    async def proxied(request: Request) -> Response:
+    async def proxied(request: Request, releases: list) -> Response:
         request_id = request.headers.get("x-request-id", "")
         if not _REQUEST_ID_OK.fullmatch(request_id):
             request_id = new_request_id()
@@ -114,10 +175,12 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         ctx = RequestContext(router, request_id, route, {})
         denied = unauthorized(request)
         if denied is not None:
-            ctx.finish(401, "")
+            ctx.finish(denied.status_code, "")
             denied.headers["x-request-id"] = request_id
             return denied
         try:
+            if router.key_limits is not None:
+                releases.append(router.key_limits.admit(limit_key(request)))
             if router.limiter is not None:
                 await router.limiter.acquire()
             raw = await read_body_limited(request, config.max_request_bytes)
@@ -136,11 +199,11 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             return error_response(ctx, e.status, e.message, e.code, e.headers)
         except ClientDisconnect:
             return error_response(ctx, 400, "client disconnected while sending the body", "client_disconnect")
-        ctx.headers = forward_headers(request, request_id)
+        ctx.headers = forward_headers(request_id)
         return await proxy_request(ctx, req)
 
     for path in PROXY_ROUTES:
-        app.add_route(path, proxied, methods=["POST"])
+        app.add_route(path, _Endpoint(proxied), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -151,7 +214,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
 
     @app.get("/readiness")
     async def readiness(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = _denied(request, _ANY_KEY, "send a client, admin or worker key") if creds.has_client_keys else None
         if denied is not None:
             return denied
         counts = {role: len(router.registry.available(role)) for role in router.roles}
@@ -162,7 +225,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = not_operator(request)
         if denied is not None:
             return denied
         router.registry.publish_all()
@@ -170,7 +233,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
 
     @app.get("/slo")
     async def slo(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = not_operator(request)
         if denied is not None:
             return denied
         raw = request.query_params.get("window_s")
@@ -197,14 +260,14 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
 
     @app.get("/workers")
     async def list_workers(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = not_operator(request)
         if denied is not None:
             return denied
         return JSONResponse(router.workers_report())
 
     @app.post("/workers")
     async def add_worker(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = not_admin(request)
         if denied is not None:
             return denied
         try:
@@ -220,6 +283,9 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             return _error(400, 'PD router: give "role": "prefill" or "decode"', "invalid_request")
         try:
             worker = await router.add_worker(body["url"], role)
+        except WorkerNotAllowed as e:
+            logger.warning("admin API: registration of %s refused: %s", body["url"][:200], e)
+            return _error(403, str(e), "worker_not_allowed")
         except (RegistrationError, ValueError) as e:
             return _error(400, str(e), "registration_failed")
         logger.info("worker %s (%s) added through the admin API", worker.url, worker.role)
@@ -227,7 +293,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
 
     @app.delete("/workers")
     async def remove_worker(request: Request) -> Response:
-        denied = unauthorized(request)
+        denied = not_admin(request)
         if denied is not None:
             return denied
         url = request.query_params.get("url")

@@ -18,6 +18,7 @@ from kvship.router.config import RouterConfig
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "router",
+        allow_abbrev=False,  # `--api-k` must not mean --api-key (docs/operator.md, extraArgs)
         help="run the OpenAI-compatible router",
         description="Route OpenAI-compatible and native requests to kvship workers.",
     )

@@ -3,9 +3,10 @@
 The flag names are a contract shared with the operator (it builds the router
 pod's arguments from them): see ``kvship router --help``.  Built with
 ``kvship.common.cli_args`` (``opt`` / ``add_dataclass_arguments``) so that
-``--help`` documents every field.  ``--api-key`` / ``--worker-api-key``
-default to ``KVSHIP_API_KEY`` / ``KVSHIP_WORKER_API_KEY`` (read through
-``kvship.common.envs.ENV``).  Importing this module must never import torch
+``--help`` documents every field.  ``--api-key`` / ``--admin-api-key`` /
+``--worker-api-key`` default to ``KVSHIP_API_KEY`` / ``KVSHIP_ADMIN_API_KEY`` /
+``KVSHIP_WORKER_API_KEY`` (read through ``kvship.common.envs.ENV``); the three
+are separate credentials (docs/router.md, "Authentication").  Importing this module must never import torch
 or the engine.
 """
 
@@ -50,10 +51,33 @@ class RouterConfig:
     port: int = opt(8000, "Router HTTP port")
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
     api_key: Optional[str] = opt(
-        None, "Require 'Authorization: Bearer <key>' on every route but /health (default: env KVSHIP_API_KEY)"
+        None,
+        "Client key(s), comma-separated: the serving routes require 'Authorization: Bearer <key>' with one of "
+        "them (default: env KVSHIP_API_KEY; none = the serving routes are open)",
+    )
+    api_keys_file: Optional[str] = opt(None, "File of more client keys, one per line ('#' comments)")
+    admin_api_key: Optional[str] = opt(
+        None,
+        "Key of the admin API (POST/DELETE /workers; also reads GET /workers, /slo, /metrics) (default: env "
+        "KVSHIP_ADMIN_API_KEY; none = the admin API answers 403)",
     )
     worker_api_key: Optional[str] = opt(
-        None, "Bearer token the router sends to workers (default: env KVSHIP_WORKER_API_KEY, else --api-key)"
+        None,
+        "Bearer token the router sends to workers; also reads GET /workers, /slo, /metrics (default: env "
+        "KVSHIP_WORKER_API_KEY; never the client key)",
+    )
+    worker_allow_cidrs: str = opt(
+        "",
+        "POST /workers: comma-separated CIDRs a worker URL's IP may be in (with --worker-allow-hosts empty too: "
+        "127.0.0.0/8 and ::1 only)",
+    )
+    worker_allow_hosts: str = opt(
+        "", "POST /workers: comma-separated host names or *.suffix patterns a worker URL's host may match"
+    )
+    debug_headers: bool = opt(
+        False,
+        "Give clients the x-kvship-* response headers (worker, prefill, decode, first-token, trace: they name "
+        "internal worker URLs); off: clients get none of them",
     )
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
     request_timeout: float = opt(600.0, "Seconds one request may take end to end, streaming included (504 after)")
@@ -125,6 +149,13 @@ class RouterConfig:
     rate_limit_burst: int = opt(0, "Bucket size (0 = max(1, rate-limit-rps))")
     rate_limit_queue_size: int = opt(100, "Requests that may wait for a token before 429")
     rate_limit_queue_timeout: float = opt(30.0, "Longest wait for a token in seconds before 429")
+    rate_limit_per_key: float = opt(
+        0.0,
+        "Token-bucket rate limit in requests/s per client key (per client address without client keys; 0 = off); "
+        "bucket size --rate-limit-burst",
+    )
+    max_in_flight_per_key: int = opt(0, "Requests one client key (or address) may have in flight (0 = off)")
+    rate_limit_tracked_keys: int = opt(10_000, "Per-key limits: keys tracked at most (least recently used dropped)")
 
     @property
     def resolved_prefill_policy(self) -> str:
@@ -139,8 +170,34 @@ class RouterConfig:
         return self.rate_limit_burst if self.rate_limit_burst > 0 else max(1, int(round(self.rate_limit_rps)))
 
     @property
+    def resolved_per_key_burst(self) -> int:
+        return self.rate_limit_burst if self.rate_limit_burst > 0 else max(1, int(round(self.rate_limit_per_key)))
+
+    @property
     def resolved_worker_api_key(self) -> Optional[str]:
-        return self.worker_api_key or self.api_key
+        """The Bearer sent to workers: ``--worker-api-key`` only (never the client key)."""
+        return self.worker_api_key or None
+
+    def client_keys(self) -> list[str]:
+        """``--api-key`` (comma-separated) and the keys of ``--api-keys-file``; ValueError for an unreadable file."""
+        from kvship.router.auth import read_keys_file, split_keys
+
+        keys = split_keys(self.api_key)
+        if self.api_keys_file:
+            keys += read_keys_file(self.api_keys_file)
+        return keys
+
+    def credentials(self):
+        """The router's ``kvship.router.auth.Credentials``; ValueError naming the flag when inconsistent."""
+        from kvship.router.auth import Credentials
+
+        return Credentials(self.client_keys(), self.admin_api_key or None, self.resolved_worker_api_key)
+
+    def worker_allow_list(self):
+        """``kvship.router.auth.WorkerAllowList`` of the two allow flags; ValueError when one is malformed."""
+        from kvship.router.auth import WorkerAllowList
+
+        return WorkerAllowList.from_flags(self.worker_allow_cidrs, self.worker_allow_hosts)
 
     @property
     def selector_labels(self) -> dict[str, str]:
@@ -185,6 +242,12 @@ class RouterConfig:
             raise ValueError("--rate-limit-rps, --rate-limit-burst and --rate-limit-queue-size must be >= 0")
         if self.rate_limit_queue_timeout < 0 or self.shutdown_timeout < 0:
             raise ValueError("--rate-limit-queue-timeout and --shutdown-timeout must be >= 0")
+        if self.rate_limit_per_key < 0 or self.max_in_flight_per_key < 0 or self.rate_limit_tracked_keys < 1:
+            raise ValueError(
+                "--rate-limit-per-key and --max-in-flight-per-key must be >= 0, --rate-limit-tracked-keys >= 1"
+            )
+        self.credentials()  # (validates the keys: a readable --api-keys-file, no key of two kinds)
+        self.worker_allow_list()
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be >= 1")
         self.selector_labels, self.prefill_selector_labels, self.decode_selector_labels  # noqa: B018 (validates)
@@ -213,9 +276,11 @@ class RouterConfig:
     def from_cli_args(cls, ns: argparse.Namespace) -> "RouterConfig":
         """Build from parsed flags, filling the API keys from the environment when not given."""
         overrides = {}
-        api_key, worker_api_key = ENV.API_KEY, ENV.WORKER_API_KEY
-        if getattr(ns, "api_key", None) is None and api_key:
-            overrides["api_key"] = api_key
-        if getattr(ns, "worker_api_key", None) is None and worker_api_key:
-            overrides["worker_api_key"] = worker_api_key
+        for name, value in (
+            ("api_key", ENV.API_KEY),
+            ("admin_api_key", ENV.ADMIN_API_KEY),
+            ("worker_api_key", ENV.WORKER_API_KEY),
+        ):
+            if getattr(ns, name, None) is None and value:
+                overrides[name] = value
         return dataclass_from_namespace(cls, ns, **overrides)

@@ -31,7 +31,7 @@ from kvship.router.config import RouterConfig
 from kvship.router.health import HealthChecker
 from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import Policy, create_policy
-from kvship.router.ratelimit import TokenBucket
+from kvship.router.ratelimit import KeyLimits, TokenBucket, key_limits_or_none
 from kvship.router.revisions import describe_revisions
 from kvship.router.slo import KVTransferScraper, SLOTracker
 from kvship.router.wire import RoutingRequest
@@ -44,6 +44,10 @@ SESSION_TABLE_SIZE = 100_000
 
 class NoWorker(Exception):
     """No available worker for this request (answered 503)."""
+
+
+class WorkerNotAllowed(Exception):
+    """``POST /workers`` named a URL outside the allow-list (answered 403; nothing was sent to it)."""
 
 
 @dataclass
@@ -103,6 +107,14 @@ class Router:
                 config.rate_limit_queue_size,
                 config.rate_limit_queue_timeout,
             )
+        self.key_limits: Optional[KeyLimits] = key_limits_or_none(
+            config.rate_limit_per_key,
+            config.resolved_per_key_burst,
+            config.max_in_flight_per_key,
+            config.rate_limit_tracked_keys,
+        )
+        self.credentials = config.credentials()
+        self.allow_list = config.worker_allow_list()
         self.health = HealthChecker(self.registry, config.health_check_interval)
         self.slo = SLOTracker(self.metrics, config.slo_window)
         self.client: Optional[aiohttp.ClientSession] = None
@@ -167,8 +179,13 @@ class Router:
 
     # -- membership (admin API) -----------------------------------------
     async def add_worker(self, url: str, role: str) -> Worker:
+        """The admin API's registration: the allow-list first (``WorkerNotAllowed``: no request is made), then
+        ``register`` with an open probe before the worker key is sent (``WorkerRegistry.register``)."""
         if role not in self.roles:
             raise RegistrationError(f"this router takes {' and '.join(self.roles)} workers, not {role!r}")
+        refusal = self.allow_list.refusal(url)
+        if refusal is not None:
+            raise WorkerNotAllowed(refusal)
         return await self.registry.register(url, role, source="admin", require_reachable=True)
 
     # -- revisions ---------------------------------------------------------

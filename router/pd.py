@@ -33,11 +33,13 @@ reads decode's stream too: more from decode ends the wait (decode's stream
 goes to the client), its end fails the attempt on decode (prefill would wait
 for the room's registration until its bootstrap timeout).
 
-A body with ``"return_trace": true`` also gets the ``x-kvship-trace``
-response header: the router's own stamps and the prefill worker's
-``meta_info.trace``, wall clock (docs/pd.md, "Reading a request's trace").
-The router then waits for the prefill reply before it answers (the trace is
-a debugging aid; its ``router.prefill_reply`` stamp shows that wait).
+On a router started with ``--debug-headers``, a body with ``"return_trace": true``
+also gets the ``x-kvship-trace`` response header: the router's own stamps and the
+prefill worker's ``meta_info.trace``, wall clock (docs/pd.md, "Reading a request's
+trace").  The router then waits for the prefill reply before it answers (the
+trace is a debugging aid; its ``router.prefill_reply`` stamp shows that wait).
+Without the flag no ``x-kvship-*`` header reaches the client (``proxy._debug_headers``)
+and the router does not wait.
 """
 
 from __future__ import annotations
@@ -417,7 +419,8 @@ async def pd_attempt(
     content = boot.inject(request.body, request.raw)
     router = ctx.router
     path = path or ctx.route
-    stamps = {"received": ctx.started_wall, "sent": time.time()} if request.body.get("return_trace") is True else None
+    traced = request.body.get("return_trace") is True and router.config.debug_headers
+    stamps = {"received": ctx.started_wall, "sent": time.time()} if traced else None
     first: Optional[asyncio.Future] = None
     if first_token_from_prefill(ctx, request, path):
         first = asyncio.get_running_loop().create_future()

@@ -138,7 +138,9 @@ class RelayResponse(Response):
                         {
                             "type": "http.response.body",
                             "more_body": True,
-                            "body": _sse_error(f"worker failed mid-stream: {describe_error(e)}", "worker_failed"),
+                            "body": _sse_error(
+                                f"worker failed mid-stream: {client_reason(ctx, describe_error(e))}", "worker_failed"
+                            ),
                         }
                     )
                 except TimeoutError:
@@ -313,7 +315,12 @@ class ResumingRelay(Response):
             return False
         if state.resumes >= router.config.max_resumes or not state.can_resume():
             await send(
-                _body(_sse_error(f"worker failed mid-stream: {why} (resumed {state.resumes} time(s))", "worker_failed"))
+                _body(
+                    _sse_error(
+                        f"worker failed mid-stream: {client_reason(ctx, why)} (resumed {state.resumes} time(s))",
+                        "worker_failed",
+                    )
+                )
             )
             return False
         state.resumes += 1
@@ -330,7 +337,13 @@ class ResumingRelay(Response):
             reason = e.reason if isinstance(e, AttemptFailed) else (str(e) or "deadline passed")
             logger.warning("request %s: could not resume: %s", ctx.request_id, reason)
             await send(
-                _body(_sse_error(f"worker failed mid-stream ({why}); resuming failed: {reason}", "worker_failed"))
+                _body(
+                    _sse_error(
+                        f"worker failed mid-stream ({client_reason(ctx, why)}); resuming failed: "
+                        f"{client_reason(ctx, reason)}",
+                        "worker_failed",
+                    )
+                )
             )
             return False
         if self.up.body is not None:  # the worker refused the continuation (a 4xx)
@@ -393,11 +406,26 @@ async def open_attempts(
     raise last
 
 
+def _debug_headers(ctx: RequestContext, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` (``x-kvship-*``: worker URLs, traces) when the router runs with ``--debug-headers``, else
+    nothing: clients never learn the workers' addresses (docs/router.md, "Response headers")."""
+    return headers if ctx.router.config.debug_headers else {}
+
+
+def client_reason(ctx: RequestContext, reason: str) -> str:
+    """A failure's reason as a client may read it: whole with ``--debug-headers``, else only its kind
+    (``ClientConnectorError``, ``http_503``, ``reset``...): a transport error's text names the worker's address."""
+    return reason if ctx.router.config.debug_headers else reason.split(":", 1)[0]
+
+
+def _worker_name(ctx: RequestContext, worker) -> str:
+    return f"worker {worker.url}" if ctx.router.config.debug_headers else f"the {worker.role} worker"
+
+
 def _response_headers(ctx: RequestContext, up: Upstream) -> dict[str, str]:
-    headers = dict(up.headers)
-    headers["x-kvship-worker"] = up.worker.url
+    headers = dict(up.headers)  # (pass_headers already dropped the workers' own x-kvship-* headers)
+    headers.update(_debug_headers(ctx, {"x-kvship-worker": up.worker.url, **up.extra_headers}))
     headers["x-request-id"] = ctx.request_id
-    headers.update(up.extra_headers)
     return headers
 
 
@@ -475,7 +503,8 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
     assert last is not None
     if last.status is not None:
         headers = dict(last.headers)
-        headers.update({"x-kvship-worker": last.worker.url, "x-request-id": ctx.request_id})
+        headers.update(_debug_headers(ctx, {"x-kvship-worker": last.worker.url}))
+        headers["x-request-id"] = ctx.request_id
         logger.warning(
             "request %s failed on %s after %d attempt(s): %s",
             ctx.request_id,
@@ -495,7 +524,7 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
     return error_response(
         ctx,
         502,
-        f"worker {last.worker.url} failed: {last.reason} (after {ctx.attempts} attempt(s))",
+        f"{_worker_name(ctx, last.worker)} failed: {client_reason(ctx, last.reason)} (after {ctx.attempts} attempt(s))",
         "worker_failed",
-        {"x-kvship-worker": last.worker.url},
+        _debug_headers(ctx, {"x-kvship-worker": last.worker.url}),
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import array
 import json
-import random
+import secrets
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -257,16 +257,19 @@ class PDBootstrap:
     host: str
     port: int
     room: int
+    token: Optional[str] = field(default=None, repr=False)  # never logged (docs/pd.md, KV plane authentication)
 
     @classmethod
     def for_prefill(cls, prefill_url: str, bootstrap_port: int) -> "PDBootstrap":
-        """Bootstrap fields for a prefill worker: its URL's host, its port, a random 63-bit room.
+        """Bootstrap fields for a prefill worker: its URL's host, its port, an unguessable 63-bit room and a room
+        token (``secrets``: the workers derive the tags that bind the room's KV transfer from it).
 
         Workers give item ``i`` of a batch (or choice ``i`` of ``n``) room ``room + i``
-        (mod 2^63) on both sides, so one room per request body is enough.
+        (mod 2^63) and a token derived from this one and ``i`` on both sides, so one room and one token per
+        request body are enough.
         """
         host = urlsplit(prefill_url).hostname or "127.0.0.1"
-        return cls(host=host, port=bootstrap_port, room=random.getrandbits(63))
+        return cls(host=host, port=bootstrap_port, room=secrets.randbits(63), token=secrets.token_urlsafe(24))
 
     def inject(self, body: dict, raw: Optional[bytes] = None) -> bytes:
         """The request body for both workers of the pair, as JSON bytes.
@@ -276,7 +279,9 @@ class PDBootstrap:
         ~0.3 ms to serialise). Only a UTF-8 object without bootstrap fields of its own is spliced; anything
         else (another encoding, a BOM, a client's own ``bootstrap_*``) is written out from ``body``.
         """
-        fields = {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+        fields: dict[str, Any] = {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+        if self.token is not None:
+            fields["bootstrap_token"] = self.token
         if raw is not None and not fields.keys() & body.keys():
             head = raw.rstrip()
             if head.endswith(b"}") and head.lstrip()[:1] == b"{":

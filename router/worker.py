@@ -6,7 +6,8 @@ when it has passed registration (its info endpoints answered), its health
 checks pass, and its circuit breaker lets a request through.
 
 Life cycle: ``register`` (static flag, admin API or discovery) -> info read
-(``/get_model_info``, ``/get_server_info``, ``/v1/models``) -> healthy ->
+(``/get_model_info``, ``/get_server_info``, ``/v1/models``, with the worker
+key) -> healthy ->
 health checks flip ``healthy`` by the failure/success thresholds ->
 ``remove``.  A worker whose info could not be read yet stays registered but
 unavailable; the health checker keeps trying.  A worker that comes back
@@ -17,6 +18,13 @@ Each worker has a *revision* (``kvship.router.revisions``): its pod's
 ``kvship.io/revision`` label when discovered, else what its
 ``/get_server_info`` reports.  The registry keeps ``revisions`` (when each
 revision was first seen) in step with its workers.
+
+The worker key goes to a URL only once it is accepted: static and discovered
+workers are accepted by where they came from (flags, the Kubernetes API); a URL
+given to the admin API is accepted once it passed the allow-list
+(``Router.add_worker``) and answered the open ``GET /health`` with 200, asked
+without any key (docs/router.md, "Authentication").  A URL that fails either
+never receives the key.
 
 All state changes happen on the event loop thread (no locks).
 """
@@ -198,6 +206,9 @@ class WorkerRegistry:
         if role not in ROLES:
             raise RegistrationError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         existing = self._workers.get(url)
+        if existing is None and require_reachable:
+            await self._open_probe(url)
+            existing = self._workers.get(url)  # (registered by someone else meanwhile)
         if existing is not None:
             if existing.role != role:
                 raise RegistrationError(f"{url} is already registered as a {existing.role} worker")
@@ -247,6 +258,21 @@ class WorkerRegistry:
         return True
 
     # -- info and health -------------------------------------------------
+    async def _open_probe(self, url: str) -> None:
+        """``GET url/health`` without any credential; ``RegistrationError`` unless it answers 200."""
+        assert self.client is not None, "WorkerRegistry.attach(client) first"
+        try:
+            async with self.client.get(
+                url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout)
+            ) as resp:
+                await resp.content.read(64 * 1024)
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise RegistrationError(f"could not register {url}: GET /health failed: {why}") from None
+        if status != 200:
+            raise RegistrationError(f"could not register {url}: GET /health answered {status}")
+
     async def _get_json(self, worker: Worker, path: str, optional: bool = False) -> Optional[dict]:
         assert self.client is not None, "WorkerRegistry.attach(client) first"
         async with self.client.get(

@@ -193,7 +193,9 @@ def test_kvship_router_never_imports_torch():
 
 def test_kvship_router_process_serves_requests_from_its_flags():
     with start_double() as w:
-        with router_process(["--worker-urls", w.url, "--policy", "round_robin", "--api-key", "abc"]) as (url, _):
+        with router_process(
+            ["--worker-urls", w.url, "--policy", "round_robin", "--api-key", "abc", "--debug-headers"]
+        ) as (url, _):
             r = httpx.post(url + "/generate", json={"text": "x"}, headers={"authorization": "Bearer abc"})
             denied = httpx.post(url + "/generate", json={"text": "x"})
     assert r.status_code == 200 and r.headers["x-kvship-worker"] == w.url

@@ -64,6 +64,7 @@ async def test_discovery_adds_ready_pods_and_drops_unready_or_deleted_ones():
         k.create("v1", "pods", "default", make_pod("other", {"app": "else"}, c.port))
         set_ready(k, "other", True)
         config = RouterConfig(
+            debug_headers=True,
             service_discovery=True,
             selector=["app=kvship", "role=worker"],
             namespace="default",
@@ -123,6 +124,7 @@ async def test_discovery_uses_the_default_port_without_annotation_and_ignores_po
         k.create("v1", "pods", "default", make_pod("no-ip", labels, a.port))
         set_ready(k, "no-ip", True, ip=None)
         config = RouterConfig(
+            debug_headers=True,
             service_discovery=True,
             selector=["app=kvship"],
             namespace="default",
@@ -152,6 +154,7 @@ async def test_pd_discovery_sorts_pods_into_prefill_and_decode_by_selector():
         k.create("v1", "pods", "default", make_pod("decode-0", {"app": "kvship", "role": "decode"}, d.port))
         set_ready(k, "decode-0", True)
         config = RouterConfig(
+            debug_headers=True,
             pd=True,
             service_discovery=True,
             prefill_selector=["app=kvship", "role=prefill"],

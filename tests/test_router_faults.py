@@ -38,6 +38,7 @@ async def test_killing_a_worker_under_load_fails_no_request_and_it_rejoins_after
     with start_doubles(3, delay=0.05) as doubles:
         victim = doubles[0]
         config = RouterConfig(
+            debug_headers=True,
             worker_urls=[d.url for d in doubles],
             policy="round_robin",
             health_check_interval=interval,
@@ -109,7 +110,11 @@ async def test_a_started_stream_is_never_retried_when_its_worker_dies_and_resume
     # (with --max-resumes it is continued elsewhere instead: tests/test_router_resume.py)
     with start_double(name="dies", chunk_delay=0.1, die_after_chunks=2) as dying, start_double(name="fine") as fine:
         config = RouterConfig(
-            worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60, max_resumes=0
+            debug_headers=True,
+            worker_urls=[dying.url, fine.url],
+            policy="round_robin",
+            health_check_interval=60,
+            max_resumes=0,
         )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
@@ -142,6 +147,7 @@ async def test_a_started_stream_is_never_retried_when_its_worker_dies_and_resume
 async def test_circuit_breaker_opens_then_half_opens_after_cooldown_and_closes_on_success():
     with start_double(name="flaky", fail_next=1000, fail_status=500) as flaky, start_double(name="ok") as ok:
         config = RouterConfig(
+            debug_headers=True,
             worker_urls=[flaky.url, ok.url],
             policy="round_robin",
             health_check_interval=60,
@@ -180,6 +186,7 @@ async def test_circuit_breaker_opens_then_half_opens_after_cooldown_and_closes_o
 async def test_worker_failing_health_checks_leaves_and_rejoins_the_healthy_set():
     with start_doubles(2) as (a, b):
         config = RouterConfig(
+            debug_headers=True,
             worker_urls=[a.url, b.url],
             policy="round_robin",
             health_check_interval=0.2,
@@ -212,7 +219,7 @@ async def test_worker_failing_health_checks_leaves_and_rejoins_the_healthy_set()
 
 async def test_request_timeout_answers_504():
     with start_double(delay=3.0) as slow:
-        config = RouterConfig(worker_urls=[slow.url], request_timeout=0.5, health_check_interval=60)
+        config = RouterConfig(debug_headers=True, worker_urls=[slow.url], request_timeout=0.5, health_check_interval=60)
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 t0 = time.monotonic()
@@ -226,7 +233,7 @@ async def test_request_timeout_answers_504():
 
 async def test_client_disconnect_mid_stream_releases_the_worker():
     with start_double(chunk_delay=0.2, tokens=50) as slow:
-        config = RouterConfig(worker_urls=[slow.url], health_check_interval=60)
+        config = RouterConfig(debug_headers=True, worker_urls=[slow.url], health_check_interval=60)
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 async with c.stream(

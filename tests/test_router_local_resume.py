@@ -2,8 +2,9 @@
 
 One ``kvship local --prefill 2 --decode 2 --api-key ...`` (tiny random Llama on CPU, TCP transfer):
 
-* the router requires the key (none / wrong -> 401), the workers require it too and the router
-  sends it to them; the ``openai`` client with the key works end to end, streaming included;
+* the router requires the client key (none / wrong -> 401); the workers refuse it and take only the
+  worker key, which the router sends them; the ``openai`` client with the key works end to end,
+  streaming included;
 * 40 concurrent streams, one decode worker SIGKILLed mid-burst: every stream ends with one
   ``[DONE]`` and the greedy text of an undisturbed run; ``kvship local`` logs the exit and restarts
   the worker, the router takes it back and routes to it again; KV slots are all free afterwards;
@@ -52,11 +53,7 @@ def cluster(tiny_llama_dir):
         yield c
 
 
-def _info(url: str) -> dict:
-    return httpx.get(url + "/get_server_info", headers=AUTH, timeout=10).json()
-
-
-def test_kvship_local_api_key_is_required_by_the_router_and_used_towards_the_workers(cluster):
+def test_kvship_local_client_key_is_required_by_the_router_and_the_workers_take_only_the_worker_key(cluster):
     import openai
 
     url = cluster.url
@@ -67,7 +64,10 @@ def test_kvship_local_api_key_is_required_by_the_router_and_used_towards_the_wor
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(url + "/health").status_code == 200  # open, as documented
     worker = cluster.workers("decode")[0]
-    assert httpx.get(worker + "/v1/models").status_code == 401  # the workers want the key too
+    assert httpx.get(worker + "/v1/models").status_code == 401  # the workers want a key too ...
+    assert httpx.get(worker + "/v1/models", headers=AUTH).status_code == 401  # ... never the client key
+    assert httpx.get(worker + "/v1/models", headers=cluster.worker_headers).status_code == 200
+    assert httpx.get(url + "/workers", headers=AUTH).status_code == 403  # the router's worker list neither
     assert [m["id"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]] == ["tiny"]
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
     out = client.chat.completions.create(model="tiny", messages=chat["messages"], max_tokens=6, temperature=0)
@@ -89,21 +89,24 @@ async def test_decode_worker_sigkilled_mid_burst_streams_complete_and_the_worker
     bodies = _bodies(N_STREAMS, max_new=64)
     decode = cluster.workers("decode")
     victim = decode[0]
-    old_pid = int(_info(victim)["pid"])
+    old_pid = cluster.pid(victim)
     async with httpx.AsyncClient(timeout=120, headers=AUTH, limits=httpx.Limits(max_connections=200)) as c:
         results = await burst_with_a_kill(c, cluster.url, bodies, old_pid, victim, "x-kvship-decode", min_started=1)
         resumed = await check_burst(c, cluster.url, bodies, results)
         assert resumed >= 1
-        assert _resumes((await c.get(cluster.url + "/metrics")).text) == resumed
+        assert _resumes((await c.get(cluster.url + "/metrics", headers=cluster.worker_headers)).text) == resumed
         # kvship local logged the exit and restarts the worker; the router takes it back
         deadline = time.monotonic() + 120
         while True:
             log = cluster.log("local", 400)
-            workers = {w["url"]: w for w in (await c.get(cluster.url + "/workers")).json()["workers"]}
+            workers = {
+                w["url"]: w
+                for w in (await c.get(cluster.url + "/workers", headers=cluster.worker_headers)).json()["workers"]
+            }
             back = workers[victim]["healthy"]
             if back:
                 try:
-                    back = int(_info(victim)["pid"]) != old_pid
+                    back = cluster.pid(victim) != old_pid
                 except httpx.HTTPError:
                     back = False
             if back and "restarted" in log:
@@ -121,19 +124,19 @@ async def test_decode_worker_sigkilled_mid_burst_streams_complete_and_the_worker
             served_by.add(r.headers["x-kvship-decode"])
         assert victim in served_by  # the restarted worker takes traffic again
         # the prefill workers that were sending to the dead one reported their pair's failure, not their own
-        workers = (await c.get(cluster.url + "/workers")).json()["workers"]
+        workers = (await c.get(cluster.url + "/workers", headers=cluster.worker_headers)).json()["workers"]
         assert all(w["circuit"] == "closed" for w in workers if w["role"] == "prefill"), workers
-    wait_kv_free(cluster.workers("prefill") + decode, headers=AUTH)
+    wait_kv_free(cluster.workers("prefill") + decode, headers=cluster.worker_headers)
 
 
 async def test_prefill_worker_sigkilled_mid_burst_streams_complete_with_the_undisturbed_text(cluster):
     bodies = _bodies(N_STREAMS, max_new=32)
     victim = cluster.workers("prefill")[0]
-    old_pid = int(_info(victim)["pid"])
+    old_pid = cluster.pid(victim)
     async with httpx.AsyncClient(timeout=120, headers=AUTH, limits=httpx.Limits(max_connections=200)) as c:
         deadline = time.monotonic() + 60
         while True:  # the burst must reach the victim: every worker serving (the previous test's restart is over)
-            workers = (await c.get(cluster.url + "/workers")).json()["workers"]
+            workers = (await c.get(cluster.url + "/workers", headers=cluster.worker_headers)).json()["workers"]
             if all(w["state"] == "serving" for w in workers):
                 break
             assert time.monotonic() < deadline, workers
@@ -142,11 +145,14 @@ async def test_prefill_worker_sigkilled_mid_burst_streams_complete_with_the_undi
         await check_burst(c, cluster.url, bodies, results)
         deadline = time.monotonic() + 120
         while True:  # restarted and taken back
-            workers = {w["url"]: w for w in (await c.get(cluster.url + "/workers")).json()["workers"]}
+            workers = {
+                w["url"]: w
+                for w in (await c.get(cluster.url + "/workers", headers=cluster.worker_headers)).json()["workers"]
+            }
             if workers[victim]["healthy"]:
                 with contextlib.suppress(httpx.HTTPError):
-                    if int(_info(victim)["pid"]) != old_pid:
+                    if cluster.pid(victim) != old_pid:
                         break
             assert time.monotonic() < deadline, cluster.log("local", 100)
             await asyncio.sleep(0.5)
-    wait_kv_free(cluster.workers("prefill") + cluster.workers("decode"), headers=AUTH)
+    wait_kv_free(cluster.workers("prefill") + cluster.workers("decode"), headers=cluster.worker_headers)

@@ -31,7 +31,9 @@ def pd_fleet(n_prefill: int = 2, n_decode: int = 2):
 def pd_config(prefill, decode, **kw) -> RouterConfig:
     kw.setdefault("health_check_interval", 60)
     kw.setdefault("retry_backoff_base", 0.01)
-    return RouterConfig(pd=True, prefill=[p.url for p in prefill], decode=[d.url for d in decode], **kw)
+    return RouterConfig(
+        debug_headers=True, pd=True, prefill=[p.url for p in prefill], decode=[d.url for d in decode], **kw
+    )
 
 
 def got(double, request_id: str) -> list[dict]:
@@ -51,7 +53,7 @@ async def test_pd_sends_the_request_to_both_workers_with_the_prefill_bootstrap_f
                     for i in range(4)
                 ]
                 workers = (await c.get(url + "/workers")).json()
-        rooms = set()
+        rooms, tokens = set(), set()
         for i, r in enumerate(rs):
             assert r.status_code == 200
             p_url, d_url = r.headers["x-kvship-prefill"], r.headers["x-kvship-decode"]
@@ -63,9 +65,16 @@ async def test_pd_sends_the_request_to_both_workers_with_the_prefill_bootstrap_f
             assert 0 <= boot["bootstrap_room"] < 2**63
             [p_req] = got(p, f"pd-{i}")
             [d_req] = got(d, f"pd-{i}")
-            assert p_req["body"] == d_req["body"] == {"text": "hello", "sampling_params": {}, **boot}
+            token = p_req["body"].get("bootstrap_token")  # the room's token (docs/pd.md), the same to both
+            assert isinstance(token, str) and len(token) >= 32
+            assert (
+                p_req["body"]
+                == d_req["body"]
+                == {"text": "hello", "sampling_params": {}, **boot, "bootstrap_token": token}
+            )
             rooms.add(boot["bootstrap_room"])
-        assert len(rooms) == 4
+            tokens.add(token)
+        assert len(rooms) == 4 and len(tokens) == 4
         assert {r.headers["x-kvship-prefill"] for r in rs} == {p.url for p in prefill}
         assert {w["role"] for w in workers["workers"]} == {"prefill", "decode"} and workers["pd"]
         assert sorted(w["bootstrap_port"] for w in workers["workers"] if w["role"] == "prefill") == [8998, 8999]
@@ -168,8 +177,8 @@ async def test_pd_prefill_client_error_reaches_the_client_and_cancels_decode():
 
 async def test_pd_waits_for_both_roles_and_forwards_batches_with_one_room():
     with pd_fleet(1, 1) as (prefill, decode):
-        async with running_router(pd_config(prefill, [])) as (url, _):
-            async with httpx.AsyncClient(timeout=30) as c:
+        async with running_router(pd_config(prefill, [], admin_api_key="adm")) as (url, _):
+            async with httpx.AsyncClient(timeout=30, headers={"authorization": "Bearer adm"}) as c:
                 assert (await c.get(url + "/readiness")).status_code == 503
                 none = await c.post(url + "/generate", json={"text": "x"})
                 wrong = await c.post(url + "/workers", json={"url": decode[0].url, "role": "prefill"})
@@ -281,7 +290,13 @@ async def test_a_decode_worker_dying_after_its_chat_role_chunk_fails_the_attempt
         _fake_worker("decode", decode) as d1,
     ):
         config = RouterConfig(
-            pd=True, prefill=[p], decode=[d0, d1], health_check_interval=60, retry_backoff_base=0.01, max_resumes=2
+            debug_headers=True,
+            pd=True,
+            prefill=[p],
+            decode=[d0, d1],
+            health_check_interval=60,
+            retry_backoff_base=0.01,
+            max_resumes=2,
         )
         async with running_router(config) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
@@ -339,6 +354,7 @@ async def test_a_decode_stream_failing_on_its_pair_is_resumed_and_keeps_the_deco
     ):
         b0[0], b1[0] = d0, d1
         config = RouterConfig(
+            debug_headers=True,
             pd=True,
             prefill=[p],
             decode=[d0, d1],

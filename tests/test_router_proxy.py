@@ -34,7 +34,7 @@ def reset_doubles(request):
 
 def cfg(doubles, **kw) -> RouterConfig:
     kw.setdefault("health_check_interval", 0.5)
-    return RouterConfig(worker_urls=[d.url for d in doubles], **kw)
+    return RouterConfig(debug_headers=True, worker_urls=[d.url for d in doubles], **kw)
 
 
 def received(doubles, request_id: str) -> list[str]:
@@ -111,7 +111,7 @@ async def test_openai_client_works_through_the_router(doubles):
 
 async def test_models_is_the_union_of_workers_and_requests_route_by_model():
     with start_double(name="a", model="alpha") as a, start_double(name="b", model="beta") as b:
-        async with running_router(RouterConfig(worker_urls=[a.url, b.url])) as (url, _):
+        async with running_router(RouterConfig(debug_headers=True, worker_urls=[a.url, b.url])) as (url, _):
             async with httpx.AsyncClient() as c:
                 models = (await c.get(url + "/v1/models")).json()
                 workers = [
@@ -160,8 +160,9 @@ async def test_bad_requests_get_4xx_without_reaching_a_worker(doubles, path, con
     assert received(doubles, "bad-1") == [] and received(doubles, "bad-2") == []
 
 
-async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(doubles):
-    async with running_router(cfg(doubles, api_key="sekret")) as (url, _):
+async def test_api_key_is_required_everywhere_but_health_and_only_the_worker_key_goes_to_workers(doubles):
+    config = cfg(doubles, api_key="sekret", admin_api_key="adm", worker_api_key="wkey")
+    async with running_router(config) as (url, _):
         async with httpx.AsyncClient() as c:
             good = {"authorization": "Bearer sekret", "x-request-id": "auth-ok"}
             assert (await c.get(url + "/health")).status_code == 200
@@ -170,6 +171,7 @@ async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(dou
                 ("GET", "/v1/models"),
                 ("GET", "/metrics"),
                 ("GET", "/workers"),
+                ("GET", "/slo"),
                 ("POST", "/workers"),
                 ("DELETE", "/workers?url=x"),
             ):
@@ -179,9 +181,16 @@ async def test_api_key_is_required_everywhere_but_health_and_sent_to_workers(dou
                 assert (await c.request(method, url + path, json=CHAT)).status_code == 401
             ok = await c.post(url + "/v1/chat/completions", json=CHAT, headers=good)
             assert ok.status_code == 200
-            assert (await c.get(url + "/workers", headers=good)).status_code == 200
+            assert (await c.get(url + "/v1/models", headers=good)).status_code == 200
+            assert (await c.get(url + "/workers", headers=good)).status_code == 403  # a client key
+            assert (await c.get(url + "/workers", headers={"authorization": "Bearer wkey"})).status_code == 200
+            assert (await c.get(url + "/slo", headers={"authorization": "Bearer adm"})).status_code == 200
+            worker_key_as_client = await c.post(
+                url + "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer wkey"}
+            )
+            assert worker_key_as_client.status_code == 403
     [rec] = [r for d in doubles for r in d.requests() if r["headers"].get("x-request-id") == "auth-ok"]
-    assert rec["headers"]["authorization"] == "Bearer sekret"
+    assert rec["headers"]["authorization"] == "Bearer wkey"
 
 
 async def test_rate_limit_answers_429_with_retry_after_when_the_queue_is_full(doubles):
@@ -199,7 +208,9 @@ async def test_rate_limit_answers_429_with_retry_after_when_the_queue_is_full(do
 
 
 async def test_no_healthy_worker_gives_503_with_a_clear_body():
-    async with running_router(RouterConfig(worker_urls=["http://127.0.0.1:9"], health_check_interval=60)) as (url, _):
+    async with running_router(
+        RouterConfig(debug_headers=True, worker_urls=["http://127.0.0.1:9"], health_check_interval=60)
+    ) as (url, _):
         async with httpx.AsyncClient() as c:
             r = await c.post(url + "/generate", json={"text": "x"})
             ready = await c.get(url + "/readiness")
@@ -245,8 +256,9 @@ async def test_all_attempts_failing_returns_the_last_worker_error(doubles):
 
 
 async def test_admin_api_adds_lists_and_removes_workers(doubles):
-    async with running_router(RouterConfig(health_check_interval=0.5)) as (url, _):
-        async with httpx.AsyncClient() as c:
+    config = RouterConfig(debug_headers=True, health_check_interval=0.5, admin_api_key="adm")
+    async with running_router(config) as (url, _):
+        async with httpx.AsyncClient(headers={"authorization": "Bearer adm"}) as c:
             assert (await c.post(url + "/generate", json={"text": "x"})).status_code == 503
             added = await c.post(url + "/workers", json={"url": doubles[1].url})
             dup = await c.post(url + "/workers", json={"url": doubles[1].url + "/"})

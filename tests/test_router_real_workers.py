@@ -40,7 +40,9 @@ def workers(tiny_llama_dir):
 
 
 async def test_greedy_outputs_through_the_router_equal_a_worker_hit_directly(workers):
-    async with running_router(RouterConfig(worker_urls=[w.url for w in workers], policy="round_robin")) as (url, _):
+    async with running_router(
+        RouterConfig(debug_headers=True, worker_urls=[w.url for w in workers], policy="round_robin")
+    ) as (url, _):
         async with httpx.AsyncClient(timeout=120) as c:
             for prompt in PROMPTS:
                 comp = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -68,7 +70,7 @@ async def test_greedy_outputs_through_the_router_equal_a_worker_hit_directly(wor
 
 
 async def test_streaming_from_a_real_worker_arrives_incrementally_and_matches_the_full_reply(workers):
-    async with running_router(RouterConfig(worker_urls=[w.url for w in workers])) as (url, _):
+    async with running_router(RouterConfig(debug_headers=True, worker_urls=[w.url for w in workers])) as (url, _):
         async with httpx.AsyncClient(timeout=120) as c:
             body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
             full = (await c.post(url + "/v1/completions", json=body)).json()["choices"][0]["text"]
@@ -102,7 +104,9 @@ async def test_malformed_bodies_get_4xx_json_errors_never_5xx_and_the_workers_ke
 
     rng = random.Random(19)
     routes = ["/v1/chat/completions", "/v1/completions", "/generate"]
-    async with running_router(RouterConfig(worker_urls=[w.url for w in workers], max_retries=0)) as (url, _):
+    async with running_router(
+        RouterConfig(debug_headers=True, worker_urls=[w.url for w in workers], max_retries=0)
+    ) as (url, _):
         async with httpx.AsyncClient(timeout=60) as c:
             for _ in range(240):
                 route = rng.choice(routes)

@@ -200,7 +200,9 @@ async def _read_stream(c: httpx.AsyncClient, url: str, body: dict, headers=None)
 
 async def test_a_chat_stream_broken_mid_answer_continues_on_another_worker_as_a_token_id_completion():
     with start_doubles(1, die_after_chunks=2) as [dying], start_doubles(1) as [fine]:
-        cfg = RouterConfig(worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60)
+        cfg = RouterConfig(
+            debug_headers=True, worker_urls=[dying.url, fine.url], policy="round_robin", health_check_interval=60
+        )
         async with running_router(cfg) as (url, _):
             async with httpx.AsyncClient(timeout=30) as c:
                 body = {"model": "double-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
@@ -223,6 +225,7 @@ async def test_a_chat_stream_broken_mid_answer_continues_on_another_worker_as_a_
 async def test_a_stream_whose_worker_hangs_and_fails_its_health_checks_is_resumed_elsewhere():
     with start_doubles(1, chunk_delay=60) as [hung], start_doubles(1) as [fine]:
         cfg = RouterConfig(
+            debug_headers=True,
             worker_urls=[hung.url, fine.url],
             policy="round_robin",
             health_check_interval=0.2,

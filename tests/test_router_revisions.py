@@ -170,6 +170,7 @@ async def test_discovery_reads_the_revision_label_and_moves_traffic_when_the_new
             k.create("v1", "pods", "default", _pod(name, role, rev, dbl.port))
             _ready(k, name)
         config = RouterConfig(
+            debug_headers=True,
             pd=True,
             service_discovery=True,
             prefill_selector=["app=kvship", "role=prefill"],
@@ -224,7 +225,8 @@ def _pd_worker(model: str, mode: str) -> contextlib.AbstractContextManager:
     args += ["--max-total-tokens", "4096", "--max-running-requests", "8"]
     if mode == "prefill":
         args += ["--disaggregation-bootstrap-port", str(server_fixtures.free_port())]
-    return server_fixtures.start_server(args)
+    # the KV plane is authenticated (docs/security.md): every worker of the test shares one secret
+    return server_fixtures.start_server(args, env={"KVSHIP_KV_TRANSFER_SECRET": "rollout-test-kv-secret-0123456789"})
 
 
 @pytest.mark.slow
@@ -242,9 +244,16 @@ async def test_rollout_under_load_never_mixes_revisions_and_fails_no_request(tin
         rev = {w.url: w.get("/get_server_info").json()["revision"] for w in (pa, da, pb, db)}
         assert rev[pa.url] == rev[da.url] != rev[pb.url] == rev[db.url]
         config = RouterConfig(
-            pd=True, prefill=[pa.url], decode=[da.url], health_check_interval=0.5, slo_scrape_interval=0.3
+            debug_headers=True,
+            pd=True,
+            prefill=[pa.url],
+            decode=[da.url],
+            health_check_interval=0.5,
+            slo_scrape_interval=0.3,
+            admin_api_key="rollout-admin",  # the rollout below adds and removes workers through the admin API
         )
-        async with running_router(config) as (url, app), httpx.AsyncClient(timeout=120) as c:
+        admin = {"authorization": "Bearer rollout-admin"}
+        async with running_router(config) as (url, app), httpx.AsyncClient(timeout=120, headers=admin) as c:
             results: list[tuple[int, str, str, str, int]] = []  # status, prefill, decode, error text, prompt len
             stop = asyncio.Event()
 
