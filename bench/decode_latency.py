@@ -207,7 +207,7 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
 
     from kvship.engine.attention.base import AttentionLayerSpec
     from kvship.engine.config import ServerArgs
-    from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+    from kvship.engine.forward_batch import ForwardMode, build_forward_batch
     from kvship.engine.model_runner import ModelRunner
 
     runner = ModelRunner(
@@ -235,9 +235,8 @@ def attention_bench(model_dir: str, bs: int, ctx: int, page_size: int, hbm: floa
     dev = runner.device
     r2t = runner.req_to_token_pool.req_to_token
     r2t[torch.tensor(rows)[:, None].to(dev), torch.arange(ctx, device=dev)[None, :]] = slots.to(dev, torch.int32)
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=bs,
+    fb = build_forward_batch(
+        ForwardMode.DECODE,
         input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
         positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=dev),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
@@ -445,7 +444,7 @@ class DecodeDriver:
         return d
 
     def prefill(self, prompt_len: int, gen: torch.Generator, chunk_tokens: int = 16384) -> torch.Tensor:
-        from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+        from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 
         r, dev = self.r, self.r.device
         per = max(1, chunk_tokens // prompt_len)
@@ -463,9 +462,8 @@ class DecodeDriver:
                 self.last[i] = int(locs[(j + 1) * prompt_len - 1])
             self.slots.append(locs)
             ext = torch.full((n,), prompt_len, dtype=torch.int64, device=dev)
-            fb = ForwardBatch(
-                forward_mode=ForwardMode.EXTEND,
-                batch_size=n,
+            fb = build_forward_batch(
+                ForwardMode.EXTEND,
                 input_ids=ids,
                 positions=d[1],
                 req_pool_indices=self.rows_dev[lo : lo + n],
@@ -475,18 +473,20 @@ class DecodeDriver:
                 req_to_token_pool=r.req_to_token_pool,
                 kv_pool=r.kv_pool,
                 attn_backend=r.attn_backend,
-                extend_seq_lens=ext,
-                extend_prefix_lens=torch.zeros(n, dtype=torch.int64, device=dev),
-                extend_start_loc=torch.arange(0, n * prompt_len, prompt_len, device=dev),
-                extend_seq_lens_cpu=[prompt_len] * n,
-                extend_prefix_lens_cpu=[0] * n,
+                extend_lens=[prompt_len] * n,
+                prefix_lens=[0] * n,
+                extend_tensors=(
+                    ext,
+                    torch.zeros(n, dtype=torch.int64, device=dev),
+                    torch.arange(0, n * prompt_len, prompt_len, device=dev),
+                ),
             )
             last_ids.append(r.forward(fb).next_token_logits.argmax(-1))
         return torch.cat(last_ids)
 
     def decode_step(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step fed by ``ids`` (on the GPU); returns the greedy next ids (on the GPU)."""
-        from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+        from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 
         r = self.r
         seq = [n + 1 for n in self.lens]
@@ -498,9 +498,8 @@ class DecodeDriver:
         self.lens = seq
         self.last = locs.tolist()
         seq_dev = d[1] + 1
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=self.bs,
+        fb = build_forward_batch(
+            ForwardMode.DECODE,
             input_ids=ids,
             positions=d[1],
             req_pool_indices=self.rows_dev,

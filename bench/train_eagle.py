@@ -164,31 +164,26 @@ def generate(sa: Any, runner: Any, prompt_ids: list[list[int]], max_new: int) ->
 
 def target_features(runner: Any, ids: list[int]) -> torch.Tensor:
     """The target's final (normed) hidden state at every position of ``ids``: ``[len(ids), H]``."""
-    from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+    from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 
     n = len(ids)
     row = runner.req_to_token_pool.alloc()
     locs = runner.allocator.alloc(n)
     try:
         runner.req_to_token_pool.write(row, 0, locs)
-        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=1,
-            input_ids=t(ids),
+        fb = build_forward_batch(
+            ForwardMode.EXTEND,
+            input_ids=ids,
             positions=torch.arange(n),
-            req_pool_indices=t([row]),
-            seq_lens=t([n]),
+            req_pool_indices=[row],
+            seq_lens=[n],
             seq_lens_cpu=[n],
             out_cache_loc=locs,
             req_to_token_pool=runner.req_to_token_pool,
             kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
-            extend_seq_lens=t([n]),
-            extend_prefix_lens=t([0]),
-            extend_start_loc=t([0]),
-            extend_seq_lens_cpu=[n],
-            extend_prefix_lens_cpu=[0],
+            extend_lens=[n],
+            prefix_lens=[0],
             capture_hidden=(),
         )
         with torch.inference_mode():

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch import nn
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput, build_forward_batch
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,9 +111,8 @@ class CudaGraphRunner:
 
     # --- capture -------------------------------------------------------------
     def _forward_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
+        return build_forward_batch(
+            ForwardMode.DECODE,
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             req_pool_indices=self.req_pool_indices[:bs],

@@ -17,13 +17,18 @@ Layout rules a caller must keep:
   ``forward`` is called; attention writes the new K/V into ``out_cache_loc``.
 * ``logits_indices`` selects which rows of the final hidden states get logits
   (default: the last new token of each request).
+
+Every ``ForwardBatch`` is made by ``build_forward_batch`` (the scheduler's
+batches, the CUDA-graph runners' static batches, speculative rounds, tests and
+benchmarks): it derives the batch size and the extend fields and checks the
+rules above that can be checked without reading the device.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -110,3 +115,104 @@ class HiddenCapture:
 
     layers: tuple[int, ...]
     sink: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+IntsOrTensor = Union[torch.Tensor, Sequence[int]]
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    *,
+    input_ids: IntsOrTensor,
+    positions: IntsOrTensor,
+    out_cache_loc: IntsOrTensor,
+    req_pool_indices: IntsOrTensor,
+    seq_lens: IntsOrTensor,
+    seq_lens_cpu: Sequence[int],
+    req_to_token_pool: "ReqToTokenPool",
+    kv_pool: "KVPool",
+    attn_backend: "AttentionBackend",
+    device: Optional[torch.device | str] = None,
+    extend_lens: Optional[Sequence[int]] = None,
+    prefix_lens: Optional[Sequence[int]] = None,
+    extend_tensors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    logits_indices: Optional[IntsOrTensor] = None,
+    **extra: Any,
+) -> ForwardBatch:
+    """The one way to make a ``ForwardBatch``.
+
+    Contract:
+    * ``input_ids``, ``positions``, ``out_cache_loc`` have one row per new token; ``req_pool_indices``,
+      ``seq_lens`` and ``seq_lens_cpu`` one per request (``batch_size = len(seq_lens_cpu)``).  Integer lists
+      become int64 tensors on ``device``; tensors are used as they are (moved to ``device`` when it is given),
+      so a caller's static CUDA-graph buffers stay the batch's tensors.
+    * EXTEND and DRAFT_EXTEND need ``extend_lens`` and ``prefix_lens`` (host lists, one per request): new
+      tokens and cached prefix of each, with ``seq_lens_cpu[i] == prefix_lens[i] + extend_lens[i]`` and the
+      new tokens summing to the rows.  The device ``extend_seq_lens`` / ``extend_prefix_lens`` /
+      ``extend_start_loc`` are made from them, unless ``extend_tensors`` hands them in (in that order).
+      TARGET_VERIFY takes them too, or leaves them to its backend's own metadata (the verify graphs).
+    * DECODE has exactly one new token per request.
+    * ``extra``: the optional fields as named on ``ForwardBatch`` (``decode_inputs``, ``tree_masks``,
+      ``capture_hidden``, ``layer_done``).
+    Violations raise ValueError; nothing here reads the device.
+    """
+
+    def dev(v: IntsOrTensor) -> torch.Tensor:
+        if isinstance(v, torch.Tensor):
+            return v if device is None else v.to(device)
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    bs = len(seq_lens_cpu)
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=bs,
+        input_ids=dev(input_ids),
+        positions=dev(positions),
+        req_pool_indices=dev(req_pool_indices),
+        seq_lens=dev(seq_lens),
+        seq_lens_cpu=list(seq_lens_cpu),
+        out_cache_loc=dev(out_cache_loc),
+        req_to_token_pool=req_to_token_pool,
+        kv_pool=kv_pool,
+        attn_backend=attn_backend,
+        logits_indices=None if logits_indices is None else dev(logits_indices),
+        **extra,
+    )
+    n = fb.input_ids.shape[0]
+    if fb.positions.shape[0] != n or fb.out_cache_loc.shape[0] != n:
+        raise ValueError(
+            f"{mode.name}: {n} input ids but {fb.positions.shape[0]} positions and {fb.out_cache_loc.shape[0]} "
+            "KV slots: one of each per new token"
+        )
+    if fb.req_pool_indices.shape[0] != bs or fb.seq_lens.shape[0] != bs:
+        raise ValueError(
+            f"{mode.name}: {bs} requests but {fb.req_pool_indices.shape[0]} pool rows and {fb.seq_lens.shape[0]} "
+            "sequence lengths"
+        )
+    if mode.is_decode() and n != bs:
+        raise ValueError(f"DECODE computes one token per request: {n} tokens for {bs} requests")
+    if extend_lens is None or prefix_lens is None:
+        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+            raise ValueError(f"{mode.name} needs extend_lens and prefix_lens")
+        return fb
+    if len(extend_lens) != bs or len(prefix_lens) != bs:
+        raise ValueError(
+            f"{mode.name}: extend/prefix lengths for {len(extend_lens)}/{len(prefix_lens)} of {bs} requests"
+        )
+    if sum(extend_lens) != n:
+        raise ValueError(f"{mode.name}: the requests' {sum(extend_lens)} new tokens are not the batch's {n} rows")
+    if any(s != p + e for s, p, e in zip(seq_lens_cpu, prefix_lens, extend_lens)):
+        raise ValueError(f"{mode.name}: sequence lengths are not prefix + new tokens")
+    fb.extend_seq_lens_cpu = list(extend_lens)
+    fb.extend_prefix_lens_cpu = list(prefix_lens)
+    if extend_tensors is not None:
+        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = extend_tensors
+    else:
+        starts, acc = [], 0
+        for e in extend_lens:
+            starts.append(acc)
+            acc += e
+        fb.extend_seq_lens = dev(list(extend_lens))
+        fb.extend_prefix_lens = dev(list(prefix_lens))
+        fb.extend_start_loc = dev(starts)
+    return fb

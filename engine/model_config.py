@@ -19,6 +19,12 @@ Rules:
   list) and generation_config.json's; for GGUF, ``tokenizer.ggml.eos_token_id``.
 * ``dtype`` is the compute dtype (``ServerArgs.resolved_dtype``);
   ``checkpoint_dtype`` is what the checkpoint declares (informational).
+* ``quantization`` is the weights' quantization method
+  (``kvship.engine.layers.quantization``): config.json's
+  ``quantization_config.quant_method`` and ``--quantization``, resolved by
+  ``resolve_quantization``: a method kvship does not have is refused here,
+  while the config is read at startup, naming it and the supported ones.
+  GGUF files are dequantized at load: ``unquantized``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
+
+from kvship.engine.layers.quantization.base import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +179,7 @@ class ModelConfig:
     checkpoint_dtype: Optional[torch.dtype] = None
     source_format: str = "hf"  # "hf" (config.json) or "gguf"
     moe: Optional[MoEConfig] = None  # Mixture-of-Experts models only
+    quantization: str = "unquantized"  # the weights' quantization method (module docstring)
 
     @property
     def architecture(self) -> str:
@@ -187,18 +196,30 @@ class ModelConfig:
     # --- construction ---------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, model_path: str, *, dtype: str | torch.dtype = "float32", context_length: Optional[int] = None
+        cls,
+        model_path: str,
+        *,
+        dtype: str | torch.dtype = "float32",
+        context_length: Optional[int] = None,
+        quantization: Optional[str] = None,
     ) -> "ModelConfig":
-        """From a Hugging Face folder or a ``.gguf`` file (picked by the path)."""
+        """From a Hugging Face folder or a ``.gguf`` file (picked by the path); ``quantization`` is
+        ``--quantization``."""
         if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-            return cls.from_gguf(model_path, dtype=dtype, context_length=context_length)
+            cfg = cls.from_gguf(model_path, dtype=dtype, context_length=context_length)
+            return replace(cfg, quantization=resolve_quantization(None, quantization))
         if os.path.isdir(model_path):
-            return cls.from_hf_dir(model_path, dtype=dtype, context_length=context_length)
+            return cls.from_hf_dir(model_path, dtype=dtype, context_length=context_length, quantization=quantization)
         raise FileNotFoundError(f"model path '{model_path}' is neither a folder nor a .gguf file")
 
     @classmethod
     def from_hf_dir(
-        cls, model_dir: str, *, dtype: str | torch.dtype = "float32", context_length: Optional[int] = None
+        cls,
+        model_dir: str,
+        *,
+        dtype: str | torch.dtype = "float32",
+        context_length: Optional[int] = None,
+        quantization: Optional[str] = None,
     ) -> "ModelConfig":
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
@@ -211,7 +232,12 @@ class ModelConfig:
             with open(gen_path) as f:
                 gen = json.load(f)
         return cls.from_hf_dict(
-            cfg, model_path=model_dir, generation_config=gen, dtype=dtype, context_length=context_length
+            cfg,
+            model_path=model_dir,
+            generation_config=gen,
+            dtype=dtype,
+            context_length=context_length,
+            quantization=quantization,
         )
 
     @classmethod
@@ -223,6 +249,7 @@ class ModelConfig:
         generation_config: Optional[dict] = None,
         dtype: str | torch.dtype = "float32",
         context_length: Optional[int] = None,
+        quantization: Optional[str] = None,
     ) -> "ModelConfig":
         archs = tuple(cfg.get("architectures") or ())
         if not archs:
@@ -280,6 +307,7 @@ class ModelConfig:
             checkpoint_dtype=_DTYPES.get(ckpt) if isinstance(ckpt, str) else None,
             source_format="hf",
             moe=MoEConfig.from_hf_dict(cfg),
+            quantization=resolve_quantization(_checkpoint_quant_method(cfg), quantization),
         )
 
     @classmethod
@@ -368,6 +396,18 @@ class ModelConfig:
             source_format="gguf",
             moe=moe,
         )
+
+
+def _checkpoint_quant_method(cfg: dict) -> Optional[str]:
+    """config.json's ``quantization_config.quant_method`` (None without a quantization_config); a
+    quantization_config that names no method is refused (it cannot be served as unquantized)."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if not method:
+        raise ValueError(f"config.json has a quantization_config without a quant_method: {qc!r}")
+    return str(method)
 
 
 def _resolve_context_len(max_pos: int, requested: Optional[int], sliding_window: Optional[int]) -> int:

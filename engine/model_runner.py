@@ -92,7 +92,10 @@ class ModelRunner:
 
         self.model_path = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_pretrained(
-            self.model_path, dtype=self.dtype, context_length=server_args.context_length
+            self.model_path,
+            dtype=self.dtype,
+            context_length=server_args.context_length,
+            quantization=server_args.quantization,
         )
         self.context_len = self.model_config.context_len
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from kvship.engine.cuda_graph_runner import collector_paused
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput, build_forward_batch
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -173,9 +173,8 @@ class PrefillGraphRunner:
     # --- capture -------------------------------------------------------------
     def _forward_batch(self, t: int, backend: object) -> ForwardBatch:
         dev = self.device
-        return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=1,
+        return build_forward_batch(
+            ForwardMode.EXTEND,
             input_ids=self.input_ids[:t],
             positions=self.positions[:t],
             req_pool_indices=torch.zeros(1, dtype=torch.int64, device=dev),
@@ -185,11 +184,13 @@ class PrefillGraphRunner:
             req_to_token_pool=self.req_to_token_pool,
             kv_pool=self.kv_pool,
             attn_backend=backend,  # type: ignore[arg-type]
-            extend_seq_lens=torch.full((1,), t, dtype=torch.int64, device=dev),
-            extend_prefix_lens=torch.zeros(1, dtype=torch.int64, device=dev),
-            extend_start_loc=torch.zeros(1, dtype=torch.int64, device=dev),
-            extend_seq_lens_cpu=[t],
-            extend_prefix_lens_cpu=[0],
+            extend_lens=[t],
+            prefix_lens=[0],
+            extend_tensors=(
+                torch.full((1,), t, dtype=torch.int64, device=dev),
+                torch.zeros(1, dtype=torch.int64, device=dev),
+                torch.zeros(1, dtype=torch.int64, device=dev),
+            ),
         )
 
     def capture(self, show_progress: bool = True) -> None:

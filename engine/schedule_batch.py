@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from kvship.engine.grammar.backend import GrammarMatcher
 from kvship.engine.io_struct import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 
@@ -365,33 +365,28 @@ class ScheduleBatch:
     def to_forward_batch(
         self, device: torch.device | str, req_to_token_pool: Any, kv_pool: Any, attn_backend: Any
     ) -> ForwardBatch:
-        def t(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
         assert self.out_cache_loc is not None, "prepare_for_extend/decode first"
-        fb = ForwardBatch(
-            forward_mode=self.forward_mode,
-            batch_size=self.batch_size,
-            input_ids=t(self.input_ids),
-            positions=t(self.positions),
-            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
-            seq_lens=t(self.seq_lens),
-            seq_lens_cpu=list(self.seq_lens),
-            out_cache_loc=self.out_cache_loc.to(device),
+        extend = self.forward_mode.is_extend()
+        logits_indices = None
+        if extend:  # logits only for requests that sample this step (not mid-prompt chunks)
+            logits_indices, end = [], 0
+            for e, m in zip(self.extend_lens, self.sample_mask):
+                end += e
+                if m:
+                    logits_indices.append(end - 1)
+        return build_forward_batch(
+            self.forward_mode,
+            device=device,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
             attn_backend=attn_backend,
+            extend_lens=self.extend_lens if extend else None,
+            prefix_lens=self.prefix_lens if extend else None,
+            logits_indices=logits_indices,
         )
-        if self.forward_mode.is_extend():
-            starts, acc = [], 0
-            for e in self.extend_lens:
-                starts.append(acc)
-                acc += e
-            fb.extend_seq_lens = t(self.extend_lens)
-            fb.extend_prefix_lens = t(self.prefix_lens)
-            fb.extend_start_loc = t(starts)
-            fb.extend_seq_lens_cpu = list(self.extend_lens)
-            fb.extend_prefix_lens_cpu = list(self.prefix_lens)
-            # logits only for requests that sample this step (not mid-prompt chunks)
-            fb.logits_indices = t([s + e - 1 for s, e, m in zip(starts, self.extend_lens, self.sample_mask) if m])
-        return fb

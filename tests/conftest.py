@@ -247,7 +247,7 @@ class KVDriver:
         req.slots, req.tokens = [], []
 
     def _batch(self, mode, reqs: Sequence[DriverReq], new_tokens: Sequence[Sequence[int]], all_logits: bool):
-        from kvship.engine.forward_batch import ForwardBatch
+        from kvship.engine.forward_batch import build_forward_batch
 
         r = self.runner
         prefix = [len(q.tokens) for q in reqs]
@@ -267,9 +267,8 @@ class KVDriver:
             [p + i for p, toks in zip(prefix, new_tokens) for i in range(len(toks))], dtype=torch.int64, device=dev
         )
         ext = [len(t) for t in new_tokens]
-        fb = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(reqs),
+        fb = build_forward_batch(
+            mode,
             input_ids=ids,
             positions=pos,
             req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64, device=dev),
@@ -279,11 +278,9 @@ class KVDriver:
             req_to_token_pool=r.req_to_token_pool,
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
-            extend_seq_lens=torch.tensor(ext, dtype=torch.int64, device=dev),
-            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
-            extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int64, device=dev),
-            extend_seq_lens_cpu=ext,
-            extend_prefix_lens_cpu=prefix,
+            device=dev,
+            extend_lens=ext,
+            prefix_lens=prefix,
             logits_indices=torch.arange(ids.numel(), device=dev) if all_logits else None,
         )
         logits = r.forward(fb).next_token_logits

@@ -22,7 +22,7 @@ _BLOCKED_RUN = textwrap.dedent("""
     import torch
     from kvship.engine.attention.base import create_attention_backend
     from kvship.engine.config import ServerArgs
-    from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+    from kvship.engine.forward_batch import ForwardMode, build_forward_batch
     from kvship.engine.model_runner import ModelRunner
     from kvship.engine.sampler import create_sampler
     import kvship.engine.scheduler  # noqa: F401
@@ -33,11 +33,10 @@ _BLOCKED_RUN = textwrap.dedent("""
     slots = r.allocator.alloc(3)
     r.req_to_token_pool.write(row, 0, slots)
     ids = torch.tensor([5, 6, 7])
-    fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids, positions=torch.arange(3),
-                      req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([3]), seq_lens_cpu=[3],
-                      out_cache_loc=slots, req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
-                      attn_backend=r.attn_backend, extend_seq_lens=torch.tensor([3]),
-                      extend_prefix_lens=torch.tensor([0]), extend_seq_lens_cpu=[3], extend_prefix_lens_cpu=[0])
+    fb = build_forward_batch(ForwardMode.EXTEND, input_ids=ids, positions=torch.arange(3),
+                             req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([3]), seq_lens_cpu=[3],
+                             out_cache_loc=slots, req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
+                             attn_backend=r.attn_backend, extend_lens=[3], prefix_lens=[0])
     assert torch.isfinite(r.forward(fb).next_token_logits).all()
     assert create_sampler("auto", "cpu").name == "torch"
     for name in ("triton", "flashinfer"):

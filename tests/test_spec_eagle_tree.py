@@ -27,7 +27,7 @@ from test_spec_eagle_pd import write_repeat_head
 from kvship.app.roles import scheduler_for_mode
 from kvship.decode.spec.tree import DraftTree
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_runner import ModelRunner
@@ -150,29 +150,20 @@ class _ReferenceDrafter:
             w.root_out = out[e]
 
     def _run(self, ids, feats, pos, rows, prefix, ext, locs, masks):
-        def t(v):
-            return torch.tensor(v, dtype=torch.int64, device=self.d.device)
-
-        starts = [0]
-        for e in ext[:-1]:
-            starts.append(starts[-1] + e)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
-            batch_size=len(rows),
-            input_ids=t(ids),
-            positions=t(pos),
-            req_pool_indices=t(rows),
-            seq_lens=t([p + e for p, e in zip(prefix, ext)]),
+        fb = build_forward_batch(
+            ForwardMode.DRAFT_EXTEND,
+            device=self.d.device,
+            input_ids=ids,
+            positions=pos,
+            req_pool_indices=rows,
+            seq_lens=[p + e for p, e in zip(prefix, ext)],
             seq_lens_cpu=[p + e for p, e in zip(prefix, ext)],
             out_cache_loc=locs,
             req_to_token_pool=self.r2t,
             kv_pool=self.pool,
             attn_backend=self.backend,
-            extend_seq_lens=t(ext),
-            extend_prefix_lens=t(prefix),
-            extend_start_loc=t(starts),
-            extend_seq_lens_cpu=list(ext),
-            extend_prefix_lens_cpu=list(prefix),
+            extend_lens=ext,
+            prefix_lens=prefix,
             tree_masks=masks,
         )
         with torch.inference_mode():

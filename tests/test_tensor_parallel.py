@@ -418,7 +418,7 @@ def test_a_rank_killed_mid_generation_takes_its_worker_down_and_the_router_serve
         # the undisturbed answers, from B directly
         want = [httpx.post(b.url + "/generate", json=body, timeout=60).json()["text"] for body in bodies]
         args = ["--worker-urls", a.url, b.url, "--policy", "round_robin", "--health-check-interval", "1"]
-        with router_process(args + ["--max-resumes", "2"]) as (url, _):
+        with router_process(args + ["--max-resumes", "2", "--debug-headers"]) as (url, _):
             killed = threading.Event()
 
             def stream(body: dict) -> dict:

@@ -26,7 +26,7 @@ import torch
 
 from kvship.decode.spec.drafter import SequenceDrafter
 from kvship.decode.spec.tree import DraftTree
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 
 
 @dataclass
@@ -85,28 +85,20 @@ class DraftModelDrafter(SequenceDrafter):
         r.req_to_token_pool.write(row.idx, p, locs)
         row.slots += locs.tolist()
         row.tokens += new
-        dev = r.device
-
-        def t(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int64, device=dev)
-
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
-            batch_size=1,
-            input_ids=t(new),
-            positions=t(list(range(p, p + n))),
-            req_pool_indices=t([row.idx]),
-            seq_lens=t([p + n]),
+        fb = build_forward_batch(
+            ForwardMode.DRAFT_EXTEND,
+            device=r.device,
+            input_ids=new,
+            positions=list(range(p, p + n)),
+            req_pool_indices=[row.idx],
+            seq_lens=[p + n],
             seq_lens_cpu=[p + n],
-            out_cache_loc=locs.to(dev),
+            out_cache_loc=locs,
             req_to_token_pool=r.req_to_token_pool,
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
-            extend_seq_lens=t([n]),
-            extend_prefix_lens=t([p]),
-            extend_start_loc=t([0]),
-            extend_seq_lens_cpu=[n],
-            extend_prefix_lens_cpu=[p],
+            extend_lens=[n],
+            prefix_lens=[p],
         )
         with torch.inference_mode():
             logits = r.forward(fb).next_token_logits

@@ -53,7 +53,7 @@ from kvship.decode.spec.eagle_head import build_head, feature_kind
 from kvship.decode.spec.tree import DraftTree
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.disagg.base import SlotFeatures
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode, HiddenCapture
+from kvship.engine.forward_batch import ForwardMode, HiddenCapture, build_forward_batch
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
 logger = logging.getLogger(__name__)
@@ -290,31 +290,20 @@ class EagleDrafter(Drafter):
         return out[ends], nxt[ends]
 
     def _run(self, ids, feats, pos, rows, prefix, ext, locs):
-        dev = self.device
-
-        def t(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int64, device=dev)
-
-        starts = [0]
-        for e in ext[:-1]:
-            starts.append(starts[-1] + e)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND,
-            batch_size=len(rows),
-            input_ids=t(ids),
-            positions=t(pos),
-            req_pool_indices=t(rows),
-            seq_lens=t([p + e for p, e in zip(prefix, ext)]),
+        fb = build_forward_batch(
+            ForwardMode.DRAFT_EXTEND,
+            device=self.device,
+            input_ids=ids,
+            positions=pos,
+            req_pool_indices=rows,
+            seq_lens=[p + e for p, e in zip(prefix, ext)],
             seq_lens_cpu=[p + e for p, e in zip(prefix, ext)],
-            out_cache_loc=locs.to(dev),
+            out_cache_loc=locs,
             req_to_token_pool=self.r2t,
             kv_pool=self.pool,
             attn_backend=self.backend,
-            extend_seq_lens=t(ext),
-            extend_prefix_lens=t(prefix),
-            extend_start_loc=t(starts),
-            extend_seq_lens_cpu=list(ext),
-            extend_prefix_lens_cpu=list(prefix),
+            extend_lens=ext,
+            prefix_lens=prefix,
         )
         with torch.inference_mode():
             self.backend.init_forward_metadata(fb)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool
 
 
@@ -127,9 +127,8 @@ class TreeExpansion:
                 torch.int32
             )
             seq = (n + d)[:, None].expand(B, K).reshape(-1)
-            fb = ForwardBatch(
-                forward_mode=ForwardMode.DECODE,
-                batch_size=B * K,
+            fb = build_forward_batch(
+                ForwardMode.DECODE,
                 input_ids=f_tok.reshape(-1).contiguous(),
                 positions=seq - 1,
                 req_pool_indices=rows.view(-1),

@@ -40,7 +40,7 @@ from kvship.decode.spec.tree_build import build_tree_arrays
 from kvship.engine.attention.triton_backend import SplitVerify, TritonExtendMeta
 from kvship.engine.attention.triton_ops.verify_attention import SPLIT_VERIFY_MAX_TOKENS
 from kvship.engine.cuda_graph_runner import collector_paused
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,8 @@ class VerifyGraphs:
 
     def _fb(self, bs: int) -> ForwardBatch:
         r, k = self.r, self.k
-        return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
+        return build_forward_batch(
+            ForwardMode.TARGET_VERIFY,
             input_ids=self.input_ids[: bs * k],
             positions=self.positions[: bs * k],
             req_pool_indices=self.req_pool_indices[:bs],

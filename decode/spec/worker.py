@@ -40,7 +40,7 @@ from kvship.decode.spec.drafter import Drafter
 from kvship.decode.spec.ngram import NgramDrafter
 from kvship.decode.spec.tree import DraftTree
 from kvship.decode.spec.verify import Accepted, accept_greedy, accept_sampled
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 from kvship.engine.sampler import SamplingBatchInfo, filter_probs
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 from kvship.engine.scheduler.launch import needs_host_state
@@ -154,26 +154,20 @@ class Speculator:
             return logits[:, : self.s.vocab_size].float()
         masks = [t.mask() for t in trees]
         pos = [q for t, p in zip(trees, prefix) for q in t.positions(p)]
-        starts = [0]
-        for e in ext[:-1]:
-            starts.append(starts[-1] + e)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=len(reqs),
-            input_ids=tt(ids),
-            positions=tt(pos),
-            req_pool_indices=tt([r.req_pool_idx for r in reqs]),
-            seq_lens=tt([p + e for p, e in zip(prefix, ext)]),
+        fb = build_forward_batch(
+            ForwardMode.TARGET_VERIFY,
+            device=dev,
+            input_ids=ids,
+            positions=pos,
+            req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=[p + e for p, e in zip(prefix, ext)],
             seq_lens_cpu=[p + e for p, e in zip(prefix, ext)],
-            out_cache_loc=locs.to(dev),
+            out_cache_loc=locs,
             req_to_token_pool=runner.req_to_token_pool,
             kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
-            extend_seq_lens=tt(ext),
-            extend_prefix_lens=tt(prefix),
-            extend_start_loc=tt(starts),
-            extend_seq_lens_cpu=ext,
-            extend_prefix_lens_cpu=list(prefix),
+            extend_lens=ext,
+            prefix_lens=prefix,
             logits_indices=torch.arange(n_tok, device=dev),
             tree_masks=masks,
         )

@@ -4,8 +4,14 @@ Every parameter carries a ``weight_loader(param, loaded, shard_id=None)``
 attribute.  A stacked layer (fused q/k/v, fused gate/up) owns one parameter
 made of several checkpoint tensors stacked along the output dim; its loader
 copies each shard (named by ``shard_id``) into its rows.  Parallel wrappers
-and quantized layers can replace these loaders without touching model code.
-Parameters are created with ``torch.empty`` (no init): a loader fills them.
+replace these loaders without touching model code.
+
+Each layer owns a quantization method (``quant_method``, fixed when it is
+built; unquantized unless given): the method creates the parameters, writes
+checkpoint tensors into them and runs the matmul (``QuantMethod``'s contract,
+``kvship.engine.layers.quantization``).  The layer keeps the geometry (which
+rows a shard fills).  Parameters are created with ``torch.empty`` (no init):
+a loader fills them.
 """
 
 from __future__ import annotations
@@ -13,10 +19,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvship.engine.layers.fused_dispatch import cuda_skinny_gemm
+from kvship.engine.layers.quantization import QuantMethod, get_quant_method
 from kvship.engine.loaders.lazy import materialize
 
 
@@ -32,49 +37,76 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: o
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype, loader=default_weight_loader) -> nn.Parameter:
+    """A parameter outside any quantization method (norm weights)."""
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
 
+def unquantized_or(method: Optional[QuantMethod]) -> QuantMethod:
+    """``method``, or the unquantized one for a layer built without one."""
+    return method if method is not None else get_quant_method("unquantized")
+
+
+def load_checked(layer: nn.Module, name: str, target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """``layer.quant_method.load`` of ``loaded`` into ``target`` once their shapes agree (ValueError naming
+    ``what`` otherwise)."""
+    loaded = materialize(loaded)
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(f"{what}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}")
+    layer.quant_method.load(layer, name, target, loaded)
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W: [out, in]`` (checkpoint layout)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        quant_method: Optional[QuantMethod] = None,
+    ):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _param((output_size, input_size), dtype)
-        self.bias: Optional[nn.Parameter] = _param((output_size,), dtype) if bias else None
+        self.quant_method = unquantized_or(quant_method)
+        self.bias: Optional[nn.Parameter] = None
+        weights = {"weight": (output_size, input_size)}
+        if bias:
+            weights["bias"] = (output_size,)
+        self.quant_method.create_weights(self, weights, dtype, self._load_whole)
+
+    def _load_whole(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not stacked; got shard {shard_id!r}")
+        load_checked(self, self._param_name(param), param.data, loaded, "shape mismatch")
+
+    def _param_name(self, param: nn.Parameter) -> str:
+        for name, p in self.named_parameters(recurse=False):
+            if p is param:
+                return name
+        raise ValueError(f"parameter of shape {tuple(param.shape)} does not belong to this {type(self).__name__}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias)
+        return self.reduce(self.quant_method.apply(self, x))
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Finish an output computed from ``weight`` outside ``forward`` (``gated_linear``'s fused kernel):
-        nothing here; a row-parallel layer sums the ranks' partial outputs."""
+        """Finish an output of ``quant_method`` (``apply`` or a fused form): nothing here; a row-parallel layer
+        sums the ranks' partial outputs."""
         return y
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x W^T + b``: on CUDA at decode batch sizes our skinny-GEMM kernels where they beat cuBLAS, else F.linear."""
-    skinny = cuda_skinny_gemm(x)
-    if skinny is not None:
-        y = skinny.linear(x, weight, bias)
-        if y is not None:
-            return y
-    return F.linear(x, weight, bias)
-
-
 def gated_linear(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(act(x))`` for a gated activation over ``x = gate || up``; on CUDA at batch 1 the SiLU-and-mul
-    is computed inside the matmul's input (one kernel, no activation tensor)."""
-    skinny = cuda_skinny_gemm(x)
-    if skinny is not None and getattr(act, "is_silu", False):
-        y = skinny.linear(x, layer.weight, layer.bias, act=skinny.ACT_SILU_MUL)
+    """``layer(act(x))`` for a gated activation over ``x = gate || up``; where the layer's method has a kernel
+    for it (unquantized: on CUDA at batch 1) the SiLU-and-mul is computed inside the matmul's input (one kernel,
+    no activation tensor)."""
+    if getattr(act, "is_silu", False):
+        y = layer.quant_method.apply_silu_mul_input(layer, x)
         if y is not None:
             return layer.reduce(y)
     return layer(act(x))
@@ -89,9 +121,14 @@ class StackedLinear(Linear):
     """
 
     def __init__(
-        self, input_size: int, shards: dict[object, int], bias: bool = False, dtype: torch.dtype = torch.float32
+        self,
+        input_size: int,
+        shards: dict[object, int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        quant_method: Optional[QuantMethod] = None,
     ):
-        super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype)
+        super().__init__(input_size, sum(shards.values()), bias=bias, dtype=dtype, quant_method=quant_method)
         self.output_sizes = list(shards.values())
         self.shard_offsets: dict[object, tuple[int, int]] = {}
         off = 0
@@ -107,10 +144,4 @@ class StackedLinear(Linear):
             raise ValueError(f"unknown shard {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
         off, size = self.shard_offsets[shard_id]
         target = param.data.narrow(0, off, size)
-        loaded = materialize(loaded)
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(
-                f"shard {shard_id!r}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(loaded)
+        load_checked(self, self._param_name(param), target, loaded, f"shard {shard_id!r}")

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvship.engine.layers.fused_dispatch import cuda_fused_ops, cuda_skinny_gemm
+from kvship.engine.layers.fused_dispatch import cuda_fused_ops
 from kvship.engine.layers.linear import Linear, _param
 
 
@@ -38,12 +38,12 @@ def norm_then_linear(
     norm: nn.Module, layer: Linear, x: torch.Tensor, residual: Optional[torch.Tensor], keep_normed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A pre-norm block's entry: ``h = norm(x + residual)`` (``norm(x)`` on the first layer, ``residual``
-    None), then ``layer(h)``; returns ``(layer(h), x + residual, h if keep_normed)``.  On CUDA at batch-1-sized
-    decode one GEMV kernel computes the RMSNorm in its input (``skinny_gemm_cuda.norm_linear``: no norm
-    kernel, no normalised tensor unless asked); elsewhere the norm layer and then the linear layer."""
-    skinny = cuda_skinny_gemm(x)
-    if skinny is not None and type(layer).forward is Linear.forward and type(norm).forward is RMSNorm.forward:
-        fused = skinny.norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, keep_normed)
+    None), then ``layer(h)``; returns ``(layer(h), x + residual, h if keep_normed)``.  Where the layer's
+    quantization method has a kernel for it (``apply_norm_input``; unquantized: on CUDA at batch-1-sized decode,
+    ``skinny_gemm_cuda.norm_linear``) one GEMV kernel computes the RMSNorm in its input (no norm kernel, no
+    normalised tensor unless asked); elsewhere the norm layer and then the linear layer."""
+    if type(norm).forward is RMSNorm.forward:
+        fused = layer.quant_method.apply_norm_input(layer, x, residual, norm.weight, norm.eps, keep_normed)
         if fused is not None:
             y, residual_out, normed = fused
             return layer.reduce(y), residual_out, normed

@@ -5,7 +5,9 @@ One block = RMSNorm -> attention (fused qkv, GQA, RoPE) -> residual ->
 RMSNorm -> SwiGLU MLP (fused gate/up) -> residual.  The differences between
 the architectures are all ModelConfig flags, so one class serves them all.
 Parameter names follow Hugging Face except for the two fused projections;
-``stacked_params_mapping`` says how checkpoint tensors land in them.
+``stacked_params_mapping`` says how checkpoint tensors land in them.  Every
+weight-holding layer gets the model's quantization method
+(``quant_method_for(config)``); what it does is the method's business.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvship.engine.layers.activation import GatedActivation
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
 from kvship.engine.layers.linear import Linear, StackedLinear, gated_linear
+from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
 from kvship.engine.model_config import ModelConfig
@@ -29,7 +32,7 @@ from kvship.engine.models.registry import register_model
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        dt = config.dtype
+        dt, qm = config.dtype, quant_method_for(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -40,8 +43,9 @@ class LlamaAttention(nn.Module):
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             bias=config.attention_bias,
             dtype=dt,
+            quant_method=qm,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dt, quant_method=qm)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dt)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dt)
@@ -78,14 +82,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        dt = config.dtype
+        dt, qm = config.dtype, quant_method_for(config)
         self.gate_up_proj = StackedLinear(
             config.hidden_size,
             {0: config.intermediate_size, 1: config.intermediate_size},
             bias=config.mlp_bias,
             dtype=dt,
+            quant_method=qm,
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dt)
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dt, quant_method=qm
+        )
         self.act = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +130,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]] = None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, config.dtype)
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
+        )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling
         )
@@ -183,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size,
             config.dtype,
             tied=self.model.embed_tokens if config.tie_word_embeddings else None,
+            quant_method=quant_method_for(config),
         )
 
     @torch.no_grad()
@@ -233,9 +243,8 @@ class LlamaForCausalLM(nn.Module):
         if param is None:
             raise ValueError(f"checkpoint tensor '{ckpt_name}' matches no parameter of this model")
         try:
-            param.weight_loader(param, tensor.to(param.dtype), shard) if shard is not None else param.weight_loader(
-                param, tensor.to(param.dtype)
-            )
+            # the checkpoint's dtype as it is: the layer's quantization method converts (``QuantMethod.load``)
+            param.weight_loader(param, tensor, shard) if shard is not None else param.weight_loader(param, tensor)
         except ValueError as e:
             raise ValueError(f"loading '{ckpt_name}': {e}") from None
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import norm_then_linear
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP
@@ -48,15 +49,21 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None
         if config.hidden_act != "silu":
             raise ValueError(f"MoE experts support hidden_act 'silu' only, got '{config.hidden_act}'")
-        dt = config.dtype
-        self.gate = Linear(config.hidden_size, moe.num_experts, dtype=dt)
+        dt, qm = config.dtype, quant_method_for(config)
+        self.gate = Linear(config.hidden_size, moe.num_experts, dtype=dt, quant_method=qm)
         self.experts = FusedMoE(
-            moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size, moe.norm_topk_prob, dt
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.norm_topk_prob,
+            dt,
+            quant_method=qm,
         )
         self.has_shared_expert = moe.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = LlamaMLP(replace(config, intermediate_size=moe.shared_expert_intermediate_size))
-            self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt, quant_method=qm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._experts(x, self.gate(x))
@@ -166,9 +173,9 @@ def _load_one(params: dict, pname: str, tensor: torch.Tensor, shard: object, ckp
     if param is None:
         raise ValueError(f"checkpoint tensor '{ckpt_name}' matches no parameter of this model")
     try:
-        if shard is None:
-            param.weight_loader(param, tensor.to(param.dtype))
+        if shard is None:  # the checkpoint's dtype as it is: the layer's quantization method converts
+            param.weight_loader(param, tensor)
         else:
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            param.weight_loader(param, tensor, shard)
     except ValueError as e:
         raise ValueError(f"loading '{ckpt_name}': {e}") from None

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
-from kvship.engine.layers.linear import Linear, StackedLinear, _param, default_weight_loader, linear_forward
+from kvship.engine.layers.linear import Linear, StackedLinear, load_checked
+from kvship.engine.layers.quantization import QuantMethod, Shard
 from kvship.engine.layers.rotary import RotaryEmbedding
-from kvship.engine.loaders.lazy import Loaded, materialize, take
+from kvship.engine.loaders.lazy import Loaded
 from kvship.engine.parallel.group import TPGroup
 
 
@@ -109,77 +109,95 @@ class ColumnParallelStackedLinear(StackedLinear):
     """A ``StackedLinear`` holding this rank's rows of every shard; ``ranges`` maps a shard id
     to (first row, rows) in the checkpoint tensor."""
 
-    def __init__(self, input_size: int, ranges: dict[object, tuple[int, int]], bias: bool, dtype: torch.dtype):
-        super().__init__(input_size, {sid: n for sid, (_, n) in ranges.items()}, bias=bias, dtype=dtype)
+    def __init__(
+        self,
+        input_size: int,
+        ranges: dict[object, tuple[int, int]],
+        bias: bool,
+        dtype: torch.dtype,
+        quant_method: QuantMethod | None = None,
+        name: str = "",
+    ):
+        super().__init__(input_size, {sid: n for sid, (_, n) in ranges.items()}, bias, dtype, quant_method)
         self.source_ranges = dict(ranges)
+        for sid, (start, n) in ranges.items():
+            self.quant_method.check_shard(f"{name} ({sid})" if name else str(sid), Shard(0, start, n))
 
     def _load_shard(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         if shard_id not in self.source_ranges:
             raise ValueError(f"unknown shard {shard_id!r}; this layer stacks {list(self.source_ranges)}")
         start, n = self.source_ranges[shard_id]
-        super()._load_shard(param, take(loaded, 0, start, n), shard_id)
+        block = self.quant_method.shard(self, self._param_name(param), loaded, Shard(0, start, n))
+        super()._load_shard(param, block, shard_id)
 
 
 class RowParallelLinear(Linear):
     """``y = all_reduce(x_r W_r^T) + b``: this rank's input columns ``[in_start, in_start + input_size)``."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, tp: TPGroup, in_start: int):
-        super().__init__(input_size, output_size, bias=bias, dtype=dtype)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        in_start: int,
+        quant_method: QuantMethod | None = None,
+        name: str = "",
+    ):
+        super().__init__(input_size, output_size, bias=bias, dtype=dtype, quant_method=quant_method)
         self.tp = tp
         self.in_start = in_start
-        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
+        self.quant_method.check_shard(name, Shard(1, in_start, input_size))
 
-    def _load_weight(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        default_weight_loader(param, take(loaded, 1, self.in_start, self.input_size), shard_id)
-
-    def _load_bias(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if self.tp.rank == 0:  # added once: the other ranks' partial sums carry no bias
-            default_weight_loader(param, materialize(loaded), shard_id)
-        else:
+    def _load_whole(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not stacked; got shard {shard_id!r}")
+        name = self._param_name(param)
+        if name == "bias" and self.tp.rank != 0:  # added once: the other ranks' partial sums carry no bias
             with torch.no_grad():
                 param.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear_forward(x, self.weight, self.bias))
+            return
+        block = self.quant_method.shard(self, name, loaded, Shard(1, self.in_start, self.input_size))
+        load_checked(self, name, param.data, block, "shape mismatch")
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(y)
 
 
-def _vocab_loader(start: int, real: int) -> Callable[[nn.Parameter, Loaded, object], None]:
-    def load(param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"vocabulary-parallel weight is not stacked; got shard {shard_id!r}")
-        with torch.no_grad():
-            param.zero_()  # padding rows past the vocabulary
-            if real:
-                block = take(loaded, 0, start, real)
-                if tuple(block.shape[1:]) != tuple(param.shape[1:]):
-                    raise ValueError(
-                        f"shape mismatch: parameter rows {tuple(param.shape[1:])} vs {tuple(block.shape[1:])}"
-                    )
-                param[:real].copy_(block)
-
-    return load
+def _load_vocab_rows(layer: nn.Module, param: nn.Parameter, loaded: Loaded, shard_id: object, start: int, real: int):
+    """Rows ``[start, start + real)`` of a vocabulary-sized checkpoint tensor into ``param``'s first rows; the
+    padding rows past the vocabulary are zero."""
+    if shard_id is not None:
+        raise ValueError(f"vocabulary-parallel weight is not stacked; got shard {shard_id!r}")
+    with torch.no_grad():
+        param.zero_()  # padding rows past the vocabulary
+    if real:
+        block = layer.quant_method.shard(layer, "weight", loaded, Shard(0, start, real))
+        if tuple(block.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"shape mismatch: parameter rows {tuple(param.shape[1:])} vs {tuple(block.shape[1:])}")
+        load_checked(layer, "weight", param.data[:real], block, "shape mismatch")
 
 
 class VocabParallelEmbedding(VocabEmbedding):
     """Rows ``[start, start + per)`` of the (padded) vocabulary; other ids look up zeros, then all-reduce."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup):
-        nn.Module.__init__(self)
+    def __init__(
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup, quant_method: QuantMethod | None
+    ):
+        start, per, real = vocab_shard(vocab_size, tp.size, tp.rank)
+        super().__init__(per, hidden_size, dtype, quant_method)
         self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
         self.tp = tp
-        self.start, self.per_rank, real = vocab_shard(vocab_size, tp.size, tp.rank)
-        self.weight = _param((self.per_rank, hidden_size), dtype, _vocab_loader(self.start, real))
+        self.start, self.per_rank, self.real_rows = start, per, real
+
+    def _load_whole(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        _load_vocab_rows(self, param, loaded, shard_id, self.start, self.real_rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         inside = (local >= 0) & (local < self.per_rank)
-        out = F.embedding(local.masked_fill(~inside, 0), self.weight)
+        out = self.quant_method.embed(self, local.masked_fill(~inside, 0))
         out.masked_fill_(~inside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -188,26 +206,34 @@ class VocabParallelLMHead(LMHead):
     """Local logits for this rank's vocabulary rows, all-gathered to ``[T, vocab]`` float32 on every rank."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup, tied: VocabParallelEmbedding | None
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        tied: VocabParallelEmbedding | None,
+        quant_method: QuantMethod | None = None,
     ):
-        nn.Module.__init__(self)
+        start, per, real = vocab_shard(vocab_size, tp.size, tp.rank)
+        super().__init__(per, hidden_size, dtype, tied, quant_method)
         self.vocab_size = vocab_size
         self.tp = tp
-        self._tied = [tied] if tied is not None else []
-        if tied is None:
-            start, per, real = vocab_shard(vocab_size, tp.size, tp.rank)
-            self.weight = _param((per, hidden_size), dtype, _vocab_loader(start, real))
+        self.start, self.real_rows = start, real
+
+    def _load_whole(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        _load_vocab_rows(self, param, loaded, shard_id, self.start, self.real_rows)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear_forward(hidden, self.get_weight())
+        local = self.quant_method.apply(self.weight_holder(), hidden)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size].float()
 
 
 # --- styles -------------------------------------------------------------------------
-Style = Callable[[nn.Module, Any, TPGroup, dict], nn.Module]
+# (module, its name in the model, model config, group, modules replaced so far by id) -> this rank's module
+Style = Callable[[nn.Module, str, Any, TPGroup, dict], nn.Module]
 
 
-def _qkv(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _qkv(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
     if not isinstance(m, StackedLinear) or set(m.shard_offsets) != {"q", "k", "v"}:
         raise TypeError(f"style 'qkv' needs a StackedLinear with q/k/v shards, got {type(m).__name__}")
     d = config.head_dim
@@ -217,10 +243,10 @@ def _qkv(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
         "k": (s.kv_head_start * d, s.num_kv_heads * d),
         "v": (s.kv_head_start * d, s.num_kv_heads * d),
     }
-    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype)
+    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
 
 
-def _attention(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _attention(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
     s = head_split(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
     old: Attention = m.attn
     m.num_heads, m.num_kv_heads = s.num_heads, s.num_kv_heads
@@ -230,7 +256,7 @@ def _attention(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Mod
     return m
 
 
-def _column(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _column(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
     if not isinstance(m, StackedLinear):
         raise TypeError(f"style 'column' needs a StackedLinear, got {type(m).__name__}")
     ranges = {}
@@ -239,30 +265,32 @@ def _column(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module
             raise ValueError(f"--tp-size {tp.size} does not divide a projection of width {size}")
         per = size // tp.size
         ranges[sid] = (tp.rank * per, per)
-    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype)
+    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
 
 
-def _row(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
-    if type(m) is not Linear:
-        raise TypeError(f"style 'row' needs a Linear, got {type(m).__name__}")
+def _row(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+    if not isinstance(m, Linear) or isinstance(m, StackedLinear):
+        raise TypeError(f"style 'row' needs an unstacked Linear, got {type(m).__name__}")
     if m.input_size % tp.size:
         raise ValueError(f"--tp-size {tp.size} does not divide a projection input of width {m.input_size}")
     per = m.input_size // tp.size
-    return RowParallelLinear(per, m.output_size, m.bias is not None, m.weight.dtype, tp, tp.rank * per)
+    return RowParallelLinear(
+        per, m.output_size, m.bias is not None, m.weight.dtype, tp, tp.rank * per, m.quant_method, name
+    )
 
 
-def _vocab_embed(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
-    return VocabParallelEmbedding(m.vocab_size, m.hidden_size, m.weight.dtype, tp)
+def _vocab_embed(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+    return VocabParallelEmbedding(m.vocab_size, m.hidden_size, m.weight.dtype, tp, m.quant_method)
 
 
-def _vocab_head(m: nn.Module, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _vocab_head(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
     tied = None
     if m.tied:
         tied = replaced.get(id(m._tied[0]))
         if not isinstance(tied, VocabParallelEmbedding):
             raise TypeError("a tied LM head needs its embedding planned as 'vocab_embed' (and listed before it)")
     weight = m.get_weight()
-    return VocabParallelLMHead(m.vocab_size, weight.shape[1], weight.dtype, tp, tied)
+    return VocabParallelLMHead(m.vocab_size, weight.shape[1], weight.dtype, tp, tied, m.quant_method)
 
 
 STYLES: dict[str, Style] = {
@@ -291,7 +319,7 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup) -> nn.Module:
         style = next((s for suffix, s in plan.items() if name == suffix or name.endswith("." + suffix)), None)
         if style is None:
             continue
-        new = STYLES[style](module, model.config, tp, replaced)
+        new = STYLES[style](module, name, model.config, tp, replaced)
         replaced[id(module)] = new
         if new is not module:
             parent_name, _, attr = name.rpartition(".")

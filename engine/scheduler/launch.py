@@ -60,7 +60,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from kvship.engine.grammar.mask import MaskFill, MaskFiller, apply_bitmask, fill_bitmask
 from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -295,9 +295,8 @@ class Launcher:
         runner.req_to_token_pool.write_points(
             host[n : 2 * n], host[0:n], host[3 * n : 4 * n], (rows_d, positions, loc_d)
         )
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=n,
+        return build_forward_batch(
+            ForwardMode.DECODE,
             input_ids=input_ids,
             positions=positions,
             req_pool_indices=rows_d,

@@ -17,8 +17,13 @@ Each carries ``weight_loader(param, loaded, shard_id)`` with ``shard_id =
 onto these (``kvship.engine.models.moe``); ``expected_shards`` lists what a
 complete checkpoint fills.
 
+The layer owns a quantization method (``quant_method``; unquantized unless
+given): it creates and fills the stacked parameters and runs the experts
+(``apply_moe``, over the runner's kernels).
+
 ``forward(x [M, H], router_logits [M, E]) -> [M, H]``: the runner's
-``select_experts`` (softmax -> top-k -> renormalise), then the runner.  The
+``select_experts`` (softmax -> top-k -> renormalise), then the method's
+``apply_moe`` with that runner.  The
 runner is picked by name (``runner=`` or the ``KVSHIP_MOE_RUNNER`` knob, read
 when the layer is built): ``auto`` is ``triton`` on CUDA where Triton
 imports, else ``torch``.  Expert parallelism replaces this layer by
@@ -43,9 +48,10 @@ import torch
 from torch import nn
 
 from kvship.common.envs import ENV
-from kvship.engine.layers.linear import _param
+from kvship.engine.layers.linear import load_checked, unquantized_or
 from kvship.engine.layers.moe.runner import MoERunner, get_moe_runner
-from kvship.engine.loaders.lazy import Loaded, materialize
+from kvship.engine.layers.quantization import QuantMethod
+from kvship.engine.loaders.lazy import Loaded
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ class FusedMoE(nn.Module):
         runner: Optional[str] = None,
         expert_start: int = 0,
         num_local_experts: Optional[int] = None,
+        quant_method: Optional[QuantMethod] = None,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -79,8 +86,12 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
-        self.w13_weight = _param((num_local, 2 * intermediate_size, hidden_size), dtype, self._load_expert)
-        self.w2_weight = _param((num_local, hidden_size, intermediate_size), dtype, self._load_expert)
+        self.quant_method = unquantized_or(quant_method)
+        weights = {
+            "w13_weight": (num_local, 2 * intermediate_size, hidden_size),
+            "w2_weight": (num_local, hidden_size, intermediate_size),
+        }
+        self.quant_method.create_weights(self, weights, dtype, self._load_expert)
         self.runner_name = runner or ENV.MOE_RUNNER
         self._runners: dict[str, MoERunner] = {}  # device type -> runner
         # tokens routed per (global) expert; made on the first forward, on the activations' device
@@ -94,7 +105,8 @@ class FusedMoE(nn.Module):
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
-        if param is not getattr(self, EXPERT_PARTS[part]):
+        name = EXPERT_PARTS[part]
+        if param is not getattr(self, name):
             raise ValueError(f"'{part}' weights do not belong in this parameter")
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
@@ -104,13 +116,7 @@ class FusedMoE(nn.Module):
             target = target.narrow(0, 0, self.intermediate_size)
         elif part == "up":
             target = target.narrow(0, self.intermediate_size, self.intermediate_size)
-        loaded = materialize(loaded)
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(
-                f"expert {expert} {part}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(loaded)
+        load_checked(self, name, target, loaded, f"expert {expert} {part}")
 
     def expected_shards(self) -> dict[str, list[tuple[int, str]]]:
         """Parameter attribute -> every shard id a complete checkpoint fills (every expert of the model,
@@ -163,7 +169,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         runner, weights, ids = self.route(x, router_logits)
-        return runner(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.quant_method.apply_moe(self, runner, x, weights, ids)
 
     def extra_repr(self) -> str:
         held = ""
