@@ -10,7 +10,8 @@ size and mtime; a cache that cannot be written is skipped silently.
 ``Tokenizer`` is a thin wrapper with the calls the server needs.  Its
 contract: ``encode`` never adds special tokens to a chat-rendered prompt
 twice (chat prompts are rendered to text by the template, which already holds
-BOS where the model wants it), ``apply_chat_template`` raises
+BOS where the model wants it), ``apply_chat_template`` renders in a bounded
+sandbox (``kvship.engine.chat_template``: output and time limits) and raises
 ``ChatTemplateError`` (a ValueError with a user-facing message) for anything
 a client can get wrong, and ``token_bytes`` gives the exact bytes a token
 stands for (byte-level BPE, SentencePiece byte fallback and plain pieces).
@@ -27,14 +28,13 @@ from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 from kvship.common.envs import ENV
+from kvship.engine.chat_template import ChatTemplateError, RenderLimits, render
+
+__all__ = ["ChatTemplateError", "RenderLimits", "Tokenizer", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class ChatTemplateError(ValueError):
-    """The conversation cannot be rendered (no template, bad roles, template raised)."""
 
 
 def _gguf_cache_dir(gguf_path: str) -> str:
@@ -189,8 +189,12 @@ class Tokenizer:
         tools: Optional[list[dict]] = None,
         continue_final_message: bool = False,
         template_kwargs: Optional[dict] = None,
+        limits: RenderLimits = RenderLimits(),
     ) -> str:
-        """Render an OpenAI-style conversation to the model's prompt text."""
+        """Render an OpenAI-style conversation to the model's prompt text within ``limits``.
+
+        ``template_kwargs`` are passed to the template as they are: the HTTP layer admits only
+        ``kvship.engine.chat_template.TEMPLATE_KWARGS`` (``check_template_kwargs``)."""
         if not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template; use /v1/completions instead")
         if not messages:
@@ -202,21 +206,22 @@ class Tokenizer:
             msg = dict(m)
             msg["content"] = _message_text(m.get("content"), i)
             rendered.append({k: v for k, v in msg.items() if v is not None})
-        kwargs = dict(template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            return self.hf.apply_chat_template(
-                rendered,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
-        except ChatTemplateError:
-            raise
-        except Exception as e:  # jinja's raise_exception(...) and template errors are the client's
-            raise ChatTemplateError(f"chat template failed: {e}") from e
+        return render(
+            self.chat_template,
+            rendered,
+            limits=limits,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tools=tools or None,
+            special_tokens=self._special_tokens(),
+            template_kwargs=template_kwargs,
+        )
+
+    def _special_tokens(self) -> dict[str, str]:
+        """``bos_token``, ``eos_token``... as templates read them (transformers passes the same map)."""
+        return {
+            k: str(v) for k, v in (getattr(self.hf, "special_tokens_map", None) or {}).items() if isinstance(v, str)
+        }
 
     def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
         """Chat prompt ids: the template already places BOS, so no special tokens are added."""

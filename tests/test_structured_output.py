@@ -222,6 +222,7 @@ def _unified(model_dir, tokenizer, submits, runner=None, **args):
     for greq in submits:
         sched.submit(greq)
     run_until_idle(sched)
+    sched.grammar.close()  # its compile processes end here, not when the scheduler is collected
     out.sched = sched
     return out
 
@@ -308,6 +309,7 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(tiny_llama_dir):
             if out.finished("p") and not release.is_set():
                 assert not out.finished("g") and len(sched.grammar_queue) == 1  # still compiling
                 release.set()
+        sched.grammar.close()
 
     run()
     assert release.is_set() and out.finished("g")[0].finish_reason["type"] == "stop"
@@ -408,27 +410,44 @@ def test_pd_sampling_parameters_give_unified_answers(tiny_llama_dir):
     assert uni.finished("stop_token-1")[0].finish_reason["type"] == "stop"
 
 
-def test_blocking_grammar_queue_admits_at_the_first_poll_for_tensor_parallel_lock_step(tiny_llama_dir):
-    import time
-
-    from kvship.engine.grammar import GrammarBackend, GrammarQueue
+def test_tensor_parallel_ranks_admit_a_grammar_at_the_same_step_and_only_rank_0_compiles(tiny_llama_dir):
+    """Rank 0 compiles; its ``GrammarReady`` (broadcast by the inbox, handed over by hand here) makes the
+    request ready on every rank at the step that carries it; the follower never compiles nor waits."""
+    from kvship.engine.grammar import GrammarBackend, LockstepGrammarQueue
     from kvship.engine.io_struct import SamplingParams
     from kvship.engine.schedule_batch import Req
+    from kvship.engine.scheduler.inbox import GrammarReady
     from kvship.engine.tokenizer import load_tokenizer
 
-    backend = GrammarBackend(load_tokenizer(tiny_llama_dir), 384, [2])
-    slow = backend._compile
-    backend._compile = lambda key: (time.sleep(0.3), slow(key))[1]
-    for blocking in (False, True):
-        queue = GrammarQueue(backend, blocking=blocking)
-        req = Req("r", [1, 2], SamplingParams(regex=f"a{{{int(blocking) + 1}}}"))  # a new grammar each time
-        queue.add(req, "payload")
-        got = queue.poll()
-        if blocking:
-            assert got == [(req, "payload", None)] and req.grammar is not None
-        else:
-            assert got == [] and len(queue) == 1
-    backend.close()
+    tok = load_tokenizer(tiny_llama_dir)
+    leader_backend, follower_backend = GrammarBackend(tok, 384, [2]), GrammarBackend(tok, 384, [2])
+    follower_backend._compile = lambda key: pytest.fail("a follower rank compiled a grammar")
+    sent: list[GrammarReady] = []
+    leader = LockstepGrammarQueue(leader_backend, leader=True, publish=lambda *a: sent.append(GrammarReady(*a)))
+    follower = LockstepGrammarQueue(follower_backend, leader=False, publish=lambda *a: pytest.fail("follower sent"))
+    reqs = {}
+    for rank, queue in (("leader", leader), ("follower", follower)):
+        for rid, sp in (("ok", SamplingParams(regex=DATE)), ("bad", SamplingParams(regex="(unclosed"))):
+            reqs[rank, rid] = Req(rid, [1, 2], sp)
+            queue.add(reqs[rank, rid], rid)
+    deadline = time.monotonic() + 120
+    while len(sent) < 2:  # the leader's compiles end in its pool; nobody is admitted meanwhile
+        assert leader.poll() == [] and follower.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.01)
+    for msg in sent:  # the broadcast step: every rank handles the same messages
+        leader.resolve(msg.rid, msg.serialized, msg.error)
+        follower.resolve(msg.rid, msg.serialized, msg.error)
+    got = {"leader": leader.poll(), "follower": follower.poll()}
+    for rank in got:
+        by_rid = {payload: error for _, payload, error in got[rank]}
+        assert by_rid["ok"] is None and "invalid regex" in by_rid["bad"], (rank, by_rid)
+        assert len(leader) == len(follower) == 0
+    date = tok.encode("2024-02-29", add_special_tokens=False)
+    for rank in ("leader", "follower"):  # the follower's deserialized grammar constrains like the leader's
+        g = reqs[rank, "ok"].grammar
+        assert all(g.accept(t) for t in date) and g.accept(2) and g.terminated, rank
+    leader_backend.close()
+    follower_backend.close()
 
 
 def test_masks_filled_aside_give_the_synchronous_loop_tokens_for_a_mixed_batch(tiny_llama_dir, monkeypatch):

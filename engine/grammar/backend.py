@@ -3,17 +3,22 @@
 Contract:
 
 * ``GrammarBackend.compile(key)`` may be called from any thread; it returns a
-  ``concurrent.futures.Future`` of the compiled grammar, compiled by a small
-  thread pool.  Futures are kept in an LRU cache keyed by ``(kind, text)``,
-  so the HTTP layer's check (``compile_async``) and the scheduler's compile
-  of the same request share one compilation, and a repeated schema costs a
-  dict look-up.  A failed compile is cached too (the same text fails the
-  same way).
+  ``concurrent.futures.Future`` of the compiled grammar.  ``GrammarLimits``
+  are checked first, at once (text bytes, JSON-schema nesting depth); the
+  compile itself runs in a child process that is killed when it takes longer
+  than ``GrammarLimits.timeout_s`` (``kvship.engine.grammar.compile_process``),
+  driven by a thread pool of the same size.  Futures are kept in an LRU cache
+  keyed by ``(kind, text)``, so the HTTP layer's check (``compile_async``) and
+  the scheduler's compile of the same request share one compilation, and a
+  repeated schema costs a dict look-up.  A refused grammar is cached too (the
+  same text fails the same way); a timed-out one never is (``GrammarTimeout``:
+  the next request compiles it again).
 * Failures are ``GrammarError`` (a ValueError) with a user-facing message:
-  the compiler's own message for an invalid schema / regex / grammar, or
-  that ``xgrammar`` is not installed.
+  the compiler's own message for an invalid schema / regex / grammar, a
+  limit, a timeout, or that ``xgrammar`` is not installed.
 * ``xgrammar`` is imported on the first compile, in the pool, so a worker
-  that never sees a constrained request never loads it.
+  that never sees a constrained request never loads it (nor starts a compile
+  process).
 * A ``GrammarMatcher`` belongs to one request and is used by one thread at a
   time: the scheduler thread, except while a mask fill it was handed to is in
   flight (``kvship.engine.grammar.mask.MaskFiller``), when only the filler's
@@ -29,9 +34,12 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 import torch
+
+from kvship.engine.grammar.compile_process import CompileFailed, CompilePool, CompileTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +49,6 @@ MISSING_MESSAGE = (
     "structured output (json_schema / regex / ebnf / response_format) needs xgrammar: pip install 'kvship[grammar]'"
 )
 
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and sometimes a failed-check prefix)
-_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
-_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
-
 
 def grammar_available() -> bool:
     """Whether ``xgrammar`` can be imported here."""
@@ -52,14 +56,56 @@ def grammar_available() -> bool:
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot be used: invalid (the compiler's message) or no xgrammar."""
+    """A grammar that cannot be used: invalid (the compiler's message), over a limit, or no xgrammar."""
+
+    code = "invalid_grammar"
 
 
-def compiler_message(exc: BaseException) -> str:
-    """The compiler's message without xgrammar's source-location prefix."""
-    text = str(exc).strip()
-    text = _CPP_PREFIX.sub("", text)
-    return _CHECK_PREFIX.sub("", text).strip() or type(exc).__name__
+class GrammarTimeout(GrammarError):
+    """The compile took longer than ``GrammarLimits.timeout_s`` (never cached)."""
+
+    code = "grammar_compile_timeout"
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a grammar may cost (``--max-grammar-bytes``, ``--max-schema-depth``, ``--grammar-compile-timeout``,
+    ``--grammar-compile-processes``)."""
+
+    max_bytes: int = 32768
+    max_schema_depth: int = 32
+    timeout_s: float = 10.0
+    processes: int = 4
+
+    def check(self, kind: str, text: str) -> None:
+        """Raise ``GrammarError`` when ``text`` is too long or (a JSON schema) nested too deep; costs O(len)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise GrammarError(f"{kind} is {size} bytes; at most {self.max_bytes} are accepted (--max-grammar-bytes)")
+        if kind == "json_schema":
+            depth = json_depth(text)
+            if depth > self.max_schema_depth:
+                raise GrammarError(
+                    f"json_schema nests {depth} levels of objects and arrays; at most {self.max_schema_depth} "
+                    "are accepted (--max-schema-depth)"
+                )
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of objects and arrays in JSON ``text`` (brackets inside strings do not count);
+    never recurses, so any depth is measured safely."""
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if m.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 class GrammarMatcher:
@@ -127,26 +173,42 @@ class GrammarBackend:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Iterable[int],
-        threads: int = 2,
+        limits: GrammarLimits = GrammarLimits(),
         cache_size: int = 256,
     ):
         self.tokenizer = tokenizer  # kvship's ``Tokenizer`` (its ``hf`` is read on the first compile)
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.limits = limits
         self.cache_size = cache_size
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvship-grammar")
-        self._lock = threading.Lock()
+        # each thread waits on one compile process
+        self._pool = ThreadPoolExecutor(max_workers=limits.processes, thread_name_prefix="kvship-grammar")
+        self._lock = threading.RLock()
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
-        self._compiler: Any = None
+        self._info: Any = None
+        self._processes: Optional[CompilePool] = None
         self.hits = 0
         self.misses = 0
+        self.timeouts = 0  # compiles that ran past the timeout (their processes were killed)
 
     # ------------------------------------------------------------ compiling
     def compile(self, key: GrammarKey) -> Future:
         """A future of the compiled grammar for ``key`` (cached; failures raise ``GrammarError``)."""
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            if fut is not None:  # only grammars within the limits are cached
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return fut
+        try:
+            self.limits.check(*key)
+        except GrammarError as e:  # refused before any work: nothing to cache
+            fut = Future()
+            fut.set_exception(e)
+            return fut
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:  # another thread submitted it meanwhile
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return fut
@@ -155,7 +217,15 @@ class GrammarBackend:
             self._cache[key] = fut
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return fut
+        fut.add_done_callback(lambda f: self._forget_timeout(key, f))
+        return fut
+
+    def _forget_timeout(self, key: GrammarKey, fut: Future) -> None:
+        """A timed-out compile leaves the cache: the next request with ``key`` compiles it again."""
+        if not fut.cancelled() and isinstance(fut.exception(), GrammarTimeout):
+            with self._lock:
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
 
     async def compile_async(self, key: GrammarKey) -> None:
         """Check ``key`` compiles (the event loop keeps running); raises ``GrammarError``."""
@@ -168,36 +238,61 @@ class GrammarBackend:
 
         return GrammarMatcher(xgr.GrammarMatcher(compiled))
 
+    def serialize(self, compiled: Any) -> str:
+        """``compiled`` as text another process with the same vocabulary can load (``deserialize``)."""
+        return compiled.serialize_json()
+
+    def deserialize(self, text: str) -> Any:
+        """A compiled grammar from ``serialize``'s text (about 2 ms for a 150 KB grammar; no compile)."""
+        import xgrammar as xgr
+
+        return xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info())
+
+    def warm(self) -> None:
+        """Load xgrammar and the vocabulary now (in the pool), so a later ``deserialize`` does not."""
+        if grammar_available() and self.tokenizer is not None:
+            self._pool.submit(self._tokenizer_info)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _get_compiler(self) -> Any:
         with self._lock:
-            if self._compiler is None:
+            processes, self._processes = self._processes, None
+        if processes is not None:
+            processes.close()
+
+    def _tokenizer_info(self) -> Any:
+        with self._lock:
+            if self._info is None:
                 if self.tokenizer is None:
                     raise GrammarError("structured output needs the model's tokenizer")
                 try:
                     import xgrammar as xgr
                 except ImportError:
                     raise GrammarError(MISSING_MESSAGE) from None
-                info = _tokenizer_info(xgr, self.tokenizer.hf, self.vocab_size, self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+                self._info = _tokenizer_info(xgr, self.tokenizer.hf, self.vocab_size, self.stop_token_ids)
+            return self._info
+
+    def _compile_pool(self) -> CompilePool:
+        info = self._tokenizer_info()
+        with self._lock:
+            if self._processes is None:
+                lim = self.limits
+                self._processes = CompilePool(info.serialize_json(), lim.processes, lim.timeout_s, lim.max_bytes)
+            return self._processes
 
     def _compile(self, key: GrammarKey) -> Any:
         kind, text = key
-        compiler = self._get_compiler()
+        if kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
         try:
-            if kind == "json_schema":
-                # compact separators: a model cannot pad the output with endless whitespace
-                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=_strict(text))
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "ebnf":
-                return compiler.compile_grammar(text)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError subclasses
-            raise GrammarError(f"invalid {kind}: {compiler_message(e)}") from None
-        raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
+            return self.deserialize(self._compile_pool().compile(kind, text))
+        except CompileTimeout:
+            self.timeouts += 1
+            raise GrammarTimeout(
+                f"grammar compile timed out after {self.limits.timeout_s:g} s (--grammar-compile-timeout)"
+            ) from None
+        except CompileFailed as e:
+            raise GrammarError(f"invalid {kind}: {e}") from None
 
 
 def _tokenizer_info(xgr: Any, hf: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
@@ -211,23 +306,14 @@ def _tokenizer_info(xgr: Any, hf: Any, vocab_size: int, stop_token_ids: list[int
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(info.stop_token_ids))
 
 
-def _strict(schema_text: str) -> bool:
-    """xgrammar's strict mode (no properties or items beyond the schema's) except for a bare
-    ``{"type": "object"}`` (``response_format: json_object``), which must allow any object."""
-    return schema_text.replace(" ", "") != '{"type":"object"}'
-
-
 class GrammarQueue:
     """Requests waiting for their grammar (scheduler thread): ``add`` then ``poll`` every step.
 
-    ``blocking``: ``poll`` waits for every compile instead of returning the finished ones, so a
-    request joins at a step that does not depend on timing.  Tensor-parallel ranks run replicated
-    schedulers that must admit the same requests at the same step: they poll blocking.
-    """
+    ``poll`` returns the requests whose compile ended and never waits for one.  Tensor-parallel
+    ranks, which must admit the same requests at the same step, use ``LockstepGrammarQueue``."""
 
-    def __init__(self, backend: GrammarBackend, blocking: bool = False):
+    def __init__(self, backend: GrammarBackend):
         self.backend = backend
-        self.blocking = blocking
         self._waiting: list[tuple[Any, Any, Future]] = []
 
     def __len__(self) -> int:
@@ -244,15 +330,88 @@ class GrammarQueue:
         for req, payload, fut in self._waiting:
             if req.finished:
                 continue
-            if not fut.done() and not self.blocking:
+            if not fut.done():
                 still.append((req, payload, fut))
                 continue
-            try:
-                req.grammar = self.backend.matcher(fut.result())
-                ready.append((req, payload, None))
-            except GrammarError as e:
-                ready.append((req, payload, str(e)))
-            except Exception as e:  # noqa: BLE001 - report, never crash the loop
-                ready.append((req, payload, f"grammar compile failed: {type(e).__name__}: {e}"))
+            ready.append((req, payload, _take_grammar(self.backend, req, fut.result)))
         self._waiting = still
+        return ready
+
+    def resolve(self, rid: str, serialized: Optional[str], error: Optional[str]) -> None:
+        """Only ``LockstepGrammarQueue`` is told when a grammar is ready."""
+        raise TypeError("a grammar-ready message reached a scheduler that is not tensor-parallel")
+
+
+def _take_grammar(backend: GrammarBackend, req: Any, compiled: Any) -> Optional[str]:
+    """Set ``req.grammar`` from ``compiled()``; the error message instead when that raises."""
+    try:
+        req.grammar = backend.matcher(compiled())
+        return None
+    except GrammarError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - report, never crash the loop
+        return f"grammar compile failed: {type(e).__name__}: {e}"
+
+
+class LockstepGrammarQueue(GrammarQueue):
+    """The grammar queue of a tensor-parallel rank (``kvship.engine.parallel.scheduling``).
+
+    Only rank 0 compiles.  When its compile ends (in the compile pool's thread, or at once for a
+    cached grammar), ``publish(rid, serialized, error)`` hands the serialized grammar or the error
+    to rank 0's inbox (``kvship.engine.scheduler.inbox.GrammarReady``); the inbox broadcast delivers
+    it to every rank at the same step, where ``resolve`` makes the request ready (rank 0 from its
+    own compile, the others by ``deserialize``, ~2 ms).  No rank ever waits for a compile, and all
+    admit the request at the same step."""
+
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        leader: bool,
+        publish: Callable[[str, Optional[str], Optional[str]], None],
+    ):
+        super().__init__(backend)
+        self.leader = leader
+        self._publish = publish
+        self._resolved: list[tuple[Any, Any, Optional[str]]] = []
+        if not leader:
+            backend.warm()  # xgrammar and the vocabulary load before the first GrammarReady needs them
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._resolved)
+
+    def add(self, req: Any, payload: Any) -> None:
+        if not self.leader:
+            self._waiting.append((req, payload, None))
+            return
+        fut = self.backend.compile(req.sampling_params.grammar_key)
+        self._waiting.append((req, payload, fut))
+        rid = req.rid
+        fut.add_done_callback(lambda f: self._publish(rid, *self._outcome(f)))
+
+    def _outcome(self, fut: Future) -> tuple[Optional[str], Optional[str]]:
+        try:
+            return self.backend.serialize(fut.result()), None
+        except GrammarError as e:
+            return None, str(e)
+        except Exception as e:  # noqa: BLE001 - report, never crash the loop
+            return None, f"grammar compile failed: {type(e).__name__}: {e}"
+
+    def resolve(self, rid: str, serialized: Optional[str], error: Optional[str]) -> None:
+        """Make ``rid`` ready (every rank handles the same message at the same step)."""
+        for i, (req, payload, fut) in enumerate(self._waiting):
+            if req.rid != rid:
+                continue
+            del self._waiting[i]
+            if req.finished:
+                return
+            if error is None and fut is not None:
+                error = _take_grammar(self.backend, req, fut.result)
+            elif error is None:
+                error = _take_grammar(self.backend, req, lambda: self.backend.deserialize(serialized))
+            self._resolved.append((req, payload, error))
+            return
+
+    def poll(self) -> list[tuple[Any, Any, Optional[str]]]:
+        ready, self._resolved = [r for r in self._resolved if not r[0].finished], []
+        self._waiting = [w for w in self._waiting if not w[0].finished]
         return ready

@@ -16,8 +16,14 @@ stay identical because they see the same inputs in the same order:
   draws the same ids; broadcasting rank 0's makes that hold even where a
   sampling kernel is not bit-reproducible.
 
-``make_scheduler_tensor_parallel(scheduler, tp, on_stop)`` installs both
-(the scheduler's ``inbox`` and ``launcher.sampler`` are replaceable parts).
+* ``LockstepGrammarQueue``: only rank 0 compiles grammars; when a compile
+  ends, rank 0 queues ``GrammarReady`` (the serialized grammar, or the error)
+  into its inbox and every rank admits the request at the step that
+  broadcasts it.  No rank waits for a compile.
+
+``make_scheduler_tensor_parallel(scheduler, tp, on_stop)`` installs all three
+(the scheduler's ``inbox``, ``launcher.sampler`` and ``grammar_queue`` are
+replaceable parts, swapped before its loop starts).
 Contract: only the scheduler thread calls ``drain`` and ``close`` (the one
 thread that runs collectives); ``put`` may come from any thread, on rank 0.
 """
@@ -30,8 +36,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvship.engine.grammar.backend import LockstepGrammarQueue
 from kvship.engine.parallel.group import RankLost, TPGroup
-from kvship.engine.scheduler.inbox import Inbox, Message
+from kvship.engine.scheduler.inbox import GrammarReady, Inbox, Message
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +112,12 @@ class RankZeroSampler:
 
 
 def make_scheduler_tensor_parallel(scheduler: Any, tp: TPGroup, on_stop: Callable[[], None]) -> None:
-    """Install the broadcast inbox and rank 0's sampling on ``scheduler`` (before its loop starts)."""
-    scheduler.inbox = BroadcastInbox(tp, on_stop)
+    """Install the broadcast inbox, rank 0's sampling and the lock-step grammar queue on ``scheduler``
+    (before its loop starts)."""
+    inbox = scheduler.inbox = BroadcastInbox(tp, on_stop)
     scheduler.launcher.sampler = RankZeroSampler(scheduler.launcher.sampler, tp)
+    scheduler.grammar_queue = LockstepGrammarQueue(
+        scheduler.grammar,
+        leader=tp.is_leader,
+        publish=lambda rid, serialized, error: inbox.put(GrammarReady(rid, serialized, error)),
+    )

@@ -49,14 +49,14 @@ import torch
 
 from kvship.common.envs import ENV
 from kvship.engine.config import ServerArgs
-from kvship.engine.grammar.backend import GrammarBackend, GrammarQueue
+from kvship.engine.grammar.backend import GrammarBackend, GrammarLimits, GrammarQueue
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.mem.radix_cache import create_prefix_cache
 from kvship.engine.sampler import create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 from kvship.engine.scheduler.admission import Admission, RequestQueues, check_prompt, ids_in_vocab
 from kvship.engine.scheduler.decode import DecodeBatcher
-from kvship.engine.scheduler.inbox import Abort, Inbox, Submit
+from kvship.engine.scheduler.inbox import Abort, GrammarReady, Inbox, Submit
 from kvship.engine.scheduler.kv_budget import KVBudget
 from kvship.engine.scheduler.launch import Launcher, Pending
 from kvship.engine.scheduler.overlap import OverlapLoop
@@ -128,8 +128,15 @@ class Scheduler:
         )
         self.inbox = Inbox()
         # structured output: grammars compile in a small pool while their requests wait in grammar_queue
-        self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
-        self.grammar_queue = GrammarQueue(self.grammar, blocking=server_args.tp_size > 1)  # TP ranks: lock step
+        limits = GrammarLimits(
+            max_bytes=server_args.max_grammar_bytes,
+            max_schema_depth=server_args.max_schema_depth,
+            timeout_s=server_args.grammar_compile_timeout,
+            processes=server_args.grammar_compile_processes,
+        )
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids, limits)
+        # tensor-parallel ranks swap in a LockstepGrammarQueue (kvship.engine.parallel.scheduling)
+        self.grammar_queue: GrammarQueue = GrammarQueue(self.grammar)
         self._outbox: list[TokenChunk] = []
         self._loop_running = False
         self._thread: Optional[threading.Thread] = None
@@ -214,6 +221,7 @@ class Scheduler:
             self._loop_running = False
             self.inbox.close()
             self.abort_all(reason)
+            self.grammar.close()  # its compile processes end with the loop
 
     def has_work(self) -> bool:
         return self._has_compute() or self.role.has_work() or len(self.grammar_queue) > 0
@@ -261,6 +269,8 @@ class Scheduler:
             try:
                 if isinstance(msg, Submit):
                     self._handle_submit(msg.request)
+                elif isinstance(msg, GrammarReady):  # tensor-parallel: admitted at this step on every rank
+                    self.grammar_queue.resolve(msg.rid, msg.serialized, msg.error)
                 else:
                     self.abort_request(msg.rid, "aborted")
             except Exception as e:  # noqa: BLE001 - one bad message must not stop the loop

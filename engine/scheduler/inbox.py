@@ -1,6 +1,7 @@
 """Messages into the scheduler thread and the queue that carries them.
 
-``submit`` / ``abort`` may be called from any thread; the scheduler drains
+``submit`` / ``abort`` may be called from any thread (and, on a
+tensor-parallel rank 0, the grammar compile pool queues ``GrammarReady``); the scheduler drains
 the inbox at the start of each step.  After ``close`` no submit is accepted
 (``SchedulerClosedError``); aborts are always accepted (and ignored once the
 loop is gone).
@@ -30,7 +31,18 @@ class Abort:
     rid: str
 
 
-Message = Union[Submit, Abort]
+@dataclass(frozen=True)
+class GrammarReady:
+    """Tensor-parallel rank 0 to every rank: ``rid``'s grammar compiled (``serialized``) or failed
+    (``error``); every rank admits the request at the step that carries it
+    (``kvship.engine.grammar.LockstepGrammarQueue``)."""
+
+    rid: str
+    serialized: Optional[str] = None
+    error: Optional[str] = None
+
+
+Message = Union[Submit, Abort, GrammarReady]
 
 
 class _Wake:
