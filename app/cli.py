@@ -22,7 +22,9 @@ SUBCOMMANDS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvship", description="kvship: PD-disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="kvship", description="kvship: PD-disaggregated LLM serving", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     for name, (module, help_text) in SUBCOMMANDS.items():

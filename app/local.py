@@ -29,8 +29,15 @@ What it does, in order:
    without restarts a role has no live worker left, the rest is stopped and the
    exit status is 1.
 
-``--api-key`` is required from clients by the router; the workers require
-``--worker-api-key`` (default: the same key) and the router sends it to them.
+Credentials (docs/router.md, "Authentication"): ``--api-key`` is the client key,
+required by the router only; the workers require the worker key
+(``--worker-api-key``, default a random ``secrets.token_urlsafe(32)`` made for
+this run), which the router sends them and this process's own checks use; the
+router gets an admin key (``POST``/``DELETE /workers``) only when
+``--admin-api-key`` is given.  The prefill and decode workers share a KV
+transfer secret made for this run (``secrets.token_bytes(32)``, hex; docs/pd.md,
+"KV plane authentication").  Keys reach the children through their
+environment, never their argv.
 
 Children run in their own sessions (a terminal's Ctrl-C reaches only this
 process, which then stops them in order) and get SIGTERM if this process dies
@@ -45,6 +52,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -91,11 +99,19 @@ class LocalConfig:
     log_dir: Optional[str] = opt(None, "Folder for the children's logs (default: a new temporary folder)")
     api_key: Optional[str] = opt(
         None,
-        "Key clients must send to the router ('Authorization: Bearer <key>'); the workers require "
-        "--worker-api-key, else this key (default: env KVSHIP_API_KEY)",
+        "Client key(s) the router requires ('Authorization: Bearer <key>'; comma-separated for several) "
+        "(default: env KVSHIP_API_KEY; none = open router). Never given to the workers",
     )
     worker_api_key: Optional[str] = opt(
-        None, "Key the workers require and the router sends them (default: env KVSHIP_WORKER_API_KEY, else --api-key)"
+        None,
+        "Key the workers require and the router sends them (default: env KVSHIP_WORKER_API_KEY, else a random "
+        "key made for this run)",
+    )
+    admin_api_key: Optional[str] = opt(
+        None, "Admin key of the router's POST/DELETE /workers (default: env KVSHIP_ADMIN_API_KEY; none = admin API off)"
+    )
+    debug_headers: bool = opt(
+        False, "Router: give clients the x-kvship-* response headers (worker URLs, traces; for debugging)"
     )
     restart_workers: bool = opt(True, "Restart a worker that exits (the router takes it back once it is healthy)")
     prefill_tp_size: int = opt(0, "Tensor-parallel size of each prefill worker (0: --tp-size)")
@@ -122,6 +138,11 @@ class LocalConfig:
             raise ValueError("--max-resumes must be >= 0")
         if self.prefill_tp_size < 0 or self.decode_tp_size < 0:
             raise ValueError("--prefill-tp-size and --decode-tp-size must be >= 0 (0: --tp-size)")
+        clients = {k.strip() for k in (self.api_key or "").split(",") if k.strip()}
+        if self.worker_api_key in clients or self.admin_api_key in clients:
+            raise ValueError("--worker-api-key and --admin-api-key must differ from the client key (--api-key)")
+        if self.admin_api_key and self.admin_api_key == self.worker_api_key:
+            raise ValueError("--admin-api-key must differ from --worker-api-key")
 
 
 def _worker_flags_class() -> type:
@@ -285,10 +306,18 @@ class LocalDeployment:
         self.workers: list[Child] = []
         self.gpus_of: dict[str, list[int]] = {}  # worker name -> its GPUs (CUDA only)
         api_key = cfg.api_key or ENV.API_KEY
-        worker_key = cfg.worker_api_key or ENV.WORKER_API_KEY or api_key
+        admin_key = cfg.admin_api_key or ENV.ADMIN_API_KEY
+        # the workers' key is never the client key (docs/router.md, "Authentication")
+        self.worker_key = worker_key = cfg.worker_api_key or ENV.WORKER_API_KEY or secrets.token_urlsafe(32)
         # Keys go through the environment (never argv, which `ps` shows); each child gets exactly its own.
-        worker_env = {"KVSHIP_API_KEY": worker_key or "", "KVSHIP_WORKER_API_KEY": ""}
-        router_env = {"KVSHIP_API_KEY": api_key or "", "KVSHIP_WORKER_API_KEY": worker_key or ""}
+        worker_env = {"KVSHIP_API_KEY": worker_key, "KVSHIP_WORKER_API_KEY": "", "KVSHIP_ADMIN_API_KEY": ""}
+        # the KV transfer secret of this run's prefill and decode workers (docs/pd.md, "KV plane authentication")
+        worker_env["KVSHIP_KV_TRANSFER_SECRET"] = secrets.token_bytes(32).hex()
+        router_env = {
+            "KVSHIP_API_KEY": api_key or "",
+            "KVSHIP_WORKER_API_KEY": worker_key,
+            "KVSHIP_ADMIN_API_KEY": admin_key or "",
+        }
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
                 port = free_port()
@@ -322,6 +351,7 @@ class LocalDeployment:
                         os.path.join(log_dir, f"{role}-{i}.log"),
                         "/health",
                         env=worker_env,
+                        health_key=worker_key,
                     )
                 )
         prefill_urls = [w.url for w in self.workers if w.name.startswith("prefill")]
@@ -340,6 +370,7 @@ class LocalDeployment:
             "--max-resumes",
             str(cfg.max_resumes),
             "--pd-first-token" if cfg.pd_first_token else "--no-pd-first-token",
+            "--debug-headers" if cfg.debug_headers else "--no-debug-headers",
             # a restarted worker rejoins after one passed check, a dead one leaves after two failed ones
             "--health-check-interval",
             "1",
@@ -358,7 +389,7 @@ class LocalDeployment:
             os.path.join(log_dir, "router.log"),
             "/readiness",
             env=router_env,
-            health_key=api_key,
+            health_key=worker_key,  # /readiness takes any of the router's keys
         )
 
     @property
@@ -507,6 +538,7 @@ class LocalDeployment:
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "local",
+        allow_abbrev=False,
         help="run router + prefill + decode workers on this machine",
         description="Start a PD deployment on this machine: `kvship router --pd` on --port plus --prefill "
         "prefill and --decode decode workers (`kvship serve --mode ...`). Every worker flag below "

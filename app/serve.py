@@ -45,6 +45,7 @@ def setup_logging(level: str, tag: str = "") -> None:
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve",
+        allow_abbrev=False,  # `--hos` must not mean --host (docs/operator.md, extraArgs)
         help="run a worker (unified, prefill or decode)",
         description="Serve a model over HTTP (OpenAI-compatible /v1 API and SGLang-style /generate). "
         "Without --model-path, the embedded SmolLM2-135M-Instruct is served.",
@@ -68,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(server_args.log_level)
     try:
         server_args.validate()
+        if server_args.mode in ("prefill", "decode"):  # fail before the model loads (docs/pd.md, KV plane auth)
+            from kvship.engine.disagg.auth import load_kv_secret
+
+            load_kv_secret(server_args.kv_transfer_secret_file, server_args.kv_transfer_insecure)
     except ValueError as e:
         logger.error("invalid settings: %s", e)
         return 2
@@ -112,6 +117,7 @@ def check_tensor_parallel(server_args: ServerArgs) -> None:
         resolve_model_path(server_args.model_path),
         dtype=parse_dtype(server_args.resolved_dtype),
         context_length=server_args.context_length,
+        quantization=server_args.quantization,
     )
     check_tp_divisible(mc, server_args.tp_size)
     check_expert_parallel(mc, server_args.tp_size, server_args.ep_size, server_args.ep_dispatch)

@@ -91,10 +91,19 @@ def make_pool(spec: dict, device: str):
     )
 
 
+# both processes of the benchmark share this KV transfer secret (loopback only; docs/pd.md "KV plane authentication")
+_SECRET = b"kvship-bench-kv-transfer-secret-0123"
+
+
+def _token(room: int) -> str:
+    return f"bench-room-token-{room}"
+
+
 def _config(backend: str, ib_device: str | None):
     from kvship.engine.disagg.base import KVTransferConfig
 
     return KVTransferConfig(
+        secret=_SECRET,
         backend=backend,
         bootstrap_port=0,
         ib_device=ib_device,
@@ -130,7 +139,7 @@ def _decode_main(conn, backend: str, device: str, ib_device: str | None) -> None
                 conn.send(("ok", None))
             elif cmd == "recv":
                 _, port, room, pages = msg
-                r = mgr.create_receiver("127.0.0.1", port, room)
+                r = mgr.create_receiver("127.0.0.1", port, room, _token(room))
                 r.init(pages)
                 while r.poll() == KVPoll.Bootstrapping:
                     time.sleep(0.0005)
@@ -277,7 +286,7 @@ def run_backend(backend: str, cases: list[dict], device: str, repeats: int, ib_d
             times, failure = [], None
             for rep in range(repeats + 1):  # first one warms connections and caches
                 room += 1
-                s = mgr.create_sender(room)
+                s = mgr.create_sender(room, _token(room))
                 child.call("recv", mgr.bootstrap_port, room, case["dst"])
                 while s.poll() == KVPoll.Bootstrapping:
                     time.sleep(0.0005)

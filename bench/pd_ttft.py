@@ -53,6 +53,11 @@ layer-wise transfer), add
 traced, non-streamed requests) and ``--backend nixl --prompt-len 512 4096 --variant whole=--no-disaggregation-layerwise``
 to a third.
 
+KV-plane authentication (issue 30) is on in every PD deployment (``kvship local`` gives its workers a KV
+transfer secret); ``--kv-auth off`` runs them with ``--kv-transfer-insecure``, and
+``--variant kv-auth-off=--kv-transfer-insecure`` puts both side by side in one run (the H100 nixl comparison at 512
+and 4096 tokens: ``--backend nixl --prompt-len 512 4096 --variant kv-auth-off=--kv-transfer-insecure``).
+
 ``--code LABEL=PATH`` runs each backend's PD deployment once more with the kvship code of another checkout (its
 processes import ``kvship`` from PATH: ``git worktree add /tmp/before <commit>``), beside the plain one and
 interleaved with it, so a code change's before/after comes from one run; the tables add each deployment's fixed
@@ -95,6 +100,7 @@ import logging
 import os
 import platform
 import random
+import secrets
 import signal
 import socket
 import statistics
@@ -377,23 +383,34 @@ def device_copies(device: str, kv_nbytes: int, kv_tokens: int) -> dict[str, Any]
     return out
 
 
+# the worker key of this run's `kvship local` deployments (they read it from KVSHIP_WORKER_API_KEY): the router's
+# GET /workers and the workers themselves take only it (docs/router.md, "Authentication")
+WORKER_KEY = secrets.token_urlsafe(32)
+
+
 def worker_devices(router_port: int) -> dict[str, list[str]]:
     """Each PD role's devices, read back from its workers (the router's ``/workers``, then each worker's
     ``/get_server_info`` ``device``: ``cuda:1``, or rank 0's at ``--tp-size`` > 1)."""
     out: dict[str, list[str]] = {}
-    for w in http_json(router_port, "/workers")["workers"]:
+    for w in http_json(router_port, "/workers", WORKER_KEY)["workers"]:
         port = int(w["url"].rsplit(":", 1)[1])
-        out.setdefault(w["role"], []).append(http_json(port, "/get_server_info")["device"])
+        out.setdefault(w["role"], []).append(http_json(port, "/get_server_info", WORKER_KEY)["device"])
     return out
 
 
-def http_json(port: int, path: str) -> Any:
+def http_json(port: int, path: str, key: Optional[str] = None) -> Any:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        c.request("GET", path)
+        c.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         return json.loads(c.getresponse().read())
     finally:
         c.close()
+
+
+def local_supports(tree: Optional[str], needle: str) -> bool:
+    """Whether the `kvship local` of ``tree`` (None: this checkout) knows ``needle`` (a flag's field name)."""
+    with open(os.path.join(tree or ROOT, "app", "local.py")) as f:
+        return needle in f.read()
 
 
 # ----------------------------------------------------------------------------------- one request
@@ -441,6 +458,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "page_size": args.page_size,
         "stream": args.stream,
+        "kv_auth": args.kv_auth,
         "worker_flags": flags,
         "unified": {},
         "backends": {},
@@ -481,8 +499,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         r_port = free_port()
                         argv = ["local", "--port", str(r_port), "--transfer-backend", backend, "--log-dir", work]
                         argv += ["--shutdown-grace", "20"] + flags + extra
+                        if args.kv_auth == "off":  # kvship local hands its workers a KV secret; this turns it off
+                            argv.append("--kv-transfer-insecure")
+                        if local_supports(tree, "debug_headers"):  # the trace and pair headers this bench reads
+                            argv.append("--debug-headers")
                         tag = backend + ("-" + label if label else "")
-                        env = code_env(tree, os.path.join(work, "code-" + label)) if tree else None
+                        env = code_env(tree, os.path.join(work, "code-" + label)) if tree else {}
+                        env["KVSHIP_WORKER_API_KEY"] = WORKER_KEY
                         deployments[name] = (Proc(f"local-{tag}", _python() + argv, work, env), r_port)
                     for proc, port in deployments.values():
                         wait_ready(proc, port, "/readiness", args.startup_timeout)
@@ -875,6 +898,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=int,
         default=4096,
         help="the GPU0->GPU1 copy_ reference moves this many tokens' KV (cuda with 2+ GPUs)",
+    )
+    ap.add_argument(
+        "--kv-auth",
+        choices=("on", "off"),
+        default="on",
+        help="KV-plane authentication of the PD deployments (docs/pd.md, 'KV plane authentication'): on (the "
+        "product default) or off (--kv-transfer-insecure); `--variant kv-auth-off=--kv-transfer-insecure` runs "
+        "both side by side in one run",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)

@@ -64,6 +64,10 @@ logger = logging.getLogger("bench.pd_ttft_inproc")
 BENCH_DIR = Path(__file__).resolve().parent
 
 
+# the pair's KV transfer secret (one process, loopback; docs/pd.md "KV plane authentication")
+_SECRET = b"kvship-bench-kv-transfer-secret-0123"
+
+
 def _ensure_kvship() -> None:
     """Make ``kvship`` importable from a checkout that is not pip-installed (folders linked under a temp dir)."""
     try:
@@ -247,6 +251,7 @@ class Bench:
             bootstrap_host="127.0.0.1",
             bootstrap_port=port,
             bootstrap_room=room,
+            bootstrap_token=f"bench-room-token-{room}",
         )
 
     def _check_free(self, runner: Any, who: str) -> None:
@@ -267,11 +272,15 @@ class Bench:
             self.p_runner,
             None,
             p_sink,
-            kv_config=KVTransferConfig(backend=backend, bootstrap_port=0),
+            kv_config=KVTransferConfig(backend=backend, bootstrap_port=0, secret=_SECRET),
         )
         try:
             decode = DecodeScheduler(
-                self.sa["decode"], self.d_runner, None, d_sink, kv_config=KVTransferConfig(backend=backend)
+                self.sa["decode"],
+                self.d_runner,
+                None,
+                d_sink,
+                kv_config=KVTransferConfig(backend=backend, secret=_SECRET),
             )
         except BaseException:
             prefill.close()

@@ -32,9 +32,11 @@ class PreallocQueue(PDStageQueue):
         super().__init__()
         self.manager = manager
 
-    def add(self, req: Req, host: str, port: int, room: int) -> PDEntry:
-        """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed."""
-        return self.put(PDEntry(req=req, transfer=self.manager.create_receiver(host, port, room), room=room))
+    def add(self, req: Req, host: str, port: int, room: int, token: Optional[str] = None) -> PDEntry:
+        """Create the room's receiver (no network yet); raises ``KVTransferError`` if the manager is closed or the
+        room token is missing / malformed while KV-plane authentication is on."""
+        receiver = self.manager.create_receiver(host, port, room, token)
+        return self.put(PDEntry(req=req, transfer=receiver, room=room))
 
     def allocate(self, alloc: Callable[[Req], Optional[torch.Tensor]], page_size: int) -> list[PDEntry]:
         """Place requests in arrival order with ``alloc`` (slots or None); register their pages.

@@ -38,7 +38,7 @@ import torch
 from kvship.decode.queues import PreallocQueue, PrebuiltQueue, TransferQueue
 from kvship.engine.disagg import KVPoll
 from kvship.engine.disagg.pd_role import PDRole, PDScheduler
-from kvship.engine.disagg.stages import PDEntry, PDStageQueue, room_problem
+from kvship.engine.disagg.stages import PDEntry, PDStageQueue, room_problem, room_token_problem
 from kvship.engine.io_struct import FinishReason, GenerateRequest
 from kvship.engine.schedule_batch import Req
 
@@ -67,10 +67,12 @@ class DecodeRole(PDRole):
         problem = room_problem(room)
         if problem is None and (not isinstance(port, int) or not 0 < port < 65536):
             problem = f"bootstrap_port must be in 1..65535, got {port!r}"
-        return problem
+        return problem or room_token_problem(request.bootstrap_token, self.kv_manager.config.insecure)
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
-        self.prealloc_queue.add(req, request.bootstrap_host, request.bootstrap_port, request.bootstrap_room)
+        self.prealloc_queue.add(
+            req, request.bootstrap_host, request.bootstrap_port, request.bootstrap_room, request.bootstrap_token
+        )
 
     def _num_active(self) -> int:
         return self.s.queues.num_active() + len(self.transfer_queue) + len(self.prebuilt_queue)

@@ -41,6 +41,11 @@ class ServerArgs:
     kv_cache_dtype: str = opt(
         "auto", "KV cache dtype (auto = compute dtype)", choices=("auto", "float32", "bfloat16", "float16")
     )
+    quantization: Optional[str] = opt(
+        None,
+        "Weight quantization method (default: config.json's quantization_config.quant_method, else unquantized); "
+        "an unsupported method is refused at startup (docs/quantization.md)",
+    )
     context_length: Optional[int] = opt(None, "Maximum context length (default: the model's)")
     trust_remote_code: bool = opt(False, "Allow custom code from the model folder (tokenizer only)")
     seed: int = opt(0, "Random seed for dummy weights and unseeded sampling")
@@ -53,6 +58,20 @@ class ServerArgs:
     )
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
+
+    # Request pre-processing limits (docs/api.md, "Chat templates" and "Structured output")
+    max_chat_template_output_chars: int = opt(
+        4 * 1024 * 1024, "Largest chat prompt a chat template may render, in characters (413 above)"
+    )
+    chat_template_timeout: float = opt(2.0, "Seconds a chat template may take to render one request (400 after)")
+    max_grammar_bytes: int = opt(32768, "Largest json_schema / regex / ebnf text in bytes (400 above)")
+    max_schema_depth: int = opt(32, "Deepest nesting of objects and arrays in a JSON schema (400 above)")
+    grammar_compile_timeout: float = opt(
+        10.0, "Seconds a grammar may take to compile (in a compile process that is killed after; 400)"
+    )
+    grammar_compile_processes: int = opt(
+        4, "Processes that compile grammars (each compile that times out holds one until it is killed)"
+    )
 
     # Device and memory
     device: str = opt("auto", "Where the model runs", choices=("auto", "cpu", "cuda"))
@@ -163,6 +182,16 @@ class ServerArgs:
         "Prefill: a layer-wise send writes the layers in about this many groups (0 = one write per stored layer)",
     )
     kv_transfer_checksum: bool = opt(False, "Checksum each request's KV on prefill and verify on decode")
+    kv_transfer_secret_file: Optional[str] = opt(
+        None,
+        "Prefill/decode: file holding the KV transfer secret shared by the service's prefill and decode workers "
+        "(>= 16 bytes; else env KVSHIP_KV_TRANSFER_SECRET); docs/pd.md, KV plane authentication",
+    )
+    kv_transfer_insecure: bool = opt(
+        False,
+        "Turns KV-plane authentication off; for measurement and trusted single-host setups only (both workers of "
+        "a pair must agree)",
+    )
 
     @property
     def resolved_device(self) -> str:
@@ -312,6 +341,12 @@ class ServerArgs:
         if drafts and self.page_size != 1:
             raise ValueError("speculative decoding needs --page-size 1 (accepted draft slots are remapped one by one)")
 
+        if self.max_chat_template_output_chars < 1 or self.chat_template_timeout <= 0:
+            raise ValueError("--max-chat-template-output-chars must be >= 1 and --chat-template-timeout > 0")
+        if self.max_grammar_bytes < 1 or self.max_schema_depth < 1:
+            raise ValueError("--max-grammar-bytes and --max-schema-depth must be >= 1")
+        if self.grammar_compile_timeout <= 0 or self.grammar_compile_processes < 1:
+            raise ValueError("--grammar-compile-timeout must be > 0 and --grammar-compile-processes >= 1")
         if self.base_gpu_id < 0:
             raise ValueError("--base-gpu-id must be >= 0")
         if self.dist_timeout <= 0:

@@ -106,6 +106,9 @@ class GenerateRequest:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # the room token (the router's ``bootstrap_token``, per choice ``engine.disagg.auth.choice_token``): never
+    # logged or shown (docs/pd.md, "KV plane authentication")
+    bootstrap_token: Optional[str] = field(default=None, repr=False)
     created_time: float = field(default_factory=time.time)
     # ``return_trace``: stage -> time.time() stamps the PD roles add while the request passes (docs/pd.md,
     # "Reading a request's trace"); written by the scheduler thread, read by the HTTP layer after the finish

@@ -103,6 +103,9 @@ class _SamplingFields(BaseModel):
     bootstrap_host: Optional[StrictStr] = None
     bootstrap_port: Optional[StrictInt] = None
     bootstrap_room: Optional[StrictInt] = None
+    # the room token (router: secrets.token_urlsafe(24); choice i derives its own, docs/pd.md "KV plane
+    # authentication"); bounded, never shown
+    bootstrap_token: Optional[StrictStr] = Field(default=None, max_length=128, repr=False)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -176,6 +179,7 @@ class GenerateReqInput(BaseModel):
     bootstrap_host: Union[StrictStr, list[StrictStr], None] = None
     bootstrap_port: Union[StrictInt, list[StrictInt], None] = None
     bootstrap_room: Union[StrictInt, list[StrictInt], None] = None
+    bootstrap_token: Union[StrictStr, list[StrictStr], None] = Field(default=None, repr=False)
     # PD latency trace in ``meta_info.trace`` (docs/pd.md, "Reading a request's trace")
     return_trace: StrictBool = False
     kvship_resume: Optional[ResumeInfo] = None

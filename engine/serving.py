@@ -233,7 +233,7 @@ async def check_grammar(engine: Engine, sp: SamplingParams, param: Optional[str]
     try:
         await engine.grammar.compile_async(key)
     except GrammarError as e:
-        raise bad_request(str(e), param or key[0], code="invalid_grammar") from None
+        raise bad_request(str(e), param or key[0], code=e.code) from None  # invalid, over a limit or timed out
 
 
 # --------------------------------------------------------------------------- PD roles
@@ -245,6 +245,18 @@ def choice_room(room: Optional[int], index: int) -> Optional[int]:
     """PD: the bootstrap room of request ``index`` of a body (choice ``i`` of ``n``, batch item):
     ``room + index``, computed the same way on the prefill and the decode worker."""
     return None if room is None else (room + index) % _ROOM_MOD
+
+
+def check_bootstrap_token(engine: Engine, token: Any, param: str = "bootstrap_token") -> None:
+    """400 unless ``token`` may open a room here: a prefill / decode worker with KV-plane authentication on needs
+    the router's ``bootstrap_token`` (docs/pd.md, "KV plane authentication"); a unified worker ignores it."""
+    from kvship.engine.disagg.auth import room_token_problem
+
+    args = engine.server_args
+    if args.mode in ("prefill", "decode"):
+        problem = room_token_problem(token, args.kv_transfer_insecure)
+        if problem is not None:
+            raise bad_request(problem, param)
 
 
 def choice_params(sp: SamplingParams, i: int, n: int) -> SamplingParams:

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvship.engine.disagg.auth import choice_token
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import FinishReason, GenerateRequest
@@ -40,6 +41,7 @@ from kvship.engine.serving import (
     PD_FIRST_TOKEN_HEADER,
     ROUTER_IDS_HEADER,
     build_sampling_params,
+    check_bootstrap_token,
     check_grammar,
     check_max_tokens,
     check_n,
@@ -186,6 +188,9 @@ class GenerateServing:
         hosts = _per_item(body.bootstrap_host, batch, "bootstrap_host", isinstance(body.bootstrap_host, list))
         ports = _per_item(body.bootstrap_port, batch, "bootstrap_port", isinstance(body.bootstrap_port, list))
         rooms = _per_item(body.bootstrap_room, batch, "bootstrap_room", isinstance(body.bootstrap_room, list))
+        tokens = _per_item(body.bootstrap_token, batch, "bootstrap_token", isinstance(body.bootstrap_token, list))
+        for token in tokens:
+            check_bootstrap_token(engine, token)
         if not 0 <= body.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         for p in ports:
@@ -237,6 +242,7 @@ class GenerateServing:
             for j in range(gsp.n):
                 # PD: every request of the body gets its own room (per-item rooms: + choice index)
                 room = choice_room(rooms[i], j if isinstance(body.bootstrap_room, list) else len(reqs))
+                token = choice_token(tokens[i], j if isinstance(body.bootstrap_token, list) else len(reqs))
                 rid = choice_rid(base, j, gsp.n)
                 sp_j = choice_params(sp, j, gsp.n)
                 reqs.append(
@@ -250,6 +256,7 @@ class GenerateServing:
                         bootstrap_host=hosts[i],
                         bootstrap_port=ports[i],
                         bootstrap_room=room,
+                        bootstrap_token=token,
                         created_time=created,
                         resumed=resumed,
                         trace={"http_received": created} if body.return_trace else None,

@@ -23,6 +23,8 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvship.engine.chat_template import ChatTemplateError, RenderLimitError, RenderLimits, check_template_kwargs
+from kvship.engine.disagg.auth import choice_token
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
 from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -44,6 +46,7 @@ from kvship.engine.serving import (
     ROUTER_IDS_HEADER,
     build_sampling_params,
     chat_logprobs,
+    check_bootstrap_token,
     check_grammar,
     check_max_tokens,
     check_model,
@@ -68,7 +71,6 @@ from kvship.engine.serving import (
     usage_dict,
     usage_info,
 )
-from kvship.engine.tokenizer import ChatTemplateError
 
 
 def _sampling_params(
@@ -125,6 +127,7 @@ class OpenAIServing:
         engine = self.engine
         check_model(engine, body.model)
         check_n(body.n)
+        check_bootstrap_token(engine, body.bootstrap_token)
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         schema = response_format_schema(body.response_format)
@@ -142,6 +145,10 @@ class OpenAIServing:
         check_max_tokens(max_tokens, max_param)
         stops = normalize_stop(body.stop)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        refused = check_template_kwargs(body.chat_template_kwargs)  # switches only, never template code
+        if refused is not None:
+            raise bad_request(refused[1], f"chat_template_kwargs.{refused[0]}", code="invalid_chat_template_kwargs")
+        args = engine.server_args
         try:
             prompt = await asyncio.to_thread(
                 engine.tokenizer.apply_chat_template,
@@ -150,7 +157,10 @@ class OpenAIServing:
                 tools=body.tools,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
+                limits=RenderLimits(args.max_chat_template_output_chars, args.chat_template_timeout),
             )
+        except RenderLimitError as e:  # a bounded render ran out of time or room (docs/api.md, "Chat templates")
+            raise APIError(e.status, str(e), param="messages", code="chat_template_limit") from None
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
@@ -169,6 +179,7 @@ class OpenAIServing:
                 bootstrap_host=body.bootstrap_host,
                 bootstrap_port=body.bootstrap_port,
                 bootstrap_room=choice_room(body.bootstrap_room, i),
+                bootstrap_token=choice_token(body.bootstrap_token, i),
                 # PD prefill: the router asks for the first token at once (docs/pd.md)
                 pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",
             )
@@ -301,6 +312,7 @@ class OpenAIServing:
         engine = self.engine
         check_model(engine, body.model)
         check_n(body.n)
+        check_bootstrap_token(engine, body.bootstrap_token)
         if body.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if body.logit_bias:
@@ -347,6 +359,7 @@ class OpenAIServing:
                         bootstrap_host=body.bootstrap_host,
                         bootstrap_port=body.bootstrap_port,
                         bootstrap_room=choice_room(body.bootstrap_room, k),
+                        bootstrap_token=choice_token(body.bootstrap_token, k),
                         resumed=resumed,
                         # PD prefill: the router asks for the first token at once (docs/pd.md)
                         pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",

@@ -28,6 +28,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--load-format",), "load_format", "value"),
     (("--dtype",), "dtype", "value"),
     (("--kv-cache-dtype",), "kv_cache_dtype", "value"),
+    (("--quantization",), "quantization", "value"),
     (("--context-length",), "context_length", "value"),
     (("--trust-remote-code", "--no-trust-remote-code"), "trust_remote_code", "switch"),
     (("--seed",), "seed", "value"),

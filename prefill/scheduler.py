@@ -48,7 +48,14 @@ from typing import Optional
 
 from kvship.engine.disagg import AuxInfo, KVPoll
 from kvship.engine.disagg.pd_role import PDRole, PDScheduler
-from kvship.engine.disagg.stages import PDEntry, PDStageQueue, nan_if_none, request_pages, room_problem
+from kvship.engine.disagg.stages import (
+    PDEntry,
+    PDStageQueue,
+    nan_if_none,
+    request_pages,
+    room_problem,
+    room_token_problem,
+)
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -97,13 +104,15 @@ class PrefillRole(PDRole):
                 "this is a prefill worker (--mode prefill): a request needs bootstrap_room, "
                 "bootstrap_host and bootstrap_port; send requests through `kvship router --pd`"
             )
-        return room_problem(request.bootstrap_room)
+        return room_problem(request.bootstrap_room) or room_token_problem(
+            request.bootstrap_token, self.kv_manager.config.insecure
+        )
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
         first_token = request.pd_first_token and req.max_new_tokens > 1
         req.max_new_tokens = 1
         room = request.bootstrap_room
-        entry = PDEntry(req=req, transfer=self.kv_manager.create_sender(room), room=room)
+        entry = PDEntry(req=req, transfer=self.kv_manager.create_sender(room, request.bootstrap_token), room=room)
         entry.extra["first_token"] = first_token
         if self.wait_for_room:
             self.bootstrap_queue.put(entry)

@@ -18,12 +18,17 @@ In-process (fast, no HTTP):
 * ``unified_greedy(model_dir, prompts, max_new, **server_args)``: the unified
   scheduler's greedy outputs (the reference PD must equal), cached per arguments.
 * ``make_prompts(n, seed, lo, hi)``: random token-id prompts for the tiny models.
+* ``KV_SECRET`` / ``room_token(room)``: the KV transfer secret and a room's ``bootstrap_token`` the in-process
+  PD tests use (KV-plane authentication is on, as in the product; docs/pd.md "KV plane authentication").
 
 Real processes (``kvship local`` on loopback):
 
 * ``start_local(args, env=None)``: context manager running ``kvship local <args>
-  --port <free>`` until its router is ready; yields a ``LocalCluster`` with ``url``,
-  ``workers(role)`` (URLs from the router's ``/workers``), ``info(url)``,
+  --port <free> --debug-headers`` (env ``KVSHIP_WORKER_API_KEY``: a random worker key) until its router is ready
+  (``--debug-headers``: tests read which workers served from the ``x-kvship-*``
+  headers); yields a ``LocalCluster`` with ``url``, ``worker_headers`` (the worker
+  key, which the workers and the router's ``/workers`` / ``/metrics`` / ``/slo``
+  require), ``workers(role)`` (URLs from the router's ``/workers``), ``info(url)``,
   ``pid(url)``, ``generate(...)`` and ``wait_free(urls)``.  On exit it sends SIGINT
   (the real Ctrl-C path) and SIGKILLs the process group only as a last resort.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -48,6 +54,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 384
+KV_SECRET = b"kvship-test-kv-transfer-secret-0123456789"
+
+
+def room_token(room: int) -> str:
+    """A valid ``bootstrap_token`` for ``room`` (tests; the router draws them with ``secrets``)."""
+    return f"test-room-token-{room}"
 
 
 def free_port() -> int:
@@ -153,12 +165,18 @@ class InProcessPD:
             p_runner,
             tokenizer,
             self.p_out,
-            kv_config=KVTransferConfig(backend=backend, bootstrap_port=0, **(prefill_kv or {})),
+            kv_config=KVTransferConfig(
+                backend=backend, bootstrap_port=0, **{"secret": KV_SECRET, **(prefill_kv or {})}
+            ),
         )
         try:
             # --speculative-* in decode_args gives the decode worker a speculator
             self.decode = scheduler_for_mode("decode")(
-                dsa, d_runner, tokenizer, self.d_out, kv_config=KVTransferConfig(backend=backend, **(decode_kv or {}))
+                dsa,
+                d_runner,
+                tokenizer,
+                self.d_out,
+                kv_config=KVTransferConfig(backend=backend, **{"secret": KV_SECRET, **(decode_kv or {})}),
             )
         except BaseException:
             self.prefill.close()
@@ -189,7 +207,7 @@ class InProcessPD:
             bootstrap_host="127.0.0.1",
             bootstrap_port=port or self.prefill.bootstrap_port,
             bootstrap_room=room,
-            **kw,
+            **{"bootstrap_token": room_token(room), **kw},
         )
 
     def submit(
@@ -355,15 +373,15 @@ class LocalCluster:
     proc: subprocess.Popen
     log_dir: str
     stdout_path: str
-    headers: dict = field(default_factory=dict)  # the router's API key, if it has one
+    headers: dict = field(default_factory=dict)  # the router's client key, if it has one
+    worker_headers: dict = field(default_factory=dict)  # the worker key (workers; the router's /workers)
 
     def workers(self, role: str) -> list[str]:
-        data = httpx.get(self.url + "/workers", timeout=10, headers=self.headers).json()
+        data = httpx.get(self.url + "/workers", timeout=10, headers=self.worker_headers).json()
         return sorted(w["url"] for w in data["workers"] if w["role"] == role)
 
-    @staticmethod
-    def info(url: str) -> dict:
-        return httpx.get(url + "/get_server_info", timeout=10).json()
+    def info(self, url: str) -> dict:
+        return httpx.get(url + "/get_server_info", timeout=10, headers=self.worker_headers).json()
 
     def pid(self, url: str) -> int:
         return int(self.info(url)["pid"])
@@ -453,6 +471,11 @@ def start_local(
     if api_key is not None:
         cmd += ["--api-key", api_key]
         headers["authorization"] = f"Bearer {api_key}"
+    worker_key = secrets.token_urlsafe(32)
+    full_env.setdefault("KVSHIP_WORKER_API_KEY", worker_key)  # (a key may begin with "-": not as a flag value)
+    worker_key = full_env["KVSHIP_WORKER_API_KEY"]
+    if "--no-debug-headers" not in args:
+        cmd.append("--debug-headers")
     with open(stdout_path, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -464,7 +487,12 @@ def start_local(
             start_new_session=True,
         )
     cluster = LocalCluster(
-        url=f"http://127.0.0.1:{port}", proc=proc, log_dir=log_dir, stdout_path=stdout_path, headers=headers
+        url=f"http://127.0.0.1:{port}",
+        proc=proc,
+        log_dir=log_dir,
+        stdout_path=stdout_path,
+        headers=headers,
+        worker_headers={"authorization": f"Bearer {worker_key}"},
     )
     try:
         deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from pd_fixtures import KV_SECRET, room_token
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.disagg import (
@@ -199,6 +200,7 @@ class _Link:
             "127.0.0.1",
             port,
             hello,
+            secret=KV_SECRET,
             connect_timeout=5,
             handshake_timeout=handshake_timeout,
             check_welcome=lambda w: LAYOUT.mismatch(w.layout),
@@ -234,6 +236,7 @@ def server():
         on_hello=on_hello,
         on_message=lambda c, m: events["messages"].append(m),
         on_closed=on_closed,
+        secret=KV_SECRET,
         handshake_timeout=2.0,
     )
     srv.events = events
@@ -311,12 +314,12 @@ def test_mute_prefill_times_out_the_handshake():
 
 
 def test_receiver_fails_fast_when_prefill_refuses_the_layout():
-    cfg = KVTransferConfig(backend="tcp", bootstrap_port=0)
+    cfg = KVTransferConfig(backend="tcp", bootstrap_port=0, secret=KV_SECRET)
     with (
         create_kv_manager("prefill", _pool(page_size=4), cfg) as p,
         create_kv_manager("decode", _pool(page_size=2), cfg) as d,
     ):
-        r = d.create_receiver("127.0.0.1", p.bootstrap_port, 5)
+        r = d.create_receiver("127.0.0.1", p.bootstrap_port, 5, room_token(5))
         r.init([1, 2])
         deadline = time.time() + 10
         while not r.poll().is_terminal and time.time() < deadline:
@@ -338,7 +341,8 @@ def test_missing_backend_package_gives_an_install_hint(monkeypatch):
     assert get_transfer_backend("tcp").name == "tcp"
 
 
-def test_config_comes_from_server_args_flags():
+def test_config_comes_from_server_args_flags(monkeypatch):
+    monkeypatch.setenv("KVSHIP_KV_TRANSFER_SECRET", KV_SECRET.decode())
     args = ServerArgs(
         mode="prefill",
         disaggregation_transfer_backend="nixl",
@@ -357,5 +361,6 @@ def test_config_comes_from_server_args_flags():
         True,
         "0.0.0.0",
     )
+    assert cfg.secret == KV_SECRET and not cfg.insecure
     with pytest.raises(ValueError, match="waiting_timeout"):
-        KVTransferConfig(waiting_timeout=0).validate()
+        KVTransferConfig(waiting_timeout=0, secret=KV_SECRET).validate()

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 import server_fixtures
+from pd_fixtures import KV_SECRET, room_token
 
 from kvship.engine import fingerprint as F
 from kvship.engine.disagg.wire import Hello, KVLayout, Welcome, decode_body, encode_frame
@@ -106,7 +107,8 @@ def test_mismatch_rule_names_both_sides():
 
 def _worker(model: str, mode: str, extra: list[str]) -> contextlib.AbstractContextManager:
     args = ["--model-path", model, "--mode", mode, "--max-total-tokens", "2048", "--max-running-requests", "8"]
-    return server_fixtures.start_server(args + extra)
+    # both workers share one KV transfer secret (docs/pd.md, "KV plane authentication")
+    return server_fixtures.start_server(args + extra, env={"KVSHIP_KV_TRANSFER_SECRET": KV_SECRET.decode()})
 
 
 def _free(url: str) -> dict:
@@ -145,6 +147,7 @@ def test_decode_refuses_a_prefill_of_another_fingerprint_with_a_503_naming_both(
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": boot,
             "bootstrap_room": 4242,
+            "bootstrap_token": room_token(4242),
         }
 
         async def pair() -> httpx.Response:

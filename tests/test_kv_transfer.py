@@ -82,6 +82,7 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     from kv_faults import corrupt_kv_every
+    from pd_fixtures import KV_SECRET, room_token
 
     from kvship.engine.disagg import AuxInfo, KVTransferConfig, create_kv_manager
     from kvship.engine.disagg.layerwise import LayerProgress
@@ -98,7 +99,11 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
                 fill_pool(pool, spec[2])
             pools[name] = pool
             cfg = KVTransferConfig(
-                backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0, **overrides
+                backend=backend,
+                bootstrap_port=0,
+                heartbeat_interval=0.5,
+                heartbeat_timeout=5.0,
+                **{"secret": KV_SECRET, **overrides},
             )
             mgrs[name] = create_kv_manager(role, pool, cfg)
             if name in CORRUPT_EVERY:
@@ -209,8 +214,10 @@ def _peer_main(conn, role: str, backend: str, names) -> None:
             return {"senders": len(m._senders), "pending": len(m._pending)}
 
     handlers = {
-        "sender": lambda mgr, room: objs.__setitem__(room, mgrs[mgr].create_sender(room)),
-        "receiver": lambda mgr, port, room: objs.__setitem__(room, mgrs[mgr].create_receiver("127.0.0.1", port, room)),
+        "sender": lambda mgr, room: objs.__setitem__(room, mgrs[mgr].create_sender(room, room_token(room))),
+        "receiver": lambda mgr, port, room: objs.__setitem__(
+            room, mgrs[mgr].create_receiver("127.0.0.1", port, room, room_token(room))
+        ),
         "send": lambda room, pages, aux: objs[room].send(pages, AuxInfo(*aux)),
         "init": lambda room, pages: objs[room].init(pages),
         "poll": poll,

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from kv_faults import corrupt_kv_env
-from pd_fixtures import make_prompts, start_local, unified_greedy
+from pd_fixtures import make_prompts, room_token, start_local, unified_greedy
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -89,8 +89,20 @@ def test_transfer_timeouts_give_a_clear_error_and_free_the_slots(cluster):
         "bootstrap_port": port,
     }
     t0 = time.monotonic()
-    only_decode = httpx.post(d + "/generate", json={**body, "bootstrap_room": random.getrandbits(62)}, timeout=60)
-    only_prefill = httpx.post(p + "/generate", json={**body, "bootstrap_room": random.getrandbits(62)}, timeout=60)
+    key = cluster.worker_headers  # the workers take only the worker key (docs/router.md, "Authentication")
+    rooms = [random.getrandbits(62) for _ in range(2)]  # with their tokens (docs/pd.md, "KV plane authentication")
+    only_decode = httpx.post(
+        d + "/generate",
+        json={**body, "bootstrap_room": rooms[0], "bootstrap_token": room_token(rooms[0])},
+        timeout=60,
+        headers=key,
+    )
+    only_prefill = httpx.post(
+        p + "/generate",
+        json={**body, "bootstrap_room": rooms[1], "bootstrap_token": room_token(rooms[1])},
+        timeout=60,
+        headers=key,
+    )
     assert time.monotonic() - t0 < 4 * TIMEOUT_S + 10
     assert only_decode.status_code == 503, only_decode.text
     assert "KV transfer failed" in _error_message(only_decode)
@@ -121,22 +133,27 @@ def test_client_disconnect_frees_slots_on_both_sides(cluster):
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     port = cluster.info(p)["disaggregation_bootstrap_port"]
     for url, stage in ((d, "transfer_queue"), (p, "bootstrap_queue")):
+        room = random.getrandbits(62)
         payload = json.dumps(
             {
                 "input_ids": list(range(5, 90)),
                 "stream": True,
                 "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": port,
-                "bootstrap_room": random.getrandbits(62),
+                "bootstrap_room": room,
+                "bootstrap_token": room_token(room),
                 "sampling_params": {"max_new_tokens": 8, "temperature": 0},
             }
         ).encode()
         host, http_port = url.removeprefix("http://").split(":")
         t0 = time.monotonic()
         sock = socket.create_connection((host, int(http_port)), timeout=10)
+        auth = cluster.worker_headers["authorization"].encode()  # the workers take only the worker key
         sock.sendall(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+            + auth
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(payload)
+            + payload
         )
         _wait_for(lambda: cluster.info(url)[stage], 10, f"the request to reach {stage}")
         sock.close()
@@ -167,7 +184,7 @@ def test_prefill_killed_while_decode_waits_for_kv_then_retry_on_other_pair_succe
         t.start()
 
         def busy_prefill():
-            for w in httpx.get(cluster.url + "/workers", timeout=5).json()["workers"]:
+            for w in httpx.get(cluster.url + "/workers", timeout=5, headers=cluster.worker_headers).json()["workers"]:
                 if w["role"] == "prefill" and w["in_flight"]:
                     return w["url"]
             return None

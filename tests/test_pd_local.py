@@ -155,6 +155,15 @@ def test_kvship_local_default_serves_a_chat_completion_and_stops_cleanly_on_sigi
             assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
         cluster.wait_free(cluster.workers("prefill") + cluster.workers("decode"))
         worker_pids = [cluster.pid(u) for u in cluster.workers("prefill") + cluster.workers("decode")]
+        # this run's KV transfer secret reached both workers through their environment, never argv (docs/pd.md)
+        kv_secrets = set()
+        for pid in worker_pids:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert env[b"KVSHIP_KV_TRANSFER_SECRET"] not in f.read()
+            kv_secrets.add(env[b"KVSHIP_KV_TRANSFER_SECRET"])
+        assert len(kv_secrets) == 1 and len(next(iter(kv_secrets))) == 64
         children = [int(p) for p in open(f"/proc/{cluster.proc.pid}/task/{cluster.proc.pid}/children").read().split()]
         assert set(worker_pids) <= set(children) and len(children) == 3  # + the router
         assert "serving on " + cluster.url in cluster.log("local")

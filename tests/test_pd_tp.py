@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
-from pd_fixtures import make_prompts, start_local, unified_greedy
+from pd_fixtures import KV_SECRET, make_prompts, room_token, start_local, unified_greedy
 
 from kvship.engine.disagg.base import BackendUnavailableError, KVPoll, get_transfer_backend
 from kvship.engine.disagg.descriptors import page_runs
@@ -141,7 +141,14 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill, la
     from kvship.engine.disagg.layerwise import LayerProgress
 
     full = _global_kv(k)
-    common = dict(backend=backend, bootstrap_port=0, heartbeat_interval=0.5, heartbeat_timeout=5.0, total_kv_heads=k)
+    common = dict(
+        backend=backend,
+        bootstrap_port=0,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=5.0,
+        total_kv_heads=k,
+        secret=KV_SECRET,
+    )
     prefill, decode, dpools = [], [], []
     for p in range(a):
         p0, pn = rank_kv_heads(k, a, p)
@@ -160,8 +167,8 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill, la
     try:
         room = 4242
         src_pages, dst_pages = [3, 4, 5, 9, 1], [7, 2, 8, 10, 11]
-        senders = [m.create_sender(room) for m in prefill]
-        receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room) for m in decode]
+        senders = [m.create_sender(room, room_token(room)) for m in prefill]
+        receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room, room_token(room)) for m in decode]
         for r in receivers:
             r.init(dst_pages)
         if abort_rank is not None or kill_prefill is not None or layerwise:

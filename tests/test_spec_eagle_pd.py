@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from pd_fixtures import Collector, InProcessPD, _server_args, run_until_idle, unified_greedy
+from pd_fixtures import KV_SECRET, Collector, InProcessPD, _server_args, room_token, run_until_idle, unified_greedy
 from test_spec_eagle import write_random_head
 
 from kvship.app.roles import scheduler_for_mode
@@ -257,7 +257,7 @@ def _managers(backend: str, a: int, b: int, kinds: tuple[str, str] = ("k", "k"),
     from kvship.engine.disagg.tp_slices import rank_kv_heads
     from kvship.engine.mem.pools import KVPool
 
-    common = dict(backend=backend, bootstrap_port=0, total_kv_heads=2, checksum=True)
+    common = dict(backend=backend, bootstrap_port=0, total_kv_heads=2, checksum=True, secret=KV_SECRET)
     g = torch.Generator().manual_seed(3)
     want = torch.randn((SLOTS + 1, dims[0]), generator=g)
     prefill, decode, dfeats = [], [], []
@@ -285,8 +285,8 @@ def _move_room(prefill, decode) -> tuple[list, list]:
     rng = np.random.default_rng(5)
     src, dst = (rng.permutation(np.arange(1, SLOTS + 1))[:40].tolist() for _ in range(2))
     room = 77
-    senders = [m.create_sender(room) for m in prefill]
-    receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room) for m in decode]
+    senders = [m.create_sender(room, room_token(room)) for m in prefill]
+    receivers = [m.create_receiver("127.0.0.1", prefill[0].bootstrap_port, room, room_token(room)) for m in decode]
     for r in receivers:
         r.init(dst)
     for s in senders:

@@ -6,6 +6,11 @@
 * One :class:`KVSender` per request on prefill, one :class:`KVReceiver` per
   request on decode, both named by the router's random 63-bit
   ``bootstrap_room``.  Their class docstrings give each side's life cycle.
+* Both planes are authenticated (docs/pd.md, "KV plane authentication";
+  :mod:`kvship.engine.disagg.auth`): control and tcp data connections start with
+  an HMAC challenge-response on the KV transfer secret (``KVTransferConfig.secret``),
+  and each room carries the tags of its ``bootstrap_token`` (``create_sender`` /
+  ``create_receiver`` take it; required unless ``KVTransferConfig.insecure``).
 * :class:`TransferBackend` is the data plane (how bytes move), looked up by name
   (``tcp``, ``mooncake``, ``nixl``) in a registry that imports its module
   lazily; a missing package raises :class:`BackendUnavailableError` naming it.
@@ -45,6 +50,7 @@ import torch
 from kvship.common.cli_args import opt
 
 if TYPE_CHECKING:
+    from kvship.engine.disagg.auth import RoomKey
     from kvship.engine.disagg.layerwise import LayerProgress
     from kvship.engine.disagg.wire import AuxRecord, KVLayout
 
@@ -100,6 +106,31 @@ class KVTransferConfig:
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
     total_kv_heads: int = opt(0, "The model's KV heads (0: this pool's heads times tp_size)")
     fingerprint: str = opt("", "Model fingerprint (kvship.engine.fingerprint) sent in Hello/Welcome; '' = unchecked")
+    # KV-plane authentication (docs/pd.md, "KV plane authentication"; kvship.engine.disagg.auth)
+    secret: Optional[bytes] = field(
+        default=None, repr=False, metadata={"cli": False, "help": "The KV transfer secret (never shown)"}
+    )
+    insecure: bool = opt(False, "No KV-plane authentication (both sides must agree); measurement / trusted hosts only")
+    handshake_timeout: float = opt(
+        5.0, "Seconds a peer has, from connecting, to finish authenticating (bootstrap and tcp data ports)"
+    )
+    data_idle_timeout: float = opt(
+        600.0,
+        "tcp: decode closes a data connection idle this long between frames; prefill replaces one idle for half "
+        "of it before its next frame",
+    )
+    max_connections: int = opt(256, "Most concurrent connections on the bootstrap port and on the tcp data port each")
+    max_handshakes: int = opt(32, "Of those, most still authenticating; a connection over either limit is closed")
+
+    @property
+    def auth_mode(self) -> str:
+        """What this side's handshake says: ``hmac-sha256`` (authentication on) or ``none``."""
+        return "none" if self.insecure else "hmac-sha256"
+
+    @property
+    def tag_secret(self) -> bytes:
+        """The secret room tags are derived from (empty without authentication)."""
+        return b"" if self.insecure or self.secret is None else self.secret
 
     def validate(self) -> None:
         if self.backend not in _BACKEND_PATHS and self.backend not in _REGISTERED:
@@ -116,6 +147,16 @@ class KVTransferConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not self.insecure:
+            from kvship.engine.disagg.auth import SECRET_HELP, check_secret
+
+            if self.secret is None:
+                raise ValueError(f"a prefill or decode worker needs a KV transfer secret: {SECRET_HELP}")
+            check_secret(self.secret, "the transfer config")
+        if self.handshake_timeout <= 0 or self.data_idle_timeout <= 0:
+            raise ValueError("handshake_timeout and data_idle_timeout must be > 0")
+        if not 1 <= self.max_handshakes <= self.max_connections:
+            raise ValueError("need 1 <= max_handshakes <= max_connections")
         if self.transfer_threads < 1 or self.max_inflight < 1:
             raise ValueError("transfer_threads and max_inflight must be >= 1")
         if not 0 <= self.bootstrap_port < 65536:
@@ -123,7 +164,12 @@ class KVTransferConfig:
 
     @classmethod
     def from_server_args(cls, args, **overrides) -> "KVTransferConfig":
-        """Map ``ServerArgs`` (``--disaggregation-*``, ``--kv-transfer-checksum``) to a config."""
+        """Map ``ServerArgs`` (``--disaggregation-*``, ``--kv-transfer-*``) to a config.
+
+        Loads the KV transfer secret (``--kv-transfer-secret-file``, else ``KVSHIP_KV_TRANSFER_SECRET``);
+        ValueError naming both ways when there is none and ``--kv-transfer-insecure`` is off."""
+        from kvship.engine.disagg.auth import load_kv_secret
+
         values = dict(
             backend=args.disaggregation_transfer_backend,
             host=args.host,
@@ -135,7 +181,10 @@ class KVTransferConfig:
             layerwise=args.disaggregation_layerwise,
             layerwise_writes=args.disaggregation_layerwise_writes,
             max_inflight=max(4096, 2 * args.max_running_requests),
+            insecure=args.kv_transfer_insecure,
         )
+        if "secret" not in overrides:
+            values["secret"] = load_kv_secret(args.kv_transfer_secret_file, args.kv_transfer_insecure)
         try:
             from kvship.engine.fingerprint import fingerprint_for
 
@@ -248,10 +297,15 @@ class TransferBackend(ABC):
     Decode calls ``start_receiving`` once; ``expect_room`` / ``forget_room``
     bracket each registered room.
 
-    ``write(peer, room, descs, done=True)`` on a backend with ``in_band_done``
-    delivers the done signal for ``room`` to the peer's ``on_done`` callback
+    ``write(peer, key, descs, done=True)`` on a backend with ``in_band_done``
+    delivers the done signal for ``key.room`` to the peer's ``on_done`` callback
     strictly after that write's data has landed.  Backends without it return from ``write`` only
     once the data has landed, and the control plane sends the done message.
+
+    Rooms travel as ``auth.RoomKey`` (the room number and its tags) where a backend may need the tags:
+    the tcp backend marks every frame with ``key.frame_tag`` and decode drops the connection of a frame
+    whose tag is not its room's.  A peer's endpoint (``local_info``) is only ever sent after the control
+    handshake authenticated it (docs/pd.md, "KV plane authentication").
     """
 
     name: ClassVar[str] = ""
@@ -280,27 +334,29 @@ class TransferBackend(ABC):
         """Prefill: forget a peer (no write to it is in flight)."""
 
     @abstractmethod
-    def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
-        """Prefill: carry out ``descs`` (all for ``room``) into the peer; raise KVTransferError on failure."""
+    def write(self, peer_id: str, key: "RoomKey", descs: TransferDescs, done: bool = False) -> None:
+        """Prefill: carry out ``descs`` (all for room ``key.room``) into the peer; raise KVTransferError on failure."""
 
     def peer_takes_aux_in_done(self, peer_id: str) -> bool:
         """Prefill: whether ``send_aux_done`` replaces the aux write and the done signal for this peer (a
         backend that can, to a peer whose ``local_info`` says ``"aux_in_done": true``)."""
         return False
 
-    def send_aux_done(self, peer_id: str, room: int, aux_slot: int, record: bytes) -> None:
+    def send_aux_done(self, peer_id: str, key: "RoomKey", aux_slot: int, record: bytes) -> None:
         """Prefill (where ``peer_takes_aux_in_done``): the aux record for ``aux_slot`` and the done signal of
-        ``room`` in one message after the KV, sent once every write of the room has completed; decode's
+        ``key.room`` in one message after the KV, sent once every write of the room has completed; decode's
         ``on_done(room, None, (aux_slot, record))`` gets it once that KV has landed."""
         raise KVTransferError(f"the {self.name} backend sends the aux record as a write")
 
     def start_receiving(self, on_done: Callable[..., None]) -> None:
         """Decode: deliver in-band done signals as ``on_done(room, None)`` (``on_done(room, None, (aux_slot,
         record))`` when the aux record rides in it); a backend that detects a bad write for a room reports
-        ``on_done(room, reason)`` instead (and drops that room's later data)."""
+        ``on_done(room, reason)`` instead (and drops that room's later data).  The manager checks the room's
+        aux record (its tag) before it counts a done signal."""
 
-    def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
-        """Decode: ``room`` may now be written into ``dst_pages``."""
+    def expect_room(self, key: "RoomKey", dst_pages: np.ndarray, aux_slots: Sequence[int]) -> None:
+        """Decode: room ``key.room`` may now be written into ``dst_pages`` and its aux record into ``aux_slots``
+        (one per prefill rank; called again when the room learns more ranks)."""
 
     def forget_room(self, room: int) -> None:
         """Decode: ``room`` is finished; late data for it must not land."""
@@ -358,11 +414,11 @@ def available_transfer_backends() -> list[str]:
 
 
 class KVSender(ABC):
-    """Prefill side of one request: ``manager.create_sender(room)``.
+    """Prefill side of one request: ``manager.create_sender(room, token)``.
 
     Life cycle (scheduler thread)::
 
-        s = manager.create_sender(room)   # Bootstrapping until decode registered the room
+        s = manager.create_sender(room, token)   # Bootstrapping until decode registered the room
         s.poll()                          # -> WaitingForInput: decode's pages are known
         ... run the prompt's extends, sample the first token, synchronize the device ...
         s.send_layerwise(src_pages, ready, progress)   # optional, right before the last chunk's forward
@@ -418,11 +474,11 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side of one request: ``manager.create_receiver(bootstrap_host, bootstrap_port, room)``.
+    """Decode side of one request: ``manager.create_receiver(bootstrap_host, bootstrap_port, room, token)``.
 
     Life cycle (scheduler thread)::
 
-        r = manager.create_receiver(host, port, room)   # Bootstrapping
+        r = manager.create_receiver(host, port, room, token)   # Bootstrapping
         r.init(dst_pages)     # after allocating the prompt's KV pages on decode
                               # -> registers {room, dst pages, aux slot} with prefill
         r.poll()              # Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed
@@ -482,10 +538,14 @@ class KVManager(ABC):
         """Prefill: the bootstrap port actually bound (``bootstrap_port=0`` picks one); decode: None."""
         return None
 
-    def create_sender(self, room: int) -> KVSender:
+    def create_sender(self, room: int, token: Optional[str] = None) -> KVSender:
+        """``token``: the request's ``bootstrap_token`` (required unless ``config.insecure``)."""
         raise KVTransferError(f"a {self.role} KV manager cannot create senders")
 
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, room: int, token: Optional[str] = None
+    ) -> KVReceiver:
+        """``token``: the request's ``bootstrap_token`` (required unless ``config.insecure``)."""
         raise KVTransferError(f"a {self.role} KV manager cannot create receivers")
 
     _progress_hook: Optional[Callable[[], None]] = None
@@ -495,6 +555,17 @@ class KVManager(ABC):
         something new (decode registered a room, the KV arrived, a terminal state).  It must not block (the
         manager's lock may be held); the scheduler wakes its loop with it instead of polling on a timer."""
         self._progress_hook = hook
+
+    def room_key(self, room: int, token: Optional[str]) -> "RoomKey":
+        """The room's key for this worker (KVTransferError when authentication is on and ``token`` is missing or
+        malformed)."""
+        from kvship.engine.disagg.auth import RoomKey, token_problem
+
+        if token is not None or not self.config.insecure:
+            problem = token_problem(token)
+            if problem is not None:
+                raise KVTransferError(f"room {room}: {problem} (KV-plane authentication is on)")
+        return RoomKey(room, token, self.config.tag_secret)
 
     def progressed(self) -> None:
         hook = self._progress_hook

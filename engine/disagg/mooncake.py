@@ -5,7 +5,10 @@ etcd: peers find each other by ``host:rpc_port``, the *session*), protocol
 ``rdma`` on ``--disaggregation-ib-device`` or ``tcp`` otherwise.  All local
 regions (K/V buffers, aux buffer) are registered once at construction.
 
-Decode's ``local_info`` is its session and the base addresses of its regions;
+Decode's ``local_info`` is its session and the base addresses of its regions
+(sent only after the control handshake authenticated prefill; Mooncake's own
+RPC and transport listeners cannot be authenticated by kvship: NetworkPolicy
+confines them, docs/pd.md "KV plane authentication");
 prefill turns descriptors into absolute addresses and calls
 ``batch_transfer_sync_write`` (which returns once the data is in decode's
 memory), so the done signal travels on the control connection afterwards
@@ -30,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from kvship.common.envs import ENV
+from kvship.engine.disagg.auth import RoomKey
 from kvship.engine.disagg.base import (
     KVTransferConfig,
     KVTransferError,
@@ -112,7 +116,8 @@ class MooncakeBackend(TransferBackend):
         with self._lock:
             self._peers.pop(peer_id, None)
 
-    def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
+    def write(self, peer_id: str, key: RoomKey, descs: TransferDescs, done: bool = False) -> None:
+        room = key.room
         with self._lock:
             peer = self._peers.get(peer_id)
         if peer is None:

@@ -13,6 +13,13 @@ advertise ``aux_in_done`` (an older worker) the aux record is a write whose
 notification ``kvship-done:<room>`` NIXL delivers after that transfer's data
 (``in_band_done = True``).
 
+Authentication (docs/pd.md, "KV plane authentication"): decode's agent
+metadata goes to prefill only after the control handshake authenticated it,
+but UCX's own listener cannot be authenticated by kvship (NetworkPolicy
+confines it).  A notification counts as a room's done signal only when the
+aux record it carries (or the one already in the room's slot) has the room's
+aux tag; anything else is ignored.
+
 On CPU, UCX moves the bytes through shared memory.  Debian's
 ``ibverbs-providers`` makes UCX crash at process exit: keep it uninstalled or
 run with ``UCX_MODULES=^ib``.  Packages: ``nixl`` (pulls ``nixl-cu12`` /
@@ -31,6 +38,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from kvship.common.envs import ENV
+from kvship.engine.disagg.auth import RoomKey
 from kvship.engine.disagg.base import (
     KVTransferConfig,
     KVTransferError,
@@ -179,7 +187,8 @@ class NixlBackend(TransferBackend):
             peer = self._peers.get(peer_id)
         return peer is not None and peer.aux_in_done
 
-    def send_aux_done(self, peer_id: str, room: int, aux_slot: int, record: bytes) -> None:
+    def send_aux_done(self, peer_id: str, key: RoomKey, aux_slot: int, record: bytes) -> None:
+        room = key.room
         with self._api_lock:
             peer = self._peers.get(peer_id)
             if peer is None:
@@ -213,7 +222,8 @@ class NixlBackend(TransferBackend):
                 self.agent.get_new_notifs()
             time.sleep(_PUMP_POLL_S)
 
-    def write(self, peer_id: str, room: int, descs: TransferDescs, done: bool = False) -> None:
+    def write(self, peer_id: str, key: RoomKey, descs: TransferDescs, done: bool = False) -> None:
+        room = key.room
         with self._api_lock:
             peer = self._peers.get(peer_id)
         if peer is None:
@@ -300,9 +310,9 @@ class NixlBackend(TransferBackend):
         self._notif_thread = threading.Thread(target=loop, name="kv-nixl-notifs", daemon=True)
         self._notif_thread.start()
 
-    def expect_room(self, room: int, dst_pages: np.ndarray) -> None:
+    def expect_room(self, key: RoomKey, dst_pages: np.ndarray, aux_slots: Sequence[int]) -> None:
         with self._api_lock:
-            self._expected.add(room)
+            self._expected.add(key.room)
         self._wake.set()
 
     def forget_room(self, room: int) -> None:

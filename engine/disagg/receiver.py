@@ -19,6 +19,13 @@ Per-slot features (``SlotFeatures``): registered after the K/V buffers when
 the worker has them; a prefill whose features differ (or that has none) is
 logged once per link and sends the K/V alone (docs/speculative.md, "PD").
 
+Authentication (docs/pd.md, "KV plane authentication"): every link starts
+with the HMAC challenge-response on the KV transfer secret; each Register
+carries the room token's register tag; a done signal from the data plane
+counts only once the room's aux slot holds a record with the room's aux tag
+(a stale or foreign record, or a done before the record, is ignored and
+logged), and ``poll()`` checks every record's tag again.
+
 A receiver's abort (local, or a timeout) sends ``Abort`` and reaches Failed
 when prefill acknowledges, the link dies, or ``abort_ack_timeout`` passes, so
 the pages are never freed while a write into them may still land.  A receiver
@@ -36,6 +43,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from kvship.engine.disagg import auth as A
 from kvship.engine.disagg import descriptors as D
 from kvship.engine.disagg.base import (
     KVManager,
@@ -90,8 +98,9 @@ class DecodeReceiver(KVReceiver):
     ``started`` (prefill's Started arrived), ``arrived`` (the done signal: every byte has landed).
     """
 
-    def __init__(self, manager: "DecodeKVManager", host: str, port: int, room: int):
-        self.room = room
+    def __init__(self, manager: "DecodeKVManager", host: str, port: int, key: A.RoomKey):
+        self.room = key.room
+        self.key = key
         self.bootstrap_addr = (host, int(port))
         self._m = manager
         self._created = time.monotonic()
@@ -136,7 +145,7 @@ class DecodeReceiver(KVReceiver):
             self.aux_slot = m.aux_free.pop()
             m.aux_buffer[self.aux_slot].zero_()
             m.active[self.room] = self
-            m.backend.expect_room(self.room, pages)
+            m.backend.expect_room(self.key, pages, [self.aux_slot])
             self.link = m.link_for(*self.bootstrap_addr)
             self.sources = [_Source(0, self.link, self.aux_slot)]
             if self.link.ready:
@@ -221,13 +230,17 @@ class DecodeReceiver(KVReceiver):
                 self._register_locked(src)
             else:
                 m.waiters.setdefault(src.link, []).append(self)
+        m.backend.expect_room(self.key, self.pages, [s.aux_slot for s in self.sources])
         return True
 
     def _register_locked(self, src: _Source) -> None:
         assert self.pages is not None
         algo = default_algorithm(self._m.pool_device) if self._m.config.checksum else None
         self.stamps["registered"] = time.time()  # before the send: prefill may act on it before send() returns
-        if not src.link.send(Register(room=self.room, pages=self.pages, aux_slot=src.aux_slot, checksum=algo)):
+        reg = Register(
+            room=self.room, pages=self.pages, aux_slot=src.aux_slot, checksum=algo, tag=self.key.register_tag
+        )
+        if not src.link.send(reg):
             src.ended = True
             self._abort_locked(f"lost the link to prefill {src.link.address} while registering")
             return
@@ -321,6 +334,8 @@ class DecodeReceiver(KVReceiver):
             return KVPoll.Failed, f"bad aux record: {e}", None
         if aux.room != self.room:
             return KVPoll.Failed, f"aux record is for room {aux.room}, expected {self.room} (corrupted transfer)", None
+        if not A.same(aux.tag, self.key.aux_tag):
+            return KVPoll.Failed, f"aux record of room {self.room} has a wrong room tag (stale or foreign record)", None
         if aux.num_pages != pages.size:
             return KVPoll.Failed, f"aux record says {aux.num_pages} pages, decode registered {pages.size}", None
         if m.config.checksum:
@@ -340,6 +355,14 @@ class DecodeReceiver(KVReceiver):
                     None,
                 )
         return KVPoll.Success, None, aux
+
+    def record_ok(self, record: bytes) -> bool:
+        """Whether ``record`` is an aux record of this room with its tag (a done signal may count)."""
+        try:
+            aux = AuxRecord.unpack(record)
+        except WireError:
+            return False
+        return aux.room == self.room and A.same(aux.tag, self.key.aux_tag)
 
     def _set_done_locked(self) -> None:
         """Every byte of the room has landed: ``poll()`` verifies it next (wake the scheduler for that)."""
@@ -412,10 +435,12 @@ class DecodeKVManager(KVManager):
         logger.info("KV transfer (%s) decode side ready", backend_cls.name)
 
     # -- scheduler API --------------------------------------------------
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, room: int) -> DecodeReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, room: int, token: Optional[str] = None
+    ) -> DecodeReceiver:
         if self._closed.is_set():
             raise KVTransferError("decode KV manager is closed")
-        return DecodeReceiver(self, bootstrap_host, bootstrap_port, room)
+        return DecodeReceiver(self, bootstrap_host, bootstrap_port, self.room_key(room, token))
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -450,6 +475,7 @@ class DecodeKVManager(KVManager):
             host,
             port,
             hello,
+            secret=None if self.config.insecure else self.config.secret,
             connect_timeout=self.config.connect_timeout,
             handshake_timeout=min(self.config.bootstrap_timeout, 30.0),
             check_welcome=self._check_welcome,
@@ -514,11 +540,20 @@ class DecodeKVManager(KVManager):
                 return
             if error is None and aux is not None:  # the aux record rode in the done signal: place it in its slot
                 slot, record = aux
-                if slot not in {src.aux_slot for src in r.sources} or not 0 < len(record) <= AUX_RECORD_BYTES:
-                    r._finish_locked(KVPoll.Failed, f"done signal with a bad aux record (slot {slot}, {len(record)} B)")
+                if (
+                    slot not in {src.aux_slot for src in r.sources}
+                    or not 0 < len(record) <= AUX_RECORD_BYTES
+                    or not r.record_ok(record)
+                ):  # not this room's record (stale, foreign, cut short): refused, the room goes on
+                    logger.warning("room %d: done signal with a bad aux record (slot %s) ignored", room, slot)
                     return
                 self.aux_buffer[slot].zero_()
                 self.aux_buffer[slot, : len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+            elif error is None:  # the record was written before: a done counts once one more slot holds it
+                good = sum(r.record_ok(bytes(self.aux_buffer[src.aux_slot].numpy())) for src in r.sources)
+                if good <= r._dones:
+                    logger.warning("room %d: done signal before the room's aux record ignored", room)
+                    return
             if error is None:
                 r._set_done_locked()
             else:  # the backend already drops this room's later data

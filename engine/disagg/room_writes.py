@@ -11,8 +11,10 @@
   those layers; once the first token is there, the features, the aux record
   and the done signal, rank by rank.
 
-Descriptors are checked against both sides' registered regions before a
-write.  ``cancelled()`` is looked at between writes: once it is true the
+Rooms travel as ``auth.RoomKey``: the backend marks its writes with the
+room's tags where it can (tcp frames) and the aux record carries the room's
+aux tag (docs/pd.md, "KV plane authentication").  Descriptors are checked
+against both sides' registered regions before a write.  ``cancelled()`` is looked at between writes: once it is true the
 room's failure is decided elsewhere and nothing more is written.
 """
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from kvship.engine.disagg import descriptors as D
+from kvship.engine.disagg.auth import RoomKey
 from kvship.engine.disagg.base import AuxInfo, KVTransferError, TransferBackend, TransferDescs
 from kvship.engine.disagg.checksum import kv_checksum_heads
 from kvship.engine.disagg.layerwise import LayerProgress
@@ -33,7 +36,7 @@ from kvship.engine.disagg.tp_slices import head_slice, slice_kv_descs
 from kvship.engine.disagg.wire import AUX_RECORD_BYTES, AuxRecord, Done, KVLayout, Register, Started
 
 if TYPE_CHECKING:
-    from kvship.engine.disagg.sender import _DecodePeer
+    from kvship.engine.disagg.prefill_room import DecodePeer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class RoomWriter:
         self.aux_staging = aux_staging
 
     @staticmethod
-    def guard(room: int, peer: "_DecodePeer", fn: Callable[..., None], *args) -> Optional[str]:
+    def guard(room: int, peer: "DecodePeer", fn: Callable[..., None], *args) -> Optional[str]:
         """Run one step of a transfer to ``peer``; its failure as the room's reason (None: it went well)."""
         try:
             fn(*args)
@@ -83,16 +86,16 @@ class RoomWriter:
     def whole(
         self,
         index: int,
-        room: int,
+        key: RoomKey,
         stamps: dict,
-        peer: "_DecodePeer",
+        peer: "DecodePeer",
         reg: Register,
         src_pages: np.ndarray,
         aux: AuxInfo,
         cancelled: Callable[[], bool],
     ) -> None:
         """The whole room to one decode rank; raises on failure."""
-        layout = self.layout
+        layout, room = self.layout, key.room
         stamps["transfer_start"] = time.time()
         dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
         peer.conn.send(Started(room=room))
@@ -114,18 +117,18 @@ class RoomWriter:
             D.check_descs(descs, self.region_sizes, peer.region_bytes)
             if cancelled():
                 return
-            self.backend.write(peer.peer_id, room, descs)
+            self.backend.write(peer.peer_id, key, descs)
         if cancelled():
             return
-        self.finish_peer(index, room, peer, reg, src_pages, aux, checksum)
+        self.finish_peer(index, key, peer, reg, src_pages, aux, checksum)
         stamps["transfer_end"] = time.time()
 
     def layerwise(
         self,
         index: int,
-        room: int,
+        key: RoomKey,
         stamps: dict,
-        targets: list[tuple["_DecodePeer", Register]],
+        targets: list[tuple["DecodePeer", Register]],
         pages: np.ndarray,
         ready: int,
         progress: LayerProgress,
@@ -136,12 +139,12 @@ class RoomWriter:
         record of ``send()`` are there (None: the room failed meanwhile).  Returns the failure reason, or None
         when it went well or was cancelled."""
         stamps["transfer_start"] = time.time()
-        num_layers = self.layout.num_layers
+        num_layers, room = self.layout.num_layers, key.room
         plans = []
         for peer, reg in targets:
             peer.conn.send(Started(room=room))
             before = self.kv_descs(peer, pages[:ready], reg.pages[:ready])
-            error = self.guard(room, peer, self.write, room, peer, before)
+            error = self.guard(room, peer, self.write, key, peer, before)
             if error is not None or cancelled():
                 return error
             plans.append((peer, self.kv_descs(peer, pages[ready:], reg.pages[ready:])))
@@ -159,7 +162,7 @@ class RoomWriter:
             stamps["layers_last"] = now
             for peer, descs in plans:
                 part = None if descs is None else D.select_layers(descs, num_layers, written, end)
-                error = self.guard(room, peer, self.write, room, peer, part)
+                error = self.guard(room, peer, self.write, key, peer, part)
                 if error is not None:
                     return error
             written = end
@@ -172,8 +175,8 @@ class RoomWriter:
             if cancelled():
                 return None
             features = self.feature_descs(peer, src_pages, reg.pages)
-            error = self.guard(room, peer, self.write, room, peer, features) or self.guard(
-                room, peer, self.finish_peer, index, room, peer, reg, src_pages, aux, None
+            error = self.guard(room, peer, self.write, key, peer, features) or self.guard(
+                room, peer, self.finish_peer, index, key, peer, reg, src_pages, aux, None
             )
             if error is not None:
                 return error
@@ -181,7 +184,7 @@ class RoomWriter:
         return None
 
     # -- the parts -----------------------------------------------------------------------
-    def kv_descs(self, peer: "_DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray) -> Optional[TransferDescs]:
+    def kv_descs(self, peer: "DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray) -> Optional[TransferDescs]:
         """The K/V bytes of these pages this rank writes into decode rank ``peer`` (its KV heads,
         ``tp_slices.head_slice``), or None when it holds none of them."""
         layout, dst = self.layout, peer.hello.layout
@@ -194,7 +197,7 @@ class RoomWriter:
         )
 
     def feature_descs(
-        self, peer: "_DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray
+        self, peer: "DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray
     ) -> Optional[TransferDescs]:
         """The per-slot features of these pages for decode rank ``peer``, or None (none travel to it from this
         rank: replicated, so one rank sends them)."""
@@ -204,17 +207,17 @@ class RoomWriter:
         runs = D.page_runs(src_pages, dst_pages)
         return D.region_descs(runs, self.feature_region, dst.num_buffers, self.layout.feature_page_bytes)
 
-    def write(self, room: int, peer: "_DecodePeer", descs: Optional[TransferDescs]) -> None:
+    def write(self, key: RoomKey, peer: "DecodePeer", descs: Optional[TransferDescs]) -> None:
         if descs is None or not len(descs):
             return
         D.check_descs(descs, self.region_sizes, peer.region_bytes)
-        self.backend.write(peer.peer_id, room, descs)
+        self.backend.write(peer.peer_id, key, descs)
 
     def finish_peer(
         self,
         index: int,
-        room: int,
-        peer: "_DecodePeer",
+        key: RoomKey,
+        peer: "DecodePeer",
         reg: Register,
         src_pages: np.ndarray,
         aux: AuxInfo,
@@ -222,6 +225,7 @@ class RoomWriter:
     ) -> None:
         """The aux record, then the done signal (in band, or on the control plane), or both in one message
         where the backend and the peer can (``TransferBackend.send_aux_done``)."""
+        room = key.room
         record = AuxRecord(
             room=room,
             first_token_id=int(aux.first_token_id),
@@ -230,17 +234,18 @@ class RoomWriter:
             num_pages=int(src_pages.size),
             checksum=checksum,
             top_logprobs=tuple(aux.first_token_top_logprobs),
+            tag=key.aux_tag,
         )
         packed = record.pack()
         if self.backend.peer_takes_aux_in_done(peer.peer_id):
             # one message after the KV: the record and the done signal (docs/pd.md, "How a request's KV travels")
-            self.backend.send_aux_done(peer.peer_id, room, reg.aux_slot, packed)
+            self.backend.send_aux_done(peer.peer_id, key, reg.aux_slot, packed)
             return
         self.aux_staging[index].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
         in_band = self.backend.in_band_done
         self.backend.write(
             peer.peer_id,
-            room,
+            key,
             D.aux_descs(self.aux_region, index, len(peer.region_bytes) - 1, reg.aux_slot, AUX_RECORD_BYTES),
             done=in_band,
         )

@@ -1,5 +1,8 @@
 """Prefill side of the transfer layer: bootstrap server, senders, transfer threads.
 
+``PrefillKVManager`` lives here; one room's state machine (``PrefillSender``) and the decode connections it
+writes to are in ``kvship.engine.disagg.prefill_room``.
+
 Life cycle of a room on prefill::
 
     Register arrives (decode connection)      create_sender(room) (scheduler)
@@ -33,6 +36,14 @@ every decode peer whose layout has features of the same kind, width and dtype
 replicated over tensor-parallel ranks, so decode rank ``d`` takes them from
 prefill rank ``d mod prefill tp size``.
 
+Room binding (docs/pd.md, "KV plane authentication"): a room is bound to the
+first registration (per decode rank) whose tag matches the room token the
+router gave this worker (``auth.RoomKey.register_tag``).  A registration that
+arrives before the request is held (at most ``max_inflight`` per decode
+connection) and checked when ``create_sender`` brings the token; one with a
+wrong tag is refused (``Fail`` to its connection alone) and the room stays
+open for the real decode.
+
 Registrations whose sender never appears expire after ``bootstrap_timeout``
 (decode is told with ``Fail``).  A decode connection that dies fails every
 room it registered.  A ``Abort`` from decode is acknowledged (``AbortAck``)
@@ -46,17 +57,17 @@ import queue
 import threading
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
+from kvship.engine.disagg import auth as A
 from kvship.engine.disagg import descriptors as D
 from kvship.engine.disagg.base import (
     AuxInfo,
     KVManager,
     KVPoll,
-    KVSender,
     KVTransferConfig,
     KVTransferError,
     MemoryRegion,
@@ -66,7 +77,7 @@ from kvship.engine.disagg.base import (
 )
 from kvship.engine.disagg.bootstrap import BootstrapServer, FramedConnection
 from kvship.engine.disagg.checksum import ALGORITHMS
-from kvship.engine.disagg.layerwise import LayerProgress
+from kvship.engine.disagg.prefill_room import DecodePeer, PendingRegistration, PrefillSender
 from kvship.engine.disagg.room_writes import RoomWriter
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
@@ -80,229 +91,10 @@ from kvship.engine.disagg.wire import (
     Refuse,
     Register,
     Welcome,
+    control_frame_cap,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class _DecodePeer:
-    def __init__(self, peer_id: str, conn: FramedConnection, hello: Hello):
-        self.peer_id = peer_id
-        self.conn = conn
-        self.hello = hello
-        self.region_bytes = list(hello.region_bytes)
-        self.features = False  # per-slot features travel to this peer (set at the handshake)
-        self.alive = True
-        self.inflight = 0
-
-
-class _PendingRegistration:
-    def __init__(self, peer: _DecodePeer, reg: Register):
-        self.peer = peer
-        self.reg = reg
-        self.at = time.monotonic()
-
-
-class PrefillSender(KVSender):
-    """One request's KV on its way out (see kvship.engine.disagg.base for the contract).
-
-    ``stamps`` holds the wall-clock times (``time.time()``) of the room's steps on this side, for the
-    request's trace (docs/pd.md, "Reading a request's trace"): ``registered`` (decode's destination
-    known), ``transfer_start`` / ``transfer_end`` (a transfer thread took the room / wrote its last byte
-    and done signal); layer-wise also ``layers_first`` / ``layers_last`` (the write of the first / last
-    run of stored layers began) and ``tail_start`` (the aux record was there: the features, aux and done
-    go next).
-    """
-
-    def __init__(self, manager: "PrefillKVManager", room: int):
-        self.room = room
-        self._m = manager
-        self._created = time.monotonic()
-        self._state = KVPoll.Bootstrapping
-        self._reason: Optional[str] = None
-        # decode rank -> (its connection, its registration): every rank of decode registers
-        self.targets: dict[int, tuple[_DecodePeer, Register]] = {}
-        self.expected: Optional[int] = None  # decode's tp size, from the first registration
-        self._payload: Optional[tuple[np.ndarray, AuxInfo]] = None
-        self._queued = False
-        self._busy = False  # a transfer thread is using the pages
-        self._failed: Optional[str] = None  # failure decided while busy
-        self._tell_decode: list[tuple[_DecodePeer, Message]] = []  # sent once not busy
-        self._ack_after: list[_DecodePeer] = []  # decode ranks whose abort is acknowledged when done
-        # layer-wise (send_layerwise): the forward's progress, the pages and how many were complete before it
-        self._layers: Optional[LayerProgress] = None
-        self._layer_pages: Optional[np.ndarray] = None
-        self._ready_pages = 0
-        self._cond = threading.Condition(manager.lock)  # the transfer thread waits here for send() or a failure
-        self.stamps: dict[str, float] = {}
-
-    # -- scheduler API --------------------------------------------------
-    def poll(self) -> KVPoll:
-        with self._m.lock:
-            if (
-                self._state == KVPoll.Bootstrapping
-                and time.monotonic() - self._created > self._m.config.bootstrap_timeout
-            ):
-                self._fail_locked(
-                    f"decode did not register room {self.room} within "
-                    f"{self._m.config.bootstrap_timeout:g} s (bootstrap timeout)"
-                )
-            return self._state
-
-    def send(self, src_pages: Sequence[int], aux: AuxInfo) -> None:
-        pages = D.as_pages(src_pages)
-        with self._m.lock:
-            if self._payload is not None:
-                raise KVTransferError(f"room {self.room}: send() called twice")
-            self._payload = (pages, aux)
-            if self._state.is_terminal:
-                return
-            if self._layers is not None:  # layer-wise: the transfer thread waits for the aux record
-                if not np.array_equal(pages, self._layer_pages):
-                    self._fail_locked(
-                        f"room {self.room}: send() names other pages than send_layerwise()", tell=True, kind="fail"
-                    )
-                self._cond.notify_all()
-                return
-            try:
-                D.check_pages(pages, self._m.num_pages, "prefill")
-            except KVTransferError as e:
-                self._fail_locked(str(e), tell=True, kind="fail")
-                return
-            if self.registered:
-                self._enqueue_locked()
-
-    def send_layerwise(self, src_pages: Sequence[int], ready_pages: int, progress: LayerProgress) -> bool:
-        pages = D.as_pages(src_pages)
-        m = self._m
-        with m.lock:
-            if (
-                not m.config.layerwise
-                or self._state not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
-                or self._payload is not None
-                or self._layers is not None
-                or not self._layerwise_fits_locked(pages.size)
-                or m.layerwise_rooms() >= m.config.transfer_threads - 1
-            ):
-                return False
-            try:
-                D.check_pages(pages, m.num_pages, "prefill")
-            except KVTransferError:
-                return False  # send() fails the room with the reason
-            self._layers, self._layer_pages = progress, pages
-            self._ready_pages = max(0, min(int(ready_pages), pages.size))
-            if self.registered:
-                self._start_layerwise_locked()
-            # else: deferred until decode's last registration (_attach_locked) starts it with every layer
-            # stored by then (docs/pd.md, "Layer-wise transfer")
-            return True
-
-    def _layerwise_fits_locked(self, n_pages: int) -> bool:
-        """Whether the registrations so far allow a layer-wise send of ``n_pages`` pages (no checksum: it is
-        computed over the whole KV; decode's page count equal to prefill's)."""
-        return all(reg.checksum is None and reg.pages.size == n_pages for _, reg in self.targets.values())
-
-    def _start_layerwise_locked(self) -> None:
-        self._state = KVPoll.Transferring
-        self._queued = True
-        self._m.enqueue(self)
-
-    def abort(self, reason: str = "aborted") -> None:
-        with self._m.lock:
-            self._fail_locked(f"aborted on prefill: {reason}", tell=True)
-
-    @property
-    def failure_reason(self) -> Optional[str]:
-        with self._m.lock:
-            return self._reason if self._state == KVPoll.Failed else None
-
-    @property
-    def peers(self) -> list[_DecodePeer]:
-        """The connections of the decode ranks that registered so far."""
-        return [peer for peer, _ in self.targets.values()]
-
-    @property
-    def registered(self) -> bool:
-        """Every decode rank has registered the room."""
-        return self.expected is not None and len(self.targets) == self.expected
-
-    # -- internals (manager lock held) ---------------------------------
-    def _add_target_locked(self, peer: _DecodePeer, reg: Register) -> bool:
-        """Record one decode rank's registration; False (and the room failed) if it does not fit."""
-        layout = peer.hello.layout
-        if self.expected is None:
-            self.expected = layout.tp_size
-        if layout.tp_size != self.expected or layout.tp_rank in self.targets:
-            reason = f"room {self.room}: registrations from decode ranks of different workers or twice from one rank"
-            peer.conn.send(Fail(room=self.room, reason=reason))
-            self._fail_locked(reason, tell=True, kind="fail")
-            return False
-        self.targets[layout.tp_rank] = (peer, reg)
-        return True
-
-    def _attach_locked(self, peer: _DecodePeer, reg: Register) -> None:
-        if not self._add_target_locked(peer, reg):
-            return
-        self.stamps["registered"] = time.time()
-        if self._state == KVPoll.Bootstrapping and self.registered:
-            self._state = KVPoll.WaitingForInput
-            self._m.progressed()
-            if self._layers is not None:  # a deferred layer-wise send (send_layerwise before the registration)
-                assert self._layer_pages is not None
-                if self._layerwise_fits_locked(self._layer_pages.size):
-                    self._start_layerwise_locked()
-                    return
-                # decode asked for a checksum, or other pages: the whole send after the forward, which
-                # send() brings (or brought: its pages were checked against send_layerwise's)
-                self._layers = self._layer_pages = None
-            if self._payload is not None:
-                self._enqueue_locked()
-
-    def _enqueue_locked(self) -> None:
-        assert self.registered and self._payload is not None
-        for _, reg in self.targets.values():
-            if self._payload[0].size != reg.pages.size:
-                self._fail_locked(
-                    f"page count mismatch for room {self.room}: prefill has {self._payload[0].size} "
-                    f"pages, decode registered {reg.pages.size}",
-                    tell=True,
-                    kind="fail",
-                )
-                return
-        self._state = KVPoll.Transferring
-        self._queued = True
-        self._m.enqueue(self)
-
-    def _fail_locked(
-        self, reason: str, tell: bool = False, kind: str = "abort", skip: Optional[_DecodePeer] = None
-    ) -> None:
-        """Move towards Failed; ``tell`` sends every decode rank (but ``skip``) an Abort/Fail once nothing is in flight."""
-        if self._state.is_terminal or self._failed is not None:
-            return
-        msgs: list[tuple[_DecodePeer, Message]] = []
-        if tell:
-            msg = Abort(room=self.room, reason=reason) if kind == "abort" else Fail(room=self.room, reason=reason)
-            msgs = [(peer, msg) for peer in self.peers if peer.alive and peer is not skip]
-        if self._busy:
-            self._failed = reason
-            self._tell_decode = msgs
-            self._cond.notify_all()  # a layer-wise thread waiting for send() or a layer stops at once
-            if self._layers is not None:
-                self._layers.poke()
-            return
-        self._finish_locked(KVPoll.Failed, reason)
-        for peer, msg in msgs:
-            self._m.post(peer, msg)
-
-    def _finish_locked(self, state: KVPoll, reason: Optional[str] = None) -> None:
-        self._state = state
-        self._reason = reason
-        self._m.forget(self)
-        self._m.progressed()
-        if state == KVPoll.Failed:
-            logger.info("KV sender room %d failed: %s", self.room, reason)
-        for peer in self._ack_after:
-            self._m.post(peer, AbortAck(room=self.room))
 
 
 class PrefillKVManager(KVManager):
@@ -346,8 +138,8 @@ class PrefillKVManager(KVManager):
             layerwise_writes=config.layerwise_writes,
         )
         self._senders: dict[int, PrefillSender] = {}
-        self._pending: dict[int, list[_PendingRegistration]] = {}  # room -> registrations before its sender
-        self._peers: dict[str, _DecodePeer] = {}
+        self._pending: dict[int, list[PendingRegistration]] = {}  # room -> registrations before its sender
+        self._peers: dict[str, DecodePeer] = {}
         self._queue: "queue.Queue[Optional[PrefillSender]]" = queue.Queue()
         self._closed = threading.Event()
         try:
@@ -357,7 +149,10 @@ class PrefillKVManager(KVManager):
                 on_hello=self._on_hello,
                 on_message=self._on_message,
                 on_closed=self._on_closed,
-                handshake_timeout=min(config.bootstrap_timeout, 30.0),
+                secret=None if config.insecure else config.secret,
+                handshake_timeout=config.handshake_timeout,
+                max_connections=config.max_connections,
+                max_handshakes=config.max_handshakes,
             )
         except Exception:
             self.backend.close()
@@ -380,18 +175,36 @@ class PrefillKVManager(KVManager):
         return self.server.port
 
     # -- scheduler API --------------------------------------------------
-    def create_sender(self, room: int) -> PrefillSender:
+    def create_sender(self, room: int, token: Optional[str] = None) -> PrefillSender:
+        key = self.room_key(room, token)
         with self.lock:
             if room in self._senders:
                 raise KVTransferError(f"room {room} already has a sender on this prefill worker")
-            s = PrefillSender(self, room)
+            s = PrefillSender(self, key)
             self._senders[room] = s
             for pend in self._pending.pop(room, []):
-                if pend.peer.alive:
+                pend.peer.pending -= 1
+                if s._state.is_terminal:
+                    pend.peer.conn.send(Fail(room=room, reason=f"room {room} failed: {s._reason}"))
+                elif not self._tag_ok(s, pend.peer, pend.reg):
+                    continue
+                elif pend.peer.alive:
                     s._attach_locked(pend.peer, pend.reg)
                 else:
                     s._fail_locked("decode peer disconnected before the transfer", tell=True)
             return s
+
+    def _tag_ok(self, s: PrefillSender, peer: DecodePeer, reg: Register) -> bool:
+        """Whether ``reg`` carries the room's register tag and its decode rank has not bound the room yet; if not,
+        that registration alone is refused (the room stays open for the real decode)."""
+        if not A.same(reg.tag.encode("ascii", "replace"), s.key.register_tag.encode()):
+            logger.warning("room %d: registration from decode %s with a wrong room tag refused", s.room, peer.peer_id)
+            peer.conn.send(Fail(room=reg.room, reason=f"room {reg.room}: wrong room tag (bootstrap_token)"))
+            return False
+        if peer.hello.layout.tp_rank in s.targets:
+            peer.conn.send(Fail(room=reg.room, reason=f"room {reg.room} is already registered on this prefill"))
+            return False
+        return True
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -412,7 +225,7 @@ class PrefillKVManager(KVManager):
     def enqueue(self, s: PrefillSender) -> None:
         self._queue.put(s)
 
-    def post(self, peer: Optional[_DecodePeer], msg: Message) -> None:
+    def post(self, peer: Optional[DecodePeer], msg: Message) -> None:
         if peer is not None and peer.alive:
             peer.conn.send(msg)
 
@@ -446,11 +259,13 @@ class PrefillKVManager(KVManager):
             self.backend.add_peer(peer_id, hello.backend_info)
         except Exception as e:  # noqa: BLE001 - any backend error refuses the peer
             return Refuse(reason=f"prefill cannot reach decode's {self.backend.name} endpoint: {e}")
-        peer = _DecodePeer(peer_id, conn, hello)
+        peer = DecodePeer(peer_id, conn, hello)
         peer.features = no_features is None
         with self.lock:
             self._peers[peer_id] = peer
             conn.peer_id = peer_id
+        # a Register names at most every page decode registered (docs/pd.md, "KV plane authentication")
+        conn.max_frame = control_frame_cap(hello.region_bytes[0] // max(1, hello.layout.page_bytes))
         logger.info("decode peer %s connected from %s", peer_id, conn.name)
         if no_features is not None and hello.layout.has_features:
             logger.warning(
@@ -481,7 +296,7 @@ class PrefillKVManager(KVManager):
             elif not isinstance(msg, Ping):
                 logger.warning("prefill: unexpected %s from decode %s", msg.TYPE, peer.peer_id)
 
-    def _register_locked(self, peer: _DecodePeer, reg: Register) -> None:
+    def _register_locked(self, peer: DecodePeer, reg: Register) -> None:
         if reg.checksum is not None and reg.checksum not in ALGORITHMS:
             peer.conn.send(Fail(room=reg.room, reason=f"unknown checksum algorithm {reg.checksum!r}"))
             return
@@ -493,18 +308,20 @@ class PrefillKVManager(KVManager):
             peer.conn.send(Fail(room=reg.room, reason=f"bad registration: {e}"))
             return
         s = self._senders.get(reg.room)
-        rank = peer.hello.layout.tp_rank
-        pending = self._pending.get(reg.room, [])
-        if any(p.peer.hello.layout.tp_rank == rank for p in pending) or (s is not None and rank in s.targets):
-            peer.conn.send(Fail(room=reg.room, reason=f"room {reg.room} is already registered on this prefill"))
-            return
-        if s is None:
-            self._pending.setdefault(reg.room, []).append(_PendingRegistration(peer, reg))
-        else:
+        if s is None:  # held until the request brings the room's token (then checked: create_sender)
+            if peer.pending >= self.config.max_inflight:
+                peer.conn.send(
+                    Fail(room=reg.room, reason=f"too many registrations held (max {self.config.max_inflight})")
+                )
+                return
+            peer.pending += 1
+            self._pending.setdefault(reg.room, []).append(PendingRegistration(peer, reg))
+        elif self._tag_ok(s, peer, reg):
             s._attach_locked(peer, reg)
 
-    def _decode_abort_locked(self, peer: _DecodePeer, msg: Abort) -> None:
+    def _decode_abort_locked(self, peer: DecodePeer, msg: Abort) -> None:
         pending = [p for p in self._pending.get(msg.room, []) if p.peer is not peer]
+        peer.pending -= len(self._pending.get(msg.room, [])) - len(pending)
         if msg.room in self._pending:
             if pending:
                 self._pending[msg.room] = pending
@@ -568,14 +385,14 @@ class PrefillKVManager(KVManager):
                     peers = [t for _, t in targets]
                     first_token = lambda s=s: self._first_token(s)  # noqa: E731
                     pages, ready, progress = s._layer_pages, s._ready_pages, s._layers
-                    error = w.layerwise(index, s.room, s.stamps, peers, pages, ready, progress, cancelled, first_token)
+                    error = w.layerwise(index, s.key, s.stamps, peers, pages, ready, progress, cancelled, first_token)
                 else:
                     src_pages, aux = s._payload  # type: ignore[misc]
                     for _, (peer, reg) in targets:
                         if cancelled():
                             break
                         error = w.guard(
-                            s.room, peer, w.whole, index, s.room, s.stamps, peer, reg, src_pages, aux, cancelled
+                            s.room, peer, w.whole, index, s.key, s.stamps, peer, reg, src_pages, aux, cancelled
                         )
                         if error is not None:
                             break
@@ -620,6 +437,7 @@ class PrefillKVManager(KVManager):
                     if now - pending[0].at > cfg.bootstrap_timeout:
                         del self._pending[room]
                         for pend in pending:
+                            pend.peer.pending -= 1
                             self.post(
                                 pend.peer,
                                 Fail(

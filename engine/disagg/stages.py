@@ -26,6 +26,7 @@ import torch
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.disagg import BackendUnavailableError, KVManager, KVPoll, KVTransferConfig, create_kv_manager
+from kvship.engine.disagg.auth import room_token_problem  # noqa: F401 - the roles import it from here
 from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.schedule_batch import Req
 
@@ -59,7 +60,7 @@ def make_kv_manager(
     """The ``role`` ("prefill" | "decode") transfer layer over ``kv_pool``.
 
     ``config`` overrides what ``ServerArgs`` would give (tests use it for short
-    timeouts).  ``tp`` (a ``TPGroup``, tensor parallelism): this rank's manager,
+    timeouts).  ``tp`` (a TP ``Communicator``): this rank's manager,
     wrapped so that every rank's ``poll()`` agrees (``tp_sync.TPKVManager``); rank r
     of a prefill worker binds ``--disaggregation-bootstrap-port`` + r.  ``total_kv_heads``:
     the model's KV heads (the pool holds this rank's share).  ``features``: the worker's per-slot

@@ -117,11 +117,13 @@ class TPKVManager(KVManager):
         """This rank's ``KVLayout``."""
         return self.inner.layout  # type: ignore[attr-defined]
 
-    def create_sender(self, room: int) -> KVSender:
-        return TPTransfer(self.inner.create_sender(room), self.tp)
+    def create_sender(self, room: int, token: Optional[str] = None) -> KVSender:
+        return TPTransfer(self.inner.create_sender(room, token), self.tp)
 
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVReceiver:
-        return TPTransfer(self.inner.create_receiver(bootstrap_host, bootstrap_port, room), self.tp)
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, room: int, token: Optional[str] = None
+    ) -> KVReceiver:
+        return TPTransfer(self.inner.create_receiver(bootstrap_host, bootstrap_port, room, token), self.tp)
 
     def set_progress_hook(self, hook: Optional[Callable[[], None]]) -> None:
         self.inner.set_progress_hook(hook)  # type: ignore[attr-defined]

@@ -5,6 +5,18 @@ pair, opened by decode to prefill's bootstrap port.  Frames are a 4-byte
 big-endian length and a UTF-8 JSON object ``{"v": 1, "type": ..., ...}``.
 Page lists travel as base64 of little-endian int32.
 
+Authentication comes first (docs/pd.md, "KV plane authentication"; MACs in
+``kvship.engine.disagg.auth``); until it is done a frame may have at most
+``PREAUTH_MAX_FRAME`` bytes and nothing about either worker is said::
+
+    decode -> prefill   Hello0       auth mode ("hmac-sha256" | "none"), nonce_d (hex)
+    prefill -> decode   Challenge    auth mode, nonce_p, mac_p = HMAC(S, "kvship-p|" nonce_d "|" nonce_p)
+                        | Refuse     "authentication failed" / the auth modes differ
+    decode -> prefill   Auth         mac_d = HMAC(S, "kvship-d|" nonce_p "|" nonce_d)   (mode "none": not sent)
+
+Then (frames up to ``HANDSHAKE_MAX_FRAME``, afterwards up to what the layout
+needs: ``control_frame_cap``):
+
     decode -> prefill   Hello        once: decode's layout, region sizes, backend endpoint,
                                      model fingerprint
     prefill -> decode   Welcome      prefill's layout (page size, KV dtype, layers,
@@ -12,7 +24,8 @@ Page lists travel as base64 of little-endian int32.
                                      kind / width / dtype) + backend info +
                                      model fingerprint (decode refuses a different one)
                         | Refuse     with the reason (layout, fingerprint or backend mismatch)
-    decode -> prefill   Register     per room: destination pages, aux slot, checksum algorithm
+    decode -> prefill   Register     per room: destination pages, aux slot, checksum algorithm, tag
+                                     (the room token's register tag, ``auth.RoomKey``)
     prefill -> decode   Started      per room, when the write begins
                         Done         per room (backends whose done is not in-band)
                         Fail         per room, with the reason
@@ -22,9 +35,10 @@ Page lists travel as base64 of little-endian int32.
 
 The aux record is not JSON: it is a fixed 256-byte binary record that prefill
 writes into decode's aux buffer at the registered slot, after the KV (record
-version 2: the first token, its logprob and up to ``AUX_MAX_TOP_LOGPROBS``
+version 3: the first token, its logprob and up to ``AUX_MAX_TOP_LOGPROBS``
 top-k alternatives, so decode answers ``logprobs`` / ``top_logprobs`` for the
-first token as a unified worker does).
+first token as a unified worker does, and the room's aux tag, which decode
+checks before it accepts the room's done signal).
 """
 
 from __future__ import annotations
@@ -39,8 +53,18 @@ import numpy as np
 import torch
 
 WIRE_VERSION = 1
-MAX_FRAME_BYTES = 64 << 20
+PREAUTH_MAX_FRAME = 512  # Hello0 / Challenge / Auth / a pre-auth Refuse
+HANDSHAKE_MAX_FRAME = 4 << 20  # Hello / Welcome (NIXL agent metadata, Mooncake region addresses)
+CONTROL_MAX_FRAME = 64 << 10  # what prefill sends after Welcome (Started, Done, Fail, Abort, AbortAck, Ping)
+MAX_REASON_CHARS = 2000  # reasons are cut to this on the wire
+_READ_CHUNK = 64 << 10  # bodies are read in chunks: a claimed length costs nothing until its bytes arrive
 _LEN = struct.Struct(">I")
+
+
+def control_frame_cap(num_pages: int) -> int:
+    """Largest frame decode may send prefill once its layout is known: a Register naming every one of its
+    ``num_pages`` pages (base64 of int32: 16/3 bytes a page) plus room for the other fields."""
+    return CONTROL_MAX_FRAME + 6 * max(0, int(num_pages))
 
 
 class WireError(ValueError):
@@ -219,6 +243,33 @@ class Message:
 
 
 @dataclass(frozen=True)
+class Hello0(Message):
+    """Decode's first frame: its auth mode and its nonce (hex)."""
+
+    TYPE: ClassVar[str] = "hello0"
+    auth: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Challenge(Message):
+    """Prefill's answer to Hello0: its auth mode, its nonce and its proof (hex; empty for mode "none")."""
+
+    TYPE: ClassVar[str] = "challenge"
+    auth: str
+    nonce: str
+    mac: str = ""
+
+
+@dataclass(frozen=True)
+class Auth(Message):
+    """Decode's proof (hex)."""
+
+    TYPE: ClassVar[str] = "auth"
+    mac: str
+
+
+@dataclass(frozen=True)
 class Hello(Message):
     TYPE: ClassVar[str] = "hello"
     peer_id: str
@@ -253,6 +304,7 @@ class Register(Message):
     pages: np.ndarray = field(compare=False)
     aux_slot: int
     checksum: Optional[str] = None  # algorithm name, None = no checksum
+    tag: str = field(default="", repr=False)  # auth.RoomKey.register_tag of the room's token
 
 
 @dataclass(frozen=True)
@@ -293,7 +345,17 @@ class Ping(Message):
 
 
 _TYPES: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Hello, Welcome, Refuse, Register, Started, Done, Fail, Abort, AbortAck, Ping)
+    c.TYPE: c
+    for c in (Hello0, Challenge, Auth, Hello, Welcome, Refuse, Register, Started, Done, Fail, Abort, AbortAck, Ping)
+}
+# what each annotated field must hold on the wire (anything else is a WireError, never a later crash)
+_FIELD_CHECKS: dict[str, Any] = {
+    "str": lambda v: isinstance(v, str),
+    "Optional[str]": lambda v: v is None or isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "dict": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
 }
 
 
@@ -301,6 +363,8 @@ def _to_dict(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"v": WIRE_VERSION, "type": msg.TYPE}
     for f in fields(msg):
         v = getattr(msg, f.name)
+        if f.name == "reason" and isinstance(v, str) and len(v) > MAX_REASON_CHARS:
+            v = v[:MAX_REASON_CHARS] + " ..."
         if isinstance(v, KVLayout):
             v = asdict(v)
         elif isinstance(v, np.ndarray):
@@ -312,15 +376,16 @@ def _to_dict(msg: Message) -> dict[str, Any]:
 def encode_frame(msg: Message) -> bytes:
     """``msg`` as one length-prefixed frame."""
     body = json.dumps(_to_dict(msg), separators=(",", ":")).encode("utf-8")
-    if len(body) > MAX_FRAME_BYTES:
-        raise WireError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    if len(body) > HANDSHAKE_MAX_FRAME:
+        raise WireError(f"control frame of {len(body)} bytes exceeds {HANDSHAKE_MAX_FRAME}")
     return _LEN.pack(len(body)) + body
 
 
-def frame_length(header: bytes) -> int:
+def frame_length(header: bytes, limit: int) -> int:
+    """The body length a frame header claims; WireError if it exceeds ``limit`` (the caller's current cap)."""
     (n,) = _LEN.unpack(header)
-    if n > MAX_FRAME_BYTES:
-        raise WireError(f"control frame of {n} bytes exceeds {MAX_FRAME_BYTES} (not a kvship peer?)")
+    if n > limit:
+        raise WireError(f"control frame of {n} bytes exceeds {limit} (not a kvship peer?)")
     return n
 
 
@@ -350,10 +415,16 @@ def decode_body(body: bytes) -> Message:
         if f.name == "layout":
             v = KVLayout.from_dict(v)
         elif f.name == "pages":
+            if not isinstance(v, str):
+                raise WireError(f"{cls.TYPE}: pages must be a base64 string")
             v = decode_pages(v)
         elif f.name in ("room", "aux_slot"):
-            if not isinstance(v, int) or v < 0:
-                raise WireError(f"{cls.TYPE}: {f.name} must be a non-negative integer")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 63:
+                raise WireError(f"{cls.TYPE}: {f.name} must be a non-negative 63-bit integer")
+        else:
+            check = _FIELD_CHECKS.get(str(f.type))
+            if check is not None and not check(v):
+                raise WireError(f"{cls.TYPE}: field {f.name!r} must be {f.type}")
         kwargs[f.name] = v
     try:
         return cls(**kwargs)
@@ -365,10 +436,11 @@ def decode_body(body: bytes) -> Message:
 
 AUX_RECORD_BYTES = 256
 AUX_MAX_TOP_LOGPROBS = 20  # the HTTP layer's MAX_TOP_LOGPROBS
-_AUX = struct.Struct("<4sHHQqdqqQH")
+AUX_TAG_BYTES = 16
+_AUX = struct.Struct("<4sHHQqdqqQ16sH")  # 74 bytes + 20 top-k pairs of 8 = 234 <= 256
 _AUX_TOP = struct.Struct("<if")  # one top-k alternative: token id, logprob (float32, as sampled)
 _AUX_MAGIC = b"KVAX"
-_AUX_VERSION = 2
+_AUX_VERSION = 3
 _FLAG_CHECKSUM = 1
 
 
@@ -383,6 +455,7 @@ class AuxRecord:
     num_pages: int
     checksum: Optional[int] = None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the first token's top-k (id, logprob)
+    tag: bytes = field(default=bytes(AUX_TAG_BYTES), repr=False)  # auth.RoomKey.aux_tag of the room
 
     def pack(self) -> bytes:
         flags = _FLAG_CHECKSUM if self.checksum is not None else 0
@@ -396,6 +469,7 @@ class AuxRecord:
             self.prompt_len,
             self.num_pages,
             (self.checksum or 0) & 0xFFFFFFFFFFFFFFFF,
+            bytes(self.tag)[:AUX_TAG_BYTES].ljust(AUX_TAG_BYTES, b"\0"),
             len(self.top_logprobs[:AUX_MAX_TOP_LOGPROBS]),
         )
         raw += b"".join(_AUX_TOP.pack(int(t), float(v)) for t, v in self.top_logprobs[:AUX_MAX_TOP_LOGPROBS])
@@ -405,7 +479,7 @@ class AuxRecord:
     def unpack(cls, data: bytes) -> "AuxRecord":
         if len(data) < _AUX.size:
             raise WireError("aux record too short")
-        magic, version, flags, room, tok, lp, plen, npages, ck, ntop = _AUX.unpack_from(data)
+        magic, version, flags, room, tok, lp, plen, npages, ck, tag, ntop = _AUX.unpack_from(data)
         if magic != _AUX_MAGIC:
             raise WireError("aux record missing (no magic): the KV did not arrive in full")
         if version != _AUX_VERSION:
@@ -421,4 +495,5 @@ class AuxRecord:
             num_pages=npages,
             checksum=ck if flags & _FLAG_CHECKSUM else None,
             top_logprobs=tuple((int(t), float(v)) for t, v in tops),
+            tag=tag,
         )
