@@ -5,13 +5,16 @@ may also come from ``KVSHIP_API_KEY`` (pods get it from a Secret, never on the
 command line).  The worker's role (``--mode``) picks its scheduler through
 ``kvship.app.roles.scheduler_for_mode``; the engine itself knows no role.
 
-``--tp-size N`` > 1 (any mode): this process is rank 0 of a
-tensor-parallel worker and spawns ranks 1..N-1 (``run_tensor_parallel``;
-docs/parallel.md); a rank that dies makes the worker exit 1.  In PD every rank
+``--tp-size N`` > 1 (any mode): the worker's ``Topology``
+(``kvship.engine.distributed``) is built first from ``--nnodes``,
+``--node-rank`` and ``--dist-init-addr`` (or torchrun's environment); on node
+0 this process is rank 0 (HTTP, tokenizer) and spawns the node's other ranks
+(``run_multi_rank``); on another node it runs ranks only (``kvship.app.node``).
+A rank that dies makes the worker exit 1 (docs/parallel.md).  In PD every rank
 runs its own KV transfer layer (rank r of a prefill worker binds
 ``--disaggregation-bootstrap-port`` + r).
 
-Exit status: 0 after SIGINT/SIGTERM, 2 for invalid settings (argparse style),
+Exit status: 0 after SIGINT/SIGTERM, 2 for invalid settings (argparse style; a bad topology too),
 1 when the model or the role's scheduler cannot be set up (or a
 tensor-parallel rank died).  The process logs
 to stderr at ``--log-level``.
@@ -28,6 +31,7 @@ from typing import Optional
 
 from kvship.common.envs import ENV
 from kvship.engine.config import ServerArgs
+from kvship.engine.distributed.topology import Topology
 
 logger = logging.getLogger("kvship.serve")
 
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(server_args.log_level)
     try:
         server_args.validate()
+        topology = Topology.from_server_args(server_args)
         if server_args.mode in ("prefill", "decode"):  # fail before the model loads (docs/pd.md, KV plane auth)
             from kvship.engine.disagg.auth import load_kv_secret
 
@@ -76,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid settings: %s", e)
         return 2
-    if server_args.tp_size > 1:
-        return run_tensor_parallel(server_args)
+    if topology.world_size > 1:
+        return run_multi_rank(server_args, topology)
     from kvship.app.roles import scheduler_for_mode
     from kvship.engine.engine import Engine
     from kvship.engine.http_server import serve_engine
@@ -106,8 +111,9 @@ def listen_or_none(server_args: ServerArgs) -> Optional[socket.socket]:
         return None
 
 
-def check_tensor_parallel(server_args: ServerArgs) -> None:
+def check_tensor_parallel(server_args: ServerArgs, topology: Optional[Topology] = None) -> None:
     """ValueError when ``--tp-size`` cannot work with this model and these settings (before any rank starts)."""
+    topology = topology or Topology.from_server_args(server_args)
     from kvship.engine.model_config import ModelConfig, parse_dtype
     from kvship.engine.model_runner import resolve_model_path
     from kvship.engine.parallel.ep import check_expert_parallel
@@ -124,34 +130,44 @@ def check_tensor_parallel(server_args: ServerArgs) -> None:
     if server_args.resolved_device == "cuda":
         import torch
 
-        need = server_args.base_gpu_id + server_args.tp_size
+        need = server_args.base_gpu_id + topology.ranks_per_node
         if torch.cuda.device_count() < need:
             raise ValueError(
-                f"--tp-size {server_args.tp_size} from --base-gpu-id {server_args.base_gpu_id} needs {need} GPUs, "
-                f"{torch.cuda.device_count()} visible"
+                f"{topology.ranks_per_node} ranks on this node from --base-gpu-id {server_args.base_gpu_id} need "
+                f"{need} GPUs, {torch.cuda.device_count()} visible"
             )
 
 
-def run_tensor_parallel(server_args: ServerArgs) -> int:
-    """``--tp-size N``: this process is rank 0 (HTTP, tokenizer); ranks 1..N-1 are spawned here."""
+def run_multi_rank(server_args: ServerArgs, topology: Topology) -> int:
+    """A worker of several ranks: the leader (node 0 rank 0: HTTP, tokenizer) spawns its node's other ranks; a
+    node other than 0 runs ranks only (``kvship.app.node``); under torchrun this process is one rank."""
     from kvship.app.roles import scheduler_for_mode
+    from kvship.common.ports import free_port
+    from kvship.engine.distributed.groups import init_method
+    from kvship.engine.distributed.launch import RankProcesses, join
     from kvship.engine.engine import Engine
     from kvship.engine.http_server import serve_engine
-    from kvship.engine.parallel.launch import RankProcesses, join_tp_group
 
     try:
-        check_tensor_parallel(server_args)
+        check_tensor_parallel(server_args, topology)
     except (FileNotFoundError, ValueError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
+    if not topology.is_leader:
+        if topology.torchrun:  # this process is the rank
+            return _rank_body(topology.rank, server_args, topology, init_method(topology))
+        from kvship.app.node import run_node
+
+        return run_node(server_args, topology, _rank_main)
     sock = listen_or_none(server_args)  # (the ranks are spawned, not forked: they do not inherit it)
     if sock is None:
         return 1
-    ranks = RankProcesses.start(_rank_main, server_args)
+    url = init_method(topology, fallback_port=free_port())
+    ranks = RankProcesses({}) if topology.torchrun else RankProcesses.start(_rank_main, server_args, topology, url)
     starting = ranks.exit_on_failure_while_starting()
     try:
-        tp = join_tp_group(server_args, 0, ranks.init_method)
-        engine = Engine(server_args, scheduler_factory=scheduler_for_mode(server_args.mode), tp=tp)
+        groups = join(server_args, topology, url)
+        engine = Engine(server_args, scheduler_factory=scheduler_for_mode(server_args.mode), groups=groups)
         starting.set()
 
         def monitor() -> Optional[str]:
@@ -169,19 +185,22 @@ def run_tensor_parallel(server_args: ServerArgs) -> int:
         sock.close()
 
 
-def _rank_main(rank: int, server_args: ServerArgs, init_method: str) -> None:
-    """Entry of tensor-parallel rank ``rank`` >= 1 (a spawned process); exits with its status."""
+def _rank_body(rank: int, server_args: ServerArgs, topology: Topology, url: str) -> int:
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.distributed.launch import join, run_rank
+
+    try:
+        return run_rank(server_args, join(server_args, topology, url), scheduler_for_mode(server_args.mode))
+    except Exception as e:  # noqa: BLE001 - report any startup failure, then exit non-zero
+        logger.error("tensor-parallel rank %d cannot start: %s: %s", rank, type(e).__name__, e)
+        return 1
+
+
+def _rank_main(rank: int, server_args: ServerArgs, topology: Topology, url: str) -> None:
+    """Entry of a spawned rank process; exits with its status."""
     import os
 
     setup_logging(server_args.log_level, tag=f"tp{rank}")
-    from kvship.app.roles import scheduler_for_mode
-    from kvship.engine.parallel.launch import join_tp_group, run_rank
-
-    try:
-        tp = join_tp_group(server_args, rank, init_method)
-        code = run_rank(server_args, tp, scheduler_for_mode(server_args.mode))
-    except Exception as e:  # noqa: BLE001 - report any startup failure, then exit non-zero
-        logger.error("tensor-parallel rank %d cannot start: %s: %s", rank, type(e).__name__, e)
-        code = 1
+    code = _rank_body(rank, server_args, topology, url)
     logging.shutdown()
     os._exit(code)

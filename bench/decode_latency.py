@@ -1270,8 +1270,9 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
     """``--tp-size N``: rank ``rank``'s part of the decode loops (every rank runs the same steps, so the
     all-reduces pair up); rank 0 returns the results.  Only the runner's eager / graph modes run."""
     from kvship.engine.config import ServerArgs
+    from kvship.engine.distributed.launch import join
+    from kvship.engine.distributed.topology import Topology
     from kvship.engine.model_runner import ModelRunner
-    from kvship.engine.parallel.launch import join_tp_group
 
     bs_list = [int(x) for x in args.batch_sizes.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not m.startswith("sched")]
@@ -1294,8 +1295,9 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
         base_gpu_id=args.base_gpu_id,
     )
     # tp_size 1 without --force-tp-group: the plain single-GPU runner (tp_main's same-run baseline)
-    tp = join_tp_group(runner_args, rank, init_method) if args.tp_size > 1 or args.force_tp_group else None
-    runner = ModelRunner(runner_args, tp=tp)
+    topology = Topology(tp_size=args.tp_size, ep_size=args.ep_size, rank=rank, base_gpu_id=args.base_gpu_id)
+    groups = join(runner_args, topology, init_method) if args.tp_size > 1 or args.force_tp_group else None
+    runner = ModelRunner(runner_args, groups=groups)
     res: dict[str, Any] = {
         "tp_size": args.tp_size,
         "ep_size": args.ep_size,

@@ -263,13 +263,14 @@ def write_gemv_entries(args, rows: list[dict]) -> str:
 
 def _ep_rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
     """One rank of ``--ep-size``: the same M sweep on every rank (the collectives pair up); rank 0 reports."""
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
     from kvship.engine.layers.moe.layer import FusedMoE
     from kvship.engine.parallel.ep import ParallelFusedMoE
-    from kvship.engine.parallel.group import init_tp_group
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    tp = init_tp_group(rank, args.ep_size, init_method, dev, timeout_s=600)
+    tp = init_distributed(Topology(tp_size=args.ep_size, rank=rank), init_method, dev, timeout_s=600).tp
     e, k, h, inter = args.experts, args.topk, args.hidden, args.inter
     with torch.device("meta"):
         base = FusedMoE(e, k, h, inter, renormalize=True, dtype=torch.bfloat16, runner="triton")

@@ -30,6 +30,10 @@ def _opt_str(raw: str) -> Optional[str]:
     return raw or None
 
 
+def _opt_int(raw: str) -> Optional[int]:
+    return int(raw) if raw.strip() else None
+
+
 @dataclass(frozen=True)
 class Knob(Generic[T]):
     """One environment variable: its full name, parser, default and meaning."""
@@ -140,6 +144,17 @@ class _Env:
         _opt_str,
         None,
         "address peers reach a worker bound on 0.0.0.0 at (the operator sets the pod IP)",
+    )
+
+    # torchrun's environment (docs/parallel.md, "Launching with torchrun"): set by torchrun for each rank process;
+    # read by kvship.engine.distributed.topology.  Not KVSHIP_ names: torchrun owns them.
+    TORCHRUN_MASTER_ADDR = Knob("MASTER_ADDR", _opt_str, None, "torchrun: the rendezvous host (node 0)")
+    TORCHRUN_MASTER_PORT = Knob("MASTER_PORT", _opt_int, None, "torchrun: the rendezvous port")
+    TORCHRUN_WORLD_SIZE = Knob("WORLD_SIZE", _opt_int, None, "torchrun: rank processes of the whole job")
+    TORCHRUN_RANK = Knob("RANK", _opt_int, None, "torchrun: this process's global rank")
+    TORCHRUN_LOCAL_RANK = Knob("LOCAL_RANK", _opt_int, None, "torchrun: this process's index on its node")
+    TORCHRUN_LOCAL_WORLD_SIZE = Knob(
+        "LOCAL_WORLD_SIZE", _opt_int, None, "torchrun: rank processes per node (default WORLD_SIZE / --nnodes)"
     )
 
     @classmethod

@@ -92,9 +92,21 @@ class ServerArgs:
 
     # Parallelism
     tp_size: int = opt(1, "Tensor-parallel size: rank processes this worker spans (one GPU each on CUDA; gloo on CPU)")
-    base_gpu_id: int = opt(0, "CUDA: the worker's first GPU (tensor-parallel rank r runs on cuda:<base + r>)")
+    base_gpu_id: int = opt(
+        0, "CUDA: the node's first GPU (the rank of local index r on a node runs on cuda:<base + r>)"
+    )
     dist_timeout: float = opt(
         300.0, "Seconds a tensor-parallel collective waits for a rank before the worker gives up and exits"
+    )
+    nnodes: int = opt(1, "Nodes (hosts) this worker's ranks span; every node runs `kvship serve` with its --node-rank")
+    node_rank: int = opt(0, "This node's index in 0..--nnodes-1; node 0 serves HTTP, the others run ranks only")
+    dist_init_addr: Optional[str] = opt(
+        None,
+        "host:port of node 0's rendezvous (torch.distributed TCP store), reachable from every node; "
+        "needed with --nnodes > 1 (one node: a free local port)",
+    )
+    dist_init_timeout: float = opt(
+        60.0, "Seconds a node other than 0 waits for --dist-init-addr to accept a connection before it exits"
     )
     ep_size: int = opt(
         1,
@@ -349,8 +361,8 @@ class ServerArgs:
             raise ValueError("--grammar-compile-timeout must be > 0 and --grammar-compile-processes >= 1")
         if self.base_gpu_id < 0:
             raise ValueError("--base-gpu-id must be >= 0")
-        if self.dist_timeout <= 0:
-            raise ValueError("--dist-timeout must be > 0")
+        if self.dist_timeout <= 0 or self.dist_init_timeout <= 0:
+            raise ValueError("--dist-timeout and --dist-init-timeout must be > 0")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

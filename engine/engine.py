@@ -24,9 +24,10 @@ If the scheduler thread dies, every open request gets a finished abort chunk,
 the text side on top (incremental detokenizer + stop strings) and yield
 ``TextDelta``s; both HTTP APIs use them.
 
-``tp`` (rank 0 of a ``--tp-size`` > 1 worker, ``kvship.engine.parallel``):
-the model runner holds this rank's shard and the scheduler's inbox and
-sampled ids are broadcast to the other ranks, which run the same loop.
+``groups`` (the leader rank of a multi-rank worker, ``kvship.engine.distributed``):
+the model runner holds this rank's shard, and the scheduler is built with a
+``BroadcastIO`` (``kvship.engine.scheduler.io``): its inbox and sampled ids
+are broadcast to the other ranks, which run the same loop.
 
 ``scheduler_factory`` builds the scheduler (the app shell maps ``--mode`` to
 the role's scheduler: ``kvship.app.roles``); the default is the unified
@@ -52,10 +53,11 @@ from kvship.engine.fingerprint import revision_info
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.metrics import EngineMetrics
 from kvship.engine.scheduler import Scheduler, SchedulerClosedError
+from kvship.engine.scheduler.io import scheduler_io
 from kvship.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from kvship.engine.parallel.group import TPGroup
+    from kvship.engine.distributed.groups import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class Engine:
         *,
         start: bool = True,
         scheduler_factory: Optional[SchedulerFactory] = None,
-        tp: Optional["TPGroup"] = None,
+        groups: Optional["ProcessGroups"] = None,
     ):
         from kvship.engine.model_runner import ModelRunner, resolve_model_path
 
@@ -142,17 +144,15 @@ class Engine:
         tok_path = server_args.tokenizer_path or self.model_path
         self.tokenizer: Tokenizer = load_tokenizer(tok_path, trust_remote_code=server_args.trust_remote_code)
         _ = self.tokenizer.max_chars_per_token  # computed once here, not on the first request
-        self.model_runner = ModelRunner(self.server_args, tp=tp)
+        self.model_runner = ModelRunner(self.server_args, groups=groups)
         self.model_config = self.model_runner.model_config
         self.context_len: int = self.model_runner.context_len
         self.max_total_tokens: int = self.model_runner.max_total_tokens
         self.vocab_size: int = max(self.model_config.vocab_size, 1)
         factory = scheduler_factory or Scheduler
-        self.scheduler = factory(self.server_args, self.model_runner, self.tokenizer, self._output_sink)
-        if tp is not None:  # rank 0 of a tensor-parallel worker: its inbox and samples drive every rank
-            from kvship.engine.parallel.scheduling import make_scheduler_tensor_parallel
-
-            make_scheduler_tensor_parallel(self.scheduler, tp, lambda: self._stop_event.set())
+        # the leader of a multi-rank worker: its inbox and samples drive every rank
+        io = scheduler_io(self.model_runner.tp, lambda: self._stop_event.set())
+        self.scheduler = factory(self.server_args, self.model_runner, self.tokenizer, self._output_sink, io=io)
         self.grammar = self.scheduler.grammar  # structured output: the HTTP layer checks grammars with it
         expert_load_fn = None
         if self.model_config.moe is not None:  # MoE: tokens per expert in /metrics (docs/parallel.md)

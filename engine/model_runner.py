@@ -29,8 +29,9 @@ tokens' hidden states to its sink.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 
@@ -38,13 +39,13 @@ from kvship.common.envs import ENV
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.config import ServerArgs
 from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create_cuda_graph_runner
+from kvship.engine.distributed.groups import ProcessGroups
 from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutput
 from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from kvship.engine.model_config import ModelConfig, parse_dtype
-from kvship.engine.parallel.group import TPGroup
 from kvship.engine.parallel.layers import head_split
 from kvship.engine.prefill_graph_runner import maybe_create_prefill_graph_runner
 
@@ -68,11 +69,13 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, tp: Optional[TPGroup] = None):
+    def __init__(self, server_args: ServerArgs, groups: Optional[ProcessGroups] = None):
         server_args.validate()
         self.server_args = server_args
-        # tensor parallelism (--tp-size > 1): this rank's group; None at --tp-size 1 (no collective at all)
-        self.tp = tp
+        # a multi-rank worker: this rank's communicators (kvship.engine.distributed); None at one rank (no
+        # collective at all).  ``tp`` is the TP communicator the parallel layers and the transfer layer use.
+        self.groups = groups
+        tp = self.tp = None if groups is None else groups.tp
         self.tp_size = 1 if tp is None else tp.size
         self.tp_rank = 0 if tp is None else tp.rank
         if server_args.num_threads is not None:
@@ -81,8 +84,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was requested but CUDA is not available")
         if self.device.type == "cuda":
-            # rank r of a tensor-parallel worker: cuda:<base-gpu-id + r>
-            index = server_args.base_gpu_id + self.tp_rank if self.device.index is None else self.device.index
+            # the rank of local index l on its node: cuda:<base-gpu-id + l>
+            gpu = server_args.base_gpu_id if groups is None else groups.topology.gpu_id
+            index = gpu if self.device.index is None else self.device.index
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(server_args.resolved_dtype)
@@ -111,8 +115,8 @@ class ModelRunner:
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
         num_slots = self._kv_pool_slots()
-        if tp is not None:  # every rank schedules the same slots: the smallest pool of any rank
-            num_slots = tp.min_int(num_slots)
+        if groups is not None:  # every rank schedules the same slots: the smallest pool of any rank
+            num_slots = groups.world.min_int(num_slots)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + REQ_POOL_HEADROOM, self.context_len + self.page_size, self.device
         )
@@ -143,22 +147,24 @@ class ModelRunner:
         # set by an EAGLE speculator: eager forwards hand it the tokens' hidden states (docs/speculative.md)
         self.hidden_capture: Optional[HiddenCapture] = None
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
-        self.cuda_graph_runner = maybe_create_cuda_graph_runner(
-            self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
-        )
+        with self.graph_capture():  # the graph runners capture in their constructors
+            self.cuda_graph_runner = maybe_create_cuda_graph_runner(
+                self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
+            )
         # piecewise CUDA graphs for short prefills (None on CPU, with --disable-cuda-graph or
         # --prefill-graph-max-tokens 0); they share the decode graphs' memory pool
-        self.prefill_graph_runner = maybe_create_prefill_graph_runner(
-            self.model,
-            self.attn_backend,
-            self.req_to_token_pool,
-            self.kv_pool,
-            self.device,
-            0 if server_args.mode == "decode" else server_args.prefill_graph_max_tokens,  # decode: rare resumes
-            server_args.disable_cuda_graph,
-            ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
-            pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,
-        )
+        with self.graph_capture():
+            self.prefill_graph_runner = maybe_create_prefill_graph_runner(
+                self.model,
+                self.attn_backend,
+                self.req_to_token_pool,
+                self.kv_pool,
+                self.device,
+                0 if server_args.mode == "decode" else server_args.prefill_graph_max_tokens,  # decode: rare resumes
+                server_args.disable_cuda_graph,
+                ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
+                pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,
+            )
         reset_expert_load(self.model)  # MoE: the expert-load counters start after warm-up and capture
         logger.info(
             "model %s: %d layers, context %d, weights %.1f MiB; KV pool %d tokens (%s, page %d) on %s%s",
@@ -172,6 +178,11 @@ class ModelRunner:
             self.device,
             "" if tp is None else f", tensor-parallel rank {tp.rank}/{tp.size}",
         )
+
+    def graph_capture(self) -> ContextManager[None]:
+        """Open around every CUDA-graph capture of this runner's model (decode, prefill, speculative graphs):
+        the communicators answer ``can_run`` for a capture (kvship.engine.distributed.communicator)."""
+        return contextlib.nullcontext() if self.groups is None else self.groups.graph_capture()
 
     # --- sizing ------------------------------------------------------------
     @property

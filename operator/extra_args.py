@@ -50,6 +50,10 @@ WORKER_OWNED = frozenset(
         "speculative_num_draft_tokens",
         "kv_transfer_secret_file",
         "kv_transfer_insecure",
+        # a worker spanning nodes is a group the operator starts as one (docs/parallel.md); a pod alone cannot be one
+        "nnodes",
+        "node_rank",
+        "dist_init_addr",
     }
 )
 # ... and for `kvship router`.

@@ -30,12 +30,13 @@ from server_fixtures import run_ranks
 from test_moe_ep import _run_steps
 
 from kvship.engine.config import ServerArgs
+from kvship.engine.distributed.communicator import GlooCommunicator
+from kvship.engine.distributed.topology import Topology
 from kvship.engine.loaders import dummy
 from kvship.engine.loaders.base import load_model
 from kvship.engine.loaders.dummy import dummy_checkpoint
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.model_runner import ModelRunner
-from kvship.engine.parallel.group import TPGroup
 
 ATOL = 1e-4
 RANK_TIMEOUT_S = 180
@@ -104,7 +105,7 @@ def test_every_dummy_rank_holds_its_block_of_the_tp1_dummy_model(name, tp, ep, m
     dummy1, file1 = (_params(load_model(c, fmt, "cpu")) for c, fmt in ((mc, "dummy"), (whole, "safetensors")))
     assert dummy1.keys() == file1.keys() and all(torch.equal(dummy1[k], file1[k]) for k in dummy1)
     for rank in range(tp):
-        group = TPGroup(rank=rank, size=tp, device_group=None, cpu_group=None)
+        group = GlooCommunicator(rank=rank, size=tp)
         mine = _params(load_model(mc, "dummy", "cpu", tp=group, ep=(ep, "all_reduce")))
         from_file = _params(load_model(whole, "safetensors", "cpu", tp=group, ep=(ep, "all_reduce")))
         assert mine.keys() == from_file.keys()
@@ -127,7 +128,7 @@ def test_a_rank_draws_only_the_row_blocks_of_its_slices(model_dirs, monkeypatch)
 
     monkeypatch.setattr(dummy.SyntheticTensor, "_block", spy)
     mc = ModelConfig.from_pretrained(model_dirs["qwen3_moe"], dtype=torch.float32)
-    load_model(mc, "dummy", "cpu", tp=TPGroup(rank=1, size=2, device_group=None, cpu_group=None), ep=(2, "all_reduce"))
+    load_model(mc, "dummy", "cpu", tp=GlooCommunicator(rank=1, size=2), ep=(2, "all_reduce"))
     experts = {int(n.split(".")[5]) for n, _ in drawn if ".experts." in n}
     assert experts == {4, 5, 6, 7}
     assert sorted(i for n, i in drawn if n == "model.embed_tokens.weight") == list(range(12, 24))
@@ -157,14 +158,14 @@ def _server_args(path: str, tp_size: int = 1, ep_size: int = 1) -> ServerArgs:
 
 
 def _rank_main(rank: int, init_method: str, paths: dict, out: "mp.Queue") -> None:
-    from kvship.engine.parallel.launch import join_tp_group
+    from kvship.engine.distributed.launch import join
 
     torch.set_num_threads(1)
     try:
-        tp = join_tp_group(_server_args("", 2), rank, init_method)
+        groups = join(_server_args("", 2), Topology(tp_size=2, rank=rank), init_method)
         results = {}
         for name, ep in RANK_CASES:
-            results[name] = _run_steps(ModelRunner(_server_args(paths[name], 2, ep), tp=tp))
+            results[name] = _run_steps(ModelRunner(_server_args(paths[name], 2, ep), groups=groups))
         if rank == 0:
             out.put(("ok", results))
     except BaseException:  # noqa: BLE001 - report to the test, do not hang it

@@ -26,9 +26,10 @@ from moe_fixtures import build_tiny_moe
 from server_fixtures import free_port, start_server
 
 from kvship.engine.config import ServerArgs
+from kvship.engine.distributed.communicator import Communicator, GlooCommunicator
+from kvship.engine.distributed.topology import Topology
 from kvship.engine.layers.moe.layer import FusedMoE, expert_load
 from kvship.engine.model_runner import ModelRunner
-from kvship.engine.parallel.group import TPGroup
 
 ATOL = 1e-4
 RANK_TIMEOUT_S = 180
@@ -80,7 +81,7 @@ def _run_steps(runner) -> dict:
     }
 
 
-def _layer_case(tp: TPGroup, m: int, dispatch: str) -> "torch.Tensor":
+def _layer_case(tp: Communicator, m: int, dispatch: str) -> "torch.Tensor":
     """A layer of 8 experts (top-2) where the router never picks experts 4..7 (all on rank 1)."""
     from kvship.engine.parallel.ep import ParallelFusedMoE
 
@@ -99,15 +100,16 @@ def _layer_case(tp: TPGroup, m: int, dispatch: str) -> "torch.Tensor":
 
 
 def _rank_main(rank: int, init_method: str, paths: dict, out: "mp.Queue") -> None:
-    from kvship.engine.parallel.launch import join_tp_group
+    from kvship.engine.distributed.launch import join
 
     torch.set_num_threads(1)
     try:
-        tp = join_tp_group(_server_args("", 2), rank, init_method)
+        groups = join(_server_args("", 2), Topology(tp_size=2, rank=rank), init_method)
+        tp = groups.tp
         results: dict = {}
         for cname, ep, dispatch in CONFIGS:
             for model in MODELS:
-                runner = ModelRunner(_server_args(paths[model], 2, ep, dispatch), tp=tp)
+                runner = ModelRunner(_server_args(paths[model], 2, ep, dispatch), groups=groups)
                 results[(cname, model)] = _run_steps(runner)
         layer = {(m, d): _layer_case(tp, m, d).numpy() for m in (1, 5) for d in ("all_reduce", "all_to_all")}
         if rank == 0:
@@ -296,7 +298,7 @@ def test_a_ranks_gguf_share_is_its_block_of_the_experts_and_reads_no_other(ep_mo
 
     gguf_loader.dequantize_expert_block = spy
     try:
-        share = load_model(mc, "auto", "cpu", tp=TPGroup(1, 2, None, None), ep=(2, "all_reduce"))
+        share = load_model(mc, "auto", "cpu", tp=GlooCommunicator(1, 2), ep=(2, "all_reduce"))
     finally:
         gguf_loader.dequantize_expert_block = real
     assert sorted(set(read)) == [4, 5, 6, 7] and len(read) == 3 * 3 * 4  # 3 layers x gate/up/down x 4 experts
@@ -326,12 +328,12 @@ def test_expert_load_series_parse_and_give_max_over_mean():
 def _layer_world4(rank: int, init_method: str, out: "mp.Queue") -> None:
     """``--tp-size 4`` with ``--ep-size`` 1 (each expert's width 4 ways), 2 (2 experts blocks x 2 width
     halves) and 4 (whole experts, with both dispatches): rank ``rank``'s layer outputs for 7 tokens."""
+    from kvship.engine.distributed.launch import join
     from kvship.engine.parallel.ep import ParallelFusedMoE
-    from kvship.engine.parallel.launch import join_tp_group
 
     torch.set_num_threads(1)
     try:
-        tp = join_tp_group(_server_args("", 4), rank, init_method)
+        tp = join(_server_args("", 4), Topology(tp_size=4, rank=rank), init_method).tp
         g = torch.Generator().manual_seed(11)
         e, h, i = 8, 32, 16
         w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
@@ -412,7 +414,7 @@ def test_a_ranks_experts_use_the_whole_layers_kernel_configs():
     # rank 0 of two, in a one-process gloo group (its all-reduce is the identity): the layer holds experts 0..3
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        tp = TPGroup(rank=0, size=2, device_group=dist.group.WORLD, cpu_group=dist.group.WORLD)
+        tp = GlooCommunicator(rank=0, size=2, device_group=dist.group.WORLD)
         layer = ParallelFusedMoE(FusedMoE(8, 2, 32, 16, renormalize=True, runner="test-recording"), tp, 2)
         with torch.no_grad():
             layer(torch.randn(5, 32), torch.randn(5, 8))

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import build_tiny_tokenizer
 
+from kvship.engine.distributed.communicator import GlooCommunicator
 from kvship.engine.forward_batch import ForwardMode, build_forward_batch
 from kvship.engine.layers.quantization import (
     QuantMethod,
@@ -24,7 +25,6 @@ from kvship.engine.layers.quantization import (
 from kvship.engine.layers.quantization.unquantized import UnquantizedMethod
 from kvship.engine.loaders.base import load_model
 from kvship.engine.model_config import ModelConfig
-from kvship.engine.parallel.group import TPGroup
 
 # a Llama whose projections are whole 128-blocks at --tp-size 2 except where a test says otherwise
 BLOCKY = dict(
@@ -138,12 +138,12 @@ def test_tp_size_that_cuts_a_block_is_refused_when_the_rank_builds_its_layers(tm
     path = _model_dir(tmp_path, **dict(BLOCKY, intermediate_size=384))
     mc = ModelConfig.from_pretrained(path, quantization="test_block128")
     with pytest.raises(ValueError) as e:
-        load_model(mc, "dummy", "cpu", tp=TPGroup(rank=1, size=2, device_group=None, cpu_group=None))
+        load_model(mc, "dummy", "cpu", tp=GlooCommunicator(rank=1, size=2))
     msg = str(e.value)
     assert "model.layers.0.mlp.gate_up_proj" in msg and "[192, 384)" in msg and "128x128" in msg
     # the same model unquantized splits fine
     mc = ModelConfig.from_pretrained(path)
-    load_model(mc, "dummy", "cpu", tp=TPGroup(rank=1, size=2, device_group=None, cpu_group=None))
+    load_model(mc, "dummy", "cpu", tp=GlooCommunicator(rank=1, size=2))
 
 
 MOE = dict(

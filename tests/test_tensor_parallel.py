@@ -25,8 +25,10 @@ from conftest import KVDriver, build_tiny_model
 from server_fixtures import run_ranks, start_server
 
 from kvship.engine.config import ServerArgs
+from kvship.engine.distributed.communicator import GlooCommunicator
+from kvship.engine.distributed.groups import solo_groups
+from kvship.engine.distributed.topology import Topology
 from kvship.engine.model_runner import ModelRunner
-from kvship.engine.parallel.group import TPGroup
 from kvship.engine.parallel.layers import check_tp_divisible, head_split, vocab_shard
 
 ATOL = 1e-4
@@ -97,17 +99,21 @@ def _rank_main(rank: int, init_method: str, paths: dict, out: "mp.Queue") -> Non
     """One of 3 ranks: tp 2 runs on ranks 0-1 (a subgroup), then tp 3 on all three."""
     import torch.distributed as dist
 
-    from kvship.engine.parallel.launch import join_tp_group
+    from kvship.engine.distributed.launch import join
 
     torch.set_num_threads(1)
     try:
-        world = join_tp_group(_server_args("", WORLD), rank, init_method)
+        world = join(_server_args("", WORLD), Topology(tp_size=WORLD, rank=rank), init_method)
         pair = dist.new_group([0, 1])
         results: dict[int, dict] = {}
         for size, names in TP_MODELS.items():
-            tp = world if size == WORLD else TPGroup(rank=rank, size=size, device_group=pair, cpu_group=pair)
             if rank < size:
-                results[size] = {n: _run_steps(ModelRunner(_server_args(paths[n], size), tp=tp)) for n in names}
+                pg = (
+                    world
+                    if size == WORLD
+                    else solo_groups(Topology(size, rank=rank), GlooCommunicator(rank, size, pair))
+                )
+                results[size] = {n: _run_steps(ModelRunner(_server_args(paths[n], size), groups=pg)) for n in names}
         if rank == 0:  # numpy: torch tensors would travel as shared memory tied to this exiting process
             for by_name in results.values():
                 for r in by_name.values():
@@ -242,7 +248,7 @@ def test_shard_loaders_read_only_their_block(tp_model_dirs):
         from kvship.engine.model_config import ModelConfig
 
         mc = ModelConfig.from_pretrained(tp_model_dirs["qwen3_6h_3kv"], dtype=torch.float32)
-        load_model(mc, "auto", "cpu", tp=TPGroup(rank=2, size=3, device_group=None, cpu_group=None))
+        load_model(mc, "auto", "cpu", tp=GlooCommunicator(rank=2, size=3))
     finally:
         lazy.CheckpointSlice.load = real_load
     assert (16 * 2, 96) in reads  # q_proj: 2 of 6 heads
@@ -261,7 +267,7 @@ def test_cuda_style_build_on_meta_gives_the_same_rank_as_building_in_place(tp_mo
     from kvship.engine.parallel.layers import build_parallel_model
 
     mc = ModelConfig.from_pretrained(tp_model_dirs["qwen2"], dtype=torch.float32)
-    tp = TPGroup(rank=1, size=2, device_group=None, cpu_group=None)
+    tp = GlooCommunicator(rank=1, size=2)
     built = []
     for on_meta in (False, True):
         model = build_parallel_model(get_model_class(mc.architectures), mc, tp, "cpu", on_meta=on_meta)
@@ -292,7 +298,7 @@ def test_gguf_shard_of_smollm2_at_tp3_is_the_block_of_the_full_weights(smollm2_p
                 w = unpermute_qk(w, w.shape[0] // mc.head_dim)
             full[name] = w
     rank, block = 1, lambda n: slice(n // 3, 2 * n // 3)
-    shard = dict(load_model(mc, "auto", "cpu", tp=TPGroup(rank, 3, None, None)).named_parameters())
+    shard = dict(load_model(mc, "auto", "cpu", tp=GlooCommunicator(rank, 3)).named_parameters())
     attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
     want_qkv = torch.cat([full[f"{attn}{p}_proj.weight"][block(n)] for p, n in (("q", 576), ("k", 192), ("v", 192))])
     assert torch.equal(shard[attn + "qkv_proj.weight"], want_qkv)

@@ -85,7 +85,8 @@ class VerifyGraphs:
         self.stream = torch.cuda.Stream(device=dev)
         t0 = time.perf_counter()
         # MoE targets: padding rows (KV slot 0) stay out of the expert load
-        with torch.inference_mode(), count_rows_by_slot(runner.model, self.out_cache_loc), collector_paused():
+        rows = count_rows_by_slot(runner.model, self.out_cache_loc)
+        with torch.inference_mode(), rows, collector_paused(), runner.graph_capture():
             for bs in reversed(self.sizes):
                 self._capture(bs)
         logger.info(

@@ -64,7 +64,7 @@ class PDRole(ABC):
         self.counters: Counter = Counter()
         self.poll = TransferPollBackoff()
         self.traces: dict[str, dict[str, float]] = {}  # rid -> the request's trace (``return_trace`` only)
-        # ``sched.inbox`` is looked up at call time: tensor parallelism replaces it after construction
+        # the scheduler's inbox (made by its io before the role) is woken when a transfer moves
         self.kv_manager.set_progress_hook(lambda: sched.inbox.wake())
         try:
             self.stages: tuple[PDStageQueue, ...] = tuple(self.init_stages())
@@ -210,6 +210,7 @@ class PDScheduler(Scheduler):
         kv_config: Optional[KVTransferConfig] = None,
         speculator: Any = None,
         slot_features: Optional[SlotFeatures] = None,
+        io: Any = None,
     ):
         super().__init__(
             server_args,
@@ -219,6 +220,7 @@ class PDScheduler(Scheduler):
             tuning,
             role=lambda sched: self.role_cls(sched, kv_config, slot_features),
             speculator=speculator,
+            io=io,
         )
 
     @property

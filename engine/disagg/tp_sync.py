@@ -7,7 +7,7 @@ senders / receivers in the same order.  The ranks' transfers progress at
 their own pace, but the schedulers must move a request between stages on the
 same step, or their KV allocations drift apart.  ``TPKVManager`` wraps the
 rank's manager so that ``poll()`` is a collective over the ranks' host group
-(``TPGroup.all_gather_object``) and returns the same state on every rank:
+(``Communicator.all_gather_object``) and returns the same state on every rank:
 
 * every rank terminal: ``Success`` if all succeeded, else ``Failed`` (with the
   first failing rank's reason);
@@ -33,7 +33,7 @@ from kvship.engine.disagg.base import AuxInfo, KVManager, KVPoll, KVReceiver, KV
 
 if TYPE_CHECKING:
     from kvship.engine.disagg.layerwise import LayerProgress
-    from kvship.engine.parallel.group import TPGroup
+    from kvship.engine.distributed.communicator import Communicator
 
 
 def agree(states: Sequence[tuple[int, Optional[str]]]) -> tuple[KVPoll, Optional[str], Optional[str]]:
@@ -53,7 +53,7 @@ def agree(states: Sequence[tuple[int, Optional[str]]]) -> tuple[KVPoll, Optional
 class TPTransfer(KVSender, KVReceiver):
     """One rank's sender or receiver whose ``poll()`` agrees with the other ranks'."""
 
-    def __init__(self, inner: Any, tp: "TPGroup"):
+    def __init__(self, inner: Any, tp: "Communicator"):
         self.inner = inner
         self.tp = tp
         self.room = inner.room
@@ -99,7 +99,7 @@ class TPTransfer(KVSender, KVReceiver):
 class TPKVManager(KVManager):
     """A rank's ``KVManager`` whose senders / receivers poll in agreement (see the module docstring)."""
 
-    def __init__(self, inner: KVManager, tp: "TPGroup"):
+    def __init__(self, inner: KVManager, tp: "Communicator"):
         self.inner = inner
         self.tp = tp
         self.role = inner.role

@@ -354,7 +354,7 @@ def _take_grammar(backend: GrammarBackend, req: Any, compiled: Any) -> Optional[
 
 
 class LockstepGrammarQueue(GrammarQueue):
-    """The grammar queue of a tensor-parallel rank (``kvship.engine.parallel.scheduling``).
+    """The grammar queue of a tensor-parallel rank (``kvship.engine.scheduler.io``).
 
     Only rank 0 compiles.  When its compile ends (in the compile pool's thread, or at once for a
     cached grammar), ``publish(rid, serialized, error)`` hands the serialized grammar or the error

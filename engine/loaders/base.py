@@ -29,7 +29,7 @@ from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.registry import get_model_class
 
 if TYPE_CHECKING:
-    from kvship.engine.parallel.group import TPGroup
+    from kvship.engine.distributed.communicator import Communicator
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def load_model(
     load_format: str,
     device: str | torch.device,
     seed: int = 0,
-    tp: "TPGroup | None" = None,
+    tp: "Communicator | None" = None,
     ep: tuple[int, str] = (1, "all_reduce"),
 ) -> nn.Module:
     """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights.

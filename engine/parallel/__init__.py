@@ -1,14 +1,11 @@
-"""Tensor parallelism: one worker spread over ``--tp-size`` rank processes.
+"""Tensor and expert parallelism in the model: parallel layers and the MoE dispatch.
 
-* ``group``      the process group of one worker's ranks and its collectives
-  (``TPGroup``); NCCL on CUDA, gloo on CPU, plus a gloo group for host objects.
-* ``layers``     parallel layer classes and ``apply_tensor_parallel`` (a
-  model's ``tp_plan`` says which module gets which style), applied after the
-  model is built, gpt-fast style: model code knows nothing of parallelism.
-* ``scheduling`` what keeps the replicated schedulers in lock step: rank 0's
-  inbox broadcast each step and rank 0's sampled ids.
-* ``launch``     starting ranks 1..N-1 from rank 0's process and watching them.
+* ``layers``  parallel layer classes and ``apply_tensor_parallel`` (a model's
+  ``tp_plan`` says which module gets which style), applied after the model is
+  built, gpt-fast style: model code knows nothing of parallelism.
+* ``ep``      MoE layers with experts split ``--ep-size`` ways, and their dispatch.
+* ``p2p_all_reduce``  the NCCL communicator's one-shot small-tensor all-reduce.
 
-At ``--tp-size 1`` none of this is used: no process group, no collective.
-See docs/parallel.md.
+Groups, communicators and rank processes live in ``kvship.engine.distributed``.
+At ``--tp-size 1`` none of this is used.  See docs/parallel.md.
 """

@@ -24,9 +24,11 @@ dispatches (docs/parallel.md, "Expert parallelism"):
   pair counts are exchanged first), that rank runs its experts on what it
   received, the outputs travel back the same way and are weighted and summed
   per token, and an all-gather makes the result whole on every rank again.
-  The counts are read on the host, so this cannot be captured: inside a
-  CUDA-graph capture the layer all-reduces instead (same result), so decode
-  graphs all-reduce and eager steps go all-to-all.
+  The counts are read on the host, so the communicator does not declare
+  ``all_to_all`` capture-safe: while a graph runner captures
+  (``Communicator.can_run("all_to_all")`` is False) the layer all-reduces
+  instead (same result), so decode graphs all-reduce and eager steps go
+  all-to-all.  With N = T the TP communicator is the EP one.
 
 ``check_expert_parallel(config, tp_size, ep_size, dispatch)`` raises a clear
 ValueError before any rank starts; ``apply_expert_parallel(model, tp, ep_size,
@@ -41,12 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from kvship.engine.distributed.communicator import Communicator
 from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.quantization import Shard
 from kvship.engine.loaders.lazy import Loaded
-from kvship.engine.parallel.group import TPGroup
 
 EP_DISPATCHES = ("all_reduce", "all_to_all")
 
@@ -111,7 +113,7 @@ class ParallelFusedMoE(FusedMoE):
     """``FusedMoE`` holding this rank's share only (``ExpertSplit``); ``forward`` combines every rank's
     (module docstring)."""
 
-    def __init__(self, base: FusedMoE, tp: TPGroup, ep_size: int, dispatch: str = "all_reduce"):
+    def __init__(self, base: FusedMoE, tp: Communicator, ep_size: int, dispatch: str = "all_reduce", name: str = ""):
         if dispatch not in EP_DISPATCHES:
             raise ValueError(f"unknown expert-parallel dispatch '{dispatch}'; known: {list(EP_DISPATCHES)}")
         split = expert_split(base.num_experts, base.intermediate_size, tp.size, ep_size, tp.rank)
@@ -127,7 +129,11 @@ class ParallelFusedMoE(FusedMoE):
             runner=base.runner_name,
             expert_start=split.start,
             num_local_experts=split.num_local,
+            quant_method=base.quant_method,
         )
+        if split.inter_local != split.intermediate_size:  # each expert's width split: whole blocks only
+            self.quant_method.check_shard(f"{name}.w13_weight", Shard(0, split.inter_start, split.inter_local))
+            self.quant_method.check_shard(f"{name}.w2_weight", Shard(1, split.inter_start, split.inter_local))
         self.tp = tp
         self.ep_size = ep_size
         self.split = split
@@ -137,22 +143,23 @@ class ParallelFusedMoE(FusedMoE):
         s = self.split
         owned = isinstance(shard_id, tuple) and len(shard_id) == 2 and s.start <= shard_id[0] < s.start + s.num_local
         if owned and s.inter_local != s.intermediate_size:  # this rank's rows of gate/up, columns of down
-            loaded = loaded.narrow(1 if shard_id[1] == "down" else 0, s.inter_start, s.inter_local)
+            down = shard_id[1] == "down"
+            where = Shard(1 if down else 0, s.inter_start, s.inter_local)
+            loaded = self.quant_method.shard(self, "w2_weight" if down else "w13_weight", loaded, where)
         super()._load_expert(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         runner, weights, ids = self.route(x, router_logits)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.dispatch == "all_to_all" and not capturing:
+        if self.dispatch == "all_to_all" and self.tp.can_run("all_to_all"):  # not while a graph captures
             return self._all_to_all(runner, x, weights, ids)
         local = ids - self.expert_start
         local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         # the kernel configs of the whole layer (docs/parallel.md, "Expert parallelism": tuned tables)
-        y = runner(x, self.w13_weight, self.w2_weight, weights, local, absent=True, config_experts=self.num_experts)
+        y = self.quant_method.apply_moe(self, runner, x, weights, local, absent=True, config_experts=self.num_experts)
         return self.tp.all_reduce(y)
 
     def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        n, group = self.tp.size, self.tp.device_group
+        n = self.tp.size
         m, hidden = x.shape
         if m == 0:  # the same on every rank: no collective to pair up
             return torch.zeros_like(x)
@@ -166,27 +173,27 @@ class ParallelFusedMoE(FusedMoE):
         token = torch.arange(hi - lo, device=x.device).repeat_interleave(k)[order]
         send_counts = torch.bincount(dest, minlength=n)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)  # counts first
+        self.tp.all_to_all(recv_counts, send_counts)  # counts first
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         received = sum(recv_split)
         send_x = x[lo:hi][token].contiguous()
         recv_x = x.new_empty((received, hidden))
-        dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=group)
+        self.tp.all_to_all(recv_x, send_x, recv_split, send_split)
         send_e = (pair_ids[order] - dest[order] * self.num_local_experts).to(torch.int32)
         recv_e = torch.empty(received, dtype=torch.int32, device=x.device)
-        dist.all_to_all_single(recv_e, send_e, recv_split, send_split, group=group)
+        self.tp.all_to_all(recv_e, send_e, recv_split, send_split)
         # every received pair through its (local) expert, unweighted: the sender weights its own pairs
         ones = torch.ones((received, 1), dtype=torch.float32, device=x.device)
-        y = runner(recv_x, self.w13_weight, self.w2_weight, ones, recv_e.view(-1, 1))
+        y = self.quant_method.apply_moe(self, runner, recv_x, ones, recv_e.view(-1, 1))
         back = x.new_empty((send_x.shape[0], hidden))
-        dist.all_to_all_single(back, y.contiguous(), send_split, recv_split, group=group)
+        self.tp.all_to_all(back, y.contiguous(), send_split, recv_split)
         # weighted top-k sum per token in float32 (as the fused runners do), then this rank's block to all
         w = weights[lo:hi].reshape(-1)[order].float()
         mine = torch.zeros((per, hidden), dtype=torch.float32, device=x.device)
         mine.index_add_(0, token, back.float() * w[:, None])
         mine = mine.to(x.dtype)
         # every rank's token block, in rank order: [per, n * hidden] -> [n * per, hidden]
-        whole = self.tp.all_gather_last_dim(mine).view(per, n, hidden).transpose(0, 1).reshape(n * per, hidden)
+        whole = self.tp.all_gather(mine).view(per, n, hidden).transpose(0, 1).reshape(n * per, hidden)
         return whole[:m]
 
     def extra_repr(self) -> str:
@@ -194,11 +201,13 @@ class ParallelFusedMoE(FusedMoE):
         return f"{super().extra_repr()}, {where}, dispatch={self.dispatch}"
 
 
-def apply_expert_parallel(model: nn.Module, tp: TPGroup, ep_size: int = 1, dispatch: str = "all_reduce") -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, tp: Communicator, ep_size: int = 1, dispatch: str = "all_reduce"
+) -> nn.Module:
     """Replace every ``FusedMoE`` of ``model`` by this rank's ``ParallelFusedMoE``, in place (before loading)."""
     for name, module in list(model.named_modules()):
         if type(module) is FusedMoE:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, ParallelFusedMoE(module, tp, ep_size, dispatch))
+            setattr(parent, attr, ParallelFusedMoE(module, tp, ep_size, dispatch, name))
     return model

@@ -42,13 +42,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kvship.engine.distributed.communicator import Communicator
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
 from kvship.engine.layers.linear import Linear, StackedLinear, load_checked
 from kvship.engine.layers.quantization import QuantMethod, Shard
 from kvship.engine.layers.rotary import RotaryEmbedding
 from kvship.engine.loaders.lazy import Loaded
-from kvship.engine.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class RowParallelLinear(Linear):
         output_size: int,
         bias: bool,
         dtype: torch.dtype,
-        tp: TPGroup,
+        tp: Communicator,
         in_start: int,
         quant_method: QuantMethod | None = None,
         name: str = "",
@@ -183,7 +183,7 @@ class VocabParallelEmbedding(VocabEmbedding):
     """Rows ``[start, start + per)`` of the (padded) vocabulary; other ids look up zeros, then all-reduce."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup, quant_method: QuantMethod | None
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: Communicator, quant_method: QuantMethod | None
     ):
         start, per, real = vocab_shard(vocab_size, tp.size, tp.rank)
         super().__init__(per, hidden_size, dtype, quant_method)
@@ -210,7 +210,7 @@ class VocabParallelLMHead(LMHead):
         vocab_size: int,
         hidden_size: int,
         dtype: torch.dtype,
-        tp: TPGroup,
+        tp: Communicator,
         tied: VocabParallelEmbedding | None,
         quant_method: QuantMethod | None = None,
     ):
@@ -225,15 +225,15 @@ class VocabParallelLMHead(LMHead):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.quant_method.apply(self.weight_holder(), hidden)
-        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size].float()
+        return self.tp.all_gather(local)[..., : self.vocab_size].float()
 
 
 # --- styles -------------------------------------------------------------------------
 # (module, its name in the model, model config, group, modules replaced so far by id) -> this rank's module
-Style = Callable[[nn.Module, str, Any, TPGroup, dict], nn.Module]
+Style = Callable[[nn.Module, str, Any, Communicator, dict], nn.Module]
 
 
-def _qkv(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _qkv(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     if not isinstance(m, StackedLinear) or set(m.shard_offsets) != {"q", "k", "v"}:
         raise TypeError(f"style 'qkv' needs a StackedLinear with q/k/v shards, got {type(m).__name__}")
     d = config.head_dim
@@ -246,7 +246,7 @@ def _qkv(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> n
     return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
 
 
-def _attention(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _attention(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     s = head_split(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
     old: Attention = m.attn
     m.num_heads, m.num_kv_heads = s.num_heads, s.num_kv_heads
@@ -256,7 +256,7 @@ def _attention(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict
     return m
 
 
-def _column(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _column(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     if not isinstance(m, StackedLinear):
         raise TypeError(f"style 'column' needs a StackedLinear, got {type(m).__name__}")
     ranges = {}
@@ -268,7 +268,7 @@ def _column(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -
     return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
 
 
-def _row(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _row(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     if not isinstance(m, Linear) or isinstance(m, StackedLinear):
         raise TypeError(f"style 'row' needs an unstacked Linear, got {type(m).__name__}")
     if m.input_size % tp.size:
@@ -279,11 +279,11 @@ def _row(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> n
     )
 
 
-def _vocab_embed(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _vocab_embed(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     return VocabParallelEmbedding(m.vocab_size, m.hidden_size, m.weight.dtype, tp, m.quant_method)
 
 
-def _vocab_head(m: nn.Module, name: str, config: Any, tp: TPGroup, replaced: dict) -> nn.Module:
+def _vocab_head(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     tied = None
     if m.tied:
         tied = replaced.get(id(m._tied[0]))
@@ -303,7 +303,7 @@ STYLES: dict[str, Style] = {
 }
 
 
-def apply_tensor_parallel(model: nn.Module, tp: TPGroup) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp: Communicator) -> nn.Module:
     """Replace ``model``'s planned modules (its ``tp_plan``) by their parallel versions, in place.
 
     Call it on a freshly built model, before loading weights: the new modules
@@ -330,7 +330,7 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup) -> nn.Module:
 def build_parallel_model(
     cls: type[nn.Module],
     config: Any,
-    tp: TPGroup,
+    tp: Communicator,
     device: str | torch.device,
     on_meta: bool | None = None,
     ep: tuple[int, str] = (1, "all_reduce"),

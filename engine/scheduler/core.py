@@ -31,6 +31,11 @@ Contract:
   aborted and the role closes its stages.
 * Roles (prefill, decode) plug in through ``RoleHooks``
   (``kvship.engine.scheduler.role``); the scheduler knows nothing of them.
+* Collaborators are fixed at construction: ``io`` (``kvship.engine.scheduler.io``:
+  one rank, or a rank of a multi-rank worker) makes the inbox, wraps the
+  sampler and makes the grammar queue; replacing ``io``, ``runner``,
+  ``inbox``, ``launcher``, ``grammar``, ``grammar_queue``, ``role`` or
+  ``speculator`` afterwards raises ``AttributeError``.
 
 Nothing here touches CUDA directly: tensors are built on the runner's device
 and the allocator/cache are CPU bookkeeping, so the scheduler is unit-tested
@@ -56,7 +61,8 @@ from kvship.engine.sampler import create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 from kvship.engine.scheduler.admission import Admission, RequestQueues, check_prompt, ids_in_vocab
 from kvship.engine.scheduler.decode import DecodeBatcher
-from kvship.engine.scheduler.inbox import Abort, GrammarReady, Inbox, Submit
+from kvship.engine.scheduler.inbox import Abort, GrammarReady, Submit
+from kvship.engine.scheduler.io import LocalIO, SchedulerIO
 from kvship.engine.scheduler.kv_budget import KVBudget
 from kvship.engine.scheduler.launch import Launcher, Pending
 from kvship.engine.scheduler.overlap import OverlapLoop
@@ -88,8 +94,11 @@ class Scheduler:
         tuning: Optional[SchedulerTuning] = None,
         role: Optional[Callable[["Scheduler"], RoleHooks]] = None,
         speculator: Optional[Callable[["Scheduler"], Any]] = None,
+        io: Optional[SchedulerIO] = None,
     ):
         self.server_args = server_args
+        # one rank, or a rank of a multi-rank worker: chosen here, fixed after (kvship.engine.scheduler.io)
+        self.io: SchedulerIO = io or LocalIO()
         self.runner = model_runner
         self.tokenizer = tokenizer
         self.output_sink = output_sink
@@ -122,11 +131,11 @@ class Scheduler:
         self.decoder = DecodeBatcher(self.queues, self.kv, self.counters, self.finish)
         self.launcher = Launcher(
             model_runner,
-            create_sampler(server_args.sampling_backend, self.device, server_args.seed),
+            self.io.wrap_sampler(create_sampler(server_args.sampling_backend, self.device, server_args.seed)),
             self.vocab_size,
             self.cache,
         )
-        self.inbox = Inbox()
+        self.inbox = self.io.make_inbox()
         # structured output: grammars compile in a small pool while their requests wait in grammar_queue
         limits = GrammarLimits(
             max_bytes=server_args.max_grammar_bytes,
@@ -135,8 +144,8 @@ class Scheduler:
             processes=server_args.grammar_compile_processes,
         )
         self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids, limits)
-        # tensor-parallel ranks swap in a LockstepGrammarQueue (kvship.engine.parallel.scheduling)
-        self.grammar_queue: GrammarQueue = GrammarQueue(self.grammar)
+        # tensor-parallel ranks admit constrained requests in lock step (kvship.engine.scheduler.io)
+        self.grammar_queue: GrammarQueue = self.io.make_grammar_queue(self.grammar, self.inbox)
         self._outbox: list[TokenChunk] = []
         self._loop_running = False
         self._thread: Optional[threading.Thread] = None
@@ -153,6 +162,15 @@ class Scheduler:
         except BaseException:
             self.role.close("the scheduler failed to start")
             raise
+        self._built = True
+
+    # collaborators chosen in the constructor (STYLE.md 18): replacing one afterwards is refused
+    FIXED = frozenset({"io", "runner", "inbox", "launcher", "grammar_queue", "grammar", "role", "speculator"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in Scheduler.FIXED and self.__dict__.get("_built", False):
+            raise AttributeError(f"Scheduler.{name} is fixed at construction (pass it to the constructor)")
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------ request state
     @property

@@ -130,6 +130,12 @@ class Launcher:
         self.device = torch.device(runner.device)
         self.cuda = self.device.type == "cuda"
         self.masks = MaskFiller()  # chained steps' grammar masks fill on its thread (``defer_sampling``)
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("runner", "sampler") and self.__dict__.get("_built", False):
+            raise AttributeError(f"Launcher.{name} is fixed at construction (the scheduler's io wraps the sampler)")
+        object.__setattr__(self, name, value)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:

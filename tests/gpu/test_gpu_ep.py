@@ -67,15 +67,16 @@ def test_triton_runner_skips_absent_pairs_like_the_torch_runner(m, none_local):
 def nccl_world1():
     import torch.distributed as dist
 
-    from kvship.engine.parallel.group import init_tp_group
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this pytest process")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tp = init_tp_group(0, 1, f"tcp://127.0.0.1:{port}", torch.device("cuda", 0), timeout_s=60)
-    yield tp
+    # world-size-1 groups: the TP, PP and EP axes are all the world's NCCL communicator
+    yield init_distributed(Topology(), f"tcp://127.0.0.1:{port}", torch.device("cuda", 0), timeout_s=60)
     dist.destroy_process_group()
 
 
@@ -87,7 +88,7 @@ def test_world_size_one_ep_layer_replays_in_a_cuda_graph_and_all_to_all_equals_i
 
     dev = torch.device("cuda")
     base = FusedMoE(64, 8, 1024, 352, renormalize=True, dtype=torch.bfloat16, runner="triton")
-    layer = ParallelFusedMoE(base, nccl_world1, ep_size=1, dispatch="all_to_all").to(dev)
+    layer = ParallelFusedMoE(base, nccl_world1.tp, ep_size=1, dispatch="all_to_all").to(dev)
     with torch.no_grad():
         layer.w13_weight.normal_(0, 0.03)
         layer.w2_weight.normal_(0, 0.05)
@@ -106,8 +107,8 @@ def test_world_size_one_ep_layer_replays_in_a_cuda_graph_and_all_to_all_equals_i
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            out = layer(x, logits)  # capturing: the all_reduce dispatch, NCCL inside the graph
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream), nccl_world1.graph_capture():
+            out = layer(x, logits)  # capturing: all_to_all is not capture-safe, so the all_reduce dispatch
         torch.cuda.current_stream().wait_stream(stream)
         layer.dispatch = "all_reduce"
         for seed in range(3):
@@ -143,7 +144,7 @@ def test_world_size_one_ep_model_cuda_graph_decode_equals_eager(nccl_world1, tmp
             cuda_graph_bs=[1, 2, 4, 8],
             cuda_graph_max_bs=8,
         )
-        return ModelRunner(sa, tp=nccl_world1)
+        return ModelRunner(sa, groups=nccl_world1)
 
     def greedy(r: ModelRunner, bs: int) -> list[list[int]]:
         d = kv_driver(r)

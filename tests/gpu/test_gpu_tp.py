@@ -43,19 +43,20 @@ def model_path(tmp_path_factory) -> str:
 def nccl_world1():
     import torch.distributed as dist
 
-    from kvship.engine.parallel.group import init_tp_group
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this pytest process")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tp = init_tp_group(0, 1, f"tcp://127.0.0.1:{port}", torch.device("cuda", 0), timeout_s=60)
-    yield tp
+    # world-size-1 groups: the TP, PP and EP axes are all the world's NCCL communicator
+    yield init_distributed(Topology(), f"tcp://127.0.0.1:{port}", torch.device("cuda", 0), timeout_s=60)
     dist.destroy_process_group()
 
 
-def make_runner(model_path: str, graphs: bool, tp=None) -> ModelRunner:
+def make_runner(model_path: str, graphs: bool, groups=None) -> ModelRunner:
     sa = ServerArgs(
         model_path=model_path,
         device="cuda",
@@ -68,7 +69,7 @@ def make_runner(model_path: str, graphs: bool, tp=None) -> ModelRunner:
         cuda_graph_bs=GRAPH_BS,
         cuda_graph_max_bs=8,
     )
-    return ModelRunner(sa, tp=tp)
+    return ModelRunner(sa, groups=groups)
 
 
 def greedy(runner: ModelRunner, driver_cls, bs: int) -> list[list[int]]:
@@ -92,12 +93,12 @@ def greedy(runner: ModelRunner, driver_cls, bs: int) -> list[list[int]]:
 def test_world_size_one_tp_path_with_cuda_graphs_equals_eager_and_the_plain_runner(model_path, nccl_world1, kv_driver):
     from kvship.engine.parallel.layers import RowParallelLinear, VocabParallelLMHead
 
-    tp_graphs = make_runner(model_path, graphs=True, tp=nccl_world1)
+    tp_graphs = make_runner(model_path, graphs=True, groups=nccl_world1)
     assert tp_graphs.cuda_graph_runner is not None and tp_graphs.tp_size == 1
     modules = list(tp_graphs.model.modules())
     assert any(isinstance(m, RowParallelLinear) for m in modules)  # the TP layers, not the plain ones
     assert any(isinstance(m, VocabParallelLMHead) for m in modules)
-    tp_eager = make_runner(model_path, graphs=False, tp=nccl_world1)
+    tp_eager = make_runner(model_path, graphs=False, groups=nccl_world1)
     want = {}
     for bs in (1, 3, 8):  # 3 is padded to the captured 4
         before = tp_graphs.cuda_graph_runner.replays

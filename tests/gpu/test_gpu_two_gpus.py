@@ -80,16 +80,16 @@ def test_dummy_rank_on_gpu1_is_its_block_of_the_dummy_model_drawn_on_gpu0(tmp_pa
     dummy Qwen3-MoE drawn whole on GPU 0 (blocks of 1000 elements, so shard bounds cut through them)."""
     from test_dummy_loader_tp import _dummy_as_safetensors
 
+    from kvship.engine.distributed.communicator import NcclCommunicator
     from kvship.engine.loaders import dummy
     from kvship.engine.loaders.base import load_model
     from kvship.engine.model_config import ModelConfig
-    from kvship.engine.parallel.group import TPGroup
 
     monkeypatch.setattr(dummy, "BLOCK_ELEMENTS", 1000)
     path = build_tiny_moe(str(tmp_path / "moe"), "qwen3_moe", seed=17)
     whole = ModelConfig.from_pretrained(_dummy_as_safetensors(path, str(tmp_path / "whole"), device="cuda:0"))
     mc = ModelConfig.from_pretrained(path, dtype=torch.float32)
-    rank1 = TPGroup(rank=1, size=2, device_group=None, cpu_group=None)
+    rank1 = NcclCommunicator(rank=1, size=2)
     mine = dict(load_model(mc, "dummy", "cuda:1", tp=rank1, ep=(2, "all_reduce")).named_parameters())
     want = dict(load_model(whole, "safetensors", "cpu", tp=rank1, ep=(2, "all_reduce")).named_parameters())
     assert mine.keys() == want.keys()
@@ -130,12 +130,13 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
     CUDA graph; rank 0 reports."""
     import torch.distributed as dist
 
-    from kvship.engine.parallel.group import init_tp_group
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
 
     os.environ["KVSHIP_TP_ALLREDUCE"] = "p2p"  # opt-in until measured (engine/parallel/p2p_all_reduce.py)
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    tp = init_tp_group(rank, 2, init_method, dev, timeout_s=120)
+    tp = init_distributed(Topology(tp_size=2, rank=rank), init_method, dev, timeout_s=120).tp
     report = {"p2p": tp.p2p is not None, "eager": [], "graph": None}
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     for rows, dtype in ((1, torch.bfloat16), (7, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):

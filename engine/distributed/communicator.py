@@ -1,0 +1,236 @@
+"""Collectives over one group of ranks (one axis of the topology), behind one interface.
+
+``Communicator`` is the contract the parallel layers, the MoE dispatch, the
+scheduler I/O and the PD transfer layer use; its backends are
+``NcclCommunicator`` (tensors on CUDA; tensors up to 1 MiB may take the
+one-shot peer-memory all-reduce, ``p2p_all_reduce``) and
+``GlooCommunicator`` (CPU tensors).  Both carry host objects (pickled) over a
+gloo group of the same ranks.
+
+Contract:
+
+* Every rank of the group calls the same ops in the same order; ranks are
+  group ranks (``0..size-1``), not global ones.
+* A collective that cannot complete (a rank died) raises ``RankLost`` within
+  the group's timeout (gloo usually at once, when the dead peer's sockets
+  close).  ``RankLost`` is a ``BaseException``: per-batch error handling
+  (``except Exception``) lets it through, so the model loop ends and the
+  worker exits (docs/parallel.md).
+* ``CAPTURE_SAFE`` names the ops that may run inside a CUDA-graph capture.
+  A graph runner captures inside ``graph_capture()``; while it is open,
+  ``can_run(op)`` is False for the other ops, and a caller with a choice
+  (the MoE dispatch) takes a safe path.  Host-object ops are never safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import pickle
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from kvship.engine.parallel.p2p_all_reduce import P2PAllReduce
+
+logger = logging.getLogger(__name__)
+
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
+
+
+class RankLost(BaseException):
+    """A collective of the worker's group failed: a rank died or timed out.  Fatal for the worker."""
+
+
+def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a failing collective's error into ``RankLost``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, OSError, ValueError) as e:  # gloo / NCCL report a lost peer as these
+            raise RankLost(f"collective {fn.__name__} failed: {type(e).__name__}: {e}") from e
+
+    return wrapper
+
+
+class Communicator(ABC):
+    """One group of ranks (module docstring).  ``ranks``: the group's global ranks, in group-rank order
+    (None: the group is the whole world, or a test double without a process group)."""
+
+    backend: ClassVar[str]
+    CAPTURE_SAFE: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device_group: Any = None,
+        cpu_group: Any = None,
+        ranks: Optional[Sequence[int]] = None,
+    ):
+        self.rank = rank
+        self.size = size
+        self.device_group = device_group  # tensors on the model's device
+        self.cpu_group = cpu_group if cpu_group is not None else device_group  # host objects: gloo
+        self.ranks = tuple(ranks) if ranks is not None else None
+        self._capturing = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+    @property
+    def is_leader(self) -> bool:
+        """Group rank 0 (of the TP group of stage 0: the worker's leader, which owns HTTP and the inbox)."""
+        return self.rank == 0
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.ranks is None else self.ranks[group_rank]
+
+    # --- CUDA-graph capture ----------------------------------------------------
+    @classmethod
+    def capture_safe(cls, op: str) -> bool:
+        """Whether ``op`` may run inside a CUDA-graph capture on this backend."""
+        if op not in OPS:
+            raise ValueError(f"unknown communicator op '{op}'; known: {list(OPS)}")
+        return op in cls.CAPTURE_SAFE
+
+    def can_run(self, op: str) -> bool:
+        """``op`` may run now: not capturing, or ``op`` is capture-safe."""
+        return not self._capturing or self.capture_safe(op)
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Open while a graph runner captures (``can_run`` answers for the capture)."""
+        before, self._capturing = self._capturing, True
+        try:
+            yield
+        finally:
+            self._capturing = before
+
+    # --- tensors (device group) ------------------------------------------------
+    @_collective
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns ``t``."""
+        dist.all_reduce(t, group=self.device_group)
+        return t
+
+    @_collective
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[..., n]`` on every rank -> ``[..., size * n]``, rank order along the last dim."""
+        t = t.contiguous()
+        out = torch.empty((self.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        _all_gather_into(out.view(self.size * t.shape[0], *t.shape[1:]), t, group=self.device_group)
+        return out.movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
+
+    @_collective
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """``[size * n, ...]`` on every rank -> this rank's block ``[n, ...]`` of the sum over ranks."""
+        t = t.contiguous()
+        out = t.new_empty((t.shape[0] // self.size,) + tuple(t.shape[1:]))
+        dist.reduce_scatter_tensor(out, t, group=self.device_group)
+        return out
+
+    @_collective
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Optional[list[int]] = None,
+        in_splits: Optional[list[int]] = None,
+    ) -> torch.Tensor:
+        """Rows of ``inp`` go to the ranks in order (``in_splits`` rows each, default equal), ``out`` receives
+        ``out_splits`` rows from each; returns ``out``."""
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.device_group)
+        return out
+
+    @_collective
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(t.contiguous(), dst=self._global(dst), group=self.device_group)
+
+    @_collective
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``t`` from group rank ``src``; returns ``t``."""
+        dist.recv(t, src=self._global(src), group=self.device_group)
+        return t
+
+    @_collective
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``t`` with group rank ``src``'s values, in place; returns ``t``."""
+        dist.broadcast(t, src=self._global(src), group=self.device_group)
+        return t
+
+    # --- host objects (gloo group) ---------------------------------------------
+    @_collective
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Group rank ``src``'s picklable ``obj`` on every rank (the others pass None)."""
+        root = self._global(src)
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=root, group=self.cpu_group)
+        if self.rank != src:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=root, group=self.cpu_group)
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+    @_collective
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in group-rank order."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    @_collective
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release backend resources this communicator owns (not the process groups)."""
+
+
+class GlooCommunicator(Communicator):
+    """CPU tensors over gloo (the tests' backend); nothing runs inside a CUDA-graph capture."""
+
+    backend = "gloo"
+    CAPTURE_SAFE = frozenset()
+
+    def close(self) -> None:
+        pass
+
+
+class NcclCommunicator(Communicator):
+    """CUDA tensors over NCCL; host objects over a gloo group of the same ranks.
+
+    NCCL kernels with shapes fixed on the host are captured into CUDA graphs (all_reduce, all_gather,
+    reduce_scatter, broadcast, send, recv).  ``all_to_all`` is not declared safe: its callers pass split sizes
+    read from the device on the host.  ``p2p``: all-reduces of tensors it ``fits`` go one-shot over peer GPU
+    memory (opt-in, ``KVSHIP_TP_ALLREDUCE=p2p``), captured as well."""
+
+    backend = "nccl"
+    CAPTURE_SAFE = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"})
+
+    def __init__(self, *args: Any, p2p: Optional[P2PAllReduce] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.p2p = p2p
+
+    @_collective
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.p2p is not None and self.p2p.fits(t):
+            return self.p2p.all_reduce_(t)
+        dist.all_reduce(t, group=self.device_group)
+        return t
+
+    def close(self) -> None:
+        self.p2p = None
