@@ -127,6 +127,15 @@ def check_tensor_parallel(server_args: ServerArgs, topology: Optional[Topology] 
     )
     check_tp_divisible(mc, server_args.tp_size)
     check_expert_parallel(mc, server_args.tp_size, server_args.ep_size, server_args.ep_dispatch)
+    if server_args.speculative_algorithm == "draft" and server_args.mode != "prefill":
+        # the draft model is sharded like the target (docs/speculative.md, "Tensor parallelism")
+        draft = ModelConfig.from_pretrained(
+            server_args.speculative_draft_model_path, dtype=parse_dtype(server_args.resolved_dtype)
+        )
+        try:
+            check_tp_divisible(draft, server_args.tp_size)
+        except ValueError as e:
+            raise ValueError(f"--speculative-draft-model-path (sharded like the target): {e}") from None
     if server_args.resolved_device == "cuda":
         import torch
 

@@ -1,8 +1,12 @@
 """``DraftModelDrafter``: a smaller causal LM (same tokenizer) drafts a chain greedily.
 
 The draft model runs on its own ``ModelRunner`` (own weights and KV pools,
-torch_native attention, no CUDA graphs).  Per request it keeps a
-``req_to_token`` row and the tokens whose draft K/V that row holds.  A round:
+torch_native attention, no CUDA graphs), built in ``attach``.  Under tensor
+parallelism it is sharded like the target (its ``tp_plan``, the target's
+process groups; docs/speculative.md, "Tensor parallelism"): its logits are
+all-gathered, so every rank drafts the same chain with no extra exchange.
+Per request it keeps a ``req_to_token`` row and the tokens whose draft K/V
+that row holds.  A round:
 
 1. keep the draft K/V of the longest common prefix of those tokens and the
    request's sequence minus its root; free the rest (rejected drafts);
@@ -38,11 +42,9 @@ class _Row:
 
 class DraftModelDrafter(SequenceDrafter):
     def __init__(self, server_args: Any, num_draft_tokens: int):
-        from kvship.engine.model_runner import ModelRunner
-
         if not server_args.speculative_draft_model_path:
             raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path")
-        draft_args = dataclasses.replace(
+        self.draft_args = dataclasses.replace(
             server_args,
             model_path=server_args.speculative_draft_model_path,
             tokenizer_path=None,
@@ -56,9 +58,17 @@ class DraftModelDrafter(SequenceDrafter):
             page_size=1,
             mode="unified",
         )
-        self.runner = ModelRunner(draft_args)
+        self.runner: Any = None
         self.k = num_draft_tokens
         self.rows: dict[str, _Row] = {}
+
+    def attach(self, target_runner: Any) -> None:
+        """The draft model's runner, on the target's device and sharded over its TP group (if any)."""
+        from kvship.engine.model_runner import ModelRunner
+
+        if self.runner is not None:
+            raise ValueError("a DraftModelDrafter drafts for one target model runner")
+        self.runner = ModelRunner(self.draft_args, groups=getattr(target_runner, "groups", None))
 
     def release_missing(self, open_rids: set[str]) -> None:
         for rid in [r for r in self.rows if r not in open_rids]:

@@ -24,6 +24,17 @@ the root, not yet in the target's cache) needs entries ``0 .. L-2``; a round:
 3. reads the best ``nodes`` candidates of all depths (parents before children) as the ``DraftTree`` in
    one host read.
 
+Tensor parallelism (docs/speculative.md, "Tensor parallelism").  The head is
+replicated on every rank (one layer: its whole weights on each rank), while
+the target's embedding and LM head it shares stay sharded, so every entries
+extend and draft step runs their collectives in lock step on every rank (the
+draft graphs capture them inside the target's ``graph_capture``).  The
+features are whole on every rank (the target's hidden states are, after its
+all-reduces).  A rank's head output could still differ in the last bit from
+rank 0's (non-reproducible kernels), so each round's trees are broadcast from
+rank 0 before the host reads them: every rank verifies the same trees and
+allocates the same slots.
+
 Drafts are deterministic candidates, so the verify rules of ``verify`` keep
 the output lossless whatever the head predicts.  A request with no draft row
 or pool left (or a one-token sequence) gets an empty tree: one plain token.
@@ -93,6 +104,8 @@ class EagleDrafter(Drafter):
             return
         self.target = r
         self.device = r.device
+        tp = getattr(r, "tp", None)
+        self.tp = tp if tp is not None and tp.size > 1 else None  # rank 0's trees are every rank's
         self.head = build_head(self.path, self.variant, r.model, r.model_config, r.device)
         # one feature per target KV slot (slot 0 and unwritten slots read zeros)
         self.features = torch.zeros(
@@ -160,7 +173,7 @@ class EagleDrafter(Drafter):
         if cuda and self.use_graphs and r.cuda_graph_runner is not None and sizes:
             from kvship.decode.spec.graphs import DraftGraphs
 
-            self.graphs = DraftGraphs(self.tree, sizes)
+            self.graphs = DraftGraphs(self.tree, sizes, r.graph_capture)
         logger.info(
             "%s head %s: %d steps, top-%d, %d draft nodes; draft KV %d slots, aux layers %s; draft steps %s",
             self.variant,
@@ -250,6 +263,8 @@ class EagleDrafter(Drafter):
                 self.graphs.replay(rows)
             else:
                 self.tree.run(rows, n_entries + [0] * (rows - bs))
+            if self.tp is not None:
+                self.tp.broadcast(self.tree.nodes[:bs])
             return self.tree.read(bs)
 
     def _extend_entries(

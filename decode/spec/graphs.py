@@ -29,9 +29,10 @@ captured attention stays valid for any context length.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -199,7 +200,9 @@ class VerifyGraphs:
 
 
 class DraftGraphs:
-    def __init__(self, tree: Any, batch_sizes: list[int]):
+    def __init__(self, tree: Any, batch_sizes: list[int], capture: Callable[[], Any] = contextlib.nullcontext):
+        """``capture``: the target runner's ``graph_capture`` (the draft steps run the target's embedding and
+        LM head, whose collectives are captured too under tensor parallelism)."""
         self.tree = tree
         self.sizes = sorted(set(batch_sizes))
         self.max_bs = self.sizes[-1]
@@ -210,7 +213,7 @@ class DraftGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=tree.device)
         t0 = time.perf_counter()
-        with torch.inference_mode(), collector_paused():
+        with torch.inference_mode(), collector_paused(), capture():
             for bs in reversed(self.sizes):
                 self._capture(bs)
         logger.info(

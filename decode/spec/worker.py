@@ -20,6 +20,13 @@ KV invariants (page size 1):
 * Requests that sample with a seed or use penalties (the host must see every
   token before the next draw) run a plain decode step in the same scheduler
   step.
+* Tensor parallelism (docs/speculative.md, "Tensor parallelism"): every rank
+  runs the same round in lock step.  The drafts are the same on every rank
+  (n-gram from the same tokens; the draft model sharded like the target, its
+  logits all-gathered; an EAGLE head's trees broadcast from rank 0), so every
+  rank allocates and frees the same slots; rank 0 decides the acceptance of
+  every request and broadcasts it (``_agree``), as ``RankZeroSampler`` does
+  for plain decode steps.
 * The verify forward is an extend with ``ForwardBatch.tree_masks``: every
   attention backend honours them (torch_native with SDPA masks, triton and
   flashinfer with our Triton extend kernel).  On CUDA with graphs, drafts are
@@ -73,6 +80,9 @@ class Speculator:
         if sched.page_size != 1:
             raise ValueError("speculative decoding needs --page-size 1")
         self.s = sched
+        # the TP communicator of a multi-rank worker (rank 0's acceptance is everyone's); None at one rank
+        tp = getattr(sched.runner, "tp", None)
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.drafter = drafter
         drafter.attach(sched.runner)  # before the verify graphs: an EAGLE head asks for hidden states
         self.graphs = None
@@ -125,15 +135,39 @@ class Speculator:
                 s.allocator.free(mine)
                 r.kv_allocated_len = r.kv_committed_len
             raise
+        accs = self._decide(reqs, trees, logits) if self.tp is None or self.tp.is_leader else None
+        if self.tp is not None:
+            accs = self._agree(trees, accs)
+        off = 0
+        for r, t, p, mine, acc in zip(reqs, trees, prefix, per_req, accs):
+            self._apply(r, t, p, mine, acc, logits[off : off + t.size])
+            off += t.size
+        s.counters["decode_steps"] += 1
+
+    def _decide(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor) -> list[Accepted]:
+        """The accepted path of every request's tree (on rank 0 only under tensor parallelism)."""
         # greedy requests' choices for every slot in one host read (one sync per round, not one per request)
         top = logits.argmax(dim=-1).tolist() if any(r.sampling_params.is_greedy for r in reqs) else None
-        off = 0
-        for r, t, p, mine in zip(reqs, trees, prefix, per_req):
-            lg = logits[off : off + t.size]
-            acc = self.accept(r, t, lg, None if top is None else top[off : off + t.size])
+        accs, off = [], 0
+        for r, t in zip(reqs, trees):
+            accs.append(self.accept(r, t, logits[off : off + t.size], None if top is None else top[off : off + t.size]))
             off += t.size
-            self._apply(r, t, p, mine, acc, lg)
-        s.counters["decode_steps"] += 1
+        return accs
+
+    def _agree(self, trees: list[DraftTree], accs: Optional[list[Accepted]]) -> list[Accepted]:
+        """Rank 0's acceptances on every rank: one broadcast of ``[n, 2 + 2 * max tree size]`` ids per round.
+
+        Row ``i``: accepted drafts ``a``, bonus slot, the ``a`` accepted slots, then the ``a + 1`` emitted tokens
+        (the rest -1).  The trees are the same on every rank, so every rank knows the shape."""
+        width = 2 + 2 * max(t.size for t in trees)
+        buf = torch.full((len(trees), width), -1, dtype=torch.int64)
+        if accs is not None:
+            for i, a in enumerate(accs):
+                n = len(a.slots)
+                buf[i, : 2 + 2 * n + 1] = torch.tensor([n, a.bonus_slot, *a.slots, *a.tokens], dtype=torch.int64)
+        dev = torch.device(self.s.device)
+        rows = self.tp.broadcast(buf.to(dev) if dev.type != "cpu" else buf).tolist()
+        return [Accepted(row[2 : 2 + row[0]], row[2 + row[0] : 3 + 2 * row[0]], row[1]) for row in rows]
 
     def _verify(self, reqs: list[Req], trees: list[DraftTree], prefix: list[int], locs: torch.Tensor) -> torch.Tensor:
         runner = self.s.runner
@@ -186,13 +220,8 @@ class Speculator:
             probs_sort, order = torch.sort(probs, dim=-1, descending=True)
             filter_probs(probs_sort, info)
             probs = torch.zeros_like(probs).scatter_(1, order, probs_sort)
-        return accept_sampled(
-            tree,
-            probs,
-            generator=self.s.launcher.sampler.generator
-            if self.s.launcher.sampler.generator.device.type == "cpu"
-            else None,
-        )
+        gen = self.s.launcher.sampler.generator
+        return accept_sampled(tree, probs, generator=gen if gen.device.type == "cpu" else None)
 
     def _apply(
         self, req: Req, tree: DraftTree, p: int, slots: torch.Tensor, acc: Accepted, logits: torch.Tensor

@@ -141,6 +141,11 @@ class RankZeroSampler:
         self.inner = inner
         self.comm = comm
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The inner sampler's shared generator (rank 0's speculator draws its acceptances from it)."""
+        return self.inner.generator
+
     def __call__(self, logits: torch.Tensor, info: Any) -> Any:
         out = self.inner(logits, info)
         self.comm.broadcast(out.next_token_ids)
