@@ -64,6 +64,18 @@ class ServerArgs:
         4 * 1024 * 1024, "Largest chat prompt a chat template may render, in characters (413 above)"
     )
     chat_template_timeout: float = opt(2.0, "Seconds a chat template may take to render one request (400 after)")
+    # Chat output parsing (docs/api.md, "Tool calling" and "Reasoning")
+    tool_call_parser: Optional[str] = opt(
+        None,
+        "Read the model's tool-call markup into message.tool_calls under tool_choice auto (auto: the family the "
+        "chat template names; default: calls stay text)",
+        choices=(None, "auto", "hermes", "qwen25", "llama3", "mistral", "deepseekv3"),
+    )
+    reasoning_parser: Optional[str] = opt(
+        None,
+        "Split <think>...</think> into message.reasoning_content (default: the thinking stays in content)",
+        choices=(None, "qwen3", "deepseek-r1"),
+    )
     max_grammar_bytes: int = opt(32768, "Largest json_schema / regex / ebnf text in bytes (400 above)")
     max_schema_depth: int = opt(32, "Deepest nesting of objects and arrays in a JSON schema (400 above)")
     grammar_compile_timeout: float = opt(
@@ -345,11 +357,9 @@ class ServerArgs:
             )
         if self.speculative_algorithm is not None:
             self.speculative_shape  # raises on an inconsistent steps / topk / draft-token combination
-        # a prefill worker never drafts: it computes the prompt's EAGLE features at any tp size
-        # (docs/speculative.md, "PD"), and its page size must match the decode worker's anyway
+        # a prefill worker never drafts: it computes the prompt's EAGLE features (docs/speculative.md, "PD"),
+        # and its page size must match the decode worker's anyway; any --tp-size drafts ("Tensor parallelism")
         drafts = self.speculative_algorithm is not None and self.mode != "prefill"
-        if drafts and self.tp_size > 1:
-            raise ValueError("speculative decoding with --tp-size > 1 is not supported yet")
         if drafts and self.page_size != 1:
             raise ValueError("speculative decoding needs --page-size 1 (accepted draft slots are remapped one by one)")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
 
 # --------------------------------------------------------------------------- requests
 
@@ -231,9 +231,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
+    """``reasoning_content`` and ``tool_calls`` appear only when set (docs/api.md, "Tool calling", "Reasoning")."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict:
+        out = handler(self)
+        for k in ("reasoning_content", "tool_calls"):
+            if out.get(k) is None:
+                out.pop(k, None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):

@@ -9,7 +9,8 @@ stream ending in ``data: [DONE]``.
 Usage counts each distinct prompt once and every choice's completion;
 ``prompt_tokens_details.cached_tokens`` is the prefix-cache hit of the prompt.
 Finish reasons: ``stop`` (EOS, stop token, stop string), ``length``,
-``abort`` (aborted through ``/abort_request``).  If the model loop dies
+``abort`` (aborted through ``/abort_request``), ``tool_calls`` (chat: the
+model stopped after tool calls; ``kvship.engine.tool_parsers``).  If the model loop dies
 during a request, a non-streaming call gets a 503 and a stream gets an error
 event before ``[DONE]``.
 """
@@ -17,6 +18,7 @@ event before ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -39,6 +41,7 @@ from kvship.engine.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from kvship.engine.reasoning import ReasoningSplitter
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
@@ -71,6 +74,7 @@ from kvship.engine.serving import (
     usage_dict,
     usage_info,
 )
+from kvship.engine.tool_parsers import ChoiceOutput, ToolPlan, detect_family, plan_tools, template_messages
 
 
 def _sampling_params(
@@ -109,6 +113,36 @@ def _dead_error(engine: Engine, deltas: list[TextDelta]) -> Optional[APIError]:
     return pd_abort_error(engine, deltas)
 
 
+def _choice_outputs(plan: ToolPlan, reasoning: Optional[str], prompt: str, n: int) -> Optional[list[ChoiceOutput]]:
+    """One output parser per choice, or None when the text is sent as it is."""
+    if plan.parser is None and reasoning is None:
+        return None
+    return [
+        ChoiceOutput(
+            plan.parser() if plan.parser is not None else None,
+            ReasoningSplitter(reasoning, prompt) if reasoning is not None else None,
+        )
+        for _ in range(n)
+    ]
+
+
+def _merge_deltas(a: dict, b: dict) -> dict:
+    """Two chat deltas of one choice as one (the last text delta and the final flush)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    if "tool_calls" in a and "tool_calls" in b:  # one entry per call: later fragments join its arguments
+        calls: dict[int, dict] = {}
+        for tc in out["tool_calls"]:
+            if tc["index"] in calls:
+                fn = calls[tc["index"]]["function"]
+                fn["arguments"] = fn.get("arguments", "") + tc["function"].get("arguments", "")
+            else:
+                calls[tc["index"]] = {**tc, "function": dict(tc["function"])}
+        out["tool_calls"] = list(calls.values())
+    return out
+
+
 class OpenAIServing:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -131,8 +165,12 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         schema = response_format_schema(body.response_format)
-        if body.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice other than 'none' or 'auto' is not supported", "tool_choice")
+        args = engine.server_args
+        # tools / tool_choice: template tools, forced-call constraint, parser (docs/api.md, "Tool calling")
+        family = args.tool_call_parser
+        if family == "auto":
+            family = detect_family(engine.tokenizer.chat_template)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, family, schema is not None)
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -144,17 +182,16 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         check_max_tokens(max_tokens, max_param)
         stops = normalize_stop(body.stop)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
         refused = check_template_kwargs(body.chat_template_kwargs)  # switches only, never template code
         if refused is not None:
             raise bad_request(refused[1], f"chat_template_kwargs.{refused[0]}", code="invalid_chat_template_kwargs")
-        args = engine.server_args
         try:
             prompt = await asyncio.to_thread(
                 engine.tokenizer.apply_chat_template,
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
-                tools=body.tools,
+                tools=plan.template_tools,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
                 limits=RenderLimits(args.max_chat_template_output_chars, args.chat_template_timeout),
@@ -165,8 +202,13 @@ class OpenAIServing:
             raise bad_request(str(e), "messages") from None
         ids = await encode_text(engine, prompt, "messages", add_special_tokens=False)  # the template holds BOS
         max_new = check_prompt_length(engine, len(ids), max_tokens, "messages", max_param)
-        sp = _sampling_params(engine, body, max_new, stops, schema)
-        await check_grammar(engine, sp, "response_format")
+        sp = _sampling_params(engine, body, max_new, stops, plan.json_schema or schema)
+        if plan.keep_special_tokens:
+            sp = dataclasses.replace(sp, skip_special_tokens=False)  # the family's call markers are special tokens
+        await check_grammar(engine, sp, "tools" if plan.json_schema else "response_format")
+        # a constrained answer (forced call, response_format) starts at the first token: no thinking to split
+        reasoning = None if sp.grammar_key is not None else args.reasoning_parser
+        outputs = _choice_outputs(plan, reasoning, prompt, body.n)
         cid = body.rid or new_id("chatcmpl")
         reqs = [
             GenerateRequest(
@@ -197,7 +239,9 @@ class OpenAIServing:
                     len(ids),
                     bool(opts and opts.include_usage),
                     bool(opts and opts.continuous_usage_stats),
-                    router_ids=list(ids) if request.headers.get(ROUTER_IDS_HEADER) == "1" else None,
+                    # parsed output is not resumable (docs/api.md, "Reasoning"): no ids for the router
+                    router_ids=list(ids) if request.headers.get(ROUTER_IDS_HEADER) == "1" and not outputs else None,
+                    outputs=outputs,
                 ),
                 handles,
             )
@@ -213,12 +257,18 @@ class OpenAIServing:
                 lp = ChatLogprobs.model_validate(
                     {"content": [c for d in deltas for c in (chat_logprobs(engine, d) or {}).get("content", [])]}
                 )
+            text = "".join(d.text for d in deltas)
+            message, finish = ChatResponseMessage(content=text), last.finish_reason
+            if outputs:
+                outputs[i].feed(text, final=True)
+                message = ChatResponseMessage.model_validate(outputs[i].message_fields())
+                finish = outputs[i].finish_reason(finish)
             choices.append(
                 ChatCompletionChoice(
                     index=i,
-                    message=ChatResponseMessage(content="".join(d.text for d in deltas)),
+                    message=message,
                     logprobs=lp,
-                    finish_reason=last.finish_reason,
+                    finish_reason=finish,
                     matched_stop=last.matched_stop,
                 )
             )
@@ -239,10 +289,12 @@ class OpenAIServing:
         include_usage: bool,
         continuous_usage: bool,
         router_ids: Optional[list[int]] = None,
+        outputs: Optional[list[ChoiceOutput]] = None,
     ) -> AsyncIterator[bytes]:
         """``router_ids`` (the prompt ids; the router asked with ``ROUTER_IDS_HEADER``): every chunk
         also carries ``kvship_token_ids``, the output ids since the previous chunk, and the first
-        ``kvship_prompt_ids``, so that the router can resume the stream elsewhere."""
+        ``kvship_prompt_ids``, so that the router can resume the stream elsewhere.  ``outputs``
+        (one per choice): the text goes through the tool-call / reasoning parsers."""
         engine = self.engine
         created = int(time.time())
         completion = [0] * len(handles)
@@ -287,13 +339,20 @@ class OpenAIServing:
                 cached = max(cached, d.cached_tokens)
                 unsent[i].extend(d.token_ids)
                 lp = chat_logprobs(engine, d) if d.logprobs is not None else None
-                if not d.text and not d.finished and not (lp and lp["content"]):
+                if outputs:
+                    delta = outputs[i].feed(d.text)
+                    if d.finished:
+                        delta = _merge_deltas(delta, outputs[i].feed("", final=True))
+                    finish = outputs[i].finish_reason(d.finish_reason)
+                else:
+                    delta, finish = ({"content": d.text} if d.text else {}), d.finish_reason
+                if not delta and not d.finished and not (lp and lp["content"]):
                     continue
                 choice: dict[str, Any] = {
                     "index": i,
-                    "delta": {"content": d.text} if d.text else {},
+                    "delta": delta,
                     "logprobs": lp,
-                    "finish_reason": d.finish_reason,
+                    "finish_reason": finish,
                 }
                 if d.finished:
                     choice["matched_stop"] = d.matched_stop

@@ -39,6 +39,8 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--max-request-bytes",), "max_request_bytes", "value"),
     (("--max-chat-template-output-chars",), "max_chat_template_output_chars", "value"),
     (("--chat-template-timeout",), "chat_template_timeout", "value"),
+    (("--tool-call-parser",), "tool_call_parser", "value"),
+    (("--reasoning-parser",), "reasoning_parser", "value"),
     (("--max-grammar-bytes",), "max_grammar_bytes", "value"),
     (("--max-schema-depth",), "max_schema_depth", "value"),
     (("--grammar-compile-timeout",), "grammar_compile_timeout", "value"),

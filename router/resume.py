@@ -231,6 +231,11 @@ class ResumeState:
             if isinstance(text, str) and text:
                 self.text_relayed = True
                 self.relayed_chars += len(text)
+            delta = c.get("delta") if isinstance(c, dict) else None
+            if isinstance(delta, dict) and (delta.get("reasoning_content") or delta.get("tool_calls")):
+                # parsed output (a worker's --reasoning-parser / tool calls) has no token ids to resume
+                # from: once some reached the client the stream cannot start over (docs/api.md, "Reasoning")
+                self.text_relayed = True
         if self.phase_original:
             if self._id is None:
                 self._id, self._created, self._model = obj.get("id"), obj.get("created"), obj.get("model")

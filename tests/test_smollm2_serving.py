@@ -71,3 +71,31 @@ def test_multibyte_prompt_round_trips_with_echo(server):
     ).json()
     text = r["choices"][0]["text"]
     assert text.startswith(prompt) and "\ufffd" not in text[: len(prompt)]
+
+
+def test_required_tool_choice_returns_a_valid_call_through_the_openai_client(server):
+    import json
+
+    import jsonschema
+
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    ).choices[0]
+    assert out.finish_reason == "tool_calls", out
+    (call,) = out.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
