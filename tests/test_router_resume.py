@@ -365,6 +365,7 @@ async def reference_answers(c: httpx.AsyncClient, url: str, bodies) -> list[str]
 _KILL_WHEN_BUSY = """
 import os, signal, sys, time, urllib.request
 pid, url, min_tokens = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+auth = sys.argv[4] if len(sys.argv) > 4 else ""
 seen = {"polls": 0, "errors": 0, "tokens": None, "busy": None, "last_error": None}
 def report(*_):
     print("not killed; last seen:", seen, flush=True)
@@ -374,7 +375,8 @@ def value(text, name):
     return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name))
 while True:
     try:
-        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        req = urllib.request.Request(url + "/metrics", headers={"authorization": auth} if auth else {})
+        text = urllib.request.urlopen(req, timeout=30).read().decode()
     except OSError as e:
         seen["errors"] += 1
         seen["last_error"] = repr(e)
@@ -391,14 +393,14 @@ while True:
 """
 
 
-def kill_when_busy(victim_pid: int, victim_url: str, min_tokens: int) -> subprocess.Popen:
+def kill_when_busy(victim_pid: int, victim_url: str, min_tokens: int, auth: str = "") -> subprocess.Popen:
     """A process that SIGKILLs ``victim_pid`` once the worker at ``victim_url`` has generated
     ``min_tokens`` tokens and still has requests in flight.  It watches the worker, not the client:
     on a loaded 2-core machine the client (sharing its event loop, and the interpreter lock, with the
     router) can read a stream's first tokens only after the worker finished every request, leaving
-    nothing to resume."""
+    nothing to resume.  ``auth``: the ``Authorization`` value the worker wants (its worker key), if any."""
     return subprocess.Popen(
-        [sys.executable, "-c", _KILL_WHEN_BUSY, str(victim_pid), victim_url, str(min_tokens)],
+        [sys.executable, "-c", _KILL_WHEN_BUSY, str(victim_pid), victim_url, str(min_tokens), auth],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -413,13 +415,14 @@ async def burst_with_a_kill(
     header: str,
     min_started: int = 4,
     busy_tokens: Optional[int] = None,
+    victim_auth: str = "",
 ):
     """Stream every body at once; SIGKILL ``victim_pid`` once ``min_started`` streams served by it
     (response header ``header`` == ``victim_url``) relayed tokens to the client, or, with
     ``busy_tokens``, once the victim generated that many tokens and is still busy (``kill_when_busy``)."""
     started = 0
     killed = False
-    watcher = kill_when_busy(victim_pid, victim_url, busy_tokens) if busy_tokens is not None else None
+    watcher = kill_when_busy(victim_pid, victim_url, busy_tokens, victim_auth) if busy_tokens is not None else None
 
     async def one(route, body):
         nonlocal started, killed
