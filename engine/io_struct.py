@@ -36,6 +36,11 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # the constraint starts once the output produced these token ids (free tokens before; chosen by the
+    # serving layer, e.g. after a reasoning model's ``</think>``: docs/api.md, "Reasoning"); with
+    # ``grammar_opener``, only when the first output token is that id (``kvship.engine.grammar.deferred``)
+    grammar_after: Optional[tuple[int, ...]] = None
+    grammar_opener: Optional[int] = None
 
     @property
     def is_greedy(self) -> bool:

@@ -20,6 +20,8 @@ back, and so is whitespace that may turn out to lead the answer.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from kvship.engine.tool_parsers.base import held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -29,6 +31,29 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")
 def prompt_opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside an open ``<think>`` block."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def grammar_start(
+    family: str, prompt: str, encode: Callable[[str], list[int]]
+) -> Optional[tuple[tuple[int, ...], Optional[int]]]:
+    """Where a constrained answer (``response_format``, forced ``tool_choice``) starts under ``family``:
+    ``(after, opener)`` for ``SamplingParams.grammar_after`` / ``grammar_opener`` (the thinking is free,
+    the grammar starts after ``</think>``), or None when the answer starts at the first token.
+
+    * ``deepseek-r1`` or a prompt that ends inside an open ``<think>``: after ``</think>``.
+    * ``qwen3`` otherwise: when the prompt does not end with a closed think block (e.g. ``enable_thinking:
+      false``) and ``<think>`` is one token, the model may open one as its first token (then the grammar
+      starts after ``</think>``) or start the answer at once.
+    """
+    after = tuple(encode(CLOSE))
+    if not after:
+        return None
+    if family == "deepseek-r1" or prompt_opens_thinking(prompt):
+        return after, None
+    opener = encode(OPEN)
+    if len(opener) == 1 and not prompt.rstrip().endswith(CLOSE):
+        return after, opener[0]
+    return None
 
 
 class ReasoningSplitter:

@@ -41,7 +41,7 @@ from kvship.engine.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from kvship.engine.reasoning import ReasoningSplitter
+from kvship.engine.reasoning import ReasoningSplitter, grammar_start
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
@@ -206,8 +206,15 @@ class OpenAIServing:
         if plan.keep_special_tokens:
             sp = dataclasses.replace(sp, skip_special_tokens=False)  # the family's call markers are special tokens
         await check_grammar(engine, sp, "tools" if plan.json_schema else "response_format")
-        # a constrained answer (forced call, response_format) starts at the first token: no thinking to split
-        reasoning = None if sp.grammar_key is not None else args.reasoning_parser
+        reasoning = args.reasoning_parser
+        if sp.grammar_key is not None and reasoning is not None:
+            # a constrained answer (forced call, response_format) starts after the thinking (docs/api.md,
+            # "Reasoning"); when there is none to come, at the first token, all of it answer
+            start = grammar_start(reasoning, prompt, lambda t: engine.tokenizer.encode(t, add_special_tokens=False))
+            if start is None:
+                reasoning = None
+            else:
+                sp = dataclasses.replace(sp, grammar_after=start[0], grammar_opener=start[1])
         outputs = _choice_outputs(plan, reasoning, prompt, body.n)
         cid = body.rid or new_id("chatcmpl")
         reqs = [

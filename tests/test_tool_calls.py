@@ -121,7 +121,6 @@ def test_streamed_calls_split_at_every_boundary_equal_the_message(family, text, 
 @pytest.mark.parametrize(
     "family,text",
     [
-        ("qwen25", 'Here: <tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call> done'),
         ("qwen25", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
         ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>'),
         ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}} and some words'),
@@ -134,6 +133,48 @@ def test_malformed_calls_stay_text(family, text):
     msg, finish = _message(PARSERS[family](), text)
     assert msg["content"] == text and "tool_calls" not in msg and finish == "stop"
     assert_stream_matches(PARSERS[family], text)
+
+
+BROKEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+GOOD_TIME = '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+
+
+def _streamed_calls(pieces: list[str]) -> tuple[dict, list[tuple[int, str, str]]]:
+    got = accumulate(_stream(PARSERS["qwen25"], pieces)[0])
+    return got, [(i, c["name"], c["arguments"]) for i, c in sorted(got["tool_calls"].items())]
+
+
+def test_auto_call_arguments_stream_in_fragments_once_the_name_is_known():
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    deltas, _ = _stream(PARSERS["qwen25"], list(text))
+    frags = [tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(frags) > 10 and frags[0] == "{"  # the first delta names the call as soon as its arguments begin
+    assert "".join(frags) == '{"city": "Paris", "days": 2}' == _calls(_message(PARSERS["qwen25"](), text)[0])[0][1]
+    assert_stream_matches(PARSERS["qwen25"], text)
+    spaced = '<tool_call>\n{"name": "f", "arguments": {"a" : [1,2], "b": "}\\""}}\n</tool_call>'
+    assert _calls(_message(PARSERS["qwen25"](), spaced)[0]) == [("f", '{"a" : [1,2], "b": "}\\""}')]  # as written
+    assert_stream_matches(PARSERS["qwen25"], spaced)
+
+
+@pytest.mark.parametrize("after", ["", " done", GOOD_TIME])
+def test_a_streamed_call_that_turns_out_malformed_stays_sent_and_its_markup_becomes_content(after):
+    """docs/api.md, "Tool calling", Streaming: the message has the broken markup as content; the stream has
+    sent the call's name and the arguments written until then, then sends the same content, and later calls
+    take the next indices."""
+    text = "Here: " + BROKEN + after
+    msg, finish = _message(PARSERS["qwen25"](), text)
+    good = [("get_time", '{"tz": "CET"}')] if after == GOOD_TIME else []
+    assert _calls(msg) == good and finish == ("tool_calls" if good else "stop")
+    assert BROKEN in msg["content"]
+    got, calls = _streamed_calls(list(text))
+    assert got["content"] == msg["content"]
+    assert calls[0] == (0, "get_weather", '{"city": \n')  # never a piece of the closing tag
+    assert [(n, a) for _, n, a in calls[1:]] == good and [i for i, *_ in calls] == list(range(len(calls)))
+    for k in range(len(text) + 1):  # any split: content equal; streamed calls the broken one's prefix and the good
+        got, calls = _streamed_calls([text[:k], text[k:]])
+        assert got["content"] == msg["content"]
+        assert [(n, a) for _, n, a in calls if n == "get_time"] == good
+        assert all('{"city": \n'.startswith(a) for _, n, a in calls if n == "get_weather")
 
 
 def test_text_without_calls_is_content_unchanged():

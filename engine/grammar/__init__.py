@@ -6,7 +6,7 @@ Life cycle of a constrained request (``SamplingParams.grammar_key`` set)::
                 (limits checked first; the compile runs in a child process killed after the timeout)
     scheduler:  submit -> grammar queue (compiling in the backend's pool, other requests keep running;
                 tensor-parallel ranks admit it together when rank 0's compile is broadcast)
-                -> matcher ready (``Req.grammar``) -> role.admit / waiting -> extend / decode
+                -> matcher ready (``Req.grammar``; with ``grammar_after``, wrapped: free until those ids, ``deferred``) -> role.admit / waiting -> extend / decode
     each step:  fill the matcher's next-token bitmask -> mask the logits -> sample
                 -> ``Req.append_token`` accepts the token; the request stops when the grammar terminates
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from kvship.engine.grammar.compile_process import CompileFailed, CompilePool, CompileTimeout
+from kvship.engine.grammar.deferred import DeferredGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,11 @@ class GrammarQueue:
 def _take_grammar(backend: GrammarBackend, req: Any, compiled: Any) -> Optional[str]:
     """Set ``req.grammar`` from ``compiled()``; the error message instead when that raises."""
     try:
-        req.grammar = backend.matcher(compiled())
+        matcher = backend.matcher(compiled())
+        sp = getattr(req, "sampling_params", None)
+        if sp is not None and sp.grammar_after:  # free tokens until the answer starts (docs/api.md, "Reasoning")
+            matcher = DeferredGrammar(matcher, sp.grammar_after, sp.grammar_opener)
+        req.grammar = matcher
         return None
     except GrammarError as e:
         return str(e)

@@ -27,6 +27,7 @@ from typing import Any, Container, Optional, Sequence
 import torch
 
 from kvship.engine.grammar.backend import GrammarMatcher
+from kvship.engine.grammar.deferred import DeferredGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,20 @@ def _new_bitmask(n: int, vocab_size: int, pin: bool) -> torch.Tensor:
 
 
 def _fill_rows(grammars: list[Any], mask: torch.Tensor) -> None:
-    if grammars and all(isinstance(g, GrammarMatcher) for g in grammars):
-        GrammarMatcher.fill_many(grammars, mask)  # xgrammar's threads, several rows at once
+    # a deferred grammar that started fills as its matcher (``kvship.engine.grammar.deferred``)
+    active = [g.inner if isinstance(g, DeferredGrammar) and g.started else g for g in grammars]
+    plain = [i for i, g in enumerate(active) if isinstance(g, GrammarMatcher)]
+    batched = set(plain) if len(plain) > 1 else set()
+    if plain and len(plain) == len(active):
+        GrammarMatcher.fill_many(active, mask)  # xgrammar's threads, several rows at once
         return
-    for i, g in enumerate(grammars):
-        g.fill(mask, i)
+    if len(plain) > 1:  # the matchers' rows in one batch fill, the others one by one
+        sub = torch.empty((len(plain), mask.shape[1]), dtype=mask.dtype)
+        GrammarMatcher.fill_many([active[i] for i in plain], sub)
+        mask[plain] = sub
+    for i, g in enumerate(active):
+        if i not in batched:
+            g.fill(mask, i)
 
 
 def fill_bitmask(reqs: Sequence[Any], vocab_size: int, skip: Container[int] = ()) -> tuple[list[int], torch.Tensor]:

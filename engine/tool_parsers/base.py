@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -113,3 +114,59 @@ def json_values(text: str, sep: str = "") -> Optional[list[Any]]:
         except ValueError:
             return None
         out.append(value)
+
+
+# ``{"name": "f", "arguments": {`` (the name first, then the arguments object): such a call's arguments stream
+# as the model writes them (docs/api.md, "Tool calling", Streaming)
+_NAMED_ARGS = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def _object_end(text: str, start: int) -> Optional[int]:
+    """The end of the JSON object opening at ``text[start]`` (``{``), or None while it is not closed."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def json_call_partial(body: str) -> Optional[ToolCall]:
+    """The call a JSON body being written names, with the arguments written so far as the model wrote them,
+    once the name is known and the arguments object has begun (``_NAMED_ARGS``); else None."""
+    m = _NAMED_ARGS.match(body)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return None
+    if not name:
+        return None
+    end = _object_end(body, m.end())
+    return ToolCall(name, body[m.end() : len(body) if end is None else end])
+
+
+def call_from_json_streamed(text: str) -> Optional[ToolCall]:
+    """``call_from_json``, except that a call in ``_NAMED_ARGS`` order keeps its arguments as the model wrote
+    them (so the fragments streamed by ``json_call_partial`` add up to them)."""
+    call = call_from_json(text)
+    if call is None:
+        return None
+    partial = json_call_partial(text)
+    if partial is None or partial.name != call.name:
+        return call
+    return ToolCall(call.name, partial.arguments)

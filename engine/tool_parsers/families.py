@@ -19,16 +19,18 @@ from kvship.engine.tool_parsers.base import (
     Scan,
     ToolCall,
     ToolParser,
-    call_from_json,
+    call_from_json_streamed,
     call_from_obj,
     held_prefix,
+    json_call_partial,
     json_values,
 )
 
 
 class TaggedParser(ToolParser):
     """Calls in ``call_start ... call_end`` blocks, the first opened by ``outer_start`` (defaults to
-    ``call_start``); ``outer`` markers between blocks are dropped.  Calls are sent as each block closes."""
+    ``call_start``); ``outer`` markers between blocks are dropped.  Calls are sent as each block closes, or,
+    with ``partial``, from when the open block's call is named (its arguments in fragments)."""
 
     def __init__(
         self,
@@ -36,8 +38,10 @@ class TaggedParser(ToolParser):
         call_end: str,
         body: Callable[[str], Optional[ToolCall]],
         outer: tuple[str, ...] = (),
+        partial: Optional[Callable[[str], Optional[ToolCall]]] = None,
     ):
         self.call_start, self.call_end, self.body, self.outer = call_start, call_end, body, outer
+        self.partial = partial  # the call an unclosed block is writing, once its name is known (streamed)
         self.first = outer[0] if outer else call_start
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -60,7 +64,10 @@ class TaggedParser(ToolParser):
             k = text.find(self.call_end, j + len(self.call_start))
             if k < 0:
                 if not final:
-                    return Scan(head, calls)
+                    body = text[j + len(self.call_start) :]
+                    body = body[: held_prefix(body, (self.call_end,))]  # a tail that may close the block waits
+                    open_call = self.partial(body) if self.partial else None
+                    return Scan(head, calls, open_call)
                 call = self.body(text[j + len(self.call_start) :])  # the model stopped before closing the block
                 if call is None:
                     extra.append(text[j:])
@@ -163,11 +170,11 @@ def _deepseek_call(block: str) -> Optional[ToolCall]:
 
 
 def _hermes_call(block: str) -> Optional[ToolCall]:
-    return call_from_json(block.strip())
+    return call_from_json_streamed(block.strip())
 
 
 def hermes() -> ToolParser:
-    return TaggedParser("<tool_call>", "</tool_call>", _hermes_call)
+    return TaggedParser("<tool_call>", "</tool_call>", _hermes_call, partial=json_call_partial)
 
 
 def deepseekv3() -> ToolParser:

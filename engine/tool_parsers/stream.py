@@ -31,6 +31,7 @@ class ChoiceOutput:
         self.content = ""
         self.calls: list[tuple[str, ToolCall]] = []  # (id, call) of the calls sent in full
         self._partial: Optional[tuple[str, str, str]] = None  # (id, name, arguments sent) of the call in progress
+        self._dropped = 0  # streamed calls that turned out malformed: later calls' stream indices move past them
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         self.text += text
@@ -54,11 +55,19 @@ class ChoiceOutput:
         if len(content) > len(self.content):
             delta["content"] = content[len(self.content) :]
             self.content = content
+        if self._partial is not None:
+            nxt = calls[len(self.calls)] if len(calls) > len(self.calls) else partial
+            _, name, sent = self._partial
+            if (nxt is None and final) or (
+                nxt is not None and (nxt.name != name or not nxt.arguments.startswith(sent))
+            ):
+                self._partial = None  # the call being streamed broke: it stays as sent (docs/api.md, "Tool calling")
+                self._dropped += 1
         tool_deltas = []
         for i in range(len(self.calls), len(calls)):
-            tool_deltas.append(self._send(i, calls[i], complete=True))
+            tool_deltas.append(self._send(i + self._dropped, calls[i], complete=True))
         if partial is not None:
-            tool_deltas.append(self._send(len(self.calls), partial, complete=False))
+            tool_deltas.append(self._send(len(self.calls) + self._dropped, partial, complete=False))
         if tool_deltas:
             delta["tool_calls"] = [d for d in tool_deltas if d is not None]
             if not delta["tool_calls"]:
