@@ -180,6 +180,8 @@ class ModelConfig:
     source_format: str = "hf"  # "hf" (config.json) or "gguf"
     moe: Optional[MoEConfig] = None  # Mixture-of-Experts models only
     quantization: str = "unquantized"  # the weights' quantization method (module docstring)
+    # config.json's quantization_config (None: an unquantized checkpoint); the method reads its settings
+    quantization_config: Optional[dict] = field(default=None, compare=False, hash=False)
 
     @property
     def architecture(self) -> str:
@@ -307,7 +309,8 @@ class ModelConfig:
             checkpoint_dtype=_DTYPES.get(ckpt) if isinstance(ckpt, str) else None,
             source_format="hf",
             moe=MoEConfig.from_hf_dict(cfg),
-            quantization=resolve_quantization(_checkpoint_quant_method(cfg), quantization),
+            quantization=_resolved_quantization(cfg, quantization),
+            quantization_config=cfg.get("quantization_config"),
         )
 
     @classmethod
@@ -396,6 +399,19 @@ class ModelConfig:
             source_format="gguf",
             moe=moe,
         )
+
+
+def _resolved_quantization(cfg: dict, requested: Optional[str]) -> str:
+    """The method (``resolve_quantization``), its settings checked here, at startup: an FP8 format kvship
+    does not read is refused naming it (docs/quantization.md)."""
+    method = resolve_quantization(_checkpoint_quant_method(cfg), requested)
+    if method in ("fp8", "compressed-tensors"):
+        from kvship.engine.layers.quantization.fp8 import parse_scheme
+
+        parse_scheme(method, cfg.get("quantization_config"))
+        if MoEConfig.from_hf_dict(cfg) is not None:
+            raise ValueError(f"'{method}' quantization of MoE models is not supported yet (FP8 experts pending)")
+    return method
 
 
 def _checkpoint_quant_method(cfg: dict) -> Optional[str]:

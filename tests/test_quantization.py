@@ -1,5 +1,5 @@
 """The quantization seam (engine/layers/quantization): registry, startup refusals, sharding by whole blocks,
-and every weight-holding layer computing through its method.  FP8 formats are pending (issue 31)."""
+and every weight-holding layer computing through its method.  FP8 formats: test_quantization_fp8.py."""
 
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def load_checked(layer: nn.Module, name: str, target: torch.Tensor, loaded: torc
     """``layer.quant_method.load`` of ``loaded`` into ``target`` once their shapes agree (ValueError naming
     ``what`` otherwise)."""
     loaded = materialize(loaded)
-    if tuple(target.shape) != tuple(loaded.shape):
+    shapes = tuple(target.shape), tuple(loaded.shape)
+    if shapes[0] != shapes[1] and not layer.quant_method.accepts_shape(name, *shapes):
         raise ValueError(f"{what}: expected {tuple(target.shape)}, checkpoint has {tuple(loaded.shape)}")
     layer.quant_method.load(layer, name, target, loaded)
 
@@ -71,6 +72,7 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.params_dtype = dtype  # the model dtype (biases, outputs); the method may store weights otherwise
         self.quant_method = unquantized_or(quant_method)
         self.bias: Optional[nn.Parameter] = None
         weights = {"weight": (output_size, input_size)}
@@ -135,13 +137,13 @@ class StackedLinear(Linear):
         for sid, size in shards.items():
             self.shard_offsets[sid] = (off, size)
             off += size
-        self.weight.weight_loader = self._load_shard  # type: ignore[attr-defined]
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_shard  # type: ignore[attr-defined]
+        for p in self.parameters(recurse=False):  # weight, bias and the method's scales
+            p.weight_loader = self._load_shard  # type: ignore[attr-defined]
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if shard_id not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
         off, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, off, size)
-        load_checked(self, self._param_name(param), target, loaded, f"shard {shard_id!r}")
+        name = self._param_name(param)
+        target = self.quant_method.rows(name, param.data, off, size)
+        load_checked(self, name, target, loaded, f"shard {shard_id!r}")

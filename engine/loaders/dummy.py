@@ -19,6 +19,15 @@ its columns), and nothing is ever drawn for the whole model at once.  The
 values depend on the seed, the dtype and the device (CPU and CUDA generators
 differ, CUDA's also with the GPU model), never on the TP / EP size.
 ``dummy_checkpoint(config, seed, device)`` yields the checkpoint as lazy slices.
+
+FP8 (a config.json whose ``quantization_config`` is an ``fp8`` or
+``compressed-tensors`` format, docs/quantization.md): the projection weights
+are float8_e4m3fn, the same N(0, ``DUMMY_STD``) draws divided by one constant
+scale ``DUMMY_FP8_SCALE``, and every scale tensor of the format holds that
+constant (a static ``input_scale`` holds ``DUMMY_INPUT_SCALE``), so any block
+of any tensor is a slice of the same model at every TP size.  Under
+``--quantization fp8`` (no quantization_config) the weights are drawn as
+usual and quantized as they load.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ from kvship.engine.loaders.lazy import CheckpointSlice
 from kvship.engine.model_config import ModelConfig
 
 DUMMY_STD = 0.02
+# dummy FP8 checkpoints: the weights' scale (|w| up to 8 std before clamping) and static activation scale
+DUMMY_FP8_SCALE = 8 * DUMMY_STD / 448.0
+DUMMY_INPUT_SCALE = 16.0 / 448.0
 # elements drawn per generator seed: a block of whole rows of a tensor
 BLOCK_ELEMENTS = 1 << 22
 
@@ -95,18 +107,25 @@ class SyntheticTensor:
     ``ranges`` touches, in ``dtype`` on ``generator``'s device."""
 
     def __init__(
-        self, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, generator: torch.Generator
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        seed: int,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+        fill: float | None = None,
     ) -> None:
         self.name, self.shape, self.seed, self.dtype = name, shape, seed, dtype
         self.generator = generator
-        self.rows_per_block = max(1, BLOCK_ELEMENTS // math.prod(shape[1:]))
-        self.is_norm = name.endswith("norm.weight")
+        self.rows_per_block = max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+        # a constant tensor: norm weights (1) and dummy FP8 scales
+        self.fill = 1.0 if name.endswith("norm.weight") else fill
 
     def read(self, ranges: tuple[slice, ...]) -> torch.Tensor:
-        rows = ranges[0]
         out = torch.empty(tuple(r.stop - r.start for r in ranges), dtype=self.dtype, device=self.generator.device)
-        if self.is_norm:
-            return out.fill_(1.0)
+        if self.fill is not None:
+            return out.fill_(self.fill)
+        rows = ranges[0]
         per, row = self.rows_per_block, rows.start
         while row < rows.stop:  # one block at a time: never more than the slice and one block in memory
             i = row // per
@@ -121,8 +140,12 @@ class SyntheticTensor:
         rows = min(per, self.shape[0] - i * per)
         key = hashlib.blake2b(f"{self.seed}:{self.name}:{i}".encode(), digest_size=8).digest()
         self.generator.manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
-        out = torch.empty((rows,) + self.shape[1:], dtype=self.dtype, device=self.generator.device)
-        return out.normal_(0.0, DUMMY_STD, generator=self.generator)
+        fp8 = self.dtype == torch.float8_e4m3fn
+        out = torch.empty(
+            (rows,) + self.shape[1:], dtype=torch.float32 if fp8 else self.dtype, device=self.generator.device
+        )
+        out.normal_(0.0, DUMMY_STD, generator=self.generator)
+        return (out / DUMMY_FP8_SCALE).clamp_(-448.0, 448.0).to(self.dtype) if fp8 else out
 
 
 def dummy_checkpoint(
@@ -131,8 +154,34 @@ def dummy_checkpoint(
     """``(name, CheckpointSlice)`` for every tensor of ``checkpoint_shapes(config)``: nothing is drawn until a
     slice is loaded, on ``device`` in ``config.dtype``."""
     generator = torch.Generator(device=device)
-    for name, shape in checkpoint_shapes(config).items():
-        yield name, CheckpointSlice(shape, SyntheticTensor(name, shape, seed, config.dtype, generator).read)
+    for name, (shape, dtype, fill) in _with_fp8(config, checkpoint_shapes(config)).items():
+        yield name, CheckpointSlice(shape, SyntheticTensor(name, shape, seed, dtype, generator, fill).read)
+
+
+def _with_fp8(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+    """name -> (shape, dtype, constant or None): ``shapes`` in the model dtype, or, for an FP8 checkpoint format,
+    its projection weights in float8_e4m3fn plus the format's scale tensors (module docstring)."""
+    if config.quantization not in ("fp8", "compressed-tensors") or config.quantization_config is None:
+        return {name: (shape, config.dtype, None) for name, shape in shapes.items()}
+    from kvship.engine.layers.quantization.fp8 import parse_scheme
+    from kvship.engine.layers.quantization.writer import is_quantized_weight
+
+    scheme = parse_scheme(config.quantization, config.quantization_config)
+    out: dict[str, tuple] = {}
+    for name, shape in shapes.items():
+        if not is_quantized_weight(name):
+            out[name] = (shape, config.dtype, None)
+            continue
+        base = name.removesuffix(".weight")
+        out[name] = (shape, torch.float8_e4m3fn, None)
+        if scheme.weight == "block":
+            scale_shape = tuple(-(-n // b) for n, b in zip(shape, scheme.block))
+            out[f"{base}.weight_scale_inv"] = (scale_shape, torch.float32, DUMMY_FP8_SCALE)
+        else:
+            out[f"{base}.weight_scale"] = (shape[:1], torch.float32, DUMMY_FP8_SCALE)
+        if scheme.activation == "static":
+            out[f"{base}.input_scale"] = ((), torch.float32, DUMMY_INPUT_SCALE)
+    return out
 
 
 @register_loader("dummy")
@@ -143,4 +192,5 @@ class DummyLoader(ModelLoader):
         if not lazy:  # the whole model on one device: each tensor whole, one at a time
             tensors = ((name, whole.load()) for name, whole in tensors)
         with torch.no_grad():
-            fill_from_checkpoint(model, tensors, len(checkpoint_shapes(model_config)), "Generating dummy weights")
+            total = len(_with_fp8(model_config, checkpoint_shapes(model_config)))
+            fill_from_checkpoint(model, tensors, total, "Generating dummy weights")

@@ -243,7 +243,7 @@ def _qkv(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict)
         "k": (s.kv_head_start * d, s.num_kv_heads * d),
         "v": (s.kv_head_start * d, s.num_kv_heads * d),
     }
-    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
+    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.params_dtype, m.quant_method, name)
 
 
 def _attention(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
@@ -265,7 +265,7 @@ def _column(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: di
             raise ValueError(f"--tp-size {tp.size} does not divide a projection of width {size}")
         per = size // tp.size
         ranges[sid] = (tp.rank * per, per)
-    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.weight.dtype, m.quant_method, name)
+    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.params_dtype, m.quant_method, name)
 
 
 def _row(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
@@ -275,7 +275,7 @@ def _row(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict)
         raise ValueError(f"--tp-size {tp.size} does not divide a projection input of width {m.input_size}")
     per = m.input_size // tp.size
     return RowParallelLinear(
-        per, m.output_size, m.bias is not None, m.weight.dtype, tp, tp.rank * per, m.quant_method, name
+        per, m.output_size, m.bias is not None, m.params_dtype, tp, tp.rank * per, m.quant_method, name
     )
 
 

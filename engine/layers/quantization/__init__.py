@@ -1,7 +1,8 @@
 """Quantization methods behind one seam (``base.QuantMethod``) and a registry by name.
 
-``unquantized`` (the compute dtype: bfloat16 / float16 / float32) is the only
-method so far; FP8 formats are pending (issue 31).  docs/quantization.md.
+``unquantized`` (the compute dtype: bfloat16 / float16 / float32), ``fp8`` and
+``compressed-tensors`` (FP8 e4m3 checkpoints and ``--quantization fp8``,
+``fp8.py``; the checkpoint writer is ``writer.py``).  docs/quantization.md.
 """
 
 from kvship.engine.layers.quantization.base import (

@@ -77,6 +77,12 @@ class QuantMethod(ABC):
     #: (rows, columns) of the weight one scale covers; None: no block scales (unquantized, per-channel, per-tensor)
     weight_block: ClassVar[Optional[tuple[int, int]]] = None
 
+    @classmethod
+    def from_config(cls, config: "ModelConfig") -> "QuantMethod":
+        """The method for a model of ``config`` (a method with per-checkpoint settings reads
+        ``config.quantization_config``)."""
+        return cls()
+
     # --- weights ---------------------------------------------------------------
     @abstractmethod
     def create_weights(
@@ -87,6 +93,30 @@ class QuantMethod(ABC):
     @abstractmethod
     def load(self, layer: nn.Module, name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
         """Write checkpoint tensor ``loaded`` into ``target``, a region of parameter ``name`` (class docstring)."""
+
+    def accepts_shape(self, name: str, target: tuple[int, ...], loaded: tuple[int, ...]) -> bool:
+        """Whether checkpoint tensor ``name`` of shape ``loaded`` may fill a region of shape ``target`` that
+        differs from it (a per-tensor scale stored per row); ``load`` then converts.  Default: never."""
+        return False
+
+    def rows(self, name: str, param: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        """The region of parameter ``name`` (``param``) that holds output rows ``[start, start + size)`` of the
+        layer's weight (a stacked layer's shard): rows of weights, biases and per-row scales, whole blocks of
+        block scales (ValueError when the region cuts a block), all of a per-tensor scale."""
+        kind = self.tensor_kind(name)
+        if kind == "tensor_scale" and param.dim() == 0:
+            return param
+        if kind == "block_scale":
+            assert self.weight_block is not None, f"{type(self).__name__} has block scales but no weight_block"
+            block = self.weight_block[0]
+            last = start // block + -(-size // block) == param.shape[0]  # a partial block ends the weight
+            if start % block or (size % block and not last):
+                raise ValueError(
+                    f"a stacked shard of rows [{start}, {start + size}) cuts the {block}-row scale blocks of "
+                    f"'{self.name}' weights; the checkpoint's stacked projections must be whole blocks"
+                )
+            return param.narrow(0, start // block, -(-size // block))
+        return param.narrow(0, start, size)
 
     def tensor_kind(self, name: str) -> str:
         """How checkpoint tensor ``name`` (a parameter's name) splits: ``"weight"``, ``"bias"``,
@@ -167,7 +197,11 @@ class QuantMethod(ABC):
 
 # --- registry ---------------------------------------------------------------------
 _REGISTRY: dict[str, type[QuantMethod]] = {}
-_LAZY_MODULES = {"unquantized": "kvship.engine.layers.quantization.unquantized"}
+_LAZY_MODULES = {
+    "unquantized": "kvship.engine.layers.quantization.unquantized",
+    "fp8": "kvship.engine.layers.quantization.fp8",
+    "compressed-tensors": "kvship.engine.layers.quantization.fp8",
+}
 UNQUANTIZED = "unquantized"
 
 
@@ -184,13 +218,15 @@ def supported_quant_methods() -> list[str]:
     return sorted(set(_REGISTRY) | set(_LAZY_MODULES))
 
 
-def get_quant_method(name: str) -> QuantMethod:
-    """A method by name (ValueError naming the supported ones for an unknown name)."""
+def get_quant_method(name: str, config: Optional["ModelConfig"] = None) -> QuantMethod:
+    """A method by name, set up for a model of ``config`` when given (ValueError naming the supported ones for
+    an unknown name)."""
     if name not in _REGISTRY and name in _LAZY_MODULES:
         importlib.import_module(_LAZY_MODULES[name])
     if name not in _REGISTRY:
         raise ValueError(f"unsupported quantization method '{name}'; supported: {supported_quant_methods()}")
-    return _REGISTRY[name]()
+    cls = _REGISTRY[name]
+    return cls.from_config(config) if config is not None else cls()
 
 
 def resolve_quantization(checkpoint_method: Optional[str], requested: Optional[str]) -> str:
@@ -215,4 +251,4 @@ def resolve_quantization(checkpoint_method: Optional[str], requested: Optional[s
 
 def quant_method_for(config: "ModelConfig") -> QuantMethod:
     """The method for the weight-holding layers of a model of ``config`` (its resolved ``quantization``)."""
-    return get_quant_method(config.quantization)
+    return get_quant_method(config.quantization, config)
