@@ -210,7 +210,16 @@ def test_prefill_killed_while_decode_waits_for_kv_then_retry_on_other_pair_succe
     cluster.wait_free(survivors)
 
 
+def _router_sees_only_live_workers(cluster) -> bool:
+    """Every worker the router still calls healthy answers (a worker killed by an earlier test of this module
+    is out of rotation), so this test's pair is two live workers."""
+    listed = httpx.get(cluster.url + "/workers", timeout=5, headers=cluster.worker_headers).json()["workers"]
+    healthy = [w["url"] for w in listed if w.get("healthy")]
+    return bool(healthy) and set(_alive(cluster, healthy)) == set(healthy)
+
+
 def test_decode_killed_mid_stream_router_reports_it_and_prefill_frees(cluster):
+    _wait_for(lambda: _router_sees_only_live_workers(cluster), 30, "the router to drop the workers killed before")
     body = {
         "input_ids": list(range(7, 30)),
         "stream": True,
