@@ -111,6 +111,9 @@ class ModelRunner:
         ep = (server_args.ep_size, server_args.ep_dispatch)
         self.model = load_model(mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp, ep=ep)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cuda" and mc.quantization != "unquantized":
+            # correct, but each forward dequantizes the weights: slower than bf16 (docs/quantization.md)
+            logger.warning("%s weights run the reference path on CUDA (no FP8 kernels yet)", mc.quantization)
         if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
