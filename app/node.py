@@ -22,7 +22,7 @@ import json
 import logging
 import signal
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Callable
 
 from kvship.engine.config import ServerArgs
@@ -31,10 +31,17 @@ from kvship.engine.distributed.topology import Topology
 logger = logging.getLogger("kvship.node")
 
 POLL_S = 0.2
+HEALTH_TIMEOUT_S = 5.0
 
 
-def _health_server(server_args: ServerArgs, state: Callable[[], tuple[int, dict]]) -> ThreadingHTTPServer:
+def _health_server(server_args: ServerArgs, state: Callable[[], tuple[int, dict]]) -> HTTPServer:
+    """``GET /health`` only, open like a worker's (kubelet probes; docs/security.md): one connection at a time,
+    each with ``HEALTH_TIMEOUT_S`` to send its request line and headers (http.server caps a line at 64 KiB and
+    the headers at 100), no body read; a slow or silent peer costs at most that long."""
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = HEALTH_TIMEOUT_S  # per connection socket timeout
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.split("?")[0] not in ("/health", "/health_generate"):
                 self.send_error(404)
@@ -50,7 +57,7 @@ def _health_server(server_args: ServerArgs, state: Callable[[], tuple[int, dict]
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
             pass
 
-    server = ThreadingHTTPServer((server_args.host, server_args.port), Handler)
+    server = HTTPServer((server_args.host, server_args.port), Handler)
     threading.Thread(target=server.serve_forever, name="kvship-node-health", daemon=True).start()
     return server
 

@@ -577,7 +577,7 @@ def measure(
             for name in pds:
                 (_, pa, p0, p1), (th, ta, t0, t1) = got[name], got[name + " traced"]
                 equal = ua["output_ids"] == pa["output_ids"]
-                if not equal and not args.shape:  # dummy weights: flat logits may flip a token (DESIGN.md); counted
+                if not equal and not args.shape:  # dummy weights: flat logits may flip a token; counted
                     raise RuntimeError(f"{name} prompt {n}: PD answered {pa['output_ids']}, unified {ua['output_ids']}")
                 stamps = flatten((t0, t1), th, ta)
                 row = {

@@ -164,7 +164,7 @@ class Scheduler:
             raise
         self._built = True
 
-    # collaborators chosen in the constructor (STYLE.md 18): replacing one afterwards is refused
+    # collaborators chosen in the constructor (docs/parallel.md, "The topology"): replacing one afterwards is refused
     FIXED = frozenset({"io", "runner", "inbox", "launcher", "grammar_queue", "grammar", "role", "speculator"})
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -8,7 +8,7 @@ run time (per token-group of the block width, per token, or with the
 checkpoint's static ``input_scale``).  ``--quantization fp8`` on an
 unquantised checkpoint quantises each weight per output row as it is loaded.
 
-``apply`` is the CPU reference of the GPU kernels (fake-quant,
+``apply`` is the CPU reference of the GPU kernels (quantize-dequantize (QDQ),
 ``fp8_math``); the embedding and the LM head stay in the model dtype, as the
 checkpoints keep them.  docs/quantization.md lists the key names, the
 arithmetic and what is not done (GPU kernels, FP8 MoE experts).
@@ -220,7 +220,7 @@ class Fp8Method(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.weight.dtype != fm.FP8:  # the LM head
             return dense_linear(x, layer.weight, layer.bias)
-        return fm.fake_quant_linear(self.quantize_input(layer, x), self.dequantized_weight(layer), layer.bias, x.dtype)
+        return fm.qdq_linear(self.quantize_input(layer, x), self.dequantized_weight(layer), layer.bias, x.dtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)

@@ -1,6 +1,6 @@
 """FP8 (e4m3) arithmetic shared by the FP8 methods, the checkpoint writer and the tests.
 
-The CPU reference of every FP8 method is fake-quant: weights dequantised to
+The CPU reference of every FP8 method is quantize-dequantize (QDQ): weights dequantised to
 fp32, activations quantised to FP8 and dequantised in fp32, one fp32 matmul,
 the output cast to the model dtype.  docs/quantization.md ("Reference
 arithmetic") states it step by step; the GPU kernels must match it.
@@ -101,7 +101,7 @@ def dequant_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float().mul_(s[:, None] if s.numel() > 1 else s)
 
 
-def fake_quant_linear(
+def qdq_linear(
     x_deq: torch.Tensor, w_deq: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
 ) -> torch.Tensor:
     """The GEMM of the reference: fp32 ``x_deq @ w_deq^T (+ bias in fp32)``, cast to ``out_dtype``."""
