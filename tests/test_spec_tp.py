@@ -26,6 +26,7 @@ import pytest
 import torch
 from pd_fixtures import Collector, _server_args, run_until_idle, unified_greedy
 from server_fixtures import run_ranks, start_server
+from test_spec_decode import _prompts  # prompts that repeat a pattern: prompt lookup finds drafts
 from test_spec_eagle import write_random_head
 from test_spec_eagle_pd import write_repeat_head
 
@@ -38,16 +39,6 @@ pytestmark = pytest.mark.timeout(400)
 MAX_NEW = 20
 ALGOS = ["ngram", "draft", "eagle", "eagle3"]
 RANK_TIMEOUT_S = 300
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts that repeat a pattern (prompt lookup finds drafts, some accepted, some not)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        pat = torch.randint(3, 200, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        out.append((pat * 6)[: 8 + int(torch.randint(0, 20, (1,), generator=g))])
-    return out
 
 
 PROMPTS = _prompts(3, seed=31)
