@@ -1113,6 +1113,135 @@ def prefill_timing(runner: Any, prompt_len: int, repeats: int = 6, idle_s: float
     return out
 
 
+# --- quantization variants side by side ---------------------------------------------------------
+# config.json quantization_config of each --variants entry (the dummy loader makes FP8 weights of that format;
+# docs/quantization.md "--load-format dummy"); "bf16": none
+QUANT_VARIANTS: dict[str, Optional[dict[str, Any]]] = {
+    "bf16": None,
+    "fp8_channel": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+    "fp8_block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "fp8_static": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"},
+}
+
+
+def prefill_ms(runner: Any, prompt_len: int, repeats: int = 3) -> float:
+    """Wall milliseconds of one batch-1 prefill forward of ``prompt_len`` tokens (best of ``repeats``)."""
+    best = float("inf")
+    for i in range(repeats + 1):
+        drv = DecodeDriver(runner, 1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        drv.prefill(prompt_len, torch.Generator().manual_seed(i))
+        torch.cuda.synchronize()
+        if i:  # the first one warms up
+            best = min(best, time.perf_counter() - t0)
+        drv.free()
+    return best * 1e3
+
+
+def variants_main(args: argparse.Namespace) -> int:
+    """``--variants bf16,fp8_channel,fp8_block``: one dummy-weight runner per variant at ``--shape`` (with
+    ``--quantization``, if given, passed to every FP8-less variant), each measured the same way: CUDA-graph
+    decode tok/s at ``--batch-sizes`` (batch 1 against its roofline: weight bytes read per step (every
+    weight but the embedding table) + KV bytes, at the measured copy bandwidth) and the prefill time of each
+    ``--prefill-lens`` prompt (default 4096).  Writes ``decode_latency_variants.{json,md}``."""
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in QUANT_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; known: {sorted(QUANT_VARIANTS)}")
+    bs_list = [int(x) for x in args.batch_sizes.split(",") if x]
+    prefill_lens = [int(x) for x in (args.prefill_lens or "4096").split(",") if x]
+    hbm = copy_bandwidth()
+    res: dict[str, Any] = {"env": environment(), "shape": args.shape, "hbm_TBps": hbm / 1e12, "variants": []}
+    tmp = tempfile.mkdtemp(prefix="kvship-bench-")
+    ctx = max(args.input_len + args.output_len, max(prefill_lens)) + 8
+    max_bs = max(bs_list)
+    for name in names:
+        qc = QUANT_VARIANTS[name]
+        model_dir = write_model_dir(args.shape, os.path.join(tmp, name), **({"quantization_config": qc} if qc else {}))
+        runner = ModelRunner(
+            ServerArgs(
+                model_path=model_dir,
+                load_format="dummy",
+                device="cuda",
+                dtype="bfloat16",
+                attention_backend=args.attention_backend,
+                page_size=args.page_size,
+                context_length=ctx,
+                max_total_tokens=max_bs * (args.input_len + args.output_len + 8 + args.page_size) + ctx + 4096,
+                max_running_requests=max_bs,
+                cuda_graph_max_bs=max_bs,
+                quantization=None if qc else args.quantization,
+                prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+            )
+        )
+        mc = runner.model_config
+        embed = mc.vocab_size * mc.hidden_size * 2
+        weight_read = step_weight_bytes(mc, runner.weight_bytes) - embed
+        kv = (args.input_len + args.output_len / 2) * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
+        row: dict[str, Any] = {
+            "variant": name + ("+quantization=" + args.quantization if args.quantization and not qc else ""),
+            "quantization": mc.quantization,
+            "weight_GB": runner.weight_bytes / 1e9,
+            "weight_read_GB": weight_read / 1e9,
+            "roofline_tok_s": hbm / (weight_read + kv),
+            "decode": {},
+            "prefill_ms": {},
+        }
+        for bs in bs_list:
+            r = engine_decode(runner, bs, args.input_len, args.output_len, "graph")
+            row["decode"][bs] = r["decode_tok_s"]
+            logger.info("%s bs %d: %.1f tok/s (%.3f ms/step)", name, bs, r["decode_tok_s"], r["step_ms"])
+        if 1 in row["decode"]:
+            row["bs1_pct_roofline"] = 100 * row["decode"][1] / row["roofline_tok_s"]
+        for n in prefill_lens:
+            row["prefill_ms"][n] = prefill_ms(runner, n)
+            logger.info("%s prefill %d: %.2f ms", name, n, row["prefill_ms"][n])
+        res["variants"].append(row)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = res["variants"][0]
+    lines = [
+        f"# {args.shape}: quantization variants ({res['env']['gpu']}; copy bandwidth {hbm / 1e12:.2f} TB/s)",
+        "",
+        "| variant | weights GB (read/step) | bs1 tok/s | roofline tok/s | % roofline | "
+        + " | ".join(f"bs{b} tok/s" for b in bs_list if b != 1)
+        + " | "
+        + " | ".join(f"prefill {n} ms" for n in prefill_lens)
+        + f" | bs1 x {base['variant']} |",
+        "|---" * (6 + len([b for b in bs_list if b != 1]) + len(prefill_lens)) + "|",
+    ]
+    for v in res["variants"]:
+        cells = [
+            v["variant"],
+            f"{v['weight_GB']:.2f} ({v['weight_read_GB']:.2f})",
+            f"{v['decode'].get(1, float('nan')):.1f}",
+            f"{v['roofline_tok_s']:.1f}",
+            f"{v.get('bs1_pct_roofline', float('nan')):.0f}%",
+        ]
+        cells += [f"{v['decode'][b]:.0f} ({v['decode'][b] / base['decode'][b]:.2f}x)" for b in bs_list if b != 1]
+        cells += [f"{v['prefill_ms'][n]:.1f} ({v['prefill_ms'][n] / base['prefill_ms'][n]:.2f}x)" for n in prefill_lens]
+        cells.append(f"{v['decode'].get(1, 0) / base['decode'].get(1, 1):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    md = "\n".join(lines) + "\n"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_latency_variants.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(args.out, "decode_latency_variants.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
 # --- transformers baseline -----------------------------------------------------------------
 def hf_generate(
     shape: str,
@@ -1439,6 +1568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("decode_latency needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.variants:
+        return variants_main(args)
     if args.tp_size > 1 or args.force_tp_group:
         return tp_main(args, argv)
     return single_gpu_main(args)
@@ -1499,6 +1630,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="run MODES (;-separated list, e.g. sched+overlap;graph) again on a runner built with these "
         "environment variables set; rows get the suffix +NAME (repeatable).  Example: "
         "cublas:KVSHIP_DISABLE_SKINNY_GEMM=1:sched+overlap",
+    )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma list of " + ",".join(QUANT_VARIANTS) + ": one dummy-weight runner each (bf16, FP8 formats), "
+        "side by side: graph decode tok/s at --batch-sizes, batch 1 vs its roofline, prefill of --prefill-lens "
+        "(default 4096); writes decode_latency_variants.{json,md}",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        help="--quantization of the runner (e.g. fp8: the dummy bf16 weights quantized per channel at load); "
+        "with --variants it applies to the variants without an FP8 config",
     )
     ap.add_argument("--hf-batch-sizes", default=None, help="transformers baseline batches (default: --batch-sizes)")
     ap.add_argument("--hf-output-len", type=int, default=None, help="default: --output-len")
@@ -1611,6 +1755,7 @@ def single_gpu_main(args: argparse.Namespace) -> int:
         cuda_graph_max_bs=max_bs,
         disable_cuda_graph=not any(m.startswith(("graph", "sched")) for m in modes) and not args.prefill_lens,
         prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+        quantization=args.quantization,
     )
     runner = ModelRunner(runner_args)
     res["weight_gb"] = runner.weight_bytes / 1e9

@@ -93,6 +93,12 @@ class _Env:
     DISABLE_SKINNY_GEMM = Knob(
         "KVSHIP_DISABLE_SKINNY_GEMM", _bool, False, "decode projections on cuBLAS instead of our Triton skinny GEMMs"
     )
+    FP8_REFERENCE = Knob(
+        "KVSHIP_FP8_REFERENCE",
+        _bool,
+        False,
+        "FP8 linear layers compute with the reference arithmetic on CUDA too (A/B tests; docs/quantization.md)",
+    )
     PDL = Knob(
         "KVSHIP_PDL",
         _bool,

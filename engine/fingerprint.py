@@ -124,14 +124,18 @@ def compute_fingerprint(
     load_format: str = "auto",
     seed: int = 0,
     engine_version: Optional[str] = None,
+    quantization: str = "unquantized",
 ) -> Fingerprint:
-    """The fingerprint of a worker serving ``model_path`` with these settings (reads the files; see the module doc)."""
+    """The fingerprint of a worker serving ``model_path`` with these settings (reads the files; see the module doc).
+    ``quantization`` is the resolved weight method (``--quantization fp8`` on an unquantized checkpoint computes
+    other numbers from the same files); ``kv_dtype`` the resolved ``--kv-cache-dtype`` (``fp8_e4m3`` included)."""
     weights = weights_identity(model_path, load_format, seed)
     weights_hex = hashlib.sha256(json.dumps(weights, sort_keys=True).encode()).hexdigest()[:FINGERPRINT_HEX]
     parts: dict[str, Any] = {
         "weights": weights_hex,
         "dtype": dtype,
         "kv_dtype": kv_dtype,
+        "quantization": quantization,
         "page_size": int(page_size),
         "load_format": "dummy" if load_format == "dummy" else "files",
         "engine_version": engine_version if engine_version is not None else engine_version_string(),
@@ -150,7 +154,9 @@ def engine_version_string() -> str:
 
 
 @lru_cache(maxsize=8)
-def _cached(model_path: str, dtype: str, kv_dtype: str, page_size: int, load_format: str, seed: int) -> Fingerprint:
+def _cached(
+    model_path: str, dtype: str, kv_dtype: str, page_size: int, load_format: str, seed: int, quantization: str
+) -> Fingerprint:
     return compute_fingerprint(
         model_path,
         dtype=dtype,
@@ -158,7 +164,24 @@ def _cached(model_path: str, dtype: str, kv_dtype: str, page_size: int, load_for
         page_size=page_size,
         load_format=load_format,
         seed=seed,
+        quantization=quantization,
     )
+
+
+def quantization_of(model_path: str, requested: Optional[str]) -> str:
+    """The weight method a worker runs: ``--quantization``, else config.json's
+    ``quantization_config.quant_method``, else ``unquantized`` (the engine refuses a conflict at startup)."""
+    if requested:
+        return requested
+    config = os.path.join(model_path, "config.json") if os.path.isdir(model_path) else None
+    if config is None or not os.path.isfile(config):
+        return "unquantized"
+    try:
+        with open(config) as f:
+            qc = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return "unquantized"
+    return str(qc.get("quant_method") or "unquantized")
 
 
 def fingerprint_for(server_args: Any) -> Fingerprint:
@@ -177,6 +200,7 @@ def fingerprint_for(server_args: Any) -> Fingerprint:
         server_args.page_size,
         server_args.load_format,
         server_args.seed,
+        quantization_of(path, server_args.quantization),
     )
 
 

@@ -67,16 +67,25 @@ def revision_parts(cfg: ServiceConfig, worker_image: str) -> dict[str, Any]:
         "dtype": spec.model.dtype,
         "kvCacheDtype": spec.engine.kv_cache_dtype,
         "attentionBackend": spec.engine.attention_backend,
+        **_set_only(quantization=spec.engine.quantization),
         "flags": revision_flags(list(spec.engine.extra_args)),
         "roles": {
             role: {
                 "tp": getattr(spec, role).tensor_parallel_size,
                 "ep": getattr(spec, role).expert_parallel_size,
                 "flags": revision_flags(list(getattr(spec, role).extra_args)),
+                # set only (an unset override leaves the revisions of existing services as they were)
+                **_set_only(
+                    kvCacheDtype=getattr(spec, role).kv_cache_dtype, quantization=getattr(spec, role).quantization
+                ),
             }
             for role in roles
         },
     }
+
+
+def _set_only(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def compute_revision(cfg: ServiceConfig, worker_image: str) -> str:

@@ -146,6 +146,8 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     roles = (("decode", spec.decode),) if unified else (("prefill", spec.prefill), ("decode", spec.decode))
     for role, r in roles:
         errors.extend(_role_errors(role, r))
+    if not unified:
+        errors.extend(_pd_numerics_errors(spec))
     if unified and spec.prefill.autoscaling is not None:
         errors.append("spec.prefill.autoscaling: needs prefill.replicas > 0 (0 means unified mode: no prefill role)")
     for role, r in (("prefill", spec.prefill), ("decode", spec.decode)):
@@ -185,6 +187,36 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     if spec.model.cache_volume_claim and spec.model.uri.startswith("pvc://"):
         if spec.model.uri[len("pvc://") :].split("/", 1)[0] == spec.model.cache_volume_claim:
             errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
+    return errors
+
+
+def role_kv_cache_dtype(spec: InferenceServiceSpec, role: str) -> str:
+    """The ``--kv-cache-dtype`` of a role's workers: its own override, else ``engine.kvCacheDtype``."""
+    own = getattr(spec, role).kv_cache_dtype
+    return own if own is not None else spec.engine.kv_cache_dtype
+
+
+def role_quantization(spec: InferenceServiceSpec, role: str) -> Optional[str]:
+    """The ``--quantization`` of a role's workers (None: the checkpoint's): its override, else the engine's."""
+    own = getattr(spec, role).quantization
+    return own if own is not None else spec.engine.quantization
+
+
+def _pd_numerics_errors(spec: InferenceServiceSpec) -> list[str]:
+    """Prefill and decode must store KV alike and run the same weights (decode refuses the prefill otherwise)."""
+    errors = []
+    p, d = role_kv_cache_dtype(spec, "prefill"), role_kv_cache_dtype(spec, "decode")
+    if p != d:
+        errors.append(
+            f"spec.prefill.kvCacheDtype / spec.decode.kvCacheDtype: prefill {p} != decode {d} (decode refuses KV "
+            "of another dtype)"
+        )
+    pq, dq = role_quantization(spec, "prefill"), role_quantization(spec, "decode")
+    if pq != dq:
+        errors.append(
+            f"spec.prefill.quantization / spec.decode.quantization: prefill {pq or 'default'} != decode "
+            f"{dq or 'default'} (decode refuses a prefill of another model fingerprint)"
+        )
     return errors
 
 

@@ -25,6 +25,10 @@ SHORT_NAMES = ("kvsvc",)
 API_VERSION = f"{GROUP}/{VERSION}"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype (fp8_e4m3: the FP8 KV cache, docs/quantization.md)
+KV_CACHE_DTYPES = DTYPES + ("fp8_e4m3",)
+# --quantization: the weight methods the worker registers (tests/test_kv_fp8.py keeps this equal to the engine's)
+QUANTIZATIONS = ("compressed-tensors", "fp8", "unquantized")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 SPEC_ALGORITHMS = ("eagle", "eagle3", "ngram", "draft")
@@ -98,7 +102,17 @@ class EngineSpec:
         "auto",
         enum=ATTENTION_BACKENDS,
     )
-    kv_cache_dtype: str = api_field("KV cache dtype (auto = the compute dtype).", "auto", enum=DTYPES)
+    kv_cache_dtype: str = api_field(
+        "KV cache dtype (auto = the compute dtype; fp8_e4m3 = FP8 KV with the checkpoint's per-layer k/v scales, "
+        "about twice the tokens per GPU).",
+        "auto",
+        enum=KV_CACHE_DTYPES,
+    )
+    quantization: Optional[str] = api_field(
+        "Weight quantization method (--quantization; default: the checkpoint's quantization_config, else "
+        "unquantized). fp8 on an unquantized checkpoint quantizes its weights per channel at load.",
+        enum=QUANTIZATIONS,
+    )
     mem_fraction_static: Optional[float] = api_field(
         "Fraction of GPU memory for weights and KV cache (worker default 0.85).",
         minimum=0,
@@ -202,6 +216,16 @@ class WorkerRole:
     )
     extra_args: list[str] = api_field("More `kvship serve` flags for this role only, one argument per item.", [])
     autoscaling: Optional[Autoscaling] = api_field("Scale this role with a HorizontalPodAutoscaler.")
+    kv_cache_dtype: Optional[str] = api_field(
+        "This role's KV cache dtype (default: engine.kvCacheDtype). In PD mode prefill and decode must agree: a "
+        "decode worker refuses KV of another dtype.",
+        enum=KV_CACHE_DTYPES,
+    )
+    quantization: Optional[str] = api_field(
+        "This role's weight quantization method (default: engine.quantization). In PD mode prefill and decode "
+        "must agree: decode refuses a prefill of another model fingerprint.",
+        enum=QUANTIZATIONS,
+    )
 
 
 @dataclass(frozen=True)

@@ -413,3 +413,21 @@ def test_images_default_to_the_operators_and_spec_overrides_them():
         "Always",
     )
     assert container(deps["svc-router"])["image"] == "mine/r:2"
+
+
+def test_quantization_and_kv_cache_dtype_reach_the_workers_with_per_role_overrides():
+    """engine.quantization / engine.kvCacheDtype go to every worker; a role's own value wins (docs/operator.md)."""
+    unified = config(
+        {"model": {"uri": "builtin:smollm2"}, "engine": {"quantization": "fp8", "kvCacheDtype": "fp8_e4m3"}}
+    )
+    w = container(by_kind(build_children(unified, IMAGES), "Deployment")["svc-worker"])["args"]
+    ns = server_parser().parse_args(w[1:])
+    assert (ns.quantization, ns.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    pd = config(dict(PD, decode=dict(PD["decode"], kvCacheDtype="fp8_e4m3", quantization="fp8"),
+                     prefill=dict(PD["prefill"], kvCacheDtype="fp8_e4m3", quantization="fp8")))  # fmt: skip
+    deps = by_kind(build_children(pd, IMAGES), "Deployment")
+    for role in ("prefill", "decode"):
+        ns = server_parser().parse_args(container(deps[f"svc-{role}"])["args"][1:])
+        assert (ns.quantization, ns.kv_cache_dtype) == ("fp8", "fp8_e4m3"), role
+    plain = container(by_kind(build_children(config(PD), IMAGES), "Deployment")["svc-decode"])["args"]
+    assert "--quantization" not in plain and "--kv-cache-dtype" not in plain

@@ -290,3 +290,41 @@ def test_model_uris_resolve_to_sources(uri, kind, served):
         assert (src.repo, src.revision) == ("meta-llama/Llama-3.1-8B-Instruct", "v1.0")
     if uri == "pvc://weights/llama/8b":
         assert (src.claim, src.sub_path) == ("weights", "llama/8b")
+
+
+def test_quantization_and_kv_cache_dtype_fields_are_checked():
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "engine": {"quantization": "awq", "kvCacheDtype": "fp8_e5m2"}})
+    assert any(e.startswith("spec.engine.quantization: must be one of") for e in errs), errs
+    assert any(e.startswith("spec.engine.kvCacheDtype: must be one of") for e in errs), errs
+    ok = parse_service(body({"model": {"uri": "hf://a/b"}, "engine": {"kvCacheDtype": "fp8_e4m3"}}))
+    assert ok.spec.engine.kv_cache_dtype == "fp8_e4m3" and ok.spec.decode.kv_cache_dtype is None
+
+
+def test_pd_roles_must_agree_on_kv_cache_dtype_and_quantization():
+    """Decode refuses KV of another dtype and a prefill of another fingerprint: the spec says so up front."""
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "engine": {"kvCacheDtype": "fp8_e4m3"},
+            "prefill": {"replicas": 1, "kvCacheDtype": "bfloat16"},
+            "decode": {"quantization": "fp8"},
+        }
+    )
+    assert "spec.prefill.kvCacheDtype / spec.decode.kvCacheDtype: prefill bfloat16 != decode fp8_e4m3" in errs[0]
+    assert "prefill default != decode fp8" in errs[1]
+    # unified mode has one role: its override alone counts
+    cfg = parse_service(body({"model": {"uri": "hf://a/b"}, "decode": {"kvCacheDtype": "fp8_e4m3"}}))
+    assert cfg.unified and cfg.spec.decode.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_operator_quantization_and_kv_dtype_enums_are_the_engines():
+    import dataclasses
+
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.layers.quantization import base
+    from kvship.operator.types import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    # the engine's built-in methods (other tests register test-only methods in the same process)
+    assert sorted(QUANTIZATIONS) == sorted(base._LAZY_MODULES)
+    choices = next(f for f in dataclasses.fields(ServerArgs) if f.name == "kv_cache_dtype").metadata["choices"]
+    assert set(KV_CACHE_DTYPES) == set(choices)

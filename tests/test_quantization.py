@@ -165,15 +165,19 @@ MOE = dict(
     ids=["llama", "qwen3_moe"],
 )
 def test_every_weight_holding_layer_computes_through_its_method(tmp_path, cfg, layers):
-    """Embedding, q/k/v, o, gate/up, down (dense), router and experts (MoE), LM head: each computes through the
-    method the model config names (no layer reads its weights around it), with the unquantized numbers."""
+    """Embedding, q/k/v, o, gate/up, down (dense), experts (MoE), LM head: each computes through the method the
+    model config names (no layer reads its weights around it), with the unquantized numbers; the MoE router
+    through the unquantized method (quantized checkpoints keep it unquantized)."""
     path = _model_dir(tmp_path, **cfg)
     runs = {}
     for quant in (None, "test_block128"):
         mc = ModelConfig.from_pretrained(path, quantization=quant)
         model = load_model(mc, "dummy", "cpu", seed=3)
-        methods = {getattr(m, "quant_method", None) for m in model.modules()} - {None}
+        modules = dict(model.named_modules())
+        routers = {n for n in modules if n.endswith(".mlp.gate")}
+        methods = {getattr(m, "quant_method", None) for n, m in modules.items() if n not in routers} - {None}
         assert {m.name for m in methods} == {mc.quantization}
+        assert {modules[n].quant_method.name for n in routers} <= {"unquantized"}
         ids = torch.tensor([5, 7, 9])
         Block128Method.used.clear()
         runs[quant] = _forward_without_kv(model, ids)

@@ -260,7 +260,7 @@ def _cfg(**qc) -> dict:
         ({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]}, "model.layers.0.mlp"),
         (
             {"quant_method": "compressed-tensors", "config_groups": {"g": {}}, "kv_cache_scheme": {"num_bits": 8}},
-            "KV cache is not supported yet",
+            "unsupported KV cache scheme",
         ),
         ({"quant_method": "awq", "bits": 4}, r"'awq'.*supported: \['compressed-tensors', 'fp8'"),
     ],
@@ -271,10 +271,13 @@ def test_formats_kvship_does_not_read_are_refused_at_startup(qc, match):
         ModelConfig.from_hf_dict(_cfg(**qc))
 
 
-def test_fp8_moe_models_are_refused_until_fp8_experts_exist():
+def test_fp8_moe_models_load_block_formats_and_refuse_the_others():
+    """Block-FP8 experts exist (tests/test_quantization_fp8_moe.py); per-channel / per-tensor FP8 experts do not."""
     moe = dict(_cfg(quant_method="fp8", weight_block_size=[128, 128]), architectures=["Qwen3MoeForCausalLM"])
     moe.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
-    with pytest.raises(ValueError, match="'fp8' quantization of MoE models is not supported yet"):
+    assert ModelConfig.from_hf_dict(moe).quantization == "fp8"
+    moe["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(ValueError, match="'fp8' quantization of Mixture-of-Experts models supports block-scaled"):
         ModelConfig.from_hf_dict(moe)
     with pytest.raises(ValueError, match="needs a checkpoint with its quantization_config"):
         ModelConfig.from_hf_dict(dict(_cfg(), quantization_config=None), quantization="compressed-tensors")

@@ -14,6 +14,10 @@ Contract every backend keeps:
 * A new token at position p attends causally to every position <= p of its own
   request: the cached prefix (read through ``req_to_token``) and the new tokens.
 * The output is ``[num_tokens, num_heads * head_dim]`` in ``q``'s dtype.
+* Over an FP8 pool (``kv_pool.is_fp8``) a store writes ``quantize_kv(x, scale)``
+  with the layer's ``kv_pool.scales(layer_id)`` and every read computes with
+  ``float(e4m3) * scale`` -- the new tokens' own K/V included, so an extend
+  sees what later decode steps see (docs/quantization.md, "FP8 KV cache").
 
 CUDA graphs: ``init_cuda_graph_state`` allocates fixed buffers once for the
 largest captured batch; ``init_forward_metadata_capture_cuda_graph`` points

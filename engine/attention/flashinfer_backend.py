@@ -19,7 +19,13 @@ Per step (``init_forward_metadata``), planned once and reused by every layer:
   over the new tokens (causal);
 * extend with a cached prefix: the ragged pass over the new tokens plus
   ``BatchPrefillWithPagedKVCacheWrapper`` over the prefix pages (non-causal),
-  joined by their log-sum-exp (``triton_ops.merge_state``).
+  joined by their log-sum-exp (``triton_ops.merge_state``);
+* extend over an FP8 pool (``--kv-cache-dtype fp8_e4m3``): one causal
+  ``BatchPrefillWithPagedKVCacheWrapper`` pass over every page of the
+  request (prefix and the new tokens, stored first), so every read sees the
+  stored FP8 values.  FP8 decode and prefill pass the layer's ``k_scale`` /
+  ``v_scale`` to ``run`` (FlashInfer folds them into the softmax scale and
+  the output; docs/quantization.md, "FP8 KV cache").
 
 Invariant: every kernel choice depends on the CUDA-graph size a batch pads to
 (``AttentionContext.cuda_graph_bs``), never on its context lengths, so an
@@ -57,12 +63,14 @@ from kvship.engine.attention.triton_backend import (
     TritonExtendMeta,
     extend_meta,
     run_extend,
+    store_new_kv,
 )
 from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
 from kvship.engine.attention.triton_ops.kv_store import store_kv
 from kvship.engine.attention.triton_ops.merge_state import merge_state
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.mem.pools import is_fp8_kv
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +133,7 @@ class FlashInferDecodeMeta:
 class FlashInferExtendMeta:
     has_prefix: bool
     prefix_token_mask: Optional[torch.Tensor] = None  # [T] int8: 1 where the token's request has a prefix
+    paged_only: bool = False  # FP8 pool: one causal paged pass over prefix + new tokens
 
 
 @register_attention_backend("flashinfer")
@@ -146,6 +155,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 "use --dtype bfloat16 or another attention backend"
             )
         self.kv_dtype = ctx.kv_dtype
+        self.kv_fp8 = is_fp8_kv(ctx.kv_dtype)
         self.page_size = ctx.page_size
         self.use_tensor_cores = ctx.gqa_group >= 4
         self.cuda_core_decode_bs = _bs_range(ENV.FLASHINFER_CUDA_CORE_DECODE_BS, CUDA_CORE_DECODE_BS)
@@ -258,6 +268,9 @@ class FlashInferAttnBackend(AttentionBackend):
         for i, e in enumerate(ext):
             qo_indptr[i + 1] = qo_indptr[i] + e
         qo = torch.tensor(qo_indptr, dtype=torch.int32)
+        if self.kv_fp8:
+            self._plan_paged(fb, qo, [p + e for p, e in zip(pre, ext)], causal=True)
+            return FlashInferExtendMeta(False, paged_only=True)
         self.ragged_wrapper.plan(
             qo,
             qo,
@@ -271,33 +284,45 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         has_prefix = any(p > 0 for p in pre)
         if has_prefix:
-            indptr, last, total = paged_layout(pre, self.page_size)
-            indptr_dev = indptr.to(self.device, non_blocking=True)
-            indices = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
-            prefix_dev = torch.tensor(pre, dtype=torch.int32).to(self.device, non_blocking=True)
-            build_kv_indices(
-                fb.req_to_token_pool.req_to_token, fb.req_pool_indices, prefix_dev, indptr_dev, indices, self.page_size
-            )
-            self.paged_wrapper.plan(
-                qo,
-                indptr,
-                indices[:total],
-                last,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.page_size,
-                causal=False,
-                sm_scale=self.sm_scale,
-                q_data_type=self.q_dtype,
-                kv_data_type=self.kv_dtype,
-            )
+            self._plan_paged(fb, qo, pre, causal=False)
             # rows of requests without a prefix have no paged keys: the merge ignores their paged output
             mask = torch.repeat_interleave(
                 torch.tensor([p > 0 for p in pre], dtype=torch.int8), torch.tensor(ext, dtype=torch.int64)
             )
             return FlashInferExtendMeta(True, mask.to(self.device, non_blocking=True))
         return FlashInferExtendMeta(False)
+
+    def _plan_paged(self, fb: ForwardBatch, qo: torch.Tensor, kv_lens: list[int], causal: bool) -> None:
+        """Plan the paged prefill wrapper: the new tokens (``qo`` indptr) over the first ``kv_lens[i]`` positions
+        of each request (causal: the last new token sees them all, FlashInfer aligns the mask bottom-right)."""
+        indptr, last, total = paged_layout(kv_lens, self.page_size)
+        indptr_dev = indptr.to(self.device, non_blocking=True)
+        indices = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+        lens_dev = torch.tensor(kv_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+        build_kv_indices(
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, lens_dev, indptr_dev, indices, self.page_size
+        )
+        self.paged_wrapper.plan(
+            qo,
+            indptr,
+            indices[:total],
+            last,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=causal,
+            sm_scale=self.sm_scale,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype,
+        )
+
+    def _kv_scales(self, fb: ForwardBatch, layer_id: int) -> dict:
+        """``run``'s k_scale / v_scale keywords for an FP8 pool (none otherwise: the calls stay as they were)."""
+        if not self.kv_fp8:
+            return {}
+        ks, vs = fb.kv_pool.scales(layer_id)
+        return {"k_scale": ks, "v_scale": vs}
 
     # --- compute -----------------------------------------------------------
     def _paged_cache(self, fb: ForwardBatch, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,14 +350,16 @@ class FlashInferAttnBackend(AttentionBackend):
         fb = forward_batch
         meta: FlashInferExtendMeta = self.forward_metadata  # type: ignore[assignment]
         self._check_layer(layer)
-        if save_kv_cache:
-            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
+        k, v = store_new_kv(fb, layer, k, v, save_kv_cache)
         h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qh = q.view(-1, h, d)
         kh = k.view(-1, hk, d)
         vh = v.view(-1, hk, d)
         if isinstance(meta, TritonExtendMeta):
             return run_extend(meta, q, k, v, layer, fb)
+        if meta.paged_only:
+            cache = self._paged_cache(fb, layer.layer_id)
+            return self.paged_wrapper.run(qh, cache, **self._kv_scales(fb, layer.layer_id)).view(-1, h * d)
         if not meta.has_prefix:
             return self.ragged_wrapper.run(qh, kh, vh).view(-1, h * d)
         o_new, lse_new = self.ragged_wrapper.run(qh, kh, vh, return_lse=True, lse_base="ln")
@@ -374,9 +401,12 @@ class FlashInferAttnBackend(AttentionBackend):
                 meta.num_splits,
                 layer.scaling,
                 counters=meta.counters,
+                k_scale=fb.kv_pool.k_scales[layer.layer_id],
+                v_scale=fb.kv_pool.v_scales[layer.layer_id],
             )
             return out.view(-1, h * d)
-        out = meta.wrapper.run(q.view(-1, h, d), self._paged_cache(fb, layer.layer_id))
+        cache = self._paged_cache(fb, layer.layer_id)
+        out = meta.wrapper.run(q.view(-1, h, d), cache, **self._kv_scales(fb, layer.layer_id))
         return out.view(-1, h * d)
 
     # --- CUDA graphs -------------------------------------------------------

@@ -2,7 +2,11 @@
 
 Keys and values are always read back from the KV pool through
 ``req_to_token``, so what this backend computes is exactly what the pool
-holds: a wrong slot mapping shows up as wrong logits.  Page size does not
+holds: a wrong slot mapping shows up as wrong logits.  Over an FP8 pool the
+attention runs in fp32 on ``float(e4m3) * scale`` (q converted up, the output
+cast back to the model dtype): the reference the FP8 paths of the GPU
+backends are tested against (every read, the new tokens' own K/V included,
+sees the FP8-rounded values).  Page size does not
 matter here (slots come from ``req_to_token``; pages are the allocator's
 business).
 
@@ -35,15 +39,22 @@ from kvship.engine.attention.base import (
     register_attention_backend,
 )
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.mem.pools import dequantize_kv
 
 
 def _store_and_get_kv(
     fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tensor, v: torch.Tensor, save_kv_cache: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the new tokens' K/V at ``out_cache_loc`` (when asked) and return the layer's K and V buffers."""
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Write the new tokens' K/V at ``out_cache_loc`` (when asked); the layer's K and V buffers and scales."""
     if save_kv_cache:
         fb.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-    return fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id)
+    ks, vs = fb.kv_pool.scales(layer.layer_id)
+    return fb.kv_pool.get_key_buffer(layer.layer_id), fb.kv_pool.get_value_buffer(layer.layer_id), ks, vs
+
+
+def _compute_dtype(fb: ForwardBatch, q: torch.Tensor) -> torch.dtype:
+    """The model dtype, or float32 over an FP8 pool: the reference reads ``e4m3 * scale`` unrounded."""
+    return torch.float32 if fb.kv_pool.is_fp8 else q.dtype
 
 
 @dataclass
@@ -128,21 +139,22 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         fb = forward_batch
         meta: _ExtendMeta = fb.attn_metadata
-        k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
+        k_buf, v_buf, ks, vs = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
         h, d = layer.num_heads, layer.head_dim
-        qh = q.view(-1, h, d)
+        cdt = _compute_dtype(fb, q)
+        qh = q.view(-1, h, d).to(cdt)
         out = torch.empty_like(qh)
         for start, e, slots, mask in zip(meta.starts, meta.ext_lens, meta.slots, meta.masks):
             if e == 0:
                 continue
             qi = qh[start : start + e].transpose(0, 1).unsqueeze(0)  # [1, h, e, d]
-            ki = k_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, s, d]
-            vi = v_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            ki = dequantize_kv(k_buf.index_select(0, slots), ks, cdt).transpose(0, 1).unsqueeze(0)  # [1, kvh, s, d]
+            vi = dequantize_kv(v_buf.index_select(0, slots), vs, cdt).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
             )
             out[start : start + e] = oi[0].transpose(0, 1)
-        return out.view(-1, h * d)
+        return out.view(-1, h * d).to(q.dtype)
 
     def forward_decode(
         self,
@@ -155,15 +167,17 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         fb = forward_batch
         meta: _DecodeMeta = fb.attn_metadata
-        k_buf, v_buf = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
+        k_buf, v_buf, k_scale, v_scale = _store_and_get_kv(fb, layer, k, v, save_kv_cache)
         h, d = layer.num_heads, layer.head_dim
         bs, max_len = meta.slots.shape
         flat = meta.slots.reshape(-1)
-        ks = k_buf.index_select(0, flat).view(bs, max_len, layer.num_kv_heads, d).to(q.dtype).transpose(1, 2)
-        vs = v_buf.index_select(0, flat).view(bs, max_len, layer.num_kv_heads, d).to(q.dtype).transpose(1, 2)
-        qs = q.view(bs, h, 1, d)
+        shape = (bs, max_len, layer.num_kv_heads, d)
+        cdt = _compute_dtype(fb, q)
+        ks = dequantize_kv(k_buf.index_select(0, flat), k_scale, cdt).view(shape).transpose(1, 2)
+        vs = dequantize_kv(v_buf.index_select(0, flat), v_scale, cdt).view(shape).transpose(1, 2)
+        qs = q.view(bs, h, 1, d).to(cdt)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.mask, scale=layer.scaling, enable_gqa=True)
-        return out.reshape(bs, h * d)
+        return out.reshape(bs, h * d).to(q.dtype)
 
     # --- CUDA graphs: not supported by this backend ----------------------------
     def _no_graphs(self) -> RuntimeError:

@@ -12,6 +12,10 @@ Per step (``init_forward_metadata``, shared by all layers):
 * extend: per-request prefix / extend lengths and packed offsets on the
   device, and the longest extend (host int, sizes the grid).
 
+FP8 KV (``--kv-cache-dtype fp8_e4m3``): the store quantizes with the layer's
+scales, the kernels read ``e4m3 * scale``; an extend's own new tokens are read
+as stored (FP8), so every read sees what the pool holds.
+
 CUDA graphs: the scratch buffers are allocated once for the largest captured
 batch; the kernels read ``req_pool_indices`` / ``seq_lens`` straight from the
 graph runner's static input buffers, so replay needs no metadata refresh.
@@ -33,7 +37,7 @@ from kvship.engine.attention.base import (
 )
 from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
-from kvship.engine.attention.triton_ops.kv_store import store_kv
+from kvship.engine.attention.triton_ops.kv_store import quantize_new_kv, store_kv
 from kvship.engine.attention.triton_ops.verify_attention import (
     SPLIT_VERIFY_MAX_TOKENS,
     VERIFY_KV_SPLITS,
@@ -185,10 +189,12 @@ def run_extend(
     layer: AttentionLayerSpec,
     fb: ForwardBatch,
 ) -> torch.Tensor:
-    """Our Triton extend kernel over ``meta`` (tree masks included); K/V of the new tokens are already stored."""
+    """Our Triton extend kernel over ``meta`` (tree masks included); K/V of the new tokens are already stored
+    (on an FP8 pool ``k`` / ``v`` are the stored float8 rows: ``store_new_kv``)."""
     h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     qh = q.view(-1, h, d)
     out = torch.empty_like(qh)
+    ks, vs = fb.kv_pool.scales(layer.layer_id)
     # the new tokens, the output, the layer's pool and the slot table: what both kernels read first
     common = (
         qh,
@@ -219,6 +225,8 @@ def run_extend(
             sp.mid_lse,
             sp.max_tree,
             layer.scaling,
+            k_scale=ks,
+            v_scale=vs,
         )
     else:
         extend_attention(
@@ -231,8 +239,22 @@ def run_extend(
             layer.scaling,
             meta.custom_mask,
             meta.mask_starts,
+            k_scale=ks,
+            v_scale=vs,
         )
     return out.view(-1, h * d)
+
+
+def store_new_kv(
+    fb: ForwardBatch, layer: AttentionLayerSpec, k: torch.Tensor, v: torch.Tensor, save_kv_cache: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store an extend's new K/V (when asked) and return them as the extend kernels read them: as given, or on
+    an FP8 pool quantized with the layer's scales (every read sees the stored FP8 values)."""
+    if fb.kv_pool.is_fp8:
+        return quantize_new_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc if save_kv_cache else None, k, v)
+    if save_kv_cache:
+        store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
+    return k, v
 
 
 def _device_sm_count(device: torch.device) -> int:
@@ -273,8 +295,7 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         fb = forward_batch
         meta: TritonExtendMeta = self.forward_metadata  # type: ignore[assignment]
-        if save_kv_cache:
-            store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
+        k, v = store_new_kv(fb, layer, k, v, save_kv_cache)
         return run_extend(meta, q, k, v, layer, fb)
 
     def forward_decode(
@@ -306,6 +327,8 @@ class TritonAttnBackend(AttentionBackend):
             meta.num_splits,
             layer.scaling,
             counters=meta.counters,
+            k_scale=fb.kv_pool.k_scales[layer.layer_id],
+            v_scale=fb.kv_pool.v_scales[layer.layer_id],
         )
         return out.view(-1, h * d)
 

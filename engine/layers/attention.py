@@ -60,7 +60,8 @@ class Attention(nn.Module):
         fb = forward_batch
         pool = fb.kv_pool
         stored = False
-        if type(pool) is KVPool and q.is_cuda and fb.out_cache_loc is not None:
+        # (an FP8 pool quantizes with its per-layer scales: the backend's store does, not the RoPE kernel)
+        if type(pool) is KVPool and not pool.is_fp8 and q.is_cuda and fb.out_cache_loc is not None:
             norm = None
             if qk_norm is not None:
                 qn, kn = qk_norm

@@ -72,6 +72,14 @@ def cuda_fused_ops(t: torch.Tensor) -> Optional[ModuleType]:
     return _load("fused_ops_cuda")
 
 
+def cuda_fp8_kernels(t: torch.Tensor) -> Optional[ModuleType]:
+    """The FP8 linear kernels for CUDA tensor ``t``, or None (CPU, no Triton, disabled, or
+    ``KVSHIP_FP8_REFERENCE=1``: the FP8 methods then compute with their reference arithmetic)."""
+    if not t.is_cuda or ENV.FP8_REFERENCE:
+        return None
+    return _load("quantization.fp8_kernels")
+
+
 def cuda_skinny_gemm(t: torch.Tensor) -> Optional[ModuleType]:
     """The decode-matmul module for CUDA tensor ``t``, or None (CPU, no Triton, or disabled)."""
     if not t.is_cuda:

@@ -30,6 +30,7 @@ from kvship.engine.models.registry import get_model_class
 
 if TYPE_CHECKING:
     from kvship.engine.distributed.communicator import Communicator
+    from kvship.engine.models.stage import LayerRange
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def load_model(
     seed: int = 0,
     tp: "Communicator | None" = None,
     ep: tuple[int, str] = (1, "all_reduce"),
+    layers: "LayerRange | None" = None,
 ) -> nn.Module:
     """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights.
 
@@ -100,18 +102,22 @@ def load_model(
     parameters only, which the loader fills from this rank's blocks; MoE
     experts are split too, ``ep = (ep size, dispatch)``
     (``kvship.engine.parallel.ep``): a rank reads only its own share.
+    With ``layers`` (a pipeline stage) the model holds only that part of the
+    decoder (``kvship.engine.models.stage``) and reads only its tensors.
     """
     fmt = resolve_load_format(load_format, model_config.model_path)
     cls = get_model_class(model_config.architectures)
     t0 = time.perf_counter()
+    kwargs = {} if layers is None else {"layers": layers}
     if tp is None:
         with torch.device(device):
-            model = cls(model_config)
-        get_loader(fmt).load_weights(model, model_config, seed)
+            model = cls(model_config, **kwargs)
+        # a stage reads slices: the other stages' tensors are skipped unread
+        get_loader(fmt).load_weights(model, model_config, seed, lazy=layers is not None)
     else:
         from kvship.engine.parallel.layers import build_parallel_model
 
-        model = build_parallel_model(cls, model_config, tp, device, ep=ep)
+        model = build_parallel_model(cls, model_config, tp, device, ep=ep, layers=layers)
         get_loader(fmt).load_weights(model, model_config, seed, lazy=True)
     model.eval()
     logger.info(

@@ -25,7 +25,8 @@ FP8 (a config.json whose ``quantization_config`` is an ``fp8`` or
 are float8_e4m3fn, the same N(0, ``DUMMY_STD``) draws divided by one constant
 scale ``DUMMY_FP8_SCALE``, and every scale tensor of the format holds that
 constant (a static ``input_scale`` holds ``DUMMY_INPUT_SCALE``), so any block
-of any tensor is a slice of the same model at every TP size.  Under
+of any tensor is a slice of the same model at every TP size.  MoE experts are
+projections like the others (FP8); routers stay in the model dtype.  Under
 ``--quantization fp8`` (no quantization_config) the weights are drawn as
 usual and quantized as they load.
 """

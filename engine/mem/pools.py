@@ -5,7 +5,10 @@
 * ``KVPool`` (``MHATokenToKVPool``) holds K and V per layer, each
   ``[num_slots + page_size, kv_heads, head_dim]``.  Page 0 (slots
   ``0..page_size-1``) is never handed out: padded rows of a batch (CUDA-graph
-  replay) write there harmlessly.
+  replay) write there harmlessly.  An FP8 pool (``--kv-cache-dtype fp8_e4m3``)
+  stores ``float8_e4m3fn`` with one fp32 ``k_scale`` / ``v_scale`` per layer:
+  store ``q(x) = e4m3(clamp(x / scale, -448, 448))`` (round to nearest even),
+  read ``float(q) * scale`` (docs/quantization.md, "FP8 KV cache").
 * ``TokenToKVPoolAllocator`` hands out slots in whole pages.  Position ``p`` of a
   request lives in slot ``page * page_size + p % page_size``: a request's
   tokens fill its last page before a new page is taken, so a page is never
@@ -21,6 +24,35 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+
+# --kv-cache-dtype names -> torch dtypes (the model dtypes map through model_config.parse_dtype)
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+FP8_E4M3_MAX = 448.0
+
+
+def kv_cache_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved ``--kv-cache-dtype`` (``fp8_e4m3`` or a model dtype name)."""
+    if name in FP8_KV_DTYPES:
+        return FP8_KV_DTYPES[name]
+    from kvship.engine.model_config import parse_dtype
+
+    return parse_dtype(name)
+
+
+def is_fp8_kv(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``e4m3(clamp(x / scale, -448, 448))`` in fp32 arithmetic (the FP8 KV store; round to nearest even)."""
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``float(x) * scale`` cast to ``dtype`` (the FP8 KV read); other pools: ``x`` cast to ``dtype``."""
+    if not is_fp8_kv(x.dtype):
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
 
 
 def num_pages(n: int, page_size: int) -> int:
@@ -107,7 +139,14 @@ class ReqToTokenPool:
 
 
 class KVPool:
-    """Per-layer K and V buffers indexed by KV slot (MHA layout)."""
+    """Per-layer K and V buffers indexed by KV slot (MHA layout).
+
+    ``k_scales`` / ``v_scales`` (one float per layer, default 1.0) are the FP8
+    pool's dequantization scales: a reader computes ``float(buf) * scale``, a
+    writer ``quantize_kv(x, scale)`` (``set_kv_buffer`` does).  They are fixed
+    at construction (a captured CUDA graph holds them as constants) and are
+    part of the PD layout check.  Other dtypes ignore them and keep 1.0.
+    """
 
     def __init__(
         self,
@@ -118,7 +157,12 @@ class KVPool:
         head_dim: int,
         num_layers: int,
         device: str | torch.device,
+        k_scales: Optional[Sequence[float]] = None,
+        v_scales: Optional[Sequence[float]] = None,
     ):
+        self.is_fp8 = is_fp8_kv(dtype)
+        self.k_scales = _layer_scales(k_scales, num_layers, self.is_fp8, "k")
+        self.v_scales = _layer_scales(v_scales, num_layers, self.is_fp8, "v")
         self.page_size = page_size
         self.num_slots = (num_slots // page_size) * page_size
         self.dtype = dtype
@@ -137,6 +181,10 @@ class KVPool:
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
 
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of a layer (1.0, 1.0 on a pool that is not FP8)."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffer[layer_id]
 
@@ -144,18 +192,36 @@ class KVPool:
         """Write new K/V rows (``[n, kv_heads, head_dim]`` or flat ``[n, kv_heads*head_dim]``)."""
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if k.dtype != self.dtype:
+        if self.is_fp8 and k.dtype != self.dtype:
+            k = quantize_kv(k, self.k_scales[layer_id])
+            v = quantize_kv(v, self.v_scales[layer_id])
+        elif k.dtype != self.dtype:
             k = k.to(self.dtype)
             v = v.to(self.dtype)
         # index_copy_ rather than ``buf[loc] = k``: on CPU advanced-index assignment is far slower
         if loc.dtype != torch.int64:
             loc = loc.long()
-        self.k_buffer[layer_id].index_copy_(0, loc, k)
-        self.v_buffer[layer_id].index_copy_(0, loc, v)
+        kb, vb = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if self.is_fp8:  # index_copy_ has no float8 kernel on every device: copy the bytes
+            kb, vb, k, v = kb.view(torch.uint8), vb.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        kb.index_copy_(0, loc, k)
+        vb.index_copy_(0, loc, v)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every K buffer then every V buffer, in layer order (transfer registers these)."""
         return list(self.k_buffer) + list(self.v_buffer)
+
+
+def _layer_scales(scales: Optional[Sequence[float]], num_layers: int, fp8: bool, name: str) -> list[float]:
+    if scales is None or not fp8:
+        return [1.0] * num_layers
+    out = [float(x) for x in scales]
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} {name}_scale values for {num_layers} layers")
+    for i, x in enumerate(out):
+        if not (x > 0 and x < float("inf")):
+            raise ValueError(f"layer {i}: {name}_scale must be a positive finite number, got {x}")
+    return out
 
 
 class TokenToKVPoolAllocator:

@@ -119,6 +119,9 @@ class ParallelFusedMoE(FusedMoE):
         split = expert_split(base.num_experts, base.intermediate_size, tp.size, ep_size, tp.rank)
         if dispatch == "all_to_all" and ep_size != tp.size:
             raise ValueError("the all_to_all dispatch needs --ep-size equal to --tp-size")
+        if split.inter_local != split.intermediate_size:  # each expert's width split: whole blocks only
+            base.quant_method.check_shard(f"{name}.w13_weight", Shard(0, split.inter_start, split.inter_local))
+            base.quant_method.check_shard(f"{name}.w2_weight", Shard(1, split.inter_start, split.inter_local))
         super().__init__(
             base.num_experts,
             base.top_k,
@@ -131,9 +134,6 @@ class ParallelFusedMoE(FusedMoE):
             num_local_experts=split.num_local,
             quant_method=base.quant_method,
         )
-        if split.inter_local != split.intermediate_size:  # each expert's width split: whole blocks only
-            self.quant_method.check_shard(f"{name}.w13_weight", Shard(0, split.inter_start, split.inter_local))
-            self.quant_method.check_shard(f"{name}.w2_weight", Shard(1, split.inter_start, split.inter_local))
         self.tp = tp
         self.ep_size = ep_size
         self.split = split
@@ -143,9 +143,8 @@ class ParallelFusedMoE(FusedMoE):
         s = self.split
         owned = isinstance(shard_id, tuple) and len(shard_id) == 2 and s.start <= shard_id[0] < s.start + s.num_local
         if owned and s.inter_local != s.intermediate_size:  # this rank's rows of gate/up, columns of down
-            down = shard_id[1] == "down"
-            where = Shard(1 if down else 0, s.inter_start, s.inter_local)
-            loaded = self.quant_method.shard(self, "w2_weight" if down else "w13_weight", loaded, where)
+            where = Shard(1 if shard_id[1] == "down" else 0, s.inter_start, s.inter_local)
+            loaded = self.quant_method.shard(self, self.param_name(param), loaded, where)
         super()._load_expert(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from kvship.operator.builders.common import (
 )
 from kvship.operator.builders.credentials import KV_SECRET_FILE, kv_secret_mount, kv_secret_volume, worker_key_env
 from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
-from kvship.operator.spec import GPU, ServiceConfig
+from kvship.operator.spec import GPU, ServiceConfig, role_kv_cache_dtype, role_quantization
 from kvship.operator.types import WorkerRole
 
 # `kvship serve` flags not yet in every engine build; emitted only when the feature is asked for.
@@ -73,8 +73,12 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
     eng = spec.engine
     if eng.attention_backend != "auto":
         args += ["--attention-backend", eng.attention_backend]
-    if eng.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", eng.kv_cache_dtype]
+    spec_role = "prefill" if role == "prefill" else "decode"  # unified workers take the decode block
+    kv_dtype, quantization = role_kv_cache_dtype(spec, spec_role), role_quantization(spec, spec_role)
+    if kv_dtype != "auto":
+        args += ["--kv-cache-dtype", kv_dtype]
+    if quantization is not None:
+        args += ["--quantization", quantization]
     if eng.mem_fraction_static is not None:
         args += ["--mem-fraction-static", repr(float(eng.mem_fraction_static))]
     if eng.cuda_graph_max_batch_size is not None:

@@ -92,6 +92,7 @@ def _decode_stage1(
     mid_out,
     mid_lse,
     sm_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -118,6 +119,7 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -155,7 +157,9 @@ def _decode_stage1(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         vb = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the sums (v)
+            vb = vb.to(qv.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -244,6 +248,8 @@ def decode_attention(
     num_splits: int,
     sm_scale: float,
     counters: "torch.Tensor | None" = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention for ``bs`` requests; writes and returns ``o``.
 
@@ -253,14 +259,17 @@ def decode_attention(
     positions ``0..seq_lens[b]-1`` whose slots are
     ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.  With ``counters``
     (int32 zeros, ``>= bs * Hkv``) the merge runs inside the one kernel.
+    An FP8 pool (``float8_e4m3fn`` buffers) is read as ``e4m3 * k_scale`` /
+    ``e4m3 * v_scale`` (docs/quantization.md, "FP8 KV cache").
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     if counters is not None and counters.numel() < bs * num_kv_heads:
         raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
     launch_stage1(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters
-    )
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     pdl = use_pdl(q)
     if counters is not None:
         return o
@@ -300,6 +309,8 @@ def launch_stage1(
     o: torch.Tensor,
     counters: "torch.Tensor | None" = None,
     min_split_len: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stage 1 over ``q.shape[0]`` rows (with ``counters``: the merge too, into ``o``). A row's splits cover at
     least ``min_split_len`` positions each (1: ``ceil(seq_len / num_splits)``, the decode layout)."""
@@ -317,7 +328,8 @@ def launch_stage1(
         seq_lens,
         mid_out,
         mid_lse,
-        sm_scale,
+        sm_scale * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -346,5 +358,6 @@ def launch_stage1(
         num_warps=4,
         num_stages=2,
         USE_PDL=pdl,
+        KV_FP8=k_buf.dtype == torch.float8_e4m3fn,
         launch_pdl=pdl,
     )

@@ -21,6 +21,13 @@ import triton
 import triton.language as tl
 
 
+def kv_is_fp8(k_buf: torch.Tensor, k_new: torch.Tensor) -> bool:
+    fp8 = k_buf.dtype == torch.float8_e4m3fn
+    if fp8 != (k_new.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"new K/V of dtype {k_new.dtype} over a {k_buf.dtype} pool: pass them as stored")
+    return fp8
+
+
 @triton.jit
 def _extend_kernel(
     q,
@@ -37,6 +44,7 @@ def _extend_kernel(
     custom_mask,
     mask_starts,
     sm_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -56,6 +64,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -94,7 +103,9 @@ def _extend_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         vb = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the sums (v)
+            vb = vb.to(qv.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -134,7 +145,9 @@ def _extend_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+        if KV_FP8:
+            vb = vb.to(qv.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -163,6 +176,8 @@ def extend_attention(
     sm_scale: float,
     custom_mask: torch.Tensor | None = None,
     mask_starts: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal (or ``custom_mask``) attention of the packed new tokens; writes and returns ``o``.
 
@@ -173,6 +188,8 @@ def extend_attention(
     dim).  ``max_extend_len`` (host int) sizes the grid.  ``custom_mask`` (uint8,
     every request's ``[ext_len, ext_len]`` mask flattened, packed by request) with
     ``mask_starts`` ([bs] int64 offsets) replaces causality among the new tokens.
+    An FP8 pool: ``k_buf`` / ``v_buf`` and ``k_new`` / ``v_new`` are all ``float8_e4m3fn`` (the new tokens as
+    stored), read as ``e4m3 * k_scale`` / ``e4m3 * v_scale``.
     """
     bs = int(req_pool_indices.shape[0])
     if bs == 0 or max_extend_len == 0:
@@ -197,7 +214,8 @@ def extend_attention(
         extend_starts,
         custom_mask if custom_mask is not None else extend_starts,
         mask_starts if mask_starts is not None else extend_starts,
-        sm_scale,
+        sm_scale * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_new.stride(0),
@@ -217,6 +235,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_MASK=custom_mask is not None,
+        KV_FP8=kv_is_fp8(k_buf, k_new),
         num_warps=4 if block_d <= 64 else 8,
         num_stages=2,
     )

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvship.engine.attention.triton_ops.decode_attention import launch_stage1, merge_splits
+from kvship.engine.attention.triton_ops.extend_attention import kv_is_fp8
 
 # at most this many draft tokens in a forward take the split path (beyond it the extend kernel, which reads each
 # prefix once per query block, not once per token, has programs enough to fill the GPU)
@@ -55,6 +56,7 @@ def _verify_merge(
     tok_mask_row,
     custom_mask,
     sm_scale,
+    v_scale,
     num_splits,
     stride_qb,
     stride_qh,
@@ -74,6 +76,7 @@ def _verify_merge(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,7 +111,9 @@ def _verify_merge(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     vb = tl.load(v_new + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+    if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the sums (v)
+        vb = vb.to(qv.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
     l_i = l_i * alpha + tl.sum(p, 1)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + t * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(o.dtype.element_ty), mask=hd_mask)
@@ -132,6 +137,8 @@ def verify_attention(
     mid_lse: torch.Tensor,
     max_tree: int,
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``n`` draft tokens over their prefixes and trees; writes and returns ``o``.
 
@@ -140,7 +147,8 @@ def verify_attention(
     D]``. Per token (int tensors ``[n]``): its request's ``req_to_token`` row, prefix length, index in its
     tree, the tree's size, and where its row of the flat uint8 ``custom_mask`` starts. ``mid_out``
     ``[>= n, H, VERIFY_KV_SPLITS, D]`` / ``mid_lse`` ``[>= n, H, VERIFY_KV_SPLITS]`` float32 scratch; ``max_tree``
-    at least the largest tree size.
+    at least the largest tree size.  An FP8 pool: the pool and ``k_new`` / ``v_new`` are ``float8_e4m3fn`` (as
+    stored), read as ``e4m3 * k_scale`` / ``e4m3 * v_scale``.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -152,7 +160,7 @@ def verify_attention(
     num_splits = VERIFY_KV_SPLITS
     launch_stage1(
         q, k_buf, v_buf, req_to_token, tok_rows, tok_prefix, mid_out, mid_lse, num_splits, sm_scale, o,
-        min_split_len=MIN_SPLIT_LEN,
+        min_split_len=MIN_SPLIT_LEN, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _verify_merge[(n, num_kv_heads)](
         q,
@@ -165,7 +173,8 @@ def verify_attention(
         tok_size,
         tok_mask_row,
         custom_mask,
-        sm_scale,
+        sm_scale * k_scale,
+        v_scale,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -185,6 +194,7 @@ def verify_attention(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_T=max(16, triton.next_power_of_2(max_tree)),
+        KV_FP8=kv_is_fp8(k_buf, k_new),
         num_warps=4,
     )
     return o

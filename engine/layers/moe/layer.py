@@ -105,27 +105,34 @@ class FusedMoE(nn.Module):
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside this layer's {self.num_experts} experts")
-        name = EXPERT_PARTS[part]
-        if param is not getattr(self, name):
+        name = self.param_name(param)
+        if not name.startswith(EXPERT_PARTS[part]):  # w13_weight, or a method's w13_weight_scale_inv...
             raise ValueError(f"'{part}' weights do not belong in this parameter")
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert (expert parallelism): never read
         target = param.data[local]
-        if part == "gate":
-            target = target.narrow(0, 0, self.intermediate_size)
-        elif part == "up":
-            target = target.narrow(0, self.intermediate_size, self.intermediate_size)
+        if part != "down":  # gate rows [0, I), up rows [I, 2I): the method's region of them (scales by blocks)
+            start = 0 if part == "gate" else self.intermediate_size
+            target = self.quant_method.rows(name, target, start, self.intermediate_size)
         load_checked(self, name, target, loaded, f"expert {expert} {part}")
+
+    def param_name(self, param: nn.Parameter) -> str:
+        """The attribute name of one of this layer's parameters (``w13_weight``, ``w2_weight_scale_inv``...)."""
+        for name, p in self.named_parameters(recurse=False):
+            if p is param:
+                return name
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is not one of this MoE layer's")
 
     def expected_shards(self) -> dict[str, list[tuple[int, str]]]:
         """Parameter attribute -> every shard id a complete checkpoint fills (every expert of the model,
         also those another rank holds: the check is that the checkpoint is complete)."""
         experts = range(self.num_experts)
-        return {
-            "w13_weight": [(e, p) for e in experts for p in ("gate", "up")],
-            "w2_weight": [(e, "down") for e in experts],
-        }
+        out: dict[str, list[tuple[int, str]]] = {}
+        for name, _ in self.named_parameters(recurse=False):  # the weights and the method's scales
+            parts = ("down",) if name.startswith("w2_") else ("gate", "up")
+            out[name] = [(e, p) for e in experts for p in parts]
+        return out
 
     def runner_for(self, x: torch.Tensor) -> MoERunner:
         runner = self._runners.get(x.device.type)

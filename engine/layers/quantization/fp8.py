@@ -10,12 +10,17 @@ unquantised checkpoint quantises each weight per output row as it is loaded.
 
 ``apply`` is the CPU reference of the GPU kernels (quantize-dequantize (QDQ),
 ``fp8_math``); the embedding and the LM head stay in the model dtype, as the
-checkpoints keep them.  docs/quantization.md lists the key names, the
-arithmetic and what is not done (GPU kernels, FP8 MoE experts).
+checkpoints keep them.  MoE experts (block formats only) are stacked as
+``w13_weight`` / ``w2_weight`` with their ``*_weight_scale_inv``; ``apply_moe``
+runs ``triton_moe_fp8`` under the ``triton`` runner, else ``moe_reference``.
+docs/quantization.md lists the key names, the arithmetic ("MoE experts") and
+what is not done.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvship.engine.layers.fused_dispatch import cuda_fp8_kernels
 from kvship.engine.layers.quantization import fp8_math as fm
 from kvship.engine.layers.quantization.base import QuantMethod, Shard, WeightLoader, register_quant_method
 from kvship.engine.layers.quantization.unquantized import UnquantizedMethod, dense_linear
@@ -30,6 +36,9 @@ from kvship.engine.loaders.lazy import Loaded, materialize
 
 # entries of a checkpoint's list of unquantised modules that match what we keep unquantised anyway
 _UNQUANTIZED_MODULES = {"lm_head", "re:.*lm_head", "model.embed_tokens", "re:.*embed_tokens"}
+# MoE routers, which kvship keeps unquantized too (Qwen3 -FP8 checkpoints list every layer's ``mlp.gate``)
+_ROUTER_RE = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|shared_expert_gate)$")
+_SCALE_KINDS = (("weight_scale_inv", "block_scale"), ("weight_scale", "channel_scale"), ("input_scale", "tensor_scale"))
 _SUPPORTED = (
     "fp8: weight_block_size [bn, bk] with activation_scheme 'dynamic', or per-tensor / per-channel weight_scale "
     "with activation_scheme 'dynamic' or 'static'; compressed-tensors: float 8-bit weights with strategy "
@@ -62,19 +71,24 @@ def parse_scheme(method: str, qc: Optional[dict]) -> Fp8Scheme:
             raise ValueError(f"--quantization {method} needs a checkpoint with its quantization_config")
         return Fp8Scheme("channel", "token", quantize_at_load=True)
     _check_ignored(method, qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
-    if qc.get("kv_cache_scheme"):
-        raise ValueError(f"{method} checkpoint with an FP8 KV cache scheme: the FP8 KV cache is not supported yet")
+    kv = qc.get("kv_cache_scheme")
+    if kv and (kv.get("type"), kv.get("num_bits"), kv.get("strategy", "tensor")) != ("float", 8, "tensor"):
+        # a per-tensor float8 scheme only ships k_scale / v_scale, which the FP8 KV cache reads (docs/quantization.md)
+        raise ValueError(
+            f"{method} checkpoint with an unsupported KV cache scheme {kv!r}: the FP8 KV cache reads float 8-bit "
+            "per-tensor k_scale / v_scale (--kv-cache-dtype fp8_e4m3)"
+        )
     if method == "fp8":
         return _parse_fp8(qc)
     return _parse_compressed_tensors(qc)
 
 
 def _check_ignored(method: str, modules: list) -> None:
-    other = [m for m in modules if m not in _UNQUANTIZED_MODULES]
+    other = [m for m in modules if m not in _UNQUANTIZED_MODULES and not _ROUTER_RE.match(m)]
     if other:
         raise ValueError(
             f"{method} checkpoint leaves modules unquantized that kvship quantizes: {other[:5]} "
-            "(only lm_head / embed_tokens may be listed)"
+            "(only lm_head / embed_tokens and MoE routers (mlp.gate) may be listed)"
         )
 
 
@@ -140,11 +154,10 @@ class Fp8Method(QuantMethod):
     ) -> None:
         if _is_vocab_layer(layer):
             return self._dense.create_weights(layer, weights, dtype, loader)
+        if "w13_weight" in weights:
+            return self._create_moe_weights(layer, weights, loader)
         if "weight" not in weights:
-            raise ValueError(
-                f"'{self.name}' quantization does not support {type(layer).__name__} layers yet (FP8 MoE experts "
-                "are pending, docs/quantization.md)"
-            )
+            raise ValueError(f"'{self.name}' quantization does not support {type(layer).__name__} layers")
         out, inp = weights["weight"]
         s = self.scheme
         params = {"weight": ((out, inp), fm.FP8)}
@@ -164,10 +177,36 @@ class Fp8Method(QuantMethod):
         if s.quantize_at_load:  # scales made from the weights, not read: no checkpoint tensor fills them
             layer.register_buffer("weight_scale", torch.empty(out, dtype=torch.float32), persistent=False)
 
+    def _create_moe_weights(self, layer: nn.Module, weights: dict[str, tuple[int, ...]], loader: WeightLoader) -> None:
+        """FP8 experts (block formats only): ``w13_weight`` e4m3 ``[E, 2I, H]`` with ``w13_weight_scale_inv`` fp32
+        ``[E, 2I/bn, ceil(H/bk)]`` (gate's blocks, then up's), ``w2_weight`` ``[E, H, I]`` with
+        ``w2_weight_scale_inv`` ``[E, ceil(H/bn), ceil(I/bk)]``: each expert's checkpoint tensors stacked."""
+        s = self.scheme
+        if s.weight != "block" or s.quantize_at_load:
+            raise ValueError(MOE_SCHEME_ERROR.format(method=self.name))
+        (e, two_i, h), (_, _, inter) = weights["w13_weight"], weights["w2_weight"]
+        bn, bk = s.block
+        if inter % bn:
+            raise ValueError(
+                f"FP8 block experts need the expert width ({inter}) to be a multiple of the {bn}-row scale blocks: "
+                "gate and up are stacked by whole blocks"
+            )
+        params = {
+            "w13_weight": ((e, two_i, h), fm.FP8),
+            "w13_weight_scale_inv": ((e, two_i // bn, -(-h // bk)), torch.float32),
+            "w2_weight": ((e, h, inter), fm.FP8),
+            "w2_weight_scale_inv": ((e, -(-h // bn), -(-inter // bk)), torch.float32),
+        }
+        for name, (shape, dt) in params.items():
+            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
+            p.weight_loader = loader  # type: ignore[attr-defined]
+            setattr(layer, name, p)
+
     def tensor_kind(self, name: str) -> str:
-        return {"weight_scale_inv": "block_scale", "weight_scale": "channel_scale", "input_scale": "tensor_scale"}.get(
-            name, super().tensor_kind(name)
-        )
+        for suffix, kind in _SCALE_KINDS:
+            if name == suffix or name.endswith("_" + suffix):  # ``w13_weight_scale_inv``: an expert's block scales
+                return kind
+        return super().tensor_kind(name)
 
     def shard(self, layer: nn.Module, name: str, loaded: Loaded, shard: Shard) -> torch.Tensor:
         if name == "weight_scale" and _numel(loaded.shape) == 1:  # a per-tensor scale: whole on every rank
@@ -185,7 +224,7 @@ class Fp8Method(QuantMethod):
 
     def load(self, layer: nn.Module, name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
         with torch.no_grad():
-            if name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            if self.tensor_kind(name).endswith("_scale"):
                 target.copy_(loaded.float().reshape(-1).expand(target.numel()).view_as(target))
                 return
             if target.dtype != fm.FP8 or loaded.dtype == fm.FP8:
@@ -220,14 +259,93 @@ class Fp8Method(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.weight.dtype != fm.FP8:  # the LM head
             return dense_linear(x, layer.weight, layer.bias)
+        kernels = cuda_fp8_kernels(x)
+        if kernels is not None:
+            y = self._kernel_linear(kernels, layer, x)
+            if y is not None:
+                return y
         return fm.qdq_linear(self.quantize_input(layer, x), self.dequantized_weight(layer), layer.bias, x.dtype)
+
+    def _kernel_linear(self, kernels, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The GPU kernels' ``x W^T + b`` (``fp8_kernels.fp8_linear``: no host synchronisation, capture-safe), or
+        None where they do not take this layer (the reference runs)."""
+        s = self.scheme
+        x2 = x.reshape(-1, x.shape[-1])
+        static = layer.input_scale.amax().reshape(1) if s.activation == "static" else None
+        if s.weight == "block":
+            y = kernels.fp8_linear(
+                x2, layer.weight, layer.weight_scale_inv, kernels.ACT_CODES[s.activation], s.block, s.block[1],
+                layer.bias, static,
+            )  # fmt: skip
+        else:
+            y = kernels.fp8_linear(
+                x2, layer.weight, layer.weight_scale, kernels.ACT_CODES[s.activation], None, 128, layer.bias, static
+            )
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
 
     def apply_moe(self, layer, runner, x, topk_weights, topk_ids, absent=False, config_experts=None):
-        # never reached: create_weights refuses MoE expert layers when the model is built
-        raise ValueError(f"'{self.name}' quantization has no MoE expert kernels")
+        """Block-FP8 experts: the fused Triton kernels (``triton_moe_fp8``) where the layer runs the ``triton``
+        runner, else the reference ``moe_reference`` (docs/quantization.md, "Reference arithmetic", MoE)."""
+        args = (x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv)
+        if _is_triton_runner(runner):
+            from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8
+
+            return fused_experts_fp8(
+                *args, self.scheme.block, topk_weights, topk_ids, absent=absent, config_experts=config_experts
+            )
+        return moe_reference(*args, self.scheme.block, topk_weights, topk_ids)
+
+
+MOE_SCHEME_ERROR = (
+    "'{method}' quantization of Mixture-of-Experts models supports block-scaled FP8 checkpoints only "
+    "(quant_method 'fp8' with weight_block_size, e.g. DeepSeek-V3 / Qwen3 -FP8); per-channel and per-tensor FP8 "
+    "experts and --quantization fp8 of an unquantized MoE model are not supported (docs/quantization.md)"
+)
+
+
+def _is_triton_runner(runner: object) -> bool:
+    """Whether ``runner`` is the ``triton`` MoE runner (its module is imported once such a runner exists)."""
+    mod = sys.modules.get("kvship.engine.layers.moe.triton_moe")
+    return mod is not None and isinstance(runner, mod.TritonMoERunner)
+
+
+def moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The reference of the block-FP8 experts (the ``MoERunner`` contract; ids outside ``[0, E)`` add nothing):
+    ``x`` quantised per token-group of ``block[1]`` (dequantised, fp32), each expert's dequantised gate/up
+    weights, ``silu(gate) * up`` in fp32 quantised per token-group again, the dequantised down weights, the
+    routing weight, every pair summed per token in fp32 and cast to ``x.dtype`` once.  Reads the routing on
+    the host: not CUDA-graph safe."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the FP8 MoE reference reads the routing on the host and cannot be captured in a CUDA graph: use "
+            "KVSHIP_MOE_RUNNER=triton (the default on CUDA) or --disable-cuda-graph"
+        )
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out.to(x.dtype)
+    group, inter, experts = block[1], w2.shape[2], w13.shape[0]
+    xq = fm.qdq_groups(x, group)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        if not 0 <= e < experts:  # absent: another rank's expert
+            continue
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = F.linear(xq[token], fm.dequant_blocks(w13[e], w13_scale[e], block))
+        h = fm.qdq_groups(F.silu(h[:, :inter]) * h[:, inter:], group)
+        y = F.linear(h, fm.dequant_blocks(w2[e], w2_scale[e], block))
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
 
 
 def _numel(shape) -> int:

@@ -33,7 +33,8 @@ def qdq_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     k = xf.shape[-1]
     pad = (-k) % group
     g = F.pad(xf, (0, pad)).view(*xf.shape[:-1], (k + pad) // group, group)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS) / FP8_MAX
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp_(min=ACT_EPS) / amax.new_full((), FP8_MAX)  # a tensor divisor: a true division on CUDA too
     deq = to_fp8(g, scale).float() * scale
     return deq.view(*xf.shape[:-1], k + pad)[..., :k]
 
@@ -41,7 +42,8 @@ def qdq_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 def qdq_tokens(x: torch.Tensor) -> torch.Tensor:
     """Activations quantised per token (one scale per row: ``max(amax, 1e-10) / 448``), dequantised: fp32."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS) / FP8_MAX
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp_(min=ACT_EPS) / amax.new_full((), FP8_MAX)
     return to_fp8(xf, scale).float() * scale
 
 

@@ -4,8 +4,10 @@
 generation config included) and replaces every projection weight of the
 decoder layers (``*_proj.weight``: q/k/v/o, gate/up/down) with float8_e4m3fn
 weights and the format's scales, and adds config.json's
-``quantization_config``.  The embedding, norms, LM head and biases stay as
-they are.  Formats (docs/quantization.md, "Writing a checkpoint"):
+``quantization_config``.  The embedding, norms, LM head, biases and MoE
+routers stay as they are (a MoE model's routers are listed in
+``modules_to_not_convert`` / ``ignore``, as Qwen3 ``-FP8`` checkpoints list
+them); each expert's gate/up/down is quantized like a dense projection.  Formats (docs/quantization.md, "Writing a checkpoint"):
 
 * ``fp8_block``: ``quant_method: fp8``, ``weight_block_size: [128, 128]``,
   ``weight_scale_inv`` per block, dynamic activations.
@@ -70,7 +72,8 @@ def quantization_config(fmt: str) -> dict:
 
 
 def is_quantized_weight(name: str) -> bool:
-    """The tensors a format quantizes: the decoder layers' projection weights (not the MoE router)."""
+    """The tensors a format quantizes: the decoder layers' projection weights, MoE experts' included (not the
+    MoE router ``mlp.gate``, nor Qwen2-MoE's ``shared_expert_gate``)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
@@ -124,6 +127,7 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str, calibration_ids: Optional
     os.makedirs(dst, exist_ok=True)
     index = os.path.join(src, "model.safetensors.index.json")
     weight_map: dict[str, str] = {}
+    routers: list[str] = []
     for entry in sorted(os.listdir(src)):
         path = os.path.join(src, entry)
         if entry.endswith(".safetensors"):
@@ -133,16 +137,20 @@ def write_fp8_checkpoint(src: str, dst: str, fmt: str, calibration_ids: Optional
                     t = f.get_tensor(name)
                     tensors = quantize_weight(name, t, fmt, amax.get(name)) if is_quantized_weight(name) else {name: t}
                     out.update({k: v.contiguous() for k, v in tensors.items()})
+                    if name.endswith(".mlp.gate.weight"):
+                        routers.append(name.removesuffix(".weight"))
             save_file(out, os.path.join(dst, entry), metadata={"format": "pt"})
             weight_map.update({k: entry for k in out})
-        elif entry == "config.json":
-            with open(path) as f:
-                cfg = json.load(f)
-            cfg["quantization_config"] = qc
-            with open(os.path.join(dst, entry), "w") as f:
-                json.dump(cfg, f, indent=2)
-        elif os.path.isfile(path) and entry != "model.safetensors.index.json":
+        elif os.path.isfile(path) and entry not in ("model.safetensors.index.json", "config.json"):
             shutil.copy(path, os.path.join(dst, entry))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if routers:  # MoE routers stay unquantized and are listed so, as Qwen3 -FP8 checkpoints do
+        key = "ignore" if qc["quant_method"] == "compressed-tensors" else "modules_to_not_convert"
+        qc[key] = sorted(set(qc.get(key) or ["lm_head"]) | set(routers))
+    cfg["quantization_config"] = qc
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
     if os.path.isfile(index):
         with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,576 @@
+"""FP8 (e4m3) linear-layer kernels for CUDA: activation quantization, decode GEMV, FP8 GEMM.
+
+They compute the reference arithmetic of docs/quantization.md ("Reference
+arithmetic", ``fp8_math``) with the sums in another order:
+
+* activations are quantized exactly as the reference quantizes them (scale
+  ``max(amax, 1e-10) / 448`` and the quotient ``x / s`` both correctly rounded
+  divisions, ``clamp(-448, 448)``, round-to-nearest-even cast to e4m3), per
+  token-group of ``G`` columns, per token or with the static scale;
+* the product is accumulated in fp32 from the e4m3 values and the scales;
+* bias in fp32, one cast to the output dtype.
+
+Kernels:
+
+* ``_quant_act_kernel``: ``x`` -> e4m3 ``[M, K]`` + fp32 scales (``[M, ceil(K/G)]``
+  per group, ``[M, 1]`` per token; static: the given scale).
+* ``_fp8_gemv_kernel`` (decode rows, CUDA cores): each program streams
+  ``BLOCK_N`` e4m3 weight rows in ``BLOCK_K`` chunks and quantizes its input
+  tiles itself (per group and static: from the tile; per token: after one
+  pass over the rows for their amax), or reads them quantized (``PREQ``).
+  The input tile is dequantized exactly as the reference does it and, for
+  128x128 block weights, multiplied by its block's weight scale (a program's
+  rows lie in one row block); per-row weight scales multiply the sum.
+* ``_fp8_mm_kernel`` (tensor cores): quantized input tiles times e4m3 weight
+  tiles through ``tl.dot`` (e4m3 operands, or both widened exactly to fp16),
+  fp32 accumulator; where a scale changes along K (per-group activations,
+  block weights) each ``G``-wide K step's partial product is scaled before it
+  is added, otherwise the row and column scales multiply the sum.  Skinny
+  tiles (``BLOCK_M`` 16) serve decode batches, 128x128 tiles prefill.
+* per-channel / per-tensor formats at larger M: ``torch._scaled_mm`` with
+  row-wise scales where this torch and GPU have it (``_mm`` otherwise).
+
+``fp8_linear`` picks the path; it returns None for what these kernels do not
+take (the caller then runs the reference).  Every launch is asynchronous and
+allocation-only on the host side: no synchronisation, safe inside CUDA-graph
+capture.  Only imported on CUDA (``fused_dispatch.cuda_fp8_kernels``); the
+kernels also run under Triton's interpreter on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
+from kvship.engine.layers.quantization import fp8_math as fm
+
+ACT_GROUP, ACT_TOKEN, ACT_STATIC = 0, 1, 2
+ACT_CODES = {"group": ACT_GROUP, "token": ACT_TOKEN, "static": ACT_STATIC}
+# rows up to which the decode kernels run; more rows: quantize, then the GEMM
+GEMV_MAX_M = 16
+
+
+# --- arithmetic shared by the kernels ----------------------------------------------------------------
+@triton.jit
+def _scale_of(amax):
+    """``max(amax, 1e-10) / 448`` (fp32, correctly rounded division, as fp8_math)."""
+    return tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+
+
+@triton.jit
+def _to_e4m3(v, s):
+    """``float8_e4m3fn(clamp(v / s, -448, 448))``: correctly rounded division, round-to-nearest-even cast."""
+    return tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _group_scales(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr):
+    """Scales of ``v [BLOCK_M, BLOCK_K]`` per row and ``G`` columns, repeated over the columns: ``[BLOCK_M,
+    BLOCK_K]``.  Masked-out columns must hold 0 (they do not raise an amax)."""
+    g = tl.reshape(tl.abs(v), (BLOCK_M, BLOCK_K // G, G))
+    s = _scale_of(tl.max(g, axis=2))
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_M, BLOCK_K // G, G)), (BLOCK_M, BLOCK_K))
+
+
+# --- activation quantization -------------------------------------------------------------------------
+@triton.jit
+def _quant_act_kernel(
+    x,
+    q,
+    s,
+    s_in,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    ACT: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # ACT_TOKEN: one program per row (amax pass, then the quantize pass); else one per row and BLOCK_K columns
+    m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1)
+    rk = tl.arange(0, BLOCK_K)
+    xr = x + m * stride_xm
+    qr = q + m * stride_qm
+    pdl_enter(USE_PDL)
+    if ACT == 1:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(xr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        sc = _scale_of(tl.max(amax, axis=0))
+        tl.store(s + m * stride_sm, sc)
+        for k0 in range(0, K, BLOCK_K):
+            ok = (k0 + rk) < K
+            v = tl.load(xr + k0 + rk, mask=ok, other=0.0).to(tl.float32)
+            tl.store(qr + k0 + rk, _to_e4m3(v, sc), mask=ok)
+    else:
+        ks = pid_k * BLOCK_K + rk
+        ok = ks < K
+        v = tl.load(xr + ks, mask=ok, other=0.0).to(tl.float32)
+        if ACT == 0:
+            g = tl.reshape(tl.abs(v), (BLOCK_K // G, G))
+            sg = _scale_of(tl.max(g, axis=1))
+            sfull = tl.reshape(tl.broadcast_to(sg[:, None], (BLOCK_K // G, G)), (BLOCK_K,))
+            tl.store(qr + ks, _to_e4m3(v, sfull), mask=ok)
+            gi = pid_k * (BLOCK_K // G) + tl.arange(0, BLOCK_K // G)
+            tl.store(s + m * stride_sm + gi, sg, mask=gi * G < K)
+        else:
+            tl.store(qr + ks, _to_e4m3(v, tl.load(s_in)), mask=ok)
+
+
+def quantize_act(
+    x: torch.Tensor, act: int, group: int = 128, static_scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (row stride free, columns contiguous) -> (e4m3 ``[M, K]``, fp32 scales): ``[M, ceil(K/G)]``
+    per group (``ACT_GROUP``), ``[M, 1]`` per token (``ACT_TOKEN``), ``static_scale`` itself (``ACT_STATIC``, a
+    one-element fp32 tensor)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fm.FP8, device=x.device)
+    if act == ACT_GROUP:
+        s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    elif act == ACT_TOKEN:
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    else:
+        if static_scale is None:
+            raise ValueError("static activation quantization needs its input scale")
+        s = static_scale
+    if m == 0:
+        return q, s
+    block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
+    grid = (m, 1) if act == ACT_TOKEN else (m, triton.cdiv(k, block_k))
+    pdl = use_pdl(x)
+    _quant_act_kernel[grid](
+        x, q, s, s, k, x.stride(0), q.stride(0), s.stride(0) if act != ACT_STATIC else 0,
+        ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+    )  # fmt: skip
+    return q, s
+
+
+# --- decode GEMV (CUDA cores) -------------------------------------------------------------------------
+@triton.jit
+def _x_tile(
+    x, xs, rm, m_ok, ks, K, stride_xm, stride_xsm, stride_xsg, amax_row,
+    ACT: tl.constexpr, PREQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The input tile ``[BLOCK_M, BLOCK_K]`` quantized and dequantized as the reference does it (fp32)."""
+    mask = m_ok[:, None] & (ks < K)[None, :]
+    v = tl.load(x + rm[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PREQ:  # already e4m3: its scales
+        if ACT == 0:
+            sv = tl.load(xs + rm[:, None] * stride_xsm + (ks // G)[None, :] * stride_xsg, mask=mask, other=1.0)
+        elif ACT == 1:
+            sv = tl.load(xs + rm * stride_xsm, mask=m_ok, other=1.0)[:, None]
+        else:
+            sv = tl.load(xs)
+        return v * sv
+    if ACT == 0:
+        sv = _group_scales(v, BLOCK_M, BLOCK_K, G)
+    elif ACT == 1:
+        sv = _scale_of(amax_row)[:, None]
+    else:
+        sv = tl.load(xs)
+    return _to_e4m3(v, sv).to(tl.float32) * sv
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x,
+    xs,
+    w,
+    ws,
+    bias,
+    y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_xsg,
+    stride_wn,
+    stride_wsn,
+    stride_wsg,
+    stride_ym,
+    ACT: tl.constexpr,
+    PREQ: tl.constexpr,
+    WBLOCK: tl.constexpr,
+    G: tl.constexpr,
+    WBN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_ptr = w + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    wrow = ws + (pid * BLOCK_N // WBN) * stride_wsn  # WBLOCK: the row block of every row of this program
+    # the first weight tile streams in before the wait on the previous kernel (weights never depend on it)
+    w0 = tl.load(w_ptr, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    pdl_enter(USE_PDL)
+    amax_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if ACT == 1:
+        if not PREQ:  # per-token scales: one pass over the rows first
+            amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + rk
+                v = tl.load(
+                    x + rm[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0
+                )
+                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+            amax_row = tl.max(amax, axis=1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        if k0 == 0:
+            wt = w0
+        else:
+            wt = tl.load(w_ptr + k0, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+        xt = _x_tile(
+            x, xs, rm, m_ok, ks, K, stride_xm, stride_xsm, stride_xsg, amax_row, ACT, PREQ, G, BLOCK_M, BLOCK_K
+        )
+        if WBLOCK:
+            xt = xt * tl.load(wrow + (ks // G) * stride_wsg, mask=ks < K, other=0.0)[None, :]
+        acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)
+    if not WBLOCK:
+        out = out * tl.load(ws + rn * stride_wsn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + rm[:, None] * stride_ym + rn[None, :], out.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --- FP8 matmul (tensor cores) --------------------------------------------------------------------------
+@triton.jit
+def _fp8_mm_kernel(
+    a,
+    as_,
+    b,
+    bs,
+    bias,
+    c,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_asg,
+    stride_bn,
+    stride_bsn,
+    stride_bsg,
+    stride_cm,
+    stride_cs,
+    ACT: tl.constexpr,
+    WBLOCK: tl.constexpr,
+    G: tl.constexpr,
+    WBN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # a: e4m3 [M, K] with scales as_ (ACT: per group [M, K/G], per token [M], static scalar); b: e4m3 [N, K] with
+    # bs (WBLOCK: [N/WBN, K/G] blocks, else [N] rows).  Per-group activations or block weights: a scale changes
+    # along K, BLOCK_K == G.  SPLIT_K > 1:
+    # program (pid, s) sums K steps [s * k_per, (s + 1) * k_per) and stores its fp32 partial (scales applied, the
+    # bias on s == 0) at ``c + s * stride_cs``; ``_splitk_sum_kernel`` adds the partials.
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    a_ptr = a + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptr = b + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
+    bs_row = bs + (pid_n * BLOCK_N // WBN) * stride_bsn  # WBLOCK: BLOCK_N rows lie in one row block
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_s * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        bt = tl.load(b_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if not FP8_DOT:  # e4m3 values are exact in fp16 (a single conversion instruction on Hopper)
+            at = at.to(tl.float16)
+            bt = bt.to(tl.float16)
+        if ACT == 0 or WBLOCK:
+            part = tl.dot(at, tl.trans(bt))
+            g = k0 // G
+            if ACT == 0:
+                part = part * tl.load(as_ + rm * stride_asm + g * stride_asg, mask=m_ok, other=0.0)[:, None]
+            if WBLOCK:
+                part = part * tl.load(bs_row + g * stride_bsg)
+            acc += part
+        else:
+            acc = tl.dot(at, tl.trans(bt), acc)
+    if ACT == 1:
+        acc = acc * tl.load(as_ + rm * stride_asm, mask=m_ok, other=0.0)[:, None]
+    elif ACT == 2:
+        acc = acc * tl.load(as_)
+    if not WBLOCK:
+        acc = acc * tl.load(bs + rn * stride_bsn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        if pid_s == 0:
+            acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+        acc.to(c.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def _splitk_sum_kernel(part, y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = sum_s part[s]`` over the split-K partials (fp32 ``[SPLIT_K, M, N]``), cast to ``y``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        acc += tl.load(part + i * MN + offs, mask=ok, other=0.0)
+    tl.store(y + offs, acc.to(y.dtype.element_ty), mask=ok)
+
+
+# --- configs ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fp8Config:
+    """One launch: ``kind`` ``"gemv"`` (CUDA cores; ``preq``: the input quantized by its own kernel first) or
+    ``"mma"`` (tensor cores; the input always quantized first; ``fp8_dot``: e4m3 operands, else fp16)."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    preq: bool = False
+    fp8_dot: bool = False
+    group_m: int = 8
+    #: mma: K split over that many programs per tile, partials summed by a second kernel (long-K decode
+    #: projections: more programs in flight)
+    split_k: int = 1
+
+
+def bucket(m: int) -> int:
+    """Row counts share a config per power of two (1, 2, 4, 8, 16)."""
+    return 1 << (max(m, 1) - 1).bit_length()
+
+
+# (N, K, bucket, ACT_*) -> decode config where it differs from default_config (bench/fp8_gemm.py --sweep on an
+# H200, docs/quantization.md)
+_GATE_UP = (28672, 4096)
+TUNED: dict[tuple[int, int, int, int], Fp8Config] = {
+    (*_GATE_UP, 16, ACT_GROUP): Fp8Config("mma", 16, 128, 128, num_warps=4, num_stages=4),
+    (*_GATE_UP, 16, ACT_TOKEN): Fp8Config("mma", 16, 128, 128, num_warps=4, num_stages=4),
+}
+
+# the prefill / large-batch tiles of the Triton FP8 GEMM (best or within 5% of the best of five tilings for the
+# 8B shapes at M >= 1024 on an H200, bench/fp8_gemm.py)
+GEMM_CONFIG = Fp8Config("mma", 64, 128, 128, num_warps=4, num_stages=4, fp8_dot=True)
+
+
+def default_config(m: int, n: int, k: int, act: int) -> Fp8Config:
+    """Decode rows: skinny tensor-core tiles (16 rows, 128-wide K steps), 32 weight rows per program (64 for
+    wide layers).  On an H200 they beat the CUDA-core GEMV at every M from 1 to 16 on the 8B shapes (the GEMV
+    spends its time converting e4m3 to fp32, not reading).  The input is quantized first by ``quantize_act``
+    (quantizing it inside the tile kernel was measured 3-7x slower on an H200: every program of a row redoes the
+    correctly rounded divisions).  A long-K, narrow projection (the 8B down_proj: 128 tiles for 132 SMs, each
+    streaming 14336 columns) splits K four ways (H200, M = 2..16: 30.5 us instead of 45 us)."""
+    split = 4 if k >= 8192 and n <= 8192 else 1
+    return Fp8Config("mma", 16, 64 if n >= 16384 else 32, 128, num_warps=4, num_stages=4, split_k=split)
+
+
+def pick_config(m: int, n: int, k: int, act: int) -> Fp8Config:
+    """The config for ``[m, k] x [n, k]^T`` in the decode kernels (``m`` <= ``GEMV_MAX_M``)."""
+    return TUNED.get((n, k, bucket(m), act)) or default_config(m, n, k, act)
+
+
+# --- launches -----------------------------------------------------------------------------------------
+def _pow2(v: int) -> bool:
+    return v >= 16 and v & (v - 1) == 0
+
+
+def _fit(cfg: Fp8Config, act: int, block: Optional[tuple[int, int]], group: int) -> Fp8Config:
+    """``cfg`` with the tile widths the scale layout needs: a K step inside one scale group (``BLOCK_K`` a
+    multiple of ``G`` for the GEMV, equal to it for the tensor-core kernel where a scale changes along K), and
+    ``BLOCK_N`` rows inside one weight row block."""
+    bk, bn = cfg.block_k, cfg.block_n
+    kscale = act == ACT_GROUP or block is not None
+    if cfg.kind == "mma" and kscale:
+        bk = group
+    elif cfg.kind == "gemv" and act == ACT_GROUP:
+        bk = max(bk, group)
+    if block is not None:
+        bn = min(bn, block[0])
+    if (bk, bn) == (cfg.block_k, cfg.block_n):
+        return cfg
+    return Fp8Config(
+        cfg.kind, cfg.block_m, bn, bk, cfg.num_warps, cfg.num_stages, cfg.preq, cfg.fp8_dot, cfg.group_m, cfg.split_k,
+    )  # fmt: skip
+
+
+def _scale_strides(act: int, s: torch.Tensor) -> tuple[int, int]:
+    if act == ACT_GROUP:
+        return s.stride(0), s.stride(1)
+    if act == ACT_TOKEN:
+        return s.stride(0), 0
+    return 0, 0
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    wscale: torch.Tensor,
+    act: int,
+    block: Optional[tuple[int, int]],
+    group: int,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    cfg: Fp8Config,
+    static_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``y = qdq(x) @ (w * wscale)^T + bias`` with ``cfg``; no checks beyond the layout (``fp8_linear`` and the
+    benchmark choose).  ``block``: the weight's ``(bn, bk)`` (``wscale`` ``[ceil(N/bn), ceil(K/bk)]``, ``bk`` ==
+    ``group``) or None (``wscale`` ``[N]``)."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = _fit(cfg, act, block, group)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    pdl = use_pdl(x)
+    if cfg.kind == "gemv" and not cfg.preq:
+        xin, xs = x, static_scale if static_scale is not None else wscale
+        ssm, ssg = 0, 0
+    else:
+        xin, xs = quantize_act(x, act, group, static_scale)
+        ssm, ssg = _scale_strides(act, xs)
+    wbn = block[0] if block is not None else 1
+    wsn, wsg = (wscale.stride(0), wscale.stride(1)) if block is not None else (wscale.stride(0), 0)
+    b = bias if bias is not None else wscale
+    common = dict(
+        ACT=act, WBLOCK=block is not None, G=group, WBN=wbn, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.kind == "gemv":
+        if m > cfg.block_m:
+            raise ValueError(f"a GEMV config of block_m={cfg.block_m} cannot take {m} rows")
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            xin, xs, w, wscale, b, y, m, n, k, xin.stride(0), ssm, ssg, w.stride(0), wsn, wsg, y.stride(0),
+            PREQ=cfg.preq, **common,
+        )  # fmt: skip
+    else:
+        split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        c = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        _fp8_mm_kernel[grid](
+            xin, xs, w, wscale, b, c, m, n, k, xin.stride(0), ssm, ssg, w.stride(0), wsn, wsg, n, m * n,
+            FP8_DOT=cfg.fp8_dot, SPLIT_K=split, GROUP_M=cfg.group_m, **common,
+        )  # fmt: skip
+        if split > 1:
+            block = 1024
+            _splitk_sum_kernel[(triton.cdiv(m * n, block),)](c, y, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return y
+
+
+_SCALED_MM: dict[int, bool] = {}
+
+
+def scaled_mm_rowwise(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype
+) -> Optional[torch.Tensor]:
+    """``torch._scaled_mm`` with row-wise scales (``xs [M, 1]``, ``ws [N]``), or None where this torch / GPU
+    does not take it (remembered per device) or the shape does not fit (dims multiples of 16, bf16 out)."""
+    m, k = xq.shape
+    n = w.shape[0]
+    idx = xq.device.index if xq.device.index is not None else torch.cuda.current_device()
+    if (
+        not xq.is_cuda
+        or _SCALED_MM.get(idx) is False
+        or out_dtype != torch.bfloat16
+        or k % 16
+        or n % 16
+        or not hasattr(torch, "_scaled_mm")
+        or torch.cuda.get_device_capability(idx) < (9, 0)
+    ):
+        return None
+    try:
+        y = torch._scaled_mm(
+            xq, w.t(), scale_a=xs.reshape(m, 1), scale_b=ws.reshape(1, n), out_dtype=out_dtype, use_fast_accum=False
+        )
+    except (RuntimeError, TypeError, ValueError):  # this torch build has no row-wise scaling: the Triton GEMM
+        _SCALED_MM[idx] = False
+        return None
+    _SCALED_MM[idx] = True
+    return y
+
+
+def applies(x: torch.Tensor, w: torch.Tensor, block: Optional[tuple[int, int]], group: int) -> bool:
+    """Whether these kernels take ``x [M, K]`` against e4m3 ``w [N, K]`` with this scale layout."""
+    if x.dim() != 2 or w.dim() != 2 or w.dtype != fm.FP8 or x.shape[1] != w.shape[1]:
+        return False
+    if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if block is not None and not (_pow2(block[0]) and _pow2(block[1]) and block[1] == group):
+        return False
+    return _pow2(group)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    wscale: torch.Tensor,
+    act: int,
+    block: Optional[tuple[int, int]] = None,
+    group: int = 128,
+    bias: Optional[torch.Tensor] = None,
+    static_scale: Optional[torch.Tensor] = None,
+    cfg: Optional[Fp8Config] = None,
+) -> Optional[torch.Tensor]:
+    """``x W^T + b`` of an FP8 linear layer as the reference computes it (module docstring), ``x [M, K]`` in
+    the model dtype; None where these kernels do not apply (the caller runs the reference).  Decode rows
+    (``M <= GEMV_MAX_M``): the GEMV / skinny kernels; more rows: the input quantized, then ``torch._scaled_mm``
+    (per-row weight scales, no bias) or the Triton GEMM."""
+    if not applies(x, w, block, group):
+        return None
+    m, k = x.shape
+    n = w.shape[0]
+    if cfg is None and m > GEMV_MAX_M:
+        if block is None and bias is None and act != ACT_GROUP:
+            xq, xs = quantize_act(x, act, group, static_scale)
+            if act == ACT_STATIC:
+                xs = xs.reshape(1).expand(m).reshape(m, 1).contiguous()
+            y = scaled_mm_rowwise(xq, xs, w, wscale, x.dtype)
+            if y is not None:
+                return y
+        cfg = GEMM_CONFIG
+    elif cfg is None:
+        cfg = pick_config(m, n, k, act)
+    return launch(x, w, wscale, act, block, group, bias, x.dtype, cfg, static_scale)

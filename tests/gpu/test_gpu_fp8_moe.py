@@ -1,0 +1,162 @@
+"""The block-FP8 fused-MoE kernels (``triton_moe_fp8``) against the reference ``fp8.moe_reference``.
+
+GPU: bf16 activations, experts quantized per 128x128 block from random bf16
+weights; relative Frobenius error ``|kernel - ref| / |ref|`` <= 1e-2 (the
+reference in fp32 on the same e4m3 weights; the kernel sums in another order,
+so an activation now and then rounds to the neighbouring e4m3 value, and the
+output is bf16).  At the Qwen3-30B-A3B shape (E=128, top-8, H=2048, I=768) for
+M in {1, 16, 700, 4096} (GEMV, aligned, persistent), with absent experts
+(expert parallelism), and decode captured in a CUDA graph equal to eager.
+
+CPU (``TRITON_INTERPRET=1``): tiny shapes in float32, error <= 1e-5.  The
+interpreter's fp32 -> e4m3 cast rounds values at the top of some binades
+(e.g. [124, 128)) to half their value, so there the reference rounds through
+that same cast (``interpreter_cast``): the kernels' indexing, scales and
+in-kernel quantization are checked exactly; torch's rounding needs the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_common import HAS_CUDA, cuda_or_interpreter, kernel_device, requires_cuda
+
+from kvship.engine.layers.quantization import fp8_math as fm
+from kvship.engine.layers.quantization.fp8 import moe_reference
+
+pytestmark = [pytest.mark.gpu]
+BLOCK = (128, 128)
+TOL = 1e-2 if HAS_CUDA else 1e-5
+
+
+@pytest.fixture(autouse=True)
+def interpreter_cast(monkeypatch):
+    """Under the interpreter: the reference's e4m3 rounding through Triton's own cast (module docstring)."""
+    if HAS_CUDA:
+        return
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, n, BLOCK_N: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n).to(tl.float8e4nv), mask=offs < n)
+
+    def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        v = (x.float() / scale).clamp_(-fm.FP8_MAX, fm.FP8_MAX).contiguous()
+        out = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
+        cast_kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK_N=1024)
+        return out
+
+    monkeypatch.setattr(fm, "to_fp8", to_fp8)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _quantized_experts(e: int, rows: int, cols: int, g: torch.Generator, dev: torch.device):
+    w = torch.randn(e, rows, cols, generator=g) * cols**-0.5
+    q, s = zip(*(fm.quantize_blocks(w[i], BLOCK) for i in range(e)))
+    return torch.stack(q).to(dev), torch.stack(s).to(dev)
+
+
+def _problem(m: int, e: int, k: int, h: int, i: int, dev: torch.device, seed: int = 0):
+    from kvship.engine.layers.moe.topk import select_experts
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, h, generator=g).to(dev, dtype)
+    w13, s13 = _quantized_experts(e, 2 * i, h, g, dev)
+    w2, s2 = _quantized_experts(e, h, i, g, dev)
+    logits = torch.randn(m, e, generator=g).to(dev)
+    if e > k + 1:
+        logits[:, e // 2] = -1e4  # one expert never gets a token
+    weights, ids = select_experts(logits, k, renormalize=True)
+    return x, w13, s13, w2, s2, weights, ids
+
+
+def _run(args, **kw):
+    from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8
+
+    x, w13, s13, w2, s2, weights, ids = args
+    return fused_experts_fp8(x, w13, s13, w2, s2, BLOCK, weights, ids, **kw)
+
+
+def _ref(args, ids=None):
+    x, w13, s13, w2, s2, weights, ids0 = args
+    return moe_reference(x, w13, s13, w2, s2, BLOCK, weights, ids0 if ids is None else ids)
+
+
+def _configs(m: int):
+    from kvship.engine.layers.moe.triton_moe_fp8 import GEMV_CONFIG_FP8
+
+    aligned = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    return {
+        "default": None,
+        "gemv": {"gemv": dict(GEMV_CONFIG_FP8)},
+        "aligned": aligned,
+        "persistent": dict(aligned, persistent=True, GROUP_SIZE_M=4),
+    }
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("m", [0, 1, 5])
+@pytest.mark.parametrize("kind", ["default", "gemv", "aligned", "persistent"])
+def test_fp8_moe_kernels_match_the_reference_on_a_tiny_shape(m, kind):
+    # H = 192: a partial last K-block of x and of w13's columns, a partial last row block of w2
+    args = _problem(m, 8, 2, 192, 256, kernel_device(), seed=m)
+    out = _run(args, config=_configs(m)[kind])
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    if m:
+        assert _rel(out, _ref(args)) < TOL
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("kind", ["gemv", "aligned", "persistent"])
+def test_fp8_moe_absent_experts_add_nothing(kind):
+    """Expert parallelism: ids of -1 (another rank's expert) add nothing, in every kernel form."""
+    args = _problem(5, 8, 2, 128, 128, kernel_device(), seed=4)
+    ids = args[6].clone()
+    ids[ids >= 4] = -1
+    out = _run(args[:6] + (ids,), absent=True, config=_configs(5)[kind])
+    assert _rel(out, _ref(args, ids)) < TOL
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 16, 700, 4096])
+def test_fp8_moe_at_the_qwen3_30b_a3b_shape_matches_the_reference(m):
+    args = _problem(m, 128, 8, 2048, 768, torch.device("cuda"), seed=m)
+    out = _run(args)
+    assert _rel(out, _ref(args)) < TOL
+    if m >= 16:  # the persistent and non-persistent aligned forms agree too
+        cfg = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+        assert _rel(_run(args, config=cfg), out) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 4, 32])
+def test_fp8_moe_decode_captured_in_a_cuda_graph_equals_eager(m):
+    args = _problem(m, 128, 8, 2048, 768, torch.device("cuda"), seed=10 + m)
+    eager = _run(args)
+    static_x = args[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run((static_x,) + args[1:])  # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run((static_x,) + args[1:])
+    static_x.copy_(args[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # new inputs replayed through the same graph
+    x2 = torch.randn_like(args[0])
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _run((x2,) + args[1:]))
