@@ -63,8 +63,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from kvship.app.gpu_placement import worker_gpus
-from kvship.app.local_child import Child, ChildFailed
+from kvship.app.gpu_placement import worker_gpus, worker_layout
+from kvship.app.local_child import Child, ChildFailed, WorkerNodes
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -75,7 +75,16 @@ logger = logging.getLogger("kvship.local")
 
 # ServerArgs fields `kvship local` sets itself for every worker (all others pass through).
 _OWN_WORKER_FIELDS = frozenset(
-    {"host", "port", "mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend", "api_key"}
+    {
+        "host",
+        "port",
+        "mode",
+        "disaggregation_bootstrap_port",
+        "disaggregation_transfer_backend",
+        "api_key",
+        "node_rank",  # each node of a multi-node worker gets its own (WorkerNodes)
+        "dist_init_addr",
+    }
 )
 
 
@@ -116,6 +125,12 @@ class LocalConfig:
     restart_workers: bool = opt(True, "Restart a worker that exits (the router takes it back once it is healthy)")
     prefill_tp_size: int = opt(0, "Tensor-parallel size of each prefill worker (0: --tp-size)")
     decode_tp_size: int = opt(0, "Tensor-parallel size of each decode worker (0: --tp-size)")
+    prefill_nnodes: int = opt(
+        0,
+        "Nodes each prefill worker spans (0: --nnodes): its ranks run as that many `kvship serve --node-rank R` "
+        "process trees on this machine, as on separate hosts (docs/parallel.md)",
+    )
+    decode_nnodes: int = opt(0, "Nodes each decode worker spans (0: --nnodes), like --prefill-nnodes")
     max_resumes: int = opt(2, "Router: resumes of one broken stream on another worker (0 = off)")
     pd_first_token: bool = opt(
         True, "Router: streamed /generate and /v1/completions requests get their first token from the prefill worker"
@@ -138,6 +153,8 @@ class LocalConfig:
             raise ValueError("--max-resumes must be >= 0")
         if self.prefill_tp_size < 0 or self.decode_tp_size < 0:
             raise ValueError("--prefill-tp-size and --decode-tp-size must be >= 0 (0: --tp-size)")
+        if self.prefill_nnodes < 0 or self.decode_nnodes < 0:
+            raise ValueError("--prefill-nnodes and --decode-nnodes must be >= 0 (0: --nnodes)")
         clients = {k.strip() for k in (self.api_key or "").split(",") if k.strip()}
         if self.worker_api_key in clients or self.admin_api_key in clients:
             raise ValueError("--worker-api-key and --admin-api-key must differ from the client key (--api-key)")
@@ -233,6 +250,19 @@ def _set_flag(argv: list[str], flag: str, value: str) -> None:
             argv[i + 1] = value
 
 
+TRACING_FLAGS = ("--otlp-traces-endpoint", "--otlp-traces-sample-ratio")
+
+
+def router_tracing_argv(worker_args: Sequence[str]) -> list[str]:
+    """The router's share of the OpenTelemetry flags (docs/observability.md): the workers' own, so the whole
+    deployment exports to one collector."""
+    out: list[str] = []
+    for i, arg in enumerate(worker_args[:-1]):
+        if arg in TRACING_FLAGS:
+            out += [arg, worker_args[i + 1]]
+    return out
+
+
 SPECULATIVE_FLAGS = (
     "--speculative-algorithm",
     "--speculative-draft-model-path",
@@ -299,11 +329,12 @@ class LocalDeployment:
         log_dir: str,
         gpus: Optional[Sequence[int]] = None,
     ):
-        """``gpus``: each worker's ``--base-gpu-id`` in start order (``worker_gpus``); None adds none."""
+        """``gpus``: each worker node's ``--base-gpu-id`` in start order (``worker_gpus``); None adds none."""
         self.cfg = cfg
         self.backend = backend
         self.log_dir = log_dir
-        self.workers: list[Child] = []
+        self.nodes: list[WorkerNodes] = []  # every worker's node processes, in start order
+        self.workers: list[Child] = []  # every worker's node 0 (its HTTP server: the URL the router knows)
         self.gpus_of: dict[str, list[int]] = {}  # worker name -> its GPUs (CUDA only)
         api_key = cfg.api_key or ENV.API_KEY
         admin_key = cfg.admin_api_key or ENV.ADMIN_API_KEY
@@ -318,42 +349,57 @@ class LocalDeployment:
             "KVSHIP_WORKER_API_KEY": worker_key,
             "KVSHIP_ADMIN_API_KEY": admin_key or "",
         }
+        gpu_list = list(gpus) if gpus is not None else None
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            pp_size = _flag_int(worker_args, "--pp-size", 1)
+            tp_size, nnodes = worker_layout(
+                cfg, role, _flag_int(worker_args, "--tp-size", 1), _flag_int(worker_args, "--nnodes", 1), pp_size
+            )
+            ranks = tp_size * pp_size
+            base = [
+                "serve",
+                "--mode",
+                role,
+                "--host",
+                "127.0.0.1",
+                "--disaggregation-transfer-backend",
+                backend,
+                *role_worker_args(worker_args, role),
+            ]
+            if tp_size != _flag_int(worker_args, "--tp-size", 1):  # after the pass-through flags: it overrides
+                base += ["--tp-size", str(tp_size)]
+            if nnodes == 1 and _flag_int(worker_args, "--nnodes", 1) != 1:  # (several nodes: set per node below)
+                base += ["--nnodes", "1"]
             for i in range(count):
-                port = free_port()
-                argv = [
-                    "serve",
-                    "--mode",
-                    role,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--disaggregation-transfer-backend",
-                    backend,
-                    *role_worker_args(worker_args, role),
-                ]
-                tp_size = cfg.prefill_tp_size if role == "prefill" else cfg.decode_tp_size
-                if tp_size:  # after the pass-through flags: it overrides --tp-size for this role
-                    argv += ["--tp-size", str(tp_size)]
-                ranks = tp_size or _flag_int(worker_args, "--tp-size", 1)
-                if role == "prefill":
+                name = f"{role}-{i}"
+                argv = list(base)
+                if role == "prefill":  # every node of the worker gets the same one: rank r binds port + r
                     argv += ["--disaggregation-bootstrap-port", str(free_port_run(ranks))]
-                if gpus is not None:  # after the pass-through flags: it overrides --base-gpu-id for this worker
-                    first = gpus[len(self.workers)]
-                    argv += ["--base-gpu-id", str(first)]
-                    self.gpus_of[f"{role}-{i}"] = list(range(first, first + ranks))
-                self.workers.append(
-                    Child(
-                        f"{role}-{i}",
-                        argv,
-                        f"http://127.0.0.1:{port}",
-                        os.path.join(log_dir, f"{role}-{i}.log"),
-                        "/health",
-                        env=worker_env,
-                        health_key=worker_key,
+                rendezvous = ["--dist-init-addr", f"127.0.0.1:{free_port()}"] if nnodes > 1 else []
+                nodes = []
+                for r in range(nnodes):
+                    port = free_port()
+                    node_argv = argv + ["--port", str(port)]
+                    if nnodes > 1:
+                        node_argv += ["--nnodes", str(nnodes), "--node-rank", str(r), *rendezvous]
+                    if gpu_list is not None:  # after the pass-through flags: it overrides --base-gpu-id
+                        first = gpu_list[sum(w.nnodes for w in self.nodes) + r]
+                        node_argv += ["--base-gpu-id", str(first)]
+                        self.gpus_of.setdefault(name, []).extend(range(first, first + ranks // nnodes))
+                    node_name = name if r == 0 else f"{name}-node{r}"
+                    nodes.append(
+                        Child(
+                            node_name,
+                            node_argv,
+                            f"http://127.0.0.1:{port}",
+                            os.path.join(log_dir, f"{node_name}.log"),
+                            "/health",
+                            env=worker_env,
+                            health_key=worker_key,
+                        )
                     )
-                )
+                self.nodes.append(WorkerNodes(name, nodes))
+                self.workers.append(nodes[0])
         prefill_urls = [w.url for w in self.workers if w.name.startswith("prefill")]
         decode_urls = [w.url for w in self.workers if w.name.startswith("decode")]
         router_argv = [
@@ -380,6 +426,7 @@ class LocalDeployment:
             *prefill_urls,
             "--decode",
             *decode_urls,
+            *router_tracing_argv(worker_args),
         ]
         connect_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         self.router = Child(
@@ -394,64 +441,77 @@ class LocalDeployment:
 
     @property
     def children(self) -> list[Child]:
-        return [self.router, *self.workers]
+        return [self.router, *(c for w in self.nodes for c in w.nodes)]
 
     def start(self) -> None:
         """Start workers, then the router; raises ``ChildFailed`` (the others keep running: call ``stop``)."""
         from tqdm import tqdm
 
-        for w in self.workers:
+        for w in self.nodes:
             w.start()
         deadline = time.monotonic() + self.cfg.startup_timeout
         with tqdm(
-            total=len(self.workers) + 1, desc="starting kvship local", unit="process", disable=not sys.stderr.isatty()
+            total=len(self.nodes) + 1, desc="starting kvship local", unit="worker", disable=not sys.stderr.isatty()
         ) as bar:
-            self._wait_healthy(self.workers, deadline, bar)
+            self._wait_healthy(self.nodes, deadline, bar)
             self.router.start()
-            self._wait_healthy([self.router], deadline, bar)
+            self._wait_healthy([WorkerNodes("router", [self.router])], deadline, bar)
 
-    def _retry_taken_port(self, c: Child) -> bool:
-        """A worker that exited at start because its port was taken: the ports are picked free here and bound
+    def _retry_taken_port(self, w: WorkerNodes) -> bool:
+        """A worker that exited at start because a port was taken: the ports are picked free here and bound
         by the child seconds later, and another process may bind one in between.  Pick another port (HTTP or
         bootstrap, from the message ``kvship serve`` exits with), point the router at it and start the worker
-        again, at most 3 times; False when the exit had another cause."""
-        if c is self.router or c.port_retries >= 3:
+        (all its nodes) again, at most 3 times; False when the exit had another cause."""
+        if w.head is self.router or w.head.port_retries >= 3:
             return False
-        said = c.log_since_start()
-        if "cannot listen on" in said:
-            old = c.url
-            port = free_port()
-            _set_flag(c.argv, "--port", str(port))
-            c.url = f"http://127.0.0.1:{port}"
-            self.router.argv = [c.url if a == old else a for a in self.router.argv]
-        elif "cannot bind the KV bootstrap server" in said:
-            ranks = _flag_int(c.argv, "--tp-size", 1)
-            _set_flag(c.argv, "--disaggregation-bootstrap-port", str(free_port_run(ranks)))
-        else:
+        fixed = False
+        for c in w.nodes:
+            said = c.log_since_start()
+            if "cannot listen on" in said:
+                old = c.url
+                port = free_port()
+                _set_flag(c.argv, "--port", str(port))
+                c.url = f"http://127.0.0.1:{port}"
+                self.router.argv = [c.url if a == old else a for a in self.router.argv]
+                fixed = True
+            elif "cannot bind the KV bootstrap server" in said:
+                first = str(free_port_run(_flag_int(c.argv, "--tp-size", 1) * _flag_int(c.argv, "--pp-size", 1)))
+                for n in w.nodes:  # every node's ranks bind from the same port on
+                    _set_flag(n.argv, "--disaggregation-bootstrap-port", first)
+                fixed = True
+        if not fixed:
             return False
-        c.port_retries += 1
-        logger.warning("%s: its port was taken before it could bind it; starting it again on another", c.name)
-        c.start()
+        w.head.port_retries += 1
+        logger.warning("%s: a port was taken before it could bind it; starting it again on another", w.name)
+        self._restart(w)
         return True
 
-    def _wait_healthy(self, children: Sequence[Child], deadline: float, bar: Any) -> None:
-        pending = list(children)
+    def _restart(self, w: WorkerNodes) -> None:
+        """Start every node of ``w`` again (those still running are stopped first: a multi-node worker's nodes
+        start together, at a new rendezvous port)."""
+        w.stop(self.cfg.shutdown_grace)
+        if w.nnodes > 1:
+            w.new_rendezvous(free_port())
+        w.start()
+
+    def _wait_healthy(self, workers: Sequence[WorkerNodes], deadline: float, bar: Any) -> None:
+        pending = list(workers)
         while pending:
-            for c in list(pending):
-                code = c.exited()
-                if code is not None and self._retry_taken_port(c):
+            for w in list(pending):
+                gone = next((c for c in w.nodes if c.exited() is not None), None)
+                if gone is not None and self._retry_taken_port(w):
                     continue
-                if code is not None:
+                if gone is not None:
                     raise ChildFailed(
-                        f"{c.name} exited with status {code} while starting; its log "
-                        f"({c.log_path}) ends with:\n{c.log_tail()}"
+                        f"{gone.name} exited with status {gone.exited()} while starting; its log "
+                        f"({gone.log_path}) ends with:\n{gone.log_tail()}"
                     )
-                if c.healthy():
-                    pending.remove(c)
+                if all(c.healthy() for c in w.nodes):
+                    pending.remove(w)
                     bar.update(1)
-                    logger.info("%s ready at %s", c.name, c.url)
+                    logger.info("%s ready at %s", w.name, w.head.url)
             if pending and time.monotonic() > deadline:
-                c = pending[0]
+                c = next((c for c in pending[0].nodes if not c.healthy()), pending[0].head)
                 raise ChildFailed(
                     f"{c.name} was not healthy after --startup-timeout "
                     f"{self.cfg.startup_timeout:g} s; its log ({c.log_path}) ends with:\n{c.log_tail()}"
@@ -462,18 +522,21 @@ class LocalDeployment:
     def watch(self) -> None:
         """Serve until a signal arrives (``_Stop``).
 
-        A worker that exits is logged (name, status, log path and tail).  With
-        ``--restart-workers`` it is started again on the same ports, after a
-        delay that doubles while it keeps dying within a minute of its start
-        (1 s up to 30 s, like a Deployment's crash-loop back-off); the router
-        takes it back once its health checks pass.  Without it the router
-        routes around it.  ``ChildFailed`` is raised when the router dies or,
+        A worker node that exits is logged (name, status, log path and tail); its worker is down (a
+        multi-node worker's other nodes exit by themselves once their collectives fail).  With
+        ``--restart-workers`` the worker is started again on the same ports (every node, at a new rendezvous;
+        a node still running gets ``--shutdown-grace`` to exit by itself, then it is stopped), after a delay
+        that doubles while it keeps dying within a minute of its start (1 s up to 30 s, like a Deployment's
+        crash-loop back-off); the router takes it back once its health checks
+        pass.  Without it the router routes around it.  ``ChildFailed`` is raised when the router dies or,
         without restarts, a role has no live worker left.
         """
-        reported: set[str] = set()
+        reported: set[str] = set()  # nodes whose exit was logged
+        down: set[str] = set()  # workers with an exited node (not restarted yet)
         due: dict[str, float] = {}  # worker name -> monotonic time of its restart
-        started: dict[str, float] = {c.name: time.monotonic() for c in self.workers}
+        started: dict[str, float] = {w.name: time.monotonic() for w in self.nodes}
         delay: dict[str, float] = {}
+        went_down: dict[str, float] = {}  # worker name -> when its first node exited
         while True:
             code = self.router.exited()
             if code is not None:
@@ -482,44 +545,54 @@ class LocalDeployment:
                     f"ends with:\n{self.router.log_tail()}"
                 )
             now = time.monotonic()
-            for c in self.workers:
-                code = c.exited()
-                if code is None or c.name in reported:
-                    continue
-                reported.add(c.name)
-                if self.cfg.restart_workers:
-                    quick = now - started.get(c.name, now) < 60.0
-                    delay[c.name] = min(30.0, 2 * delay.get(c.name, 0.5)) if quick else 1.0
-                    due[c.name] = now + delay[c.name]
-                    action = f"restarting it in {delay[c.name]:g} s"
-                else:
-                    action = "the router routes around it"
-                logger.error(
-                    "%s (%s) exited with status %s; %s. Its log (%s) ends with:\n%s",
-                    c.name,
-                    c.url,
-                    code,
-                    action,
-                    c.log_path,
-                    c.log_tail(20),
-                )
-            for c in self.workers:
-                if c.name in due and now >= due[c.name]:
-                    del due[c.name]
-                    reported.discard(c.name)
-                    c.restarts += 1
-                    started[c.name] = now
-                    c.start()
-                    logger.info("%s restarted (restart %d); log %s", c.name, c.restarts, c.log_path)
+            for w in self.nodes:
+                for c in w.nodes:
+                    code = c.exited()
+                    if code is None or c.name in reported:
+                        continue
+                    reported.add(c.name)
+                    if w.name in down:
+                        action = f"worker {w.name} is down already"
+                    elif self.cfg.restart_workers:
+                        down.add(w.name)
+                        went_down[w.name] = now
+                        quick = now - started.get(w.name, now) < 60.0
+                        delay[w.name] = min(30.0, 2 * delay.get(w.name, 0.5)) if quick else 1.0
+                        due[w.name] = now + delay[w.name]
+                        what = "it" if w.nnodes == 1 else f"worker {w.name} (its {w.nnodes} nodes)"
+                        action = f"restarting {what} in {delay[w.name]:g} s"
+                    else:
+                        down.add(w.name)
+                        action = "the router routes around it"
+                    logger.error(
+                        "%s (%s) exited with status %s; %s. Its log (%s) ends with:\n%s",
+                        c.name,
+                        c.url,
+                        code,
+                        action,
+                        c.log_path,
+                        c.log_tail(20),
+                    )
+            for w in self.nodes:
+                # its other nodes get --shutdown-grace to exit by themselves (their collectives fail) first
+                grace_left = w.alive() and now < went_down.get(w.name, now) + self.cfg.shutdown_grace
+                if w.name in due and now >= due[w.name] and not grace_left:
+                    del due[w.name]
+                    down.discard(w.name)
+                    reported.difference_update(c.name for c in w.nodes)
+                    w.head.restarts += 1
+                    started[w.name] = now
+                    self._restart(w)
+                    logger.info("%s restarted (restart %d); log %s", w.name, w.head.restarts, w.head.log_path)
             if not self.cfg.restart_workers:
                 for role in ("prefill", "decode"):
-                    if all(c.exited() is not None for c in self.workers if c.name.startswith(role)):
+                    if all(w.down() for w in self.nodes if w.name.startswith(role)):
                         raise ChildFailed(f"every {role} worker has exited; stopping")
             time.sleep(0.25)
 
     def stop(self) -> None:
         """SIGTERM the router, then the workers; SIGKILL whatever outlives ``--shutdown-grace``."""
-        for group in ([self.router], self.workers):
+        for group in ([self.router], [c for w in self.nodes for c in w.nodes]):
             live = [c for c in group if c.proc is not None and c.proc.poll() is None]
             for c in live:
                 c.signal(signal.SIGTERM)
@@ -562,7 +635,10 @@ def run(args: argparse.Namespace) -> int:
         ServerArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}).validate()
         device = _resolved_device(flags.device)
         backend = resolve_transfer_backend(cfg.transfer_backend, device, flags.disaggregation_ib_device)
-        gpus = worker_gpus(cfg, flags, device)
+        pp_size = _flag_int(worker_argv(flags), "--pp-size", 1)
+        for role in ("prefill", "decode"):
+            worker_layout(cfg, role, flags.tp_size, flags.nnodes, pp_size)
+        gpus = worker_gpus(cfg, flags, device, pp_size=pp_size)
     except (ValueError, RuntimeError) as e:
         logger.error("invalid settings: %s", e)
         return 2

@@ -1,5 +1,6 @@
-"""One child process of ``kvship local`` (a worker or the router): started in its own session with its log
-file, health-checked over HTTP, signalled as a process group, and SIGTERMed by Linux if ``kvship local`` dies."""
+"""One child process of ``kvship local`` (a worker node or the router): started in its own session with its log
+file, health-checked over HTTP, signalled as a process group, and SIGTERMed by Linux if ``kvship local`` dies;
+``WorkerNodes``: the node processes of one worker (one, or one per node of a multi-node worker)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -108,3 +110,63 @@ class Child:
 
 class ChildFailed(RuntimeError):
     """A child exited or did not become healthy in time."""
+
+
+class WorkerNodes:
+    """The node processes of one worker of ``kvship local``.
+
+    A worker spanning ``--nnodes`` N runs as N ``kvship serve`` process trees on this machine, each in its own
+    session, as N hosts would: node 0 (``head``: HTTP, tokenizer, the URL the router knows) and nodes 1..N-1
+    (launchers of their ranks that answer ``/health``; docs/parallel.md, "Several nodes").  At N = 1 it is
+    the one worker process.  Every node's argv carries ``--nnodes N --node-rank r --dist-init-addr
+    127.0.0.1:P``; ``new_rendezvous()`` gives them all a fresh P (before a restart: the old store's port may
+    still be held).  The worker is down as soon as one node exited (the others then exit by themselves: their
+    collectives fail); it is started again only as a whole.
+    """
+
+    def __init__(self, name: str, nodes: list[Child]):
+        if not nodes:
+            raise ValueError(f"worker {name} has no node")
+        self.name = name
+        self.nodes = nodes
+
+    @property
+    def head(self) -> Child:
+        return self.nodes[0]
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    def new_rendezvous(self, port: int) -> None:
+        """Point every node's ``--dist-init-addr`` at 127.0.0.1:``port`` (no-op for a one-node worker)."""
+        for c in self.nodes:
+            for i, arg in enumerate(c.argv[:-1]):
+                if arg == "--dist-init-addr":
+                    c.argv[i + 1] = f"127.0.0.1:{port}"
+
+    def down(self) -> bool:
+        """True once any node exited (or was never started)."""
+        return any(c.proc is None or c.proc.poll() is not None for c in self.nodes)
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.nodes if c.proc is not None and c.proc.poll() is None]
+
+    def start(self) -> None:
+        for c in self.nodes:
+            c.start()
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the nodes still running, SIGKILL those that outlive ``grace_s``; wait for all of them."""
+        live = self.alive()
+        for c in live:
+            c.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in live:
+            assert c.proc is not None
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.signal(signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(10)

@@ -5,7 +5,7 @@ may also come from ``KVSHIP_API_KEY`` (pods get it from a Secret, never on the
 command line).  The worker's role (``--mode``) picks its scheduler through
 ``kvship.app.roles.scheduler_for_mode``; the engine itself knows no role.
 
-``--tp-size N`` > 1 (any mode): the worker's ``Topology``
+``--tp-size N`` > 1 (any mode) or ``--pp-size N`` > 1 (unified): the worker's ``Topology``
 (``kvship.engine.distributed``) is built first from ``--nnodes``,
 ``--node-rank`` and ``--dist-init-addr`` (or torchrun's environment); on node
 0 this process is rank 0 (HTTP, tokenizer) and spawns the node's other ranks
@@ -112,7 +112,7 @@ def listen_or_none(server_args: ServerArgs) -> Optional[socket.socket]:
 
 
 def check_tensor_parallel(server_args: ServerArgs, topology: Optional[Topology] = None) -> None:
-    """ValueError when ``--tp-size`` cannot work with this model and these settings (before any rank starts)."""
+    """ValueError when ``--tp-size`` / ``--pp-size`` cannot work with this model and these settings (before any rank starts)."""
     topology = topology or Topology.from_server_args(server_args)
     from kvship.engine.model_config import ModelConfig, parse_dtype
     from kvship.engine.model_runner import resolve_model_path
@@ -126,6 +126,10 @@ def check_tensor_parallel(server_args: ServerArgs, topology: Optional[Topology] 
         quantization=server_args.quantization,
     )
     check_tp_divisible(mc, server_args.tp_size)
+    if server_args.pp_size > 1:  # every stage gets at least one layer; a partition must sum to the model's
+        from kvship.engine.distributed.pipeline import stage_layers
+
+        stage_layers(mc.num_hidden_layers, server_args.pp_size, server_args.resolved_pp_layer_partition)
     check_expert_parallel(mc, server_args.tp_size, server_args.ep_size, server_args.ep_dispatch)
     if server_args.speculative_algorithm == "draft" and server_args.mode != "prefill":
         # the draft model is sharded like the target (docs/speculative.md, "Tensor parallelism")

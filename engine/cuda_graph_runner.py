@@ -8,6 +8,12 @@ lets the attention backend refresh its metadata
 (``init_forward_metadata_replay_cuda_graph``), replays the graph and returns
 the first ``bs`` rows of the captured logits.
 
+A later pipeline stage (``stage_input_width``) also has a static
+``[2, max_bs, width]`` buffer for the received hidden states and residual:
+``replay(fb, stage_input)`` copies them in, and its graphs return the
+stage's ``StageOutput`` (rows ``[:bs]``, views of the static output) instead
+of logits on every stage but the last.
+
 Padding rows point at request row 0 with sequence length
 ``attn_backend.get_cuda_graph_seq_len_fill_value()`` and write their K/V into
 slot 0, which the KV pool reserves for exactly this (page 0 is never handed
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch import nn
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput, build_forward_batch
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, LogitsOutput, StageOutput, build_forward_batch
 from kvship.engine.layers.moe.layer import count_rows_by_slot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,6 +80,7 @@ class CudaGraphRunner:
         kv_pool: "KVPool",
         batch_sizes: Sequence[int],
         show_progress: bool = True,
+        stage_input_width: Optional[int] = None,
     ):
         self.model = model
         self.attn_backend = attn_backend
@@ -101,9 +108,14 @@ class CudaGraphRunner:
         self.seq_lens.fill_(self.fill_seq_len)
         self.out_cache_loc = self.static_inputs[4]
         self.attn_backend.init_cuda_graph_state(n, n)
+        # a later pipeline stage: the residual stream it continues (hidden, residual)
+        self.stage_in: Optional[torch.Tensor] = None
+        if stage_input_width is not None:
+            dtype = next(model.parameters()).dtype
+            self.stage_in = torch.zeros((2, n, stage_input_width), dtype=dtype, device=dev)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, LogitsOutput] = {}
+        self.outputs: dict[int, LogitsOutput | StageOutput] = {}
         self.replays = 0  # graphs replayed so far (tests and metrics read it)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=dev)
@@ -155,14 +167,17 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
             bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE
         )
+        kwargs = {}
+        if self.stage_in is not None:
+            kwargs["stage_input"] = (self.stage_in[0, :bs], self.stage_in[1, :bs])
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up (autotuning, lazy init) outside the graph
-                self.model(fb.input_ids, fb.positions, fb)
+                self.model(fb.input_ids, fb.positions, fb, **kwargs)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = self.model(fb.input_ids, fb.positions, fb)
+            out = self.model(fb.input_ids, fb.positions, fb, **kwargs)
         self.graphs[bs] = graph
         self.outputs[bs] = out
 
@@ -173,9 +188,17 @@ class CudaGraphRunner:
     def padded_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
-    def replay(self, fb: ForwardBatch) -> LogitsOutput:
-        """Run ``fb`` (``can_run(fb)`` must hold) through the graph of the next captured size."""
+    def replay(
+        self, fb: ForwardBatch, stage_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> LogitsOutput | StageOutput:
+        """Run ``fb`` (``can_run(fb)`` must hold) through the graph of the next captured size; ``stage_input``:
+        a later pipeline stage's received (hidden, residual) rows."""
         bs = fb.batch_size
+        if (stage_input is None) != (self.stage_in is None):
+            raise ValueError("a later pipeline stage's graphs need its stage_input (and only they take one)")
+        if stage_input is not None:
+            self.stage_in[0, :bs].copy_(stage_input[0], non_blocking=True)
+            self.stage_in[1, :bs].copy_(stage_input[1], non_blocking=True)
         gbs = self.padded_size(bs)
         if gbs != bs:
             self.input_ids[bs:gbs].zero_()
@@ -202,7 +225,10 @@ class CudaGraphRunner:
         )
         self.graphs[gbs].replay()
         self.replays += 1
-        return LogitsOutput(next_token_logits=self.outputs[gbs].next_token_logits[:bs])
+        out = self.outputs[gbs]
+        if isinstance(out, StageOutput):
+            return StageOutput(out.hidden[:bs], out.residual[:bs])
+        return LogitsOutput(next_token_logits=out.next_token_logits[:bs])
 
 
 def cuda_graph_batch_sizes(server_args: "ServerArgs", max_running_requests: int) -> list[int]:
@@ -218,7 +244,12 @@ def cuda_graph_batch_sizes(server_args: "ServerArgs", max_running_requests: int)
 
 
 def maybe_create_cuda_graph_runner(
-    model: nn.Module, attn_backend: "AttentionBackend", ctx: "AttentionContext", kv_pool: "KVPool", disable: bool
+    model: nn.Module,
+    attn_backend: "AttentionBackend",
+    ctx: "AttentionContext",
+    kv_pool: "KVPool",
+    disable: bool,
+    stage_input_width: Optional[int] = None,
 ) -> Optional[CudaGraphRunner]:
     """A graph runner for ``ctx.cuda_graph_bs``, or None where graphs are off (``disable``), impossible
     (not CUDA) or unsupported by the backend or by the sizes (logged)."""
@@ -234,4 +265,4 @@ def maybe_create_cuda_graph_runner(
             "no CUDA-graph batch size fits --cuda-graph-max-bs / --max-running-requests: decode runs eagerly"
         )
         return None
-    return CudaGraphRunner(model, attn_backend, ctx, kv_pool, ctx.cuda_graph_bs)
+    return CudaGraphRunner(model, attn_backend, ctx, kv_pool, ctx.cuda_graph_bs, stage_input_width=stage_input_width)

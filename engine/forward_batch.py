@@ -98,6 +98,15 @@ class ForwardBatch:
 
 
 @dataclass
+class StageOutput:
+    """What a model built for layers that do not end the decoder returns (``kvship.engine.models.stage``): the
+    residual stream after its last layer, which the next pipeline stage continues."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden_size]
+    residual: torch.Tensor  # [num_tokens, hidden_size]
+
+
+@dataclass
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [len(logits_indices), vocab] float32
     hidden_states: Optional[torch.Tensor] = None  # [num_tokens, width] when ``capture_hidden`` asked for them

@@ -25,6 +25,15 @@ metadata, then runs the model under ``torch.inference_mode``.  Sampling is
 not done here (``kvship.engine.sampler``).  With ``hidden_capture`` set (an
 EAGLE speculator, docs/speculative.md) every eager forward also hands the new
 tokens' hidden states to its sink.
+
+Pipeline parallelism (``--pp-size`` > 1; docs/parallel.md): the runner
+builds and loads only its stage's layers (``stage_layers``; the embedding on
+the first stage, final norm and LM head on the last), its KV pool holds only
+those layers, and ``pipeline`` is its ``StageLink``.  ``forward`` then
+receives the previous stage's hidden states and residual first (not on the
+first stage), runs its layers (a CUDA graph for decode batches, the receive
+and send outside it), and either sends its output on and returns it as a
+``StageOutput`` or, on the last stage, returns the logits.
 """
 
 from __future__ import annotations
@@ -40,11 +49,13 @@ from kvship.engine.attention.base import AttentionContext, create_attention_back
 from kvship.engine.config import ServerArgs
 from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create_cuda_graph_runner
 from kvship.engine.distributed.groups import ProcessGroups
-from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutput
+from kvship.engine.distributed.pipeline import StageLink, stage_layers
+from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutput, StageOutput
 from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
-from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from kvship.engine.mem.kv_scales import read_kv_scales
+from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, is_fp8_kv, kv_cache_torch_dtype
 from kvship.engine.model_config import ModelConfig, parse_dtype
 from kvship.engine.parallel.layers import head_split
 from kvship.engine.prefill_graph_runner import maybe_create_prefill_graph_runner
@@ -90,7 +101,7 @@ class ModelRunner:
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(server_args.resolved_dtype)
-        self.kv_dtype = parse_dtype(server_args.resolved_kv_dtype)
+        self.kv_dtype = kv_cache_torch_dtype(server_args.resolved_kv_dtype)
         self.page_size = server_args.page_size
         self.max_running_requests = server_args.max_running_requests
 
@@ -104,16 +115,25 @@ class ModelRunner:
         self.context_len = self.model_config.context_len
 
         mc = self.model_config
+        # pipeline parallelism: this rank's stage holds only its layers (None: the whole model)
+        self.pipeline: Optional[StageLink] = None
+        layers = None
+        if groups is not None and groups.topology.pp_size > 1:
+            ranges = stage_layers(
+                mc.num_hidden_layers, groups.topology.pp_size, server_args.resolved_pp_layer_partition
+            )
+            self.pipeline = StageLink(groups, ranges)
+            layers = self.pipeline.layers
+        self.num_layers = mc.num_hidden_layers if layers is None else len(layers)  # layers in this KV pool
         # this rank's attention heads (all of them at --tp-size 1)
         split = head_split(mc.num_attention_heads, mc.num_key_value_heads, self.tp_size, self.tp_rank)
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
         # MoE at --tp-size > 1: each rank holds its share of the experts (--ep-size; docs/parallel.md)
         ep = (server_args.ep_size, server_args.ep_dispatch)
-        self.model = load_model(mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp, ep=ep)
+        self.model = load_model(
+            mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp, ep=ep, layers=layers
+        )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.device.type == "cuda" and mc.quantization != "unquantized":
-            # correct, but each forward dequantizes the weights: slower than bf16 (docs/quantization.md)
-            logger.warning("%s weights run the reference path on CUDA (no FP8 kernels yet)", mc.quantization)
         if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
 
@@ -124,14 +144,20 @@ class ModelRunner:
             self.max_running_requests + REQ_POOL_HEADROOM, self.context_len + self.page_size, self.device
         )
         mc = self.model_config
+        # FP8 KV: the checkpoint's per-layer k/v scales, else 1.0 (docs/quantization.md, "FP8 KV cache")
+        fp8_kv = is_fp8_kv(self.kv_dtype) and server_args.load_format != "dummy"  # dummy weights: scales 1.0
+        scales = read_kv_scales(self.model_path, mc.num_hidden_layers) if fp8_kv else None
+        if scales is not None and layers is not None:  # a pipeline stage's pool holds its layers only
+            scales = (scales[0][layers.start : layers.end], scales[1][layers.start : layers.end])
         self.kv_pool = KVPool(
             num_slots,
             self.page_size,
             self.kv_dtype,
             self.num_kv_heads,
             mc.head_dim,
-            mc.num_hidden_layers,
+            self.num_layers,
             self.device,
+            *(scales or (None, None)),
         )
         self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
         self.attn_context = AttentionContext(
@@ -152,7 +178,13 @@ class ModelRunner:
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
         with self.graph_capture():  # the graph runners capture in their constructors
             self.cuda_graph_runner = maybe_create_cuda_graph_runner(
-                self.model, self.attn_backend, self.attn_context, self.kv_pool, server_args.disable_cuda_graph
+                self.model,
+                self.attn_backend,
+                self.attn_context,
+                self.kv_pool,
+                server_args.disable_cuda_graph,
+                # a later pipeline stage's graphs read the received residual stream from a static buffer
+                stage_input_width=None if self.pipeline is None or self.pipeline.is_first else mc.hidden_size,
             )
         # piecewise CUDA graphs for short prefills (None on CPU, with --disable-cuda-graph or
         # --prefill-graph-max-tokens 0); they share the decode graphs' memory pool
@@ -163,7 +195,8 @@ class ModelRunner:
                 self.req_to_token_pool,
                 self.kv_pool,
                 self.device,
-                0 if server_args.mode == "decode" else server_args.prefill_graph_max_tokens,  # decode: rare resumes
+                # decode: rare resumes; a pipeline stage: prefill runs eagerly (docs/parallel.md)
+                0 if server_args.mode == "decode" or self.pipeline else server_args.prefill_graph_max_tokens,
                 server_args.disable_cuda_graph,
                 ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
                 pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,
@@ -181,6 +214,8 @@ class ModelRunner:
             self.device,
             "" if tp is None else f", tensor-parallel rank {tp.rank}/{tp.size}",
         )
+        if self.pipeline is not None:
+            logger.info("%s", self.pipeline.describe())
 
     def graph_capture(self) -> ContextManager[None]:
         """Open around every CUDA-graph capture of this runner's model (decode, prefill, speculative graphs):
@@ -195,7 +230,7 @@ class ModelRunner:
     def _bytes_per_token(self) -> int:
         mc = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.num_kv_heads * mc.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * mc.head_dim * elem
 
     def _kv_pool_slots(self) -> int:
         """Slots for the KV pool, a whole number of pages, at least one page."""
@@ -232,6 +267,9 @@ class ModelRunner:
         The caller must have written every position's slot into
         ``req_to_token`` (see ``kvship.engine.forward_batch``).
         """
+        if self.pipeline is not None:
+            with torch.inference_mode():
+                return self._forward_stage(forward_batch)
         with torch.inference_mode():
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)
@@ -246,3 +284,22 @@ class ModelRunner:
             out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             hc.sink(forward_batch.out_cache_loc, out.hidden_states)
             return out
+
+    def _forward_stage(self, fb: ForwardBatch) -> LogitsOutput | StageOutput:
+        """One pipeline stage's part of ``fb`` (module docstring): a ``StageOutput`` (already on its way to the
+        next stage) or, on the last stage, the logits."""
+        link = self.pipeline
+        assert link is not None
+        stage_input = None
+        if not link.is_first:
+            buf = link.recv_hidden(int(fb.input_ids.shape[0]), self.model_config.hidden_size, self.dtype, self.device)
+            stage_input = (buf[0], buf[1])
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(fb):
+            out = graphs.replay(fb, stage_input)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            out = self.model(fb.input_ids, fb.positions, fb, stage_input=stage_input)
+        if isinstance(out, StageOutput):
+            link.send_hidden(out.hidden, out.residual)
+        return out

@@ -218,6 +218,7 @@ class DecodeReceiver(KVReceiver):
             self._abort_locked(f"prefill rank 0 sent {len(ranks)} rank addresses for tp size {tp_size}")
             return False
         self.prefill_tp = tp_size
+        added: list[_Source] = []
         for rank in range(1, tp_size):
             if not m.aux_free:
                 self._abort_locked(f"too many KV transfers in flight on this decode worker (max {m.num_aux_slots})")
@@ -226,12 +227,18 @@ class DecodeReceiver(KVReceiver):
             m.aux_buffer[slot].zero_()
             src = _Source(rank, m.link_for(*addrs[rank]), slot)
             self.sources.append(src)
+            added.append(src)
+        # the backend must accept every rank's aux slot before any of those ranks hears of the room: a rank
+        # whose link is up writes as soon as its Register arrives
+        m.backend.expect_room(self.key, self.pages, [s.aux_slot for s in self.sources])
+        for src in added:
+            if self._state.is_terminal or self._aborting is not None:
+                break
             if src.link.ready:
                 self._register_locked(src)
             else:
                 m.waiters.setdefault(src.link, []).append(self)
-        m.backend.expect_room(self.key, self.pages, [s.aux_slot for s in self.sources])
-        return True
+        return not self._state.is_terminal and self._aborting is None
 
     def _register_locked(self, src: _Source) -> None:
         assert self.pages is not None

@@ -150,13 +150,20 @@ class Communicator(ABC):
         return out
 
     @_collective
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(t.contiguous(), dst=self._global(dst), group=self.device_group)
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        dist.send(t.contiguous(), dst=self._global(dst), group=self.device_group, tag=tag)
 
     @_collective
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Start sending ``t`` (contiguous) to group rank ``dst``; returns the work handle.  ``t`` must stay
+        alive and unchanged until the handle completes (``wait``).  ``tag`` separates channels between the
+        same ranks on gloo (NCCL ignores it: keep one channel per direction on a device group)."""
+        return dist.isend(t, dst=self._global(dst), group=self.device_group, tag=tag)
+
+    @_collective
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Fill ``t`` from group rank ``src``; returns ``t``."""
-        dist.recv(t, src=self._global(src), group=self.device_group)
+        dist.recv(t, src=self._global(src), group=self.device_group, tag=tag)
         return t
 
     @_collective
@@ -180,6 +187,29 @@ class Communicator(ABC):
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=root, group=self.cpu_group)
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+    @_collective
+    def isend_object(self, obj: Any, dst: int, tag: int) -> list[Any]:
+        """Start sending picklable ``obj`` to group rank ``dst`` over the host group without waiting for it;
+        returns the work handles (they hold the buffers: keep them until they complete).  Pair with
+        ``recv_object(src, tag)`` on ``dst``; objects on one (pair, tag) arrive in the order sent."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        peer = self._global(dst)
+        return [
+            (dist.isend(size, dst=peer, group=self.cpu_group, tag=tag), size),
+            (dist.isend(data, dst=peer, group=self.cpu_group, tag=tag), data),
+        ]
+
+    @_collective
+    def recv_object(self, src: int, tag: int) -> Any:
+        """The next object group rank ``src`` sent with ``isend_object(obj, <this rank>, tag)`` (blocks)."""
+        peer = self._global(src)
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=peer, group=self.cpu_group, tag=tag)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src=peer, group=self.cpu_group, tag=tag)
+        return pickle.loads(data.numpy().tobytes())
 
     @_collective
     def all_gather_object(self, obj: Any) -> list[Any]:

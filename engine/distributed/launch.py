@@ -170,7 +170,7 @@ def run_rank(server_args: ServerArgs, groups: ProcessGroups, scheduler_factory: 
         server_args.tokenizer_path or runner.model_path, trust_remote_code=server_args.trust_remote_code
     )
     stop = threading.Event()
-    io = scheduler_io(groups.tp, stop.set)
+    io = scheduler_io(groups.tp, stop.set, link=runner.pipeline)
     scheduler = scheduler_factory(server_args, runner, tokenizer, lambda chunks: None, io=io)
     try:
         scheduler.run_forever(stop)

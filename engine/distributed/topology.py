@@ -184,8 +184,9 @@ class Topology:
 
         if ENV.TORCHRUN_RANK is None or ENV.TORCHRUN_WORLD_SIZE is None:  # not started by torchrun
             nodes, node = sa.nnodes, sa.node_rank
-            first = node * (sa.tp_size // nodes) if nodes > 0 else 0  # the node's first rank: its launcher
-            return cls(sa.tp_size, 1, sa.ep_size, nodes, node, first, sa.dist_init_addr, sa.base_gpu_id)
+            world = sa.tp_size * sa.pp_size
+            first = node * (world // nodes) if nodes > 0 else 0  # the node's first rank: its launcher
+            return cls(sa.tp_size, sa.pp_size, sa.ep_size, nodes, node, first, sa.dist_init_addr, sa.base_gpu_id)
         return cls._from_torchrun(sa)
 
     @classmethod
@@ -196,8 +197,9 @@ class Topology:
         addr, port = ENV.TORCHRUN_MASTER_ADDR, ENV.TORCHRUN_MASTER_PORT
         if addr is None or port is None:
             raise ValueError("torchrun's RANK and WORLD_SIZE are set but not MASTER_ADDR and MASTER_PORT")
-        if world != sa.tp_size:
-            raise ValueError(f"torchrun's WORLD_SIZE {world} is not the worker's --tp-size {sa.tp_size}")
+        if world != sa.tp_size * sa.pp_size:
+            sizes = f"--tp-size {sa.tp_size}" + (f" x --pp-size {sa.pp_size}" if sa.pp_size > 1 else "")
+            raise ValueError(f"torchrun's WORLD_SIZE {world} is not the worker's {sizes} = {sa.tp_size * sa.pp_size}")
         per_node = ENV.TORCHRUN_LOCAL_WORLD_SIZE or world // max(sa.nnodes, 1)
         if per_node < 1 or world % per_node:
             raise ValueError(f"torchrun's LOCAL_WORLD_SIZE {per_node} does not divide WORLD_SIZE {world}")
@@ -206,5 +208,13 @@ class Topology:
             raise ValueError(f"torchrun's LOCAL_RANK {local} is not RANK {rank} mod {per_node} ranks per node")
         init = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
         return cls(
-            sa.tp_size, 1, sa.ep_size, world // per_node, rank // per_node, rank, init, sa.base_gpu_id, torchrun=True
+            sa.tp_size,
+            sa.pp_size,
+            sa.ep_size,
+            world // per_node,
+            rank // per_node,
+            rank,
+            init,
+            sa.base_gpu_id,
+            torchrun=True,
         )

@@ -5,7 +5,11 @@ One block = RMSNorm -> attention (fused qkv, GQA, RoPE) -> residual ->
 RMSNorm -> SwiGLU MLP (fused gate/up) -> residual.  The differences between
 the architectures are all ModelConfig flags, so one class serves them all.
 Parameter names follow Hugging Face except for the two fused projections;
-``stacked_params_mapping`` says how checkpoint tensors land in them.  Every
+``stacked_params_mapping`` says how checkpoint tensors land in them.
+Built with ``layers=LayerRange(...)`` (``kvship.engine.models.stage``) a
+model holds only that part of the decoder: ``forward`` then takes the
+residual stream of the part before it (``stage_input``) unless it starts at
+layer 0, and returns a ``StageOutput`` unless it ends at the last layer.  Every
 weight-holding layer gets the model's quantization method
 (``quant_method_for(config)``); what it does is the method's business.
 """
@@ -17,7 +21,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from kvship.engine.forward_batch import ForwardBatch, LogitsOutput
+from kvship.engine.forward_batch import ForwardBatch, LogitsOutput, StageOutput
 from kvship.engine.layers.activation import GatedActivation
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
@@ -25,11 +29,15 @@ from kvship.engine.layers.linear import Linear, StackedLinear, gated_linear
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
+from kvship.engine.mem.kv_scales import KV_SCALE_SUFFIXES
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.registry import register_model
+from kvship.engine.models.stage import LayerRange
 
 
 class LlamaAttention(nn.Module):
+    """``layer_id``: the layer's index in the KV pool (its index inside the model's ``LayerRange``)."""
+
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         dt, qm = config.dtype, quant_method_for(config)
@@ -111,9 +119,16 @@ class LlamaDecoderLayer(nn.Module):
     """Attention then MLP, pre-norm with a carried residual; ``mlp`` replaces the dense MLP (MoE models) and
     takes its norm like ``LlamaMLP.forward_normed``."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: Optional[nn.Module] = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        mlp: Optional[nn.Module] = None,
+        kv_layer_id: Optional[int] = None,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.self_attn = LlamaAttention(config, layer_id if kv_layer_id is None else kv_layer_id, rotary)
         self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -125,22 +140,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm; ``mlp_for_layer(i)`` gives layer ``i`` another MLP (MoE models)."""
+class AbsentLayer(nn.Module):
+    """The place of a decoder layer another ``LayerRange`` holds: no parameters, never run."""
 
-    def __init__(self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]] = None):
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm; ``mlp_for_layer(i)`` gives layer ``i`` another MLP (MoE models).
+    ``layers``: the part built (module docstring); ``self.layers[i]`` is layer ``i`` of the whole model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        mlp_for_layer: Optional[Callable[[int], nn.Module]] = None,
+        layers: Optional[LayerRange] = None,
+    ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
-        )
+        part = self.part = layers or LayerRange.whole(config.num_hidden_layers)
+        if part.num_layers != config.num_hidden_layers:
+            raise ValueError(f"layer range of {part.num_layers} layers for a model of {config.num_hidden_layers}")
+        if part.first or (part.last and config.tie_word_embeddings):  # the last range's tied LM head reads it
+            self.embed_tokens = VocabEmbedding(
+                config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
+            )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, None if mlp_for_layer is None else mlp_for_layer(i))
+            LlamaDecoderLayer(
+                config,
+                i,
+                self.rotary_emb,
+                None if mlp_for_layer is None else mlp_for_layer(i),
+                kv_layer_id=i - part.start,
+            )
+            if i in part
+            else AbsentLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        if part.last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.forward_with_aux(input_ids, positions, forward_batch, ())[0]
@@ -149,15 +187,33 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, aux_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The final normed hidden states and the outputs of layers ``aux_layers`` (EAGLE-3's inputs)."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        aux = []
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, forward_batch)
-            if i in aux_layers:
-                aux.append(hidden + residual)
+        hidden, residual, aux = self.run_layers(input_ids, positions, forward_batch, None, aux_layers)
         hidden, _ = self.norm(hidden, residual)
         return hidden, aux
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        stage_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[torch.Tensor]]:
+        """This part's layers: ``(hidden, residual, aux)`` before the final norm.  The first part embeds
+        ``input_ids``; the others continue from ``stage_input`` = the previous part's ``(hidden, residual)``."""
+        part = self.part
+        if part.first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        elif stage_input is None:
+            raise ValueError(f"layers [{part.start}, {part.end}) continue a residual stream: pass stage_input")
+        else:
+            hidden, residual = stage_input
+        aux = []
+        for i in range(part.start, part.end):
+            hidden, residual = self.layers[i](positions, hidden, residual, forward_batch)
+            if i in aux_layers:
+                aux.append(hidden + residual)
+        return hidden, residual, aux
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -171,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
     # checkpoint tensors that are not parameters here
-    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+    # (KV-cache scales are read by the model runner for an FP8 pool: kvship.engine.mem.kv_scales)
+    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",) + KV_SCALE_SUFFIXES
     # tensor parallelism, applied after construction (kvship.engine.parallel.layers): module suffix -> style
     tp_plan = {
         "embed_tokens": "vocab_embed",
@@ -183,20 +240,42 @@ class LlamaForCausalLM(nn.Module):
         "lm_head": "vocab_head",
     }
 
-    def __init__(self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]] = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mlp_for_layer: Optional[Callable[[int], nn.Module]] = None,
+        layers: Optional[LayerRange] = None,
+    ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, mlp_for_layer)
-        self.lm_head = LMHead(
-            config.vocab_size,
-            config.hidden_size,
-            config.dtype,
-            tied=self.model.embed_tokens if config.tie_word_embeddings else None,
-            quant_method=quant_method_for(config),
-        )
+        self.model = LlamaModel(config, mlp_for_layer, layers)
+        self.part = self.model.part
+        if self.part.last:
+            self.lm_head = LMHead(
+                config.vocab_size,
+                config.hidden_size,
+                config.dtype,
+                tied=self.model.embed_tokens if config.tie_word_embeddings else None,
+                quant_method=quant_method_for(config),
+            )
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        stage_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> LogitsOutput | StageOutput:
+        """Logits, or (a part that does not end the model) its residual stream as a ``StageOutput``."""
+        if not self.part.is_whole:
+            if forward_batch.capture_hidden is not None:
+                raise ValueError("hidden-state capture needs the whole model (no layer range)")
+            hidden, residual, _ = self.model.run_layers(input_ids, positions, forward_batch, stage_input)
+            if not self.part.last:
+                return StageOutput(hidden, residual)
+            hidden, _ = self.model.norm(hidden, residual)
+            return self.logits(hidden, forward_batch)
         capture = forward_batch.capture_hidden
         if capture is None:
             hidden = self.model(input_ids, positions, forward_batch)
@@ -221,11 +300,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into parameters; returns names filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tied = self.config.tie_word_embeddings
         for name, tensor in weights:
             if name.endswith(self.ignored_checkpoint_suffixes):
                 continue
-            if name == "lm_head.weight" and self.lm_head.tied:
+            if name == "lm_head.weight" and tied:
                 continue  # some tied checkpoints store the copy anyway
+            if not self.part.holds_checkpoint_tensor(name, tied):
+                continue  # another pipeline stage's tensor: never read
             for param_part, ckpt_part, shard in self.stacked_params_mapping:
                 if f".{ckpt_part}." in name:
                     pname = name.replace(f".{ckpt_part}.", f".{param_part}.")

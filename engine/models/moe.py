@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -30,12 +30,16 @@ from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import norm_then_linear
+from kvship.engine.mem.kv_scales import KV_SCALE_SUFFIXES
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from kvship.engine.models.registry import register_model
+from kvship.engine.models.stage import LayerRange
 
 # ``<prefix>.experts.<N>.<proj>.weight`` -> (prefix, expert, projection)
-_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight(?:_scale_inv|_scale)?)$"
+)
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _PART_PARAM = {"gate": "w13_weight", "up": "w13_weight", "down": "w2_weight"}
 
@@ -50,7 +54,8 @@ class SparseMoeBlock(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"MoE experts support hidden_act 'silu' only, got '{config.hidden_act}'")
         dt, qm = config.dtype, quant_method_for(config)
-        self.gate = Linear(config.hidden_size, moe.num_experts, dtype=dt, quant_method=qm)
+        # the router (and Qwen2-MoE's shared-expert gate) stay unquantized, as FP8 checkpoints keep them
+        self.gate = Linear(config.hidden_size, moe.num_experts, dtype=dt)
         self.experts = FusedMoE(
             moe.num_experts,
             moe.top_k,
@@ -63,7 +68,7 @@ class SparseMoeBlock(nn.Module):
         self.has_shared_expert = moe.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = LlamaMLP(replace(config, intermediate_size=moe.shared_expert_intermediate_size))
-            self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt, quant_method=qm)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._experts(x, self.gate(x))
@@ -97,7 +102,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     ]
     # checkpoint name fragments renamed before mapping (Mixtral's MoE block)
     checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
-    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+    # (KV-cache scales are read by the model runner for an FP8 pool: kvship.engine.mem.kv_scales)
+    ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",) + KV_SCALE_SUFFIXES
     tp_plan = {
         "embed_tokens": "vocab_embed",
         "self_attn": "attention",
@@ -108,12 +114,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         "lm_head": "vocab_head",
     }
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layers: Optional[LayerRange] = None):
         if config.moe is None:
             raise ValueError(f"{config.architecture} config.json names no experts (num_experts / num_local_experts)")
         moe = config.moe
         super().__init__(
-            config, mlp_for_layer=lambda i: SparseMoeBlock(config) if moe.is_sparse_layer(i) else LlamaMLP(config)
+            config,
+            mlp_for_layer=lambda i: SparseMoeBlock(config) if moe.is_sparse_layer(i) else LlamaMLP(config),
+            layers=layers,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -123,15 +131,20 @@ class MoEForCausalLM(LlamaForCausalLM):
         for ckpt_name, tensor in weights:
             if ckpt_name.endswith(self.ignored_checkpoint_suffixes):
                 continue
-            if ckpt_name == "lm_head.weight" and self.lm_head.tied:
+            tied = self.config.tie_word_embeddings
+            if ckpt_name == "lm_head.weight" and tied:
                 continue
+            if not self.part.holds_checkpoint_tensor(ckpt_name, tied):
+                continue  # another pipeline stage's tensor: never read
             name = ckpt_name
             for old, new in self.checkpoint_renames:
                 name = name.replace(old, new)
             m = _EXPERT_RE.match(name)
             if m is not None:
                 part = _EXPERT_PART[m.group(3)]
-                pname, shard = f"{m.group(1)}.{_PART_PARAM[part]}", (int(m.group(2)), part)
+                # ``weight`` -> w13_weight, a quantized checkpoint's ``weight_scale_inv`` -> w13_weight_scale_inv
+                param = _PART_PARAM[part] + m.group(4).removeprefix("weight")
+                pname, shard = f"{m.group(1)}.{param}", (int(m.group(2)), part)
             else:
                 pname, shard = name, None
                 for param_part, ckpt_part, sid in self.stacked_params_mapping:

@@ -334,8 +334,9 @@ def build_parallel_model(
     device: str | torch.device,
     on_meta: bool | None = None,
     ep: tuple[int, str] = (1, "all_reduce"),
+    layers: Any = None,
 ) -> nn.Module:
-    """``cls(config)`` made tensor-parallel with only this rank's (empty) parameters on ``device``.
+    """``cls(config)`` (``cls(config, layers=layers)``: a pipeline stage's part) made tensor-parallel with only this rank's (empty) parameters on ``device``.
 
     On CUDA the model is built on the meta device, so no full-size weight is
     ever allocated, then moved with ``to_empty`` (the RoPE tables, our layers'
@@ -352,12 +353,13 @@ def build_parallel_model(
         model = apply_tensor_parallel(model, tp)
         return apply_expert_parallel(model, tp, *ep)
 
+    kwargs = {} if layers is None else {"layers": layers}
     device = torch.device(device)
     if not (device.type == "cuda" if on_meta is None else on_meta):
         with device:
-            return parallel(cls(config))
+            return parallel(cls(config, **kwargs))
     with torch.device("meta"):
-        model = parallel(cls(config))
+        model = parallel(cls(config, **kwargs))
     loaders = {name: p.weight_loader for name, p in model.named_parameters()}
     model.to_empty(device=device)  # new Parameter objects: give them their loaders back
     for name, p in model.named_parameters():
