@@ -129,45 +129,30 @@ class Sink:
 
 
 def instrument(sched: Any, device: str) -> dict[str, list]:
-    """Time ``sched``'s forward steps (and prefill's hand-off to the sender); returns the record lists.
+    """Time ``sched``'s forward steps (and prefill's hand-off to the sender) from its events; returns the record
+    lists.
 
-    ``rec["steps"]``: (rids, is_extend, seconds) per launched and processed batch; ``rec["ship"]``: (rid, t)
-    when prefill hands a computed prompt to its sender.  Bench-only wrappers on this one instance (the
-    synchronous loop: ``step`` runs ``process(launch(batch))``).
+    ``rec["steps"]``: (rids, is_extend, seconds) per forward, from its ``ForwardStarted`` (the device synchronized
+    first, so a step's time is its own) to its ``ForwardFinished`` (its tokens on the host); ``rec["ship"]``:
+    (rid, t) when prefill samples a prompt's first token, the moment it hands the computed prompt to its sender
+    (docs/observability.md, "Events").
     """
+    from kvship.common.events import FirstToken, ForwardFinished, ForwardStarted
+
     rec: dict[str, list] = {"steps": [], "ship": []}
-    launch, process = sched.launch, sched.process
-    started: dict[int, float] = {}
+    started: dict[tuple[str, ...], float] = {}
+    prefill = sched.role.mode == "prefill"
 
-    def timed_launch(batch: Any, after: Any = None) -> Any:
-        _sync(device)
-        started[id(batch)] = time.perf_counter()
-        return launch(batch, after)
-
-    def timed_process(pending: Any) -> None:
-        batch = pending.batch
-        try:
-            process(pending)
-        finally:
+    def on_event(ev: Any) -> None:
+        if isinstance(ev, ForwardStarted):
             _sync(device)
-            rec["steps"].append(
-                (
-                    [r.rid for r in batch.reqs],
-                    batch.forward_mode.is_extend(),
-                    time.perf_counter() - started.pop(id(batch)),
-                )
-            )
+            started[ev.rids] = time.perf_counter()
+        elif isinstance(ev, ForwardFinished):
+            rec["steps"].append((list(ev.rids), ev.mode == "extend", time.perf_counter() - started.pop(ev.rids)))
+        elif prefill and isinstance(ev, FirstToken):
+            rec["ship"].append((ev.rid, time.perf_counter()))
 
-    sched.launch, sched.process = timed_launch, timed_process
-    role = sched.role
-    if role.mode == "prefill":
-        on_prompt_done = role.on_prompt_done
-
-        def timed_ship(req: Any, token_id: int, logprob: Optional[float], top: Any) -> bool:
-            rec["ship"].append((req.rid, time.perf_counter()))
-            return on_prompt_done(req, token_id, logprob, top)
-
-        role.on_prompt_done = timed_ship
+    sched.events.subscribe(on_event)
     return rec
 
 

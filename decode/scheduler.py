@@ -110,19 +110,21 @@ class DecodeRole(PDRole):
             )
             self.stamp(entry.rid, "kv_verified")
             problem = entry.failure() if state != KVPoll.Success or entry.abort_reason else self._check_aux(entry)
+            aux = entry.transfer.aux
+            pages = aux.num_pages if aux is not None else 0
+            self.emit_transfer(entry, problem is None, "started", "arrived", pages, problem)
             if problem is None:
                 self.prebuilt_queue.add(entry)
             else:  # terminal: nothing can land in the slots any more
                 self.guarded(entry, self.fail_entry, entry, problem, False)
         joined = self.prebuilt_queue.pop_all()
-        traces = [t for t in (self.traces.get(e.rid) for e in joined) if t is not None]  # joining may finish them
         for entry in joined:
             self.stamp(entry.rid, "admitted")
             self.guarded(entry, self._join_running, entry)
         if joined:
             now = time.time()
-            for t in traces:
-                t["first_token_flush"] = now
+            for entry in joined:  # (a request that finished on joining still takes it: ``TraceStamps``)
+                self.stamp(entry.rid, "first_token_flush", now)
             # prefill's first token goes out now, not with the first decode step's token (saves a step of TTFT)
             self.s.flush()
 

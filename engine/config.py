@@ -39,7 +39,10 @@ class ServerArgs:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     kv_cache_dtype: str = opt(
-        "auto", "KV cache dtype (auto = compute dtype)", choices=("auto", "float32", "bfloat16", "float16")
+        "auto",
+        "KV cache dtype (auto = compute dtype); fp8_e4m3 stores K/V as float8 e4m3 with per-layer k/v scales "
+        "from the checkpoint (else 1.0), about twice the tokens per byte (docs/quantization.md)",
+        choices=("auto", "float32", "bfloat16", "float16", "fp8_e4m3"),
     )
     quantization: Optional[str] = opt(
         None,
@@ -57,6 +60,14 @@ class ServerArgs:
         None, "Require 'Authorization: Bearer <key>' on every route but /health (env: KVSHIP_API_KEY)"
     )
     log_level: str = opt("info", "Log level", choices=("debug", "info", "warning", "error"))
+    # OpenTelemetry (docs/observability.md)
+    otlp_traces_endpoint: Optional[str] = opt(
+        None,
+        "Export request traces over OTLP/HTTP to this collector URL (e.g. http://otel-collector:4318); off if unset",
+    )
+    otlp_traces_sample_ratio: float = opt(
+        1.0, "Fraction of new traces kept (a request whose traceparent is sampled is always traced)"
+    )
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
 
     # Request pre-processing limits (docs/api.md, "Chat templates" and "Structured output")
@@ -104,6 +115,16 @@ class ServerArgs:
 
     # Parallelism
     tp_size: int = opt(1, "Tensor-parallel size: rank processes this worker spans (one GPU each on CUDA; gloo on CPU)")
+    pp_size: int = opt(
+        1,
+        "Pipeline-parallel size: the model's layers split into this many stages, each --tp-size ranks wide "
+        '(world = tp x pp rank processes; docs/parallel.md, "Pipeline parallelism")',
+    )
+    pp_layer_partition: Optional[str] = opt(
+        None,
+        "Layers per pipeline stage as a,b,... (one count per stage, summing to the model's layers; "
+        "default: an even split, the first stages taking the remainder)",
+    )
     base_gpu_id: int = opt(
         0, "CUDA: the node's first GPU (the rank of local index r on a node runs on cuda:<base + r>)"
     )
@@ -299,6 +320,25 @@ class ServerArgs:
         raise ValueError(f"unknown --speculative-algorithm {algo!r}")
 
     @property
+    def resolved_pp_layer_partition(self) -> Optional[tuple[int, ...]]:
+        """``--pp-layer-partition`` as layer counts, one per stage (None: the even split); ValueError when it is
+        not ``--pp-size`` positive integers (whether they sum to the model's layers is checked at load)."""
+        if self.pp_layer_partition is None:
+            return None
+        try:
+            counts = tuple(int(x) for x in self.pp_layer_partition.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--pp-layer-partition must be comma-separated layer counts, got '{self.pp_layer_partition}'"
+            ) from None
+        if len(counts) != self.pp_size or min(counts) < 1:
+            raise ValueError(
+                f"--pp-layer-partition {self.pp_layer_partition} must give {self.pp_size} positive layer counts "
+                f"(one per --pp-size stage)"
+            )
+        return counts
+
+    @property
     def resolved_cuda_graph_bs(self) -> list[int]:
         if self.cuda_graph_bs:
             return sorted(set(b for b in self.cuda_graph_bs if b <= self.cuda_graph_max_bs))
@@ -309,6 +349,8 @@ class ServerArgs:
         """Raise ValueError with a clear message for inconsistent settings."""
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
+        if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
+            raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.disaggregation_layerwise_writes < 0:
@@ -334,6 +376,16 @@ class ServerArgs:
                 f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
                 "experts are split over the tensor-parallel ranks"
             )
+        if self.pp_size < 1:
+            raise ValueError("--pp-size must be >= 1")
+        self.resolved_pp_layer_partition  # raises on a malformed --pp-layer-partition
+        if self.pp_size > 1 and self.mode != "unified":
+            raise ValueError(
+                f"--pp-size {self.pp_size} runs in --mode unified only: a pipeline-parallel prefill or decode "
+                'worker (PD) is not built yet (docs/parallel.md, "Pipeline parallelism")'
+            )
+        if self.pp_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError(f"--pp-size {self.pp_size} does not support --speculative-algorithm yet")
         if self.speculative_algorithm is None and (
             self.speculative_num_draft_tokens is not None
             or self.speculative_eagle_topk is not None

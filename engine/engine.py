@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
+from kvship.common.events import EventBus
+from kvship.common.tracing import Tracing, WorkerTracer
 from kvship.engine.config import ServerArgs
 from kvship.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvship.engine.fingerprint import revision_info
@@ -151,8 +153,12 @@ class Engine:
         self.vocab_size: int = max(self.model_config.vocab_size, 1)
         factory = scheduler_factory or Scheduler
         # the leader of a multi-rank worker: its inbox and samples drive every rank
-        io = scheduler_io(self.model_runner.tp, lambda: self._stop_event.set())
-        self.scheduler = factory(self.server_args, self.model_runner, self.tokenizer, self._output_sink, io=io)
+        io = scheduler_io(self.model_runner.tp, lambda: self._stop_event.set(), link=self.model_runner.pipeline)
+        # the request events (kvship.common.events): tracing and the KV-transfer metrics listen to the scheduler
+        self.events = EventBus()
+        self.scheduler = factory(
+            self.server_args, self.model_runner, self.tokenizer, self._output_sink, io=io, events=self.events
+        )
         self.grammar = self.scheduler.grammar  # structured output: the HTTP layer checks grammars with it
         expert_load_fn = None
         if self.model_config.moe is not None:  # MoE: tokens per expert in /metrics (docs/parallel.md)
@@ -160,6 +166,10 @@ class Engine:
 
             expert_load_fn = functools.partial(expert_load, self.model_runner.model)
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats, expert_load_fn)
+        self.metrics.observe_kv_transfers(self.events)  # per-request KV-transfer histograms (PD roles emit them)
+        sa = self.server_args  # OpenTelemetry spans from the same events (docs/observability.md)
+        tracing = Tracing.configure(sa.otlp_traces_endpoint, sa.otlp_traces_sample_ratio, f"kvship-{sa.mode}")
+        self.tracer = WorkerTracer(tracing, self.events, sa.mode)
         self.revision = revision_info(self.server_args)  # {"fingerprint", "revision"} for /get_server_info
 
         self._stop_event = threading.Event()
@@ -405,7 +415,11 @@ class Engine:
             "page_size": self.model_runner.page_size,
             "device": str(self.model_runner.device),
             "tp_size": self.model_runner.tp_size,
+            "pp_size": 1 if self.model_runner.pipeline is None else self.model_runner.pipeline.pp_size,
             "pid": os.getpid(),
+            # the resolved weight method and KV dtype (docs/quantization.md)
+            "quantization": self.model_runner.model_config.quantization,
+            "kv_cache_dtype": self.server_args.resolved_kv_dtype,
         }
         info.update(self.revision)
         info.update(self._safe_stats())
@@ -421,6 +435,7 @@ class Engine:
             if self._thread.is_alive():
                 logger.warning("scheduler thread did not stop within %.0f s", timeout)
                 return
+        self.tracer.close()  # the spans of the requests that finished are exported before the process ends
         logger.info("model loop stopped")
 
 

@@ -12,6 +12,12 @@ Series (all labelled ``model_name``):
   ``kvship:num_running_reqs``, ``kvship:num_queue_reqs``,
   ``kvship:kv_total_slots``, ``kvship:kv_free_slots``, ``kvship:token_usage``
   (fraction of KV slots in use), ``kvship:cache_hit_rate``
+* PD KV transfers, one observation per request and transfer (labels
+  ``backend``, ``role`` = prefill | decode): histograms
+  ``kvship:kv_transfer_bytes``, ``kvship:kv_transfer_duration_seconds``,
+  ``kvship:kv_transfer_throughput_gbps`` (bytes / seconds / 1e9) and counter
+  ``kvship:kv_transfer_failures_total{backend, role, reason}``, from the
+  engine's ``KVTransferFinished`` events (docs/observability.md)
 * Mixture-of-Experts models (``expert_load_fn``): counter
   ``kvship:moe_expert_tokens_total{layer, expert}`` (tokens routed to each
   expert) and gauge ``kvship:moe_expert_load_imbalance{layer}`` (max / mean of
@@ -20,7 +26,8 @@ Series (all labelled ``model_name``):
 
 Each ``EngineMetrics`` owns its own registry, so several engines (tests) never
 collide in the process-global one.  Observations are made on the event loop
-thread; the gauge callback runs on the scrape and must be thread-safe
+thread (the KV-transfer ones on the scheduler thread; prometheus_client's
+metrics are thread-safe); the gauge callback runs on the scrape and must be thread-safe
 (``Scheduler.get_stats`` is).
 """
 
@@ -33,12 +40,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvship.common.events import Event, EventBus, KVTransferFinished
+
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+_KV_BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 36, 2))  # 64 KiB .. 16 GiB
+_KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_KV_GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 # gauge name -> (help, keys of Scheduler.get_stats() to try, in order)
@@ -151,6 +163,27 @@ class EngineMetrics:
             buckets=_ACCEPT_BUCKETS,
             registry=r,
         ).labels(model_name)
+        kv_labels = labels + ["backend", "role"]
+        self.kv_bytes = Histogram(
+            "kvship:kv_transfer_bytes", "KV bytes moved per request", kv_labels, buckets=_KV_BYTES_BUCKETS, registry=r
+        )
+        self.kv_seconds = Histogram(
+            "kvship:kv_transfer_duration_seconds",
+            "Duration of one request's KV transfer (first byte sent / received to the last)",
+            kv_labels,
+            buckets=_KV_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.kv_gbps = Histogram(
+            "kvship:kv_transfer_throughput_gbps",
+            "One request's KV transfer throughput, GB/s (bytes / duration / 1e9)",
+            kv_labels,
+            buckets=_KV_GBPS_BUCKETS,
+            registry=r,
+        )
+        self.kv_failures = Counter(
+            "kvship:kv_transfer_failures", "Failed KV transfers by reason", kv_labels + ["reason"], registry=r
+        )
         r.register(_SchedulerCollector(stats_fn, model_name))
         self._expert_load_fn = expert_load_fn  # {layer: tokens per expert}, MoE models only
 
@@ -185,6 +218,25 @@ class EngineMetrics:
         self.cached_tokens.inc(max(0, cached_tokens))
         self._requests.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(max(0.0, e2e))
+
+    def observe_kv_transfers(self, bus: EventBus) -> Callable[[], None]:
+        """Observe every ``KVTransferFinished`` of ``bus``; returns the unsubscribe function."""
+
+        def on_event(ev: Event) -> None:
+            if isinstance(ev, KVTransferFinished):
+                self.observe_kv_transfer(ev)
+
+        return bus.subscribe(on_event, kinds=(KVTransferFinished,))
+
+    def observe_kv_transfer(self, ev: KVTransferFinished) -> None:
+        labels = (self.model_name, ev.backend, ev.role)
+        if not ev.ok:
+            self.kv_failures.labels(*labels, ev.reason or "other").inc()
+            return
+        self.kv_bytes.labels(*labels).observe(ev.bytes)
+        self.kv_seconds.labels(*labels).observe(ev.seconds)
+        if ev.seconds > 0:
+            self.kv_gbps.labels(*labels).observe(ev.bytes / ev.seconds / 1e9)
 
     def render(self) -> bytes:
         out = generate_latest(self.registry)

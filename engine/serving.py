@@ -7,8 +7,8 @@
   (``n > 1``, batches) and cancel them all if the consumer goes away;
 * ``run_until_disconnect`` / ``EventStreamResponse``: abort work when the
   HTTP client disconnects, streaming or not;
-* ``choice_rid`` / ``choice_params`` / ``choice_room``: the id, seed and PD
-  room of choice ``i`` of ``n``; ``collect_until_disconnect`` /
+* ``choice_rid`` / ``choice_params``: the id and seed of choice ``i`` of ``n``
+  (its PD room: ``kvship.common.protocol.choice_room``); ``collect_until_disconnect`` /
   ``stream_response``: the non-streaming and streaming ends of a handler;
 * logprob formatting in the OpenAI chat and completions shapes.
 """
@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvship.common.protocol import ROUTER_IDS_HEADER  # noqa: F401 - the worker's name for it, kept importable
 from kvship.engine.engine import Engine, EngineDead, EngineOverloaded, RequestHandle, TextDelta
 from kvship.engine.grammar.backend import GrammarError
 from kvship.engine.http_errors import APIError, bad_request
@@ -238,14 +239,6 @@ async def check_grammar(engine: Engine, sp: SamplingParams, param: Optional[str]
 
 # --------------------------------------------------------------------------- PD roles
 
-_ROOM_MOD = 2**63
-
-
-def choice_room(room: Optional[int], index: int) -> Optional[int]:
-    """PD: the bootstrap room of request ``index`` of a body (choice ``i`` of ``n``, batch item):
-    ``room + index``, computed the same way on the prefill and the decode worker."""
-    return None if room is None else (room + index) % _ROOM_MOD
-
 
 def check_bootstrap_token(engine: Engine, token: Any, param: str = "bootstrap_token") -> None:
     """400 unless ``token`` may open a room here: a prefill / decode worker with KV-plane authentication on needs
@@ -386,15 +379,6 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> Optional
             if not t.done():
                 t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
-
-
-# Request header the router sends when it wants token ids in stream chunks (to resume a broken stream
-# elsewhere): chat/completions chunks get ``kvship_token_ids`` / ``kvship_prompt_ids``, /generate events
-# ``meta_info.kvship_prompt_ids``.  The router strips them; clients never see them.
-ROUTER_IDS_HEADER = "x-kvship-token-ids"
-# Router -> prefill worker header: stream the first token as soon as it is sampled, before its KV travels
-# (docs/pd.md, "The first token from prefill").  Same value as ``kvship.router.wire.PD_FIRST_TOKEN_HEADER``.
-PD_FIRST_TOKEN_HEADER = "x-kvship-first-token"
 
 
 def sse(payload: Any) -> bytes:

@@ -30,37 +30,30 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvship.engine.disagg.auth import choice_token
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
-from kvship.engine.io_struct import FinishReason, GenerateRequest
+from kvship.engine.io_struct import FinishReason
 from kvship.engine.openai_protocol import GenerateReqInput, GenerateSamplingParams
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
-    PD_FIRST_TOKEN_HEADER,
-    ROUTER_IDS_HEADER,
     build_sampling_params,
-    check_bootstrap_token,
     check_grammar,
     check_max_tokens,
     check_n,
     check_prompt_length,
     check_resume,
     check_token_ids,
-    choice_params,
-    choice_rid,
-    choice_room,
     collect_until_disconnect,
     encode_text,
     merge_streams,
     new_id,
     normalize_stop,
-    open_requests,
     pd_abort_error,
     sse,
     stream_response,
 )
+from kvship.engine.serving_request import RequestContext
 
 
 def _per_item(value: Any, batch: int, name: str, is_list: bool) -> list[Any]:
@@ -185,28 +178,13 @@ class GenerateServing:
         )
         rids = _per_item(body.rid, batch, "rid", isinstance(body.rid, list))
         want_lp = _per_item(body.return_logprob, batch, "return_logprob", isinstance(body.return_logprob, list))
-        hosts = _per_item(body.bootstrap_host, batch, "bootstrap_host", isinstance(body.bootstrap_host, list))
-        ports = _per_item(body.bootstrap_port, batch, "bootstrap_port", isinstance(body.bootstrap_port, list))
-        rooms = _per_item(body.bootstrap_room, batch, "bootstrap_room", isinstance(body.bootstrap_room, list))
-        tokens = _per_item(body.bootstrap_token, batch, "bootstrap_token", isinstance(body.bootstrap_token, list))
-        for token in tokens:
-            check_bootstrap_token(engine, token)
+        ctx = RequestContext.of(engine, request, body, batch)
         if not 0 <= body.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
-        for p in ports:
-            if p is not None and not 0 < p < 65536:
-                raise bad_request("bootstrap_port must be in 1..65535", "bootstrap_port")
-        for room in rooms:
-            if room is not None and not 0 <= room < 2**63:
-                raise bad_request("bootstrap_room must be in [0, 2^63)", "bootstrap_room")
-
         if body.kvship_resume is not None and body.input_ids is None:
             raise bad_request("kvship_resume needs input_ids", "kvship_resume")
-        resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], max(sp.n for sp in sps))
-        first_token = bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1"
-        reqs: list[GenerateRequest] = []
+        ctx.resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], max(sp.n for sp in sps))
         outputs: list[_Output] = []
-        created = time.time()
         for i, ((param, ids), gsp) in enumerate(zip(prompts, sps)):
             prefix = f"sampling_params.{i}." if isinstance(body.sampling_params, list) else "sampling_params."
             check_n(gsp.n, prefix + "n")
@@ -238,49 +216,33 @@ class GenerateServing:
             )
             if sp.grammar_key is not None:
                 await check_grammar(engine, sp, prefix + sp.grammar_key[0])
-            base = rids[i] or new_id("gen")
-            for j in range(gsp.n):
-                # PD: every request of the body gets its own room (per-item rooms: + choice index)
-                room = choice_room(rooms[i], j if isinstance(body.bootstrap_room, list) else len(reqs))
-                token = choice_token(tokens[i], j if isinstance(body.bootstrap_token, list) else len(reqs))
-                rid = choice_rid(base, j, gsp.n)
-                sp_j = choice_params(sp, j, gsp.n)
-                reqs.append(
-                    GenerateRequest(
-                        rid=rid,
-                        input_ids=ids,
-                        sampling_params=sp_j,
-                        return_logprob=want_lp[i],
-                        top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
-                        stream=body.stream,
-                        bootstrap_host=hosts[i],
-                        bootstrap_port=ports[i],
-                        bootstrap_room=room,
-                        bootstrap_token=token,
-                        created_time=created,
-                        resumed=resumed,
-                        trace={"http_received": created} if body.return_trace else None,
-                        pd_first_token=first_token,
-                    )
+            added = ctx.add(
+                i,
+                rids[i] or new_id("gen"),
+                ids,
+                sp,
+                gsp.n,
+                return_logprob=want_lp[i],
+                top_logprobs_num=body.top_logprobs_num if want_lp[i] else 0,
+            )
+            for greq in added:
+                out = _Output(
+                    greq.rid,
+                    len(ids),
+                    ctx.created,
+                    want_lp[i],
+                    body.top_logprobs_num,
+                    gsp.no_stop_trim,
+                    body.return_text_in_logprobs,
                 )
-                outputs.append(
-                    _Output(
-                        rid,
-                        len(ids),
-                        created,
-                        want_lp[i],
-                        body.top_logprobs_num,
-                        gsp.no_stop_trim,
-                        body.return_text_in_logprobs,
-                    )
-                )
-                outputs[-1].trace = reqs[-1].trace
-        if len(reqs) > MAX_N:
+                out.trace = greq.trace
+                outputs.append(out)
+        if len(ctx.requests) > MAX_N:
             raise bad_request(f"a batch may hold at most {MAX_N} requests (items x n)", "text")
-        many = is_batch or len(reqs) > 1
-        handles = open_requests(engine, reqs)
+        many = is_batch or len(ctx.requests) > 1
+        handles = ctx.open()
         if body.stream:
-            router_ids = [r.input_ids for r in reqs] if request.headers.get(ROUTER_IDS_HEADER) == "1" else None
+            router_ids = [r.input_ids for r in ctx.requests] if ctx.router_ids else None
             return stream_response(self._stream(handles, outputs, many, router_ids), handles)
         results = await collect_until_disconnect(request, engine, handles)
         if results is None:

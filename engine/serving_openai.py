@@ -26,10 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvship.engine.chat_template import ChatTemplateError, RenderLimitError, RenderLimits, check_template_kwargs
-from kvship.engine.disagg.auth import choice_token
 from kvship.engine.engine import Engine, RequestHandle, TextDelta
 from kvship.engine.http_errors import APIError, bad_request
-from kvship.engine.io_struct import GenerateRequest, SamplingParams
+from kvship.engine.io_struct import SamplingParams
 from kvship.engine.openai_protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -45,11 +44,8 @@ from kvship.engine.reasoning import ReasoningSplitter, grammar_start
 from kvship.engine.serving import (
     MAX_N,
     MAX_TOP_LOGPROBS,
-    PD_FIRST_TOKEN_HEADER,
-    ROUTER_IDS_HEADER,
     build_sampling_params,
     chat_logprobs,
-    check_bootstrap_token,
     check_grammar,
     check_max_tokens,
     check_model,
@@ -57,16 +53,12 @@ from kvship.engine.serving import (
     check_prompt_length,
     check_resume,
     check_token_ids,
-    choice_params,
-    choice_rid,
-    choice_room,
     collect_until_disconnect,
     completion_logprobs,
     encode_text,
     merge_streams,
     new_id,
     normalize_stop,
-    open_requests,
     pd_abort_error,
     response_format_schema,
     sse,
@@ -74,6 +66,7 @@ from kvship.engine.serving import (
     usage_dict,
     usage_info,
 )
+from kvship.engine.serving_request import RequestContext
 from kvship.engine.tool_parsers import ChoiceOutput, ToolPlan, detect_family, plan_tools, template_messages
 
 
@@ -161,7 +154,7 @@ class OpenAIServing:
         engine = self.engine
         check_model(engine, body.model)
         check_n(body.n)
-        check_bootstrap_token(engine, body.bootstrap_token)
+        ctx = RequestContext.of(engine, request, body)
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         schema = response_format_schema(body.response_format)
@@ -217,24 +210,8 @@ class OpenAIServing:
                 sp = dataclasses.replace(sp, grammar_after=start[0], grammar_opener=start[1])
         outputs = _choice_outputs(plan, reasoning, prompt, body.n)
         cid = body.rid or new_id("chatcmpl")
-        reqs = [
-            GenerateRequest(
-                rid=choice_rid(cid, i, body.n),
-                input_ids=list(ids),
-                sampling_params=choice_params(sp, i, body.n),
-                return_logprob=body.logprobs,
-                top_logprobs_num=body.top_logprobs or 0,
-                stream=body.stream,
-                bootstrap_host=body.bootstrap_host,
-                bootstrap_port=body.bootstrap_port,
-                bootstrap_room=choice_room(body.bootstrap_room, i),
-                bootstrap_token=choice_token(body.bootstrap_token, i),
-                # PD prefill: the router asks for the first token at once (docs/pd.md)
-                pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",
-            )
-            for i in range(body.n)
-        ]
-        handles = open_requests(engine, reqs)
+        ctx.add(0, cid, ids, sp, body.n, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0)
+        handles = ctx.open()
         model = body.model or engine.served_model_name
         if body.stream:
             opts = body.stream_options
@@ -247,7 +224,7 @@ class OpenAIServing:
                     bool(opts and opts.include_usage),
                     bool(opts and opts.continuous_usage_stats),
                     # parsed output is not resumable (docs/api.md, "Reasoning"): no ids for the router
-                    router_ids=list(ids) if request.headers.get(ROUTER_IDS_HEADER) == "1" and not outputs else None,
+                    router_ids=list(ids) if ctx.router_ids and not outputs else None,
                     outputs=outputs,
                 ),
                 handles,
@@ -378,7 +355,7 @@ class OpenAIServing:
         engine = self.engine
         check_model(engine, body.model)
         check_n(body.n)
-        check_bootstrap_token(engine, body.bootstrap_token)
+        ctx = RequestContext.of(engine, request, body)
         if body.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if body.logit_bias:
@@ -395,13 +372,10 @@ class OpenAIServing:
         prompts = await self._tokenize_prompts(body.prompt)
         if len(prompts) * body.n > MAX_N:
             raise bad_request(f"prompts x n must be at most {MAX_N}", "n")
-        resumed = None
         if body.kvship_resume is not None:
             if not (isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int)):
                 raise bad_request("kvship_resume needs a token-id prompt", "kvship_resume")
-            resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], body.n)
-        sp_base: Optional[SamplingParams] = None
-        reqs: list[GenerateRequest] = []
+            ctx.resumed = check_resume(body.kvship_resume, [ids for _, ids in prompts], body.n)
         cid = body.rid or new_id("cmpl")
         total = len(prompts) * body.n
         for p, (_, ids) in enumerate(prompts):
@@ -409,29 +383,20 @@ class OpenAIServing:
             max_new = check_prompt_length(engine, len(ids), explicit, "prompt")
             if explicit is None and body.max_tokens is not None:  # the default (16) shrinks to fit the context
                 max_new = min(max_new, body.max_tokens)
-            sp_base = _sampling_params(engine, body, max_new, stops, schema)
+            sp = _sampling_params(engine, body, max_new, stops, schema)
             if p == 0:
-                await check_grammar(engine, sp_base, "response_format")
-            for j in range(body.n):
-                k = p * body.n + j
-                reqs.append(
-                    GenerateRequest(
-                        rid=choice_rid(cid, k, total),
-                        input_ids=list(ids),
-                        sampling_params=choice_params(sp_base, j, body.n),
-                        return_logprob=body.logprobs is not None,
-                        top_logprobs_num=body.logprobs or 0,
-                        stream=body.stream,
-                        bootstrap_host=body.bootstrap_host,
-                        bootstrap_port=body.bootstrap_port,
-                        bootstrap_room=choice_room(body.bootstrap_room, k),
-                        bootstrap_token=choice_token(body.bootstrap_token, k),
-                        resumed=resumed,
-                        # PD prefill: the router asks for the first token at once (docs/pd.md)
-                        pd_first_token=bool(body.stream) and request.headers.get(PD_FIRST_TOKEN_HEADER) == "1",
-                    )
-                )
-        handles = open_requests(engine, reqs)
+                await check_grammar(engine, sp, "response_format")
+            ctx.add(
+                0,
+                cid,
+                ids,
+                sp,
+                body.n,
+                return_logprob=body.logprobs is not None,
+                top_logprobs_num=body.logprobs or 0,
+                total=total,
+            )
+        handles = ctx.open()
         model = body.model or engine.served_model_name
         echoes = [text if body.echo else "" for text, _ in prompts for _ in range(body.n)]
         prompt_lens = [len(ids) for _, ids in prompts]
@@ -447,9 +412,7 @@ class OpenAIServing:
                     body.n,
                     bool(opts and opts.include_usage),
                     bool(opts and opts.continuous_usage_stats),
-                    router_ids=[ids for _, ids in prompts for _ in range(body.n)]
-                    if request.headers.get(ROUTER_IDS_HEADER) == "1"
-                    else None,
+                    router_ids=[ids for _, ids in prompts for _ in range(body.n)] if ctx.router_ids else None,
                 ),
                 handles,
             )

@@ -144,7 +144,9 @@ class PrefillRole(PDRole):
                 self.counters["layerwise"] += 1
             self.stamp_transfer(entry, _SENDER_STAMPS)
             self.stamp(entry.rid, "transfer_done")
-            if state == KVPoll.Success and entry.abort_reason is None:
+            ok = state == KVPoll.Success and entry.abort_reason is None
+            self.emit_transfer(entry, ok, "transfer_start", "transfer_end", entry.extra.get("pages", 0))
+            if ok:
                 self.guarded(entry, self._finish_transferred, entry)
             else:  # prefill's own KV is valid (unless a layer-wise room's forward failed): to the radix cache
                 self.guarded(entry, self.fail_entry, entry, entry.failure(), entry.extra.get("computed", True))
@@ -204,6 +206,7 @@ class PrefillRole(PDRole):
                     chunk.top_logprobs = [list(top_logprobs or [])]
             self.s.emit_chunk(chunk)
             self.s.flush()  # out before the transfer threads start competing for the host
+        entry.extra["pages"] = len(pages)  # what the transfer moves (its metrics and trace span)
         self.inflight_queue.add(entry, pages, aux)
         return True
 

@@ -38,11 +38,14 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvship.common.protocol import REQUEST_ID_HEADER, SESSION_HEADER, TraceContext
+from kvship.common.tracing import Tracing
 from kvship.router.auth import ADMIN, CLIENT, WORKER, bearer_token, key_id
 from kvship.router.config import RouterConfig
 from kvship.router.core import Router, WorkerNotAllowed
 from kvship.router.proxy import error_response, proxy_request
 from kvship.router.ratelimit import RateLimited
+from kvship.router.tracing import RequestSpans
 from kvship.router.upstream import RequestContext
 from kvship.router.wire import PROXY_ROUTES, RequestError, RoutingRequest, error_body, new_request_id
 from kvship.router.worker import RegistrationError
@@ -106,6 +109,8 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
     """The ASGI app of one router; its lifespan starts and stops ``router`` (built from ``config`` if None)."""
     router = router or Router(config)
     creds = router.credentials
+    # OpenTelemetry (docs/observability.md): off unless --otlp-traces-endpoint; then each request gets spans
+    tracing = Tracing.configure(config.otlp_traces_endpoint, config.otlp_traces_sample_ratio, "kvship-router")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -114,6 +119,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             yield
         finally:
             await router.stop()
+            tracing.shutdown()  # exports the spans still buffered
 
     app = FastAPI(title="kvship router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
@@ -163,12 +169,12 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         return "addr:" + (request.client.host if request.client else "?")
 
     def forward_headers(request_id: str) -> dict[str, str]:
-        h = {"content-type": "application/json", "x-request-id": request_id}
+        h = {"content-type": "application/json", REQUEST_ID_HEADER: request_id}
         h.update(router.worker_headers)  # the worker key; a client's own Authorization never goes to a worker
         return h
 
     async def proxied(request: Request, releases: list) -> Response:
-        request_id = request.headers.get("x-request-id", "")
+        request_id = request.headers.get(REQUEST_ID_HEADER, "")
         if not _REQUEST_ID_OK.fullmatch(request_id):
             request_id = new_request_id()
         route = request.url.path
@@ -176,7 +182,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         denied = unauthorized(request)
         if denied is not None:
             ctx.finish(denied.status_code, "")
-            denied.headers["x-request-id"] = request_id
+            denied.headers[REQUEST_ID_HEADER] = request_id
             return denied
         try:
             if router.key_limits is not None:
@@ -184,7 +190,7 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
             if router.limiter is not None:
                 await router.limiter.acquire()
             raw = await read_body_limited(request, config.max_request_bytes)
-            req = RoutingRequest.parse(route, raw, request.headers.get("x-session-id"))
+            req = RoutingRequest.parse(route, raw, request.headers.get(SESSION_HEADER))
             if req.model is not None and not router.registry.knows_model(req.model):
                 known = router.registry.models()
                 raise RequestError(
@@ -200,6 +206,12 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
         except ClientDisconnect:
             return error_response(ctx, 400, "client disconnected while sending the body", "client_disconnect")
         ctx.headers = forward_headers(request_id)
+        trace = TraceContext.from_headers(request.headers)  # a client's W3C trace context is kept
+        if tracing.enabled:
+            ctx.spans = RequestSpans(tracing, trace, route, request_id, ctx.started_wall)
+            ctx.headers.update(ctx.spans.headers())
+        elif trace is not None:  # no spans here: the workers continue the client's trace themselves
+            ctx.headers.update(trace.headers())
         return await proxy_request(ctx, req)
 
     for path in PROXY_ROUTES:

@@ -79,6 +79,14 @@ class RouterConfig:
         "Give clients the x-kvship-* response headers (worker, prefill, decode, first-token, trace: they name "
         "internal worker URLs); off: clients get none of them",
     )
+    # OpenTelemetry (docs/observability.md)
+    otlp_traces_endpoint: Optional[str] = opt(
+        None,
+        "Export request traces over OTLP/HTTP to this collector URL (e.g. http://otel-collector:4318); off if unset",
+    )
+    otlp_traces_sample_ratio: float = opt(
+        1.0, "Fraction of new traces kept (a request whose traceparent is sampled is always traced)"
+    )
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
     request_timeout: float = opt(600.0, "Seconds one request may take end to end, streaming included (504 after)")
     shutdown_timeout: float = opt(30.0, "Seconds a graceful shutdown (SIGTERM) waits for in-flight streams")
@@ -238,6 +246,8 @@ class RouterConfig:
             raise ValueError("--max-retries, --retry-backoff-base and --retry-backoff-max must be >= 0")
         if self.max_resumes < 0:
             raise ValueError("--max-resumes must be >= 0")
+        if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
+            raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.rate_limit_queue_size < 0:
             raise ValueError("--rate-limit-rps, --rate-limit-burst and --rate-limit-queue-size must be >= 0")
         if self.rate_limit_queue_timeout < 0 or self.shutdown_timeout < 0:

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import aiohttp
 
 from kvship.common import fastjson
+from kvship.common.protocol import RESUME_FIELD, RETURN_TRACE_FIELD
 from kvship.router.core import Selection
 from kvship.router.resume import SSEParser
 from kvship.router.upstream import (
@@ -82,7 +83,9 @@ from kvship.router.worker import Worker
 logger = logging.getLogger(__name__)
 
 
-async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str) -> bytes:
+async def _prefill_call(
+    ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str, headers: dict[str, str]
+) -> bytes:
     """Send to the prefill worker, read its reply to the end and return it; raise ``AttemptFailed`` on error.
 
     Finishes ``lease`` on every path.
@@ -91,7 +94,7 @@ async def _prefill_call(ctx: RequestContext, worker: Worker, lease: Lease, conte
     assert client is not None
     try:
         async with asyncio.timeout_at(ctx.deadline):
-            async with client.post(worker.url + path, data=content, headers=ctx.headers) as resp:
+            async with client.post(worker.url + path, data=content, headers=headers) as resp:
                 body = await resp.read()
     except aiohttp.ClientError as e:
         lease.finish(False, describe_error(e))
@@ -156,7 +159,13 @@ def _is_first_token(obj: Any) -> bool:
 
 
 async def _prefill_stream(
-    ctx: RequestContext, worker: Worker, lease: Lease, content: bytes, path: str, first: asyncio.Future
+    ctx: RequestContext,
+    worker: Worker,
+    lease: Lease,
+    content: bytes,
+    path: str,
+    first: asyncio.Future,
+    headers: dict[str, str],
 ) -> bytes:
     """Stream from the prefill worker, asked for the first token: resolve ``first`` with (that event's bytes,
     a chat stream's role chunk before it, the response headers), or None when the first event is something
@@ -164,8 +173,7 @@ async def _prefill_stream(
     ``AttemptFailed`` on an error status, a transport error or an error event.  Finishes ``lease``."""
     client = ctx.router.client
     assert client is not None
-    headers = dict(ctx.headers)
-    headers[PD_FIRST_TOKEN_HEADER] = "1"
+    headers = {**headers, PD_FIRST_TOKEN_HEADER: "1"}
     failure: Optional[AttemptFailed] = None
     blame = True  # False when the failure is its pair's (``pair_failure``)
     try:
@@ -332,8 +340,8 @@ def first_token_from_prefill(ctx: RequestContext, request: RoutingRequest, path:
         and request.stream
         and not body.get("stop")
         and ctx.headers.get(ROUTER_IDS_HEADER) == "1"
-        and "kvship_resume" not in body
-        and not body.get("return_trace")
+        and RESUME_FIELD not in body
+        and not body.get(RETURN_TRACE_FIELD)
         and not (isinstance(sp, dict) and sp.get("stop"))
     )
 
@@ -386,6 +394,17 @@ def _finish_background_prefill(ctx: RequestContext, task: asyncio.Task) -> None:
         )
 
 
+def _end_span(spans: Any, span: Any, task: asyncio.Task) -> None:
+    """End the span of a worker call when its task ends (an error status when it failed)."""
+    if task.cancelled():
+        spans.end(span, error="cancelled")
+    elif task.exception() is not None:
+        exc = task.exception()
+        spans.end(span, error=getattr(exc, "reason", None) or type(exc).__name__)
+    else:
+        spans.end(span)
+
+
 def _meta_trace(body: bytes) -> Any:
     """``meta_info.trace`` of a worker's /generate body (a list of them for a batch), or None."""
     try:
@@ -419,14 +438,23 @@ async def pd_attempt(
     content = boot.inject(request.body, request.raw)
     router = ctx.router
     path = path or ctx.route
-    traced = request.body.get("return_trace") is True and router.config.debug_headers
+    traced = request.body.get(RETURN_TRACE_FIELD) is True and router.config.debug_headers
     stamps = {"received": ctx.started_wall, "sent": time.time()} if traced else None
+    p_headers = ctx.headers
+    spans, p_span, d_span = ctx.spans, None, None
+    if spans is not None:  # each worker's spans are children of the router span that called it
+        p_span = spans.start("router.prefill", worker=p.url, room=str(boot.room))
+        d_span = spans.start("router.decode", worker=d.url, room=str(boot.room))
+        p_headers = {**ctx.headers, **spans.headers(p_span)}
+        ctx.headers.update(spans.headers(d_span))
     first: Optional[asyncio.Future] = None
     if first_token_from_prefill(ctx, request, path):
         first = asyncio.get_running_loop().create_future()
-        p_task = asyncio.create_task(_prefill_stream(ctx, p, Lease(router, p), content, path, first))
+        p_task = asyncio.create_task(_prefill_stream(ctx, p, Lease(router, p), content, path, first, p_headers))
     else:
-        p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path))
+        p_task = asyncio.create_task(_prefill_call(ctx, p, Lease(router, p), content, path, p_headers))
+    if spans is not None:
+        p_task.add_done_callback(lambda t: _end_span(spans, p_span, t))
     d_lease = Lease(router, d)
     d_task = asyncio.create_task(open_upstream(ctx, d, d_lease, content, path))
     early: Optional[tuple[bytes, list[tuple[str, str]]]] = None
@@ -470,11 +498,13 @@ async def pd_attempt(
         if stamps is not None:
             stamps["decode_first_byte"] = time.time()
             trace = await _trace_header(ctx, stamps, p_task)
-    except BaseException:
+    except BaseException as e:
         if watch is not None:
             await _cancel(watch)
         await _cancel(p_task)
         await _cancel(d_task)
+        if spans is not None:
+            spans.end(d_span, error=getattr(e, "reason", None) or type(e).__name__)
         raise
     if watch is not None:  # a read not begun leaves decode's bytes in its stream; one that ended kept them
         await _cancel(watch)

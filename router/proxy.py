@@ -331,10 +331,17 @@ class ResumingRelay(Response):
             return False
         path, body = state.continuation()
         cont = dataclasses.replace(self.request, route=path, body=body, raw=json.dumps(body).encode())
+        span = None
+        if ctx.spans is not None:  # docs/observability.md: the resume and its new attempt, under one span
+            span = ctx.spans.start("router.resume", reason=why.split(":", 1)[0], resume=state.resumes)
         try:
             self.up = await open_attempts(ctx, cont, exclude, path, self.up.worker.revision)
+            if span is not None:
+                ctx.spans.end(span, worker=self.up.worker.url)
         except (AttemptFailed, NoWorker, DeadlineExceeded) as e:
             reason = e.reason if isinstance(e, AttemptFailed) else (str(e) or "deadline passed")
+            if span is not None:
+                ctx.spans.end(span, error=reason)
             logger.warning("request %s: could not resume: %s", ctx.request_id, reason)
             await send(
                 _body(
@@ -470,12 +477,17 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
                 delay * 1000,
             )
             await asyncio.sleep(delay)
+        pick = ctx.spans.start("router.pick", attempt=attempt) if ctx.spans is not None else None
         try:
             sel = router.choose(request, exclude)
         except NoWorker as e:
+            if pick is not None:
+                ctx.spans.end(pick, error=str(e))
             if last is None:
                 return error_response(ctx, 503, str(e), "no_healthy_worker")
             break
+        if pick is not None:
+            ctx.spans.end(pick)
         ctx.attempts += 1
         try:
             if cfg.pd:

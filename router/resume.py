@@ -29,6 +29,7 @@ import json
 from typing import Any, Optional
 
 from kvship.common import fastjson
+from kvship.common.protocol import RESUME_FIELD
 from kvship.router.wire import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTER_IDS_HEADER, RoutingRequest
 
 __all__ = ["ROUTER_IDS_HEADER", "RESUMABLE_ERROR_CODES", "ResumeState", "SSEParser"]
@@ -353,12 +354,12 @@ class ResumeState:
             body = {k: v for k, v in self.body.items() if k in ("stream", "session_id")}
             body.update(input_ids=ids, sampling_params=sp, stream=True)
             if resume is not None:
-                body["kvship_resume"] = resume
+                body[RESUME_FIELD] = resume
             return ROUTE_GENERATE, body
         body = {k: self.body[k] for k in _SAMPLING_KEYS if k in self.body}
         body.update(prompt=ids, stream=True, max_tokens=remaining)
         if resume is not None:
-            body["kvship_resume"] = resume
+            body[RESUME_FIELD] = resume
         if "stream_options" in self.body:
             body["stream_options"] = self.body["stream_options"]
         return ROUTE_COMPLETIONS, body

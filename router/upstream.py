@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import aiohttp
 
@@ -63,8 +63,11 @@ class RequestContext:
     started_wall: float = field(default_factory=time.time)  # the same moment on the wall clock (PD traces)
     deadline: float = 0.0  # event-loop time
     attempts: int = 0
+    spans: Optional[Any] = None  # the request's ``kvship.router.tracing.RequestSpans`` when tracing is on
 
     def finish(self, status: int, worker: str) -> None:
+        if self.spans is not None:
+            self.spans.finish(status, worker)
         m = self.router.metrics
         elapsed = time.perf_counter() - self.started
         m.requests.labels(self.route, str(status), worker).inc()

@@ -30,20 +30,25 @@ from urllib.parse import urlsplit
 
 from kvship.common import fastjson
 
-WIRE_VERSION = 1
+# the router <-> worker extensions are defined once for both ends; the router's modules import them from here
+from kvship.common.protocol import (  # noqa: F401
+    BOOTSTRAP_HOST,
+    BOOTSTRAP_PORT,
+    BOOTSTRAP_ROOM,
+    BOOTSTRAP_TOKEN,
+    PD_FIRST_TOKEN_HEADER,
+    ROUTER_IDS_HEADER,
+    SESSION_HEADER,
+    WIRE_VERSION,
+)
 
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_GENERATE = "/generate"
 PROXY_ROUTES = (ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE)
 
-# Router -> worker header asking for token ids in stream events (``kvship_prompt_ids`` /
-# ``kvship_token_ids``; /generate: ``meta_info.kvship_prompt_ids``), so that a broken stream can be
-# resumed (``kvship.router.resume``).  Same value as the worker's ``kvship.engine.serving.ROUTER_IDS_HEADER``.
-ROUTER_IDS_HEADER = "x-kvship-token-ids"
-# Router -> prefill worker header: stream the first token as soon as it is sampled (docs/pd.md, "The first
-# token from prefill").  Same value as the worker's ``kvship.engine.serving.PD_FIRST_TOKEN_HEADER``.
-PD_FIRST_TOKEN_HEADER = "x-kvship-first-token"
+# ``ROUTER_IDS_HEADER`` (token ids in stream events, so a broken stream can be resumed: ``kvship.router.resume``)
+# and ``PD_FIRST_TOKEN_HEADER`` (docs/pd.md, "The first token from prefill") come from ``kvship.common.protocol``.
 
 
 class RequestError(Exception):
@@ -279,9 +284,9 @@ class PDBootstrap:
         ~0.3 ms to serialise). Only a UTF-8 object without bootstrap fields of its own is spliced; anything
         else (another encoding, a BOM, a client's own ``bootstrap_*``) is written out from ``body``.
         """
-        fields: dict[str, Any] = {"bootstrap_host": self.host, "bootstrap_port": self.port, "bootstrap_room": self.room}
+        fields: dict[str, Any] = {BOOTSTRAP_HOST: self.host, BOOTSTRAP_PORT: self.port, BOOTSTRAP_ROOM: self.room}
         if self.token is not None:
-            fields["bootstrap_token"] = self.token
+            fields[BOOTSTRAP_TOKEN] = self.token
         if raw is not None and not fields.keys() & body.keys():
             head = raw.rstrip()
             if head.endswith(b"}") and head.lstrip()[:1] == b"{":

@@ -19,9 +19,12 @@ sender's or receiver's ``poll()`` may report something new, so a stage
 advances as soon as its transfer moved; ``poll_wait_s`` is only the safety
 net between wakes.
 
-Tracing (docs/pd.md, "Reading a request's trace"): a request submitted with
-a ``trace`` dict (``return_trace``) gets ``stamp(rid, stage)`` entries, wall
-clock (``time.time()``), from the role while it passes the stages.
+Tracing (docs/pd.md, "Reading a request's trace"): ``stamp(rid, stage)``
+emits a ``PDStage`` event (wall clock, ``time.time()``) while a request
+passes the stages, when anyone listens: the scheduler's event subscribers
+(docs/observability.md) and the role's own ``TraceStamps``, which writes the
+stages of a request submitted with a ``trace`` dict (``return_trace``) into
+that dict.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Any, Callable, Optional
 
+from kvship.common.events import Event, KVTransferFinished, KVTransferStarted, PDStage, failure_kind
 from kvship.engine.disagg import KVTransferConfig, KVTransferError
 from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.disagg.stages import PDEntry, PDStageQueue, TransferPollBackoff, make_kv_manager
@@ -40,6 +44,39 @@ from kvship.engine.schedule_batch import Req
 from kvship.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class TraceStamps:
+    """The ``return_trace`` subscriber: ``PDStage`` events of the watched requests go into their trace dicts
+    (shared with the HTTP layer, which reads them after the finish).
+
+    A finished request's dict takes stages until the next ``drop_released`` (the start of the next
+    scheduling step), so a stage stamped right after the finish (decode's ``first_token_flush``) lands."""
+
+    def __init__(self) -> None:
+        self._traces: dict[str, dict[str, float]] = {}
+        self._released: list[str] = []
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._traces
+
+    def watch(self, rid: str, trace: dict[str, float]) -> None:
+        self._traces[rid] = trace
+
+    def release(self, rid: str) -> None:
+        if rid in self._traces:
+            self._released.append(rid)
+
+    def drop_released(self) -> None:
+        for rid in self._released:
+            self._traces.pop(rid, None)
+        self._released.clear()
+
+    def on_event(self, ev: Event) -> None:
+        if isinstance(ev, PDStage):
+            trace = self._traces.get(ev.rid)
+            if trace is not None:
+                trace[ev.stage] = ev.at
 
 
 class PDRole(ABC):
@@ -63,7 +100,8 @@ class PDRole(ABC):
         self.free_slots_per_rank: Optional[list[int]] = None
         self.counters: Counter = Counter()
         self.poll = TransferPollBackoff()
-        self.traces: dict[str, dict[str, float]] = {}  # rid -> the request's trace (``return_trace`` only)
+        self.trace_stamps = TraceStamps()  # ``return_trace``: the stages of the requests that asked for them
+        sched.events.subscribe(self.trace_stamps.on_event, kinds=(PDStage,))
         # the scheduler's inbox (made by its io before the role) is woken when a transfer moves
         self.kv_manager.set_progress_hook(lambda: sched.inbox.wake())
         try:
@@ -99,8 +137,8 @@ class PDRole(ABC):
 
     def admit(self, req: Req, request: GenerateRequest) -> bool:
         if request.trace is not None:
-            self.traces[req.rid] = request.trace
-            self.stamp(req.rid, "scheduled")
+            self.trace_stamps.watch(req.rid, request.trace)
+        self.stamp(req.rid, "scheduled")
         try:
             self.enter_stages(req, request)
         except KVTransferError as e:
@@ -108,6 +146,7 @@ class PDRole(ABC):
         return True
 
     def before_schedule(self) -> None:
+        self.trace_stamps.drop_released()
         self.advance()
         if self.tp is not None:  # every rank's free KV slots, for get_stats (a collective, like advance's polls)
             self.free_slots_per_rank = self.tp.all_gather_object(self.s.kv.free_and_evictable())
@@ -136,7 +175,7 @@ class PDRole(ABC):
 
     def on_finish(self, req: Req) -> None:
         """Staged requests are released by ``abort`` / ``close``; prefill also aborts a registered room here."""
-        self.traces.pop(req.rid, None)
+        self.trace_stamps.release(req.rid)
 
     def has_work(self) -> bool:
         return any(self.stages)
@@ -162,19 +201,51 @@ class PDRole(ABC):
         }
 
     # ------------------------------------------------------------ helpers for the roles
+    def traced(self, rid: str) -> bool:
+        """Whether ``rid``'s stages are wanted: a subscriber of every event, or its own ``return_trace``."""
+        return self.s.events.active or rid in self.trace_stamps
+
     def stamp(self, rid: str, stage: str, at: Optional[float] = None) -> None:
-        """Record ``stage`` at ``at`` (default now, ``time.time()``) in ``rid``'s trace, if it asked for one."""
-        trace = self.traces.get(rid)
-        if trace is not None:
-            trace[stage] = time.time() if at is None else at
+        """``rid`` passed ``stage`` at ``at`` (default now, ``time.time()``): a ``PDStage`` event, when wanted."""
+        if self.traced(rid):
+            self.s.events.emit(PDStage(rid=rid, role=self.mode, stage=stage, at=time.time() if at is None else at))
 
     def stamp_transfer(self, entry: PDEntry, names: dict[str, str]) -> None:
-        """Copy the sender's / receiver's own ``stamps`` (``names``: its key -> the trace's) into the trace."""
-        if entry.rid in self.traces:
+        """Stamp the sender's / receiver's own ``stamps`` (``names``: its key -> the stage's name)."""
+        if self.traced(entry.rid):
             for key, stage in names.items():
                 at = entry.transfer.stamps.get(key)
                 if at is not None:
                     self.stamp(entry.rid, stage, at)
+
+    def emit_transfer(
+        self, entry: PDEntry, ok: bool, start_key: str, end_key: str, pages: int, problem: Optional[str] = None
+    ) -> None:
+        """``KVTransferStarted`` / ``KVTransferFinished`` of ``entry``'s terminal transfer (docs/observability.md),
+        timed by the sender's / receiver's own stamps ``start_key`` / ``end_key``; ``pages``: the prompt's pages
+        that moved (every layer's K and V of each); ``problem``: why it failed (default ``entry.failure()``)."""
+        bus = self.s.events
+        if not bus.wants(KVTransferFinished):
+            return
+        stamps, backend = entry.transfer.stamps, self.kv_manager.config.backend
+        start, end = stamps.get(start_key), stamps.get(end_key) or time.time()
+        if start is not None and bus.wants(KVTransferStarted):
+            bus.emit(KVTransferStarted(rid=entry.rid, role=self.mode, backend=backend, at=start))
+        layout = self.kv_manager.layout
+        message = "" if ok else problem or entry.failure()
+        bus.emit(
+            KVTransferFinished(
+                rid=entry.rid,
+                role=self.mode,
+                backend=backend,
+                ok=ok,
+                bytes=int(pages) * layout.page_bytes * layout.num_buffers if ok else 0,
+                seconds=max(0.0, end - start) if start is not None else 0.0,
+                reason="" if ok else failure_kind(message),
+                message=message,
+                at=end,
+            )
+        )
 
     def guarded(self, entry: PDEntry, fn: Callable[..., None], *args: Any) -> None:
         """Run one entry's transition; a failure fails that request alone (its transfer is terminal here)."""
@@ -211,6 +282,7 @@ class PDScheduler(Scheduler):
         speculator: Any = None,
         slot_features: Optional[SlotFeatures] = None,
         io: Any = None,
+        events: Any = None,
     ):
         super().__init__(
             server_args,
@@ -221,6 +293,7 @@ class PDScheduler(Scheduler):
             role=lambda sched: self.role_cls(sched, kv_config, slot_features),
             speculator=speculator,
             io=io,
+            events=events,
         )
 
     @property

@@ -93,6 +93,9 @@ class KVLayout:
     feature_kind: str = ""  # what this worker's per-slot features are ("" = none)
     feature_dim: int = 0
     feature_dtype: str = ""
+    # an FP8 pool's per-layer dequantization scales: every layer's k_scale, then every v_scale (() otherwise);
+    # the bytes mean the same values on both sides only with equal scales (docs/quantization.md)
+    kv_scales: tuple[float, ...] = ()
 
     @classmethod
     def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0, features=None) -> "KVLayout":
@@ -109,6 +112,7 @@ class KVLayout:
             feature_kind=features.kind if features is not None else "",
             feature_dim=int(features.buffer.shape[1]) if features is not None else 0,
             feature_dtype=str(features.buffer.dtype).removeprefix("torch.") if features is not None else "",
+            kv_scales=tuple(pool.k_scales) + tuple(pool.v_scales) if pool.is_fp8 else (),
         )
 
     @property
@@ -179,6 +183,9 @@ class KVLayout:
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 diffs.append(f"{f} {a} != {b}")
+        if self.kv_dtype == other.kv_dtype and self.kv_scales != other.kv_scales:
+            diffs.append(f"FP8 KV scales (k_scale per layer, then v_scale) {list(self.kv_scales)} != "
+                         f"{list(other.kv_scales)}")  # fmt: skip
         for side in (self, other):
             try:
                 _, n = rank_kv_heads(side.model_kv_heads, side.tp_size, side.tp_rank)
@@ -215,6 +222,7 @@ class KVLayout:
                 feature_kind=str(d.get("feature_kind") or ""),
                 feature_dim=int(d.get("feature_dim") or 0),
                 feature_dtype=str(d.get("feature_dtype") or ""),
+                kv_scales=tuple(float(x) for x in d.get("kv_scales") or ()),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e

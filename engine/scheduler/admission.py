@@ -13,14 +13,16 @@
   ``--max-prefill-tokens``, ``--chunked-prefill-size``, ``--max-running-requests``
   and the ``KVBudget`` allow.  A prompt that does not fit the chunk budget is
   computed over several steps as the single chunked request.  An idle server
-  always admits its first request.
+  always admits its first request.  ``busy`` (the pipeline loop): requests of
+  batches in flight; the chunked request waits while its chunk is in flight,
+  and newly admitted requests in flight count as running.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -110,17 +112,23 @@ class Admission:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
 
-    def build_extend(self) -> Optional[ScheduleBatch]:
+    def build_extend(self, busy: Optional[Mapping[int, Req]] = None) -> Optional[ScheduleBatch]:
         """The next extend batch, or None when no waiting request can be admitted now."""
         q, kv = self.q, self.budget
         if not q.waiting and q.chunked_req is None:
             return None
+        running = q.running
+        if busy:
+            if q.chunked_req is not None and id(q.chunked_req) in busy:
+                return None  # its previous chunk is still in flight
+            in_running = {id(r) for r in q.running}
+            running = q.running + [r for k, r in busy.items() if k not in in_running]  # admitted, in flight
         ps = kv.page_size
         limits = PrefillBudget(
             page_size=ps,
             rem_input=self.max_prefill_tokens,
             rem_chunk=self.chunk_size,
-            rem_memory=kv.memory_left(q.running),
+            rem_memory=kv.memory_left(running),
         )
         reqs: list[Req] = []
         if q.chunked_req is not None:
@@ -133,12 +141,12 @@ class Admission:
             reqs.append(req)
             if req.kv_committed_len + n < len(req.fill_ids):
                 return ScheduleBatch(reqs, ForwardMode.EXTEND)
-        n_active = len(q.running) + len(reqs)
+        n_active = len(running) + len(reqs)
         if (
             not q.waiting
             or n_active >= self.max_running
             or self.req_to_token_pool.available_size() == 0
-            or (limits.rem_memory < ps and q.running)
+            or (limits.rem_memory < ps and running)
         ):
             # nothing more can join (skip ordering the queue, which costs a prefix match per request)
             return ScheduleBatch(reqs, ForwardMode.EXTEND) if reqs else None
@@ -151,7 +159,7 @@ class Admission:
             n = limits.fit(remaining, first=not reqs)
             if n == 0:
                 break
-            alone = not reqs and not q.running  # an idle server always admits its first request
+            alone = not reqs and not running  # an idle server always admits its first request
             reserve = 0
             if n == remaining:  # the prompt completes here: reserve room for its decoding
                 reserve = kv.reserve([req])
@@ -162,7 +170,7 @@ class Admission:
                 break
             self.bind_prefix(req, idx, match)
             limits.take(n, reserve)
-            limits.refresh(kv.memory_left(q.running))  # locking the matched path made it unevictable
+            limits.refresh(kv.memory_left(running))  # locking the matched path made it unevictable
             if limits.rem_memory < 0 and not alone:
                 self.unbind_prefix(req)
                 break

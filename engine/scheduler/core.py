@@ -34,8 +34,10 @@ Contract:
 * Collaborators are fixed at construction: ``io`` (``kvship.engine.scheduler.io``:
   one rank, or a rank of a multi-rank worker) makes the inbox, wraps the
   sampler and makes the grammar queue; replacing ``io``, ``runner``,
-  ``inbox``, ``launcher``, ``grammar``, ``grammar_queue``, ``role`` or
-  ``speculator`` afterwards raises ``AttributeError``.
+  ``inbox``, ``launcher``, ``grammar``, ``grammar_queue``, ``role``,
+  ``speculator`` or ``pipeline`` afterwards raises ``AttributeError``.
+  With pipeline stages (``io.pipeline()``) the loop is ``PipelineLoop``
+  (``kvship.engine.scheduler.pipeline``).
 
 Nothing here touches CUDA directly: tensors are built on the runner's device
 and the allocator/cache are CPU bookkeeping, so the scheduler is unit-tested
@@ -53,6 +55,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvship.common.envs import ENV
+from kvship.common.events import (
+    EventBus,
+    FirstToken,
+    ForwardFinished,
+    ForwardStarted,
+    RequestAdmitted,
+    RequestFinished,
+    RequestQueued,
+)
 from kvship.engine.config import ServerArgs
 from kvship.engine.grammar.backend import GrammarBackend, GrammarLimits, GrammarQueue
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
@@ -66,6 +77,7 @@ from kvship.engine.scheduler.io import LocalIO, SchedulerIO
 from kvship.engine.scheduler.kv_budget import KVBudget
 from kvship.engine.scheduler.launch import Launcher, Pending
 from kvship.engine.scheduler.overlap import OverlapLoop
+from kvship.engine.scheduler.pipeline import PipelineLoop
 from kvship.engine.scheduler.policy import SchedulePolicy, SchedulerTuning
 from kvship.engine.scheduler.role import RoleHooks, UnifiedRole
 
@@ -95,8 +107,11 @@ class Scheduler:
         role: Optional[Callable[["Scheduler"], RoleHooks]] = None,
         speculator: Optional[Callable[["Scheduler"], Any]] = None,
         io: Optional[SchedulerIO] = None,
+        events: Optional[EventBus] = None,
     ):
         self.server_args = server_args
+        # typed events of each request's life (kvship.common.events): tracing, metrics and benchmarks listen
+        self.events: EventBus = events or EventBus()
         # one rank, or a rank of a multi-rank worker: chosen here, fixed after (kvship.engine.scheduler.io)
         self.io: SchedulerIO = io or LocalIO()
         self.runner = model_runner
@@ -151,12 +166,18 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stats: dict = {}
         self.overlap: Optional[OverlapLoop] = None
+        self.pipeline: Optional[PipelineLoop] = None
         self.role: RoleHooks = UnifiedRole() if role is None else role(self)
         # speculative decoding (decode/spec): runs every decode batch as a draft -> verify -> accept round
         self.speculator: Optional[Any] = None if speculator is None else speculator(self)
         try:
+            link = self.io.pipeline()
+            if link is not None:  # pipeline stages: micro-batches in flight (kvship.engine.scheduler.pipeline)
+                if self.speculator is not None:
+                    raise ValueError("speculative decoding does not run with pipeline parallelism yet")
+                self.pipeline = PipelineLoop(self, link)
             # decode steps chained on the GPU: CUDA unless --disable-overlap-schedule
-            if self.speculator is None and overlap_enabled(server_args, torch.device(self.device)):
+            elif self.speculator is None and overlap_enabled(server_args, torch.device(self.device)):
                 self.overlap = OverlapLoop(self)
             self.end_step()
         except BaseException:
@@ -165,7 +186,9 @@ class Scheduler:
         self._built = True
 
     # collaborators chosen in the constructor (docs/parallel.md, "The topology"): replacing one afterwards is refused
-    FIXED = frozenset({"io", "runner", "inbox", "launcher", "grammar_queue", "grammar", "role", "speculator"})
+    FIXED = frozenset(
+        {"io", "runner", "inbox", "launcher", "grammar_queue", "grammar", "role", "speculator", "events", "pipeline"}
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in Scheduler.FIXED and self.__dict__.get("_built", False):
@@ -251,6 +274,7 @@ class Scheduler:
             or q.running
             or q.chunked_req is not None
             or (self.overlap is not None and self.overlap.has_pending())
+            or (self.pipeline is not None and self.pipeline.has_pending())
         )
 
     def idle(self) -> bool:
@@ -261,6 +285,8 @@ class Scheduler:
         """One scheduling iteration; returns True when a forward ran."""
         if self.overlap is not None:
             return self.overlap.step(block_s)
+        if self.pipeline is not None:
+            return self.pipeline.step(block_s)
         self.recv(block_s)
         batch: Optional[ScheduleBatch] = None
         try:
@@ -303,25 +329,40 @@ class Scheduler:
                         )
                     )
 
-    def schedule(self) -> Optional[ScheduleBatch]:
-        """The next batch: an extend when waiting requests can be admitted, else a decode; or None."""
+    def schedule(self, busy: Optional[dict[int, Req]] = None, parts: int = 1) -> Optional[ScheduleBatch]:
+        """The next batch: an extend when waiting requests can be admitted, else a decode; or None.
+
+        ``busy`` (the pipeline loop): requests in batches still in flight (by id), which no batch may take;
+        a decode then takes at most ``ceil(running / parts)`` of the others."""
         for req, greq, error in self.grammar_queue.poll():  # requests whose grammar compiled join now
             if error is not None:
                 self.finish(req, FinishReason.abort(error), keep_kv=False)
             else:
                 self._admit(req, greq)
         self.role.before_schedule()
-        batch = self.admission.build_extend()
+        batch = self.admission.build_extend(busy)
         if batch is not None:
             return batch
-        return self.decoder.build()
+        return self.decoder.build(busy, parts)
 
     def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
         """Run ``batch`` on the model without waiting for its tokens (``kvship.engine.scheduler.launch``)."""
         watch = self.role.watch_forward(batch) if batch.forward_mode.is_extend() else None
+        if self.events.active:
+            self._emit_forward_started(batch)
         pending = self.launcher.launch(batch, after, defer_sampling, watch)
         self.counters["extend_steps" if batch.forward_mode.is_extend() else "decode_steps"] += 1
         return pending
+
+    def _emit_forward_started(self, batch: ScheduleBatch) -> None:
+        """``ForwardStarted`` of ``batch``; an extend also admits the requests it starts (their first chunk)."""
+        mode = batch.forward_mode.name.lower()
+        if batch.forward_mode.is_extend():
+            for r in batch.reqs:
+                if not r.output_ids and r.kv_committed_len <= r.cached_tokens:
+                    self.events.emit(RequestAdmitted(rid=r.rid, cached_tokens=r.cached_tokens))
+        tokens = sum(r.extend_input_len for r in batch.reqs) if batch.forward_mode.is_extend() else len(batch.reqs)
+        self.events.emit(ForwardStarted(mode=mode, rids=tuple(r.rid for r in batch.reqs), tokens=tokens))
 
     def sample(self, pending: Pending) -> None:
         """Queue the sampler of a step launched with ``defer_sampling`` once its grammar masks are filled
@@ -333,6 +374,10 @@ class Scheduler:
         ids, lps, tops = pending.results()
         batch = pending.batch
         extend = batch.forward_mode.is_extend()
+        if self.events.active:
+            self.events.emit(
+                ForwardFinished(mode=batch.forward_mode.name.lower(), rids=tuple(r.rid for r in batch.reqs))
+            )
         q = self.queues
         j = -1
         for req, sampled in zip(batch.reqs, batch.sample_mask):
@@ -347,6 +392,8 @@ class Scheduler:
                 q.chunked_req = None
             lp = lps[j] if lps is not None else None
             top = tops[j] if tops is not None else None
+            if extend and self.events.active and not req.output_ids:
+                self.events.emit(FirstToken(rid=req.rid))
             if extend and self.role.on_prompt_done(req, ids[j], lp, top):
                 continue
             req.append_token(ids[j], self.tokenizer, lp, top)
@@ -381,6 +428,8 @@ class Scheduler:
     # ------------------------------------------------------------ admission
     def _reject(self, greq: GenerateRequest, message: str) -> None:
         self.counters["rejected"] += 1
+        if self.events.active:
+            self.events.emit(RequestFinished(rid=greq.rid, reason="abort", message=message))
         self._outbox.append(
             TokenChunk(
                 rid=greq.rid,
@@ -425,9 +474,13 @@ class Scheduler:
         if greq.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishReason.of_length(0)
             self.counters["finished"] += 1
+            if self.events.active:
+                self.events.emit(RequestFinished(rid=req.rid, reason="length"))
             self.emit(req)
             return
         self.reqs[req.rid] = req
+        if self.events.active:
+            self.events.emit(RequestQueued(rid=req.rid, prompt_tokens=n))
         if greq.sampling_params.grammar_key is not None:
             self.grammar_queue.add(req, greq)  # admitted by ``schedule`` once its grammar compiled
             return
@@ -455,6 +508,12 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason, keep_kv: bool = True) -> None:
         """Finish ``req`` with ``reason``; its computed KV goes to the cache unless ``keep_kv`` is False."""
         req.finished_reason = reason
+        if self.events.active:
+            self.events.emit(
+                RequestFinished(
+                    rid=req.rid, reason=str(reason.kind), message=reason.message, completion_tokens=len(req.output_ids)
+                )
+            )
         self.role.on_finish(req)
         self.queues.detach(req)
         if req.req_pool_idx is not None:
@@ -491,6 +550,8 @@ class Scheduler:
         """The loop is exiting: close the role's stages, reject queued submits, abort every request."""
         if self.overlap is not None:
             self.overlap.drop()
+        if self.pipeline is not None:
+            self.pipeline.drop()
         self.launcher.close()
         try:
             self.role.close(message)
@@ -557,6 +618,9 @@ class Scheduler:
         req.kv_committed_len = req.kv_allocated_len
         self.admission.count_admission(req, from_cache=False)
         self.reqs[req.rid] = req
+        if self.events.active:
+            self.events.emit(RequestAdmitted(rid=req.rid))
+            self.events.emit(FirstToken(rid=req.rid))
         req.append_token(first_token_id, self.tokenizer, logprob, top_logprobs)
         self.counters["generation_tokens"] += 1
         if req.finished:
@@ -592,4 +656,5 @@ class Scheduler:
             "new_token_ratio": self.kv.new_token_ratio,
             **self.role.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.pipeline.stats() if self.pipeline is not None else {}),
         }

@@ -7,13 +7,19 @@ least progress first.  A retracted request's computed KV goes to the prefix
 cache and it returns to the front of the waiting queue, to be recomputed
 (mostly from the cache) later.  A request that cannot decode even alone is
 finished with an abort naming the pool size.
+
+With ``busy`` (the pipeline loop: requests of batches in flight) a batch
+takes only requests not in flight, at most ``ceil(running / parts)`` of
+them, so the running requests spread over ``parts`` micro-batches; the
+caller first processes every batch in flight when a retraction may be
+needed (a request in flight is never retracted).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from kvship.engine.forward_batch import ForwardMode
 from kvship.engine.io_struct import FinishReason
@@ -33,17 +39,25 @@ class DecodeBatcher:
         self.counters = counters
         self.finish = finish
 
-    def build(self) -> Optional[ScheduleBatch]:
-        """A decode batch of every running request, retracting until its step fits; None when none runs."""
+    def build(self, busy: Optional[Mapping[int, Req]] = None, parts: int = 1) -> Optional[ScheduleBatch]:
+        """A decode batch of every running request (``busy``: see the module docstring), retracting until its
+        step fits; None when none runs."""
         q, kv = self.q, self.budget
         while q.running:
             if kv.shortfall_after_evict(kv.decode_need(q.running)) <= 0:
                 break
+            if busy:
+                raise RuntimeError("a decode with requests in flight would retract: process them first")
             self.retract_one()
-        if not q.running:
+        reqs = list(q.running)
+        if busy:
+            reqs = [r for r in reqs if id(r) not in busy]
+        if parts > 1:
+            reqs = reqs[: -(-len(q.running) // parts)]
+        if not reqs:
             return None
         kv.decay()
-        return ScheduleBatch(list(q.running), ForwardMode.DECODE)
+        return ScheduleBatch(reqs, ForwardMode.DECODE)
 
     def retract_one(self) -> None:
         """Free KV for decode: retract the request with the least progress (or fail a lone one)."""

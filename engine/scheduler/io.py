@@ -26,6 +26,24 @@ fixed afterwards (``Scheduler`` refuses to have them replaced).
   - ``LockstepGrammarQueue``: only rank 0 compiles; its ``GrammarReady``
     goes through the inbox, so every rank admits the request at one step.
 
+* ``PipelineIO(link, tp, on_stop)`` (every rank of a worker with
+  ``--pp-size`` > 1; ``link`` is the rank's ``StageLink``): every rank of
+  every stage runs the same scheduler on the same inputs, so the stages
+  agree on every micro-batch without further messages.
+
+  - ``PipelineInbox``: each ``drain`` the leader sends its list to every
+    other rank without waiting (``StageLink.send_inbox``); the others
+    receive it.  A stage busy with an earlier micro-batch thus never holds
+    the leader up.  ``StopRanks`` as in ``BroadcastInbox`` (it also marks
+    the link ``stopped``: the rest of that step is skipped).
+  - the sampler of the last stage is ``RankZeroSampler`` over its TP group
+    (the other stages never sample: their steps are resolved with the last
+    stage's results, ``kvship.engine.scheduler.pipeline``).
+  - ``LockstepGrammarQueue`` led by the leader, through the inbox.
+
+  ``pipeline()`` returns the link: the scheduler then runs its
+  ``PipelineLoop``.
+
 Contract: only the scheduler thread calls ``drain`` and ``close`` (the one
 thread that runs collectives); ``put`` may come from any thread, on rank 0.
 """
@@ -44,6 +62,7 @@ from kvship.engine.scheduler.inbox import GrammarReady, Inbox, Message
 
 if TYPE_CHECKING:
     from kvship.engine.distributed.communicator import Communicator
+    from kvship.engine.distributed.pipeline import StageLink
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +81,11 @@ class SchedulerIO(ABC):
     @abstractmethod
     def make_grammar_queue(self, backend: GrammarBackend, inbox: Any) -> GrammarQueue:
         """The queue constrained requests wait in until their grammar is ready."""
+
+    def pipeline(self) -> Optional["StageLink"]:
+        """The rank's pipeline link when the worker has several stages (the scheduler runs its
+        ``PipelineLoop``), else None."""
+        return None
 
 
 class LocalIO(SchedulerIO):
@@ -173,6 +197,71 @@ class BroadcastIO(SchedulerIO):
         )
 
 
-def scheduler_io(comm: Optional["Communicator"], on_stop: Callable[[], None]) -> SchedulerIO:
-    """``BroadcastIO`` over ``comm`` (a TP communicator of several ranks), else ``LocalIO``."""
+class PipelineInbox(BroadcastInbox):
+    """The inbox of a rank of a pipeline-parallel worker (module docstring)."""
+
+    def __init__(self, link: "StageLink", on_stop: Callable[[], None]):
+        super().__init__(link.world, on_stop)
+        self.link = link
+
+    def drain(self, block_s: float = 0.0) -> list[Message]:
+        """This step's messages, the same on every rank (the leader sends, the others receive)."""
+        if self.link.is_leader:
+            msgs = self.local.drain(block_s)
+            self.link.send_inbox(msgs)
+            return msgs
+        msgs = self.link.recv_inbox()
+        if isinstance(msgs, StopRanks):
+            logger.info("rank 0 stopped (%s): leaving the loop", msgs.reason)
+            self.link.stopped = True
+            self._on_stop()
+            return []
+        return msgs
+
+    def close(self, reason: str = "server is shutting down") -> None:
+        from kvship.engine.distributed.communicator import RankLost
+
+        self.local.close()
+        if self.link.is_leader and not self._closed:
+            self._closed = True
+            try:
+                self.link.send_inbox(StopRanks(reason))
+                self.link.flush()
+            except (Exception, RankLost) as e:  # noqa: BLE001 - a rank is gone already: nothing to tell it
+                logger.warning("could not tell the other ranks to stop: %s", e)
+            self._on_stop()
+
+
+class PipelineIO(SchedulerIO):
+    """Every rank of a pipeline-parallel worker (module docstring); ``tp``: the rank's TP communicator."""
+
+    def __init__(self, link: "StageLink", tp: Optional["Communicator"], on_stop: Callable[[], None]):
+        self.link = link
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.on_stop = on_stop
+
+    def make_inbox(self) -> PipelineInbox:
+        return PipelineInbox(self.link, self.on_stop)
+
+    def wrap_sampler(self, sampler: Any) -> Any:
+        return sampler if self.tp is None else RankZeroSampler(sampler, self.tp)
+
+    def make_grammar_queue(self, backend: GrammarBackend, inbox: Any) -> GrammarQueue:
+        return LockstepGrammarQueue(
+            backend,
+            leader=self.link.is_leader,
+            publish=lambda rid, serialized, error: inbox.put(GrammarReady(rid, serialized, error)),
+        )
+
+    def pipeline(self) -> "StageLink":
+        return self.link
+
+
+def scheduler_io(
+    comm: Optional["Communicator"], on_stop: Callable[[], None], link: Optional["StageLink"] = None
+) -> SchedulerIO:
+    """``PipelineIO`` when the worker has pipeline stages (``link``: the model runner's ``pipeline``), else
+    ``BroadcastIO`` over ``comm`` (a TP communicator of several ranks), else ``LocalIO``."""
+    if link is not None:
+        return PipelineIO(link, comm, on_stop)
     return LocalIO() if comm is None or comm.size == 1 else BroadcastIO(comm, on_stop)

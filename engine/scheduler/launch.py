@@ -51,6 +51,10 @@ Contract:
   meanwhile has its KV released as usual (its row is sampled and dropped).
   A step that fails in between is given up with ``abandon``.  Without
   ``defer_sampling``, or with no mask to fill, the launch samples at once.
+* A pipeline stage before the last (its runner returns a ``StageOutput``)
+  samples nothing: its ``Pending`` is ``remote`` and gets the last stage's
+  results through ``resolve`` before it is processed
+  (``kvship.engine.scheduler.pipeline``).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvship.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode, StageOutput, build_forward_batch
 from kvship.engine.grammar.mask import MaskFill, MaskFiller, apply_bitmask, fill_bitmask
 from kvship.engine.sampler import SampleOutput, SamplingBatchInfo
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -102,12 +106,26 @@ class Pending:
     event: Optional[Any]  # torch.cuda.Event recorded after the copies (None off CUDA)
     index: dict[int, int]  # id(req) -> row in next_ids (decode batches)
     sampling: Optional[DeferredSampling] = None  # set while the sampler is not queued yet (``defer_sampling``)
+    remote: bool = False  # sampled by a later pipeline stage: its results come through ``resolve``
     _results: Optional[Results] = None  # ``results()``, once read
+
+    @property
+    def awaiting_results(self) -> bool:
+        """A ``remote`` step not resolved yet."""
+        return self.remote and self._results is None
+
+    def resolve(self, results: Results) -> None:
+        """A ``remote`` step's results, as the last pipeline stage sampled them."""
+        if not self.remote:
+            raise RuntimeError("only a step sampled by a later pipeline stage is resolved from outside")
+        self._results = results
 
     def results(self) -> Results:
         """Wait for the host copies; (ids, logprobs, top logprobs) per sampled request, in batch order."""
         if self.sampling is not None:
             raise RuntimeError("this step is not sampled yet: Launcher.sample(pending) first")
+        if self.remote and self._results is None:
+            raise RuntimeError("this step is sampled by the last pipeline stage: resolve it with its results first")
         if self._results is None:
             if self.event is not None:
                 self.event.synchronize()
@@ -165,18 +183,23 @@ class Launcher:
             batch.prepare_for_extend(runner.allocator, runner.req_to_token_pool, self.cache)
             fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
         reqs = batch.sampling_reqs
-        info = self._sampling_info(reqs) if reqs else None
         try:
             if watch is not None:
                 fb.layer_done = watch.start()
             with torch.inference_mode():
-                logits = runner.forward(fb).next_token_logits[:, : self.vocab_size]
+                out = runner.forward(fb)
         except BaseException:
             if watch is not None:
                 watch.end(False)
             raise
         if watch is not None:
             watch.end(True)
+        index = {id(r): j for j, r in enumerate(reqs)}
+        if isinstance(out, StageOutput):  # an earlier pipeline stage: the last one samples (module docstring)
+            batch.commit()
+            return Pending(batch=batch, next_ids=None, host=None, top_nums=[], event=None, index=index, remote=True)
+        info = self._sampling_info(reqs) if reqs else None
+        logits = out.next_token_logits[:, : self.vocab_size]
         if logits.shape[0] != len(reqs):
             raise RuntimeError(f"model returned {logits.shape[0]} logits rows for {len(reqs)} requests")
         batch.commit()
@@ -186,7 +209,7 @@ class Launcher:
             host=None,
             top_nums=[] if info is None else info.top_logprobs_nums,
             event=None,
-            index={id(r): j for j, r in enumerate(reqs)},
+            index=index,
         )
         if info is None:
             pending.event = self._record_event()
