@@ -58,13 +58,15 @@ def fp8_dirs(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def make_runner(model_path: str, backend: str, page_size: int, graphs: bool = False) -> ModelRunner:
+def make_runner(
+    model_path: str, backend: str, page_size: int, graphs: bool = False, kv_cache_dtype: str = "fp8_e4m3"
+) -> ModelRunner:
     return ModelRunner(
         ServerArgs(
             model_path=model_path,
             device="cuda" if HAS_CUDA else "cpu",
             dtype="bfloat16" if HAS_CUDA else "float32",
-            kv_cache_dtype="fp8_e4m3",
+            kv_cache_dtype=kv_cache_dtype,
             attention_backend=backend,
             page_size=page_size,
             max_total_tokens=8192,
@@ -77,22 +79,42 @@ def make_runner(model_path: str, backend: str, page_size: int, graphs: bool = Fa
     )
 
 
-_REFS: dict[tuple[str, int], list[torch.Tensor]] = {}
+_REFS: dict[tuple[str, int, str], list[torch.Tensor]] = {}
 
 
-def check(model_path: str, backend: str, page_size: int, driver_cls) -> None:
-    key = (model_path, page_size)
+def _reference(model_path: str, page_size: int, driver_cls, kv: str) -> list[torch.Tensor]:
+    key = (model_path, page_size, kv)
     if key not in _REFS:
-        ref = make_runner(model_path, "torch_native", page_size)
-        assert ref.kv_pool.dtype == torch.float8_e4m3fn and ref.kv_pool.k_scales[1] == pytest.approx(0.025)
+        ref = make_runner(model_path, "torch_native", page_size, kv_cache_dtype=kv)
+        if kv == "fp8_e4m3":
+            assert ref.kv_pool.dtype == torch.float8_e4m3fn and ref.kv_pool.k_scales[1] == pytest.approx(0.025)
         _REFS[key] = run_scenario(ref, driver_cls)
         del ref
         gc.collect()
+    return _REFS[key]
+
+
+def check(model_path: str, backend: str, page_size: int, driver_cls) -> None:
+    want = _reference(model_path, page_size, driver_cls, "fp8_e4m3")
     runner = make_runner(model_path, backend, page_size)
     got = run_scenario(runner, driver_cls)
     del runner
     gc.collect()
-    assert_close(got, _REFS[key], 3e-2 if HAS_CUDA else 1e-4)
+    if not HAS_CUDA:
+        assert_close(got, want, 1e-4)
+        return
+    # bf16 on the GPU: a backend's attention output differs from the reference's in bf16 rounding, and the next
+    # layer's K/V then round to a neighbouring e4m3 value here and there (a jump of up to 1/16 of the value), so
+    # two correct implementations differ by a fraction of the FP8 KV quantization error itself.  Bound: 3e-2, or
+    # 0.75x the reference's own distance from the same model with a bf16 pool where that is larger (a wrong
+    # scale or layout moves the logits by far more than the whole quantization error).
+    unquantized = _reference(model_path, page_size, driver_cls, "auto")
+    names = ["extend", "extend over prefix"] + [f"decode {i}" for i in range(len(want) - 2)]
+    for name, g, w, u in zip(names, got, want, unquantized):
+        assert g.shape == w.shape and torch.isfinite(g).all(), name
+        rel = ((g - w).norm() / w.norm()).item()
+        quant = ((w - u).norm() / u.norm()).item()
+        assert rel < max(3e-2, 0.75 * quant), f"{name}: relative error {rel:.2e} (FP8 KV error {quant:.2e})"
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
