@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kvship.operator.builders import CHILD_KINDS, instance_labels
+from kvship.operator.builders.groups import LWS_API_VERSION, LWS_KIND, any_grouped
 from kvship.operator.kube import KubeApiError, KubeClient
 from kvship.operator.spec import ServiceConfig
 
@@ -193,6 +194,8 @@ async def prune(
         try:
             existing = await client.list(api_version, kind, cfg.namespace, selector)
         except KubeApiError as e:
+            if e.status == 404:  # a kind the cluster does not serve (LeaderWorkerSet without its CRD): none exist
+                continue
             result.errors.append(f"listing {kind}: {e.status} {e.reason}: {e.message}")
             continue
         for obj in existing:
@@ -207,11 +210,21 @@ async def prune(
 
 
 async def observe_children(client: KubeClient, cfg: ServiceConfig) -> dict[tuple[str, str], dict]:
-    """The live Deployments and Services of the service, keyed ``(kind, name)``."""
+    """The live workloads (Deployments; StatefulSets and LeaderWorkerSets of worker groups) and Services of the
+    service, keyed ``(kind, name)``."""
     selector = ",".join(f"{k}={v}" for k, v in sorted(instance_labels(cfg).items()))
     out: dict[tuple[str, str], dict] = {}
-    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
-        for obj in await client.list(api_version, kind, cfg.namespace, selector):
+    kinds = [("apps/v1", "Deployment"), ("v1", "Service")]
+    if any_grouped(cfg):
+        kinds += [("apps/v1", "StatefulSet"), (LWS_API_VERSION, LWS_KIND)]
+    for api_version, kind in kinds:
+        try:
+            listed = await client.list(api_version, kind, cfg.namespace, selector)
+        except KubeApiError as e:
+            if e.status == 404 and kind == LWS_KIND:  # the cluster has no LeaderWorkerSet CRD
+                continue
+            raise
+        for obj in listed:
             if owned_by(obj, cfg.uid):
                 out[(kind, obj["metadata"]["name"])] = obj
     return out

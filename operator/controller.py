@@ -11,13 +11,15 @@ child events, carries the router-derived status over.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvship.operator.apply import ApplyResult, apply_children, merged_with_nulls, observe_children, removed_fields
 from kvship.operator.builders import Images, Network, build_children, instance_labels, worker_revision
 from kvship.operator.builders.common import ROLE_LABEL
+from kvship.operator.builders.groups import GROUP_PODS_ANNOTATION, LWS_API_VERSION, LWS_KIND, any_grouped
 from kvship.operator.credentials import ensure_credentials
+from kvship.operator.groups import GROUP_KINDS, group_restarts
 from kvship.operator.kube import KubeApiError, KubeClient
 from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.rollout import (
@@ -51,6 +53,7 @@ class Outcome:
     plan: Optional[RolloutPlan] = None
     retired: list[str] = field(default_factory=list)  # revisions whose Deployments were deleted on this pass
     gates: list[str] = field(default_factory=list)  # "pod=True|False" for every gate condition set
+    group_restarts: list[str] = field(default_factory=list)  # StatefulSet groups restarted on this pass
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,38 @@ def old_worker_revisions(cfg: ServiceConfig, revision: str, children: dict[tuple
     return [r for r, rs in revision_sets(children).items() if r != revision and set(rs.deployments) - {"unified"}]
 
 
+async def serves_leader_worker_set(client: KubeClient) -> bool:
+    """Whether the cluster serves ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSets (its CRD is installed)."""
+    try:
+        found = await client.request("GET", f"/apis/{LWS_API_VERSION}")
+    except KubeApiError as e:
+        if e.status in (404, 503):
+            return False
+        raise
+    return any(r.get("kind") == LWS_KIND for r in (found or {}).get("resources") or [])
+
+
+async def restart_groups(client: KubeClient, cfg: ServiceConfig, children: dict, out: "Outcome") -> None:
+    """The StatefulSet fallback's RecreateGroupOnPodRestart (kvship.operator.groups.group_restarts)."""
+    statefulsets = [obj for (kind, _), obj in children.items() if kind == "StatefulSet"]
+    if not statefulsets:
+        return
+    selector = ",".join(f"{k}={v}" for k, v in sorted(instance_labels(cfg).items()))
+    pods = await client.list("v1", "Pod", cfg.namespace, selector)
+    for action in group_restarts(statefulsets, pods):
+        note = {"metadata": {"annotations": {GROUP_PODS_ANNOTATION: action.record}}}
+        await client.merge_patch("apps/v1", "StatefulSet", cfg.namespace, action.statefulset, note)
+        for pod in action.delete:
+            try:
+                await client.delete("v1", "Pod", cfg.namespace, pod)
+            except KubeApiError as e:
+                if e.status != 404:
+                    raise
+        if action.delete:
+            log.info("%s/%s: %s", cfg.namespace, cfg.name, action.reason)
+            out.group_restarts.append(action.statefulset)
+
+
 def keeps_old_revision(cfg: ServiceConfig, revision: str):
     """The predicate that spares other revisions' PD worker Deployments from pruning (the rollout owns them)."""
 
@@ -95,7 +130,7 @@ def keeps_old_revision(cfg: ServiceConfig, revision: str):
         labels = (obj.get("metadata") or {}).get("labels") or {}
         return (
             not cfg.unified
-            and kind == "Deployment"
+            and kind in ("Deployment",) + GROUP_KINDS
             and labels.get(ROLE_LABEL) in ("prefill", "decode")
             and labels.get(REVISION_LABEL, LEGACY) != revision
         )
@@ -117,13 +152,15 @@ async def retire(client: KubeClient, cfg: ServiceConfig, revision: str, children
             ):
                 await client.delete("apps/v1", "Deployment", cfg.namespace, name)
     else:
-        await client.delete_collection(
-            "apps/v1", "Deployment", cfg.namespace, f"{selector},{REVISION_LABEL}={revision}"
-        )
+        kinds = {key[0] for key, obj in children.items() if key[0] in GROUP_KINDS}
+        for api_version, kind in [("apps/v1", "Deployment")] + [
+            (LWS_API_VERSION if kind == LWS_KIND else "apps/v1", kind) for kind in sorted(kinds)
+        ]:
+            await client.delete_collection(api_version, kind, cfg.namespace, f"{selector},{REVISION_LABEL}={revision}")
     for key, obj in list(children.items()):
         labels_of = (obj.get("metadata") or {}).get("labels") or {}
         if (
-            key[0] == "Deployment"
+            key[0] in ("Deployment",) + GROUP_KINDS
             and labels_of.get(ROLE_LABEL) in ("prefill", "decode")
             and labels_of.get(REVISION_LABEL, LEGACY) == revision
         ):
@@ -175,9 +212,15 @@ async def reconcile(
     if creds.errors:
         out.applied = ApplyResult(errors=list(creds.errors))
     else:
+        if any_grouped(cfg):  # worker groups: LeaderWorkerSets where the cluster serves them, else StatefulSets
+            network = replace(network, leader_worker_set=await serves_leader_worker_set(client))
         desired = build_children(cfg, images, network, creds.digest)
         out.applied = await apply_children(client, cfg, desired, keep=keeps_old_revision(cfg, revision))
     children = await observe_children(client, cfg)
+    try:
+        await restart_groups(client, cfg, children, out)
+    except KubeApiError as e:
+        out.applied.errors.append(f"restarting worker groups: {e.status} {e.reason}: {e.message}")
     router_dep = children.get(("Deployment", f"{cfg.name}-router"))
     router_ready = role_state("router", router_dep).ready > 0
     if router_access is not None and router_ready and creds.worker_key:

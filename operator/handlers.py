@@ -11,7 +11,8 @@
   on every object that has a timer) reconciles every InferenceService each
   ``--resync-interval`` seconds: drifted children are re-applied, the router is
   read (pods' in-rotation gates, drained revisions retired, ``status.slo``),
-  status refreshed.
+  status refreshed; services in ``spec.autoscaling.mode: slo`` then get a planner pass
+  (kvship.operator.planner_loop).
 * events of the Deployments the operator manages (watched with a server-side label
   selector, so only those are streamed): refresh the owner's status.
 * no delete handler and no finalizer: children carry owner references, so the
@@ -31,6 +32,7 @@ from kvship.operator.builders import MANAGED_BY, Images
 from kvship.operator.config import OperatorConfig
 from kvship.operator.controller import RouterAccess, reconcile, refresh_status
 from kvship.operator.kube import KubeApiError, KubeClient, connection_info, load_auth
+from kvship.operator.planner_loop import PlannerLoop
 
 RESOURCE = ("kvship.io", "v1alpha1", "inferenceservices")
 RETRY_DELAY = 20.0
@@ -129,6 +131,7 @@ async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images
     read its router (gates, rollouts, ``status.slo``), refresh its status."""
     namespaces: list[Optional[str]] = [None] if config.clusterwide else list(config.namespace)
     routers = _router_access(config)
+    planners = PlannerLoop()
     while True:
         await asyncio.sleep(config.resync_interval)
         for ns in namespaces:
@@ -147,6 +150,11 @@ async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images
                         "resync of %s/%s failed: %s", body["metadata"].get("namespace"), body["metadata"]["name"], e
                     )
                     continue
+                if outcome.config is not None and outcome.revision is not None:
+                    try:  # spec.autoscaling.mode slo: scale the current revision's roles from the router's figures
+                        await planners.plan(client, outcome.config, outcome.revision, outcome.router)
+                    except Exception as e:  # the next pass plans again
+                        log.warning("planner of %s/%s failed: %s", outcome.config.namespace, outcome.config.name, e)
                 for rev in outcome.retired:
                     log.info(
                         "%s/%s: revision %s drained, its Deployments deleted",

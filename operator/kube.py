@@ -28,6 +28,8 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Pod"): ("pods", True),
     ("v1", "Event"): ("events", True),
     ("apps/v1", "Deployment"): ("deployments", True),
+    ("apps/v1", "StatefulSet"): ("statefulsets", True),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
     ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),

@@ -9,7 +9,8 @@ the spec alone:
   the worker image (it decides the engine version, and for an absolute path or
   ``builtin:`` model also the weights themselves);
 * the numerics: ``model.dtype``, ``engine.kvCacheDtype``, ``engine.attentionBackend``;
-* the layout: each role's ``tensorParallelSize`` and ``expertParallelSize``;
+* the layout: each role's ``tensorParallelSize`` and ``expertParallelSize`` (and ``nodesPerReplica`` above 1:
+  a worker group is another workload kind, so it rolls out as a new set beside the old one);
 * the flags among ``engine.extraArgs`` and the roles' ``extraArgs`` that change
   weights or KV (:data:`REVISION_FLAGS`, e.g. ``--page-size``), with their values.
 
@@ -77,6 +78,12 @@ def revision_parts(cfg: ServiceConfig, worker_image: str) -> dict[str, Any]:
                 # set only (an unset override leaves the revisions of existing services as they were)
                 **_set_only(
                     kvCacheDtype=getattr(spec, role).kv_cache_dtype, quantization=getattr(spec, role).quantization
+                ),
+                # groups run as other workload kinds: a change of nodesPerReplica is a new worker set beside the old
+                **(
+                    {"nodes": getattr(spec, role).nodes_per_replica}
+                    if getattr(spec, role).nodes_per_replica > 1
+                    else {}
                 ),
             }
             for role in roles

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvship.operator.builders.common import IN_ROTATION_GATE, PORT_ANNOTATION, ROLE_LABEL, WORKER_PORT
+from kvship.operator.groups import GROUP_KINDS, group_base, leader_of, role_workload
 from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.router_client import RouterView
 
@@ -56,13 +57,15 @@ class RevisionSet:
 def revision_sets(children: dict[tuple[str, str], dict]) -> dict[str, RevisionSet]:
     """Live worker Deployments grouped by their ``kvship.io/revision`` label."""
     out: dict[str, RevisionSet] = {}
-    for (kind, _), obj in children.items():
+    for (kind, name), obj in children.items():
         labels = (obj.get("metadata") or {}).get("labels") or {}
         role = labels.get(ROLE_LABEL)
-        if kind != "Deployment" or role not in WORKER_ROLES:
+        if kind not in ("Deployment",) + GROUP_KINDS or role not in WORKER_ROLES:
             continue
         rev = labels.get(REVISION_LABEL, LEGACY)
-        out.setdefault(rev, RevisionSet(rev)).deployments[role] = obj
+        # worker groups (LeaderWorkerSet / StatefulSets) count in groups, shaped like a Deployment (groups.py)
+        workload = obj if kind == "Deployment" else role_workload(children, group_base(kind, name))
+        out.setdefault(rev, RevisionSet(rev)).deployments[role] = workload
     return out
 
 
@@ -145,11 +148,18 @@ def gate_updates(pods: list[dict], router: Optional[RouterView]) -> list[GateUpd
     if router is None or not router.reachable:
         return []
     out = []
+    by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
     for pod in pods:
         meta = pod.get("metadata") or {}
         if not has_gate(pod) or meta.get("deletionTimestamp"):
             continue
-        entry = router.in_rotation(meta["name"], pod_url(pod))
+        # a worker group's other pods serve no HTTP: they are in rotation through their leader (groups.py)
+        leader = by_name.get(leader_of(pod)) if leader_of(pod) else None
+        if leader_of(pod) and leader is None:
+            entry = None
+        else:
+            target = leader if leader is not None else pod
+            entry = router.in_rotation(target["metadata"]["name"], pod_url(target))
         want = "True" if entry is not None else "False"
         current = (pod_condition(pod, IN_ROTATION_GATE) or {}).get("status")
         if current == want:
@@ -202,6 +212,7 @@ def router_synced(pods: list[dict], target: str, router: Optional[RouterView], r
         and not (p.get("metadata") or {}).get("deletionTimestamp")
         and (pod_condition(p, "ContainersReady") or {}).get("status") == "True"
     ]
+    running = [p for p in running if leader_of(p) is None]  # group members are in rotation through their leader
     missing = [p["metadata"]["name"] for p in running if router.in_rotation(p["metadata"]["name"], pod_url(p)) is None]
     if missing:
         return SyncSummary(

@@ -123,6 +123,14 @@ def parse_service(body: dict, allowed_image_prefixes: tuple[str, ...] = ()) -> S
         spec = None
     if spec is not None:
         errors.extend(cross_field_errors(spec))
+        grouped = spec.decode.nodes_per_replica > 1 or (
+            spec.prefill.replicas > 0 and spec.prefill.nodes_per_replica > 1
+        )
+        if grouped and len(name) > MAX_GROUP_NAME_LENGTH:
+            errors.append(
+                f"metadata.name: {name!r} is longer than {MAX_GROUP_NAME_LENGTH} characters, the most that leaves "
+                "room for the pod names of multi-node worker groups (nodesPerReplica > 1)"
+            )
         errors.extend(image_errors(spec, allowed_image_prefixes))
     if errors:
         raise SpecError(errors)
@@ -166,6 +174,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
         )
     if spec.router.autoscaling is not None:
         errors.extend(_autoscaling_errors("spec.router.autoscaling", spec.router.autoscaling))
+    errors.extend(planner_errors(spec))
     sp = spec.decode.speculative
     if sp is not None:
         if sp.algorithm in ("eagle", "draft") and not sp.draft_model:
@@ -187,6 +196,37 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     if spec.model.cache_volume_claim and spec.model.uri.startswith("pvc://"):
         if spec.model.uri[len("pvc://") :].split("/", 1)[0] == spec.model.cache_volume_claim:
             errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
+    return errors
+
+
+def slo_mode(spec: InferenceServiceSpec) -> bool:
+    """``spec.autoscaling.mode`` is slo: the planner (kvship.operator.planner), not HPAs, scales worker roles."""
+    return spec.autoscaling is not None and spec.autoscaling.mode == "slo"
+
+
+def planner_errors(spec: InferenceServiceSpec) -> list[str]:
+    """slo mode needs the targets that drive each scaled role and at least one scaled role."""
+    if not slo_mode(spec):
+        return []
+    slo = spec.slo
+    ttft = slo is not None and slo.ttft_p90_ms is not None
+    itl = slo is not None and slo.itl_p50_ms is not None
+    errors = []
+    if spec.prefill.replicas == 0:
+        if spec.decode.autoscaling is None:
+            errors.append("spec.decode.autoscaling: slo mode needs minReplicas/maxReplicas on the unified workers")
+        elif not (ttft or itl):
+            errors.append("spec.slo: slo mode needs ttftP90Ms or itlP50Ms")
+        return errors
+    if spec.prefill.autoscaling is None and spec.decode.autoscaling is None:
+        errors.append(
+            "spec.autoscaling.mode: slo scales the roles with autoscaling (minReplicas/maxReplicas); "
+            "neither spec.prefill.autoscaling nor spec.decode.autoscaling is set"
+        )
+    if spec.prefill.autoscaling is not None and not ttft:
+        errors.append("spec.slo.ttftP90Ms: slo mode scales prefill from TTFT and needs this target")
+    if spec.decode.autoscaling is not None and not itl:
+        errors.append("spec.slo.itlP50Ms: slo mode scales decode from ITL and needs this target")
     return errors
 
 
@@ -247,21 +287,43 @@ def _role_errors(role: str, r: WorkerRole) -> list[str]:
             f"{r.tensor_parallel_size}"
         )
     gpus = _gpu_count(r.resources)
-    if gpus is not None and gpus != r.tensor_parallel_size:
+    nodes = r.nodes_per_replica
+    per_pod = r.tensor_parallel_size // nodes  # a worker's GPUs are split evenly over its pods
+    if nodes > 1:
+        errors.extend(_group_errors(base, r))
+    if r.tensor_parallel_size % nodes == 0 and gpus is not None and gpus != per_pod:
         errors.append(
             f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
-            f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs)"
+            f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs"
+            + (f", {per_pod} on each of its {nodes} pods)" if nodes > 1 else ")")
         )
-    if gpus is None and r.tensor_parallel_size > 1:
-        errors.append(
-            f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits "
-            f"{GPU}: {r.tensor_parallel_size}"
-        )
+    elif r.tensor_parallel_size % nodes == 0 and gpus is None and per_pod > 1:
+        errors.append(f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits {GPU}: {per_pod}")
     for part in ("limits", "requests"):
         if GPU in (r.resources.get(part) or {}) and part == "requests" and GPU not in (r.resources.get("limits") or {}):
             errors.append(f"{base}.resources.limits: {GPU} must be set in limits (extended resources)")
     if r.autoscaling is not None:
         errors.extend(_autoscaling_errors(f"{base}.autoscaling", r.autoscaling))
+    return errors
+
+
+# Longest group pod name: NAME-prefill-<12-hex revision>-g<replica>-<rank> (StatefulSet fallback), a DNS label.
+MAX_GROUP_NAME_LENGTH = 63 - len("-prefill-") - 12 - len("-g999-99")
+
+
+def _group_errors(base: str, r: WorkerRole) -> list[str]:
+    """nodesPerReplica > 1 (docs/operator.md, "Multi-node worker groups")."""
+    errors = []
+    n = r.nodes_per_replica
+    if r.tensor_parallel_size % n:
+        errors.append(
+            f"{base}.nodesPerReplica: {n} must divide tensorParallelSize {r.tensor_parallel_size} (each pod of a "
+            "group runs the same number of ranks)"
+        )
+    if r.autoscaling is not None:
+        errors.append(
+            f"{base}.autoscaling: not supported with nodesPerReplica > 1 (groups are scaled by replicas); remove it"
+        )
     return errors
 
 

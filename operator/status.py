@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvship.operator.builders.common import child_name, deployment_name, worker_roles
+from kvship.operator.groups import role_workload
 from kvship.operator.rollout import RolloutPlan, SyncSummary, revision_sets
 from kvship.operator.router_client import RouterView
 from kvship.operator.spec import ServiceConfig
@@ -270,7 +271,7 @@ def compute_status(
         return deployment_name(cfg, role, rev) if rev is not None else child_name(cfg, role)
 
     states = {
-        role: role_state(role, children.get(("Deployment", dep_name(role)))) for role in worker_roles(cfg) + ("router",)
+        role: role_state(role, role_workload(children, dep_name(role))) for role in worker_roles(cfg) + ("router",)
     }
     conditions = [cond("Valid", True, "SpecValid", f"{cfg.mode} mode, serving {cfg.served_name}")]
     role_conds = {}
@@ -316,12 +317,16 @@ def compute_status(
         else:
             conditions.append(cond("SLOMet", *slo_condition(cfg.spec.slo, slo)))
     decode_state = states["unified" if cfg.unified else "decode"]
+
+    def role_status(state: RoleState, nodes: int) -> dict[str, Any]:  # counts are groups when nodes > 1
+        return dict(state.as_status(), nodesPerReplica=nodes) if nodes > 1 else state.as_status()
+
     out: dict[str, Any] = {
         "phase": phase,
         "mode": cfg.mode,
         "conditions": conditions,
-        "prefill": empty if cfg.unified else states["prefill"].as_status(),
-        "decode": decode_state.as_status(),
+        "prefill": empty if cfg.unified else role_status(states["prefill"], cfg.spec.prefill.nodes_per_replica),
+        "decode": role_status(decode_state, cfg.spec.decode.nodes_per_replica),
         "router": states["router"].as_status(),
         "url": url,
         "observedGeneration": generation,

@@ -32,6 +32,7 @@ QUANTIZATIONS = ("compressed-tensors", "fp8", "unquantized")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 SPEC_ALGORITHMS = ("eagle", "eagle3", "ngram", "draft")
+AUTOSCALING_MODES = ("hpa", "slo")
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Valid", "PrefillReady", "DecodeReady", "RouterReady", "RouterSynced", "SLOMet")
 
@@ -143,7 +144,8 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Autoscaling:
-    """A HorizontalPodAutoscaler for this role; the role's replicas are then left to it."""
+    """A HorizontalPodAutoscaler for this role (or the SLO planner's bounds); the role's replicas are then left
+    to it."""
 
     __cel__ = (("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas"),)
 
@@ -158,6 +160,63 @@ class Autoscaling:
     )
     target: Union[int, str] = api_field(
         "Target value of the metric (percent for cpu/memory, else a quantity).", 80, kube="int-or-string"
+    )
+
+
+@dataclass(frozen=True)
+class PlannerProfile:
+    """Per-replica capacity measured offline (e.g. with bench/), where the SLO planner starts before it has
+    learnt its own from the live figures."""
+
+    prefill_requests_per_second: Optional[float] = api_field(
+        "Requests per second one prefill (or unified) replica serves within the TTFT target.",
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    decode_concurrency: Optional[float] = api_field(
+        "Concurrent requests one decode (or unified) replica runs within the ITL target.",
+        minimum=0,
+        exclusive_minimum=True,
+    )
+
+
+@dataclass(frozen=True)
+class ServiceAutoscaling:
+    """How the worker roles are scaled: per-role HorizontalPodAutoscalers (hpa) or the SLO planner (slo)."""
+
+    mode: str = api_field(
+        "hpa: each role with `autoscaling` gets a HorizontalPodAutoscaler on its metric. slo: the operator's "
+        "planner sets prefill replicas from TTFT and decode replicas from ITL against spec.slo, within each "
+        "role's autoscaling.minReplicas..maxReplicas (their metric and target are then unused).",
+        "hpa",
+        enum=AUTOSCALING_MODES,
+    )
+    utilization: float = api_field(
+        "slo: fraction of a replica's learnt capacity the planner plans for (headroom below the target); a "
+        "figure above this fraction of its target also blocks scale-down.",
+        0.8,
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+    )
+    scale_up_stabilization_seconds: int = api_field(
+        "slo: a scale-up goes no higher than the lowest replica count wanted over this many seconds.", 0, minimum=0
+    )
+    scale_down_stabilization_seconds: int = api_field(
+        "slo: a scale-down goes no lower than the highest replica count wanted over this many seconds.",
+        300,
+        minimum=0,
+    )
+    cooldown_seconds: int = api_field(
+        "slo: seconds after a role's last change before it changes again (its new replicas need that long to "
+        "show in the router's figures).",
+        60,
+        minimum=0,
+    )
+    max_scale_up_step: int = api_field("slo: most replicas one decision adds to a role.", 2, minimum=1)
+    max_scale_down_step: int = api_field("slo: most replicas one decision removes from a role.", 1, minimum=1)
+    profile: Optional[PlannerProfile] = api_field(
+        "slo: starting per-replica capacities (e.g. from a bench/ run); learnt from live figures otherwise."
     )
 
 
@@ -215,7 +274,20 @@ class WorkerRole:
         "Annotations of the worker pods, e.g. k8s.v1.cni.cncf.io/networks for an RDMA network.", {}
     )
     extra_args: list[str] = api_field("More `kvship serve` flags for this role only, one argument per item.", [])
-    autoscaling: Optional[Autoscaling] = api_field("Scale this role with a HorizontalPodAutoscaler.")
+    nodes_per_replica: int = api_field(
+        "Pods (nodes) one worker spans. Above 1 each replica is a group of this many pods started together as a "
+        "LeaderWorkerSet when the cluster serves leaderworkerset.x-k8s.io/v1, else as a StatefulSet per "
+        "replica; the worker's GPUs (tensorParallelSize) are split evenly over them, the group is ready only "
+        'when all its pods are, and a lost pod restarts the whole group (docs/operator.md, "Multi-node worker '
+        'groups").',
+        1,
+        minimum=1,
+        maximum=64,
+    )
+    autoscaling: Optional[Autoscaling] = api_field(
+        "Scale this role with a HorizontalPodAutoscaler, or with spec.autoscaling.mode slo with the SLO "
+        "planner between minReplicas and maxReplicas."
+    )
     kv_cache_dtype: Optional[str] = api_field(
         "This role's KV cache dtype (default: engine.kvCacheDtype). In PD mode prefill and decode must agree: a "
         "decode worker refuses KV of another dtype.",
@@ -308,7 +380,7 @@ class RouterSpec:
     autoscaling: Optional[Autoscaling] = api_field("Scale the router with a HorizontalPodAutoscaler.")
     policy: str = api_field(
         "How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
-        "round_robin, random, shortest_queue or power_of_two.",
+        "round_robin, random, shortest_queue, power_of_two or bucket (prompt-length buckets).",
         DEFAULT_POLICY,
         enum=POLICY_NAMES,
     )
@@ -372,6 +444,21 @@ class SloTargets:
 
 
 @dataclass(frozen=True)
+class Tracing:
+    """OpenTelemetry traces of every pod (router and workers), exported over OTLP (docs/observability.md)."""
+
+    otlp_endpoint: str = api_field(
+        "OTLP collector URL every pod exports its spans to (e.g. http://otel-collector:4318); passed as "
+        "--otlp-traces-endpoint.",
+        required=True,
+        pattern=r"^(http|https|grpc)://\S+$",
+    )
+    sample_ratio: float = api_field(
+        "Fraction of new traces kept (--otlp-traces-sample-ratio).", 1.0, minimum=0, maximum=1
+    )
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     """Desired state of an InferenceService: one model served by prefill, decode and router pods."""
 
@@ -386,9 +473,13 @@ class InferenceServiceSpec:
     slo: Optional[SloTargets] = api_field(
         "Targets for the live latency figures (status.slo); sets the SLOMet condition."
     )
+    autoscaling: Optional[ServiceAutoscaling] = api_field(
+        "How worker roles with `autoscaling` are scaled (default: mode hpa, a HorizontalPodAutoscaler each)."
+    )
     network_policy: NetworkPolicySpec = api_field(
         "NetworkPolicies of the service's pods (on by default).", NetworkPolicySpec
     )
+    tracing: Optional[Tracing] = api_field("OpenTelemetry tracing of the router and every worker (off if unset).")
 
 
 # ------------------------------------------------------------------- status
@@ -415,7 +506,10 @@ class RoleStatus:
     replicas: int = api_field("Desired pods.", 0)
     ready_replicas: int = api_field("Pods passing their readiness probe.", 0)
     updated_replicas: int = api_field("Pods running the current spec.", 0)
-    ready: str = api_field("readyReplicas/replicas, as printed by kubectl get.", "0/0")
+    ready: str = api_field(
+        "readyReplicas/replicas, as printed by kubectl get (groups ready/desired when nodesPerReplica > 1).", "0/0"
+    )
+    nodes_per_replica: Optional[int] = api_field("Pods per replica (set when the role runs worker groups).")
 
 
 @dataclass(frozen=True)

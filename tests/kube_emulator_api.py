@@ -165,12 +165,18 @@ def select_labels(obj: dict, selector: str) -> bool:
 
 
 def select_fields(obj: dict, selector: str) -> bool:
-    """Field selectors on ``metadata.name`` / ``metadata.namespace`` (= and !=)."""
+    """Field selectors (= and !=) on ``metadata.name`` / ``metadata.namespace`` and, for Events (what
+    ``kubectl describe`` asks for), ``involvedObject.*`` / ``reason`` / ``type``."""
     meta = obj.get("metadata") or {}
     for term in _split_selector(selector or ""):
         neg = "!=" in term
         key, value = (s.strip() for s in term.replace("==", "=").split("!=" if neg else "=", 1))
         field = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key)
+        if key.startswith("involvedObject.") or key in ("reason", "type"):
+            found = obj
+            for part in key.split("."):
+                found = found.get(part) if isinstance(found, dict) else None
+            field = "" if found is None else str(found)  # an absent field selects as empty, as on a server
         if (field == value) == neg:
             return False
     return True

@@ -62,7 +62,18 @@ def test_rendered_objects_pass_the_kubernetes_schema(sets):
 @pytest.mark.parametrize(
     "sets,kinds",
     [
-        ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "NetworkPolicy"}),
+        (
+            (),
+            {
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Role",
+                "RoleBinding",
+                "Deployment",
+                "NetworkPolicy",
+            },
+        ),
         (
             ("watch.allNamespaces=true",),
             {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy"},
@@ -152,6 +163,12 @@ def expected_grants() -> set[tuple[str, str, str]]:
         grants |= {(group, plural, verb) for verb in ("get", "list", "create", "patch", "delete")}
     grants.add(("apps", "deployments", "watch"))  # child events refresh the status (label-selected watch)
     grants.add(("apps", "deployments", "deletecollection"))  # a drained revision's pair goes in one request
+    # ... and its worker groups (docs/operator.md, "Multi-node worker groups")
+    grants |= {
+        ("apps", "statefulsets", "deletecollection"),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets", "deletecollection"),
+    }
+    grants.add(("", "pods", "delete"))  # the StatefulSet fallback restarts a whole group
     grants.add(("", "pods/status", "patch"))  # the kvship.io/in-rotation readiness gate
     grants |= {("kvship.io", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
     grants |= {("kvship.io", "inferenceservices/status", v) for v in ("get", "patch")}

@@ -431,3 +431,21 @@ def test_quantization_and_kv_cache_dtype_reach_the_workers_with_per_role_overrid
         assert (ns.quantization, ns.kv_cache_dtype) == ("fp8", "fp8_e4m3"), role
     plain = container(by_kind(build_children(config(PD), IMAGES), "Deployment")["svc-decode"])["args"]
     assert "--quantization" not in plain and "--kv-cache-dtype" not in plain
+
+
+def test_tracing_passes_the_otlp_endpoint_and_sample_ratio_to_every_pod():
+    traced = config(dict(PD, tracing={"otlpEndpoint": "http://otel-collector.obs:4318", "sampleRatio": 0.25}))
+    deps = by_kind(build_children(traced, IMAGES), "Deployment")
+    assert {"svc-prefill", "svc-decode", "svc-router"} <= deps.keys()
+    for name, dep in deps.items():
+        args = container(dep)["args"]
+        if args[0] == "serve":
+            ns = server_parser().parse_known_args(args[1:])[0]
+        else:
+            ns = router_parser().parse_args(args[1:])
+        assert ns.otlp_traces_endpoint == "http://otel-collector.obs:4318", name
+        assert ns.otlp_traces_sample_ratio == 0.25, name
+    untraced = by_kind(build_children(config(PD), IMAGES), "Deployment")
+    assert not any("--otlp-traces-endpoint" in container(dep)["args"] for dep in untraced.values())
+    with pytest.raises(Exception, match="sampleRatio|otlpEndpoint"):
+        config(dict(PD, tracing={"otlpEndpoint": "http://c:4318", "sampleRatio": 2}))

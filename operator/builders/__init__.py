@@ -10,9 +10,10 @@ Children (unified mode has ``worker`` instead of ``prefill`` + ``decode``)::
 
     ConfigMap        <name>-config
     Deployment       <name>-prefill-<rev>, <name>-decode-<rev> | <name>-worker, <name>-router
+                     (nodesPerReplica > 1: a LeaderWorkerSet of that name, or StatefulSets NAME-g<i>)
     Service          same names (workers: headless; router: clients call it)
     ServiceAccount   <name>-router   + Role + RoleBinding (pods get/list/watch)
-    HPA              <name>-<role>   when the role has autoscaling
+    HPA              <name>-<role>   when the role has autoscaling (worker roles: not in slo mode)
     PDB              <name>-<role>   when the role can have 2+ pods
     NetworkPolicy    <name>-worker, <name>-router   unless spec.networkPolicy.enabled is false
 
@@ -38,11 +39,12 @@ from kvship.operator.builders.common import (
     worker_roles,
 )
 from kvship.operator.builders.extras import autoscaler, config_map, disruption_budget
+from kvship.operator.builders.groups import LWS_API_VERSION, LWS_KIND, group_workloads, grouped
 from kvship.operator.builders.network import network_policies
 from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
 from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
 from kvship.operator.revision import compute_revision
-from kvship.operator.spec import ServiceConfig
+from kvship.operator.spec import ServiceConfig, slo_mode
 
 # Every kind an InferenceService may own, in the order they are applied.
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
@@ -52,6 +54,8 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
+    ("apps/v1", "StatefulSet"),
+    (LWS_API_VERSION, LWS_KIND),  # listed only where the cluster serves it (apply.prune skips a 404)
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
@@ -71,16 +75,26 @@ def build_children(
     revision = worker_revision(cfg, images)
     deployments = [worker_deployment(cfg, role, images, revision, credentials) for role in worker_roles(cfg)]
     deployments.append(router_deployment(cfg, images, network, credentials))
-    argv = {_role_of(d): d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments}
+    workloads: list[dict[str, Any]] = []
+    for d in deployments:  # a role of multi-node workers runs as groups of pods instead (builders/groups.py)
+        role = _role_of(d)
+        if role != "router" and grouped(cfg, role):
+            workloads += group_workloads(cfg, role, d, network.leader_worker_set)
+        else:
+            workloads.append(d)
+    argv = {_role_of(w): _pod_spec(w)["containers"][0]["args"] for w in workloads}
     out: list[dict[str, Any]] = [config_map(cfg, argv, revision)]
     out += router_rbac(cfg)
     out += network_policies(cfg, network)
     out += [worker_service(cfg, role) for role in worker_roles(cfg)]
     out.append(router_service(cfg))
-    out += deployments
-    scaled = [(role, role_spec(cfg, role)) for role in worker_roles(cfg)] + [("router", cfg.spec.router)]
+    out += workloads
+    # groups are scaled by their spec (autoscaling is refused for them) and have no per-pod PDB
+    scaled = [(role, role_spec(cfg, role)) for role in worker_roles(cfg) if not grouped(cfg, role)]
+    scaled.append(("router", cfg.spec.router))
     for role, r in scaled:
-        if r.autoscaling is not None:
+        # slo mode: the operator's planner sets the worker roles' replicas (kvship.operator.planner), no HPA
+        if r.autoscaling is not None and not (role != "router" and slo_mode(cfg.spec)):
             out.append(autoscaler(cfg, role, r.autoscaling, deployment_name(cfg, role, revision)))
     for role, r in scaled:
         pdb = disruption_budget(cfg, role, r.replicas, r.autoscaling)
@@ -92,6 +106,13 @@ def build_children(
 def worker_revision(cfg: ServiceConfig, images: Images) -> str:
     """The revision of the spec's workers (kvship.operator.revision)."""
     return compute_revision(cfg, images.worker)
+
+
+def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    return (spec["leaderWorkerTemplate"]["workerTemplate"] if "leaderWorkerTemplate" in spec else spec["template"])[
+        "spec"
+    ]
 
 
 def _role_of(obj: dict[str, Any]) -> str:

@@ -44,6 +44,9 @@ class Network:
     worker_allow_cidrs: tuple[str, ...] = DEFAULT_WORKER_ALLOW_CIDRS
     operator_pod_labels: tuple[tuple[str, str], ...] = DEFAULT_OPERATOR_POD_LABELS
     operator_namespace: Optional[str] = None
+    # The cluster serves leaderworkerset.x-k8s.io/v1 (the operator asks the API): worker groups are
+    # LeaderWorkerSets, else StatefulSets (builders/groups.py).
+    leader_worker_set: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,3 +230,12 @@ def scheduling(
     if pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in pull_secrets]
     return pod
+
+
+def tracing_args(spec: Any) -> list[str]:
+    """``--otlp-traces-endpoint`` / ``--otlp-traces-sample-ratio`` of ``spec.tracing`` (every pod, router and
+    workers, takes the same two flags; docs/observability.md), or nothing when tracing is off."""
+    t = spec.tracing
+    if t is None:
+        return []
+    return ["--otlp-traces-endpoint", t.otlp_endpoint, "--otlp-traces-sample-ratio", repr(float(t.sample_ratio))]

@@ -7,6 +7,9 @@
 * the HTTP port (30000) from this service's router pods, from the operator's pods (by their labels; in the
   operator's namespace when it runs in another one) and from ``spec.networkPolicy.workerHttpFrom``.
 
+Unified workers in groups (``nodesPerReplica`` > 1) also let in every port from the service's worker pods (the
+group's rendezvous and collectives).
+
 ``<name>-router`` selects the router pods and lets anyone reach the router port: it is the endpoint.
 
 Only ingress is restricted (egress stays open: workers download weights, routers reach the API server).
@@ -28,6 +31,7 @@ from kvship.operator.builders.common import (
     metadata,
     role_selector,
 )
+from kvship.operator.builders.groups import any_grouped
 from kvship.operator.spec import ServiceConfig
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -69,6 +73,8 @@ def network_policies(cfg: ServiceConfig, network: Network) -> list[dict[str, Any
     ingress: list[dict[str, Any]] = []
     if not cfg.unified:
         ingress.append({"from": [{"podSelector": _pods_of(cfg, ["prefill", "decode"])}]})
+    elif any_grouped(cfg):  # a worker group's pods reach each other on every port (rendezvous, gloo / NCCL)
+        ingress.append({"from": [{"podSelector": _pods_of(cfg, workers)}]})
     ingress.append({"from": http_from, "ports": [{"protocol": "TCP", "port": WORKER_PORT}]})
     return [
         _policy(cfg, child_name(cfg, "unified"), _pods_of(cfg, workers), ingress),

@@ -28,10 +28,19 @@ from kvship.operator.builders.common import (
     secret_env,
 )
 from kvship.operator.builders.credentials import admin_key_env, worker_key_env
+from kvship.operator.builders.groups import grouped, leader_label
 from kvship.operator.spec import ServiceConfig
 
 # Requested where the spec names no cpu / memory, so the router is never BestEffort.
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+
+
+def discovery_selector(cfg: ServiceConfig, role: str, network: Network) -> dict[str, str]:
+    """The pods the router discovers for ``role``: with worker groups only the leaders (index 0) serve HTTP."""
+    selector = role_selector(cfg, role)
+    if grouped(cfg, role):
+        selector[leader_label(network.leader_worker_set)] = "0"
+    return selector
 
 
 def _selector_args(selector: dict[str, str]) -> list[str]:
@@ -70,19 +79,20 @@ def router_args(cfg: ServiceConfig, network: Network = Network()) -> list[str]:
         ",".join(network.worker_allow_cidrs),
     ]
     if cfg.unified:
-        args += ["--selector", *_selector_args(role_selector(cfg, "unified"))]
+        args += ["--selector", *_selector_args(discovery_selector(cfg, "unified", network))]
     else:
         args += [
             "--pd",
             "--prefill-selector",
-            *_selector_args(role_selector(cfg, "prefill")),
+            *_selector_args(discovery_selector(cfg, "prefill", network)),
             "--decode-selector",
-            *_selector_args(role_selector(cfg, "decode")),
+            *_selector_args(discovery_selector(cfg, "decode", network)),
         ]
         if r.prefill_policy:
             args += ["--prefill-policy", r.prefill_policy]
         if r.decode_policy:
             args += ["--decode-policy", r.decode_policy]
+    args += common.tracing_args(cfg.spec)
     return args + list(r.extra_args)
 
 

@@ -24,6 +24,7 @@ from kvship.operator.builders.common import (
     role_selector,
 )
 from kvship.operator.builders.credentials import KV_SECRET_FILE, kv_secret_mount, kv_secret_volume, worker_key_env
+from kvship.operator.builders.groups import grouped
 from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
 from kvship.operator.spec import GPU, ServiceConfig, role_kv_cache_dtype, role_quantization
 from kvship.operator.types import WorkerRole
@@ -111,6 +112,7 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
             SPEC_FLAGS["tokens"],
             str(sp.num_draft_tokens),
         ]
+    args += common.tracing_args(spec)
     return args + list(eng.extra_args) + list(r.extra_args)
 
 
@@ -249,9 +251,13 @@ def worker_service(cfg: ServiceConfig, role: str) -> dict[str, Any]:
     if role == "prefill":
         port = cfg.spec.kv_transfer.bootstrap_port
         ports.append({"name": "bootstrap", "port": port, "targetPort": "bootstrap", "protocol": "TCP"})
+    spec: dict[str, Any] = {"clusterIP": "None", "selector": role_selector(cfg, role), "ports": ports}
+    if grouped(cfg, role):
+        # worker groups find their leader by its DNS name before any of them is ready (builders/groups.py)
+        spec["publishNotReadyAddresses"] = True
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(cfg, child_name(cfg, role), role_labels(cfg, role)),
-        "spec": {"clusterIP": "None", "selector": role_selector(cfg, role), "ports": ports},
+        "spec": spec,
     }

@@ -45,6 +45,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete", "deletecollection"]
+# Multi-node worker groups (nodesPerReplica > 1): LeaderWorkerSets where installed, else StatefulSets.
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "create", "patch", "delete", "deletecollection"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "create", "patch", "delete", "deletecollection"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "delete"]
@@ -63,9 +70,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
 # The operator grants routers read access to pods, so it must hold that access itself.
+# delete: the StatefulSet fallback of worker groups restarts a whole group when one of its pods is lost.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 # The kvship.io/in-rotation readiness gate: the operator sets that one condition on worker pods.
 - apiGroups: [""]
   resources: ["pods/status"]
