@@ -125,6 +125,9 @@ class LocalConfig:
     restart_workers: bool = opt(True, "Restart a worker that exits (the router takes it back once it is healthy)")
     prefill_tp_size: int = opt(0, "Tensor-parallel size of each prefill worker (0: --tp-size)")
     decode_tp_size: int = opt(0, "Tensor-parallel size of each decode worker (0: --tp-size)")
+    prefill_pp_size: int = opt(
+        0, "Pipeline stages of each prefill worker (0: --pp-size); a PP prefill feeds a decode of any TP size"
+    )
     prefill_nnodes: int = opt(
         0,
         "Nodes each prefill worker spans (0: --nnodes): its ranks run as that many `kvship serve --node-rank R` "
@@ -135,6 +138,10 @@ class LocalConfig:
     pd_first_token: bool = opt(
         True, "Router: streamed /generate and /v1/completions requests get their first token from the prefill worker"
     )
+    pd_selective: bool = opt(
+        False, "Router --pd-selective: short prompts (or mostly cached ones) are served by a decode worker alone"
+    )
+    pd_selective_max_tokens: int = opt(256, "Router --pd-selective-max-tokens (prompt tokens left to prefill)")
     gpu_placement: str = opt(
         "spread",
         "CUDA: spread = each worker on the next free GPUs from --base-gpu-id on (prefill workers first), sharing "
@@ -151,6 +158,8 @@ class LocalConfig:
             raise ValueError("--startup-timeout must be > 0 and --shutdown-grace >= 0")
         if self.max_resumes < 0:
             raise ValueError("--max-resumes must be >= 0")
+        if self.prefill_pp_size < 0:
+            raise ValueError("--prefill-pp-size must be >= 0 (0: --pp-size)")
         if self.prefill_tp_size < 0 or self.decode_tp_size < 0:
             raise ValueError("--prefill-tp-size and --decode-tp-size must be >= 0 (0: --tp-size)")
         if self.prefill_nnodes < 0 or self.decode_nnodes < 0:
@@ -352,6 +361,8 @@ class LocalDeployment:
         gpu_list = list(gpus) if gpus is not None else None
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             pp_size = _flag_int(worker_args, "--pp-size", 1)
+            if role == "prefill" and cfg.prefill_pp_size:
+                pp_size = cfg.prefill_pp_size
             tp_size, nnodes = worker_layout(
                 cfg, role, _flag_int(worker_args, "--tp-size", 1), _flag_int(worker_args, "--nnodes", 1), pp_size
             )
@@ -368,6 +379,8 @@ class LocalDeployment:
             ]
             if tp_size != _flag_int(worker_args, "--tp-size", 1):  # after the pass-through flags: it overrides
                 base += ["--tp-size", str(tp_size)]
+            if pp_size != _flag_int(worker_args, "--pp-size", 1):
+                base += ["--pp-size", str(pp_size)]
             if nnodes == 1 and _flag_int(worker_args, "--nnodes", 1) != 1:  # (several nodes: set per node below)
                 base += ["--nnodes", "1"]
             for i in range(count):
@@ -416,6 +429,9 @@ class LocalDeployment:
             "--max-resumes",
             str(cfg.max_resumes),
             "--pd-first-token" if cfg.pd_first_token else "--no-pd-first-token",
+            "--pd-selective" if cfg.pd_selective else "--no-pd-selective",
+            "--pd-selective-max-tokens",
+            str(cfg.pd_selective_max_tokens),
             "--debug-headers" if cfg.debug_headers else "--no-debug-headers",
             # a restarted worker rejoins after one passed check, a dead one leaves after two failed ones
             "--health-check-interval",

@@ -6,8 +6,11 @@ Life cycle of a request (see ``kvship.decode`` for the whole picture)::
            --> running (decode steps, streamed) --> finished
                                    \\--(Failed / timeout / abort)--> slots freed, finished "abort" + reason
 
-* A request must carry ``bootstrap_host``, ``bootstrap_port`` and
-  ``bootstrap_room`` (the router injects them); without them it is rejected.
+* A PD request carries ``bootstrap_host``, ``bootstrap_port`` and
+  ``bootstrap_room`` (the router injects them); one that carries only some of
+  them is rejected.  A request with none of them is served here alone: it goes
+  to the scheduler's waiting queue and is prefilled locally, as in unified
+  mode (the router's ``--pd-selective``, docs/router.md).
 * Pre-allocation: a request gets slots for its whole prompt only when the
   pool can also keep the running (and transferring) requests decoding (the
   ``KVBudget`` reserve, as in unified admission), a request row is free, and
@@ -57,7 +60,19 @@ class DecodeRole(PDRole):
         return self.prealloc_queue, self.transfer_queue, self.prebuilt_queue
 
     # ------------------------------------------------------------ admission
+    @staticmethod
+    def is_local(request: GenerateRequest) -> bool:
+        """Whether ``request`` carries no bootstrap field at all: prefilled here, no transfer."""
+        return (
+            request.bootstrap_host is None
+            and request.bootstrap_port is None
+            and request.bootstrap_room is None
+            and request.bootstrap_token is None
+        )
+
     def bootstrap_problem(self, request: GenerateRequest) -> Optional[str]:
+        if self.is_local(request):
+            return None
         host, port, room = request.bootstrap_host, request.bootstrap_port, request.bootstrap_room
         if host is None or port is None or room is None:
             return (
@@ -68,6 +83,11 @@ class DecodeRole(PDRole):
         if problem is None and (not isinstance(port, int) or not 0 < port < 65536):
             problem = f"bootstrap_port must be in 1..65535, got {port!r}"
         return problem or room_token_problem(request.bootstrap_token, self.kv_manager.config.insecure)
+
+    def admit(self, req: Req, request: GenerateRequest) -> bool:
+        if self.is_local(request):
+            return False  # the scheduler queues it for a local prefill
+        return super().admit(req, request)
 
     def enter_stages(self, req: Req, request: GenerateRequest) -> None:
         self.prealloc_queue.add(

@@ -89,8 +89,11 @@ class RequestContext:
             rooms=_ItemField.of(body.bootstrap_room, batch, "bootstrap_room"),
             tokens=_ItemField.of(body.bootstrap_token, batch, "bootstrap_token"),
         )
-        for token in ctx.tokens.values:
-            check_bootstrap_token(engine, token)
+        fields = (body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, body.bootstrap_token)
+        if engine.server_args.mode != "decode" or any(f is not None for f in fields):
+            # (a decode worker prefills a body without any bootstrap field itself: docs/router.md, "--pd-selective")
+            for token in ctx.tokens.values:
+                check_bootstrap_token(engine, token)
         for p in ctx.ports.values:
             if p is not None and not 0 < p < 65536:
                 raise bad_request("bootstrap_port must be in 1..65535", "bootstrap_port")

@@ -98,6 +98,17 @@ class RouterConfig:
     balance_abs_threshold: int = opt(32, "cache_aware: balance load when max_load - min_load exceeds this ...")
     balance_rel_threshold: float = opt(1.5, "cache_aware: ... and max_load exceeds this times min_load")
     max_tree_size: int = opt(1_000_000, "cache_aware: characters kept per worker tree before LRU eviction")
+    bucket_initial_span: int = opt(
+        4096, "bucket: prompt characters split evenly over the workers' buckets until traffic moves the boundaries"
+    )
+    bucket_adjust_interval: float = opt(
+        5.0, "bucket: seconds of recent requests the boundaries are fitted to (refitted once per interval)"
+    )
+    session_affinity: bool = opt(
+        True,
+        "A request's session key (body 'session_id', header x-session-id, else the OpenAI 'user' field) pins it "
+        "to the worker its session last used; the session moves when that worker fails or drains",
+    )
 
     # PD disaggregation
     pd: bool = opt(False, "Prefill/decode mode: send each request to a prefill and a decode worker")
@@ -105,6 +116,14 @@ class RouterConfig:
         True,
         "PD: a streamed /generate or /v1/completions request the router can resume (--max-resumes > 0; no stop "
         "strings) gets its first token from the prefill worker as soon as it is sampled, before its KV reaches decode",
+    )
+    pd_selective: bool = opt(
+        False,
+        "PD: a prompt whose tokens left to prefill (its length less the prefix the chosen decode worker caches) "
+        "are at most --pd-selective-max-tokens is served by the decode worker alone, no prefill worker",
+    )
+    pd_selective_max_tokens: int = opt(
+        256, "PD --pd-selective: most prompt tokens left to prefill that the decode worker prefills itself"
     )
     prefill: list[str] = opt([], "PD: prefill worker URLs (bootstrap port read from their /get_server_info)", nargs="+")
     decode: list[str] = opt([], "PD: decode worker URLs", nargs="+")
@@ -229,9 +248,16 @@ class RouterConfig:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.max_tree_size < 1:
             raise ValueError("--max-tree-size must be >= 1")
+        if self.bucket_initial_span < 1:
+            raise ValueError("--bucket-initial-span must be >= 1")
+        if self.pd_selective_max_tokens < 0:
+            raise ValueError("--pd-selective-max-tokens must be >= 0")
+        if self.pd_selective and not self.pd:
+            raise ValueError("--pd-selective needs --pd")
         for name in (
             "health_check_interval",
             "health_check_timeout",
+            "bucket_adjust_interval",
             "request_timeout",
             "slo_window",
             "slo_scrape_interval",

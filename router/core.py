@@ -10,16 +10,26 @@ Choosing (``choose``): first the *serving revision* for the request's model
 every role; a PD pair never mixes revisions); candidates are then the
 available workers of that revision and the role that serve the request's
 model, minus the ones that already failed this request (unless that leaves
-none).  A request with a session id goes to the worker
-its session last used while that worker is available; otherwise the policy
-picks and the session follows (logged when it moved).  In PD mode the session
-pins the prefill worker (where the prefix cache lives); the decode worker is
-always the decode policy's choice.
+none).  With ``--session-affinity`` (on by default) a request with a session
+key (``RoutingRequest.session_id``: body ``session_id``, header
+``x-session-id``, else the OpenAI ``user`` field) goes to the worker its
+session last used while that worker is in rotation; otherwise the policy picks
+and the session follows: a move off a worker that failed this request, is
+unavailable (unhealthy, circuit open, removed) or drains (its revision no
+longer serves) is logged and counted (``kvship_router_session_moves`` by
+reason), and the new worker prefills the session's next prompt from scratch.
+In PD mode the session pins the prefill worker (where the prefix cache lives);
+the decode worker is always the decode policy's choice.  With
+``--pd-selective`` the decode worker is chosen first and
+``kvship.router.selective`` decides whether it serves the request alone
+(``Selection.worker`` is then that decode worker and ``Selection.selective``
+the reason).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +43,7 @@ from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import Policy, create_policy
 from kvship.router.ratelimit import KeyLimits, TokenBucket, key_limits_or_none
 from kvship.router.revisions import describe_revisions
+from kvship.router.selective import SelectiveDisagg
 from kvship.router.slo import KVTransferScraper, SLOTracker
 from kvship.router.wire import RoutingRequest
 from kvship.router.worker import RegistrationError, Worker, WorkerRegistry
@@ -52,15 +63,26 @@ class WorkerNotAllowed(Exception):
 
 @dataclass
 class Selection:
-    """The worker(s) chosen for one attempt: ``worker`` (unified), or ``prefill`` + ``decode``."""
+    """The worker(s) chosen for one attempt: ``worker`` (unified, or a PD decode worker serving alone), or
+    ``prefill`` + ``decode``; ``selective`` is the ``--pd-selective`` reason (None without the flag)."""
 
     worker: Optional[Worker] = None
     prefill: Optional[Worker] = None
     decode: Optional[Worker] = None
+    selective: Optional[str] = None
+
+    @property
+    def is_pair(self) -> bool:
+        return self.prefill is not None
 
     @property
     def workers(self) -> list[Worker]:
         return [w for w in (self.worker, self.prefill, self.decode) if w is not None]
+
+
+def session_tag(session: str) -> str:
+    """A session key as logs show it: a short hash (the key may be a user's name: never logged whole)."""
+    return hashlib.sha256(session.encode()).hexdigest()[:12]
 
 
 class SessionTable:
@@ -99,6 +121,10 @@ class Router:
         for policy in self.policies.values():
             self.registry.on_removed(policy.on_worker_removed)
         self.sessions = SessionTable()
+        self.selective: Optional[SelectiveDisagg] = None
+        if config.pd and config.pd_selective:
+            self.selective = SelectiveDisagg(config)
+            self.registry.on_removed(self.selective.on_worker_removed)
         self.limiter: Optional[TokenBucket] = None
         if config.rate_limit_rps > 0:
             self.limiter = TokenBucket(
@@ -237,19 +263,34 @@ class Router:
         if not available:  # (serving_revision found one of each role)
             raise NoWorker(f"no healthy {role} worker of revision {revision} available")
         candidates = [w for w in available if w.url not in exclude] or available
-        session = request.session_id if sticky else None
+        session = request.session_id if sticky and self.config.session_affinity else None
+        moved_from: Optional[str] = None
         if session is not None:
-            url = self.sessions.get(session)
-            if url is not None:
+            moved_from = self.sessions.get(session)
+            if moved_from is not None:
                 for w in candidates:
-                    if w.url == url:
+                    if w.url == moved_from:
                         return w
-                logger.info("session moved off %s (unavailable or failed)", url)
-                self.metrics.session_moves.inc()
         worker = self.policies[role].select(candidates, request)
         if session is not None:
             self.sessions.set(session, worker.url)
+            if moved_from is not None and moved_from != worker.url:
+                reason = self._move_reason(moved_from, exclude)
+                logger.info(
+                    "session moved from %s to %s (%s; session %s)", moved_from, worker.url, reason, session_tag(session)
+                )
+                self.metrics.session_moves.labels(reason).inc()
         return worker
+
+    def _move_reason(self, url: str, exclude: set[str]) -> str:
+        """Why a session left ``url``: ``failed`` (this request failed there), ``draining`` (available, but its
+        revision no longer serves) or ``unavailable`` (unhealthy, circuit open, or gone from the registry)."""
+        if url in exclude:
+            return "failed"
+        worker = self.registry.get(url)
+        if worker is not None and worker.available():
+            return "draining"
+        return "unavailable"
 
     def choose(self, request: RoutingRequest, exclude: set[str], prefer_revision: Optional[str] = None) -> Selection:
         """Worker(s) for one attempt, all of one revision: ``prefer_revision`` while it is ready (a resumed
@@ -260,9 +301,17 @@ class Router:
             if prefer_revision in self.registry.revisions.ready_revisions(available):
                 revision = prefer_revision
         if self.config.pd:
-            prefill = self._pick("prefill", request, exclude, True, revision)
             decode = self._pick("decode", request, exclude, False, revision)
-            return Selection(prefill=prefill, decode=decode)
+            reason = None
+            if self.selective is not None:
+                decision = self.selective.decide(decode, request)
+                reason = decision.reason
+                if decision.local:
+                    self.metrics.pd_selective.labels("decode", reason).inc()
+                    return Selection(worker=decode, selective=reason)
+                self.metrics.pd_selective.labels("pd", reason).inc()
+            prefill = self._pick("prefill", request, exclude, True, revision)
+            return Selection(prefill=prefill, decode=decode, selective=reason)
         return Selection(worker=self._pick("unified", request, exclude, True, revision))
 
     def ready(self) -> bool:

@@ -71,7 +71,17 @@ class RouterMetrics:
             registry=r,
         )
         self.session_moves = Counter(
-            "kvship_router_session_moves", "Sessions moved off an unavailable worker", registry=r
+            "kvship_router_session_moves",
+            "Sessions moved to another worker, by why (unavailable, failed, draining)",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_selective = Counter(
+            "kvship_router_pd_selective",
+            "--pd-selective decisions: route 'decode' (the decode worker alone) or 'pd', by reason "
+            "(short prompt, cached prefix, long)",
+            ["route", "reason"],
+            registry=r,
         )
         # live SLO figures (kvship.router.slo; names in kvship.common.metrics_names)
         self.slo_ttft = Histogram(

@@ -13,8 +13,10 @@ constructor takes ``(config, metrics=None)``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
+import time
 from abc import ABC, abstractmethod
 from typing import Callable, Optional, Sequence
 
@@ -166,3 +168,90 @@ class CacheAwarePolicy(Policy):
 
     def on_worker_removed(self, worker: Worker) -> None:
         self.trees.pop(worker.url, None)
+
+
+@register_policy("bucket")
+class BucketPolicy(Policy):
+    """Length buckets (SGLang's bucket policy): each worker serves one range of prompt lengths.
+
+    The rule, exactly:
+
+    * Workers are ordered by URL; worker ``i`` of ``n`` owns the bucket of prompt lengths (characters of the
+      request text) ``[bounds[i-1], bounds[i])`` with ``bounds[-1] = 0`` and the last bucket open-ended.
+    * Until requests were seen, the ``n - 1`` bounds split ``--bucket-initial-span`` characters evenly
+      (``span * k / n`` for ``k = 1..n-1``).
+    * The policy keeps the requests of the last ``--bucket-adjust-interval`` seconds (length, time).  At most
+      once per interval the bounds are refitted to them: with the window's lengths sorted and ``total`` their
+      sum, bound ``k`` is one more than the first length at which the running sum reaches ``total * k / n``,
+      so each bucket holds about an equal share of the recent prompt characters (bounds never decrease from
+      ``k`` to ``k+1``; many prompts of one length all land in one bucket, which the load escape offsets).
+      An empty window brings back the even split.
+      A change of the worker set (a worker added or gone) refits at once.
+    * Load escape: when the in-flight counts are imbalanced by the cache_aware rule
+      (``max - min > --balance-abs-threshold`` and ``max > --balance-rel-threshold * min``) the least loaded
+      worker wins regardless of the bucket.
+
+    So a deployment sends prompts of similar length to the same worker (its batches mix fewer very short and
+    very long prompts), with an equal share of the prompt work each.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: Optional[RouterMetrics] = None,
+        clock: Optional[Callable[[], float]] = None,
+    ):
+        super().__init__(config, metrics)
+        self._clock: Callable[[], float] = clock or time.monotonic
+        self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, length)
+        self._urls: tuple[str, ...] = ()
+        self.bounds: list[int] = []
+        self._fitted_at = float("-inf")
+
+    def _initial_bounds(self, n: int) -> list[int]:
+        span = self.config.bucket_initial_span
+        return [span * k // n for k in range(1, n)]
+
+    def _fit(self, n: int) -> list[int]:
+        lengths = sorted(length for _, length in self._window)
+        total = sum(lengths)
+        if not lengths or total == 0:
+            return self._initial_bounds(n)
+        bounds, running, k = [], 0, 1
+        for length in lengths:
+            running += length
+            while k < n and running * n >= total * k:
+                bounds.append(length + 1)  # (``length`` itself stays in the lower bucket)
+                k += 1
+        while len(bounds) < n - 1:  # (fewer distinct lengths than buckets)
+            bounds.append(bounds[-1] if bounds else 0)
+        return bounds
+
+    def bucket_of(self, length: int) -> int:
+        """Index of the bucket (into the URL-ordered workers) that takes a prompt of ``length`` characters."""
+        for i, bound in enumerate(self.bounds):
+            if length < bound:
+                return i
+        return len(self.bounds)
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        now = self._clock()
+        interval = self.config.bucket_adjust_interval
+        while self._window and self._window[0][0] < now - interval:
+            self._window.popleft()
+        ordered = sorted(workers, key=lambda w: w.url)
+        urls = tuple(w.url for w in ordered)
+        if urls != self._urls or now - self._fitted_at >= interval:
+            self._urls = urls
+            self.bounds = self._fit(len(ordered))
+            self._fitted_at = now
+        length = len(request.text)
+        self._window.append((now, length))
+        loads = [w.in_flight for w in ordered]
+        max_load, min_load = max(loads), min(loads)
+        if (
+            max_load - min_load > self.config.balance_abs_threshold
+            and max_load > self.config.balance_rel_threshold * min_load
+        ):
+            return self.least_loaded(ordered)
+        return ordered[self.bucket_of(length)]

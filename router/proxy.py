@@ -395,7 +395,7 @@ async def open_attempts(
         sel = router.choose(request, exclude, revision)
         ctx.attempts += 1
         try:
-            if cfg.pd:
+            if sel.is_pair:
                 up = await pd_attempt(ctx, request, sel, path)
             else:
                 assert sel.worker is not None
@@ -487,10 +487,13 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
                 return error_response(ctx, 503, str(e), "no_healthy_worker")
             break
         if pick is not None:
-            ctx.spans.end(pick)
+            if sel.selective is not None:  # docs/observability.md: the --pd-selective decision on the pick span
+                ctx.spans.end(pick, pd_selective=sel.selective, pd_route="pd" if sel.is_pair else "decode")
+            else:
+                ctx.spans.end(pick)
         ctx.attempts += 1
         try:
-            if cfg.pd:
+            if sel.is_pair:
                 up = await pd_attempt(ctx, request, sel)
             else:
                 assert sel.worker is not None

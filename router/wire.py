@@ -193,6 +193,7 @@ class RoutingRequest:
     stream: bool
     session_id: Optional[str]
     batch_size: int = 1
+    text_is_ids: bool = False  # ``text`` holds one character per prompt token id (``ids_key``)
 
     @classmethod
     def parse(cls, route: str, raw: bytes, session_header: Optional[str] = None) -> "RoutingRequest":
@@ -242,7 +243,18 @@ class RoutingRequest:
         session = body.get("session_id")
         if session is not None and not isinstance(session, (str, int)):
             raise RequestError(400, "'session_id' must be a string")
-        session_id = str(session) if session is not None else (session_header or None)
+        # the session key: body ``session_id``, else the x-session-id header, else the OpenAI ``user`` field
+        user = body.get("user")
+        session_id = (
+            str(session)
+            if session is not None
+            else (session_header or (user if isinstance(user, str) and user else None))
+        )
+        if route == ROUTE_GENERATE:
+            prompt = body.get("input_ids") if body.get("text") is None else None
+        else:
+            prompt = body.get("prompt")
+        ids = isinstance(prompt, list) and bool(prompt) and (_is_ids(prompt) or all(_is_ids(p) for p in prompt))
         return cls(
             route=route,
             body=body,
@@ -252,6 +264,7 @@ class RoutingRequest:
             stream=stream,
             session_id=session_id,
             batch_size=batch,
+            text_is_ids=ids,
         )
 
 

@@ -142,7 +142,9 @@ def build_double_app(name: str, model: str, mode: str, bootstrap_port: Optional[
                 "body": body,
                 "time": time.time(),
                 "headers": {
-                    k: v for k, v in request.headers.items() if k in ("x-request-id", "authorization", "x-session-id", "traceparent")
+                    k: v
+                    for k, v in request.headers.items()
+                    if k in ("x-request-id", "authorization", "x-session-id", "traceparent")
                 },
             }
         )
