@@ -109,6 +109,19 @@ class ServerArgs:
     chunked_prefill_size: int = opt(2048, "Most prompt tokens computed in one extend step (-1 disables chunking)")
     max_prefill_tokens: int = opt(8192, "Most new tokens in one prefill batch")
     disable_radix_cache: bool = opt(False, "Disable prefix caching")
+    hicache_size_gb: float = opt(
+        0.0,
+        "Host-memory KV tier in GiB (pinned on CUDA): prefix pages evicted from the GPU pool move there and a "
+        "prefix hit on them is loaded back (0: off; docs/cache.md)",
+    )
+    enable_kv_events: bool = opt(
+        False,
+        "Publish the prefix cache's stored/removed pages (hash chain, tier) at /kv_events and "
+        "/kv_events/snapshot (worker key; docs/cache.md)",
+    )
+    hicache_ratio: float = opt(
+        0.0, "Host-memory KV tier as a multiple of the GPU KV pool's tokens (0: off; or use --hicache-size-gb)"
+    )
     schedule_policy: str = opt(
         "lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs")
     )
@@ -359,6 +372,14 @@ class ServerArgs:
             raise ValueError("--disaggregation-layerwise-min-tokens must be >= 0")
         if self.prefill_graph_max_tokens < 0:
             raise ValueError("--prefill-graph-max-tokens must be >= 0 (0: prefill runs eagerly)")
+        if self.hicache_size_gb < 0 or self.hicache_ratio < 0:
+            raise ValueError("--hicache-size-gb and --hicache-ratio must be >= 0")
+        if self.hicache_size_gb and self.hicache_ratio:
+            raise ValueError("give --hicache-size-gb or --hicache-ratio, not both")
+        if (self.hicache_size_gb or self.hicache_ratio) and self.disable_radix_cache:
+            raise ValueError("the host KV tier (--hicache-size-gb / --hicache-ratio) needs the radix cache")
+        if self.enable_kv_events and self.disable_radix_cache:
+            raise ValueError("--enable-kv-events needs the radix cache (it publishes what the cache holds)")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -379,10 +400,10 @@ class ServerArgs:
         if self.pp_size < 1:
             raise ValueError("--pp-size must be >= 1")
         self.resolved_pp_layer_partition  # raises on a malformed --pp-layer-partition
-        if self.pp_size > 1 and self.mode != "unified":
+        if self.pp_size > 1 and self.mode == "decode":
             raise ValueError(
-                f"--pp-size {self.pp_size} runs in --mode unified only: a pipeline-parallel prefill or decode "
-                'worker (PD) is not built yet (docs/parallel.md, "Pipeline parallelism")'
+                f"--pp-size {self.pp_size} runs in --mode unified or prefill: a pipeline-parallel decode worker is "
+                'not built yet (a PP prefill feeds a TP decode; docs/parallel.md, "PD with pipeline parallelism")'
             )
         if self.pp_size > 1 and self.speculative_algorithm is not None:
             raise ValueError(f"--pp-size {self.pp_size} does not support --speculative-algorithm yet")

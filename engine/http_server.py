@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -44,7 +45,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvship.engine.config import ServerArgs
@@ -167,7 +168,44 @@ def create_app(engine: Engine, server_args: Optional[ServerArgs] = None, *, own_
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    # KV events (--enable-kv-events; docs/cache.md): the prefix cache's pages, behind the worker key like the rest
+    @app.get("/kv_events/snapshot")
+    async def kv_events_snapshot() -> dict:
+        return _kv_event_log(engine).snapshot()
+
+    @app.get("/kv_events")
+    async def kv_events(after: int = 0, idle_timeout_s: float = 0.0) -> Response:
+        log = _kv_event_log(engine)
+        return StreamingResponse(_kv_event_stream(log, after, idle_timeout_s), media_type="application/x-ndjson")
+
     return app
+
+
+def _kv_event_log(engine: Engine) -> Any:
+    log = engine.scheduler.kv_events
+    if log is None:
+        raise APIError(404, "KV events are off on this worker (start it with --enable-kv-events)", code="not_found")
+    return log
+
+
+async def _kv_event_stream(log: Any, after: int, idle_timeout_s: float) -> AsyncIterator[bytes]:
+    """One JSON event per line from ``after`` on; a ``{"gap": true, "seq": N}`` line (and the end of the
+    stream) when the log no longer holds the next event: resync from /kv_events/snapshot.  With
+    ``idle_timeout_s`` > 0 the stream ends after that long without an event (the client reconnects)."""
+    seq = after
+    idle_since = time.monotonic()
+    while True:
+        events = await asyncio.to_thread(log.wait_since, seq, 0.5)
+        if events is None:
+            yield (json.dumps({"gap": True, "seq": log.seq}) + "\n").encode()
+            return
+        for e in events:
+            yield (json.dumps(e.to_json()) + "\n").encode()
+            seq = e.seq
+        if events:
+            idle_since = time.monotonic()
+        elif idle_timeout_s > 0 and time.monotonic() - idle_since >= idle_timeout_s:
+            return
 
 
 def _model_card(engine: Engine) -> ModelCard:

@@ -24,8 +24,21 @@ The request-level operations (``cache_finished_req``, ``cache_unfinished_req``,
 computed), ``kv_allocated_len``, ``cache_protected_len``, ``last_node``,
 ``prefix_indices`` and ``last_loc``.
 
+Tiers (docs/cache.md).  With a host tier (``HostTier``, ``--hicache-size-gb`` /
+``--hicache-ratio``) every node lives on exactly one tier: ``gpu`` (``value``
+holds device slots) or ``host`` (``host_value`` holds host slots, ``value`` is
+None).  Invariant: the gpu nodes form a subtree that contains the root, host
+nodes hang below it (a gpu node is evicted to host only once none of its
+children is on the gpu; a load-back or an insert brings a whole path back
+from the top).  ``evict`` writes gpu leaves back to host (evicting host
+leaves, least recently used first, when the host pool is full; dropping the
+KV when even that fails); ``match_prefix`` reports the host part of a match
+(``host_len``) without loading it; ``load_back`` loads it.  Without a host
+tier nothing of this is used and every node is on the gpu.
+
 Nothing here touches CUDA: tree values live on the CPU; only the
-``req_to_token`` row is read or written on the model's device.
+``req_to_token`` row is read or written on the model's device (and the host
+tier's copies, ``kvship.engine.mem.hicache``).
 """
 
 from __future__ import annotations
@@ -34,11 +47,16 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from kvship.engine.mem.hicache_events import page_hashes
 from kvship.engine.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvship.engine.mem.hicache import HostTier
+    from kvship.engine.mem.hicache_events import KVEventLog
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
@@ -49,10 +67,15 @@ class MatchResult:
 
     ``last_node``: the node the match ends at; pass it to ``inc_lock_ref`` to
     pin the whole matched path.
+
+    ``host_len``: how many more tokens of the key are cached on the host tier
+    (in ``host_nodes``, path order); ``load_back`` brings them to the device.
     """
 
     indices: torch.Tensor
     last_node: Any
+    host_len: int = 0
+    host_nodes: tuple = ()
 
     @property
     def length(self) -> int:
@@ -76,7 +99,13 @@ class BasePrefixCache(ABC):
     Keys are truncated to whole pages.
 
     ``evictable_size()`` counts cached slots in unlocked nodes (freeable by
-    ``evict``); ``protected_size()`` counts slots in locked nodes.
+    ``evict``); ``protected_size()`` counts slots in locked nodes.  Both count
+    device slots only; ``host_size()`` counts the host tier's.
+
+    ``load_back(match, max_tokens)`` brings up to ``max_tokens`` of a match's
+    host part to the device (it may evict unlocked device nodes to make room)
+    and returns the longer match; the indices of the match it was given stay
+    valid.  Without a host tier it returns the match unchanged.
     """
 
     page_size: int
@@ -102,6 +131,16 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def evictable_size(self) -> int: ...
+
+    def host_size(self) -> int:
+        return 0
+
+    def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
+        return match
+
+    def tier_stats(self) -> dict:
+        """Host-tier figures for the scheduler's stats (empty without a host tier)."""
+        return {}
 
     @abstractmethod
     def protected_size(self) -> int: ...
@@ -177,28 +216,45 @@ class NoPrefixCache(BasePrefixCache):
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "last_access", "hashes")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: Optional["TreeNode"]):
+    def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"]):
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.value = value
+        self.value = value  # device slots; None while the node lives on the host tier
+        self.host_value: Optional[torch.Tensor] = None
+        self.hashes: Optional[list[int]] = None  # the page hash chain of key (KV events), computed when needed
         self.lock_ref = 0
         self.last_access = 0
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
 
+    @property
+    def on_host(self) -> bool:
+        return self.value is None
+
 
 class RadixCache(BasePrefixCache):
-    """Radix tree prefix cache with reference-count locks and LRU eviction."""
+    """Radix tree prefix cache with reference-count locks and LRU eviction (across tiers with ``host``)."""
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        page_size: int,
+        host: Optional["HostTier"] = None,
+        events: Optional["KVEventLog"] = None,
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
+        self.host = host
+        self.events = events  # pages stored / removed, per tier (docs/cache.md, "KV events")
         self._clock = itertools.count(1)
+        self._loading: frozenset = frozenset()  # ids of host nodes a load-back is about to read
+        self.host_hits = 0  # tokens loaded back from the host tier
         self.reset()
 
     def reset(self) -> None:
@@ -207,6 +263,7 @@ class RadixCache(BasePrefixCache):
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+        self._host = 0
 
     # --- keys ----------------------------------------------------------------
     def _child_key(self, key: Sequence[int]) -> Any:
@@ -242,6 +299,10 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(self._child_key(key))
             if child is None:
                 break
+            if child.on_host:  # the rest of the path lives on the host tier
+                host_len, host_nodes = self._match_host(child, key)
+                indices = torch.cat(values) if values else _EMPTY
+                return MatchResult(indices, node, host_len, host_nodes)
             self._touch(child)
             n = self._match_len(child.key, key)
             if n < len(child.key):
@@ -255,9 +316,30 @@ class RadixCache(BasePrefixCache):
         indices = torch.cat(values) if values else _EMPTY
         return MatchResult(indices, node)
 
+    def _match_host(self, child: TreeNode, key: list[int]) -> tuple[int, tuple]:
+        """The host-tier part of a match, starting at ``child`` (a host node whose first page matches)."""
+        nodes: list[TreeNode] = []
+        total = 0
+        while child is not None:
+            self._touch(child)
+            n = self._match_len(child.key, key)
+            whole = n == len(child.key)
+            if not whole:
+                child = self._split(child, n)
+            nodes.append(child)
+            total += n
+            key = key[n:]
+            if not whole or not key:
+                break
+            child = child.children.get(self._child_key(key))
+        return total, tuple(nodes)
+
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Split ``child`` after ``n`` tokens; returns the new upper node."""
-        upper = TreeNode(child.key[:n], child.value[:n].clone(), child.parent)
+        """Split ``child`` after ``n`` tokens; returns the new upper node (on the same tier)."""
+        upper = TreeNode(child.key[:n], None if child.value is None else child.value[:n].clone(), child.parent)
+        if child.host_value is not None:
+            upper.host_value = child.host_value[:n].clone()
+            child.host_value = child.host_value[n:].clone()
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.children = {self._child_key(child.key[n:]): child}
@@ -265,7 +347,10 @@ class RadixCache(BasePrefixCache):
         child.parent.children[self._child_key(child.key)] = upper
         child.parent = upper
         child.key = child.key[n:]
-        child.value = child.value[n:].clone()
+        if child.value is not None:
+            child.value = child.value[n:].clone()
+        if child.hashes is not None:
+            upper.hashes, child.hashes = child.hashes[: n // self.page_size], child.hashes[n // self.page_size :]
         return upper
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
@@ -276,6 +361,7 @@ class RadixCache(BasePrefixCache):
         node = self.root
         self._touch(node)
         done = 0
+        first_host: Optional[int] = None  # where the path reached the host tier: the cache owns value[first_host:]
         while done < len(key):
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
@@ -284,14 +370,29 @@ class RadixCache(BasePrefixCache):
                 self._touch(leaf)
                 node.children[self._child_key(rest)] = leaf
                 self._evictable += len(rest)
-                return done
+                self._emit_stored(leaf, "gpu")
+                return done if first_host is None else first_host
             self._touch(child)
             n = self._match_len(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
+            if child.on_host:  # the caller computed these pages again: keep its device copy, drop the host one
+                if first_host is None:
+                    first_host = done
+                self._host_to_gpu(child, value[done : done + n].clone())
             done += n
             node = child
-        return done
+        return done if first_host is None else first_host
+
+    def _host_to_gpu(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """``node`` (unlocked, on host) now lives in the device ``slots``; its host pages are freed."""
+        assert self.host is not None and node.host_value is not None
+        self.host.free(node.host_value)
+        node.host_value = None
+        node.value = slots
+        self._host -= len(node.key)
+        self._evictable += len(node.key)
+        self._emit_stored(node, "gpu")
 
     def inc_lock_ref(self, node: Any) -> None:
         while node is not None and node is not self.root:
@@ -311,40 +412,199 @@ class RadixCache(BasePrefixCache):
                 self._protected -= len(node.key)
             node = node.parent
 
-    def _leaves(self) -> list[TreeNode]:
+    def _is_gpu_leaf(self, node: TreeNode) -> bool:
+        """An unlocked device node none of whose children is on the device (evictable now)."""
+        return (
+            node is not self.root
+            and node.value is not None
+            and node.lock_ref == 0
+            and not any(c.value is not None for c in node.children.values())
+        )
+
+    def _gpu_leaves(self) -> list[TreeNode]:
         out, stack = [], [self.root]
         while stack:
             node = stack.pop()
-            if not node.children:
-                if node is not self.root and node.lock_ref == 0:
-                    out.append(node)
-            else:
-                stack.extend(node.children.values())
+            on_gpu = [c for c in node.children.values() if c.value is not None]
+            if on_gpu:
+                stack.extend(on_gpu)
+            elif self._is_gpu_leaf(node):
+                out.append(node)
         return out
 
     def evict(self, num_tokens: int) -> int:
+        """Free device slots (see ``BasePrefixCache.evict``); with a host tier the KV moves there."""
         if num_tokens <= 0:
             return 0
-        heap = self._leaves()
+        heap = self._gpu_leaves()
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.value)
+            k = len(leaf.key)
+            self._evictable -= k
+            freed += k
+            parent = leaf.parent
+            assert parent is not None
+            if not self._write_back(leaf):
+                self.allocator.free(leaf.value)
+                self._drop_subtree(leaf)
+            if self._is_gpu_leaf(parent):
+                heapq.heappush(heap, parent)
+        return freed
+
+    def _write_back(self, leaf: TreeNode) -> bool:
+        """Move ``leaf``'s KV to the host tier (evicting host leaves if needed); False when it cannot."""
+        if self.host is None:
+            return False
+        k = len(leaf.key)
+        host_slots = self.host.write_back(leaf.value)
+        if host_slots is None:
+            self.evict_host(k - self.host.available_size())
+            host_slots = self.host.write_back(leaf.value)
+        if host_slots is None:
+            return False
+        self.allocator.free(leaf.value)
+        leaf.value = None
+        leaf.host_value = host_slots
+        self._host += k
+        self._emit_stored(leaf, "host")
+        return True
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Unlink ``node`` (its device slots already freed) and free its host descendants."""
+        self._emit_removed(node)
+        stack = list(node.children.values())
+        while stack:
+            d = stack.pop()
+            stack.extend(d.children.values())
+            self._emit_removed(d)
+            self._free_host(d)
+        assert node.parent is not None
+        del node.parent.children[self._child_key(node.key)]
+        node.parent = None
+
+    def _free_host(self, node: TreeNode) -> None:
+        assert self.host is not None and node.host_value is not None
+        self.host.free(node.host_value)
+        node.host_value = None
+        self._host -= len(node.key)
+
+    # --- KV events -------------------------------------------------------------
+    def _node_hashes(self, node: TreeNode) -> list[int]:
+        """The page hash chain of ``node``'s key (computed down from the nearest ancestor that has it)."""
+        path = []
+        while node is not self.root and node.hashes is None:
+            path.append(node)
+            node = node.parent
+        parent = 0 if node is self.root or not node.hashes else node.hashes[-1]
+        for n in reversed(path):
+            n.hashes = page_hashes(n.key, self.page_size, parent)
+            parent = n.hashes[-1] if n.hashes else parent
+        return path[0].hashes if path else node.hashes  # type: ignore[return-value]
+
+    def _emit_stored(self, node: TreeNode, tier: str) -> None:
+        if self.events is not None:
+            self.events.stored(self._node_hashes(node), tier)
+
+    def _emit_removed(self, node: TreeNode) -> None:
+        if self.events is not None:
+            self.events.removed(self._node_hashes(node))
+
+    def cached_pages(self) -> dict[int, str]:
+        """Every cached page: hash -> tier (what the KV events describe; for checks and snapshots)."""
+        out: dict[int, str] = {}
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            tier = "host" if node.on_host else "gpu"
+            for h in self._node_hashes(node):
+                out[h] = tier
+        return out
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots of host leaves, least recently used first; returns how many."""
+        if num_tokens <= 0 or self.host is None:
+            return 0
+        heap, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.on_host and not node.children and id(node) not in self._loading:
+                heap.append(node)
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
             freed += len(leaf.key)
-            self._evictable -= len(leaf.key)
+            self._emit_removed(leaf)
+            self._free_host(leaf)
             parent = leaf.parent
             assert parent is not None
             del parent.children[self._child_key(leaf.key)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            leaf.parent = None  # detached: a match that still holds it cannot load it back
+            if parent.on_host and not parent.children and id(parent) not in self._loading:
                 heapq.heappush(heap, parent)
         return freed
+
+    def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
+        """See ``BasePrefixCache``: whole host nodes of ``match``, in path order, while they fit ``max_tokens``."""
+        if self.host is None or not match.host_nodes:
+            return match
+        nodes: list[TreeNode] = []
+        n = 0
+        for node in match.host_nodes:
+            if n + len(node.key) > max_tokens or node.parent is None or not node.on_host:
+                break
+            nodes.append(node)
+            n += len(node.key)
+        if not nodes:
+            return match
+        self.inc_lock_ref(match.last_node)  # the device path above stays put while room is made
+        self._loading = frozenset(id(x) for x in nodes)
+        try:
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                self.evict(n - self.allocator.available_size())
+                slots = self.allocator.alloc(n)
+        finally:
+            self._loading = frozenset()
+            self.dec_lock_ref(match.last_node)
+        if slots is None:
+            return match
+        off = 0
+        for node in nodes:
+            k = len(node.key)
+            part = slots[off : off + k].clone()
+            off += k
+            self.host.load_back(node.host_value, part)
+            self._host_to_gpu(node, part)
+        self.host_hits += n
+        return MatchResult(
+            torch.cat([match.indices, slots]), nodes[-1], match.host_len - n, match.host_nodes[len(nodes) :]
+        )
 
     def evictable_size(self) -> int:
         return self._evictable
 
     def protected_size(self) -> int:
         return self._protected
+
+    def host_size(self) -> int:
+        return self._host
+
+    def tier_stats(self) -> dict:
+        if self.host is None:
+            return {}
+        return {
+            "host_total_slots": self.host.total_slots,
+            "host_free_slots": self.host.available_size(),
+            "host_cached_slots": self._host,
+            "host_hit_tokens": self.host_hits,
+            "host_bytes_written": self.host.bytes_written,
+            "host_bytes_loaded": self.host.bytes_loaded,
+        }
 
     # --- request-level operations ------------------------------------------
     def _req_slots(self, req: Any, end: int) -> torch.Tensor:
@@ -386,8 +646,17 @@ class RadixCache(BasePrefixCache):
 
 
 def create_prefix_cache(
-    disable: bool, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int
+    disable: bool,
+    req_to_token_pool: ReqToTokenPool,
+    allocator: TokenToKVPoolAllocator,
+    page_size: int,
+    host: Optional["HostTier"] = None,
+    events: Optional["KVEventLog"] = None,
 ) -> BasePrefixCache:
-    """``RadixCache`` unless ``disable`` (``--disable-radix-cache``)."""
-    cls = NoPrefixCache if disable else RadixCache
-    return cls(req_to_token_pool, allocator, page_size)
+    """``RadixCache`` (with the host tier ``host`` and the KV event log ``events``, if any) unless ``disable``
+    (``--disable-radix-cache``)."""
+    if disable:
+        if host is not None or events is not None:
+            raise ValueError("the host KV tier and KV events need the radix cache (no --disable-radix-cache)")
+        return NoPrefixCache(req_to_token_pool, allocator, page_size)
+    return RadixCache(req_to_token_pool, allocator, page_size, host, events)

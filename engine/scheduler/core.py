@@ -67,6 +67,8 @@ from kvship.common.events import (
 from kvship.engine.config import ServerArgs
 from kvship.engine.grammar.backend import GrammarBackend, GrammarLimits, GrammarQueue
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
+from kvship.engine.mem.hicache import host_tier_for
+from kvship.engine.mem.hicache_events import KVEventLog
 from kvship.engine.mem.radix_cache import create_prefix_cache
 from kvship.engine.sampler import create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -125,8 +127,15 @@ class Scheduler:
         self.page_size = int(model_runner.page_size)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.allocator
+        # --enable-kv-events: the cache's pages for the router (docs/cache.md, "KV events"); read by the HTTP server
+        self.kv_events: Optional[KVEventLog] = KVEventLog(self.page_size) if server_args.enable_kv_events else None
         self.cache = create_prefix_cache(
-            server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
+            server_args.disable_radix_cache,
+            self.req_to_token_pool,
+            self.allocator,
+            self.page_size,
+            host_tier_for(server_args, model_runner),  # --hicache-*: None when off (docs/cache.md)
+            self.kv_events,
         )
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.size)
         self.counters: Counter = Counter()
@@ -654,6 +663,7 @@ class Scheduler:
             "extend_steps": c["extend_steps"],
             "decode_steps": c["decode_steps"],
             "new_token_ratio": self.kv.new_token_ratio,
+            **self.cache.tier_stats(),
             **self.role.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self.pipeline.stats() if self.pipeline is not None else {}),

@@ -51,8 +51,13 @@ class SchedulePolicy:
         """The waiting requests in admission order (a new list; ``waiting`` is untouched)."""
         if self.policy == "fcfs" or len(waiting) > self.tuning.lpm_max_waiting or len(waiting) < 2:
             return list(waiting)
-        lens = {id(r): self.cache.match_prefix(r.fill_ids[:-1]).length for r in waiting}
+        lens = {id(r): _cached_len(self.cache.match_prefix(r.fill_ids[:-1])) for r in waiting}
         return sorted(waiting, key=lambda r: -lens[id(r)])
+
+
+def _cached_len(match) -> int:
+    """Tokens of a match cached on any tier (a host hit is loaded back at admission)."""
+    return match.length + match.host_len
 
 
 @dataclass

@@ -260,17 +260,26 @@ def _prompts(runner: ModelRunner, bs: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel", "fp8_tensor_static"])
 def test_cuda_graph_decode_of_an_fp8_model_equals_eager(checkpoints, fmt):
-    graph = _runner(checkpoints[fmt], graphs=True)
+    # one runner on the GPU at a time: eager and unquantized first, then the graph runner (an H200 run that built
+    # the unquantized runner between the graph runner's capture and its replays saw step-1 logits of no relation
+    # to eager's: docs/quantization.md lists it as open)
+    sizes = (1, 3, 16, 17)  # 17: past the decode kernels, the GEMM path inside the graph
     eager = _runner(checkpoints[fmt], graphs=False)
-    plain = _runner(checkpoints["unquantized"], graphs=False)
-    cgr = graph.cuda_graph_runner
-    assert cgr is not None
-    for bs in (1, 3, 16, 17):  # 17: past the decode kernels, the GEMM path inside the graph
+    runs = {}
+    for bs in sizes:
         prompts = _prompts(eager, bs)
         want, fed = _steps(eager, prompts, steps=12)
+        runs[bs] = (prompts, want, fed)
+    _release(eager)
+    plain = _runner(checkpoints["unquantized"], graphs=False)
+    unquantized = {bs: _steps(plain, p, forced=fed, steps=12)[0] for bs, (p, _, fed) in runs.items()}
+    _release(plain)
+    graph = _runner(checkpoints[fmt], graphs=True)
+    cgr = graph.cuda_graph_runner
+    assert cgr is not None
+    for bs, (prompts, want, fed) in runs.items():
         before = cgr.replays
         got, _ = _steps(graph, prompts, forced=fed, steps=12)
         assert cgr.replays > before, "decode steps did not replay graphs"
-        unquantized, _ = _steps(plain, prompts, forced=fed, steps=12)
-        _assert_close_steps(got, want, unquantized, f"{fmt} bs {bs}: graph vs eager")
-    _release(graph, eager, plain)
+        _assert_close_steps(got, want, unquantized[bs], f"{fmt} bs {bs}: graph vs eager")
+    _release(graph)

@@ -1,0 +1,258 @@
+"""The host-memory KV tier (docs/cache.md): the radix cache's tiers on CPU pools, then the scheduler end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvship.engine.mem.hicache import HostTier, host_pool_slots
+from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from kvship.engine.mem.radix_cache import RadixCache, create_prefix_cache
+
+
+def make_tiered(ps=1, pages=16, host_pages=32, layers=2):
+    kv = KVPool(pages * ps, ps, torch.float32, 1, 2, layers, "cpu")
+    alloc = TokenToKVPoolAllocator(kv.num_slots, ps)
+    rtt = ReqToTokenPool(size=8, max_context_len=pages * ps, device="cpu")
+    host = HostTier(kv, host_pages * ps)
+    return RadixCache(rtt, alloc, ps, host), alloc, kv, host
+
+
+def write_kv(kv: KVPool, slots: torch.Tensor, tokens: list[int]) -> None:
+    """K/V rows that say which token (and layer) they belong to."""
+    for layer in range(kv.num_layers):
+        t = torch.tensor(tokens, dtype=torch.float32)
+        k = torch.stack([t, t + 1000 * layer], dim=-1)[:, None, :]
+        kv.set_kv_buffer(layer, slots, k, -k)
+
+
+def read_tokens(kv: KVPool, slots: torch.Tensor) -> list[int]:
+    return kv.k_buffer[0][slots, 0, 0].long().tolist()
+
+
+def cached(cache, alloc, kv, tokens):
+    slots = alloc.alloc_extend([0], [len(tokens)], [-1])
+    write_kv(kv, slots, tokens)
+    assert cache.insert(tokens, slots) == 0
+    return slots
+
+
+def check_consistent(cache: RadixCache, alloc, host) -> None:
+    """Counters equal the tree; every slot is free xor in exactly one node; gpu nodes form a rooted subtree."""
+    gpu_slots, host_slots, evictable, protected = [], [], 0, 0
+    stack = [(cache.root, True)]
+    while stack:
+        node, parent_on_gpu = stack.pop()
+        if node is not cache.root:
+            assert (node.value is None) != (node.host_value is None), "a node lives on exactly one tier"
+            if node.value is not None:
+                assert parent_on_gpu, "a gpu node below a host node"
+                gpu_slots += node.value.tolist()
+                if node.lock_ref:
+                    protected += len(node.key)
+                else:
+                    evictable += len(node.key)
+            else:
+                assert node.lock_ref == 0, "a host node is locked"
+                host_slots += node.host_value.tolist()
+        for c in node.children.values():
+            assert c.parent is node
+            stack.append((c, node is cache.root or node.value is not None))
+    assert len(set(gpu_slots)) == len(gpu_slots) and len(set(host_slots)) == len(host_slots)
+    assert cache.evictable_size() == evictable and cache.protected_size() == protected
+    assert cache.host_size() == len(host_slots)
+    assert alloc.available_size() + len(gpu_slots) == alloc.total_slots
+    assert host.available_size() + len(host_slots) == host.total_slots
+
+
+def test_evicted_prefix_moves_to_host_and_loads_back_with_the_same_kv():
+    cache, alloc, kv, host = make_tiered(ps=2)
+    tokens = list(range(10, 18))
+    cached(cache, alloc, kv, tokens)
+    assert cache.evict(8) == 8
+    assert alloc.available_size() == alloc.total_slots and cache.host_size() == 8
+    m = cache.match_prefix(tokens + [1, 2])
+    assert m.length == 0 and m.host_len == 8
+    # scribble over the whole device pool: the load-back must restore the rows from host memory
+    for layer in range(kv.num_layers):
+        kv.k_buffer[layer].fill_(-1)
+        kv.v_buffer[layer].fill_(-1)
+    m2 = cache.load_back(m, max_tokens=100)
+    assert m2.length == 8 and m2.host_len == 0 and cache.host_size() == 0
+    assert read_tokens(kv, m2.indices) == tokens
+    assert kv.k_buffer[1][m2.indices, 0, 1].long().tolist() == [t + 1000 for t in tokens]
+    assert kv.v_buffer[1][m2.indices, 0, 1].long().tolist() == [-(t + 1000) for t in tokens]
+    assert cache.match_prefix(tokens).indices.tolist() == m2.indices.tolist()
+    assert cache.tier_stats()["host_hit_tokens"] == 8
+    check_consistent(cache, alloc, host)
+
+
+def test_partial_host_match_splits_the_host_node_and_load_back_respects_max_tokens():
+    cache, alloc, kv, host = make_tiered(ps=2)
+    cached(cache, alloc, kv, [1, 2, 3, 4])
+    slots = alloc.alloc_extend([0], [8], [-1])
+    write_kv(kv, slots, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7, 8], slots) == 4
+    alloc.free(slots[:4])
+    cache.match_prefix([1, 2, 3, 4])  # [1..4] used more recently: [5..8] goes to host first
+    assert cache.evict(2) == 4
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6, 9, 9])
+    assert m.length == 4 and m.host_len == 2
+    assert cache.load_back(m, max_tokens=0).length == 4  # no room: the match is unchanged
+    m2 = cache.load_back(m, max_tokens=2)
+    assert m2.length == 6 and read_tokens(kv, m2.indices) == [1, 2, 3, 4, 5, 6]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).host_len == 2  # [7, 8] stayed on host
+    check_consistent(cache, alloc, host)
+
+
+def test_full_host_pool_evicts_its_least_recently_used_pages_first():
+    cache, alloc, kv, host = make_tiered(ps=1, pages=16, host_pages=6)
+    cached(cache, alloc, kv, [1, 1, 1])
+    cached(cache, alloc, kv, [2, 2, 2])
+    cached(cache, alloc, kv, [3, 3, 3])
+    cache.match_prefix([1, 1, 1])
+    cache.match_prefix([3, 3, 3])
+    cache.evict(9)  # [2] moves first (least recent), then [1], then [3] pushes [2] out of the host pool
+    assert cache.match_prefix([2, 2, 2]).host_len == 0
+    assert cache.match_prefix([1, 1, 1]).host_len == 3
+    assert cache.match_prefix([3, 3, 3]).host_len == 3
+    check_consistent(cache, alloc, host)
+
+
+def test_insert_over_host_pages_keeps_the_new_device_copy_and_frees_the_host_one():
+    cache, alloc, kv, host = make_tiered(ps=2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    cached(cache, alloc, kv, tokens)
+    cache.evict(6)
+    slots = alloc.alloc_extend([0], [8], [-1])
+    write_kv(kv, slots, tokens + [7, 8])
+    # the request computed all 8 again: the cache takes every slot (0 were cached on the device)
+    assert cache.insert(tokens + [7, 8], slots) == 0
+    assert cache.host_size() == 0
+    assert cache.match_prefix(tokens + [7, 8]).indices.tolist() == slots.tolist()
+    check_consistent(cache, alloc, host)
+
+
+def test_random_operations_keep_both_pools_consistent_and_end_full():
+    rng = random.Random(3)
+    cache, alloc, kv, host = make_tiered(ps=2, pages=24, host_pages=20)
+    for _ in range(400):
+        base = rng.choice([[1, 1], [2, 2], [3, 3, 4, 4]])
+        tokens = base + [rng.randrange(5, 9) for _ in range(rng.randrange(0, 12))]
+        m = cache.match_prefix(tokens)
+        if m.host_len and rng.random() < 0.7:
+            m = cache.load_back(m, rng.choice([2, 4, 100]))
+        assert read_tokens(kv, m.indices) == tokens[: m.length]  # every tier kept each page's own K/V
+        cache.inc_lock_ref(m.last_node)
+        n_new = len(tokens) // 2 * 2 - m.length
+        if n_new > alloc.available_size():
+            cache.evict(n_new - alloc.available_size())
+        new = alloc.alloc(n_new) if n_new > 0 else torch.empty(0, dtype=torch.int64)
+        if new is not None:
+            write_kv(kv, new, tokens[m.length : m.length + n_new])
+            value = torch.cat([m.indices, new])
+            already = cache.insert(tokens, value)
+            alloc.free(value[m.length : already])
+        cache.dec_lock_ref(m.last_node)
+        check_consistent(cache, alloc, host)
+    assert cache.host_hits > 0 and host.bytes_written > 0
+    cache.evict(alloc.total_slots)
+    cache.evict_host(host.total_slots)
+    assert alloc.available_size() == alloc.total_slots and host.available_size() == host.total_slots
+    assert not cache.root.children
+
+
+def test_host_pool_size_from_flags():
+    kv = KVPool(64, 4, torch.float16, 2, 8, 3, "cpu")  # 2*3*2*8*2 = 192 bytes a token
+    assert host_pool_slots(kv) == 0
+    assert host_pool_slots(kv, ratio=2.5) == 160
+    assert host_pool_slots(kv, size_gb=192 * 100 / 2**30) == 100 // 4 * 4
+    with pytest.raises(ValueError, match="at least one page"):
+        host_pool_slots(kv, size_gb=1e-9)
+    with pytest.raises(ValueError, match="not both"):
+        host_pool_slots(kv, size_gb=1, ratio=1)
+    rtt = ReqToTokenPool(size=2, max_context_len=8, device="cpu")
+    with pytest.raises(ValueError, match="need the radix cache"):
+        create_prefix_cache(True, rtt, TokenToKVPoolAllocator(64, 4), 4, HostTier(kv, 16))
+
+
+# --- the scheduler end to end (tiny random llama, CPU) -----------------------------------------------------------
+
+
+def _sched(model_dir, **kw):
+    from tests.test_scheduler_e2e import make
+
+    return make(model_dir, **kw)
+
+
+def _drain(sched):
+    from tests.test_scheduler_e2e import drain
+
+    drain(sched)
+
+
+def _greedy(n):
+    from kvship.engine.io_struct import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def _gen(rid, ids, n):
+    from kvship.engine.io_struct import GenerateRequest
+
+    return GenerateRequest(rid, ids, _greedy(n))
+
+
+def test_prefix_evicted_to_host_and_loaded_back_gives_the_cold_tokens_and_counts_as_cached(tiny_llama_dir):
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(3, 384, (n,), generator=g).tolist()  # noqa: E731
+    first = rand(100)
+    sched, _, out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
+    sched.submit(_gen("t1", first, 8))
+    _drain(sched)
+    for i in range(4):  # other sessions push the first one's pages out of the device pool
+        sched.submit(_gen(f"other{i}", rand(120), 8))
+        _drain(sched)
+    turn2 = first + out.tokens("t1") + rand(10)
+    m = sched.cache.match_prefix(turn2[:-1])
+    assert m.host_len >= 96, "the first turn's pages should be on the host tier by now"
+    sched.submit(_gen("t2", turn2, 12))
+    _drain(sched)
+    fin = out.finished("t2")[0]
+    assert fin.cached_tokens >= 100 // 4 * 4
+    st = sched.get_stats()
+    assert st["host_hit_tokens"] >= 96 and st["host_bytes_loaded"] > 0
+
+    cold, _, cold_out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, disable_radix_cache=True)
+    cold.submit(_gen("t2", turn2, 12))
+    _drain(cold)
+    assert cold_out.finished("t2")[0].cached_tokens == 0
+    assert out.tokens("t2") == cold_out.tokens("t2")
+
+
+def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_dir):
+    g = torch.Generator().manual_seed(12)
+    sched, _, out = _sched(
+        tiny_llama_dir, page_size=4, max_total_tokens=160, hicache_ratio=1.5, chunked_prefill_size=32
+    )
+    history = {s: torch.randint(3, 384, (24 + 4 * s,), generator=g).tolist() for s in range(8)}
+    for turn in range(3):
+        for s in range(8):  # every session's next turn, all queued at once
+            sched.submit(_gen(f"s{s}t{turn}", history[s], 6))
+        _drain(sched)
+        for s in range(8):
+            assert len(out.finished(f"s{s}t{turn}")) == 1
+            history[s] = history[s] + out.tokens(f"s{s}t{turn}") + torch.randint(3, 384, (5,), generator=g).tolist()
+    st = sched.get_stats()
+    assert st["host_hit_tokens"] > 0 and st["host_bytes_written"] > 0
+    assert st["running"] == 0 and st["waiting"] == 0 and st["num_aborted"] == 0
+    assert st["free_slots"] == st["total_slots"]  # every device slot is free or evictable
+    cache = sched.cache
+    assert cache.protected_size() == 0
+    check_consistent(cache, sched.allocator, cache.host)
+    cache.evict(st["total_slots"])
+    cache.evict_host(st["host_total_slots"])
+    assert sched.allocator.available_size() == sched.allocator.total_slots
+    assert cache.host.available_size() == cache.host.total_slots
