@@ -64,8 +64,9 @@ def worker_gpus(
         return None
     tp_sizes: list[int] = []  # one entry per node process
     for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-        tp, nnodes = worker_layout(cfg, role, flags.tp_size, flags.nnodes, pp_size)
-        tp_sizes += [tp * pp_size // nnodes] * (nnodes * count)
+        pp = cfg.prefill_pp_size if role == "prefill" and cfg.prefill_pp_size else pp_size  # --prefill-pp-size
+        tp, nnodes = worker_layout(cfg, role, flags.tp_size, flags.nnodes, pp)
+        tp_sizes += [tp * pp // nnodes] * (nnodes * count)
     if cfg.gpu_placement == "shared":
         return [flags.base_gpu_id] * len(tp_sizes)
     if num_gpus is None:

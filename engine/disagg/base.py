@@ -105,6 +105,12 @@ class KVTransferConfig:
     tp_size: int = opt(1, "Tensor-parallel size of this worker (the peer's may differ: heads are sliced)")
     tp_rank: int = opt(0, "Tensor-parallel rank of this worker")
     total_kv_heads: int = opt(0, "The model's KV heads (0: this pool's heads times tp_size)")
+    pp_size: int = opt(
+        1, "Pipeline-parallel size of this worker (its ranks are stage-major: pp_rank * tp_size + tp_rank)"
+    )
+    pp_rank: int = opt(0, "Pipeline stage of this rank")
+    layer_start: int = opt(0, "First model layer this rank's pool holds (its pipeline stage's)")
+    model_layers: int = opt(0, "The model's layers (0: this pool's layers, the whole model)")
     fingerprint: str = opt("", "Model fingerprint (kvship.engine.fingerprint) sent in Hello/Welcome; '' = unchecked")
     # KV-plane authentication (docs/pd.md, "KV plane authentication"; kvship.engine.disagg.auth)
     secret: Optional[bytes] = field(
@@ -161,6 +167,16 @@ class KVTransferConfig:
             raise ValueError("transfer_threads and max_inflight must be >= 1")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError("bootstrap_port must be in 0..65535")
+
+    @property
+    def stage_fields(self) -> dict:
+        """This rank's pipeline stage as ``KVLayout.from_pool`` keywords."""
+        return {
+            "pp_size": self.pp_size,
+            "pp_rank": self.pp_rank,
+            "layer_start": self.layer_start,
+            "model_layers": self.model_layers,
+        }
 
     @classmethod
     def from_server_args(cls, args, **overrides) -> "KVTransferConfig":

@@ -86,16 +86,19 @@ class PDRole(ABC):
         self, sched: "Scheduler", kv_config: Optional[KVTransferConfig] = None, features: Optional[SlotFeatures] = None
     ):
         self.s = sched
-        # tensor parallelism: this rank's manager, polls agreed over the ranks (kvship.engine.disagg.tp_sync)
-        self.tp = sched.runner.tp
+        # tensor / pipeline parallelism: this rank's manager, polls agreed over every rank of the worker
+        # (kvship.engine.disagg.tp_sync; with pipeline stages that is the world, else the TP group)
+        pipeline = sched.runner.pipeline
+        self.tp = pipeline.world if pipeline is not None else sched.runner.tp
         self.kv_manager = make_kv_manager(
             self.mode,
             sched.server_args,
             sched.runner.kv_pool,
             kv_config,
-            tp=self.tp,
+            tp=sched.runner.tp,
             total_kv_heads=sched.runner.model_config.num_key_value_heads,
             features=features,
+            pipeline=pipeline,
         )
         self.free_slots_per_rank: Optional[list[int]] = None
         self.counters: Counter = Counter()

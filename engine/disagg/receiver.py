@@ -57,7 +57,7 @@ from kvship.engine.disagg.base import (
 )
 from kvship.engine.disagg.bootstrap import BootstrapLink
 from kvship.engine.disagg.checksum import default_algorithm, kv_checksum_heads
-from kvship.engine.disagg.tp_slices import head_slice
+from kvship.engine.disagg.tp_slices import head_slice, layer_buffers, shared_layers
 from kvship.engine.disagg.wire import (
     AUX_RECORD_BYTES,
     Abort,
@@ -197,29 +197,32 @@ class DecodeReceiver(KVReceiver):
         welcome = link.welcome
         if src is None or welcome is None or src.registered or self._aborting is not None:
             return
-        if welcome.layout.tp_rank != src.rank:
-            self._abort_locked(
-                f"prefill {link.address} is tensor-parallel rank {welcome.layout.tp_rank}, not {src.rank}"
-            )
+        if welcome.layout.world_rank != src.rank:
+            self._abort_locked(f"prefill {link.address} is rank {welcome.layout.world_rank}, not {src.rank}")
             return
-        if src.rank == 0 and len(self.sources) == 1 and welcome.layout.tp_size > 1:
-            if not self._add_sources_locked(welcome.layout.tp_size, welcome.ranks):
+        lay = welcome.layout
+        if src.rank == 0 and len(self.sources) == 1 and lay.tp_size * lay.pp_size > 1:
+            if not self._add_sources_locked(lay.tp_size, lay.pp_size, welcome.ranks):
                 return
         self._register_locked(src)
 
-    def _add_sources_locked(self, tp_size: int, ranks: list) -> bool:
-        """Prefill rank 0 told us its ``tp_size`` ranks' addresses: open the links, take their aux slots."""
+    def _add_sources_locked(self, tp_size: int, pp_size: int, ranks: list) -> bool:
+        """Prefill rank 0 told us its ``tp_size x pp_size`` ranks' addresses (stage-major): open the links, take
+        their aux slots.  Every rank writes the layers of its stage that this rank holds (maybe none), the aux
+        record and its done signal."""
         m = self._m
         try:
             addrs = [(str(h), int(p)) for h, p in ranks]
         except (TypeError, ValueError):
             addrs = []
-        if len(addrs) != tp_size:
-            self._abort_locked(f"prefill rank 0 sent {len(ranks)} rank addresses for tp size {tp_size}")
+        if len(addrs) != tp_size * pp_size:
+            self._abort_locked(
+                f"prefill rank 0 sent {len(ranks)} rank addresses for tp size {tp_size} x pp size {pp_size}"
+            )
             return False
         self.prefill_tp = tp_size
         added: list[_Source] = []
-        for rank in range(1, tp_size):
+        for rank in range(1, tp_size * pp_size):
             if not m.aux_free:
                 self._abort_locked(f"too many KV transfers in flight on this decode worker (max {m.num_aux_slots})")
                 return False
@@ -348,12 +351,16 @@ class DecodeReceiver(KVReceiver):
         if m.config.checksum:
             if aux.checksum is None:
                 return KVPoll.Failed, "checksum requested but prefill sent none", None
-            lay = m.layout
-            part = head_slice(lay.model_kv_heads, self.prefill_tp, src.rank, lay.tp_size, lay.tp_rank)
+            lay, theirs = m.layout, src.link.welcome.layout if src.link.welcome is not None else None
+            if theirs is None:
+                return KVPoll.Failed, f"prefill rank {src.rank} sent an aux record before its welcome", None
+            part = head_slice(lay.model_kv_heads, theirs.tp_size, theirs.tp_rank, lay.tp_size, lay.tp_rank)
+            shared = shared_layers(theirs, lay)  # the layers that rank wrote (its pipeline stage's, ours too)
             got = 0
-            if part is not None:
+            if part is not None and shared is not None:
                 algo = default_algorithm(m.pool_device)
-                got = kv_checksum_heads(m.buffers, pages, lay.page_size, part.dst_head, part.num_heads, algo)
+                bufs = layer_buffers(m.buffers, lay, *shared)
+                got = kv_checksum_heads(bufs, pages, lay.page_size, part.dst_head, part.num_heads, algo)
             if got != aux.checksum:
                 return (
                     KVPoll.Failed,
@@ -418,7 +425,9 @@ class DecodeKVManager(KVManager):
         self.pool_device = kv_pool.device
         if features is not None:
             features.check(kv_pool)
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features)
+        self.layout = KVLayout.from_pool(
+            kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features, **config.stage_fields
+        )
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()

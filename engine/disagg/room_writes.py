@@ -32,7 +32,7 @@ from kvship.engine.disagg.auth import RoomKey
 from kvship.engine.disagg.base import AuxInfo, KVTransferError, TransferBackend, TransferDescs
 from kvship.engine.disagg.checksum import kv_checksum_heads
 from kvship.engine.disagg.layerwise import LayerProgress
-from kvship.engine.disagg.tp_slices import head_slice, slice_kv_descs
+from kvship.engine.disagg.tp_slices import head_slice, layer_buffers, map_layers, shared_layers, slice_kv_descs
 from kvship.engine.disagg.wire import AUX_RECORD_BYTES, AuxRecord, Done, KVLayout, Register, Started
 
 if TYPE_CHECKING:
@@ -100,12 +100,14 @@ class RoomWriter:
         dst = peer.hello.layout  # this decode rank gets its KV heads (tp_slices.head_slice), the aux record, done
         peer.conn.send(Started(room=room))
         part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
+        shared = shared_layers(layout, dst)  # the layers both ranks hold (pipeline stages)
         checksum = None
         if reg.checksum is not None:
             checksum = 0
-            if part is not None:
+            if part is not None and shared is not None:
+                bufs = layer_buffers(self.buffers, layout, *shared)
                 checksum = kv_checksum_heads(
-                    self.buffers, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
+                    bufs, src_pages, layout.page_size, part.src_head, part.num_heads, reg.checksum
                 )
         parts = [
             d
@@ -186,23 +188,27 @@ class RoomWriter:
     # -- the parts -----------------------------------------------------------------------
     def kv_descs(self, peer: "DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray) -> Optional[TransferDescs]:
         """The K/V bytes of these pages this rank writes into decode rank ``peer`` (its KV heads,
-        ``tp_slices.head_slice``), or None when it holds none of them."""
+        ``tp_slices.head_slice``) of the layers both hold (``tp_slices.map_layers``), or None when it holds none
+        of them."""
         layout, dst = self.layout, peer.hello.layout
         part = head_slice(layout.model_kv_heads, layout.tp_size, layout.tp_rank, dst.tp_size, dst.tp_rank)
         if part is None or src_pages.size == 0:
             return None
         runs = D.page_runs(src_pages, dst_pages)
-        return slice_kv_descs(
+        descs = slice_kv_descs(
             runs, layout.num_buffers, layout.page_size, layout.head_bytes, layout.num_kv_heads, dst.num_kv_heads, part
         )
+        return map_layers(descs, layout, dst)  # the layers both hold, into decode's buffers of those layers
 
     def feature_descs(
         self, peer: "DecodePeer", src_pages: np.ndarray, dst_pages: np.ndarray
     ) -> Optional[TransferDescs]:
         """The per-slot features of these pages for decode rank ``peer``, or None (none travel to it from this
-        rank: replicated, so one rank sends them)."""
-        dst = peer.hello.layout
-        if self.feature_region is None or not peer.features or dst.tp_rank % self.layout.tp_size != self.layout.tp_rank:
+        rank: replicated over TP, so one rank of the last pipeline stage, which computes them, sends them)."""
+        dst, lay = peer.hello.layout, self.layout
+        if self.feature_region is None or not peer.features or dst.tp_rank % lay.tp_size != lay.tp_rank:
+            return None
+        if lay.layer_end != lay.all_layers:
             return None
         runs = D.page_runs(src_pages, dst_pages)
         return D.region_descs(runs, self.feature_region, dst.num_buffers, self.layout.feature_page_bytes)

@@ -113,7 +113,9 @@ class PrefillKVManager(KVManager):
         self.pool = kv_pool
         if features is not None:
             features.check(kv_pool)
-        self.layout = KVLayout.from_pool(kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features)
+        self.layout = KVLayout.from_pool(
+            kv_pool, config.tp_size, config.tp_rank, config.total_kv_heads, features, **config.stage_fields
+        )
         self.num_pages = kv_pool.num_slots // kv_pool.page_size
         self.buffers = kv_pool.buffers()
         self.lock = threading.RLock()

@@ -56,6 +56,7 @@ def make_kv_manager(
     tp: Any = None,
     total_kv_heads: int = 0,
     features: Optional[SlotFeatures] = None,
+    pipeline: Any = None,
 ) -> KVManager:
     """The ``role`` ("prefill" | "decode") transfer layer over ``kv_pool``.
 
@@ -64,22 +65,34 @@ def make_kv_manager(
     wrapped so that every rank's ``poll()`` agrees (``tp_sync.TPKVManager``); rank r
     of a prefill worker binds ``--disaggregation-bootstrap-port`` + r.  ``total_kv_heads``:
     the model's KV heads (the pool holds this rank's share).  ``features``: the worker's per-slot
-    features buffer (``base.SlotFeatures``), registered with the K/V buffers.
+    features buffer (``base.SlotFeatures``), registered with the K/V buffers.  ``pipeline``: the rank's
+    ``StageLink`` when the worker has pipeline stages (docs/parallel.md, "PD with pipeline parallelism"): the
+    layout names the stage's layers, and the polls agree over every rank of the worker (its world), whose rank
+    r binds the bootstrap port + r (stage-major, like the addresses rank 0's ``Welcome`` lists).
     Raises ``RuntimeError`` with a user-facing message on failure.
     """
     cfg = config or KVTransferConfig.from_server_args(server_args)
+    ranks = tp  # every rank of the worker: they agree on each poll
     if tp is not None:
-        port = cfg.bootstrap_port + tp.rank if cfg.bootstrap_port else 0
-        cfg = dataclasses.replace(cfg, tp_size=tp.size, tp_rank=tp.rank, bootstrap_port=port)
+        cfg = dataclasses.replace(cfg, tp_size=tp.size, tp_rank=tp.rank)
+    if pipeline is not None:
+        r = pipeline.layers
+        cfg = dataclasses.replace(
+            cfg, pp_size=pipeline.pp_size, pp_rank=pipeline.stage, layer_start=r.start, model_layers=r.num_layers
+        )
+        ranks = pipeline.world
+    if ranks is not None:
+        port = cfg.bootstrap_port + ranks.rank if cfg.bootstrap_port else 0
+        cfg = dataclasses.replace(cfg, bootstrap_port=port)
     if total_kv_heads:
         cfg = dataclasses.replace(cfg, total_kv_heads=total_kv_heads)
     try:
         manager = create_kv_manager(role, kv_pool, cfg, features)
-        if tp is None:
+        if ranks is None:
             return manager
         from kvship.engine.disagg.tp_sync import TPKVManager
 
-        return TPKVManager(manager, tp)
+        return TPKVManager(manager, ranks)
     except BackendUnavailableError as e:
         raise RuntimeError(f"--disaggregation-transfer-backend {cfg.backend}: {e}") from e
     except OSError as e:

@@ -11,7 +11,15 @@ rank that holds it (of several holders, rank ``d mod holders``, spreading the
 reads) -- and ``slice_kv_descs`` turns that into the transfer descriptors every
 backend (tcp, mooncake, nixl) executes.
 
-This module is the one place with head-range arithmetic; the sender and the
+Pipeline parallelism (docs/parallel.md, "PD with pipeline parallelism"): a
+rank of a pipeline stage holds only its stage's layers, registered as its
+K/V buffers (K of its i-th layer is region i, V is ``num_layers + i``).  A
+prefill rank writes a decode rank the layers both hold (``shared_layers``):
+``map_layers`` keeps those descriptors and points each at the decode rank's
+buffer of the same model layer, so the transfer of layer ``l`` comes from the
+stage that owns ``l``, its heads sliced across TP as above.
+
+This module is the one place with head-range and layer-range arithmetic; the sender and the
 receiver (checksums) use it, the backends only move the byte ranges it yields.
 
 Pool layout (``kvship.engine.mem.pools.KVPool``): each K/V buffer is
@@ -25,12 +33,17 @@ the slice's heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from kvship.engine.disagg.base import KVTransferError, TransferDescs
 from kvship.engine.disagg.descriptors import kv_descs
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvship.engine.disagg.wire import KVLayout
 
 
 @dataclass(frozen=True)
@@ -122,3 +135,42 @@ def slice_kv_descs(
         dst_off=np.tile(dst_off, num_buffers),
         length=np.full(total * num_buffers, s.num_heads * head_bytes, dtype=np.int64),
     )
+
+
+def shared_layers(src: "KVLayout", dst: "KVLayout") -> Optional[tuple[int, int]]:
+    """The model layers ``[lo, hi)`` both ranks hold (their pipeline stages overlap there), or None."""
+    lo, hi = max(src.layer_start, dst.layer_start), min(src.layer_end, dst.layer_end)
+    return (lo, hi) if lo < hi else None
+
+
+def map_layers(descs: TransferDescs, src: "KVLayout", dst: "KVLayout") -> Optional[TransferDescs]:
+    """``descs`` (K/V buffer regions of ``src``'s pool on both sides, as ``slice_kv_descs`` yields them) cut to
+    the layers both ranks hold, each pointed at ``dst``'s buffer of the same model layer; None when the ranks
+    share no layer."""
+    shared = shared_layers(src, dst)
+    if shared is None:
+        return None
+    if src.layer_start == dst.layer_start and src.num_layers == dst.num_layers:
+        return descs  # the same layers: region i is region i
+    n = src.num_layers
+    if len(descs) and int(descs.src_region.max()) >= 2 * n:
+        raise KVTransferError(f"descriptor region {int(descs.src_region.max())} is no K/V buffer of {n} layers")
+    layer = src.layer_start + descs.src_region % n
+    keep = (layer >= shared[0]) & (layer < shared[1])
+    dst_region = (descs.src_region // n) * dst.num_layers + (layer - dst.layer_start)
+    return TransferDescs(
+        src_region=descs.src_region[keep],
+        src_off=descs.src_off[keep],
+        dst_region=dst_region[keep],
+        dst_off=descs.dst_off[keep],
+        length=descs.length[keep],
+    )
+
+
+def layer_buffers(buffers: Sequence["torch.Tensor"], layout: "KVLayout", lo: int, hi: int) -> list["torch.Tensor"]:
+    """The K buffers, then the V buffers, of the model layers ``[lo, hi)`` in a pool with ``layout`` (the
+    checksum walks these on both sides, so it covers exactly the layers one prefill rank wrote)."""
+    n, a, b = layout.num_layers, lo - layout.layer_start, hi - layout.layer_start
+    if not 0 <= a < b <= n or len(buffers) < 2 * n:
+        raise KVTransferError(f"layers [{lo}, {hi}) are not held by a pool of layers {layout.layer_start}+{n}")
+    return list(buffers[a:b]) + list(buffers[n + a : n + b])

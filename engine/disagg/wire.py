@@ -96,10 +96,28 @@ class KVLayout:
     # an FP8 pool's per-layer dequantization scales: every layer's k_scale, then every v_scale (() otherwise);
     # the bytes mean the same values on both sides only with equal scales (docs/quantization.md)
     kv_scales: tuple[float, ...] = ()
+    # pipeline parallelism (docs/parallel.md, "PD with pipeline parallelism"): this rank's stage holds the
+    # model's layers [layer_start, layer_start + num_layers) of ``model_layers`` (0: ``num_layers``, the whole model)
+    pp_size: int = 1
+    pp_rank: int = 0
+    layer_start: int = 0
+    model_layers: int = 0
 
     @classmethod
-    def from_pool(cls, pool, tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0, features=None) -> "KVLayout":
-        """``features``: the worker's ``base.SlotFeatures`` or None."""
+    def from_pool(
+        cls,
+        pool,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        total_kv_heads: int = 0,
+        features=None,
+        pp_size: int = 1,
+        pp_rank: int = 0,
+        layer_start: int = 0,
+        model_layers: int = 0,
+    ) -> "KVLayout":
+        """``features``: the worker's ``base.SlotFeatures`` or None; ``pp_*`` / ``layer_start`` / ``model_layers``:
+        the rank's pipeline stage (defaults: the whole model)."""
         return cls(
             page_size=pool.page_size,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
@@ -113,6 +131,10 @@ class KVLayout:
             feature_dim=int(features.buffer.shape[1]) if features is not None else 0,
             feature_dtype=str(features.buffer.dtype).removeprefix("torch.") if features is not None else "",
             kv_scales=tuple(pool.k_scales) + tuple(pool.v_scales) if pool.is_fp8 else (),
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            layer_start=layer_start,
+            model_layers=model_layers if model_layers else layer_start + pool.num_layers,
         )
 
     @property
@@ -171,21 +193,53 @@ class KVLayout:
     def num_buffers(self) -> int:
         return 2 * self.num_layers
 
+    @property
+    def all_layers(self) -> int:
+        """The model's decoder layers (``num_layers`` is this rank's stage's share)."""
+        return self.model_layers or self.num_layers
+
+    @property
+    def layer_end(self) -> int:
+        return self.layer_start + self.num_layers
+
+    @property
+    def world_rank(self) -> int:
+        """This rank's index among its worker's ranks: stage-major (stage ``p`` is ranks ``[p * tp, (p + 1) * tp)``)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def layer_scales(self, start: int, end: int) -> tuple[float, ...]:
+        """An FP8 pool's k_scales then v_scales of the model's layers ``[start, end)`` (held by this rank)."""
+        if not self.kv_scales:
+            return ()
+        n, a, b = self.num_layers, start - self.layer_start, end - self.layer_start
+        return tuple(self.kv_scales[a:b]) + tuple(self.kv_scales[n + a : n + b])
+
     def mismatch(self, other: "KVLayout") -> Optional[str]:
         """None if ``other`` can exchange KV with this layout, else what differs.
 
-        Tensor-parallel sizes may differ (each side's heads are sliced, docs/parallel.md);
-        the model's KV heads, page size, dtype, layers and head dim must not."""
+        Tensor-parallel sizes may differ (each side's heads are sliced, docs/parallel.md), and so may the
+        pipeline stages (each rank writes the layers both ranks hold); the model's KV heads, page size, dtype,
+        layers and head dim must not, and FP8 scales must agree on the layers both hold."""
         from kvship.engine.disagg.tp_slices import rank_kv_heads
 
         diffs = []
-        for f in ("page_size", "kv_dtype", "num_layers", "model_kv_heads", "head_dim"):
+        for f in ("page_size", "kv_dtype", "all_layers", "model_kv_heads", "head_dim"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
-                diffs.append(f"{f} {a} != {b}")
-        if self.kv_dtype == other.kv_dtype and self.kv_scales != other.kv_scales:
-            diffs.append(f"FP8 KV scales (k_scale per layer, then v_scale) {list(self.kv_scales)} != "
-                         f"{list(other.kv_scales)}")  # fmt: skip
+                diffs.append(f"{'num_layers' if f == 'all_layers' else f} {a} != {b}")
+        for side in (self, other):
+            if not (0 <= side.layer_start and side.layer_end <= side.all_layers and 0 <= side.pp_rank < side.pp_size):
+                diffs.append(
+                    f"pipeline stage {side.pp_rank} of {side.pp_size} holds layers [{side.layer_start}, "
+                    f"{side.layer_end}) of {side.all_layers}"
+                )
+        # the layers both hold (a pipeline stage holds some of them): their FP8 scales must agree
+        lo, hi = max(self.layer_start, other.layer_start), min(self.layer_end, other.layer_end)
+        if not diffs and self.kv_dtype == other.kv_dtype and lo < hi:
+            mine, theirs = self.layer_scales(lo, hi), other.layer_scales(lo, hi)
+            if mine != theirs:
+                diffs.append(f"FP8 KV scales (k_scale per layer, then v_scale) {list(mine)} != "
+                             f"{list(theirs)}")  # fmt: skip
         for side in (self, other):
             try:
                 _, n = rank_kv_heads(side.model_kv_heads, side.tp_size, side.tp_rank)
@@ -223,6 +277,10 @@ class KVLayout:
                 feature_dim=int(d.get("feature_dim") or 0),
                 feature_dtype=str(d.get("feature_dtype") or ""),
                 kv_scales=tuple(float(x) for x in d.get("kv_scales") or ()),
+                pp_size=int(d.get("pp_size", 1)),
+                pp_rank=int(d.get("pp_rank", 0)),
+                layer_start=int(d.get("layer_start", 0)),
+                model_layers=int(d.get("model_layers", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e
