@@ -6,5 +6,13 @@ these names (tests/test_router_policies.py checks), so adding a policy means
 adding its name here and registering its class there.
 """
 
-POLICY_NAMES = ("cache_aware", "round_robin", "random", "shortest_queue", "power_of_two", "bucket")
+POLICY_NAMES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "shortest_queue",
+    "power_of_two",
+    "bucket",
+    "kv_events",
+)
 DEFAULT_POLICY = "cache_aware"

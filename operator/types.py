@@ -380,7 +380,8 @@ class RouterSpec:
     autoscaling: Optional[Autoscaling] = api_field("Scale the router with a HorizontalPodAutoscaler.")
     policy: str = api_field(
         "How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
-        "round_robin, random, shortest_queue, power_of_two or bucket (prompt-length buckets).",
+        "round_robin, random, shortest_queue, power_of_two, bucket (prompt-length buckets) or kv_events (a "
+        "global prefix index from the workers' KV events; workers need --enable-kv-events).",
         DEFAULT_POLICY,
         enum=POLICY_NAMES,
     )

@@ -104,6 +104,15 @@ class RouterConfig:
     bucket_adjust_interval: float = opt(
         5.0, "bucket: seconds of recent requests the boundaries are fitted to (refitted once per interval)"
     )
+    kv_index_max_pages: int = opt(
+        1_000_000, "kv_events: page hashes the router's prefix index keeps (least recently used dropped first)"
+    )
+    kv_events_host_weight: float = opt(
+        0.5, "kv_events: worth of a prefix token cached on a worker's host tier, against 1 for its GPU tier"
+    )
+    kv_events_load_tokens: float = opt(
+        256.0, "kv_events: cached prompt tokens one in-flight request on a worker offsets in its score"
+    )
     session_affinity: bool = opt(
         True,
         "A request's session key (body 'session_id', header x-session-id, else the OpenAI 'user' field) pins it "
@@ -248,6 +257,10 @@ class RouterConfig:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.max_tree_size < 1:
             raise ValueError("--max-tree-size must be >= 1")
+        if self.kv_index_max_pages < 1:
+            raise ValueError("--kv-index-max-pages must be >= 1")
+        if not 0.0 <= self.kv_events_host_weight <= 1.0 or self.kv_events_load_tokens < 0:
+            raise ValueError("--kv-events-host-weight must be in [0, 1] and --kv-events-load-tokens >= 0")
         if self.bucket_initial_span < 1:
             raise ValueError("--bucket-initial-span must be >= 1")
         if self.pd_selective_max_tokens < 0:

@@ -39,6 +39,7 @@ import aiohttp
 
 from kvship.router.config import RouterConfig
 from kvship.router.health import HealthChecker
+from kvship.router.kv_events import KVEventsPolicy, KVEventSubscriber
 from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import Policy, create_policy
 from kvship.router.ratelimit import KeyLimits, TokenBucket, key_limits_or_none
@@ -149,6 +150,13 @@ class Router:
         self.worker_headers: dict[str, str] = {}
         if config.resolved_worker_api_key:
             self.worker_headers["authorization"] = f"Bearer {config.resolved_worker_api_key}"
+        # --policy kv_events (any role): one subscriber feeds each such policy's index from its workers' events
+        kv_indexes = {r: p.index for r, p in self.policies.items() if isinstance(p, KVEventsPolicy)}
+        self.kv_events: Optional[KVEventSubscriber] = None
+        if kv_indexes:
+            self.kv_events = KVEventSubscriber(
+                self.registry, kv_indexes, lambda: self.client, self.worker_headers, self.metrics
+            )
         self.kv_scraper = KVTransferScraper(
             self.registry,
             self.slo,
@@ -185,6 +193,8 @@ class Router:
             self.discovery = PodDiscovery(self.config, self.registry)
             await self.discovery.start()
         self.health.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.config.pd:
             self.kv_scraper.start()
         logger.info(
@@ -196,6 +206,8 @@ class Router:
     async def stop(self) -> None:
         await self.health.stop()
         await self.kv_scraper.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.background:

@@ -8,6 +8,7 @@ from kvship.common import metrics_names as names
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
@@ -62,6 +63,23 @@ class RouterMetrics:
             "kvship_router_cache_aware_match_ratio",
             "cache_aware: matched prefix / request text length of the chosen worker",
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.kv_predicted_cached_tokens = Histogram(
+            "kvship_router_kv_predicted_cached_tokens",
+            "kv_events: prompt tokens the chosen worker was expected to hold, by source (index: its KV events; "
+            "tree: the approximate tree while its event stream is behind)",
+            ["source"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.kv_index_pages = Gauge(
+            "kvship_router_kv_index_pages", "kv_events: page hashes in the router's prefix index", registry=r
+        )
+        self.kv_index_resyncs = Counter(
+            "kvship_router_kv_index_resyncs",
+            "kv_events: snapshots loaded per worker (the first sync, then one per gap or reconnect)",
+            ["worker"],
             registry=r,
         )
         self.resumes = Counter(
@@ -123,7 +141,7 @@ class RouterMetrics:
 
     def forget_worker(self, url: str) -> None:
         """Drop the per-worker gauges of a removed worker."""
-        for gauge in (self.in_flight, self.healthy, self.circuit):
+        for gauge in (self.in_flight, self.healthy, self.circuit, self.kv_index_resyncs):
             try:
                 gauge.remove(url)
             except KeyError:

@@ -255,3 +255,7 @@ class BucketPolicy(Policy):
         ):
             return self.least_loaded(ordered)
         return ordered[self.bucket_of(length)]
+
+
+# registered in its own module (it runs a subscriber beside the policy): imported here so the registry is whole
+from kvship.router import kv_events  # noqa: E402,F401

@@ -1,0 +1,388 @@
+"""``--policy kv_events``: a global prefix index fed by every worker's KV events (docs/cache.md, "Routing on KV events").
+
+Data flow::
+
+    worker /kv_events (NDJSON) ──> WorkerFeed (one task per worker) ──> PrefixIndex ──> KVEventsPolicy.select
+    worker /kv_events/snapshot ──> WorkerFeed.resync (first sync, a gap, a lost line, a reconnect failure)
+
+* ``PrefixIndex`` holds page hash -> {worker URL: tier} for the workers it follows, at most
+  ``--kv-index-max-pages`` hashes (least recently stored or matched dropped first), and per worker the
+  sequence number of the last event applied, its page size and whether it is *synced* (its events since the
+  last snapshot were all applied in order).  Event-loop thread only.
+* ``WorkerFeed`` keeps one worker's part of the index in step: snapshot, then the event stream from the
+  snapshot's ``seq``; a stream that ends idle is reopened from the last ``seq`` (the worker replays what was
+  missed, or answers a gap line); any gap or failure marks the worker unsynced until the next snapshot.
+* ``KVEventSubscriber`` runs one feed per registered worker of the roles that route with ``kv_events`` and
+  drops a worker's pages when it leaves the registry.
+* ``KVEventsPolicy`` routes a token-id prompt to the worker with the best score::
+
+      score = gpu_tokens + host_weight * host_tokens - load_tokens * in_flight
+
+  where ``gpu_tokens`` / ``host_tokens`` are the tokens of the prompt's longest leading run of pages the
+  worker holds on that tier (``page_hashes`` of the prompt at the worker's page size).  A worker whose feed is
+  not synced is scored from the approximate tree of ``cache_aware`` (what the router sent it) instead.
+  Ties: the least loaded, then at random.  The load escape of ``cache_aware`` holds (imbalanced in-flight
+  counts: the least loaded wins).  The router has no tokenizer: text prompts (chat, text completions and
+  ``/generate`` text, batches) are routed by the ``cache_aware`` rule on the approximate tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import aiohttp
+
+from kvship.engine.mem.hicache_events import KVEvent, page_hashes
+from kvship.router.config import RouterConfig
+from kvship.router.metrics import RouterMetrics
+from kvship.router.policies import CacheAwarePolicy, Policy, register_policy
+from kvship.router.wire import ROUTE_CHAT, ROUTE_GENERATE, RoutingRequest
+from kvship.router.worker import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+STREAM_IDLE_S = 10.0  # a stream with no event for this long ends and is reopened (a dead connection shows)
+RETRY_S = (0.2, 5.0)  # reconnect backoff: first delay, largest delay
+EVENTS_OFF_RETRY_S = 30.0  # a worker answering 404 (started without --enable-kv-events) is asked again after this
+SUPERVISE_S = 0.5  # how often the subscriber compares its feeds with the registry
+
+
+@dataclass
+class FeedState:
+    """One worker's place in the index: ``seq`` of the last applied event, ``page_size``, ``synced``."""
+
+    seq: int = 0
+    page_size: int = 0
+    synced: bool = False
+    resyncs: int = 0
+
+
+class PrefixIndex:
+    """page hash -> {worker URL: tier}, bounded; see the module docstring.  Event-loop thread only."""
+
+    def __init__(self, max_pages: int):
+        if max_pages < 1:
+            raise ValueError("--kv-index-max-pages must be >= 1")
+        self.max_pages = max_pages
+        self._pages: OrderedDict[int, dict[str, str]] = OrderedDict()
+        self._held: dict[str, set[int]] = {}
+        self.state: dict[str, FeedState] = {}
+        self.evicted_pages = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def synced(self, url: str) -> bool:
+        s = self.state.get(url)
+        return s is not None and s.synced
+
+    def page_size(self, url: str) -> int:
+        return self.state[url].page_size
+
+    def pages(self, url: str) -> dict[int, str]:
+        """The pages the index holds for ``url`` (a copy): hash -> tier."""
+        return {h: self._pages[h][url] for h in self._held.get(url, ())}
+
+    # -- updates -----------------------------------------------------------
+    def reset(self, url: str, snapshot: dict) -> None:
+        """Replace ``url``'s pages with a ``/kv_events/snapshot`` reply; the worker is synced at its ``seq``."""
+        seq, page_size = int(snapshot["seq"]), int(snapshot["page_size"])
+        if page_size < 1:
+            raise ValueError(f"snapshot of {url} has page_size {page_size}")
+        pages = [(int(h), str(t)) for h, t in snapshot["pages"]]
+        self._drop_worker_pages(url)
+        state = self.state.setdefault(url, FeedState())
+        state.seq, state.page_size, state.synced = seq, page_size, True
+        state.resyncs += 1
+        for h, tier in pages:
+            self._store(h, url, tier)
+
+    def apply(self, url: str, events: Sequence[KVEvent]) -> bool:
+        """Apply ``events`` in order; False (nothing applied, the worker unsynced) when the first new event is
+        not the next sequence number.  Replays of applied events are skipped."""
+        state = self.state.get(url)
+        if state is None or not state.synced:
+            return False
+        fresh = [e for e in events if e.seq > state.seq]
+        if fresh and fresh[0].seq != state.seq + 1:
+            state.synced = False
+            return False
+        for e in fresh:
+            if e.seq != state.seq + 1:
+                state.synced = False
+                return False
+            if e.kind == "stored":
+                for h in e.hashes:
+                    self._store(h, url, e.tier)  # type: ignore[arg-type]
+            else:
+                for h in e.hashes:
+                    self._remove(h, url)
+            state.seq = e.seq
+        return True
+
+    def mark_unsynced(self, url: str) -> None:
+        state = self.state.get(url)
+        if state is not None:
+            state.synced = False
+
+    def forget(self, url: str) -> None:
+        """Drop a worker that left: its pages and its state."""
+        self._drop_worker_pages(url)
+        self._held.pop(url, None)
+        self.state.pop(url, None)
+
+    def _store(self, h: int, url: str, tier: str) -> None:
+        entry = self._pages.get(h)
+        if entry is None:
+            entry = self._pages[h] = {}
+        else:
+            self._pages.move_to_end(h)
+        entry[url] = tier
+        self._held.setdefault(url, set()).add(h)
+        while len(self._pages) > self.max_pages:
+            old, holders = self._pages.popitem(last=False)
+            for u in holders:
+                self._held[u].discard(old)
+            self.evicted_pages += 1
+
+    def _remove(self, h: int, url: str) -> None:
+        entry = self._pages.get(h)
+        if entry is None or entry.pop(url, None) is None:
+            return
+        self._held[url].discard(h)
+        if not entry:
+            del self._pages[h]
+
+    def _drop_worker_pages(self, url: str) -> None:
+        for h in list(self._held.get(url, ())):
+            self._remove(h, url)
+
+    # -- lookups -------------------------------------------------------------
+    def prefix(self, url: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """(gpu pages, host pages) of the longest leading run of ``hashes`` that ``url`` holds; the matched
+        pages become the most recently used."""
+        gpu = host = 0
+        for h in hashes:
+            entry = self._pages.get(h)
+            tier = entry.get(url) if entry is not None else None
+            if tier is None:
+                break
+            self._pages.move_to_end(h)
+            if tier == "gpu":
+                gpu += 1
+            else:
+                host += 1
+        return gpu, host
+
+
+class WorkerFeed:
+    """Keeps one worker's pages in a ``PrefixIndex`` (module docstring); ``run`` until cancelled."""
+
+    def __init__(
+        self,
+        url: str,
+        index: PrefixIndex,
+        client: Callable[[], Optional[aiohttp.ClientSession]],
+        headers: dict[str, str],
+        metrics: Optional[RouterMetrics] = None,
+        idle_s: float = STREAM_IDLE_S,
+    ):
+        self.url = url
+        self.index = index
+        self._client = client
+        self.headers = headers
+        self.metrics = metrics
+        self.idle_s = idle_s
+        self.events_off = False  # the worker answered 404: started without --enable-kv-events
+
+    def session(self) -> aiohttp.ClientSession:
+        client = self._client()
+        if client is None:
+            raise RuntimeError("the router's HTTP client is not started")
+        return client
+
+    async def resync(self) -> None:
+        """Load the worker's snapshot into the index (the worker is synced at its ``seq`` afterwards)."""
+        async with self.session().get(
+            self.url + "/kv_events/snapshot", headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)
+        ) as r:
+            if r.status == 404:
+                self.events_off = True
+            r.raise_for_status()
+            snapshot = await r.json(content_type=None)
+        self.events_off = False
+        self.index.reset(self.url, snapshot)
+        if self.metrics is not None:
+            self.metrics.kv_index_resyncs.labels(self.url).inc()
+
+    def feed_line(self, line: bytes) -> bool:
+        """Apply one NDJSON line of the stream; False when the index lost step (a gap line, a skipped seq)."""
+        obj = json.loads(line)
+        if obj.get("gap"):
+            self.index.mark_unsynced(self.url)
+            return False
+        return self.index.apply(self.url, [KVEvent.from_json(obj)])
+
+    async def follow(self) -> None:
+        """One stream from the last applied ``seq``, until it ends (idle) or the index loses step."""
+        seq = self.index.state[self.url].seq
+        params = {"after": str(seq), "idle_timeout_s": str(self.idle_s)}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.idle_s + 10)
+        async with self.session().get(
+            self.url + "/kv_events", params=params, headers=self.headers, timeout=timeout
+        ) as r:
+            r.raise_for_status()
+            async for line in r.content:
+                if line.strip() and not self.feed_line(line):
+                    return
+
+    async def run(self) -> None:
+        delay = RETRY_S[0]
+        while True:
+            try:
+                if not self.index.synced(self.url):
+                    await self.resync()
+                await self.follow()
+                delay = RETRY_S[0]
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, OSError) as e:
+                self.index.mark_unsynced(self.url)
+                if self.events_off:
+                    await asyncio.sleep(EVENTS_OFF_RETRY_S)
+                    continue
+                logger.debug("KV events of %s: %s (reconnecting in %.1f s)", self.url, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_S[1])
+
+
+class KVEventSubscriber:
+    """One ``WorkerFeed`` per registered worker of the roles in ``indexes`` (role -> that role's index)."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        indexes: dict[str, PrefixIndex],
+        client: Callable[[], Optional[aiohttp.ClientSession]],
+        headers: dict[str, str],
+        metrics: Optional[RouterMetrics] = None,
+    ):
+        self.registry = registry
+        self.indexes = indexes
+        self.client = client
+        self.headers = headers
+        self.metrics = metrics
+        self.feeds: dict[str, tuple[WorkerFeed, asyncio.Task]] = {}
+        self._task: Optional[asyncio.Task] = None
+        registry.on_removed(self.on_worker_removed)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def stop(self) -> None:
+        tasks = [t for _, t in self.feeds.values()] + ([self._task] if self._task else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.feeds.clear()
+
+    def sync_feeds(self) -> None:
+        """Start a feed for each new worker of a followed role, stop those of workers gone."""
+        wanted = {w.url: role for role in self.indexes for w in self.registry.all(role)}
+        for url in [u for u in self.feeds if u not in wanted]:
+            self._stop_feed(url)
+        for url, role in wanted.items():
+            if url not in self.feeds:
+                feed = WorkerFeed(url, self.indexes[role], self.client, self.headers, self.metrics)
+                self.feeds[url] = (feed, asyncio.get_running_loop().create_task(feed.run()))
+        if self.metrics is not None:
+            self.metrics.kv_index_pages.set(sum(len(i) for i in set(self.indexes.values())))
+
+    async def _supervise(self) -> None:
+        while True:
+            self.sync_feeds()
+            await asyncio.sleep(SUPERVISE_S)
+
+    def _stop_feed(self, url: str) -> None:
+        feed, task = self.feeds.pop(url)
+        task.cancel()
+        feed.index.forget(url)
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        if worker.url in self.feeds:
+            self._stop_feed(worker.url)
+        for index in self.indexes.values():
+            index.forget(worker.url)
+
+
+def prompt_ids(request: RoutingRequest) -> Optional[list[int]]:
+    """The token ids of a single token-id prompt (``/generate`` ``input_ids``, a completions id list), else None."""
+    if not request.text_is_ids or request.batch_size != 1 or request.route == ROUTE_CHAT:
+        return None
+    value = request.body.get("input_ids") if request.route == ROUTE_GENERATE else request.body.get("prompt")
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]
+    return value if isinstance(value, list) else None
+
+
+@register_policy("kv_events")
+class KVEventsPolicy(Policy):
+    """The rule of the module docstring.  ``index`` is fed by a ``KVEventSubscriber`` the router runs."""
+
+    def __init__(self, config: RouterConfig, metrics: Optional[RouterMetrics] = None):
+        super().__init__(config, metrics)
+        self.index = PrefixIndex(config.kv_index_max_pages)
+        self.fallback = CacheAwarePolicy(config, metrics)
+
+    def predict(
+        self, worker: Worker, ids: list[int], text: str, hashes: dict[int, list[int]]
+    ) -> tuple[float, int, bool]:
+        """(score before load, predicted cached tokens, from the index) of ``worker`` for a prompt."""
+        if self.index.synced(worker.url):
+            ps = self.index.page_size(worker.url)
+            if ps not in hashes:
+                hashes[ps] = page_hashes(ids, ps)
+            gpu, host = self.index.prefix(worker.url, hashes[ps])
+            return (gpu + self.config.kv_events_host_weight * host) * ps, (gpu + host) * ps, True
+        matched = self.fallback.tree(worker).match(text)
+        return float(matched), matched, False
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        ids = prompt_ids(request)
+        if ids is None:
+            return self.fallback.select(workers, request)
+        text = request.text
+        loads = [w.in_flight for w in workers]
+        max_load, min_load = max(loads), min(loads)
+        imbalanced = (
+            max_load - min_load > self.config.balance_abs_threshold
+            and max_load > self.config.balance_rel_threshold * min_load
+        )
+        hashes: dict[int, list[int]] = {}
+        if imbalanced:
+            chosen = self.least_loaded(workers)
+            _, cached, from_index = self.predict(chosen, ids, text, hashes)
+        else:
+            scored = []
+            for w in workers:
+                score, cached, from_index = self.predict(w, ids, text, hashes)
+                scored.append((score - self.config.kv_events_load_tokens * w.in_flight, cached, from_index, w))
+            best = max(s[0] for s in scored)
+            tied = [s for s in scored if s[0] == best]
+            if len(tied) > 1:
+                least = min(s[3].in_flight for s in tied)
+                tied = [s for s in tied if s[3].in_flight == least]
+            _, cached, from_index, chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        self.fallback.tree(chosen).insert(text)
+        if self.metrics is not None:
+            self.metrics.kv_predicted_cached_tokens.labels("index" if from_index else "tree").observe(cached)
+        return chosen
+
+    def on_worker_removed(self, worker: Worker) -> None:
+        self.fallback.on_worker_removed(worker)
+        self.index.forget(worker.url)

@@ -1,0 +1,221 @@
+"""``--policy kv_events`` (docs/cache.md, "Routing on KV events"): the router's global prefix index, fed by real
+workers' KV events, and the routing it drives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+
+import aiohttp
+import httpx
+import pytest
+import server_fixtures
+from router_fixtures import running_router
+
+from kvship.engine.mem.hicache_events import KVEvent, page_hashes
+from kvship.router.circuit import CircuitBreaker
+from kvship.router.config import RouterConfig
+from kvship.router.kv_events import KVEventsPolicy, PrefixIndex, WorkerFeed
+from kvship.router.policies import create_policy
+from kvship.router.wire import RoutingRequest
+from kvship.router.worker import Worker
+
+KEY = "w" * 32
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PAGE = 4
+
+
+def _ev(seq, kind, hashes, tier=None):
+    return KVEvent(seq, kind, tuple(hashes), tier)
+
+
+def _gen_request(ids: list[int]) -> RoutingRequest:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    return RoutingRequest.parse("/generate", json.dumps(body).encode())
+
+
+# -- the index and the policy, no workers -------------------------------------------------------------------------
+
+
+def test_index_applies_events_in_order_refuses_a_gap_and_keeps_at_most_its_page_bound():
+    index = PrefixIndex(max_pages=4)
+    index.reset("a", {"seq": 2, "page_size": 2, "pages": [[1, "gpu"], [2, "host"]]})
+    assert index.apply("a", [_ev(1, "stored", [9], "gpu"), _ev(3, "stored", [3], "gpu")])  # a replay is skipped
+    assert index.pages("a") == {1: "gpu", 2: "host", 3: "gpu"}
+    assert not index.apply("a", [_ev(5, "removed", [1])])  # event 4 never came
+    assert not index.synced("a") and index.pages("a")[1] == "gpu"  # nothing applied; resync needed
+    index.reset("a", {"seq": 5, "page_size": 2, "pages": [[2, "gpu"]]})
+    assert index.synced("a") and index.pages("a") == {2: "gpu"} and index.state["a"].resyncs == 2
+    index.reset("b", {"seq": 1, "page_size": 2, "pages": [[2, "gpu"], [7, "gpu"], [8, "gpu"]]})
+    assert index.prefix("a", [2, 7]) == (1, 0)  # page 2 is now the most recently used
+    assert index.apply("b", [_ev(2, "stored", [10, 11], "host")])
+    assert len(index) == 4 and index.evicted_pages == 1
+    assert 7 not in index.pages("b") and 2 in index.pages("a")  # the least recently used page went
+    index.forget("b")
+    assert index.pages("b") == {} and len(index) == 1
+
+
+def test_policy_routes_to_the_longest_cached_prefix_weighted_by_tier_and_load():
+    cfg = RouterConfig(kv_events_host_weight=0.5, kv_events_load_tokens=8)
+    policy = create_policy("kv_events", cfg)
+    assert isinstance(policy, KVEventsPolicy)
+    a, b, c = (Worker(url=f"http://w{i}", role="unified", breaker=CircuitBreaker(5, 30)) for i in range(3))
+    ids = list(range(100, 132))  # 8 pages of 4
+    h = page_hashes(ids, PAGE)
+    policy.index.reset(a.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "gpu"] for x in h[:3]]})
+    policy.index.reset(b.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "host"] for x in h[:5]]})
+    policy.index.reset(c.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "gpu"] for x in h[1:8]]})  # no page 0
+    req = _gen_request(ids)
+    assert policy.select([a, b, c], req) is a  # 12 gpu tokens beat 20 host tokens worth 10; c holds no prefix
+    b.in_flight = 0
+    policy.index.reset(b.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "host"] for x in h[:8]]})
+    assert policy.select([a, b, c], req) is b  # 32 host tokens worth 16
+    b.in_flight = 1  # costs 8 tokens: 16 - 8 < 12
+    assert policy.select([a, b, c], req) is a
+    # a worker whose stream is behind is judged by the approximate tree of what was sent to it
+    policy.index.mark_unsynced(a.url)
+    policy.index.mark_unsynced(b.url)
+    assert policy.select([a, b], req) is a  # the tree remembers the earlier choices of a
+    # a text prompt: the router cannot tokenize it, so cache_aware's rule on the tree decides
+    text = RoutingRequest.parse("/generate", json.dumps({"text": "hello " * 20}).encode())
+    first = policy.select([a, b, c], text)
+    assert policy.select([a, b, c], text) is first
+
+
+# -- real workers ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir):
+    args = [
+        "--model-path",
+        tiny_llama_dir,
+        "--served-model-name",
+        "tiny",
+        "--page-size",
+        str(PAGE),
+        "--max-total-tokens",
+        "320",
+        "--max-running-requests",
+        "4",
+        "--hicache-ratio",
+        "1",
+        "--enable-kv-events",
+        "--api-key",
+        KEY,
+    ]
+    with contextlib.ExitStack() as stack:
+        yield server_fixtures.enter_together(stack, [server_fixtures.start_server(args) for _ in range(2)])
+
+
+def _body(ids: list[int]) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+
+async def _snapshot(c: httpx.AsyncClient, url: str) -> dict:
+    r = await c.get(url + "/kv_events/snapshot", headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def _until(predicate, timeout: float = 20.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return await predicate()
+
+
+@pytest.mark.timeout(300)
+async def test_requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it(workers):
+    cfg = RouterConfig(worker_urls=[w.url for w in workers], policy="kv_events", worker_api_key=KEY, debug_headers=True)
+    async with running_router(cfg) as (url, app), httpx.AsyncClient(timeout=120) as c:
+        index = app.state.router.policies["unified"].index
+
+        async def synced():
+            return all(index.synced(w.url) for w in workers)
+
+        assert await _until(synced)
+        rng = random.Random(5)
+        for holder in (workers[1], workers[0], workers[1]):
+            prefix = [rng.randrange(3, 380) for _ in range(96)]
+            # warmed on the worker directly: the router's own tree knows nothing of it, only the events do
+            assert (
+                await c.post(holder.url + "/generate", json=_body(prefix + [7, 8]), headers=AUTH)
+            ).status_code == 200
+            last = page_hashes(prefix, PAGE)[-1]
+
+            async def indexed(last=last, holder=holder):
+                return index.pages(holder.url).get(last) == "gpu"
+
+            assert await _until(indexed)
+            r = await c.post(url + "/generate", json=_body(prefix + [9, 10, 11]))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvship-worker"] == holder.url
+            assert r.json()["meta_info"]["cached_tokens"] >= len(prefix)
+        metrics = (await c.get(url + "/metrics", headers=AUTH)).text
+        assert 'kvship_router_kv_predicted_cached_tokens_count{source="index"} 3.0' in metrics
+
+
+@pytest.mark.timeout(300)
+async def test_router_index_equals_every_workers_cache_after_a_run_with_evictions(workers):
+    cfg = RouterConfig(worker_urls=[w.url for w in workers], policy="kv_events", worker_api_key=KEY)
+    async with running_router(cfg) as (url, app), httpx.AsyncClient(timeout=120) as c:
+        index = app.state.router.policies["unified"].index
+        rng = random.Random(11)
+        tenants = [[rng.randrange(3, 380) for _ in range(48)] for _ in range(6)]
+        sem = asyncio.Semaphore(4)
+
+        async def one(i: int) -> None:
+            ids = tenants[i % len(tenants)] + [rng.randrange(3, 380) for _ in range(rng.randrange(8, 40))]
+            async with sem:
+                r = await c.post(url + "/generate", json=_body(ids))
+                assert r.status_code == 200, r.text
+
+        await asyncio.gather(*(one(i) for i in range(36)))  # ~3000 prompt tokens over two 320-token pools
+        snaps = {}
+
+        async def agree():
+            for w in workers:
+                snaps[w.url] = await _snapshot(c, w.url)
+            return all(
+                index.synced(w.url)
+                and index.state[w.url].seq == snaps[w.url]["seq"]
+                and index.pages(w.url) == {int(h): t for h, t in snaps[w.url]["pages"]}
+                for w in workers
+            )
+
+        assert await _until(agree)
+        for w in workers:
+            tiers = list(index.pages(w.url).values())
+            assert "host" in tiers  # the device pool overflowed: pages were evicted to host memory
+            assert tiers.count("gpu") <= 320 // PAGE
+
+
+@pytest.mark.timeout(300)
+async def test_a_feed_that_drops_a_message_resyncs_from_the_snapshot(workers):
+    w = workers[0]
+    index = PrefixIndex(1_000_000)
+    async with aiohttp.ClientSession() as session, httpx.AsyncClient(timeout=120) as c:
+        feed = WorkerFeed(w.url, index, lambda: session, AUTH, idle_s=0.5)
+        await feed.resync()
+        start = index.state[w.url].seq
+        rng = random.Random(3)
+        for _ in range(3):
+            ids = [rng.randrange(3, 380) for _ in range(60)]
+            assert (await c.post(w.url + "/generate", json=_body(ids), headers=AUTH)).status_code == 200
+        r = await c.get(w.url + "/kv_events", params={"after": start, "idle_timeout_s": 0.5}, headers=AUTH)
+        lines = [line for line in r.text.splitlines() if line.strip()]
+        assert len(lines) >= 2
+        assert not feed.feed_line(lines[1].encode())  # the first line was lost on the way
+        assert not index.synced(w.url)
+        assert not feed.feed_line(b'{"gap": true, "seq": 99}')  # a gap line keeps it unsynced too
+        await feed.resync()
+        await feed.follow()  # nothing new: ends after the idle timeout
+        snap = await _snapshot(c, w.url)
+        assert index.synced(w.url) and index.state[w.url].resyncs == 2
+        assert index.state[w.url].seq == snap["seq"]
+        assert index.pages(w.url) == {int(h): t for h, t in snap["pages"]}
