@@ -22,6 +22,13 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 
 
+# the one line every refusal of speculation over pipeline stages prints (here and in decode/spec/worker.py)
+PP_SPEC_ALGORITHMS_LINE = (
+    "--pp-size > 1 runs --speculative-algorithm ngram only (draft, eagle and eagle3 over pipeline stages are not "
+    "built yet; docs/speculative.md, \"Pipeline parallelism\")"
+)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Configuration of one worker process (``kvship serve``)."""
@@ -121,6 +128,29 @@ class ServerArgs:
     )
     hicache_ratio: float = opt(
         0.0, "Host-memory KV tier as a multiple of the GPU KV pool's tokens (0: off; or use --hicache-size-gb)"
+    )
+    hicache_storage: str = opt(
+        "none",
+        "Shared KV tier: pages evicted from the last local tier are written to it and a prefix match that goes "
+        "past the local tiers reads them back, on any worker of the same model (docs/cache.md)",
+        choices=("none", "file", "mooncake"),
+    )
+    hicache_storage_path: Optional[str] = opt(None, "--hicache-storage file: the directory (a shared volume)")
+    hicache_storage_master: Optional[str] = opt(
+        None, "--hicache-storage mooncake: the mooncake_master RPC address HOST:PORT"
+    )
+    hicache_storage_metadata: Optional[str] = opt(
+        None,
+        "--hicache-storage mooncake: the metadata service URL (default: http://<master host>:8080/metadata, the "
+        "master's --enable_http_metadata_server)",
+    )
+    hicache_storage_size_gb: float = opt(
+        4.0,
+        "--hicache-storage: file: the directory's size cap in GiB (oldest pages deleted first); mooncake: the "
+        "memory this worker contributes to the store",
+    )
+    hicache_storage_bandwidth_mb: float = opt(
+        0.0, "--hicache-storage: MiB/s cap on reads and (separately) writes; over it pages are recomputed (0: no cap)"
     )
     schedule_policy: str = opt(
         "lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs")
@@ -378,6 +408,15 @@ class ServerArgs:
             raise ValueError("give --hicache-size-gb or --hicache-ratio, not both")
         if (self.hicache_size_gb or self.hicache_ratio) and self.disable_radix_cache:
             raise ValueError("the host KV tier (--hicache-size-gb / --hicache-ratio) needs the radix cache")
+        if self.hicache_storage != "none":
+            if self.disable_radix_cache:
+                raise ValueError("--hicache-storage needs the radix cache")
+            if self.hicache_storage == "file" and not self.hicache_storage_path:
+                raise ValueError("--hicache-storage file needs --hicache-storage-path (a directory)")
+            if self.hicache_storage == "mooncake" and not self.hicache_storage_master:
+                raise ValueError("--hicache-storage mooncake needs --hicache-storage-master HOST:PORT")
+            if self.hicache_storage_size_gb <= 0 or self.hicache_storage_bandwidth_mb < 0:
+                raise ValueError("--hicache-storage-size-gb must be > 0 and --hicache-storage-bandwidth-mb >= 0")
         if self.enable_kv_events and self.disable_radix_cache:
             raise ValueError("--enable-kv-events needs the radix cache (it publishes what the cache holds)")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -405,8 +444,8 @@ class ServerArgs:
                 f"--pp-size {self.pp_size} runs in --mode unified or prefill: a pipeline-parallel decode worker is "
                 'not built yet (a PP prefill feeds a TP decode; docs/parallel.md, "PD with pipeline parallelism")'
             )
-        if self.pp_size > 1 and self.speculative_algorithm is not None:
-            raise ValueError(f"--pp-size {self.pp_size} does not support --speculative-algorithm yet")
+        if self.pp_size > 1 and self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"{PP_SPEC_ALGORITHMS_LINE}, got --speculative-algorithm {self.speculative_algorithm}")
         if self.speculative_algorithm is None and (
             self.speculative_num_draft_tokens is not None
             or self.speculative_eagle_topk is not None

@@ -36,6 +36,15 @@ KV when even that fails); ``match_prefix`` reports the host part of a match
 (``host_len``) without loading it; ``load_back`` loads it.  Without a host
 tier nothing of this is used and every node is on the gpu.
 
+Shared tier (``StorageTier``, ``--hicache-storage``; docs/cache.md).  Pages
+that leave the cache from its last tier (host leaves evicted from a full host
+pool, or device leaves dropped when there is no host tier or it has no room)
+are written to the store first, by their page hash.  ``load_back`` of a match
+that reached the end of the tree (every host node of it loaded) asks the
+store for the key's next pages and loads the leading ones it holds into new
+device pages, which join the tree as a device leaf.  The store is never
+needed for correctness: a miss or a failure loads fewer pages.
+
 Nothing here touches CUDA: tree values live on the CPU; only the
 ``req_to_token`` row is read or written on the model's device (and the host
 tier's copies, ``kvship.engine.mem.hicache``).
@@ -57,6 +66,7 @@ from kvship.engine.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.mem.hicache import HostTier
     from kvship.engine.mem.hicache_events import KVEventLog
+    from kvship.engine.mem.hicache_store import StorageTier
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
@@ -70,12 +80,16 @@ class MatchResult:
 
     ``host_len``: how many more tokens of the key are cached on the host tier
     (in ``host_nodes``, path order); ``load_back`` brings them to the device.
+
+    ``key``: the page-aligned key that was matched (``load_back`` asks the
+    shared tier for its pages past the tree).
     """
 
     indices: torch.Tensor
     last_node: Any
     host_len: int = 0
     host_nodes: tuple = ()
+    key: Sequence[int] = ()
 
     @property
     def length(self) -> int:
@@ -137,6 +151,11 @@ class BasePrefixCache(ABC):
 
     def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
         return match
+
+    @property
+    def consults_storage(self) -> bool:
+        """A shared tier is attached: ``load_back`` may extend a match with no host part."""
+        return False
 
     def tier_stats(self) -> dict:
         """Host-tier figures for the scheduler's stats (empty without a host tier)."""
@@ -246,11 +265,13 @@ class RadixCache(BasePrefixCache):
         page_size: int,
         host: Optional["HostTier"] = None,
         events: Optional["KVEventLog"] = None,
+        storage: Optional["StorageTier"] = None,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
         self.host = host
+        self.storage = storage  # the shared tier (--hicache-storage; docs/cache.md), None when off
         self.events = events  # pages stored / removed, per tier (docs/cache.md, "KV events")
         self._clock = itertools.count(1)
         self._loading: frozenset = frozenset()  # ids of host nodes a load-back is about to read
@@ -291,7 +312,7 @@ class RadixCache(BasePrefixCache):
 
     # --- tree operations -----------------------------------------------------
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        key = self._aligned(key)
+        key = full_key = self._aligned(key)
         node = self.root
         self._touch(node)
         values: list[torch.Tensor] = []
@@ -302,7 +323,7 @@ class RadixCache(BasePrefixCache):
             if child.on_host:  # the rest of the path lives on the host tier
                 host_len, host_nodes = self._match_host(child, key)
                 indices = torch.cat(values) if values else _EMPTY
-                return MatchResult(indices, node, host_len, host_nodes)
+                return MatchResult(indices, node, host_len, host_nodes, full_key)
             self._touch(child)
             n = self._match_len(child.key, key)
             if n < len(child.key):
@@ -314,7 +335,7 @@ class RadixCache(BasePrefixCache):
             node = child
             key = key[n:]
         indices = torch.cat(values) if values else _EMPTY
-        return MatchResult(indices, node)
+        return MatchResult(indices, node, key=full_key)
 
     def _match_host(self, child: TreeNode, key: list[int]) -> tuple[int, tuple]:
         """The host-tier part of a match, starting at ``child`` (a host node whose first page matches)."""
@@ -447,6 +468,7 @@ class RadixCache(BasePrefixCache):
             parent = leaf.parent
             assert parent is not None
             if not self._write_back(leaf):
+                self._save(leaf)  # the KV leaves the cache: the shared tier keeps a copy
                 self.allocator.free(leaf.value)
                 self._drop_subtree(leaf)
             if self._is_gpu_leaf(parent):
@@ -479,10 +501,22 @@ class RadixCache(BasePrefixCache):
             d = stack.pop()
             stack.extend(d.children.values())
             self._emit_removed(d)
+            self._save(d)
             self._free_host(d)
         assert node.parent is not None
         del node.parent.children[self._child_key(node.key)]
         node.parent = None
+
+    def _save(self, node: TreeNode) -> None:
+        """Write ``node``'s pages (from whichever tier holds them) to the shared tier, if any."""
+        if self.storage is None:
+            return
+        if node.value is not None:
+            pool = self.storage.pool
+            self.storage.save(self._node_hashes(node), node.value, pool.k_buffer, pool.v_buffer)
+        elif self.host is not None and node.host_value is not None:
+            hp = self.host.pool
+            self.storage.save(self._node_hashes(node), node.host_value, hp.k_buffer, hp.v_buffer)
 
     def _free_host(self, node: TreeNode) -> None:
         assert self.host is not None and node.host_value is not None
@@ -539,6 +573,7 @@ class RadixCache(BasePrefixCache):
             leaf = heapq.heappop(heap)
             freed += len(leaf.key)
             self._emit_removed(leaf)
+            self._save(leaf)
             self._free_host(leaf)
             parent = leaf.parent
             assert parent is not None
@@ -548,8 +583,61 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, parent)
         return freed
 
+    @property
+    def consults_storage(self) -> bool:
+        return self.storage is not None
+
     def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
-        """See ``BasePrefixCache``: whole host nodes of ``match``, in path order, while they fit ``max_tokens``."""
+        """See ``BasePrefixCache``: whole host nodes of ``match``, in path order, while they fit ``max_tokens``;
+        then, when the match reached the end of the tree, the key's next pages the shared tier holds."""
+        loaded = self._load_back_host(match, max_tokens)
+        if self.storage is None or loaded.host_len or loaded.length >= len(loaded.key):
+            return loaded
+        return self._load_from_storage(loaded, max_tokens - (loaded.length - match.length))
+
+    def _load_from_storage(self, match: MatchResult, max_tokens: int) -> MatchResult:
+        """Extend ``match`` (which ends where the tree ends for its key) by the store's pages of the key."""
+        assert self.storage is not None
+        ps = self.page_size
+        rest = match.key[match.length :]
+        n_pages = min(len(rest), max(0, max_tokens)) // ps
+        if n_pages == 0:
+            return match
+        node = match.last_node
+        parent = 0 if node is self.root else self._node_hashes(node)[-1]
+        hashes = page_hashes(rest[: n_pages * ps], ps, parent)
+        n_pages = self.storage.lookup(hashes)
+        if n_pages == 0:
+            return match
+        n = n_pages * ps
+        self.inc_lock_ref(node)  # the device path above stays put while room is made
+        try:
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                self.evict(n - self.allocator.available_size())
+                slots = self.allocator.alloc(n)
+        finally:
+            self.dec_lock_ref(node)
+        # every rank of a multi-rank worker evicts the same nodes, so their allocations agree
+        if slots is None:
+            return match
+        got = self.storage.load(hashes[:n_pages], slots)
+        if got < n_pages:
+            self.allocator.free(slots[got * ps :])
+            slots = slots[: got * ps]
+        if got == 0:
+            return match
+        n = got * ps
+        key = list(match.key[: match.length + n])
+        value = torch.cat([match.indices, slots])
+        if self.insert(key, value) != match.length:
+            raise RuntimeError("radix cache: the pages loaded from the shared tier were already cached")
+        m = self.match_prefix(key)
+        if m.length != len(key):
+            raise RuntimeError(f"radix cache: re-match after a shared-tier load found {m.length} of {len(key)} tokens")
+        return MatchResult(m.indices, m.last_node, 0, (), match.key)
+
+    def _load_back_host(self, match: MatchResult, max_tokens: int) -> MatchResult:
         if self.host is None or not match.host_nodes:
             return match
         nodes: list[TreeNode] = []
@@ -582,7 +670,11 @@ class RadixCache(BasePrefixCache):
             self._host_to_gpu(node, part)
         self.host_hits += n
         return MatchResult(
-            torch.cat([match.indices, slots]), nodes[-1], match.host_len - n, match.host_nodes[len(nodes) :]
+            torch.cat([match.indices, slots]),
+            nodes[-1],
+            match.host_len - n,
+            match.host_nodes[len(nodes) :],
+            match.key,
         )
 
     def evictable_size(self) -> int:
@@ -595,9 +687,10 @@ class RadixCache(BasePrefixCache):
         return self._host
 
     def tier_stats(self) -> dict:
+        out = {} if self.storage is None else self.storage.stats()
         if self.host is None:
-            return {}
-        return {
+            return out
+        return out | {
             "host_total_slots": self.host.total_slots,
             "host_free_slots": self.host.available_size(),
             "host_cached_slots": self._host,
@@ -652,11 +745,14 @@ def create_prefix_cache(
     page_size: int,
     host: Optional["HostTier"] = None,
     events: Optional["KVEventLog"] = None,
+    storage: Optional["StorageTier"] = None,
 ) -> BasePrefixCache:
-    """``RadixCache`` (with the host tier ``host`` and the KV event log ``events``, if any) unless ``disable``
-    (``--disable-radix-cache``)."""
+    """``RadixCache`` (with the host tier ``host``, the KV event log ``events`` and the shared tier ``storage``,
+    if any) unless ``disable`` (``--disable-radix-cache``)."""
     if disable:
-        if host is not None or events is not None:
-            raise ValueError("the host KV tier and KV events need the radix cache (no --disable-radix-cache)")
+        if host is not None or events is not None or storage is not None:
+            raise ValueError(
+                "the host and shared KV tiers and KV events need the radix cache (no --disable-radix-cache)"
+            )
         return NoPrefixCache(req_to_token_pool, allocator, page_size)
-    return RadixCache(req_to_token_pool, allocator, page_size, host, events)
+    return RadixCache(req_to_token_pool, allocator, page_size, host, events, storage)

@@ -155,7 +155,8 @@ class Admission:
                 break
             fill = req.fill_ids
             match = self.cache.match_prefix(fill[:-1])  # at least one token is computed for logits
-            if match.host_len:  # prefix pages on the host tier: load them instead of computing them again
+            # prefix pages on the host tier (or, past the tree, in the shared store): load instead of computing
+            if match.host_len or self.cache.consults_storage:
                 match = self.cache.load_back(match, max(0, limits.rem_memory))
             remaining = len(fill) - match.length
             n = limits.fit(remaining, first=not reqs)

@@ -69,6 +69,7 @@ from kvship.engine.grammar.backend import GrammarBackend, GrammarLimits, Grammar
 from kvship.engine.io_struct import FinishReason, GenerateRequest, TokenChunk
 from kvship.engine.mem.hicache import host_tier_for
 from kvship.engine.mem.hicache_events import KVEventLog
+from kvship.engine.mem.hicache_store import storage_tier_for
 from kvship.engine.mem.radix_cache import create_prefix_cache
 from kvship.engine.sampler import create_sampler
 from kvship.engine.schedule_batch import Req, ScheduleBatch
@@ -136,6 +137,7 @@ class Scheduler:
             self.page_size,
             host_tier_for(server_args, model_runner),  # --hicache-*: None when off (docs/cache.md)
             self.kv_events,
+            storage_tier_for(server_args, model_runner),  # --hicache-storage: None when off (docs/cache.md)
         )
         self.max_running = min(server_args.max_running_requests, self.req_to_token_pool.size)
         self.counters: Counter = Counter()
@@ -182,8 +184,6 @@ class Scheduler:
         try:
             link = self.io.pipeline()
             if link is not None:  # pipeline stages: micro-batches in flight (kvship.engine.scheduler.pipeline)
-                if self.speculator is not None:
-                    raise ValueError("speculative decoding does not run with pipeline parallelism yet")
                 self.pipeline = PipelineLoop(self, link)
             # decode steps chained on the GPU: CUDA unless --disable-overlap-schedule
             elif self.speculator is None and overlap_enabled(server_args, torch.device(self.device)):
