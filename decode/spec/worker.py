@@ -27,6 +27,15 @@ KV invariants (page size 1):
   rank allocates and frees the same slots; rank 0 decides the acceptance of
   every request and broadcasts it (``_agree``), as ``RankZeroSampler`` does
   for plain decode steps.
+* Pipeline parallelism (docs/speculative.md, "Pipeline parallelism"; ngram
+  only): every stage keeps the same token history, so every stage drafts the
+  same n-gram trees and allocates the same slots; the verify forward runs
+  through the stages like any batch (hidden states sent on, tree masks on
+  every stage); the last stage decides the acceptance (its TP rank 0, as
+  above) and sends it with the emitted tokens' logprobs to the earlier
+  stages (``StageLink.send_results``), so every stage keeps and frees the
+  same slots.  ``PipelineLoop`` runs a round only with no other batch in
+  flight, so the results channel stays in launch order.
 * The verify forward is an extend with ``ForwardBatch.tree_masks``: every
   attention backend honours them (torch_native with SDPA masks, triton and
   flashinfer with our Triton extend kernel).  On CUDA with graphs, drafts are
@@ -47,7 +56,8 @@ from kvship.decode.spec.drafter import Drafter
 from kvship.decode.spec.ngram import NgramDrafter
 from kvship.decode.spec.tree import DraftTree
 from kvship.decode.spec.verify import Accepted, accept_greedy, accept_sampled
-from kvship.engine.forward_batch import ForwardMode, build_forward_batch
+from kvship.engine.config import PP_SPEC_ALGORITHMS_LINE
+from kvship.engine.forward_batch import ForwardMode, StageOutput, build_forward_batch
 from kvship.engine.sampler import SamplingBatchInfo, filter_probs
 from kvship.engine.schedule_batch import Req, ScheduleBatch
 from kvship.engine.scheduler.launch import needs_host_state
@@ -83,11 +93,17 @@ class Speculator:
         # the TP communicator of a multi-rank worker (rank 0's acceptance is everyone's); None at one rank
         tp = getattr(sched.runner, "tp", None)
         self.tp = tp if tp is not None and tp.size > 1 else None
+        # pipeline stages (docs/speculative.md, "Pipeline parallelism"): the last one decides, the others follow
+        self.link = getattr(sched.runner, "pipeline", None)
+        if self.link is not None and not isinstance(drafter, NgramDrafter):
+            raise ValueError(PP_SPEC_ALGORITHMS_LINE)
         self.drafter = drafter
         drafter.attach(sched.runner)  # before the verify graphs: an EAGLE head asks for hidden states
         self.graphs = None
         cgr = sched.runner.cuda_graph_runner
-        if cgr is not None:  # CUDA with graphs: verify rounds of drafter.k + 1 slots replay graphs too
+        # CUDA with graphs: verify rounds of drafter.k + 1 slots replay graphs too (not over pipeline stages, whose
+        # verify forwards run eagerly: docs/speculative.md, "Pipeline parallelism")
+        if cgr is not None and self.link is None:
             from kvship.decode.spec.graphs import VerifyGraphs
 
             sizes = [b for b in cgr.batch_sizes if b <= min(sched.max_running, 64)]
@@ -135,13 +151,21 @@ class Speculator:
                 s.allocator.free(mine)
                 r.kv_allocated_len = r.kv_committed_len
             raise
-        accs = self._decide(reqs, trees, logits) if self.tp is None or self.tp.is_leader else None
-        if self.tp is not None:
-            accs = self._agree(trees, accs)
-        off = 0
-        for r, t, p, mine, acc in zip(reqs, trees, prefix, per_req, accs):
-            self._apply(r, t, p, mine, acc, logits[off : off + t.size])
-            off += t.size
+        link = self.link
+        if link is None or link.is_last:  # the logits are here
+            accs = self._decide(reqs, trees, logits) if self.tp is None or self.tp.is_leader else None
+            if self.tp is not None:
+                accs = self._agree(trees, accs)
+            outs, off = [], 0
+            for r, t, acc in zip(reqs, trees, accs):
+                outs.append(self._logprobs(r, acc, logits[off : off + t.size]))
+                off += t.size
+            if link is not None:
+                link.send_results((accs, outs))  # the earlier stages apply the same round
+        else:  # an earlier pipeline stage: the last stage's decision (one message per round, in launch order)
+            accs, outs = link.recv_results()
+        for r, t, p, mine, acc, (lps, tops) in zip(reqs, trees, prefix, per_req, accs, outs):
+            self._apply(r, t, p, mine, acc, lps, tops)
         s.counters["decode_steps"] += 1
 
     def _decide(self, reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor) -> list[Accepted]:
@@ -169,7 +193,10 @@ class Speculator:
         rows = self.tp.broadcast(buf.to(dev) if dev.type != "cpu" else buf).tolist()
         return [Accepted(row[2 : 2 + row[0]], row[2 + row[0] : 3 + 2 * row[0]], row[1]) for row in rows]
 
-    def _verify(self, reqs: list[Req], trees: list[DraftTree], prefix: list[int], locs: torch.Tensor) -> torch.Tensor:
+    def _verify(
+        self, reqs: list[Req], trees: list[DraftTree], prefix: list[int], locs: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """The target's logits per tree slot; None on a pipeline stage before the last (its hidden states went on)."""
         runner = self.s.runner
         dev = self.s.device
         ids, ext = [], []
@@ -206,8 +233,10 @@ class Speculator:
             tree_masks=masks,
         )
         with torch.inference_mode():
-            logits = runner.forward(fb).next_token_logits
-        return logits[:, : self.s.vocab_size].float()
+            out = runner.forward(fb)
+        if isinstance(out, StageOutput):
+            return None
+        return out.next_token_logits[:, : self.s.vocab_size].float()
 
     def accept(self, req: Req, tree: DraftTree, logits: torch.Tensor, argmax: Optional[list[int]] = None) -> Accepted:
         """The accepted path of ``tree`` given the target's ``logits`` per slot (greedy or lossless sampled);
@@ -223,20 +252,40 @@ class Speculator:
         gen = self.s.launcher.sampler.generator
         return accept_sampled(tree, probs, generator=gen if gen.device.type == "cpu" else None)
 
+    @staticmethod
+    def _logprobs(
+        req: Req, acc: Accepted, logits: torch.Tensor
+    ) -> tuple[Optional[list[float]], Optional[list[list[tuple[int, float]]]]]:
+        """The emitted tokens' logprobs and top logprobs (None when the request asks for none), from the logits
+        of the slot that produced each token."""
+        if not req.return_logprob:
+            return None, None
+        path = [0, *acc.slots]  # slot whose logits produced each emitted token
+        lps = torch.log_softmax(logits, dim=-1)
+        out_lp: list[float] = []
+        out_top: list[list[tuple[int, float]]] = []
+        for i, tok in enumerate(acc.tokens):
+            out_lp.append(float(lps[path[i], tok]))
+            if req.top_logprobs_num > 0:
+                v, ix = torch.topk(lps[path[i]], req.top_logprobs_num)
+                out_top.append(list(zip(ix.tolist(), v.tolist())))
+        return out_lp, (out_top if req.top_logprobs_num > 0 else None)
+
     def _apply(
-        self, req: Req, tree: DraftTree, p: int, slots: torch.Tensor, acc: Accepted, logits: torch.Tensor
+        self,
+        req: Req,
+        tree: DraftTree,
+        p: int,
+        slots: torch.Tensor,
+        acc: Accepted,
+        lps: Optional[list[float]],
+        tops: Optional[list[list[tuple[int, float]]]],
     ) -> None:
         s = self.s
-        path = [0, *acc.slots]  # slot whose logits produced each emitted token
-        lps = torch.log_softmax(logits, dim=-1) if req.return_logprob else None
         kept = 0
         for i, tok in enumerate(acc.tokens):
-            lp = top = None
-            if lps is not None:
-                lp = float(lps[path[i], tok])
-                if req.top_logprobs_num > 0:
-                    v, ix = torch.topk(lps[path[i]], req.top_logprobs_num)
-                    top = list(zip(ix.tolist(), v.tolist()))
+            lp = None if lps is None else lps[i]
+            top = None if tops is None else tops[i]
             req.append_token(tok, s.tokenizer, lp, top)
             s.counters["generation_tokens"] += 1
             kept = i + 1

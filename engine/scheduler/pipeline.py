@@ -32,6 +32,11 @@ Invariants:
   true state.
 * The last stage sends one result per launched batch and the earlier stages
   receive one per processed or dropped batch, in launch order.
+* Speculative decoding (``Scheduler.speculator``; docs/speculative.md,
+  "Pipeline parallelism"): a decode batch takes every running request not
+  in flight and runs as one speculative round after every batch in flight
+  was processed (the round's acceptance travels on the results channel,
+  which must be empty of earlier steps); extends still overlap.
 * ``stats()``: ``pp_max_in_flight`` (the most batches ever in flight at
   once) and ``pp_overlapped_launches`` (batches launched while another was
   in flight).
@@ -83,8 +88,12 @@ class PipelineLoop:
         try:
             if self.inflight and not s.kv.fits_decode(s.running):
                 self.drain()  # retraction needs every request's true state
-            batch = s.schedule(busy=self.busy, parts=self.depth)
-            if batch is not None:
+            spec = s.speculator is not None
+            batch = s.schedule(busy=self.busy, parts=1 if spec else self.depth)
+            if batch is not None and spec and batch.forward_mode.is_decode():
+                self._speculate(batch)
+                launched = True
+            elif batch is not None:
                 pending = s.launch(batch)
                 batch = None  # launched: it is in ``inflight`` from here on
                 if self.link.is_last:
@@ -105,6 +114,23 @@ class PipelineLoop:
             s.fail_step(e, failed if failed or batch is not None else None)
         s.end_step()
         return launched
+
+    def _speculate(self, batch: "ScheduleBatch") -> None:
+        """A decode batch as one speculative round, with nothing else in flight (module docstring); requests that
+        need the host state decode plainly first, their tokens sent from the last stage like any step's."""
+        s = self.s
+        self.drain()
+        spec, plain = s.speculator.splits(batch)
+        if plain:
+            batch.reqs = plain
+            pending = s.launch(batch)
+            if self.link.is_last:
+                self.link.send_results(pending.results())
+            else:
+                pending.resolve(self.link.recv_results())
+            s.process(pending)
+        if spec:
+            s.speculator.run(spec)
 
     def drain(self) -> None:
         """Process every batch in flight, oldest first."""
