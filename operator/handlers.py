@@ -15,6 +15,10 @@
   (kvship.operator.planner_loop).
 * events of the Deployments the operator manages (watched with a server-side label
   selector, so only those are streamed): refresh the owner's status.
+* events of the StatefulSets and LeaderWorkerSets of multi-node worker groups (same selector; a
+  LeaderWorkerSet is watched only where its CRD is installed): the StatefulSet fallback's whole-group
+  restart runs at once (kvship.operator.groups; a lost or restarted pod changes its StatefulSet's
+  counts), then the owner's status (groups ready/desired) is refreshed, without waiting for the resync.
 * no delete handler and no finalizer: children carry owner references, so the
   garbage collector removes them with the InferenceService, and uninstalling
   the operator never leaves objects stuck in deletion.
@@ -28,15 +32,19 @@ from typing import Any, Optional
 
 import kopf
 
+from kvship.operator.apply import observe_children
 from kvship.operator.builders import MANAGED_BY, Images
+from kvship.operator.builders.groups import LWS_API_VERSION
 from kvship.operator.config import OperatorConfig
-from kvship.operator.controller import RouterAccess, reconcile, refresh_status
+from kvship.operator.controller import API, Outcome, RouterAccess, reconcile, refresh_status, restart_groups
 from kvship.operator.kube import KubeApiError, KubeClient, connection_info, load_auth
 from kvship.operator.planner_loop import PlannerLoop
+from kvship.operator.spec import SpecError, parse_service
 
 RESOURCE = ("kvship.io", "v1alpha1", "inferenceservices")
 RETRY_DELAY = 20.0
 DEPLOYMENT_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +79,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         # Server-side filter: the API streams only the Deployments the operator made, never every
         # Deployment of the cluster (the handler's labels= filter alone would apply after the transfer).
         settings.watching.label_selectors["apps", "v1", "deployments"] = DEPLOYMENT_SELECTOR
+        settings.watching.label_selectors["apps", "v1", "statefulsets"] = DEPLOYMENT_SELECTOR
+        settings.watching.label_selectors[LWS_GROUP, LWS_VERSION, "leaderworkersets"] = DEPLOYMENT_SELECTOR
         settings.watching.server_timeout = config.watch_timeout
         settings.watching.client_timeout = config.watch_timeout + 30
         settings.watching.connect_timeout = 30
@@ -124,6 +134,40 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         for ref in body.get("metadata", {}).get("ownerReferences") or []:
             if ref.get("kind") == "InferenceService" and ref.get("controller"):
                 await refresh_status(memo.client, body["metadata"]["namespace"], ref["name"], images)
+
+    @kopf.on.event("apps", "v1", "statefulsets", labels={"app.kubernetes.io/managed-by": MANAGED_BY}, registry=registry)
+    @kopf.on.event(
+        LWS_GROUP,
+        LWS_VERSION,
+        "leaderworkersets",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+        registry=registry,
+    )
+    async def group_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        for ref in body.get("metadata", {}).get("ownerReferences") or []:
+            if ref.get("kind") == "InferenceService" and ref.get("controller"):
+                namespace = body["metadata"]["namespace"]
+                if body.get("kind") == "StatefulSet":
+                    await restart_service_groups(memo.client, namespace, ref["name"], images)
+                await refresh_status(memo.client, namespace, ref["name"], images)
+
+
+async def restart_service_groups(client: KubeClient, namespace: str, name: str, images: Images) -> list[str]:
+    """The StatefulSet fallback's whole-group restart for one InferenceService, outside a full reconcile (on a
+    StatefulSet event); returns the groups restarted.  A spec that does not parse is left to the reconcile."""
+    body = await client.get(*API, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return []
+    try:
+        cfg = parse_service(body, images.allowed_prefixes)
+    except SpecError:
+        return []
+    out = Outcome(config=cfg)
+    try:
+        await restart_groups(client, cfg, await observe_children(client, cfg), out)
+    except KubeApiError as e:  # the next event or resync pass tries again
+        log.warning("%s/%s: restarting worker groups failed: %s", namespace, name, e)
+    return out.group_restarts
 
 
 async def resync_loop(client: KubeClient, config: OperatorConfig, images: Images) -> None:

@@ -15,13 +15,21 @@ controllers do with the parts the operator relies on (docs/operator.md, "Multi-n
   group one of whose pods was lost or restarted, then recreates the group; status counts **groups**: a group is
   ready only when all its pods are (``readyReplicas``), with an ``Available`` condition.
 
-The kubelet part: a pod whose ``backend(pod)`` gives a local port gets ``podIP`` 127.0.0.1 and ``ContainersReady`` from a real ``GET /health`` there (the emulator derives ``Ready`` from it and
-the pod's readiness gates); ``bump_restart(pod)`` plays a container restart (``restartCount`` + 1).
+The kubelet part: a pod whose ``backend(pod)`` gives a local port gets ``podIP`` 127.0.0.1, the ``kvship.io/port``
+annotation of that port (the router's discovery reads it) and ``ContainersReady`` from a real ``GET /health`` there
+(the emulator derives ``Ready`` from it and the pod's readiness gates); ``bump_restart(pod)`` plays a container
+restart (``restartCount`` + 1).
+
+The pod network on loopback: every pod's IP is 127.0.0.1, so a pod's stable DNS name (a StatefulSet pod's
+``<pod>.<service>.<namespace>.svc[.cluster.local]``, a LeaderWorkerSet leader's ``<pod>.<lws>.<namespace>``) resolves
+to 127.0.0.1, and the container ports of the pods, which would not collide on separate IPs, are mapped to host
+ports of their own: :class:`LoopbackNetwork` (``address(host_port)`` for an address a container was given).
 """
 
 from __future__ import annotations
 
 import copy
+import socket
 import threading
 from typing import Any, Callable, Optional
 
@@ -29,6 +37,39 @@ import httpx
 
 LWS = "leaderworkerset.x-k8s.io/v1"
 LWS_PREFIX = "leaderworkerset.sigs.k8s.io/"
+PORT_ANNOTATION = "kvship.io/port"
+
+
+class LoopbackNetwork:
+    """Cluster DNS and pod ports on one host (module docstring): ``(pod name, container port)`` -> a free host
+    port, the same for every pod of that name (a StatefulSet or LWS pod keeps its name, and so its DNS name and
+    address, across restarts)."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self._ports: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def pod_of(self, host: str) -> str:
+        """The pod a stable DNS name names; ValueError for a name that is not a pod's in this namespace."""
+        labels = host.rstrip(".").split(".")
+        if len(labels) < 3 or labels[2] != self.namespace or (len(labels) > 3 and labels[3] != "svc"):
+            raise ValueError(f"{host!r} is not a pod's DNS name in namespace {self.namespace}")
+        return labels[0]
+
+    def host_port(self, pod: str, container_port: int) -> int:
+        with self._lock:
+            key = (pod, container_port)
+            if key not in self._ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    self._ports[key] = s.getsockname()[1]
+            return self._ports[key]
+
+    def address(self, host_port: str) -> str:
+        """``<pod dns name>:<container port>`` as a process on this host reaches it: ``127.0.0.1:<host port>``."""
+        host, port = host_port.rsplit(":", 1)
+        return f"127.0.0.1:{self.host_port(self.pod_of(host), int(port))}"
 
 
 def _cond(obj: dict, ctype: str) -> Optional[dict]:
@@ -251,6 +292,18 @@ class Groups:
         port = self.backend(pod)
         ok = "True" if self._healthy(port) else "False"
         st = pod.get("status") or {}
+        annotations = pod["metadata"].get("annotations") or {}
+        if port is not None and annotations.get(PORT_ANNOTATION) != str(port):
+            try:
+                self.kube.patch(
+                    "v1",
+                    "pods",
+                    self.namespace,
+                    pod["metadata"]["name"],
+                    {"metadata": {"annotations": {PORT_ANNOTATION: str(port)}}},
+                )
+            except Exception as e:  # noqa: BLE001 - deleted meanwhile
+                self.errors.append(repr(e))
         if st.get("podIP") == "127.0.0.1" and (_cond(pod, "ContainersReady") or {}).get("status") == ok:
             return
         conds = [{"type": "ContainersReady", "status": ok}]
@@ -258,7 +311,16 @@ class Groups:
             conds.append({"type": "Ready", "status": ok})
         patch: dict[str, Any] = {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": conds}}
         if not st.get("containerStatuses"):
-            patch["status"]["containerStatuses"] = [{"name": "worker", "restartCount": 0, "ready": ok == "True"}]
+            c = pod["spec"]["containers"][0]
+            patch["status"]["containerStatuses"] = [
+                {
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "restartCount": 0,
+                    "ready": ok == "True",
+                }
+            ]
         try:
             self.kube.request(
                 "PATCH",

@@ -167,6 +167,8 @@ def expected_grants() -> set[tuple[str, str, str]]:
     grants |= {
         ("apps", "statefulsets", "deletecollection"),
         ("leaderworkerset.x-k8s.io", "leaderworkersets", "deletecollection"),
+        ("apps", "statefulsets", "watch"),  # group events restart a group and refresh the status
+        ("leaderworkerset.x-k8s.io", "leaderworkersets", "watch"),
     }
     grants.add(("", "pods", "delete"))  # the StatefulSet fallback restarts a whole group
     grants.add(("", "pods/status", "patch"))  # the kvship.io/in-rotation readiness gate

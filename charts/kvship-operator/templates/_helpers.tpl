@@ -37,7 +37,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["inferenceservices/status"]
   verbs: ["get", "patch"]
 # Children: the operator reads, lists (by label), creates, patches and deletes them; it watches only
-# Deployments (their status feeds the InferenceService's), with a label selector.
+# Deployments and worker-group sets (their status feeds the InferenceService's), with a label selector.
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
   verbs: ["get", "list", "create", "patch", "delete"]
@@ -45,13 +45,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete", "deletecollection"]
-# Multi-node worker groups (nodesPerReplica > 1): LeaderWorkerSets where installed, else StatefulSets.
+# Multi-node worker groups (nodesPerReplica > 1): LeaderWorkerSets where installed, else StatefulSets; watched
+# (same label selector) so a group's restart and status follow its events.
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "list", "create", "patch", "delete", "deletecollection"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete", "deletecollection"]
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "list", "create", "patch", "delete", "deletecollection"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete", "deletecollection"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "delete"]
