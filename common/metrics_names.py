@@ -45,7 +45,17 @@ MOE_EXPERT_TOKENS = "kvship:moe_expert_tokens"
 MOE_EXPERT_LOAD_IMBALANCE = "kvship:moe_expert_load_imbalance"
 MOE_METRICS = (MOE_EXPERT_TOKENS + "_total", MOE_EXPERT_LOAD_IMBALANCE)
 
-WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS
+# PD workers only: per-request KV transfers (labels ``backend``, ``role``; failures also ``reason``),
+# docs/observability.md
+KV_TRANSFER_HISTOGRAMS = (
+    "kvship:kv_transfer_bytes",
+    "kvship:kv_transfer_duration_seconds",
+    "kvship:kv_transfer_throughput_gbps",
+)
+KV_TRANSFER_FAILURES = "kvship:kv_transfer_failures"
+KV_TRANSFER_METRICS = KV_TRANSFER_HISTOGRAMS + (KV_TRANSFER_FAILURES + "_total",)
+
+WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS + KV_TRANSFER_METRICS
 
 # What the examples and the CRD's description use to autoscale decode workers.
 AUTOSCALING_EXAMPLE = NUM_RUNNING_REQS
