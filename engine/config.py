@@ -25,7 +25,7 @@ TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 # the one line every refusal of speculation over pipeline stages prints (here and in decode/spec/worker.py)
 PP_SPEC_ALGORITHMS_LINE = (
     "--pp-size > 1 runs --speculative-algorithm ngram only (draft, eagle and eagle3 over pipeline stages are not "
-    "built yet; docs/speculative.md, \"Pipeline parallelism\")"
+    'built yet; docs/speculative.md, "Pipeline parallelism")'
 )
 
 
