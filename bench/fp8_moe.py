@@ -12,7 +12,7 @@ copies (so L2 holds none of them):
 Reported per M: time, the fp8 speed-up, bytes read (the active experts'
 weights, their block scales, x and the output) per second against the
 measured copy bandwidth, and the fp8 output's relative error against
-``fp8.moe_reference`` (fp32 fake-quant) and against bf16.  Writes
+``fp8.moe_reference`` (fp32 quantize-dequantize) and against bf16.  Writes
 ``fp8_moe.json`` / ``fp8_moe.md`` to ``--out``.
 
     python bench/fp8_moe.py --out /tmp/out
