@@ -1,0 +1,385 @@
+"""Router policies on a multi-tenant multi-turn workload: ``kv_events`` against ``cache_aware``.
+
+Builds a tiny random llama (transformers, written to a temporary directory),
+starts ``--workers`` real CPU workers with small KV pools (``--pool-tokens``
+device tokens, page size 4, a host tier of ``--hicache-ratio`` times that,
+``--enable-kv-events``) behind ``kvship router`` (subprocesses), and sends the
+same workload once per policy, each time to fresh workers:
+
+* ``--tenants`` conversations of ``--turns`` turns; a tenant's first prompt
+  is its own ``--system-tokens`` random ids plus ``--user-tokens`` ids, each
+  later prompt is the previous prompt + the reply's ids + ``--user-tokens``
+  new ids (token-id ``/generate`` requests, so ``kv_events`` can hash them);
+* tenants run concurrently (at most ``--concurrency`` requests in flight),
+  each tenant's turns one after the other; the sum of the final contexts is
+  several times the device pools, so pages are evicted during the run.
+
+Reports, per policy, the share of prompt tokens served from cache (sum of the
+replies' ``meta_info.cached_tokens`` over the sum of ``prompt_tokens``), the
+same for returning turns only (turn >= 2), TTFT p50/p90 (first streamed event,
+through the router) and how often a tenant's turn moved to another worker;
+then the difference in points and the TTFT ratio.  docs/cache.md, "Routing
+on KV events".
+
+    nice -n 19 .venv/bin/python bench/router_kv_events.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import aiohttp
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "b" * 32
+PAGE = 4
+VOCAB = 384
+LOW, HIGH = 3, 380  # prompt ids: clear of the special tokens (0-2) and inside the vocabulary
+
+
+# -- a tiny model with a tokenizer ----------------------------------------------------------------------------------
+
+
+def build_model(out_dir: str, seed: int = 1) -> str:
+    """A 2-layer llama with random weights and a small byte-level BPE tokenizer in ``out_dir``."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ["Routing requests to the worker that already holds their prefix saves prefill work."] * 8
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+    )
+    assert len(fast) <= VOCAB
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+# -- processes ------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log: str
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log, "rb") as f:
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)  # own session: pgid == pid
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        with contextlib.suppress(OSError):
+            os.unlink(self.log)
+
+
+def spawn(name: str, subcommand: str, args: list[str]) -> Proc:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix=f"kvbench-{name}-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "kvship.app.cli", subcommand, *args, "--host", "127.0.0.1", "--port", str(port)]
+    popen = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    log.close()
+    return Proc(name, f"http://127.0.0.1:{port}", popen, log.name)
+
+
+def wait_healthy(procs: list[Proc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(p.url + "/health", timeout=2.0).status_code == 200:
+                    pending.remove(p)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{pending[0].name} not healthy after {timeout:.0f} s:\n{pending[0].tail()}")
+        time.sleep(0.3)
+
+
+@contextlib.contextmanager
+def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Iterator[tuple[str, list[str]]]:
+    """Fresh workers and a router with ``policy`` (+ ``router_extra`` flags); yields (router URL, worker URLs);
+    stops them all."""
+    worker_args = [
+        "--model-path", model_dir,
+        "--served-model-name", "tiny",
+        "--page-size", str(PAGE),
+        "--max-total-tokens", str(args.pool_tokens),
+        "--max-running-requests", "4",
+        "--enable-kv-events",
+        "--api-key", KEY,
+    ]  # fmt: skip
+    if args.hicache_ratio > 0:
+        worker_args += ["--hicache-ratio", str(args.hicache_ratio)]
+    procs: list[Proc] = []
+    try:
+        workers = [spawn(f"worker{i}", "serve", worker_args) for i in range(args.workers)]
+        procs += workers
+        wait_healthy(workers, 300)
+        urls = [w.url for w in workers]
+        router = spawn(
+            f"router-{policy}",
+            "router",
+            ["--worker-urls", *urls, "--policy", policy, "--worker-api-key", KEY, "--debug-headers", *router_extra],
+        )
+        procs.append(router)
+        wait_healthy([router], 60)
+        yield router.url, urls
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# -- the workload ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    policy: str
+    prompt: list[int] = field(default_factory=list)  # per request, turn order within tenants
+    cached: list[int] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    moves: int = 0
+    first: dict = field(default_factory=dict)  # worker URL -> tenants whose first turn went there
+    errors: int = 0
+    wall_s: float = 0.0
+
+    def share(self, min_turn: int = 1) -> float:
+        pairs = [(p, c) for p, c, t in zip(self.prompt, self.cached, self.turn) if t >= min_turn]
+        total = sum(p for p, _ in pairs)
+        return 100.0 * sum(c for _, c in pairs) / total if total else float("nan")
+
+    def ttft_ms(self, q: float) -> float:
+        xs = sorted(self.ttft)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+
+async def one_turn(client: aiohttp.ClientSession, url: str, ids: list[int], max_new: int) -> tuple[dict, float, str]:
+    """A streamed token-id /generate; returns (last event, TTFT s, worker URL)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    last: Optional[dict] = None
+    async with client.post(url + "/generate", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        worker = r.headers.get("x-kvship-worker", "")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event}")
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = event
+    if last is None or ttft is None:
+        raise RuntimeError("the stream ended without an event")
+    return last, ttft, worker
+
+
+async def run_workload(url: str, worker_urls: list[str], policy: str, args) -> Result:
+    res = Result(policy)
+    rng = random.Random(args.seed)
+    systems = [[rng.randrange(LOW, HIGH) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
+    users = [
+        [[rng.randrange(LOW, HIGH) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+        for _ in range(args.tenants)
+    ]
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as client:
+        # one request per worker straight to it: first-forward costs stay out of the measured turns
+        warm = [rng.randrange(LOW, HIGH) for _ in range(8)]
+        for w in worker_urls:
+            body = {"input_ids": warm, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+            async with client.post(w + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 200, await r.text()
+        await asyncio.sleep(args.settle_s)  # the router's event feeds load their snapshots
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def tenant(i: int) -> None:
+            history = list(systems[i])
+            prev_worker = None
+            for t in range(args.turns):
+                prompt = history + users[i][t]
+                async with sem:
+                    try:
+                        event, ttft, worker = await one_turn(client, url, prompt, args.max_new_tokens)
+                    except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        print(f"{policy}: tenant {i} turn {t + 1}: {e}", file=sys.stderr)
+                        res.errors += 1
+                        return
+                meta = event["meta_info"]
+                res.prompt.append(int(meta["prompt_tokens"]))
+                res.cached.append(int(meta["cached_tokens"]))
+                res.turn.append(t + 1)
+                res.ttft.append(ttft)
+                if prev_worker is None:
+                    res.first[worker] = res.first.get(worker, 0) + 1
+                elif worker != prev_worker:
+                    res.moves += 1
+                prev_worker = worker
+                history = prompt + list(event["output_ids"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(tenant(i) for i in range(args.tenants)))
+        res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def report(results: list[Result], args, load: tuple[float, float]) -> str:
+    by = {r.policy: r for r in results}
+    lines = [
+        f"Machine: {args.machine}; load average {load[0]:.1f} before, {load[1]:.1f} after.",
+        f"{args.workers} CPU workers (tiny 2-layer llama), {args.pool_tokens}-token device pool each, page size {PAGE}, "
+        f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.turns} turns "
+        f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
+        f"at most {args.concurrency} in flight; streamed token-id /generate through the router; fresh workers per "
+        f"policy.",
+        "",
+        "| policy | requests | errors | prompt tokens | cached share % | cached share, turns >= 2 % | "
+        "TTFT p50 ms | TTFT p90 ms | tenant moved worker | first turns per worker | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {len(r.prompt)} | {r.errors} | {sum(r.prompt)} | {r.share():.1f} | {r.share(2):.1f} | "
+            f"{r.ttft_ms(0.5):.1f} | {r.ttft_ms(0.9):.1f} | {r.moves} | "
+            f"{'/'.join(str(n) for n in sorted(r.first.values(), reverse=True))} | {r.wall_s:.1f} |"
+        )
+    c = by.get("cache_aware")
+    for k in results:
+        if c is None or k is c:
+            continue
+        ratio = c.ttft_ms(0.5) / k.ttft_ms(0.5) if k.ttft else float("nan")
+        lines += [
+            "",
+            f"{k.policy} - cache_aware: cached share {k.share() - c.share():+.1f} points "
+            f"(turns >= 2: {k.share(2) - c.share(2):+.1f} points); TTFT p50 cache_aware / {k.policy} = {ratio:.2f} "
+            f"(issue goal: +20 points).",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--pool-tokens", type=int, default=320, help="each worker's --max-total-tokens")
+    p.add_argument("--hicache-ratio", type=float, default=1.0, help="host tier size (0: none)")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=96)
+    p.add_argument("--user-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--settle-s", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--policies", nargs="+", default=["cache_aware", "kv_events"])
+    p.add_argument(
+        "--kv-events-load-tokens",
+        type=float,
+        nargs="+",
+        default=[],
+        help="run kv_events once per value of the router's --kv-events-load-tokens (default: the router's default)",
+    )
+    p.add_argument("--machine", default=f"{os.cpu_count()}-core CPU box ({platform.machine()}), no GPU")
+    args = p.parse_args()
+    load0 = os.getloadavg()[0]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvbench-model-") as model_dir:
+        build_model(model_dir)
+        runs: list[tuple[str, str, list[str]]] = []
+        for policy in args.policies:
+            if policy == "kv_events" and args.kv_events_load_tokens:
+                for v in args.kv_events_load_tokens:
+                    runs.append((f"kv_events (load {v:g})", policy, ["--kv-events-load-tokens", str(v)]))
+            else:
+                runs.append((policy, policy, []))
+        for label, policy, extra in runs:
+            with cluster(model_dir, policy, extra, args) as (url, worker_urls):
+                results.append(asyncio.run(run_workload(url, worker_urls, label, args)))
+            print(f"{label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
+    print(report(results, args, (load0, os.getloadavg()[0])))
+
+
+if __name__ == "__main__":
+    main()
