@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 
 import aiohttp
 
-from kvship.engine.mem.hicache_events import KVEvent, page_hashes
+from kvship.common.kv_events import KVEvent, page_hashes
 from kvship.router.config import RouterConfig
 from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import CacheAwarePolicy, Policy, register_policy

@@ -14,6 +14,7 @@ constructor takes ``(config, metrics=None)``.
 from __future__ import annotations
 
 import collections
+import importlib
 import itertools
 import random
 import time
@@ -40,7 +41,13 @@ def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
     return deco
 
 
+# policies registered in their own module (kv_events runs a subscriber beside the policy), imported on first use
+_LAZY_MODULES = {"kv_events": "kvship.router.kv_events"}
+
+
 def create_policy(name: str, config: RouterConfig, metrics: Optional[RouterMetrics] = None) -> "Policy":
+    if name not in POLICIES and name in _LAZY_MODULES:
+        importlib.import_module(_LAZY_MODULES[name])
     try:
         cls = POLICIES[name]
     except KeyError:
@@ -255,7 +262,3 @@ class BucketPolicy(Policy):
         ):
             return self.least_loaded(ordered)
         return ordered[self.bucket_of(length)]
-
-
-# registered in its own module (it runs a subscriber beside the policy): imported here so the registry is whole
-from kvship.router import kv_events  # noqa: E402,F401

@@ -24,55 +24,11 @@ Thread rule: the scheduler thread writes; any thread may read (one lock).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-TIERS = ("gpu", "host")
-
-
-def _h(parent: int, tokens: Sequence[int]) -> int:
-    data = parent.to_bytes(8, "little", signed=True) + b"".join(
-        int(t).to_bytes(4, "little", signed=True) for t in tokens
-    )
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
-def page_hashes(tokens: Sequence[int], page_size: int, parent: int = 0) -> list[int]:
-    """The hash chain of the whole pages of ``tokens`` (a partial last page has no name), after ``parent``."""
-    out = []
-    for i in range(0, len(tokens) // page_size * page_size, page_size):
-        parent = _h(parent, tokens[i : i + page_size])
-        out.append(parent)
-    return out
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    """``kind``: ``stored`` (the pages are now on ``tier``) or ``removed`` (``tier`` is None)."""
-
-    seq: int
-    kind: str
-    hashes: tuple[int, ...]
-    tier: Optional[str] = None
-
-    def to_json(self) -> dict:
-        out = {"seq": self.seq, "kind": self.kind, "hashes": list(self.hashes)}
-        if self.tier is not None:
-            out["tier"] = self.tier
-        return out
-
-    @classmethod
-    def from_json(cls, d: dict) -> "KVEvent":
-        kind = d.get("kind")
-        if kind not in ("stored", "removed"):
-            raise ValueError(f"unknown KV event kind {kind!r}")
-        tier = d.get("tier")
-        if kind == "stored" and tier not in TIERS:
-            raise ValueError(f"a stored KV event needs a tier in {TIERS}, got {tier!r}")
-        return cls(int(d["seq"]), kind, tuple(int(h) for h in d["hashes"]), tier if kind == "stored" else None)
+from kvship.common.kv_events import TIERS, KVEvent, page_hashes  # noqa: F401 (re-exported)
 
 
 class KVEventLog:
