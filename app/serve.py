@@ -157,7 +157,7 @@ def run_multi_rank(server_args: ServerArgs, topology: Topology) -> int:
     from kvship.app.roles import scheduler_for_mode
     from kvship.common.ports import free_port
     from kvship.engine.distributed.groups import init_method
-    from kvship.engine.distributed.launch import RankProcesses, join
+    from kvship.engine.distributed.launch import RankProcesses, join, watch_launcher
     from kvship.engine.engine import Engine
     from kvship.engine.http_server import serve_engine
 
@@ -166,6 +166,8 @@ def run_multi_rank(server_args: ServerArgs, topology: Topology) -> int:
     except (FileNotFoundError, ValueError) as e:
         logger.error("cannot start the server: %s", e)
         return 1
+    if topology.torchrun:  # every process is a rank of torchrun's agent: it goes when the agent goes
+        watch_launcher()
     if not topology.is_leader:
         if topology.torchrun:  # this process is the rank
             return _rank_body(topology.rank, server_args, topology, init_method(topology))

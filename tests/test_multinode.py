@@ -141,5 +141,24 @@ def test_torchrun_started_ranks_serve_what_tp1_does(qwen3_dir, tp1_greedy):
         )
         assert [o["output_ids"] for o in r.json()] == tp1_greedy
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent only: its ranks run in sessions of their own
         proc.wait(10)
+    # the ranks notice their agent is gone and exit: none is left serving
+    deadline = time.monotonic() + 30
+    while _ranks_serving(port):
+        assert time.monotonic() < deadline, f"ranks of the killed torchrun still run: {_ranks_serving(port)}"
+        time.sleep(0.5)
+
+
+def _ranks_serving(port: int) -> list[int]:
+    """Pids of processes whose command line is a ``kvship serve`` on ``port``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+            continue
+        if b"serve" in argv and b"--port" in argv and str(port).encode() in argv:
+            found.append(int(pid))
+    return found

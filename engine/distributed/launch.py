@@ -134,6 +134,13 @@ def wait_for_rendezvous(host: str, port: int, timeout_s: float) -> None:
     raise ConnectionError(f"cannot reach --dist-init-addr {host}:{port} within {timeout_s:g} s ({why})")
 
 
+def watch_launcher() -> None:
+    """Exit this process (status 1) once the process that started it is gone: kvship's own launcher, or torchrun's
+    agent (it stops its ranks itself when it exits cleanly, but a SIGKILLed agent leaves them running, in sessions
+    of their own)."""
+    threading.Thread(target=_exit_when_parent_dies, args=(os.getppid(),), daemon=True).start()
+
+
 def _exit_when_parent_dies(parent_pid: int) -> None:
     while True:
         time.sleep(PARENT_POLL_S)
@@ -162,8 +169,8 @@ def run_rank(server_args: ServerArgs, groups: ProcessGroups, scheduler_factory: 
     rank = groups.topology.rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not groups.topology.torchrun:  # torchrun's agent kills its ranks itself
-        threading.Thread(target=_exit_when_parent_dies, args=(os.getppid(),), daemon=True).start()
+    if not groups.topology.torchrun:  # under torchrun app/serve.py watches the agent
+        watch_launcher()
     runner = ModelRunner(server_args, groups=groups)
     # stop strings are checked by the scheduler: every rank needs the tokenizer to decide alike
     tokenizer = load_tokenizer(
