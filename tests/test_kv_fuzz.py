@@ -161,9 +161,10 @@ def test_ten_thousand_malformed_frames_and_huge_claims_cost_nothing():
         assert target.poll() == KVPoll.WaitingForInput  # the targeted room is unharmed
         target.abort("test over")
         transfer(3)  # still serving
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # connection threads end on their idle timeouts; a loaded CI box is slow
         while threading.active_count() > threads0 + 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert threading.active_count() <= threads0 + 2, "connection threads stayed behind"
-        assert elapsed < 40, f"the fuzz took {elapsed:.1f} s"
+        # a hang guard, not a speed figure (13 s on an idle 2-core box; a CI run beside it doubled that and more)
+        assert elapsed < 120, f"the fuzz took {elapsed:.1f} s"
         assert A.MIN_SECRET_BYTES == 16
