@@ -44,6 +44,11 @@ from kvship.router.policies import CacheAwarePolicy, Policy, register_policy
 from kvship.router.wire import ROUTE_CHAT, ROUTE_GENERATE, RoutingRequest
 from kvship.router.worker import Worker, WorkerRegistry
 
+# bounds on what a worker's event stream may send (docs/security.md): one event line, one snapshot (a page is
+# ~25 bytes of JSON: 64 MiB holds millions of pages, above any --kv-index-max-pages the index keeps)
+MAX_EVENT_LINE_BYTES = 1 << 20
+MAX_SNAPSHOT_BYTES = 64 << 20
+
 logger = logging.getLogger(__name__)
 
 STREAM_IDLE_S = 10.0  # a stream with no event for this long ends and is reopened (a dead connection shows)
@@ -214,7 +219,10 @@ class WorkerFeed:
             if r.status == 404:
                 self.events_off = True
             r.raise_for_status()
-            snapshot = await r.json(content_type=None)
+            body = await r.content.read(MAX_SNAPSHOT_BYTES + 1)
+            if len(body) > MAX_SNAPSHOT_BYTES:
+                raise ValueError(f"KV event snapshot of {self.url} exceeds {MAX_SNAPSHOT_BYTES} bytes")
+            snapshot = json.loads(body)
         self.events_off = False
         self.index.reset(self.url, snapshot)
         if self.metrics is not None:
@@ -222,6 +230,8 @@ class WorkerFeed:
 
     def feed_line(self, line: bytes) -> bool:
         """Apply one NDJSON line of the stream; False when the index lost step (a gap line, a skipped seq)."""
+        if len(line) > MAX_EVENT_LINE_BYTES:  # (aiohttp also refuses a line past its own buffer limit)
+            raise ValueError(f"a KV event line of {len(line)} bytes (limit {MAX_EVENT_LINE_BYTES})")
         obj = json.loads(line)
         if obj.get("gap"):
             self.index.mark_unsynced(self.url)
