@@ -310,7 +310,7 @@ class DecodeReceiver(KVReceiver):
         if src is None:
             return
         if isinstance(msg, Started):
-            self.stamps["started"] = time.time()
+            self.stamps.setdefault("started", time.time())  # a notice that lost the race to the data: ignored
             if self._state == KVPoll.WaitingForInput:
                 self._state = KVPoll.Transferring
         elif isinstance(msg, Done):
@@ -385,6 +385,9 @@ class DecodeReceiver(KVReceiver):
             return
         self._done = True
         self.stamps["arrived"] = time.time()
+        # the start notice rides the bootstrap link, the bytes the backend's channel: when the bytes won the race
+        # this receiver saw the whole transfer at once (docs/observability.md, "KV-transfer metrics")
+        self.stamps.setdefault("started", self.stamps["arrived"])
         self._m.progressed()
 
     def _finish_locked(self, state: KVPoll, reason: Optional[str]) -> None:
