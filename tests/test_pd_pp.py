@@ -14,15 +14,14 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import traceback
 
 import numpy as np
 import pytest
 import torch
 from pd_fixtures import KV_SECRET, make_prompts, room_token, start_local, unified_greedy
+from transfer_scenario import run_scenario
 
 from kvship.engine.disagg.base import BackendUnavailableError, KVPoll, TransferDescs, get_transfer_backend
 from kvship.engine.disagg.tp_slices import layer_buffers, map_layers, rank_kv_heads, shared_layers
@@ -184,33 +183,8 @@ def _scenario(backend: str, k: int, tp: int, b: int, abort_rank, kill_stage, lay
             m.close()
 
 
-def _scenario_main(conn, *args) -> None:
-    try:
-        conn.send(("ok", _scenario(*args)))
-    except Exception:  # noqa: BLE001 - report to the test
-        conn.send(("err", traceback.format_exc()))
-    conn.close()
-    os._exit(0)  # skip slow library teardown (UCX, mooncake)
-
-
 def _run(backend: str, k: int, tp: int, b: int, abort_rank=None, kill_stage=None, layerwise=False) -> dict:
-    try:
-        get_transfer_backend(backend)
-    except BackendUnavailableError as e:
-        pytest.skip(str(e))
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_scenario_main, args=(child, backend, k, tp, b, abort_rank, kill_stage, layerwise))
-    proc.start()
-    try:
-        assert parent.poll(90), "the transfer scenario hung"
-        status, value = parent.recv()
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    assert status == "ok", value
-    return value
+    return run_scenario(_scenario, backend, k, tp, b, abort_rank, kill_stage, layerwise)
 
 
 @pytest.mark.parametrize("backend", ["tcp", "mooncake", "nixl"])
