@@ -84,6 +84,32 @@ def run_ranks(target, world: int, args: tuple, timeout: float):
     return payload
 
 
+def rank_body(rank: int, init_method: str, server_args, body, out) -> None:
+    """One rank of a ``run_ranks`` group: join the group ``server_args`` describes (its tp/pp sizes), run
+    ``body(groups)`` -> a picklable result, gather every rank's result on rank 0, which puts ``("ok", [results])``
+    on ``out``; a failure puts ``("error", traceback)``.  Exits without the process group's teardown (it waits
+    for the other ranks)."""
+    import traceback
+
+    import torch
+
+    from kvship.engine.distributed.launch import join
+    from kvship.engine.distributed.topology import Topology
+
+    torch.set_num_threads(1)
+    try:
+        topo = Topology(tp_size=server_args.tp_size, pp_size=server_args.pp_size, rank=rank)
+        groups = join(server_args, topo, init_method)
+        everyone = groups.world.all_gather_object(body(groups))
+        if rank == 0:
+            out.put(("ok", everyone))
+    except BaseException:  # noqa: BLE001 - report to the test, do not hang it
+        out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 @dataclass
 class ServerHandle:
     url: str

@@ -9,15 +9,11 @@ counters.  The server test runs ``kvship serve --pp-size 2`` and talks HTTP.
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
-import torch
 from conftest import build_tiny_model
 from moe_fixtures import build_tiny_moe
 from pd_fixtures import Collector, run_until_idle, unified_greedy
-from server_fixtures import run_ranks, start_server
+from server_fixtures import rank_body, run_ranks, start_server
 
 from kvship.engine.config import ServerArgs
 
@@ -93,24 +89,14 @@ def _run_scenario(groups, sa: ServerArgs, waves: list, abort) -> dict:
 
 
 def _rank_main(rank: int, init_method: str, tp: int, pp: int, paths: dict, scenarios: tuple, out) -> None:
-    from kvship.engine.distributed.launch import join
-    from kvship.engine.distributed.topology import Topology
-
-    torch.set_num_threads(1)
-    try:
-        groups = join(_sa("", tp_size=tp, pp_size=pp), Topology(tp_size=tp, pp_size=pp, rank=rank), init_method)
+    def body(groups) -> dict:
         results = {}
         for name in scenarios:
             model, kw, waves, abort = SCENARIOS[name]
             results[name] = _run_scenario(groups, _sa(paths[model], tp_size=tp, pp_size=pp, **kw), waves, abort)
-        everyone = groups.world.all_gather_object(results)
-        if rank == 0:
-            out.put(("ok", everyone))
-    except BaseException:  # noqa: BLE001 - report to the test, do not hang it
-        out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # skip the process group's teardown at exit (it waits for the other ranks)
+        return results
+
+    rank_body(rank, init_method, _sa("", tp_size=tp, pp_size=pp), body, out)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,9 @@ stage must emit the same tokens and logprobs (acceptances are the last stage's) 
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
-import torch
 from pd_fixtures import Collector, _server_args, run_until_idle, unified_greedy
-from server_fixtures import run_ranks
+from server_fixtures import rank_body, run_ranks
 from test_spec_decode import _prompts  # prompts that repeat a pattern: prompt lookup finds drafts
 
 from kvship.engine.config import ServerArgs
@@ -82,23 +78,13 @@ def _run(groups, sa: ServerArgs) -> dict:
 
 
 def _rank_main(rank: int, init_method: str, tp: int, model: str, out) -> None:
-    from kvship.engine.distributed.launch import join
-    from kvship.engine.distributed.topology import Topology
+    def body(groups) -> dict:
+        return {
+            name: _run(groups, _server_args(model, tp_size=tp, pp_size=2, **BASE, **kw))
+            for name, kw in (("plain", {}), ("ngram", {"speculative_algorithm": "ngram"}))
+        }
 
-    torch.set_num_threads(1)
-    try:
-        groups = join(_server_args("", tp_size=tp, pp_size=2), Topology(tp_size=tp, pp_size=2, rank=rank), init_method)
-        results = {}
-        for name, kw in (("plain", {}), ("ngram", {"speculative_algorithm": "ngram"})):
-            results[name] = _run(groups, _server_args(model, tp_size=tp, pp_size=2, **BASE, **kw))
-        everyone = groups.world.all_gather_object(results)
-        if rank == 0:
-            out.put(("ok", everyone))
-    except BaseException:  # noqa: BLE001 - report to the test, do not hang it
-        out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # skip the process group's teardown at exit (it waits for the other ranks)
+    rank_body(rank, init_method, _server_args("", tp_size=tp, pp_size=2), body, out)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,9 @@ prefill checks PD.
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
-import torch
 from pd_fixtures import Collector, _server_args, run_until_idle, unified_greedy
-from server_fixtures import run_ranks, start_server
+from server_fixtures import rank_body, run_ranks, start_server
 from test_spec_decode import _prompts  # prompts that repeat a pattern: prompt lookup finds drafts
 from test_spec_eagle import write_random_head
 from test_spec_eagle_pd import write_repeat_head
@@ -75,13 +71,9 @@ def _drafter_pool(drafter) -> tuple[int, int]:
 
 
 def _rank_main(rank: int, init_method: str, paths: dict, out) -> None:
-    from kvship.engine.distributed.launch import join
-    from kvship.engine.distributed.topology import Topology
     from kvship.engine.scheduler.io import BroadcastIO
 
-    torch.set_num_threads(1)
-    try:
-        groups = join(_server_args("", tp_size=2), Topology(tp_size=2, rank=rank), init_method)
+    def body(groups) -> dict:
         results = {}
         for algo in ALGOS:
             sa = _server_args(paths["target"], attention_backend="torch_native", tp_size=2, **_spec_kw(algo, paths))
@@ -112,14 +104,9 @@ def _rank_main(rank: int, init_method: str, paths: dict, out) -> None:
                 "draft_pool": _drafter_pool(sched.speculator.drafter),
                 "open": len(sched.reqs),
             }
-        everyone = groups.world.all_gather_object(results)
-        if rank == 0:
-            out.put(("ok", everyone))
-    except BaseException:  # noqa: BLE001 - report to the test, do not hang it
-        out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # skip the process group's teardown at exit (it waits for the other ranks)
+        return results
+
+    rank_body(rank, init_method, _server_args("", tp_size=2), body, out)
 
 
 @pytest.fixture(scope="module")
