@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvship.engine.deepseek_config import DEEPSEEK_ARCHITECTURES, GroupedRouting, MLAConfig
 from kvship.engine.layers.quantization.base import resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class MoEConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # DeepSeekMoE's grouped routing (kvship.engine.deepseek_config); None: softmax -> top-k above
+    routing: Optional[GroupedRouting] = None
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         return layer_id not in self.mlp_only_layers and (layer_id + 1) % max(self.decoder_sparse_step, 1) == 0
@@ -115,9 +118,22 @@ class MoEConfig:
     def from_hf_dict(cls, cfg: dict) -> Optional["MoEConfig"]:
         """From config.json (``num_experts`` or Mixtral's ``num_local_experts``); None without experts."""
         arch = (cfg.get("architectures") or [""])[0]
-        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
         if num_experts <= 0:
             return None
+        if arch in DEEPSEEK_ARCHITECTURES:  # DeepSeekMoE: dense first layers, un-gated shared experts
+            if int(cfg.get("moe_layer_freq") or 1) != 1:
+                raise ValueError(f"{arch}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (1 only)")
+            width = int(cfg["moe_intermediate_size"])
+            return cls(
+                num_experts=num_experts,
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=width,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                mlp_only_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+                shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
+                routing=GroupedRouting.from_hf_dict(cfg),
+            )
         return cls(
             num_experts=num_experts,
             top_k=int(cfg["num_experts_per_tok"]),
@@ -182,6 +198,7 @@ class ModelConfig:
     quantization: str = "unquantized"  # the weights' quantization method (module docstring)
     # config.json's quantization_config (None: an unquantized checkpoint); the method reads its settings
     quantization_config: Optional[dict] = field(default=None, compare=False, hash=False)
+    mla: Optional[MLAConfig] = None  # Multi-head Latent Attention (DeepSeek; kvship.engine.deepseek_config)
 
     @property
     def architecture(self) -> str:
@@ -309,6 +326,7 @@ class ModelConfig:
             checkpoint_dtype=_DTYPES.get(ckpt) if isinstance(ckpt, str) else None,
             source_format="hf",
             moe=MoEConfig.from_hf_dict(cfg),
+            mla=MLAConfig.from_hf_dict(cfg),
             quantization=_resolved_quantization(cfg, quantization),
             quantization_config=cfg.get("quantization_config"),
         )

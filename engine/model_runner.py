@@ -14,6 +14,10 @@
    ``attn_context`` (``AttentionContext``: all an attention backend learns of
    this runner) and from it ``attn_backend`` and, on CUDA, the decode
    ``cuda_graph_runner`` (capturing ``attn_context.cuda_graph_bs``).
+   An MLA model (DeepSeek; docs/deepseek.md) gets the latent pool
+   (``MLAKVPool``: one latent row per token and layer, sized by it) and an
+   MLA backend instead, after ``check_mla_serving`` refused the modes it
+   does not run in.
 
 Public attributes the scheduler relies on (keep the names): ``device``,
 ``dtype``, ``model_config``, ``req_to_token_pool``, ``kv_pool``,
@@ -46,6 +50,7 @@ import torch
 
 from kvship.common.envs import ENV
 from kvship.engine.attention.base import AttentionContext, create_attention_backend
+from kvship.engine.attention.mla_registry import create_mla_attention_backend
 from kvship.engine.config import ServerArgs
 from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create_cuda_graph_runner
 from kvship.engine.distributed.groups import ProcessGroups
@@ -55,6 +60,7 @@ from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
 from kvship.engine.mem.kv_scales import read_kv_scales
+from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, is_fp8_kv, kv_cache_torch_dtype
 from kvship.engine.model_config import ModelConfig, parse_dtype
 from kvship.engine.parallel.layers import head_split
@@ -115,6 +121,10 @@ class ModelRunner:
         self.context_len = self.model_config.context_len
 
         mc = self.model_config
+        if mc.mla is not None:  # DeepSeek: the modes MLA does not run in yet are refused here, by name
+            from kvship.engine.models.deepseek import check_mla_serving
+
+            check_mla_serving(server_args)
         # pipeline parallelism: this rank's stage holds only its layers (None: the whole model)
         self.pipeline: Optional[StageLink] = None
         layers = None
@@ -149,30 +159,45 @@ class ModelRunner:
         scales = read_kv_scales(self.model_path, mc.num_hidden_layers) if fp8_kv else None
         if scales is not None and layers is not None:  # a pipeline stage's pool holds its layers only
             scales = (scales[0][layers.start : layers.end], scales[1][layers.start : layers.end])
-        self.kv_pool = KVPool(
-            num_slots,
-            self.page_size,
-            self.kv_dtype,
-            self.num_kv_heads,
-            mc.head_dim,
-            self.num_layers,
-            self.device,
-            *(scales or (None, None)),
-        )
+        if mc.mla is not None:  # one latent row per token and layer (docs/deepseek.md)
+            self.kv_pool = MLAKVPool(
+                num_slots,
+                self.page_size,
+                self.kv_dtype,
+                mc.mla.kv_lora_rank,
+                mc.mla.qk_rope_head_dim,
+                self.num_layers,
+                self.device,
+            )
+        else:
+            self.kv_pool = KVPool(
+                num_slots,
+                self.page_size,
+                self.kv_dtype,
+                self.num_kv_heads,
+                mc.head_dim,
+                self.num_layers,
+                self.device,
+                *(scales or (None, None)),
+            )
         self.allocator = TokenToKVPoolAllocator(self.kv_pool.num_slots, self.page_size)
         self.attn_context = AttentionContext(
             device=self.device,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=mc.head_dim,
+            # MLA: absorbed attention is MQA over the latent row
+            num_kv_heads=1 if mc.mla is not None else self.num_kv_heads,
+            head_dim=mc.mla.latent_dim if mc.mla is not None else mc.head_dim,
             page_size=self.page_size,
             req_to_token_pool=self.req_to_token_pool,
             max_running_requests=self.max_running_requests,
             cuda_graph_bs=tuple(cuda_graph_batch_sizes(server_args, self.max_running_requests)),
         )
-        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
+        if mc.mla is not None:
+            self.attn_backend = create_mla_attention_backend(server_args.attention_backend, self.attn_context)
+        else:
+            self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
         # set by an EAGLE speculator: eager forwards hand it the tokens' hidden states (docs/speculative.md)
         self.hidden_capture: Optional[HiddenCapture] = None
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
@@ -197,7 +222,8 @@ class ModelRunner:
                 self.device,
                 # decode: rare resumes; a pipeline stage: prefill runs eagerly (docs/parallel.md)
                 0 if server_args.mode == "decode" or self.pipeline else server_args.prefill_graph_max_tokens,
-                server_args.disable_cuda_graph,
+                # MLA: no graph-capable backend yet (docs/deepseek.md)
+                server_args.disable_cuda_graph or mc.mla is not None,
                 ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
                 pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,
             )
@@ -229,6 +255,8 @@ class ModelRunner:
 
     def _bytes_per_token(self) -> int:
         mc = self.model_config
+        if mc.mla is not None:  # one latent row, not K and V per head
+            return MLAKVPool.bytes_per_token(self.num_layers, mc.mla.latent_dim, self.kv_dtype)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * mc.head_dim * elem
 

@@ -248,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, mlp_for_layer, layers)
+        self.model = self.build_decoder(config, mlp_for_layer, layers)
         self.part = self.model.part
         if self.part.last:
             self.lm_head = LMHead(
@@ -258,6 +258,13 @@ class LlamaForCausalLM(nn.Module):
                 tied=self.model.embed_tokens if config.tie_word_embeddings else None,
                 quant_method=quant_method_for(config),
             )
+
+    def build_decoder(
+        self, config: ModelConfig, mlp_for_layer: Optional[Callable[[int], nn.Module]], layers: Optional[LayerRange]
+    ) -> nn.Module:
+        """The decoder stack (``LlamaModel``'s interface: ``run_layers``, ``norm``, ``embed_tokens``, ``part``);
+        a model family with other blocks (kvship.engine.models.deepseek) returns its own."""
+        return LlamaModel(config, mlp_for_layer, layers)
 
     @torch.no_grad()
     def forward(

@@ -29,6 +29,7 @@ _LAZY_MODULES = {
     "Qwen2ForCausalLM": "kvship.engine.models.llama",
     "Qwen3ForCausalLM": "kvship.engine.models.llama",
     **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"), "kvship.engine.models.moe"),
+    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), "kvship.engine.models.deepseek"),
 }
 
 

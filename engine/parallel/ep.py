@@ -133,6 +133,7 @@ class ParallelFusedMoE(FusedMoE):
             expert_start=split.start,
             num_local_experts=split.num_local,
             quant_method=base.quant_method,
+            routing=base.routing,
         )
         self.tp = tp
         self.ep_size = ep_size

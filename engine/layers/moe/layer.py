@@ -22,7 +22,8 @@ given): it creates and fills the stacked parameters and runs the experts
 (``apply_moe``, over the runner's kernels).
 
 ``forward(x [M, H], router_logits [M, E]) -> [M, H]``: the runner's
-``select_experts`` (softmax -> top-k -> renormalise), then the method's
+``select_experts`` (softmax -> top-k -> renormalise; a layer built with
+``routing=`` calls that instead: DeepSeekMoE's grouped routing), then the method's
 ``apply_moe`` with that runner.  The
 runner is picked by name (``runner=`` or the ``KVSHIP_MOE_RUNNER`` knob, read
 when the layer is built): ``auto`` is ``triton`` on CUDA where Triton
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ from torch import nn
 from kvship.common.envs import ENV
 from kvship.engine.layers.linear import load_checked, unquantized_or
 from kvship.engine.layers.moe.runner import MoERunner, get_moe_runner
+from kvship.engine.layers.moe.topk import count_routed
 from kvship.engine.layers.quantization import QuantMethod
 from kvship.engine.loaders.lazy import Loaded
 
@@ -72,6 +74,7 @@ class FusedMoE(nn.Module):
         expert_start: int = 0,
         num_local_experts: Optional[int] = None,
         quant_method: Optional[QuantMethod] = None,
+        routing: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -86,6 +89,9 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
+        # router logits -> (float32 weights, int32 global ids) [M, top_k]; None: the runner's softmax top-k
+        # (a model's own routing, e.g. DeepSeekMoE's grouped one: kvship.engine.models.deepseek)
+        self.routing = routing
         self.quant_method = unquantized_or(quant_method)
         weights = {
             "w13_weight": (num_local, 2 * intermediate_size, hidden_size),
@@ -172,6 +178,10 @@ class FusedMoE(nn.Module):
         """The runner, routing weights and global expert ids for ``x``; counted in the expert load."""
         runner = self.runner_for(x)
         counts = self._counts(router_logits.device)
+        if self.routing is not None:
+            weights, ids = self.routing(router_logits)
+            count_routed(counts, ids, self._rows_slots)
+            return runner, weights, ids
         return runner, *runner.select_experts(router_logits, self.top_k, self.renormalize, counts, self._rows_slots)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

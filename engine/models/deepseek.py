@@ -1,0 +1,416 @@
+"""DeepSeek-V2 / V2-Lite / V3 (and models of the same architecture): MLA attention and DeepSeekMoE
+(docs/deepseek.md).
+
+One block = RMSNorm -> MLA -> residual -> RMSNorm -> MLP -> residual, where
+the MLP is dense on layers ``< first_k_dense_replace`` and DeepSeekMoE on the
+others.
+
+**MLA** (``MLAAttention``): ``fused_qkv_a_proj`` stacks the query's first
+projection (``q_a_proj`` with q LoRA, else the whole ``q_proj``) and
+``kv_a_proj_with_mqa`` (the compressed KV ``c`` and the shared RoPE key
+``k_pe``); with q LoRA the query continues through ``q_a_layernorm`` and
+``q_b_proj``.  ``c`` is normalised (``kv_a_layernorm``), ``q_pe`` / ``k_pe``
+rotated (``DeepseekRotary``: interleaved pairs, YaRN with its attention
+factor), and the latent row ``[c | k_pe]`` goes to the latent pool.  Prefill
+extends attend over keys and values decompressed by ``kv_b_proj``; decode
+(and verify) fold ``W_UK`` into the query and ``W_UV`` into the output and
+attend over the latent rows directly (kvship.engine.attention.mla).  The
+softmax scale is ``qk_head_dim ** -0.5`` times YaRN's ``mscale_all_dim``
+factor squared.
+
+**DeepSeekMoE** (``DeepseekMoE``): router logits in float32 from
+``gate.weight`` (kept in float32), grouped routing
+(``deepseek_config.GroupedRouting``; V3's ``e_score_correction_bias``), the
+routed experts on the fused-MoE path (``FusedMoE`` with this routing), plus
+the un-gated shared experts (one dense MLP of ``n_shared_experts *
+moe_intermediate_size``).
+
+Checkpoint names are Hugging Face's; per-expert tensors are stacked as for
+the other MoE models (kvship.engine.models.moe).  Served in unified mode at
+one rank, bf16/fp32 weights; the model runner refuses the modes it does not
+support yet, naming them (``check_mla_serving``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvship.engine.attention.mla import MLALayerSpec
+from kvship.engine.deepseek_config import GroupedRouting, yarn_mscale
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.layers.embedding import VocabEmbedding
+from kvship.engine.layers.linear import Linear, StackedLinear, _param
+from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.quantization import quant_method_for
+from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
+from kvship.engine.model_config import ModelConfig
+from kvship.engine.models.llama import AbsentLayer, LlamaForCausalLM, LlamaMLP
+from kvship.engine.models.moe import MoEForCausalLM
+from kvship.engine.models.registry import register_model
+from kvship.engine.models.stage import LayerRange
+
+# the eps of q_a_layernorm / kv_a_layernorm (DeepSeek's code builds them with the RMSNorm default)
+_LATENT_NORM_EPS = 1e-6
+
+
+def check_mla_serving(server_args) -> None:
+    """ValueError naming the first mode an MLA (DeepSeek) model cannot run in yet (docs/deepseek.md)."""
+    sa = server_args
+    refusals = [
+        (sa.mode != "unified", f"--mode {sa.mode} (PD transfer of the latent cache)"),
+        (sa.tp_size > 1, "--tp-size > 1 (MLA under tensor parallelism)"),
+        (sa.pp_size > 1, "--pp-size > 1 (pipeline parallelism)"),
+        (sa.ep_size > 1, "--ep-size > 1 (expert parallelism)"),
+        (sa.speculative_algorithm is not None, f"--speculative-algorithm {sa.speculative_algorithm} (MTP / EAGLE)"),
+        (sa.hicache_size_gb > 0 or sa.hicache_ratio > 0, "--hicache-size-gb / --hicache-ratio (host KV tier)"),
+        (sa.hicache_storage != "none", f"--hicache-storage {sa.hicache_storage}"),
+        (sa.resolved_kv_dtype.startswith("fp8"), f"--kv-cache-dtype {sa.resolved_kv_dtype} (FP8 latent cache)"),
+        (sa.load_format == "dummy", "--load-format dummy (random weights at DeepSeek shapes)"),
+    ]
+    for bad, what in refusals:
+        if bad:
+            raise ValueError(f"DeepSeek (MLA) models do not support {what} yet; see docs/deepseek.md")
+
+
+class DeepseekRotary(nn.Module):
+    """RoPE over the ``qk_rope_head_dim`` dims of ``q_pe [T, H, d]`` and ``k_pe [T, d]``.
+
+    Pairs are ``(x[2i], x[2i+1])`` when ``interleave`` (DeepSeek's layout), else ``(x[i], x[i + d/2])``; the
+    output puts the pairs' first members in the first half and their second members in the second (q and k
+    alike, so their dot products are the rotated pairs').  ``scaling``: none/default or ``yarn`` (with its
+    attention factor folded into cos and sin).  The table is computed once, in float32."""
+
+    def __init__(self, dim: int, max_position: int, base: float, scaling: Optional[dict], interleave: bool):
+        super().__init__()
+        self.dim, self.interleave = dim, interleave
+        inv_freq, factor = _inv_freq(dim, base, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1) * factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self.cos_sin.index_select(0, positions)
+        half = self.dim // 2
+        cos, sin = cs[:, :half], cs[:, half:]
+        return self._rotate(q, cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)), self._rotate(
+            k, cos.to(k.dtype), sin.to(k.dtype)
+        )
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _inv_freq(dim: int, base: float, scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [dim/2], attention factor)`` for RoPE without scaling or with YaRN."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    pos_freqs = base**exponents
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind != "yarn":
+        raise ValueError(f"DeepSeek rope_scaling type '{kind}' is not supported (default, yarn)")
+    s = dict(scaling or {})
+    orig = float(s["original_max_position_embeddings"])
+    factor = float(s["factor"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim index whose wavelength turns ``rotations`` times in orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies kept), 0: interpolate (divided by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    attn = s.get("attention_factor")
+    if attn is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn = yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all)) if m and m_all else yarn_mscale(factor)
+    return inv_freq, float(attn)
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention (module docstring); ``layer_id``: the layer's index in the latent pool."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: DeepseekRotary):
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        dt, qm = config.dtype, quant_method_for(config)
+        h = self.num_heads = config.num_attention_heads
+        self.mla = mla
+        self.q_lora = mla.q_lora_rank is not None
+        self.q_width = mla.q_lora_rank if self.q_lora else h * mla.qk_head_dim
+        self.fused_qkv_a_proj = StackedLinear(
+            config.hidden_size,
+            {"q": self.q_width, "kv_a": mla.latent_dim},
+            bias=config.attention_bias,
+            dtype=dt,
+            quant_method=qm,
+        )
+        if self.q_lora:
+            self.q_a_layernorm = RMSNorm(self.q_width, _LATENT_NORM_EPS, dt)
+            self.q_b_proj = Linear(self.q_width, h * mla.qk_head_dim, dtype=dt, quant_method=qm)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, dt)
+        # W_UK / W_UV of every head: read as a whole by the absorbed path (kept unquantized: docs/deepseek.md)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dt)
+        self.o_proj = Linear(h * mla.v_head_dim, config.hidden_size, bias=config.o_proj_bias, dtype=dt, quant_method=qm)
+        self._rotary = [rotary]  # shared by all layers; a list keeps it out of this module's state dict
+        self.spec = MLALayerSpec(
+            layer_id=layer_id,
+            num_heads=h,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            scaling=mla.softmax_scale(config.rope_scaling),
+        )
+
+    def _decompress(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.mla
+        kv = self.kv_b_proj(c).view(-1, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        return k_nope, v
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        norm: RMSNorm,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input norm (``norm`` over ``hidden + residual``) and MLA: ``(output, residual)``."""
+        m, h, fb = self.mla, self.num_heads, forward_batch
+        qkv_a, residual, _ = norm_then_linear(norm, self.fused_qkv_a_proj, hidden, residual)
+        q, kv_a = qkv_a.split([self.q_width, m.latent_dim], dim=-1)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
+        q = q.view(-1, h, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        q_pe, k_pe = self._rotary[0](positions, q_pe, k_pe)
+        latent = torch.cat([c, k_pe], dim=-1)
+        backend = fb.attn_backend
+        if fb.forward_mode == ForwardMode.EXTEND:  # prefill / extend: decompress K and V
+            out = backend.forward_extend_decompressed(
+                torch.cat([q_nope, q_pe], dim=-1), latent, self.spec, fb, self._decompress
+            )
+        else:  # decode, verify: absorbed, over the latent rows
+            w = self.kv_b_proj.weight.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, : m.qk_nope_head_dim])
+            qa = torch.cat([q_lat, q_pe], dim=-1)
+            if fb.forward_mode.is_decode():
+                o = backend.forward_decode(qa, latent, None, self.spec, fb)
+            else:
+                o = backend.forward_extend(qa, latent, None, self.spec, fb)
+            out = torch.einsum("thr,hvr->thv", o, w[:, m.qk_nope_head_dim :])
+        if fb.layer_done is not None:
+            fb.layer_done(self.spec.layer_id)
+        return self.o_proj(out.reshape(-1, h * m.v_head_dim)), residual
+
+
+class DeepseekRouter(nn.Module):
+    """``gate.weight [E, H]`` (float32) and, with ``noaux_tc``, ``e_score_correction_bias [E]``; ``select`` is
+    the routing ``FusedMoE`` calls (``GroupedRouting``'s rules)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, routing: GroupedRouting):
+        super().__init__()
+        if num_experts % routing.n_group:
+            raise ValueError(f"{num_experts} experts do not split into n_group={routing.n_group} groups")
+        self.weight = _param((num_experts, hidden_size), torch.float32)
+        if routing.has_correction_bias:
+            self.e_score_correction_bias = _param((num_experts,), torch.float32)
+        self.routing, self.top_k, self.renormalize = routing, top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits ``[M, E]`` -> float32 weights and int32 expert ids, ``[M, top_k]`` each."""
+        r = self.routing
+        logits = logits.float()
+        scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
+        m, e = scores.shape
+        grouped = r.topk_method != "greedy" and r.n_group > 1
+        if r.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias
+            if grouped:
+                per = choice.view(m, r.n_group, e // r.n_group)
+                keep = self._group_mask(per.topk(min(2, e // r.n_group), dim=-1).values.sum(-1), e)
+                choice = choice.masked_fill(~keep, float("-inf"))
+            ids = choice.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+        else:
+            if grouped:  # group_limited_greedy: groups ranked by their best expert
+                keep = self._group_mask(scores.view(m, r.n_group, e // r.n_group).amax(dim=-1), e)
+                scores = scores.masked_fill(~keep, 0.0)
+            weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * r.routed_scaling_factor, ids.to(torch.int32)
+
+    def _group_mask(self, group_scores: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """``[M, E]`` bool: the experts of each row's ``topk_group`` best groups."""
+        r = self.routing
+        best = group_scores.topk(r.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return keep.repeat_interleave(num_experts // r.n_group, dim=1)
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (grouped routing) plus the shared experts: ``[T, H] -> [T, H]``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None and moe.routing is not None
+        if config.hidden_act != "silu":
+            raise ValueError(f"MoE experts support hidden_act 'silu' only, got '{config.hidden_act}'")
+        dt, qm = config.dtype, quant_method_for(config)
+        self.gate = DeepseekRouter(config.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, moe.routing)
+        self.experts = FusedMoE(
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.norm_topk_prob,
+            dt,
+            quant_method=qm,
+            routing=self.gate.select,
+        )
+        self.has_shared = moe.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            width = moe.shared_expert_intermediate_size
+            self.shared_experts = LlamaMLP(replace(config, intermediate_size=width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        return out + self.shared_experts(x) if self.has_shared else out
+
+    def forward_normed(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x + residual))`` and the new residual."""
+        h, residual = norm(x, residual)
+        return self.forward(h), residual
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: DeepseekRotary, kv_layer_id: int):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.self_attn = MLAAttention(config, kv_layer_id, rotary)
+        self.mlp = DeepseekMoE(config) if moe.is_sparse_layer(layer_id) else LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, fb)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+
+
+class DeepseekModel(nn.Module):
+    """Embedding, decoder layers, final norm; the interface of ``LlamaModel`` (``run_layers``, ``norm``...),
+    so ``LlamaForCausalLM``'s forward and logits serve this model too."""
+
+    def __init__(self, config: ModelConfig, layers: Optional[LayerRange] = None):
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        part = self.part = layers or LayerRange.whole(config.num_hidden_layers)
+        if part.first or (part.last and config.tie_word_embeddings):
+            self.embed_tokens = VocabEmbedding(
+                config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
+            )
+        self.rotary_emb = DeepseekRotary(
+            mla.qk_rope_head_dim,
+            max(config.context_len, 1),
+            config.rope_theta,
+            config.rope_scaling,
+            mla.rope_interleave,
+        )
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, self.rotary_emb, i - part.start) if i in part else AbsentLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        if part.last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.forward_with_aux(input_ids, positions, forward_batch, ())[0]
+
+    def forward_with_aux(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, aux_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden, residual, aux = self.run_layers(input_ids, positions, forward_batch, None, aux_layers)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, aux
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        stage_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[torch.Tensor]]:
+        part = self.part
+        if part.first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        elif stage_input is None:
+            raise ValueError(f"layers [{part.start}, {part.end}) continue a residual stream: pass stage_input")
+        else:
+            hidden, residual = stage_input
+        aux = []
+        for i in range(part.start, part.end):
+            hidden, residual = self.layers[i](positions, hidden, residual, forward_batch)
+            if i in aux_layers:
+                aux.append(hidden + residual)
+        return hidden, residual, aux
+
+
+@register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+class DeepseekV2ForCausalLM(MoEForCausalLM):
+    """DeepSeek-V2/V3 (module docstring); loading as ``MoEForCausalLM`` with the MLA projections stacked."""
+
+    stacked_params_mapping = [
+        ("fused_qkv_a_proj", "q_a_proj", "q"),
+        ("fused_qkv_a_proj", "q_proj", "q"),
+        ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    checkpoint_renames = ()
+    tp_plan: dict[str, str] = {}  # MLA under tensor parallelism is refused at startup (check_mla_serving)
+
+    def __init__(self, config: ModelConfig, layers: Optional[LayerRange] = None):
+        if config.mla is None or config.moe is None or config.moe.routing is None:
+            raise ValueError(f"{config.architecture}: config.json lacks the MLA / DeepSeekMoE fields")
+        if config.quantization != "unquantized":
+            raise ValueError(
+                f"DeepSeek models run unquantized weights only for now (got '{config.quantization}'; docs/deepseek.md)"
+            )
+        # the Llama causal-LM shell (LM head, forward, logits) around this file's decoder; MoEForCausalLM's own
+        # constructor builds Llama blocks, so it is not the one called
+        LlamaForCausalLM.__init__(self, config, layers=layers)
+
+    def build_decoder(self, config: ModelConfig, mlp_for_layer, layers: Optional[LayerRange]) -> nn.Module:
+        return DeepseekModel(config, layers)
