@@ -203,19 +203,17 @@ def test_absorbed_extend_equals_decompressed_extend_over_a_cached_prefix():
 @pytest.mark.parametrize(
     "override,what",
     [
-        (dict(mode="prefill"), "--mode prefill"),
-        (dict(tp_size=2), "--tp-size"),
+        (dict(speculative_algorithm="draft", speculative_draft_model_path="/x", page_size=1), "algorithm draft"),
         (dict(hicache_size_gb=1.0), "--hicache-size-gb"),
         (dict(kv_cache_dtype="fp8_e4m3"), "FP8 latent cache"),
-        (dict(load_format="dummy"), "--load-format dummy"),
     ],
 )
 def test_deepseek_refuses_unsupported_modes_by_name(override, what, ds_dirs):
     sa = ServerArgs(model_path=ds_dirs["v2_lite"], device="cpu", max_total_tokens=64, **override)
     with pytest.raises(ValueError, match=r"DeepSeek \(MLA\) models do not support .*" + re.escape(what)):
         check_mla_serving(sa)
-    if override == dict(mode="prefill"):  # the runner refuses before loading anything
-        with pytest.raises(ValueError, match="--mode prefill"):
+    if "speculative_algorithm" in override:  # the runner refuses before loading anything
+        with pytest.raises(ValueError, match="--speculative-algorithm draft"):
             ModelRunner(sa)
 
 

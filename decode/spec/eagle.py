@@ -62,10 +62,9 @@ import torch
 from kvship.decode.spec.drafter import Drafter
 from kvship.decode.spec.eagle_head import build_head, feature_kind
 from kvship.decode.spec.tree import DraftTree
-from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.disagg.base import SlotFeatures
 from kvship.engine.forward_batch import ForwardMode, HiddenCapture, build_forward_batch
-from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from kvship.engine.mem.pools import ReqToTokenPool, TokenToKVPoolAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,6 @@ class EagleDrafter(Drafter):
         r = target_runner
         mc = r.model_config
         self._load(r)
-        dmc = self.head.cfg.model
         if self.head.cfg.draft_vocab_size < self.topk:
             raise ValueError(f"a draft vocabulary of {self.head.cfg.draft_vocab_size} has no top-{self.topk}")
         self.vocab = mc.vocab_size
@@ -134,8 +132,6 @@ class EagleDrafter(Drafter):
         # entries are per request (no prefix sharing): as many as the target's slots plus scratch; requests
         # sharing a cached prefix can outgrow it, and then a round drafts nothing (still lossless)
         slots = r.max_total_tokens + rows * self.scratch
-        self.pool = KVPool(slots, 1, r.kv_dtype, dmc.num_key_value_heads, dmc.head_dim, 1, r.device)
-        self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, 1)
         # topk rows per request (its branches) and topk padding rows for the unused slots of a graph batch
         self.r2t = ReqToTokenPool((rows + 1) * self.topk, r.context_len + self.steps + 2, r.device, host_mirror=False)
         pad_rows = [self.r2t.alloc() for _ in range(self.topk)]
@@ -143,20 +139,10 @@ class EagleDrafter(Drafter):
         # the draft graphs' batch sizes, also when graphs are off: the Triton decode kernel picks its splits by
         # the size a batch pads to, so eager and replayed draft steps compute alike
         sizes = [b for b in r.attn_context.cuda_graph_bs if b <= min(self.max_running, MAX_GRAPH_BS)]
-        ctx = AttentionContext(
-            device=r.device,
-            dtype=r.dtype,
-            kv_dtype=r.kv_dtype,
-            num_heads=dmc.num_attention_heads,
-            num_kv_heads=dmc.num_key_value_heads,
-            head_dim=dmc.head_dim,
-            page_size=1,
-            req_to_token_pool=self.r2t,
-            max_running_requests=self.max_running * self.topk,
-            cuda_graph_bs=tuple(b * self.topk for b in sizes) if cuda else (),
-        )
-        # Triton kernels on CUDA (the draft steps' decode attention is graph-capturable), torch_native elsewhere
-        self.backend = create_attention_backend("triton" if cuda else "torch_native", ctx)
+        # the head's own KV pool and attention (an EAGLE layer: per-head K/V; DeepSeek's MTP block: MLA latent rows)
+        graph_bs = tuple(b * self.topk for b in sizes) if cuda else ()
+        self.pool, self.backend = self.head.draft_attention(slots, r, self.r2t, self.max_running * self.topk, graph_bs)
+        self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, 1)
         self.tree = TreeExpansion(
             self.head,
             self.vocab,
@@ -170,7 +156,7 @@ class EagleDrafter(Drafter):
         )
         if cuda:
             self.graph_sizes = sizes
-        if cuda and self.use_graphs and r.cuda_graph_runner is not None and sizes:
+        if cuda and self.use_graphs and r.cuda_graph_runner is not None and sizes and self.backend.supports_cuda_graph:
             from kvship.decode.spec.graphs import DraftGraphs
 
             self.graphs = DraftGraphs(self.tree, sizes, r.graph_capture)

@@ -34,17 +34,22 @@ import glob
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from kvship.engine.attention.base import AttentionContext, create_attention_backend
 from kvship.engine.forward_batch import ForwardBatch
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
 from kvship.engine.layers.linear import Linear, StackedLinear
 from kvship.engine.layers.rmsnorm import RMSNorm
 from kvship.engine.layers.rotary import RotaryEmbedding
+from kvship.engine.mem.pools import KVPool, ReqToTokenPool
 from kvship.engine.model_config import ModelConfig
+from kvship.engine.models.deepseek_mtp import build_mtp_head, check_mtp_target
+from kvship.engine.models.deepseek_mtp import read_config as read_deepseek_config
 from kvship.engine.models.llama import LlamaMLP
 
 
@@ -85,6 +90,14 @@ class EagleConfig:
             raise FileNotFoundError(f"EAGLE head {path}: no config.json")
         with open(cfg_path) as f:
             cfg = json.load(f)
+        if read_deepseek_config(path) is not None:  # a DeepSeek checkpoint: its MTP module is the head
+            check_mtp_target(path, variant, target)
+            return cls("eagle", target, (), target.vocab_size, 2 * target.hidden_size)
+        if target.mla is not None:
+            raise ValueError(
+                f"{path} is no DeepSeek checkpoint: a DeepSeek target drafts with its checkpoint's MTP module "
+                "(--speculative-draft-model-path <the DeepSeek checkpoint folder>; docs/deepseek.md)"
+            )
         arch = (cfg.get("architectures") or ["LlamaForCausalLMEagle"])[0]
         if ("eagle3" in arch.lower()) != (variant == "eagle3"):
             raise ValueError(
@@ -234,6 +247,29 @@ class EagleHead(nn.Module):
             raise ValueError(f"EAGLE head checkpoint lacks {sorted(missing)}")
 
     # --- compute -----------------------------------------------------------
+    def draft_attention(
+        self, num_slots: int, target_runner: Any, r2t: ReqToTokenPool, max_requests: int, graph_bs: tuple[int, ...]
+    ) -> tuple[KVPool, Any]:
+        """The head's one-layer KV pool (page size 1) and the attention backend of its draft forwards (Triton
+        on CUDA: the draft steps' decode attention is graph-capturable; torch_native elsewhere)."""
+        r, mc = target_runner, self.cfg.model
+        pool = KVPool(num_slots, 1, r.kv_dtype, mc.num_key_value_heads, mc.head_dim, 1, r.device)
+        ctx = AttentionContext(
+            device=r.device,
+            dtype=r.dtype,
+            kv_dtype=r.kv_dtype,
+            num_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            page_size=1,
+            req_to_token_pool=r2t,
+            max_running_requests=max_requests,
+            cuda_graph_bs=graph_bs,
+        )
+        return pool, create_attention_backend(
+            "triton" if torch.device(r.device).type == "cuda" else "torch_native", ctx
+        )
+
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The per-position feature kept for drafting: the target's hidden state (EAGLE) or fc(aux) (EAGLE-3)."""
         return self.fc(target_hidden) if self.eagle3 else target_hidden
@@ -320,8 +356,11 @@ def build_projection(path: str, variant: str, target_config: ModelConfig, device
 def build_head(
     path: str, variant: str, target_model: nn.Module, target_config: ModelConfig, device: torch.device
 ) -> EagleHead:
-    """Load the head at ``path`` for a Llama-family target (``target_model.model.embed_tokens`` / ``lm_head``)."""
+    """Load the head at ``path`` for a Llama-family target (``target_model.model.embed_tokens`` / ``lm_head``);
+    a DeepSeek checkpoint's MTP module for a DeepSeek target (kvship.engine.models.deepseek_mtp)."""
     cfg = EagleConfig.load(path, variant, target_config, target_config.dtype)
+    if read_deepseek_config(path) is not None:
+        return build_mtp_head(path, cfg, target_model, target_config, device)  # type: ignore[return-value]
     tensors = read_checkpoint(path)
     with torch.device(device):
         head = EagleHead(

@@ -92,11 +92,11 @@ def concat_descs(parts: Sequence[TransferDescs]) -> TransferDescs:
     )
 
 
-def select_layers(descs: TransferDescs, num_layers: int, first: int, end: int) -> TransferDescs:
+def select_layers(descs: TransferDescs, num_layers: int, first: int, end: int, kv_planes: int = 2) -> TransferDescs:
     """The descriptors of K/V buffers of layers ``[first, end)`` (K of layer i is region i, V is
-    ``num_layers + i``), in order."""
+    ``num_layers + i``; ``kv_planes`` 1: MLA's latent buffers, region i only), in order."""
     layer = descs.src_region % num_layers
-    keep = (descs.src_region < 2 * num_layers) & (layer >= first) & (layer < end)
+    keep = (descs.src_region < kv_planes * num_layers) & (layer >= first) & (layer < end)
     return TransferDescs(
         *(getattr(descs, f)[keep] for f in ("src_region", "src_off", "dst_region", "dst_off", "length"))
     )

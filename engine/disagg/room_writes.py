@@ -163,7 +163,8 @@ class RoomWriter:
             stamps.setdefault("layers_first", now)
             stamps["layers_last"] = now
             for peer, descs in plans:
-                part = None if descs is None else D.select_layers(descs, num_layers, written, end)
+                planes = self.layout.kv_planes
+                part = None if descs is None else D.select_layers(descs, num_layers, written, end, planes)
                 error = self.guard(room, peer, self.write, key, peer, part)
                 if error is not None:
                     return error

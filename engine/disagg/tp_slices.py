@@ -153,7 +153,7 @@ def map_layers(descs: TransferDescs, src: "KVLayout", dst: "KVLayout") -> Option
     if src.layer_start == dst.layer_start and src.num_layers == dst.num_layers:
         return descs  # the same layers: region i is region i
     n = src.num_layers
-    if len(descs) and int(descs.src_region.max()) >= 2 * n:
+    if len(descs) and int(descs.src_region.max()) >= src.kv_planes * n:
         raise KVTransferError(f"descriptor region {int(descs.src_region.max())} is no K/V buffer of {n} layers")
     layer = src.layer_start + descs.src_region % n
     keep = (layer >= shared[0]) & (layer < shared[1])
@@ -168,9 +168,10 @@ def map_layers(descs: TransferDescs, src: "KVLayout", dst: "KVLayout") -> Option
 
 
 def layer_buffers(buffers: Sequence["torch.Tensor"], layout: "KVLayout", lo: int, hi: int) -> list["torch.Tensor"]:
-    """The K buffers, then the V buffers, of the model layers ``[lo, hi)`` in a pool with ``layout`` (the
-    checksum walks these on both sides, so it covers exactly the layers one prefill rank wrote)."""
+    """The K buffers, then the V buffers (MLA: the latent buffers), of the model layers ``[lo, hi)`` in a pool
+    with ``layout`` (the checksum walks these on both sides, so it covers exactly the layers one prefill rank
+    wrote)."""
     n, a, b = layout.num_layers, lo - layout.layer_start, hi - layout.layer_start
-    if not 0 <= a < b <= n or len(buffers) < 2 * n:
+    if not 0 <= a < b <= n or len(buffers) < layout.kv_planes * n:
         raise KVTransferError(f"layers [{lo}, {hi}) are not held by a pool of layers {layout.layer_start}+{n}")
-    return list(buffers[a:b]) + list(buffers[n + a : n + b])
+    return [buf for p in range(layout.kv_planes) for buf in buffers[p * n + a : p * n + b]]

@@ -102,6 +102,11 @@ class KVLayout:
     pp_rank: int = 0
     layer_start: int = 0
     model_layers: int = 0
+    # MLA (docs/deepseek.md): the pool holds ONE latent row of ``kv_lora_rank + qk_rope_head_dim`` values per
+    # token and layer (one buffer per layer, ``num_kv_heads`` 1, ``head_dim`` the row's width), replicated on
+    # every TP rank; 0 / 0: per-head K and V buffers (two per layer)
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     @classmethod
     def from_pool(
@@ -117,7 +122,11 @@ class KVLayout:
         model_layers: int = 0,
     ) -> "KVLayout":
         """``features``: the worker's ``base.SlotFeatures`` or None; ``pp_*`` / ``layer_start`` / ``model_layers``:
-        the rank's pipeline stage (defaults: the whole model)."""
+        the rank's pipeline stage (defaults: the whole model).  An ``MLAKVPool`` gives the MLA layout: its one
+        latent "head" is the model's only KV head (every TP rank holds all of it), whatever ``total_kv_heads``."""
+        from kvship.engine.mem.mla_pool import MLAKVPool
+
+        mla = isinstance(pool, MLAKVPool)
         return cls(
             page_size=pool.page_size,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
@@ -126,7 +135,7 @@ class KVLayout:
             head_dim=pool.head_dim,
             tp_size=tp_size,
             tp_rank=tp_rank,
-            total_kv_heads=total_kv_heads or pool.num_kv_heads * tp_size,
+            total_kv_heads=1 if mla else (total_kv_heads or pool.num_kv_heads * tp_size),
             feature_kind=features.kind if features is not None else "",
             feature_dim=int(features.buffer.shape[1]) if features is not None else 0,
             feature_dtype=str(features.buffer.dtype).removeprefix("torch.") if features is not None else "",
@@ -135,7 +144,26 @@ class KVLayout:
             pp_rank=pp_rank,
             layer_start=layer_start,
             model_layers=model_layers if model_layers else layer_start + pool.num_layers,
+            kv_lora_rank=pool.kv_lora_rank if mla else 0,
+            qk_rope_head_dim=pool.qk_rope_head_dim if mla else 0,
         )
+
+    @property
+    def is_mla(self) -> bool:
+        """The pool holds MLA latent rows (one buffer per layer), not per-head K and V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Buffers per layer: 2 (K, V) or 1 (MLA's latent rows).  Region ``p * num_layers + i`` is plane ``p``
+        (K, then V) of the rank's ``i``-th layer."""
+        return 1 if self.is_mla else 2
+
+    def cache_kind(self) -> str:
+        """The KV cache kind in words (layout-mismatch messages name both sides' kinds)."""
+        if self.is_mla:
+            return f"MLA latent rows (kv_lora_rank {self.kv_lora_rank} + qk_rope_head_dim {self.qk_rope_head_dim})"
+        return "per-head K/V"
 
     @property
     def has_features(self) -> bool:
@@ -191,7 +219,7 @@ class KVLayout:
 
     @property
     def num_buffers(self) -> int:
-        return 2 * self.num_layers
+        return self.kv_planes * self.num_layers
 
     @property
     def all_layers(self) -> int:
@@ -223,6 +251,9 @@ class KVLayout:
         from kvship.engine.disagg.tp_slices import rank_kv_heads
 
         diffs = []
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (other.kv_lora_rank, other.qk_rope_head_dim):
+            # an MLA latent cache never feeds a per-head one, nor one of other MLA dims (docs/pd.md)
+            return f"KV cache {self.cache_kind()} != {other.cache_kind()}"
         for f in ("page_size", "kv_dtype", "all_layers", "model_kv_heads", "head_dim"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -264,7 +295,7 @@ class KVLayout:
         ):
             raise WireError(f"bad KV layout {d!r}: features need a positive feature_dim and a torch feature_dtype")
         try:
-            return cls(
+            lay = cls(
                 page_size=int(d["page_size"]),
                 kv_dtype=str(d["kv_dtype"]),
                 num_layers=int(d["num_layers"]),
@@ -281,9 +312,20 @@ class KVLayout:
                 pp_rank=int(d.get("pp_rank", 0)),
                 layer_start=int(d.get("layer_start", 0)),
                 model_layers=int(d.get("model_layers", 0)),
+                kv_lora_rank=int(d.get("kv_lora_rank") or 0),
+                qk_rope_head_dim=int(d.get("qk_rope_head_dim") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad KV layout {d!r}: {e}") from e
+        if (
+            lay.kv_lora_rank < 0
+            or lay.qk_rope_head_dim < 0
+            or (lay.is_mla and (lay.num_kv_heads != 1 or lay.kv_lora_rank + lay.qk_rope_head_dim != lay.head_dim))
+        ):
+            raise WireError(
+                f"bad KV layout {d!r}: an MLA layout has one KV head of kv_lora_rank + qk_rope_head_dim values"
+            )
+        return lay
 
 
 # --- messages ---------------------------------------------------------------

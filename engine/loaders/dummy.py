@@ -55,7 +55,8 @@ BLOCK_ELEMENTS = 1 << 22
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> full shape, for every tensor a checkpoint of ``config``'s model holds.
 
-    One naming for the whole Llama family (``kvship.engine.models``): MoE
+    One naming for the whole Llama family (``kvship.engine.models``; DeepSeek's
+    MLA and shared-expert names for an ``mla`` config): MoE
     routers are ``mlp.gate`` and experts ``mlp.experts.<N>.{gate,up,down}_proj``
     (Qwen-MoE's names; the model reads Mixtral's as these).  A tied model has
     no ``lm_head.weight``.
@@ -67,11 +68,15 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         out[layer + "input_layernorm.weight"] = (h,)
         out[layer + "post_attention_layernorm.weight"] = (h,)
         attn = layer + "self_attn."
-        for proj, rows in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
+        if config.mla is not None:  # DeepSeek's MLA projections (kvship.engine.models.deepseek)
+            out.update(_mla_shapes(attn, config))
+        qkv = () if config.mla is not None else (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size))
+        for proj, rows in qkv:
             out[f"{attn}{proj}_proj.weight"] = (rows, h)
             if config.attention_bias:
                 out[f"{attn}{proj}_proj.bias"] = (rows,)
-        out[attn + "o_proj.weight"] = (h, config.q_size)
+        if config.mla is None:
+            out[attn + "o_proj.weight"] = (h, config.q_size)
         if config.o_proj_bias:
             out[attn + "o_proj.bias"] = (h,)
         if config.qk_norm:
@@ -84,13 +89,36 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         out[layer + "mlp.gate.weight"] = (moe.num_experts, h)
         for e in range(moe.num_experts):
             out.update(_mlp_shapes(f"{layer}mlp.experts.{e}.", h, moe.intermediate_size, bias=False))
-        if moe.shared_expert_intermediate_size:
+        if moe.routing is not None:  # DeepSeekMoE: un-gated shared experts, V3's correction bias
+            if moe.routing.has_correction_bias:
+                out[layer + "mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+            if moe.shared_expert_intermediate_size:
+                shared = moe.shared_expert_intermediate_size
+                out.update(_mlp_shapes(layer + "mlp.shared_experts.", h, shared, bias=False))
+        elif moe.shared_expert_intermediate_size:
             shared = moe.shared_expert_intermediate_size
             out.update(_mlp_shapes(layer + "mlp.shared_expert.", h, shared, config.mlp_bias))
             out[layer + "mlp.shared_expert_gate.weight"] = (1, h)
     out["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (config.vocab_size, h)
+    return out
+
+
+def _mla_shapes(attn: str, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A DeepSeek layer's MLA tensors (Hugging Face names; docs/deepseek.md)."""
+    mla, h, heads = config.mla, config.hidden_size, config.num_attention_heads
+    out: dict[str, tuple[int, ...]] = {}
+    if mla.q_lora_rank is None:
+        out[attn + "q_proj.weight"] = (heads * mla.qk_head_dim, h)
+    else:
+        out[attn + "q_a_proj.weight"] = (mla.q_lora_rank, h)
+        out[attn + "q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        out[attn + "q_b_proj.weight"] = (heads * mla.qk_head_dim, mla.q_lora_rank)
+    out[attn + "kv_a_proj_with_mqa.weight"] = (mla.latent_dim, h)
+    out[attn + "kv_a_layernorm.weight"] = (mla.kv_lora_rank,)
+    out[attn + "kv_b_proj.weight"] = (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+    out[attn + "o_proj.weight"] = (h, heads * mla.v_head_dim)
     return out
 
 

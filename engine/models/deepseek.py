@@ -26,9 +26,11 @@ the un-gated shared experts (one dense MLP of ``n_shared_experts *
 moe_intermediate_size``).
 
 Checkpoint names are Hugging Face's; per-expert tensors are stacked as for
-the other MoE models (kvship.engine.models.moe).  Served in unified mode at
-one rank, bf16/fp32 weights; the model runner refuses the modes it does not
-support yet, naming them (``check_mla_serving``).
+the other MoE models (kvship.engine.models.moe).  Weights: bf16/fp32, or
+block-128 FP8 through the quantization seam (every projection, ``kv_b_proj``
+read dequantized by both MLA paths).  Tensor / expert parallelism: ``tp_plan``
+below (the latent cache replicated on every rank).  The model runner refuses
+the modes it does not support yet, naming them (``check_mla_serving``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kvship.engine.layers.linear import Linear, StackedLinear, _param
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
+from kvship.engine.layers.rotary import RotaryEmbedding
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import AbsentLayer, LlamaForCausalLM, LlamaMLP
 from kvship.engine.models.moe import MoEForCausalLM
@@ -62,22 +65,21 @@ def check_mla_serving(server_args) -> None:
     """ValueError naming the first mode an MLA (DeepSeek) model cannot run in yet (docs/deepseek.md)."""
     sa = server_args
     refusals = [
-        (sa.mode != "unified", f"--mode {sa.mode} (PD transfer of the latent cache)"),
-        (sa.tp_size > 1, "--tp-size > 1 (MLA under tensor parallelism)"),
         (sa.pp_size > 1, "--pp-size > 1 (pipeline parallelism)"),
-        (sa.ep_size > 1, "--ep-size > 1 (expert parallelism)"),
-        (sa.speculative_algorithm is not None, f"--speculative-algorithm {sa.speculative_algorithm} (MTP / EAGLE)"),
+        (  # eagle: the checkpoint's MTP module as the head (kvship.engine.models.deepseek_mtp); ngram
+            sa.speculative_algorithm not in (None, "eagle", "ngram"),
+            f"--speculative-algorithm {sa.speculative_algorithm} (eagle drafts with the checkpoint's MTP module)",
+        ),
         (sa.hicache_size_gb > 0 or sa.hicache_ratio > 0, "--hicache-size-gb / --hicache-ratio (host KV tier)"),
         (sa.hicache_storage != "none", f"--hicache-storage {sa.hicache_storage}"),
         (sa.resolved_kv_dtype.startswith("fp8"), f"--kv-cache-dtype {sa.resolved_kv_dtype} (FP8 latent cache)"),
-        (sa.load_format == "dummy", "--load-format dummy (random weights at DeepSeek shapes)"),
     ]
     for bad, what in refusals:
         if bad:
             raise ValueError(f"DeepSeek (MLA) models do not support {what} yet; see docs/deepseek.md")
 
 
-class DeepseekRotary(nn.Module):
+class DeepseekRotary(RotaryEmbedding):
     """RoPE over the ``qk_rope_head_dim`` dims of ``q_pe [T, H, d]`` and ``k_pe [T, d]``.
 
     Pairs are ``(x[2i], x[2i+1])`` when ``interleave`` (DeepSeek's layout), else ``(x[i], x[i + d/2])``; the
@@ -86,15 +88,19 @@ class DeepseekRotary(nn.Module):
     attention factor folded into cos and sin).  The table is computed once, in float32."""
 
     def __init__(self, dim: int, max_position: int, base: float, scaling: Optional[dict], interleave: bool):
-        super().__init__()
         self.dim, self.interleave = dim, interleave
-        inv_freq, factor = _inv_freq(dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1) * factor, persistent=False)
+        # the base class stores the settings and builds ``cos_sin_cache`` by ``_table`` (rebuilt after a model
+        # built on the meta device is moved: ``RotaryEmbedding.rebuild_table_``)
+        super().__init__(dim, max_position, base, scaling)
+
+    def _table(self) -> torch.Tensor:
+        inv_freq, factor = _inv_freq(self.dim, self._base, self._scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        return torch.cat([freqs.cos(), freqs.sin()], -1) * factor
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cs = self.cos_sin.index_select(0, positions)
+        cs = self.cos_sin_cache.index_select(0, positions)
         half = self.dim // 2
         cos, sin = cs[:, :half], cs[:, half:]
         return self._rotate(q, cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)), self._rotate(
@@ -165,8 +171,11 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_width, _LATENT_NORM_EPS, dt)
             self.q_b_proj = Linear(self.q_width, h * mla.qk_head_dim, dtype=dt, quant_method=qm)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, dt)
-        # W_UK / W_UV of every head: read as a whole by the absorbed path (kept unquantized: docs/deepseek.md)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dt)
+        # W_UK / W_UV of every head: both paths read it as a dense matrix (``_kv_b_weight``; an FP8 checkpoint's
+        # is dequantized, docs/deepseek.md)
+        self.kv_b_proj = Linear(
+            mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dt, quant_method=qm
+        )
         self.o_proj = Linear(h * mla.v_head_dim, config.hidden_size, bias=config.o_proj_bias, dtype=dt, quant_method=qm)
         self._rotary = [rotary]  # shared by all layers; a list keeps it out of this module's state dict
         self.spec = MLALayerSpec(
@@ -179,9 +188,17 @@ class MLAAttention(nn.Module):
             scaling=mla.softmax_scale(config.rope_scaling),
         )
 
+    def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``kv_b_proj``'s weight ``[H * (d_nope + d_v), kv_lora_rank]`` (this rank's heads) in ``dtype``:
+        dequantized when the checkpoint stores it quantized, so absorption and decompression multiply by the
+        same matrix and neither quantizes its input."""
+        w = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj)
+        return w if w.dtype == dtype else w.to(dtype)
+
     def _decompress(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.mla
-        kv = self.kv_b_proj(c).view(-1, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        w = self._kv_b_weight(c.dtype)
+        kv = torch.nn.functional.linear(c, w).view(-1, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         return k_nope, v
 
@@ -211,7 +228,7 @@ class MLAAttention(nn.Module):
                 torch.cat([q_nope, q_pe], dim=-1), latent, self.spec, fb, self._decompress
             )
         else:  # decode, verify: absorbed, over the latent rows
-            w = self.kv_b_proj.weight.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            w = self._kv_b_weight(q_nope.dtype).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
             q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, : m.qk_nope_head_dim])
             qa = torch.cat([q_lat, q_pe], dim=-1)
             if fb.forward_mode.is_decode():
@@ -399,15 +416,25 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         ("gate_up_proj", "up_proj", 1),
     ]
     checkpoint_renames = ()
-    tp_plan: dict[str, str] = {}  # MLA under tensor parallelism is refused at startup (check_mla_serving)
+    # tensor parallelism (kvship.engine.parallel.layers; docs/deepseek.md, "Tensor and expert parallelism"):
+    # query heads split (q_b_proj / q_proj, kv_b_proj by heads, o_proj row-parallel), the latent projection
+    # kv_a_proj_with_mqa and q_a_proj replicated (every rank caches the whole latent row), dense and shared
+    # MLPs as Llama's, the router whole and the routed experts split by kvship.engine.parallel.ep
+    tp_plan = {
+        "embed_tokens": "vocab_embed",
+        "self_attn": "mla_attention",
+        "fused_qkv_a_proj": "mla_qkv_a",
+        "q_b_proj": "column_linear",
+        "kv_b_proj": "column_linear",
+        "o_proj": "row",
+        "gate_up_proj": "column",
+        "down_proj": "row",
+        "lm_head": "vocab_head",
+    }
 
     def __init__(self, config: ModelConfig, layers: Optional[LayerRange] = None):
         if config.mla is None or config.moe is None or config.moe.routing is None:
             raise ValueError(f"{config.architecture}: config.json lacks the MLA / DeepSeekMoE fields")
-        if config.quantization != "unquantized":
-            raise ValueError(
-                f"DeepSeek models run unquantized weights only for now (got '{config.quantization}'; docs/deepseek.md)"
-            )
         # the Llama causal-LM shell (LM head, forward, logits) around this file's decoder; MoEForCausalLM's own
         # constructor builds Llama blocks, so it is not the one called
         LlamaForCausalLM.__init__(self, config, layers=layers)

@@ -22,6 +22,14 @@ Styles (Megatron's split, as SGLang and vLLM do it):
                    shard split evenly along the output dim
 ``row``            row-parallel linear (o_proj, down_proj): input dim split,
                    outputs summed by an all-reduce (bias added once)
+``column_linear``  column-parallel unstacked linear: output rows split evenly
+                   (MLA's ``q_b_proj`` / ``kv_b_proj``: rows grouped by head,
+                   so an even split is a split by heads)
+``mla_qkv_a``      MLA's fused first projection (``q`` then ``kv_a``): the
+                   latent part ``kv_a`` replicated on every rank; ``q``
+                   replicated under q LoRA, else split by heads
+``mla_attention``  an MLA module's head count becomes the local one (it must
+                   have ``num_heads`` and ``spec``: an ``MLALayerSpec``)
 ``vocab_embed``    vocabulary-parallel embedding: rows split (padded to a
                    multiple of tp), lookups outside the shard are zero, all-reduce
 ``vocab_head``     vocabulary-parallel LM head (tied: the parallel
@@ -36,7 +44,7 @@ at startup before any rank starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -129,6 +137,31 @@ class ColumnParallelStackedLinear(StackedLinear):
         start, n = self.source_ranges[shard_id]
         block = self.quant_method.shard(self, self._param_name(param), loaded, Shard(0, start, n))
         super()._load_shard(param, block, shard_id)
+
+
+class ColumnParallelLinear(Linear):
+    """``y = x W_r^T + b_r``: this rank's output rows ``[out_start, out_start + output_size)``, no collective."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        out_start: int,
+        quant_method: QuantMethod | None = None,
+        name: str = "",
+    ):
+        super().__init__(input_size, output_size, bias=bias, dtype=dtype, quant_method=quant_method)
+        self.out_start = out_start
+        self.quant_method.check_shard(name, Shard(0, out_start, output_size))
+
+    def _load_whole(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not stacked; got shard {shard_id!r}")
+        name = self._param_name(param)
+        block = self.quant_method.shard(self, name, loaded, Shard(0, self.out_start, self.output_size))
+        load_checked(self, name, param.data, block, "shape mismatch")
 
 
 class RowParallelLinear(Linear):
@@ -279,6 +312,41 @@ def _row(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict)
     )
 
 
+def _column_linear(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
+    if not isinstance(m, Linear) or isinstance(m, StackedLinear):
+        raise TypeError(f"style 'column_linear' needs an unstacked Linear, got {type(m).__name__}")
+    if m.output_size % tp.size:
+        raise ValueError(f"--tp-size {tp.size} does not divide a projection of width {m.output_size}")
+    per = m.output_size // tp.size
+    return ColumnParallelLinear(
+        m.input_size, per, m.bias is not None, m.params_dtype, tp.rank * per, m.quant_method, name
+    )
+
+
+def _mla_qkv_a(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
+    if not isinstance(m, StackedLinear) or set(m.shard_offsets) != {"q", "kv_a"}:
+        raise TypeError(f"style 'mla_qkv_a' needs a StackedLinear with q/kv_a shards, got {type(m).__name__}")
+    mla = config.mla
+    local = head_split(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+    q_rows = m.shard_offsets["q"][1]
+    if mla.q_lora_rank is None:  # the whole q_proj: this rank's heads
+        width = local.num_heads * mla.qk_head_dim
+        q_range = (local.q_head_start * mla.qk_head_dim, width)
+    else:  # q_a_proj feeds every head: replicated
+        q_range = (0, q_rows)
+    ranges = {"q": q_range, "kv_a": (0, m.shard_offsets["kv_a"][1])}
+    return ColumnParallelStackedLinear(m.input_size, ranges, m.bias is not None, m.params_dtype, m.quant_method, name)
+
+
+def _mla_attention(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
+    local = head_split(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+    m.num_heads = local.num_heads
+    m.spec = replace(m.spec, num_heads=local.num_heads)
+    if config.mla.q_lora_rank is None:  # q_proj sliced by heads (style mla_qkv_a): its width shrinks with them
+        m.q_width = local.num_heads * config.mla.qk_head_dim
+    return m
+
+
 def _vocab_embed(m: nn.Module, name: str, config: Any, tp: Communicator, replaced: dict) -> nn.Module:
     return VocabParallelEmbedding(m.vocab_size, m.hidden_size, m.weight.dtype, tp, m.quant_method)
 
@@ -298,6 +366,9 @@ STYLES: dict[str, Style] = {
     "attention": _attention,
     "column": _column,
     "row": _row,
+    "column_linear": _column_linear,
+    "mla_qkv_a": _mla_qkv_a,
+    "mla_attention": _mla_attention,
     "vocab_embed": _vocab_embed,
     "vocab_head": _vocab_head,
 }

@@ -177,6 +177,12 @@ class QuantMethod(ABC):
         or None (the caller runs the norm, then ``apply``)."""
         return None
 
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """Linear ``layer``'s weight ``[out, in]`` as plain numbers (what ``apply`` multiplies by): the stored
+        weight itself here; a method that stores it scaled returns it dequantized, in float32.  For code that
+        reads a weight as a matrix (MLA's absorbed ``kv_b_proj``, docs/deepseek.md)."""
+        return layer.weight
+
     @abstractmethod
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of embedding ``layer``'s weight, in the compute dtype."""

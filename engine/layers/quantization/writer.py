@@ -73,8 +73,9 @@ def quantization_config(fmt: str) -> dict:
 
 def is_quantized_weight(name: str) -> bool:
     """The tensors a format quantizes: the decoder layers' projection weights, MoE experts' included (not the
-    MoE router ``mlp.gate``, nor Qwen2-MoE's ``shared_expert_gate``)."""
-    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+    MoE router ``mlp.gate``, nor Qwen2-MoE's ``shared_expert_gate``); DeepSeek's ``kv_a_proj_with_mqa`` is a
+    projection too (DeepSeek-V3's FP8 checkpoint stores it with block scales)."""
+    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def quantize_weight(name: str, w: torch.Tensor, fmt: str, input_amax: Optional[float] = None) -> dict:
