@@ -730,13 +730,14 @@ def graph_replay_ms(runner: Any, bs: int, input_len: int, replays: int = 64) -> 
     return per[len(per) // 2]
 
 
-# the scheduler's phases, labelled in the host trace of ``sched_gap_profile``
+# the scheduler's phases (``StepPhase`` events), labelled in the host trace of ``sched_gap_profile``
 _SCHED_PHASES = ("recv", "schedule", "launch", "sample", "process", "flush", "end_step")
 
 
-def _decoding_scheduler(runner: Any, bs: int, input_len: int, max_new: int, tag: str, wrap: Callable) -> Any:
-    """A ``Scheduler`` (overlap on) whose phases (``_SCHED_PHASES``) are wrapped by ``wrap(name, fn)``, with
-    ``bs`` greedy requests of ``input_len`` random ids admitted, prefilled and 6 decode steps in."""
+def _decoding_scheduler(runner: Any, bs: int, input_len: int, max_new: int, tag: str) -> Any:
+    """A ``Scheduler`` (overlap on where the device has it) with ``bs`` greedy requests of ``input_len`` random
+    ids admitted, prefilled and 6 decode steps in.  Its phases are timed through its event bus: subscribe to
+    ``StepPhase`` (docs/observability.md, "Events"); no method is replaced."""
     import dataclasses
 
     from kvship.engine.io_struct import GenerateRequest, SamplingParams
@@ -746,8 +747,6 @@ def _decoding_scheduler(runner: Any, bs: int, input_len: int, max_new: int, tag:
         runner.server_args, disable_overlap_schedule=False, disable_radix_cache=True, chunked_prefill_size=16384
     )
     sched = Scheduler(sa, runner, None, lambda chunks: None)
-    for name in _SCHED_PHASES:  # this bench's instance only
-        setattr(sched, name, wrap(name, getattr(sched, name)))
     gen = torch.Generator().manual_seed(bs)
     vocab = runner.model_config.vocab_size
     for i in range(bs):
@@ -769,31 +768,38 @@ def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> 
     (synchronizes, allocations) in the window."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def labelled(name: str, fn: Callable) -> Callable:
-        def call(*a: Any, **k: Any) -> Any:
-            with record_function("sched." + name):
-                return fn(*a, **k)
-
-        return call
+    from kvship.common.events import StepPhase
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "gap", labelled)
+    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "gap")
+    phases: list[tuple[float, float, str]] = []  # perf_counter seconds, from the scheduler's StepPhase events
+    unsubscribe = sched.events.subscribe(lambda ev: phases.append((ev.start, ev.end, ev.phase)), (StepPhase,))
     sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
+        with record_function("bench.clock_mark"):  # lines the events' clock up with the profiler's
+            mark = time.perf_counter()
         for _ in range(steps):
             sched.step()
         sync()
     wall = time.perf_counter() - t0
+    unsubscribe()
     while sched.has_work():
         sched.step()
     cuda_type = torch.autograd.DeviceType.CUDA
     dev, host = [], []
+    mark_us = None
     for ev in prof.events():
         tr = getattr(ev, "time_range", None)
         if tr is None or not ev.key:
             continue
+        if ev.key == "bench.clock_mark":
+            mark_us = tr.start
+            continue
         (dev if getattr(ev, "device_type", None) == cuda_type else host).append((tr.start, tr.end, ev.key))
+    if mark_us is not None:  # the phases as host ranges on the profiler's clock (microseconds)
+        host += [(mark_us + (a - mark) * 1e6, mark_us + (b - mark) * 1e6, "sched." + n) for a, b, n in phases]
     dev.sort()
     gaps = []
     end = dev[0][1] if dev else 0.0
@@ -852,81 +858,63 @@ def sched_gap_profile(runner: Any, bs: int, input_len: int, steps: int = 16) -> 
 
 
 def sched_step_events(runner: Any, bs: int, input_len: int, steps: int = 64) -> dict[str, Any]:
-    """The overlapped scheduler's decode steps at ``bs`` timed without a profiler: CUDA events at each
-    launch's entry and around its graph replay, host clocks around the phases.  Per step (medians): the
-    graph's device time, the device time from one graph's end to the next launch's first op (the previous
-    step's sampler and copies, plus any idle wait for the host), from that op to the graph's start (the
-    step's input ops), and the host's time in the graph launch call and in each phase."""
-    cgr = runner.cuda_graph_runner
-    graph = cgr.graphs[cgr.padded_size(bs)]
-    log: list[tuple[str, Any, float]] = []  # (what, event, host clock)
-    on = [False]
-    real_replay = graph.replay
+    """The overlapped scheduler's decode steps at ``bs`` timed without a profiler, through its ``StepPhase``
+    events: host clocks around each phase, and (CUDA) device events this bench records on the stream when a
+    step's ``schedule`` phase ends (the launch's first op) and when its ``launch`` phase ends (after the
+    step's inputs, graph and sampler were enqueued).  Per step (medians): the device time of a launch (its
+    inputs, graph and sampler; less the graph alone, ``graph_replay_ms``, it is the work around the graph),
+    the device time from one launch's end to the next launch's first op (idle waits for the host), the period
+    between launches' ends, and the host's time in each phase."""
+    from kvship.common.events import StepPhase
 
-    def replay() -> None:
-        if not on[0]:
-            return real_replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t = time.perf_counter()
-        real_replay()
-        log.append(("launch_call", None, time.perf_counter() - t))
-        b.record()
-        log.append(("graph_start", a, 0.0))
-        log.append(("graph_end", b, 0.0))
-
-    graph.replay = replay
+    cuda = torch.cuda.is_available()
     host: dict[str, list[float]] = {}
+    marks: list[tuple[Any, Any]] = []  # (launch entry, launch end) device events of one step
+    entry: list[Any] = [None]
+    on = [False]
 
-    def timed(name: str, fn: Callable) -> Callable:
-        def call(*a: Any, **k: Any) -> Any:
-            if name == "launch" and on[0]:
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                log.append(("launch_entry", e, 0.0))
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if on[0]:
-                    host.setdefault(name, []).append(time.perf_counter() - t)
+    def on_phase(ev: StepPhase) -> None:
+        if not on[0]:
+            return
+        host.setdefault(ev.phase, []).append(ev.end - ev.start)
+        if not cuda:
+            return
+        if ev.phase == "schedule":
+            entry[0] = torch.cuda.Event(enable_timing=True)
+            entry[0].record()
+        elif ev.phase == "launch" and entry[0] is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            marks.append((entry[0], done))
+            entry[0] = None
 
-        return call
-
-    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "ev", timed)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sched = _decoding_scheduler(runner, bs, input_len, steps + 24, "ev")
+    unsubscribe = sched.events.subscribe(on_phase, (StepPhase,))
+    sync()
     on[0] = True
     t0 = time.perf_counter()
     for _ in range(steps):
         sched.step()
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     on[0] = False
-    del graph.replay
+    unsubscribe()
     while sched.has_work():
         sched.step()
-    entries = [e for w, e, _ in log if w == "launch_entry"]
-    starts = [e for w, e, _ in log if w == "graph_start"]
-    ends = [e for w, e, _ in log if w == "graph_end"]
-    n = min(len(entries), len(starts), len(ends))
 
     def med(xs: list[float]) -> float:
         xs = sorted(xs)
         return xs[len(xs) // 2] if xs else float("nan")
 
-    graph_ms = [starts[i].elapsed_time(ends[i]) for i in range(n)]
-    inputs_ms = [entries[i].elapsed_time(starts[i]) for i in range(n)]
-    between_ms = [ends[i - 1].elapsed_time(entries[i]) for i in range(1, n)]
-    period_ms = [starts[i - 1].elapsed_time(starts[i]) for i in range(1, n)]
+    n = len(marks)
     return {
         "batch": bs,
-        "steps": n,
+        "steps": n if cuda else steps,
         "step_ms": wall / steps * 1e3,
-        "graph_ms": med(graph_ms),
-        "step_inputs_ms": med(inputs_ms),
-        "graph_end_to_next_launch_ms": med(between_ms),
-        "graph_period_ms": med(period_ms),
-        "launch_call_ms": med([x * 1e3 for w, _, x in log if w == "launch_call"]),
+        "launch_device_ms": med([marks[i][0].elapsed_time(marks[i][1]) for i in range(n)]),
+        "launch_end_to_next_launch_ms": med([marks[i - 1][1].elapsed_time(marks[i][0]) for i in range(1, n)]),
+        "launch_period_ms": med([marks[i - 1][1].elapsed_time(marks[i][1]) for i in range(1, n)]),
         "host_phase_ms": {k: med(v) * 1e3 for k, v in host.items()},
     }
 
@@ -1565,8 +1553,10 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = build_parser().parse_args(argv)
+    if args.device == "cpu":
+        return cpu_main(args)
     if not torch.cuda.is_available():
-        print("decode_latency needs a CUDA GPU", file=sys.stderr)
+        print("decode_latency needs a CUDA GPU (--device cpu: the scheduler-phase timings alone)", file=sys.stderr)
         return 2
     if args.variants:
         return variants_main(args)
@@ -1575,8 +1565,70 @@ def main(argv: Optional[list[str]] = None) -> int:
     return single_gpu_main(args)
 
 
+# ``--device cpu``: a small model of ``--shape``'s architecture (dummy float32 weights)
+_CPU_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+)
+
+
+def cpu_main(args: argparse.Namespace) -> int:
+    """``--device cpu``: the scheduler-phase timings (``sched_gap_profile`` under the host profiler and
+    ``sched_step_events``, both through the scheduler's ``StepPhase`` events) of a small model on the CPU, at
+    each of ``--gap-profile-bs`` (default: ``--batch-sizes``).  Device figures need the GPU."""
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+
+    bs_list = [int(x) for x in (args.gap_profile_bs or args.batch_sizes).split(",") if x]
+    ctx = args.input_len + 64 + 8
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = args.model_path or write_model_dir(args.shape, tmp, **_CPU_SHAPE)
+        runner = ModelRunner(
+            ServerArgs(
+                model_path=model_path,
+                load_format="auto" if args.model_path else "dummy",
+                device="cpu",
+                dtype="float32",
+                page_size=args.page_size,
+                context_length=max(ctx, 256),
+                max_total_tokens=max(bs_list) * (ctx + args.page_size) + 1024,
+                max_running_requests=max(bs_list),
+            )
+        )
+        res: dict[str, Any] = {"device": "cpu", "model": args.model_path or f"{args.shape} at {_CPU_SHAPE}"}
+        res["cpu"] = platform.processor() or platform.machine()
+        res["step_events"], res["gap_profile"] = [], []
+        for bs in bs_list:
+            ev = sched_step_events(runner, bs, args.input_len, steps=16)
+            gp = sched_gap_profile(runner, bs, args.input_len, steps=8)
+            res["step_events"].append(ev)
+            res["gap_profile"].append(gp)
+            print(
+                f"bs {bs}: {ev['step_ms']:.3f} ms/step; host phases ms "
+                f"{json.dumps({k: round(v, 3) for k, v in ev['host_phase_ms'].items()})}; under the profiler "
+                f"{gp['step_ms_under_profiler']:.3f} ms/step, phases us/step "
+                f"{json.dumps({k: round(v, 1) for k, v in gp['host_phase_us_per_step'].items()})}"
+            )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_latency_cpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: only the scheduler-phase timings, of a small model (--model-path to pick one)",
+    )
+    ap.add_argument("--model-path", default=None, help="--device cpu: an HF folder instead of a small --shape")
     ap.add_argument(
         "--tp-size",
         type=int,
@@ -1840,10 +1892,10 @@ def single_gpu_main(args: argparse.Namespace) -> int:
             gp["graph_replay_ms"] = graph_replay_ms(runner, bs, args.input_len)
             gp["step_events"] = ev = sched_step_events(runner, bs, args.input_len)
             print(
-                f"step events bs {bs}: {ev['step_ms']:.3f} ms/step; graph {ev['graph_ms']:.3f} ms, inputs before it "
-                f"{ev['step_inputs_ms']:.3f} ms, graph end -> next launch {ev['graph_end_to_next_launch_ms']:.3f} ms, "
-                f"graph start period {ev['graph_period_ms']:.3f} ms; host: graph launch call {ev['launch_call_ms']:.3f} "
-                f"ms, phases {json.dumps({k: round(v, 3) for k, v in ev['host_phase_ms'].items()})}"
+                f"step events bs {bs}: {ev['step_ms']:.3f} ms/step; launch on the device {ev['launch_device_ms']:.3f} "
+                f"ms (graph alone {gp['graph_replay_ms']:.3f} ms), launch end -> next launch "
+                f"{ev['launch_end_to_next_launch_ms']:.3f} ms, launch period {ev['launch_period_ms']:.3f} ms; host "
+                f"phases {json.dumps({k: round(v, 3) for k, v in ev['host_phase_ms'].items()})}"
             )
             res.setdefault("gap_profile", []).append(gp)
             print(

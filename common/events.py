@@ -20,6 +20,10 @@ Contract:
   subscriber of every event) at the scheduler's per-step points,
   ``bus.wants(kind)`` elsewhere; with no subscriber an emit point costs one
   attribute read.
+* ``StepPhase`` (the host time of each public step of a scheduler
+  iteration) is opt-in: only subscribers that name the kind get it, and the
+  scheduler builds it only then (``bus.phases``); a subscriber of every event
+  (tracing, metrics) never sees it.
 * ``at`` is wall clock (``time.time()``) so events line up across processes
   (router, prefill, decode).
 * Events are frozen: subscribers share them.
@@ -129,6 +133,20 @@ class RequestFinished(Event):
     completion_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class StepPhase(Event):
+    """One public step of a scheduler iteration ran on the host from ``start`` to ``end``
+    (``time.perf_counter()`` seconds): ``phase`` is ``recv``, ``schedule``, ``launch``, ``sample``,
+    ``process``, ``flush`` or ``end_step`` (which includes its own flush).  Host time only: a ``launch``
+    returns once the forward is enqueued.  Opt-in (see the module docstring)."""
+
+    phase: str
+    start: float
+    end: float
+
+
+OPT_IN: frozenset[type] = frozenset({StepPhase})  # kinds only subscribers that name them get
+
 Subscriber = Callable[[Event], None]
 
 
@@ -140,6 +158,7 @@ class EventBus:
         self._lock = threading.Lock()
         self.active = False  # a subscriber takes every event: the scheduler's emit points build theirs
         self._kinds: frozenset[type] = frozenset()  # the kinds some subscriber takes
+        self.phases = False  # a subscriber takes ``StepPhase``: the scheduler times its steps
 
     def subscribe(self, fn: Subscriber, kinds: Optional[tuple[type, ...]] = None) -> Callable[[], None]:
         """Call ``fn(event)`` for every event from now on (only those of ``kinds`` when given); returns the
@@ -159,14 +178,20 @@ class EventBus:
     def _refresh(self) -> None:
         self.active = any(kinds is None for _, kinds in self._subs)
         self._kinds = frozenset(k for _, kinds in self._subs for k in kinds or ())
+        self.phases = StepPhase in self._kinds
 
     def wants(self, kind: type) -> bool:
         """Whether an event of ``kind`` has a subscriber (build it only then)."""
+        if kind in OPT_IN:
+            return kind in self._kinds
         return self.active or kind in self._kinds
 
     def emit(self, event: Event) -> None:
         for fn, kinds in self._subs:  # a tuple swapped whole under the lock: safe to iterate without it
-            if kinds is not None and not isinstance(event, kinds):
+            if kinds is None:
+                if type(event) in OPT_IN:
+                    continue
+            elif not isinstance(event, kinds):
                 continue
             try:
                 fn(event)

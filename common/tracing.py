@@ -1,10 +1,12 @@
 """OpenTelemetry tracing of a request from the router through prefill to decode (docs/observability.md).
 
-``Tracing.configure(endpoint, ratio, service)`` exports spans over OTLP/HTTP
-(protobuf) with the official ``opentelemetry-sdk`` and
-``opentelemetry-exporter-otlp-proto-http``; without an endpoint it returns
-``Tracing.OFF``, whose ``enabled`` is False: callers check it and build no
-span at all (the SDK is not even imported).
+``Tracing.configure(endpoint, ratio, service)`` exports spans over OTLP with the
+official ``opentelemetry-sdk``: protobuf over HTTP
+(``opentelemetry-exporter-otlp-proto-http``) for an ``http(s)://`` endpoint, over
+gRPC (``opentelemetry-exporter-otlp-proto-grpc``) for a ``grpc://`` (plaintext) or
+``grpcs://`` (TLS) one.  Without an endpoint it returns ``Tracing.OFF``, whose
+``enabled`` is False: callers check it and build no span at all (the SDK is not
+even imported).
 
 Propagation is W3C trace context (``kvship.common.protocol.TraceContext``):
 the router continues a client's ``traceparent`` (or starts a trace), and
@@ -13,21 +15,29 @@ so a worker's spans are children of the router's upstream span.  Sampling is
 parent-based: a sampled parent is always kept, a new trace with probability
 ``ratio``.
 
-``WorkerTracer`` turns the engine's request events (``kvship.common.events``)
-into a worker's spans.  The scheduler thread only records timestamps; spans
-are built on a background thread once the request finished, with the
-recorded times, so tracing adds no span work to a scheduler step.
+Nobody builds an SDK span on a request's path:
+
+* the router records each span as a ``RawSpan`` (ids, times, attributes) and
+  hands the request's finished spans to ``Tracing.export_raw`` (an append to
+  a deque); a background thread hands them in batches to a child process
+  that builds and exports them (``kvship.common.trace_export``), or builds
+  them here;
+* ``WorkerTracer`` turns the engine's request events (``kvship.common.events``)
+  into a worker's spans: the scheduler thread only records timestamps; a
+  background thread makes the request's ``RawSpan``s once it finished and
+  hands them to ``export_raw`` as the router does.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
-from urllib.parse import urlsplit
+from typing import Any, Optional, Sequence
 
 from kvship.common.events import (
     Event,
@@ -43,111 +53,153 @@ from kvship.common.events import (
     RequestQueued,
 )
 from kvship.common.protocol import TraceContext
+from kvship.common.trace_export import (  # noqa: F401 - the endpoint helpers and RawSpan are imported from here too
+    OTLP_TRACES_PATH,
+    RawSpan,
+    SpanExportProcess,
+    otlp_exporter,
+    otlp_target,
+    readable_spans,
+    traces_url,
+)
 
 logger = logging.getLogger(__name__)
-
-OTLP_TRACES_PATH = "/v1/traces"
-
-
-def traces_url(endpoint: str) -> str:
-    """An OTLP/HTTP traces URL from ``--otlp-traces-endpoint``: a bare ``http://host:4318`` gets
-    ``/v1/traces``; a URL with a path is used as given.  ValueError for anything but http(s)."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--otlp-traces-endpoint must be an http(s) URL (OTLP/HTTP), got {endpoint!r}")
-    return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + OTLP_TRACES_PATH
 
 
 def _ns(at: float) -> int:
     return int(at * 1e9)
 
 
+def new_span_id() -> int:
+    """A random non-zero 64-bit span id (what the SDK's id generator makes)."""
+    return random.getrandbits(64) or 1
+
+
+def new_trace_id() -> int:
+    return random.getrandbits(128) or 1
+
+
 class Tracing:
     """One process's tracer (router or worker); ``Tracing.OFF`` when no endpoint is configured."""
 
     OFF: "Tracing"
+    RAW_BATCH_S = 0.1  # how often the background thread hands the recorded ``RawSpan``s on
 
-    def __init__(self, provider: Any = None, tracer: Any = None):
+    def __init__(self, provider: Any = None, processor: Any = None, ratio: float = 1.0, export: Any = None):
         self._provider = provider
-        self._tracer = tracer
-        self.enabled = tracer is not None
+        self._processor = processor
+        self._export = export  # raw spans go to this child process instead of this process's SDK
+        self.enabled = provider is not None or export is not None
+        self._bound = round(ratio * (1 << 64))  # the SDK's TraceIdRatioBased rule on a trace id's low 64 bits
+        # (trace_id, tracestate, spans) of finished requests; past the bound (an export that cannot keep up)
+        # the oldest are dropped
+        self._raw: collections.deque = collections.deque(maxlen=65536)
+        self._raw_lock = threading.Lock()  # held while a batch of raw spans is built
+        self._raw_stop = threading.Event()
+        self._raw_thread: Optional[threading.Thread] = None
 
     @classmethod
     def configure(
-        cls, endpoint: Optional[str], ratio: float = 1.0, service: str = "kvship", exporter: Any = None
+        cls,
+        endpoint: Optional[str],
+        ratio: float = 1.0,
+        service: str = "kvship",
+        exporter: Any = None,
+        export_process: bool = False,
     ) -> "Tracing":
-        """Export to ``endpoint`` (OTLP/HTTP), keeping new traces with probability ``ratio``; ``exporter``
-        replaces the OTLP exporter (any ``SpanExporter``).  ``Tracing.OFF`` when ``endpoint`` is empty."""
+        """Export to ``endpoint`` (``otlp_target``), keeping new traces with probability ``ratio``; ``exporter``
+        replaces the OTLP exporter (any ``SpanExporter``).  ``Tracing.OFF`` when ``endpoint`` is empty.
+
+        ``export_process``: raw spans (``export_raw``) are built and exported by a child process
+        (``SpanExportProcess``), so their encoding never takes this process's CPU or GIL; such a ``Tracing``
+        has no SDK here (the router's and the workers' case: their spans are all raw)."""
         if not endpoint and exporter is None:
             return cls.OFF
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"--otlp-traces-sample-ratio must be in [0, 1], got {ratio}")
+        if export_process and exporter is None:
+            otlp_target(endpoint or "")  # a bad endpoint fails here, not in the child
+            return cls(ratio=ratio, export=SpanExportProcess(endpoint or "", service))
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            exporter = otlp_exporter(endpoint or "")
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))  # sampled by ``sampled``
+        # a deep queue: the router hands its spans over in bursts (export_raw); batches of 512 (the SDK's
+        # default) cost least per span: smaller ones measured worse (docs/observability.md, "Cost")
+        processor = BatchSpanProcessor(exporter, max_queue_size=16384, schedule_delay_millis=500)
+        provider.add_span_processor(processor)
+        return cls(provider, processor, ratio)
 
-            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint or ""), timeout=10)
-        provider = TracerProvider(
-            resource=Resource.create({"service.name": service}), sampler=ParentBased(TraceIdRatioBased(ratio))
-        )
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
-        return cls(provider, provider.get_tracer("kvship"))
+    # ------------------------------------------------------------------ raw spans
 
-    def start_span(
-        self,
-        name: str,
-        parent: Any = None,
-        attributes: Optional[Mapping[str, Any]] = None,
-        start: Optional[float] = None,
-        kind: str = "internal",
-    ) -> Any:
-        """A started span, child of ``parent`` (a span, a ``TraceContext`` from another process, or None for a
-        new trace); ``start``: wall-clock seconds (default now).  End it with ``end_span``."""
-        from opentelemetry import trace
+    @property
+    def export_process(self) -> Any:
+        """The child process exporting the raw spans (``configure(..., export_process=True)``), else None."""
+        return self._export
 
-        ctx = None
-        if isinstance(parent, TraceContext):
-            flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if parent.sampled else trace.TraceFlags.DEFAULT)
-            state = trace.TraceState.from_header([parent.tracestate]) if parent.tracestate else None
-            remote = trace.SpanContext(
-                int(parent.trace_id, 16), int(parent.span_id, 16), is_remote=True, trace_flags=flags, trace_state=state
-            )
-            ctx = trace.set_span_in_context(trace.NonRecordingSpan(remote))
-        elif parent is not None:
-            ctx = trace.set_span_in_context(parent)
-        kinds = {"server": trace.SpanKind.SERVER, "client": trace.SpanKind.CLIENT}
-        return self._tracer.start_span(
-            name,
-            context=ctx,
-            kind=kinds.get(kind, trace.SpanKind.INTERNAL),
-            attributes=dict(attributes or {}),
-            start_time=None if start is None else _ns(start),
-        )
+    def sampled(self, parent: Optional[TraceContext], trace_id: int) -> bool:
+        """Whether a trace is kept: as its parent was, else with probability ``ratio`` (parent-based sampling,
+        the same rule as the SDK's sampler)."""
+        if parent is not None:
+            return parent.sampled
+        return (trace_id & 0xFFFFFFFFFFFFFFFF) < self._bound
 
-    @staticmethod
-    def end_span(span: Any, end: Optional[float] = None, error: Optional[str] = None) -> None:
-        if error:
-            from opentelemetry.trace import Status, StatusCode
+    def export_raw(self, trace_id: int, tracestate: Optional[str], spans: Sequence[RawSpan]) -> None:
+        """Queue a sampled request's finished spans for export; cheap (an append), safe from any thread."""
+        self._raw.append((trace_id, tracestate, spans))
+        if self._raw_thread is None:
+            with self._raw_lock:
+                if self._raw_thread is None:
+                    self._raw_thread = threading.Thread(target=self._raw_loop, name="kvship-trace-raw", daemon=True)
+                    self._raw_thread.start()
 
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=None if end is None else _ns(end))
+    def _raw_loop(self) -> None:
+        while not self._raw_stop.wait(self.RAW_BATCH_S):
+            self._drain_raw()
 
-    @staticmethod
-    def context_of(span: Any) -> TraceContext:
-        """The ``TraceContext`` that makes ``span`` the parent in the next process."""
-        sc = span.get_span_context()
-        state = sc.trace_state.to_header() if sc.trace_state else None
-        return TraceContext(f"{sc.trace_id:032x}", f"{sc.span_id:016x}", bool(sc.trace_flags.sampled), state or None)
+    def _drain_raw(self, timeout_s: float = -1) -> bool:
+        """Hand the queued raw spans on; False when the lock was not had within ``timeout_s`` (the background
+        thread is stuck writing to an export process that stopped reading)."""
+        if not self._raw_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            items = []
+            while self._raw:
+                items.append(self._raw.popleft())
+            if not items:
+                return True
+            if self._export is not None:
+                self._export.send(items)
+            else:
+                self._build_raw(items)
+            return True
+        finally:
+            self._raw_lock.release()
+
+    def _build_raw(self, items: list[tuple[int, Optional[str], Sequence[RawSpan]]]) -> None:
+        """SDK spans of raw ones, handed to the batch processor (it encodes and exports them)."""
+        for span in readable_spans(items, self._provider.resource):
+            self._processor.on_end(span)
 
     def flush(self, timeout_s: float = 5.0) -> None:
+        """Export every span recorded so far (raw spans included; with an export process, hand them to it)."""
+        self._drain_raw()
         if self._provider is not None:
             self._provider.force_flush(int(timeout_s * 1000))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Export what is buffered and stop (the export process too, once it exported everything)."""
+        if not self.enabled:
+            return
+        self._raw_stop.set()
+        if self._raw_thread is not None:
+            self._raw_thread.join(timeout=5.0)
+        drained = self._drain_raw(timeout_s=5.0)
+        if self._export is not None:
+            self._export.close(timeout_s if drained else 0.0)  # a stuck one is killed
         if self._provider is not None:
             self._provider.shutdown()
 
@@ -278,22 +330,33 @@ class WorkerTracer:
 
     def _build(self, rid: str, rec: _Record) -> None:
         t, s = self.tracing, rec.stamps
+        parent = rec.parent
+        trace_id = int(parent.trace_id, 16) if parent is not None else new_trace_id()
+        if not t.sampled(parent, trace_id):
+            return
         end = s.get("finished", time.time())
-        root = t.start_span(
+        attrs = {"kvship.rid": rid, "kvship.role": self.role, "kvship.prompt_tokens": rec.prompt_tokens}
+        attrs.update((k, v) for k, v in rec.attrs.items() if k != "error")
+        events = [("first_token", s["first_token"])] if "first_token" in s else []
+        # PD: docs/pd.md, "Reading a request's trace"
+        events += [(f"pd.{stage}", at) for stage, at in sorted(rec.stages, key=lambda x: x[1])]
+        root = RawSpan(
             f"{self.role}.request",
-            rec.parent,
-            {"kvship.rid": rid, "kvship.role": self.role, "kvship.prompt_tokens": rec.prompt_tokens},
-            start=rec.received,
-            kind="server",
+            new_span_id(),
+            int(parent.span_id, 16) if parent is not None else 0,
+            rec.received,
+            "server",
+            attrs,
+            remote_parent=parent is not None,
+            end=end,
+            error=rec.attrs.get("error"),
+            events=events,
         )
-        for key, value in rec.attrs.items():
-            if key != "error":
-                root.set_attribute(key, value)
+        spans = [root]
 
         def child(name: str, a: Optional[float], b: Optional[float], attrs: Optional[dict] = None) -> None:
-            if a is None or b is None:
-                return
-            t.end_span(t.start_span(name, root, attrs, start=a), end=max(a, b))
+            if a is not None and b is not None:
+                spans.append(RawSpan(name, new_span_id(), root.span_id, a, attrs=dict(attrs or {}), end=max(a, b)))
 
         queued = s.get("queued", rec.received)
         admitted = s.get("admitted")
@@ -309,11 +372,7 @@ class WorkerTracer:
             child("admit", s.get("kv_end"), admitted)
         if self.role in ("unified", "decode"):
             child("decode", s.get("first_token"), end)
-        if "first_token" in s:
-            root.add_event("first_token", timestamp=_ns(s["first_token"]))
-        for stage, at in sorted(rec.stages, key=lambda x: x[1]):  # PD: docs/pd.md, "Reading a request's trace"
-            root.add_event(f"pd.{stage}", timestamp=_ns(at))
-        t.end_span(root, end=end, error=rec.attrs.get("error"))
+        t.export_raw(trace_id, parent.tracestate if parent is not None else None, spans)
 
     def close(self) -> None:
         if self._unsubscribe is not None:

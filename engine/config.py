@@ -70,7 +70,8 @@ class ServerArgs:
     # OpenTelemetry (docs/observability.md)
     otlp_traces_endpoint: Optional[str] = opt(
         None,
-        "Export request traces over OTLP/HTTP to this collector URL (e.g. http://otel-collector:4318); off if unset",
+        "Export request traces over OTLP to this collector: http(s)://host:4318 for OTLP/HTTP, grpc://host:4317 "
+        "(plaintext) or grpcs://host:4317 (TLS) for OTLP/gRPC; off if unset",
     )
     otlp_traces_sample_ratio: float = opt(
         1.0, "Fraction of new traces kept (a request whose traceparent is sampled is always traced)"
@@ -194,6 +195,16 @@ class ServerArgs:
         "How a MoE layer of a --tp-size > 1 worker combines its ranks' experts: all_reduce (CUDA-graph safe) "
         "or all_to_all (tokens sent to their experts' ranks; needs --ep-size = --tp-size; graphs all-reduce)",
         choices=("all_reduce", "all_to_all"),
+    )
+    ep_num_redundant_experts: int = opt(
+        0,
+        "EPLB (docs/parallel.md, \"Expert load balancing\"): R extra expert slots per MoE layer holding copies of "
+        "hot experts; E + R must divide by --ep-size (needs --ep-size = --tp-size > 1)",
+    )
+    eplb_rebalance_interval: int = opt(
+        0,
+        "EPLB: every N forward steps recompute the placement from the expert load and move weights between "
+        "ranks (0: the initial placement only)",
     )
 
     # Speculative decoding (decode/spec; unified and decode workers)
@@ -394,6 +405,10 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
             raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
+        if self.otlp_traces_endpoint:
+            from kvship.common.trace_export import otlp_target
+
+            otlp_target(self.otlp_traces_endpoint)  # ValueError naming the flag: http(s):// or grpc(s):// only
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.disaggregation_layerwise_writes < 0:
@@ -435,6 +450,13 @@ class ServerArgs:
             raise ValueError(
                 f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
                 "experts are split over the tensor-parallel ranks"
+            )
+        if self.ep_num_redundant_experts < 0 or self.eplb_rebalance_interval < 0:
+            raise ValueError("--ep-num-redundant-experts and --eplb-rebalance-interval must be >= 0")
+        if self.ep_num_redundant_experts and not (self.ep_size > 1 and self.ep_size == self.tp_size):
+            raise ValueError(
+                f"--ep-num-redundant-experts needs --ep-size equal to --tp-size and > 1 "
+                f"(got --ep-size {self.ep_size}, --tp-size {self.tp_size})"
             )
         if self.pp_size < 1:
             raise ValueError("--pp-size must be >= 1")

@@ -168,7 +168,9 @@ class Engine:
         self.metrics = EngineMetrics(self.served_model_name, self._safe_stats, expert_load_fn)
         self.metrics.observe_kv_transfers(self.events)  # per-request KV-transfer histograms (PD roles emit them)
         sa = self.server_args  # OpenTelemetry spans from the same events (docs/observability.md)
-        tracing = Tracing.configure(sa.otlp_traces_endpoint, sa.otlp_traces_sample_ratio, f"kvship-{sa.mode}")
+        tracing = Tracing.configure(  # spans are encoded and exported by a child process (docs/observability.md)
+            sa.otlp_traces_endpoint, sa.otlp_traces_sample_ratio, f"kvship-{sa.mode}", export_process=True
+        )
         self.tracer = WorkerTracer(tracing, self.events, sa.mode)
         self.revision = revision_info(self.server_args)  # {"fingerprint", "revision"} for /get_server_info
 

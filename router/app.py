@@ -109,8 +109,11 @@ def create_app(config: RouterConfig, router: Optional[Router] = None) -> FastAPI
     """The ASGI app of one router; its lifespan starts and stops ``router`` (built from ``config`` if None)."""
     router = router or Router(config)
     creds = router.credentials
-    # OpenTelemetry (docs/observability.md): off unless --otlp-traces-endpoint; then each request gets spans
-    tracing = Tracing.configure(config.otlp_traces_endpoint, config.otlp_traces_sample_ratio, "kvship-router")
+    # OpenTelemetry (docs/observability.md): off unless --otlp-traces-endpoint; then each request gets spans,
+    # recorded raw on the request path and encoded and exported by a child process ("Cost")
+    tracing = Tracing.configure(
+        config.otlp_traces_endpoint, config.otlp_traces_sample_ratio, "kvship-router", export_process=True
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -82,7 +82,8 @@ class RouterConfig:
     # OpenTelemetry (docs/observability.md)
     otlp_traces_endpoint: Optional[str] = opt(
         None,
-        "Export request traces over OTLP/HTTP to this collector URL (e.g. http://otel-collector:4318); off if unset",
+        "Export request traces over OTLP to this collector: http(s)://host:4318 for OTLP/HTTP, grpc://host:4317 "
+        "(plaintext) or grpcs://host:4317 (TLS) for OTLP/gRPC; off if unset",
     )
     otlp_traces_sample_ratio: float = opt(
         1.0, "Fraction of new traces kept (a request whose traceparent is sampled is always traced)"
@@ -111,7 +112,9 @@ class RouterConfig:
         0.5, "kv_events: worth of a prefix token cached on a worker's host tier, against 1 for its GPU tier"
     )
     kv_events_load_tokens: float = opt(
-        256.0, "kv_events: cached prompt tokens one in-flight request on a worker offsets in its score"
+        0.0,
+        "kv_events: cached prompt tokens one in-flight request on a worker offsets in its score (0: load only "
+        "breaks ties and the balance thresholds apply)",
     )
     session_affinity: bool = opt(
         True,
@@ -177,7 +180,9 @@ class RouterConfig:
     # Live SLO figures (GET /slo, docs/router.md)
     slo_window: float = opt(60.0, "Seconds of finished requests GET /slo summarizes (p50/p90/p99, rates)")
     slo_scrape_interval: float = opt(
-        5.0, "Seconds between reads of the decode workers' kv_transfer_bytes (the KV-transfer rate of GET /slo)"
+        5.0,
+        "Seconds between reads of every worker's /get_server_info (GET /slo: per-role token rates, queue depth, "
+        "KV usage, and the decode workers' KV-transfer rate)",
     )
 
     # Rate limiting
@@ -287,6 +292,10 @@ class RouterConfig:
             raise ValueError("--max-resumes must be >= 0")
         if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
             raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
+        if self.otlp_traces_endpoint:
+            from kvship.common.trace_export import otlp_target
+
+            otlp_target(self.otlp_traces_endpoint)  # ValueError naming the flag: http(s):// or grpc(s):// only
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.rate_limit_queue_size < 0:
             raise ValueError("--rate-limit-rps, --rate-limit-burst and --rate-limit-queue-size must be >= 0")
         if self.rate_limit_queue_timeout < 0 or self.shutdown_timeout < 0:

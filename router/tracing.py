@@ -13,6 +13,12 @@
 
 Each worker call carries a ``traceparent`` naming the span that made it, so
 the worker's spans are its children.
+
+The request path builds no SDK span: each span is a ``RawSpan`` (random ids,
+``time.time()`` stamps, attributes); ``finish`` hands a sampled request's
+spans to ``Tracing.export_raw`` and a background thread builds and exports
+them in batches (docs/observability.md, "Cost").  An unsampled request still
+gets span ids, so the ``traceparent`` it sends on says "not sampled".
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from kvship.common.protocol import TraceContext
-from kvship.common.tracing import Tracing
+from kvship.common.protocol import TRACEPARENT_HEADER, TRACESTATE_HEADER, TraceContext
+from kvship.common.trace_export import RawSpan
+from kvship.common.tracing import Tracing, new_span_id, new_trace_id
 
 
 def _named(attributes: dict[str, Any]) -> dict[str, Any]:
@@ -34,32 +41,44 @@ class RequestSpans:
 
     def __init__(self, tracing: Tracing, parent: Optional[TraceContext], route: str, request_id: str, start: float):
         self.tracing = tracing
-        self.root = tracing.start_span(
+        self.trace_id = int(parent.trace_id, 16) if parent is not None else new_trace_id()
+        self._trace_hex = parent.trace_id if parent is not None else f"{self.trace_id:032x}"
+        self.sampled = tracing.sampled(parent, self.trace_id)
+        self._state = parent.tracestate if parent is not None else None
+        self._flags = "01" if self.sampled else "00"
+        self.root = RawSpan(
             "router.request",
-            parent,
+            new_span_id(),
+            int(parent.span_id, 16) if parent is not None else 0,
+            start,
+            "server",
             {"http.route": route, "kvship.request_id": request_id},
-            start=start,
-            kind="server",
+            remote_parent=parent is not None,
         )
-        self._open: list[Any] = []
+        self._spans: list[RawSpan] = [self.root]
+        self._open: list[RawSpan] = []
         self.done = False
 
-    def start(self, name: str, parent: Any = None, **attributes: Any) -> Any:
+    def start(self, name: str, parent: Optional[RawSpan] = None, **attributes: Any) -> RawSpan:
         """A child span of ``parent`` (default the request's span), started now."""
-        span = self.tracing.start_span(name, parent or self.root, _named(attributes), kind="client")
+        span = RawSpan(name, new_span_id(), (parent or self.root).span_id, time.time(), "client", _named(attributes))
         self._open.append(span)
+        self._spans.append(span)
         return span
 
-    def end(self, span: Any, error: Optional[str] = None, **attributes: Any) -> None:
+    def end(self, span: RawSpan, error: Optional[str] = None, **attributes: Any) -> None:
         if span in self._open:
             self._open.remove(span)
-            for key, value in _named(attributes).items():
-                span.set_attribute(key, value)
-            self.tracing.end_span(span, error=error)
+            span.attrs.update(_named(attributes))
+            span.end = time.time()
+            span.error = error
 
-    def headers(self, span: Any = None) -> dict[str, str]:
+    def headers(self, span: Optional[RawSpan] = None) -> dict[str, str]:
         """The trace headers a worker call made inside ``span`` (default the request's span) carries."""
-        return Tracing.context_of(span or self.root).headers()
+        out = {TRACEPARENT_HEADER: f"00-{self._trace_hex}-{(span or self.root).span_id:016x}-{self._flags}"}
+        if self._state:
+            out[TRACESTATE_HEADER] = self._state
+        return out  # what ``TraceContext.headers`` gives, without building one per call
 
     def finish(self, status: int, worker: str = "") -> None:
         if self.done:
@@ -67,10 +86,12 @@ class RequestSpans:
         self.done = True
         end = time.time()
         error = f"http {status}" if status >= 500 else None
-        for span in list(self._open):
-            self._open.remove(span)
-            self.tracing.end_span(span, end=end, error=error)
-        self.root.set_attribute("http.status_code", status)
+        for span in self._open:
+            span.end, span.error = end, error
+        self._open.clear()
+        self.root.attrs["http.status_code"] = status
         if worker:
-            self.root.set_attribute("kvship.worker", worker)
-        self.tracing.end_span(self.root, end=end, error=error)
+            self.root.attrs["kvship.worker"] = worker
+        self.root.end, self.root.error = end, error
+        if self.sampled:
+            self.tracing.export_raw(self.trace_id, self._state, self._spans)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -63,6 +64,7 @@ from kvship.common.events import (
     RequestAdmitted,
     RequestFinished,
     RequestQueued,
+    StepPhase,
 )
 from kvship.engine.config import ServerArgs
 from kvship.engine.grammar.backend import GrammarBackend, GrammarLimits, GrammarQueue
@@ -296,19 +298,39 @@ class Scheduler:
             return self.overlap.step(block_s)
         if self.pipeline is not None:
             return self.pipeline.step(block_s)
+        ph = self.events.phases  # StepPhase subscribers (docs/observability.md): time each step, else nothing
+        t = time.perf_counter() if ph else 0.0
         self.recv(block_s)
+        if ph:
+            t = self.phase_done("recv", t)
         batch: Optional[ScheduleBatch] = None
         try:
             batch = self.schedule()
+            if ph:
+                t = self.phase_done("schedule", t)
             if batch is not None:
                 if self.speculator is not None and batch.forward_mode.is_decode():
                     self._speculate(batch)
                 else:
-                    self.process(self.launch(batch))
+                    pending = self.launch(batch)
+                    if ph:
+                        t = self.phase_done("launch", t)
+                    self.process(pending)
+                    if ph:
+                        t = self.phase_done("process", t)
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
             self.fail_step(e, None if batch is None else batch.reqs)
         self.end_step()
+        if ph:
+            self.phase_done("end_step", t)
         return batch is not None
+
+    def phase_done(self, phase: str, start: float) -> float:
+        """Emit ``StepPhase(phase, start, now)`` (the loops call it only when ``events.phases``); returns now,
+        the next phase's start."""
+        now = time.perf_counter()
+        self.events.emit(StepPhase(phase=phase, start=start, end=now))
+        return now
 
     # ------------------------------------------------------------ public steps
     def recv(self, block_s: float = 0.0) -> None:

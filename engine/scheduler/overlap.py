@@ -41,6 +41,7 @@ runs it anywhere (tests use it on CPU).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional
 
 from kvship.engine.scheduler.launch import Pending, reads_host_tokens
@@ -74,13 +75,21 @@ class OverlapLoop:
     def step(self, block_s: float = 0.0) -> bool:
         """One iteration of the overlapped loop; True when a forward ran."""
         s = self.s
+        ph = s.events.phases  # StepPhase subscribers (docs/observability.md): time each step, else nothing
+        t = time.perf_counter() if ph else 0.0
         s.recv(0.0 if self.pending is not None else block_s)
+        if ph:
+            t = s.phase_done("recv", t)
         batch = None
         ran = False
         try:
             if self.pending is not None and not s.kv.fits_decode(s.running):
                 self.sync()
+                if ph:
+                    t = time.perf_counter()
             batch = s.schedule()
+            if ph:
+                t = s.phase_done("schedule", t)
             if self._chainable(batch):
                 prev = self.pending
                 if prev is not None:  # requests that stop by length once ``prev`` is processed need no step
@@ -89,20 +98,33 @@ class OverlapLoop:
                     ]
                 # masks fill aside only while there is a step to process meanwhile
                 self.pending = s.launch(batch, after=prev, defer_sampling=prev is not None) if batch.reqs else None
+                if ph and self.pending is not None:
+                    t = s.phase_done("launch", t)
                 ran = self.pending is not None
                 self.launched += int(ran and prev is not None)
                 batch = None  # launched: it is ``self.pending`` from here on
                 self._process(prev)  # while the masks of ``self.pending`` fill, if it has any
                 if self.pending is not None and self.pending.sampling is not None:
+                    t = time.perf_counter() if ph else 0.0
                     s.flush()  # step N's chunks go out before N+1's sampler waits for its masks
+                    if ph:
+                        t = s.phase_done("flush", t)
                     s.sample(self.pending)
+                    if ph:
+                        s.phase_done("sample", t)
             else:
                 self.sync()
                 if batch is not None:
                     # a decode built before the pending step was processed may hold finished requests
                     batch.reqs = [r for r in batch.reqs if not r.finished]
                     if batch.reqs:
-                        s.process(s.launch(batch))
+                        t = time.perf_counter() if ph else 0.0
+                        pending = s.launch(batch)
+                        if ph:
+                            t = s.phase_done("launch", t)
+                        s.process(pending)
+                        if ph:
+                            s.phase_done("process", t)
                         ran = True
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             failed = list(batch.reqs) if batch is not None else []
@@ -112,7 +134,10 @@ class OverlapLoop:
                     failed += [r for r in p.batch.reqs if r not in failed]
             self.pending = self._processing = None
             s.fail_step(e, failed if failed or batch is not None else None)
+        t = time.perf_counter() if ph else 0.0
         s.end_step()
+        if ph:
+            s.phase_done("end_step", t)
         return ran
 
     def sync(self) -> None:
@@ -126,7 +151,10 @@ class OverlapLoop:
         if p is None:
             return
         self._processing = p
+        t = time.perf_counter() if self.s.events.phases else 0.0
         self.s.process(p)
+        if t:
+            self.s.phase_done("process", t)
         self._processing = None
 
     def drop(self) -> None:
