@@ -19,7 +19,7 @@ from kvship.operator.builders import Images, Network, build_children, instance_l
 from kvship.operator.builders.common import ROLE_LABEL
 from kvship.operator.builders.groups import GROUP_PODS_ANNOTATION, LWS_API_VERSION, LWS_KIND, any_grouped
 from kvship.operator.credentials import ensure_credentials
-from kvship.operator.groups import GROUP_KINDS, group_restarts
+from kvship.operator.groups import GROUP_KINDS, group_restarts, planned_groups
 from kvship.operator.kube import KubeApiError, KubeClient
 from kvship.operator.revision import REVISION_LABEL
 from kvship.operator.rollout import (
@@ -214,7 +214,7 @@ async def reconcile(
     else:
         if any_grouped(cfg):  # worker groups: LeaderWorkerSets where the cluster serves them, else StatefulSets
             network = replace(network, leader_worker_set=await serves_leader_worker_set(client))
-        desired = build_children(cfg, images, network, creds.digest)
+        desired = build_children(cfg, images, network, creds.digest, planned_groups(body))
         out.applied = await apply_children(client, cfg, desired, keep=keeps_old_revision(cfg, revision))
     children = await observe_children(client, cfg)
     try:

@@ -12,10 +12,15 @@ Pure functions over live objects (no I/O):
   group is deleted (the StatefulSet recreates them, and the worker forms its world again from scratch).
 * :func:`leader_of` names the leader pod of a group member, whose in-rotation gate the member follows
   (only leaders are in the router's discovery).
+* :func:`planned_groups` reads the SLO planner's group counts (the InferenceService's
+  :data:`PLANNED_GROUPS_ANNOTATION`, ``{"<role>": <groups>}``): the planner scales a grouped role by writing
+  it, and the builders make that many groups (a LeaderWorkerSet's ``replicas``, or that many StatefulSets), so
+  a scale-down removes whole groups (the last ones), never pods of a group.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,6 +33,34 @@ from kvship.operator.builders.groups import (
 )
 
 GROUP_KINDS = (LWS_KIND, "StatefulSet")
+PLANNED_GROUPS_ANNOTATION = "kvship.io/planned-groups"
+MAX_PLANNED_ANNOTATION_BYTES = 256
+
+
+def planned_groups(body: dict) -> dict[str, int]:
+    """The planner's group count per role from the InferenceService ``body`` (empty when it made none; a
+    malformed annotation counts as none, and the builders start the role at ``minReplicas`` again)."""
+    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(PLANNED_GROUPS_ANNOTATION)
+    if not isinstance(raw, str) or len(raw) > MAX_PLANNED_ANNOTATION_BYTES:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {
+        role: n
+        for role, n in parsed.items()
+        if role in ("prefill", "decode") and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    }
+
+
+def planned_groups_patch(body: dict, role: str, groups: int) -> dict:
+    """The merge patch of the InferenceService that records ``groups`` for ``role`` (others kept)."""
+    counts = dict(planned_groups(body), **{role: groups})
+    text = json.dumps(dict(sorted(counts.items())), separators=(",", ":"))
+    return {"metadata": {"annotations": {PLANNED_GROUPS_ANNOTATION: text}}}
 
 
 def _ready_condition(pod: dict) -> bool:

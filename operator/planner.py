@@ -3,23 +3,33 @@
 ``spec.autoscaling.mode: slo`` (docs/operator.md, "SLO planner") scales each worker role to the latency
 targets of ``spec.slo``:
 
-* **prefill** from TTFT (``ttftP90Ms``); its load is the request rate (``requests_per_second`` of the
-  router's ``GET /slo``), its capacity the requests per second one prefill replica serves within the target;
-* **decode** from ITL (``itlP50Ms``); its load is the concurrent decode requests (the sum of ``in_flight``
+* **prefill** from TTFT (``ttftP90Ms``); its load is the prompt-token throughput of the role's workers
+  (``roles.prefill.prompt_tokens_per_second`` of the router's ``GET /slo``), its capacity the prompt tokens
+  per second one prefill replica takes within the target.  Where the router has no token figure yet (its
+  workers not scraped), the request rate (``requests_per_second``) and a capacity in requests/s stand in;
+* **decode** from ITL (``itlP50Ms``); its load is the concurrent decode requests (the running and queued
+  requests the role's workers report, ``roles.decode.running + queue_depth``; else the sum of ``in_flight``
   over the role's workers in ``GET /workers``), its capacity the concurrent requests one decode replica
   runs within the target;
 * **unified** workers (no prefill role) from both: the larger of the two wants wins.
 
+Queue depth and KV usage guard both roles: a role whose workers queue requests while their KV pools are
+nearly full (mean ``kv_usage`` >= :data:`KV_FULL`) cannot admit more, whatever the latency says, and wants
+one replica more; a role that queues more requests than it has replicas is never shrunk.
+
 Capacity per replica is learnt from what is observed (or starts from ``spec.autoscaling.profile``): a
 latency ``v`` at per-replica load ``c`` estimates the capacity at the target ``t`` as ``c * t / v`` (a
 linear latency-vs-load model, smoothed with an exponential average); while latency is far below the
-target the latency no longer tracks load, so ``c`` only proves that capacity is at least ``c``.
+target (under half of it) latency no longer tracks load well, so such an observation only raises the estimate
+to a lower bound: ``c * (target / 2) / v``, the load at which latency would reach half the target were it
+proportional to load (at most :data:`MAX_ESTIMATE_RATIO` x ``c``).  Without that bound a role scaled up under
+a miss would stay up once the load fell (the capacity learnt from the misses sizes the falling load).
 
 One :meth:`Planner.step` per pass:
 
 1. **want**: ``ceil(load / (capacity * utilization))``, but on a missed target at least one more replica,
    above ``utilization * target`` never fewer (may grow ahead of a miss), at or below it never more
-   (may shrink); no traffic at all -> ``minReplicas``;
+   (may shrink); then the queue / KV guards above; no traffic at all -> ``minReplicas``;
 2. **stabilisation**: the wants of the last ``scaleUpStabilizationSeconds`` (lowest of them) bound a
    scale-up, those of the last ``scaleDownStabilizationSeconds`` (highest of them) bound a scale-down,
    as the HorizontalPodAutoscaler's behavior windows do;
@@ -35,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 # Exponential-average weight of a new capacity estimate.
@@ -44,6 +54,8 @@ CAPACITY_ALPHA = 0.3
 LOAD_SENSITIVE = 0.5
 # One observation moves the capacity estimate by at most this factor either way.
 MAX_ESTIMATE_RATIO = 4.0
+# Mean fraction of KV slots in use at which a role that queues requests counts as full.
+KV_FULL = 0.9
 
 
 @dataclass(frozen=True)
@@ -87,10 +99,34 @@ class RoleTarget:
 
 @dataclass(frozen=True)
 class RoleLoad:
-    """A role's live workers as the router sees them: ``serving`` in rotation, ``in_flight`` requests."""
+    """A role's live workers as the router sees them: ``serving`` in rotation, ``in_flight`` requests (from
+    ``GET /workers``), and what its workers report (``roles.<role>`` of ``GET /slo``; None: not reported)."""
 
     serving: int = 0
     in_flight: int = 0
+    prompt_tokens_per_second: Optional[float] = None
+    queue_depth: Optional[int] = None
+    running: Optional[int] = None
+    kv_usage: Optional[float] = None
+
+    @property
+    def concurrent(self) -> int:
+        """Requests the role runs or queues: its workers' own count when reported, else the router's."""
+        if self.running is None:
+            return self.in_flight
+        return self.running + (self.queue_depth or 0)
+
+    def describe(self, role: str) -> str:
+        parts = [f"{self.in_flight} in flight on {self.serving}"]
+        if self.prompt_tokens_per_second is not None:
+            parts.append(f"{self.prompt_tokens_per_second:g} prompt tok/s")
+        if self.running is not None:
+            parts.append(f"{self.running} running")
+        if self.queue_depth is not None:
+            parts.append(f"{self.queue_depth} queued")
+        if self.kv_usage is not None:
+            parts.append(f"kv {self.kv_usage:.0%}")
+        return f"{role} " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -111,7 +147,7 @@ class Figures:
             return "-" if v is None else f"{v:g} ms"
 
         rps = "-" if self.requests_per_second is None else f"{self.requests_per_second:g}"
-        roles = ", ".join(f"{r} {x.in_flight} in flight on {x.serving}" for r, x in sorted(self.roles.items()))
+        roles = "; ".join(x.describe(r) for r, x in sorted(self.roles.items()))
         return f"ttft p90 {ms(self.ttft_p90_ms)}, itl p50 {ms(self.itl_p50_ms)}, {rps} req/s; {roles or 'no workers'}"
 
 
@@ -123,24 +159,41 @@ def _count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
+def _reported_count(v: Any) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _reported(v: Any) -> Optional[float]:
+    n = _num(v)
+    return n if n is not None and n >= 0 else None
+
+
 def figures_from_router(slo: Optional[dict], workers: list[dict], revision: Optional[str]) -> Figures:
     """:class:`Figures` from the router's ``GET /slo`` and ``GET /workers`` answers (docs/router.md).
 
     Per-role loads count the in-rotation workers of ``revision`` (the current one: a draining revision's
-    workers finish their requests and take no new ones) and the requests every worker of the role runs.
+    workers finish their requests and take no new ones) and the requests every worker of the role runs;
+    the token rate, queue depth, running requests and KV usage come from ``roles`` of ``GET /slo`` (every
+    scraped worker of the role, draining ones included: their requests are load too).
     """
     slo = slo or {}
     roles: dict[str, RoleLoad] = {}
+    reported = slo.get("roles") if isinstance(slo.get("roles"), dict) else {}
+    for role, fig in reported.items():
+        if isinstance(role, str) and isinstance(fig, dict):
+            roles[role] = RoleLoad(
+                prompt_tokens_per_second=_reported(fig.get("prompt_tokens_per_second")),
+                queue_depth=_reported_count(fig.get("queue_depth")),
+                running=_reported_count(fig.get("running")),
+                kv_usage=_reported(fig.get("kv_usage")),
+            )
     for w in workers:
         role = w.get("role")
         if not isinstance(role, str):
             continue
         cur = roles.get(role, RoleLoad())
         serving = int(bool(w.get("in_rotation")) and (revision is None or w.get("revision") == revision))
-        roles[role] = RoleLoad(
-            serving=cur.serving + serving,
-            in_flight=cur.in_flight + _count(w.get("in_flight")),
-        )
+        roles[role] = replace(cur, serving=cur.serving + serving, in_flight=cur.in_flight + _count(w.get("in_flight")))
     return Figures(
         requests=_count(slo.get("requests")),
         ttft_p90_ms=_num(slo.get("ttft_p90_ms")),
@@ -175,7 +228,10 @@ class _Signal:
         if per_replica <= 0:
             return
         if value < LOAD_SENSITIVE * target:
-            self.capacity = max(self.capacity or 0.0, per_replica)  # proven: it carries at least this
+            # far below the target: a lower bound only, the load at which latency would reach half the target
+            # were it proportional to load (a latency floor makes it grow slower, so this is the cautious side)
+            bound = per_replica * min(LOAD_SENSITIVE * target / max(value, 1e-9), MAX_ESTIMATE_RATIO)
+            self.capacity = max(self.capacity or 0.0, bound)
             return
         ratio = min(max(target / value, 1 / MAX_ESTIMATE_RATIO), MAX_ESTIMATE_RATIO)
         estimate = per_replica * ratio
@@ -186,8 +242,9 @@ class _Signal:
 
 @dataclass
 class _RoleMemory:
-    ttft: _Signal
+    ttft: _Signal  # requests/s per replica within the TTFT target (the profile's unit)
     itl: _Signal
+    ttft_tokens: _Signal = field(default_factory=_Signal)  # prompt tokens/s per replica within the TTFT target
     wants: deque = field(default_factory=deque)  # (time, want)
     last_change: Optional[float] = None
 
@@ -208,9 +265,14 @@ class Planner:
         }
 
     def capacity(self, role: str) -> dict[str, Optional[float]]:
-        """The learnt capacities of ``role``: requests/s (TTFT) and concurrent requests (ITL) per replica."""
+        """The learnt capacities of ``role`` per replica: prompt tokens/s and requests/s (TTFT), concurrent
+        requests (ITL)."""
         m = self.memory[role]
-        return {"rps": m.ttft.capacity, "concurrency": m.itl.capacity}
+        return {
+            "prompt_tokens_per_second": m.ttft_tokens.capacity,
+            "rps": m.ttft.capacity,
+            "concurrency": m.itl.capacity,
+        }
 
     def step(self, figures: Figures, current: dict[str, int], now: float) -> list[Decision]:
         """One decision per role in ``current`` (its live desired replicas) that this planner scales."""
@@ -251,43 +313,53 @@ class Planner:
 
     def _want(self, t: RoleTarget, m: _RoleMemory, current: int, f: Figures) -> tuple[int, str]:
         load = f.load(t.role)
-        if f.requests == 0 and load.in_flight == 0:
+        if f.requests == 0 and load.in_flight == 0 and load.concurrent == 0:
             return t.min_replicas, "no traffic in the router's window"
         wants: list[tuple[int, str]] = []
         if t.ttft_ms is not None:
-            wants.append(
-                self._signal_want(
-                    m.ttft, "ttft p90", f.ttft_p90_ms, t.ttft_ms, f.requests_per_second, "req/s", current, load.serving
-                )
-            )
+            loads = [
+                (m.ttft_tokens, load.prompt_tokens_per_second, "prompt tok/s"),
+                (m.ttft, f.requests_per_second, "req/s"),
+            ]
+            wants.append(self._signal_want("ttft p90", f.ttft_p90_ms, t.ttft_ms, loads, current, load.serving))
         if t.itl_ms is not None:
-            wants.append(
-                self._signal_want(
-                    m.itl, "itl p50", f.itl_p50_ms, t.itl_ms, float(load.in_flight), "in flight", current, load.serving
-                )
-            )
-        return max(wants, key=lambda w: w[0])
+            loads = [(m.itl, float(load.concurrent), "concurrent")]
+            wants.append(self._signal_want("itl p50", f.itl_p50_ms, t.itl_ms, loads, current, load.serving))
+        want, why = max(wants, key=lambda w: w[0])
+        return self._guards(want, why, load, current)
+
+    @staticmethod
+    def _guards(want: int, why: str, load: RoleLoad, current: int) -> tuple[int, str]:
+        """The queue / KV-usage guards of the module docstring."""
+        queued = load.queue_depth or 0
+        if queued and load.kv_usage is not None and load.kv_usage >= KV_FULL and want <= current:
+            return current + 1, f"{why}; {queued} queued with kv {load.kv_usage:.0%} >= {KV_FULL:.0%}: full"
+        if want < current and queued > max(load.serving, 1):
+            return current, f"{why}; {queued} queued on {load.serving} replicas: not shrinking"
+        return want, why
 
     def _signal_want(
         self,
-        sig: _Signal,
         name: str,
         value: Optional[float],
         target: float,
-        load: Optional[float],
-        unit: str,
+        loads: list[tuple[_Signal, Optional[float], str]],
         current: int,
         serving: int,
     ) -> tuple[int, str]:
+        """The want of one latency signal; ``loads``: (capacity, load, unit) in order of preference, each
+        learnt from this observation, the first with a load and a learnt capacity sizing the role."""
         u = self.settings.utilization
-        if value is not None and load is not None and serving > 0:
-            sig.learn(load / serving, value, target)
+        for sig, load, _ in loads:
+            if value is not None and load is not None and serving > 0:
+                sig.learn(load / serving, value, target)
         by_load: Optional[int] = None
-        if load is not None and sig.capacity:
-            by_load = max(1, math.ceil(load / (sig.capacity * u) - 1e-9))
-            cap = f"; {load:g} {unit} over capacity {sig.capacity:.3g} {unit}/replica x {u:g} -> {by_load}"
-        else:
-            cap = "; capacity not learnt yet"
+        cap = "; capacity not learnt yet"
+        for sig, load, unit in loads:
+            if load is not None and sig.capacity:
+                by_load = max(1, math.ceil(load / (sig.capacity * u) - 1e-9))
+                cap = f"; {load:g} {unit} over capacity {sig.capacity:.3g} {unit}/replica x {u:g} -> {by_load}"
+                break
         if value is None:
             return (by_load if by_load is not None and by_load > current else current), f"{name}: no samples{cap}"
         if value > target:

@@ -5,10 +5,15 @@
 1. keeps one :class:`~kvship.operator.planner.Planner` per InferenceService (by uid; rebuilt when the
    service's autoscaling settings or targets change, dropped when it leaves slo mode);
 2. reads the replicas of the *current* revision's worker Deployments (a draining revision is never
-   scaled: its Deployments are left to the rollout, kvship.operator.rollout);
+   scaled: its Deployments are left to the rollout, kvship.operator.rollout); for a role of multi-node
+   groups (``nodesPerReplica`` > 1) its number of **groups**: the planner's last count (the
+   InferenceService's ``kvship.io/planned-groups`` annotation, kvship.operator.groups), else the live
+   LeaderWorkerSet's ``replicas`` or the number of its StatefulSets;
 3. turns the router's ``GET /slo`` and ``GET /workers`` answers into figures, asks the planner, patches
-   ``spec.replicas`` of each role it changes and posts a Kubernetes Event on the InferenceService with the
-   decision's reason (``ScaledUp`` / ``ScaledDown``) and the figures behind it (``kubectl describe``).
+   ``spec.replicas`` of each Deployment it changes (for groups: the annotation, from which the next reconcile
+   sets the LeaderWorkerSet's ``replicas`` or adds / removes whole StatefulSets, the last groups first) and
+   posts a Kubernetes Event on the InferenceService with the decision's reason (``ScaledUp`` /
+   ``ScaledDown``) and the figures behind it (``kubectl describe``).
 
 Nothing is decided while the router cannot be read.  The planner's memory (learnt capacities, recent
 wants, cooldowns) lives in the operator process; after a restart it starts again from the profile.
@@ -16,12 +21,16 @@ wants, cooldowns) lives in the operator process; after a restart it starts again
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Optional
 
-from kvship.operator.builders.common import deployment_name, worker_roles
+from kvship.operator.builders.common import REVISION_LABEL, ROLE_LABEL, deployment_name, instance_labels, worker_roles
+from kvship.operator.builders.groups import LWS_API_VERSION, LWS_KIND, grouped, nodes_per_replica
 from kvship.operator.builders.workers import role_spec
+from kvship.operator.controller import serves_leader_worker_set
+from kvship.operator.groups import planned_groups, planned_groups_patch
 from kvship.operator.kube import KubeApiError, KubeClient
 from kvship.operator.planner import Decision, Planner, PlannerSettings, RoleTarget, figures_from_router
 from kvship.operator.router_client import RouterView
@@ -120,7 +129,15 @@ class PlannerLoop:
         if planner is None or router is None or not router.reachable:
             return []
         current: dict[str, int] = {}
+        body: Optional[dict] = None
         for role in planner.targets:
+            if grouped(cfg, role):
+                body = body or await client.get(API_VERSION, KIND, cfg.namespace, cfg.name)
+                groups = await self._groups(client, cfg, role, revision, body or {})
+                if groups is None:
+                    return []
+                current[role] = groups
+                continue
             dep = await client.get("apps/v1", "Deployment", cfg.namespace, deployment_name(cfg, role, revision))
             if dep is None:
                 return []  # the current revision's workers are not made yet
@@ -134,9 +151,17 @@ class PlannerLoop:
                 continue
             name = deployment_name(cfg, d.role, revision)
             try:
-                await client.merge_patch(
-                    "apps/v1", "Deployment", cfg.namespace, name, {"spec": {"replicas": d.desired}}
-                )
+                if grouped(cfg, d.role):  # whole groups: the builders make the planned count (module docstring)
+                    name = f"the groups of {name}"
+                    body = await client.merge_patch(
+                        API_VERSION, KIND, cfg.namespace, cfg.name, planned_groups_patch(body or {}, d.role, d.desired)
+                    )
+                    n = nodes_per_replica(cfg, d.role)
+                    d = dataclasses.replace(d, message=f"{d.message}; groups of {n} pods, scaled whole")
+                else:
+                    await client.merge_patch(
+                        "apps/v1", "Deployment", cfg.namespace, name, {"spec": {"replicas": d.desired}}
+                    )
             except KubeApiError as e:
                 log.warning("%s/%s planner: scaling %s failed: %s", cfg.namespace, cfg.name, name, e)
                 continue
@@ -147,3 +172,23 @@ class PlannerLoop:
             except KubeApiError as e:
                 log.warning("%s/%s planner: posting the %s event failed: %s", cfg.namespace, cfg.name, d.reason, e)
         return decisions
+
+    @staticmethod
+    async def _groups(client: KubeClient, cfg: ServiceConfig, role: str, revision: str, body: dict) -> Optional[int]:
+        """The current revision's number of groups of ``role`` (module docstring); None while none exist."""
+        name = deployment_name(cfg, role, revision)
+        lws = (
+            await client.get(LWS_API_VERSION, LWS_KIND, cfg.namespace, name)
+            if await serves_leader_worker_set(client)
+            else None
+        )
+        if lws is None:
+            labels = dict(instance_labels(cfg), **{ROLE_LABEL: role, REVISION_LABEL: revision})
+            selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            sets = await client.list("apps/v1", "StatefulSet", cfg.namespace, selector)
+            if not sets:
+                return None  # the current revision's groups are not made yet
+            live = len(sets)
+        else:
+            live = int((lws.get("spec") or {}).get("replicas", 1))
+        return planned_groups(body).get(role, live)

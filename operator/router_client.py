@@ -5,7 +5,9 @@ The router documents both (docs/router.md); the operator uses
 * ``/workers`` -> ``workers[]`` (``url``, ``role``, ``revision``, ``in_rotation``, ``in_flight``, ``pod``)
   and ``revisions[]`` (``revision``, ``serving``): the in-rotation readiness gate of each worker pod and
   when an old revision has drained (kvship.operator.rollout);
-* ``/slo`` -> the figures of ``status.slo``.
+* ``/slo`` -> the figures of ``status.slo``, and for the SLO planner (kvship.operator.planner) its ``roles``:
+  per worker role the prompt tokens/s, queue depth, running requests and KV usage the router scraped from
+  the workers.
 
 Both are read with ``Authorization: Bearer <worker key>`` (the service's ``<name>-worker-key`` Secret; the
 router accepts it on these two routes only, docs/router.md).  A body is read as a stream and dropped past

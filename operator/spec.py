@@ -153,7 +153,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     unified = spec.prefill.replicas == 0
     roles = (("decode", spec.decode),) if unified else (("prefill", spec.prefill), ("decode", spec.decode))
     for role, r in roles:
-        errors.extend(_role_errors(role, r))
+        errors.extend(_role_errors(role, r, slo_mode(spec)))
     if not unified:
         errors.extend(_pd_numerics_errors(spec))
     if unified and spec.prefill.autoscaling is not None:
@@ -278,7 +278,7 @@ def image_errors(spec: InferenceServiceSpec, allowed_prefixes: tuple[str, ...]) 
     return errors
 
 
-def _role_errors(role: str, r: WorkerRole) -> list[str]:
+def _role_errors(role: str, r: WorkerRole, slo: bool = False) -> list[str]:
     errors = []
     base = f"spec.{role}"
     if r.tensor_parallel_size % r.expert_parallel_size:
@@ -290,7 +290,7 @@ def _role_errors(role: str, r: WorkerRole) -> list[str]:
     nodes = r.nodes_per_replica
     per_pod = r.tensor_parallel_size // nodes  # a worker's GPUs are split evenly over its pods
     if nodes > 1:
-        errors.extend(_group_errors(base, r))
+        errors.extend(_group_errors(base, r, slo))
     if r.tensor_parallel_size % nodes == 0 and gpus is not None and gpus != per_pod:
         errors.append(
             f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
@@ -311,7 +311,7 @@ def _role_errors(role: str, r: WorkerRole) -> list[str]:
 MAX_GROUP_NAME_LENGTH = 63 - len("-prefill-") - 12 - len("-g999-99")
 
 
-def _group_errors(base: str, r: WorkerRole) -> list[str]:
+def _group_errors(base: str, r: WorkerRole, slo: bool) -> list[str]:
     """nodesPerReplica > 1 (docs/operator.md, "Multi-node worker groups")."""
     errors = []
     n = r.nodes_per_replica
@@ -320,9 +320,10 @@ def _group_errors(base: str, r: WorkerRole) -> list[str]:
             f"{base}.nodesPerReplica: {n} must divide tensorParallelSize {r.tensor_parallel_size} (each pod of a "
             "group runs the same number of ranks)"
         )
-    if r.autoscaling is not None:
+    if r.autoscaling is not None and not slo:
         errors.append(
-            f"{base}.autoscaling: not supported with nodesPerReplica > 1 (groups are scaled by replicas); remove it"
+            f"{base}.autoscaling: with nodesPerReplica > 1 only the SLO planner scales groups "
+            "(spec.autoscaling.mode: slo); an HPA would cut a group. Set the mode or remove it"
         )
     return errors
 

@@ -45,7 +45,7 @@ from kvship.router.policies import Policy, create_policy
 from kvship.router.ratelimit import KeyLimits, TokenBucket, key_limits_or_none
 from kvship.router.revisions import describe_revisions
 from kvship.router.selective import SelectiveDisagg
-from kvship.router.slo import KVTransferScraper, SLOTracker
+from kvship.router.slo import SLOTracker, WorkerStatsScraper
 from kvship.router.wire import RoutingRequest
 from kvship.router.worker import RegistrationError, Worker, WorkerRegistry
 
@@ -157,7 +157,7 @@ class Router:
             self.kv_events = KVEventSubscriber(
                 self.registry, kv_indexes, lambda: self.client, self.worker_headers, self.metrics
             )
-        self.kv_scraper = KVTransferScraper(
+        self.stats_scraper = WorkerStatsScraper(
             self.registry,
             self.slo,
             config.slo_scrape_interval,
@@ -195,8 +195,7 @@ class Router:
         self.health.start()
         if self.kv_events is not None:
             self.kv_events.start()
-        if self.config.pd:
-            self.kv_scraper.start()
+        self.stats_scraper.start()
         logger.info(
             "router ready: %d worker(s), policy %s",
             len(self.registry.all()),
@@ -205,7 +204,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.health.stop()
-        await self.kv_scraper.stop()
+        await self.stats_scraper.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.discovery is not None:

@@ -25,11 +25,21 @@ p50/p90/p99 (linear interpolation between order statistics), requests and
 output tokens per second over the window (or over the router's uptime while
 that is shorter).
 
+**Per-role worker figures** (``roles`` of ``GET /slo``): ``WorkerStatsScraper``
+reads every registered worker's ``/get_server_info`` each
+``--slo-scrape-interval`` seconds (the scheduler's own figures: ``running``,
+``waiting``, ``token_usage`` and the cumulative ``prompt_tokens`` /
+``generation_tokens``) and sums them per role (prefill, decode, unified):
+prompt and generated tokens per second over the window (like the KV rate
+below, a cumulative counter's growth over the window, restarts survived),
+queue depth (requests waiting for admission), running requests, and KV usage
+(mean and max fraction of KV slots in use over the role's workers).  A worker
+that leaves the registry leaves the figures.
+
 **KV-transfer rate**: decode workers count the KV bytes they received
-(``kv_transfer_bytes`` in their ``/get_server_info``); ``KVTransferScraper``
-reads it from every decode worker each ``--slo-scrape-interval`` seconds, and
-the rate over the window is the sum over decode workers of
-(bytes now - bytes at the window's start) / elapsed, in GB/s (1e9 bytes/s).
+(``kv_transfer_bytes`` in the same ``/get_server_info``); the rate over the
+window is the sum over decode workers of (bytes now - bytes at the window's
+start) / elapsed, in GB/s (1e9 bytes/s).
 """
 
 from __future__ import annotations
@@ -186,6 +196,7 @@ class SLOTracker:
         self._requests: deque[tuple[float, RequestSample]] = deque()
         self._itls: deque[tuple[float, float]] = deque()
         self._kv: dict[str, deque[tuple[float, int]]] = {}  # decode worker URL -> (time, cumulative bytes)
+        self._workers: dict[str, _WorkerSeries] = {}  # worker URL -> its scraped figures
 
     # -- recording -----------------------------------------------------------
     def record(self, route: str, sample: RequestSample) -> None:
@@ -216,8 +227,24 @@ class SLOTracker:
         series.append((now, total))
         self._trim(now, self.window_s)
 
+    def record_worker(self, url: str, role: str, info: dict) -> None:
+        """A worker's ``/get_server_info`` as scraped now (the figures of its scheduler, module docstring)."""
+        now = self.clock()
+        series = self._workers.get(url)
+        if series is None or series.role != role:
+            series = self._workers[url] = _WorkerSeries(role)
+        series.add(now, info)
+        series.trim(now - self.window_s)
+        kv = info.get("kv_transfer_bytes")
+        if role == "decode" and _count(kv) is not None:
+            self.record_kv_bytes(url, kv)
+
+    def known_workers(self) -> set[str]:
+        return set(self._kv) | set(self._workers)
+
     def forget_worker(self, url: str) -> None:
         self._kv.pop(url, None)
+        self._workers.pop(url, None)
 
     def _trim(self, now: float, keep_s: float) -> None:
         horizon = now - max(keep_s, self.window_s)
@@ -249,6 +276,31 @@ class SLOTracker:
         tokens = sum(s.output_tokens for s in reqs)
         out["output_tokens_per_second"] = round(tokens / span, 3) if reqs else None
         out["kv_transfer_gbps"] = self._kv_rate(since)
+        out["roles"] = self._roles(since)
+        return out
+
+    def _roles(self, since: float) -> dict[str, dict]:
+        """Per role: the sums over its scraped workers (module docstring); ``None`` for a figure none reported."""
+        roles: dict[str, list[_WorkerSeries]] = {}
+        for series in self._workers.values():
+            if series.samples:
+                roles.setdefault(series.role, []).append(series)
+        out = {}
+        for role, members in sorted(roles.items()):
+            fig: dict[str, Any] = {"workers": len(members)}
+            for key, name in (
+                ("prompt_tokens", "prompt_tokens_per_second"),
+                ("generation_tokens", "generation_tokens_per_second"),
+            ):
+                rates = [r for r in (w.rate(key, since) for w in members) if r is not None]
+                fig[name] = round(sum(rates), 3) if rates else None
+            for key, name in (("waiting", "queue_depth"), ("running", "running")):
+                values = [v for v in (w.gauge(key) for w in members) if v is not None]
+                fig[name] = int(sum(values)) if values else None
+            usage = [v for v in (w.gauge("token_usage") for w in members) if v is not None]
+            fig["kv_usage"] = round(sum(usage) / len(usage), 4) if usage else None
+            fig["kv_usage_max"] = round(max(usage), 4) if usage else None
+            out[role] = fig
         return out
 
     def _kv_rate(self, since: float) -> Optional[float]:
@@ -264,8 +316,52 @@ class SLOTracker:
         return round(total / 1e9, 6) if any_rate else None
 
 
-class KVTransferScraper:
-    """Reads ``kv_transfer_bytes`` from every decode worker's ``/get_server_info`` every ``interval`` s."""
+def _count(v: Any) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _number(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and v == v else None
+
+
+class _WorkerSeries:
+    """One worker's scrapes: cumulative counters over time (for rates) and its latest gauges."""
+
+    COUNTERS = ("prompt_tokens", "generation_tokens")
+    GAUGES = ("running", "waiting", "token_usage")
+
+    def __init__(self, role: str):
+        self.role = role
+        self.samples: deque[tuple[float, dict[str, int]]] = deque()  # (time, counters)
+        self.gauges: dict[str, float] = {}
+
+    def add(self, now: float, info: dict) -> None:
+        counters = {k: v for k in self.COUNTERS if (v := _count(info.get(k))) is not None}
+        if self.samples and any(counters.get(k, 0) < v for k, v in self.samples[-1][1].items()):
+            self.samples.clear()  # a counter went back: the worker restarted, its series starts again
+        self.samples.append((now, counters))
+        self.gauges = {k: v for k in self.GAUGES if (v := _number(info.get(k))) is not None}
+
+    def trim(self, horizon: float) -> None:
+        while len(self.samples) > 1 and self.samples[1][0] <= horizon:  # keep the window's baseline
+            self.samples.popleft()
+
+    def rate(self, key: str, since: float) -> Optional[float]:
+        if len(self.samples) < 2:
+            return None
+        base = next((p for p in reversed(self.samples) if p[0] <= since), self.samples[0])
+        last = self.samples[-1]
+        if last[0] <= base[0] or key not in last[1] or key not in base[1]:
+            return None
+        return (last[1][key] - base[1][key]) / (last[0] - base[0])
+
+    def gauge(self, key: str) -> Optional[float]:
+        return self.gauges.get(key)
+
+
+class WorkerStatsScraper:
+    """Reads every registered worker's ``/get_server_info`` every ``interval`` s into the tracker (per-role
+    figures, and the decode workers' ``kv_transfer_bytes``)."""
 
     def __init__(
         self,
@@ -286,7 +382,7 @@ class KVTransferScraper:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kvship-router-slo-scrape")
+            self._task = asyncio.create_task(self._run(), name="kvship-router-stats-scrape")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -298,14 +394,13 @@ class KVTransferScraper:
             self._task = None
 
     async def scrape_once(self) -> None:
-        workers = [w for w in self.registry.all("decode") if w.info is not None]
+        workers = [w for w in self.registry.all() if w.info is not None]
         known = {w.url for w in workers}
-        for url in list(self.tracker._kv):
-            if url not in known:
-                self.tracker.forget_worker(url)
-        await asyncio.gather(*(self._scrape(w.url) for w in workers))
+        for url in self.tracker.known_workers() - known:
+            self.tracker.forget_worker(url)
+        await asyncio.gather(*(self._scrape(w.url, w.role) for w in workers))
 
-    async def _scrape(self, url: str) -> None:
+    async def _scrape(self, url: str, role: str) -> None:
         client = self.client_fn()
         if client is None:
             return
@@ -317,16 +412,15 @@ class KVTransferScraper:
                     return
                 info = json.loads(await resp.read())
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            logger.debug("KV-transfer scrape of %s failed: %s", url, e)
+            logger.debug("stats scrape of %s failed: %s", url, e)
             return
-        value = info.get("kv_transfer_bytes") if isinstance(info, dict) else None
-        if isinstance(value, int) and value >= 0:
-            self.tracker.record_kv_bytes(url, value)
+        if isinstance(info, dict) and self.registry.get(url) is not None:  # not removed while we waited
+            self.tracker.record_worker(url, role, info)
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.scrape_once()
             except Exception as e:  # noqa: BLE001 - the loop must survive any one scrape
-                logger.warning("KV-transfer scrape failed: %r", e)
+                logger.warning("worker stats scrape failed: %r", e)
             await asyncio.sleep(self.interval)

@@ -9,7 +9,9 @@
 * plays the kubelet: a pod whose Deployment ``backend(deployment)`` maps to a local port gets
   ``podIP`` 127.0.0.1, the ``kvship.io/port`` annotation of that port, and ``ContainersReady`` from a
   real ``GET /health`` of the process there; the emulator derives ``Ready`` from it and the pod's
-  readiness gates (tests/kube_emulator.py).  Pods without a backend never get ready;
+  readiness gates (tests/kube_emulator.py).  Pods without a backend never get ready.  With
+  ``per_pod=True`` the backend is asked per pod (``backend(pod)``: a process per pod, so a Deployment
+  of several replicas runs several);
 * writes each Deployment's status (replicas, updated, ready, available, observedGeneration and the
   Progressing condition) the way the Deployment controller does.
 
@@ -51,8 +53,10 @@ class Workloads:
         backend: Callable[[dict], Optional[int]],
         period: float = 0.25,
         selector: str = "",
+        per_pod: bool = False,
     ):
         self.kube, self.namespace, self.backend, self.period, self.selector = kube, namespace, backend, period, selector
+        self.per_pod = per_pod
         self.history: list[dict[str, tuple[int, int]]] = []  # {deployment: (ready, desired)} at every change
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -100,14 +104,17 @@ class Workloads:
         ]
         current = [p for p in own if p["metadata"]["labels"].get("pod-template-hash") == h]
         stale = [p for p in own if p not in current]
-        port = self.backend(dep)
+        port = None if self.per_pod else self.backend(dep)
         while len(current) < want:
             current.append(self._create_pod(dep, h, port))
         for extra in current[want:]:
             self._delete(extra)
         current = current[:want]
         for pod in current + stale:
-            self._kubelet(pod, port if pod in current else self._port_of(pod))
+            if self.per_pod:
+                self._kubelet(pod, self._pod_port(pod))
+            else:
+                self._kubelet(pod, port if pod in current else self._port_of(pod))
         fresh = {p["metadata"]["name"]: p for p in self.kube.list("v1", "pods", self.namespace)}
         current = [fresh[p["metadata"]["name"]] for p in current if p["metadata"]["name"] in fresh]
         stale = [fresh[p["metadata"]["name"]] for p in stale if p["metadata"]["name"] in fresh]
@@ -139,6 +146,22 @@ class Workloads:
             except Exception as e:  # noqa: BLE001 - deleted meanwhile
                 self.errors.append(repr(e))
         return ready, want
+
+    def _pod_port(self, pod: dict) -> Optional[int]:
+        """``per_pod``: the pod's own process port, annotated on the pod (the router's discovery reads it)."""
+        port = self.backend(pod)
+        if port is not None and self._port_of(pod) != port:
+            try:
+                self.kube.patch(
+                    "v1",
+                    "pods",
+                    self.namespace,
+                    pod["metadata"]["name"],
+                    {"metadata": {"annotations": {PORT_ANNOTATION: str(port)}}},
+                )
+            except Exception as e:  # noqa: BLE001 - deleted meanwhile
+                self.errors.append(repr(e))
+        return port
 
     def _port_of(self, pod: dict) -> Optional[int]:
         raw = (pod["metadata"].get("annotations") or {}).get(PORT_ANNOTATION)

@@ -81,7 +81,11 @@ def test_spec_rules_for_groups():
     bad["decode"]["autoscaling"] = {"maxReplicas": 3}
     with pytest.raises(SpecError) as e:
         cfg_of(bad)
-    assert any("decode.autoscaling: not supported with nodesPerReplica > 1" in m for m in e.value.errors)
+    assert any(
+        "decode.autoscaling: with nodesPerReplica > 1 only the SLO planner scales groups" in m for m in e.value.errors
+    )
+    bad["slo"], bad["autoscaling"] = {"itlP50Ms": 50}, {"mode": "slo"}  # the planner scales whole groups
+    assert cfg_of(bad).spec.decode.autoscaling.max_replicas == 3
     with pytest.raises(SpecError) as e:
         cfg_of(pd_spec(), name="a" * 40)
     assert any("multi-node worker groups" in m for m in e.value.errors)

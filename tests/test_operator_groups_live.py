@@ -49,17 +49,31 @@ pytestmark = [
     pytest.mark.slow,
 ]
 NAME = "grp"
+GROUP_EXTRA = ["--max-total-tokens", "4096", "--max-running-requests", "4"]
 GROUP_LABEL = "kvship.io/group"
 VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 FIELD_LABEL = re.compile(r"metadata\.labels\['([^']+)'\]")
 
 
 class GroupProcesses:
-    """The kubelet of the group pods: one ``kvship serve`` process per pod (by uid), restarted when it exits
-    (``restartCount`` + 1, as a container restart), killed when its pod is deleted (``reap``)."""
+    """The kubelet of worker pods (group members, or the pods of a Deployment with ``Workloads(per_pod=True)``):
+    one ``kvship serve`` process per pod (by uid), restarted when it exits (``restartCount`` + 1, as a container
+    restart), and when its pod is deleted (``reap``) sent SIGTERM, then SIGKILL after ``grace_s`` (what the
+    kubelet does within ``terminationGracePeriodSeconds``; the worker drains its open requests meanwhile)."""
 
-    def __init__(self, pods: Pods, net: LoopbackNetwork, kube: Any, workdir: Path):
+    def __init__(
+        self,
+        pods: Pods,
+        net: LoopbackNetwork,
+        kube: Any,
+        workdir: Path,
+        extra: Optional[list[str]] = None,
+        grace_s: float = 10.0,
+    ):
         self.pods, self.net, self.kube, self.workdir = pods, net, kube, workdir
+        self.extra = WORKER_EXTRA if extra is None else extra
+        self.grace_s = grace_s
+        self.terminating: list[threading.Thread] = []
         self.running: dict[str, tuple[str, subprocess.Popen, int]] = {}  # pod name -> (uid, process, port)
         self.started: list[str] = []  # "<pod>/<uid>" per process start
         self.lock = threading.Lock()
@@ -87,7 +101,9 @@ class GroupProcesses:
         with self.lock:
             for name, (uid, proc, _) in list(self.running.items()):
                 if uid not in live:
-                    _kill(proc)
+                    stop = threading.Thread(target=_terminate, args=(proc, self.grace_s), daemon=True)
+                    stop.start()
+                    self.terminating.append(stop)
                     del self.running[name]
 
     def _bump_restart(self, pod: dict) -> None:
@@ -116,10 +132,13 @@ class GroupProcesses:
         container = pod["spec"]["containers"][0]
         env = self._env(pod, container)
         args = [VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in container["args"]]
-        i = args.index("--dist-init-addr")
-        args[i + 1] = self.net.address(args[i + 1])  # the leader's DNS name: the loopback pod network
+        if "--dist-init-addr" in args:
+            i = args.index("--dist-init-addr")
+            args[i + 1] = self.net.address(args[i + 1])  # the leader's DNS name: the loopback pod network
         args = self.pods._mount_secrets(name, pod["spec"], container, args)
-        args += ["--host", "127.0.0.1", "--port", str(port)] + WORKER_EXTRA
+        args += ["--host", "127.0.0.1", "--port", str(port)] + self.extra
+        if pod["metadata"]["labels"].get("kvship.io/role") == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(free_port())]
         log = open(self.workdir / f"{name}-{pod['metadata']['uid'][:8]}.log", "w")  # noqa: SIM115 - with the process
         return subprocess.Popen(
             [sys.executable, "-m", "kvship.app.cli", *args],
@@ -138,6 +157,19 @@ class GroupProcesses:
             for _, proc, _ in self.running.values():
                 _kill(proc)
             self.running.clear()
+        for t in self.terminating:
+            t.join(self.grace_s + 15)
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(proc)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -168,7 +200,8 @@ def live(tmp_path_factory, model):
         assert out.returncode == 0, out.stderr
         sa = install_chart_rbac(kube)
         pods = Pods(workdir, kube.kubeconfig, router_port, kube)
-        members = GroupProcesses(pods, LoopbackNetwork(NS), kube, workdir)
+        # a decode group runs up to 4 streams at once (the prefill Deployment keeps WORKER_EXTRA's 1)
+        members = GroupProcesses(pods, LoopbackNetwork(NS), kube, workdir, extra=GROUP_EXTRA)
         stop = threading.Event()
 
         def reaper() -> None:
@@ -325,3 +358,91 @@ def test_losing_one_pod_restarts_the_whole_group_and_serving_resumes(live):
         f"(one decode group: none can be served while it restarts), {len(ok_after)} ok after it came back"
     )
     assert results and results[0]["ok"], results[:1]  # the load was served before the loss
+
+
+def stream(router_url: str, prompt: str, max_tokens: int, progress: dict[str, Any]) -> dict[str, Any]:
+    """One streamed completion; ``progress`` holds its decode worker (``decode``) and ``tokens`` so far."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    rec: dict[str, Any] = {"error": None, "finish": None, "tokens": 0}
+    try:
+        body.update(stream=True, stream_options={"include_usage": True})
+        with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=180) as r:
+            progress["decode"] = r.headers.get("x-kvship-decode")
+            rec["status"], rec["decode"] = r.status_code, progress["decode"]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = chunk["error"]
+                for c in chunk.get("choices") or []:
+                    rec["finish"] = c.get("finish_reason") or rec["finish"]
+                usage = chunk.get("usage") or {}
+                rec["tokens"] = usage.get("completion_tokens", rec["tokens"] + 1)
+                progress["tokens"] = rec["tokens"]
+    except httpx.HTTPError as e:
+        rec["error"] = repr(e)
+    rec["ok"] = rec.get("status") == 200 and rec["error"] is None and rec["finish"] == "length"
+    return rec
+
+
+def test_streams_resume_on_the_other_group_while_a_group_restarts(live):
+    """Two decode groups; one pod of the group serving streams is killed: every stream completes (the router
+    resumes the broken ones on the other group) and the group comes back whole."""
+    kube, op, members, groups, router_url = live
+    kube.patch("kvship.io/v1alpha1", "inferenceservices", NS, NAME, {"spec": {"decode": {"replicas": 2}}})
+
+    def leaders() -> dict[str, str]:
+        """group StatefulSet -> its leader's URL, for the groups whose leader is in the router's rotation."""
+        urls = {u for u, w in in_rotation(router_url, kube).items() if w.get("role") == "decode"}
+        out = {}
+        for name, p in decode_pods(kube).items():
+            port = (p["metadata"].get("annotations") or {}).get("kvship.io/port")
+            if name.endswith("-0") and port and f"http://127.0.0.1:{port}" in urls:
+                out[p["metadata"]["labels"][GROUP_LABEL]] = f"http://127.0.0.1:{port}"
+        return out
+
+    wait_for(lambda: len(leaders()) == 2, 300, "two decode groups in the router's rotation")
+    wait_for(lambda: (service(kube).get("status") or {}).get("decode", {}).get("ready") == "2/2", 30, "2/2 groups")
+    by_group = leaders()
+    victim_group = sorted(by_group)[0]
+    victim_url = by_group[victim_group]
+    before = {n: p["metadata"]["uid"] for n, p in decode_pods(kube).items() if n.startswith(victim_group + "-")}
+    # streams long enough to be cut; round-robin puts two on each group, which runs them at once
+    progress = [{"decode": None, "tokens": 0} for _ in range(4)]
+    results: list[Optional[dict]] = [None] * len(progress)
+
+    def run(i: int) -> None:
+        results[i] = stream(router_url, f"resume across groups {i} says", 200, progress[i])
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(progress))]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    wait_for(
+        lambda: sum(p["decode"] == victim_url and p["tokens"] >= 5 for p in progress) >= 2, 120, "streams on the victim"
+    )
+    on_victim = sum(p["decode"] == victim_url for p in progress)
+    t_kill = time.monotonic()
+    kube.delete("v1", "pods", NS, f"{victim_group}-1")
+    for t in threads:
+        t.join(240)
+    t_done = time.monotonic()
+    assert all(r is not None and r["ok"] and r["tokens"] == 200 for r in results), results
+    # the group comes back whole (both pods new) and serves again
+    wait_for(
+        lambda: (
+            len([n for n in decode_pods(kube) if n.startswith(victim_group + "-")]) == 2
+            and not {p["metadata"]["uid"] for n, p in decode_pods(kube).items()} & set(before.values())
+        ),
+        120,
+        "the victim group recreated",
+    )
+    wait_for(lambda: len(leaders()) == 2, 300, "both groups back in the router's rotation")
+    t_back = time.monotonic()
+    print(
+        f"group restart under streams: {on_victim} of {len(progress)} streams started on the victim group, all "
+        f"{len(progress)} completed {t_done - t_kill:.1f} s after the kill; the group served again after "
+        f"{t_back - t_kill:.1f} s"
+    )
+    assert on_victim >= 2

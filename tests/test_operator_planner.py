@@ -60,20 +60,21 @@ def test_recorded_ramp_scales_decode_on_itl_prefill_on_ttft_then_back_down():
     cur.update(decisions(p, figures_from_router(slo(200, 300.0, 90.0, 3.0), workers((1, 1), (1, 16)), REV), cur, 10))
     assert cur["prefill"] == 1 and cur["decode"] == 3  # capacity ~16*50/90 -> want 4, step 2
     cur.update(decisions(p, figures_from_router(slo(300, 350.0, 60.0, 3.0), workers((1, 1), (3, 18)), REV), cur, 20))
-    assert cur == {"prefill": 1, "decode": 5}  # still missing: capacity ~5.3/replica at 0.8 -> 5
+    # still missing: one more (the capacity, ~5.8/replica at 0.8, wants 4 for 18 in flight)
+    assert cur == {"prefill": 1, "decode": 4}
     # request rate climbs: TTFT misses -> prefill up; decode within target stays
-    cur.update(decisions(p, figures_from_router(slo(500, 1400.0, 42.0, 8.0), workers((1, 6), (5, 18)), REV), cur, 30))
-    assert cur == {"prefill": 3, "decode": 5}
+    cur.update(decisions(p, figures_from_router(slo(500, 1400.0, 42.0, 8.0), workers((1, 6), (4, 18)), REV), cur, 30))
+    assert cur == {"prefill": 3, "decode": 4}
     # TTFT met but above 0.8 x target: prefill grows ahead of a miss; ITL comfortably met: decode holds
-    cur.update(decisions(p, figures_from_router(slo(500, 450.0, 40.0, 8.0), workers((3, 3), (5, 18)), REV), cur, 40))
-    assert cur == {"prefill": 4, "decode": 5}
+    cur.update(decisions(p, figures_from_router(slo(500, 450.0, 40.0, 8.0), workers((3, 3), (4, 18)), REV), cur, 40))
+    assert cur == {"prefill": 4, "decode": 4}
     # load falls: one replica at a time, down to minReplicas
     seen = []
     for t in range(50, 200, 10):
         f = figures_from_router(slo(30, 120.0, 12.0, 0.5), workers((cur["prefill"], 0), (cur["decode"], 2)), REV)
         cur.update(decisions(p, f, cur, t))
         seen.append(dict(cur))
-    assert seen[:4] == [{"prefill": 3, "decode": 4}, {"prefill": 2, "decode": 3}, {"prefill": 1, "decode": 2}] + [
+    assert seen[:4] == [{"prefill": 3, "decode": 3}, {"prefill": 2, "decode": 2}, {"prefill": 1, "decode": 1}] + [
         {"prefill": 1, "decode": 1}
     ]
     assert cur == {"prefill": 1, "decode": 1}
@@ -128,6 +129,79 @@ def test_unified_workers_follow_the_worse_of_ttft_and_itl():
     d = p.step(ttft_miss, {"unified": 1}, 0)[0]
     # capacity 2 req/s x 500/900 per replica, planned at 0.8 of it: 2 req/s wants 3 replicas
     assert d.desired == 3 and d.reason == "ScaledUp" and "ttft p90 900 ms > target 500 ms" in d.message
+
+
+def roles(prefill_tps=None, queued=(None, None), running=(None, None), kv=(None, None)) -> dict:
+    """``roles`` of GET /slo: per role the figures its workers report."""
+    out = {}
+    for i, role in enumerate(("prefill", "decode")):
+        out[role] = {
+            "workers": 1,
+            "prompt_tokens_per_second": prefill_tps if role == "prefill" else None,
+            "queue_depth": queued[i],
+            "running": running[i],
+            "kv_usage": kv[i],
+        }
+    return out
+
+
+def test_figures_take_token_rates_queues_and_kv_usage_per_role_from_the_router():
+    body = {**slo(50, 300.0, 20.0, 2.0), "roles": roles(4000.0, (2, 1), (1, 9), (0.3, 0.7))}
+    f = figures_from_router(body, workers((1, 1), (2, 8)), REV)
+    assert f.load("prefill") == RoleLoad(
+        serving=1, in_flight=1, prompt_tokens_per_second=4000.0, queue_depth=2, running=1, kv_usage=0.3
+    )
+    assert f.load("decode").concurrent == 10  # the workers' own running + queued, not the router's 8
+    assert RoleLoad(serving=1, in_flight=8).concurrent == 8  # no report: the router's in-flight count
+    assert "prefill 1 in flight on 1, 4000 prompt tok/s, 1 running, 2 queued, kv 30%" in f.describe()
+    junk = figures_from_router({"roles": {"decode": {"queue_depth": -1, "running": 1.5, "kv_usage": "x"}}}, [], REV)
+    assert junk.load("decode") == RoleLoad()
+
+
+def test_prefill_scales_with_prompt_token_throughput_when_prompts_grow_at_the_same_request_rate():
+    p = Planner(FAST, PD_TARGETS)
+    cur = {"prefill": 2, "decode": 1}
+    # 2 req/s of 1000-token prompts: TTFT 400 ms of 500 -> capacity ~ 1000 tok/s x 500/400 per replica
+    short = {**slo(100, 400.0, 20.0, 2.0), "roles": roles(2000.0, (0, 0), (1, 1), (0.2, 0.2))}
+    cur.update(decisions(p, figures_from_router(short, workers((2, 1), (1, 1)), REV), cur, 0))
+    assert cur["prefill"] == 2
+    assert p.capacity("prefill")["prompt_tokens_per_second"] == pytest.approx(1250.0)
+    # the same 2 req/s with 3x longer prompts: TTFT misses; the token rate, not the request rate, sizes it
+    long = {**slo(100, 900.0, 20.0, 2.0), "roles": roles(6000.0, (0, 0), (1, 1), (0.2, 0.2))}
+    d = next(d for d in p.step(figures_from_router(long, workers((2, 1), (1, 1)), REV), cur, 10) if d.role == "prefill")
+    assert d.desired == 4 and "prompt tok/s" in d.message and "ttft p90 900 ms > target 500 ms" in d.message
+
+
+def test_a_role_queueing_on_full_kv_grows_and_a_queueing_role_never_shrinks():
+    p = Planner(FAST, PD_TARGETS)
+    # ITL met comfortably, but decode's KV is full and requests queue: it cannot admit them, one more replica
+    full = {**slo(100, 200.0, 10.0, 1.0), "roles": roles(100.0, (0, 5), (0, 4), (0.1, 0.95))}
+    d = {
+        x.role: x
+        for x in p.step(figures_from_router(full, workers((1, 0), (2, 9)), REV), {"prefill": 1, "decode": 2}, 0)
+    }
+    assert d["decode"].desired == 3 and "5 queued with kv 95% >= 90%: full" in d["decode"].message
+    assert d["prefill"].desired == 1
+    # latency well met with KV to spare, but more requests queue than there are replicas: no shrink
+    queued = {**slo(100, 100.0, 5.0, 1.0), "roles": roles(100.0, (0, 4), (0, 2), (0.1, 0.5))}
+    d = {
+        x.role: x
+        for x in p.step(figures_from_router(queued, workers((1, 0), (3, 6)), REV), {"prefill": 1, "decode": 3}, 2)
+    }
+    assert d["decode"].desired == 3 and "not shrinking" in d["decode"].message
+
+
+def test_a_role_scaled_up_on_misses_comes_back_once_latency_is_far_below_its_target():
+    # figures of tests/test_operator_planner_ramp.py: misses teach a low capacity; at low load the per-replica
+    # token rate is far above what was ever seen met, yet TTFT is far below target: that bounds capacity up
+    p = Planner(FAST, [RoleTarget("prefill", 1, 2, ttft_ms=400.0)])
+    one = [{"role": "prefill", "revision": REV, "in_rotation": True}]
+    hot = {**slo(12, 2245.0, None, 2.4), "roles": {"prefill": {"prompt_tokens_per_second": 2238.0}}}
+    assert decisions(p, figures_from_router(hot, one, REV), {"prefill": 1}, 0) == {"prefill": 2}
+    assert p.capacity("prefill")["prompt_tokens_per_second"] == pytest.approx(2238.0 / 4)  # the clamp
+    low = {**slo(50, 80.0, None, 10.0), "roles": {"prefill": {"prompt_tokens_per_second": 1200.0}}}
+    d = p.step(figures_from_router(low, one * 2, REV), {"prefill": 2}, 10)[0]
+    assert d.desired == 1 and "1200 prompt tok/s over capacity 1.5e+03" in d.message, d.message
 
 
 def test_settings_and_targets_refuse_nonsense():

@@ -125,6 +125,45 @@ def test_kv_transfer_rate_sums_decode_workers_and_survives_a_counter_reset():
     assert tracker.summary()["kv_transfer_gbps"] == pytest.approx(1.0)
 
 
+def test_per_role_figures_sum_token_rates_queues_and_kv_usage_over_each_roles_workers():
+    clock = Clock(0.0)
+    tracker = SLOTracker(RouterMetrics(), window_s=60, clock=clock)
+    assert tracker.summary()["roles"] == {}
+    info = lambda p, g, run, wait, use: dict(  # noqa: E731
+        prompt_tokens=p, generation_tokens=g, running=run, waiting=wait, token_usage=use
+    )
+    tracker.record_worker("http://p1", "prefill", info(0, 0, 1, 0, 0.1))
+    tracker.record_worker("http://p2", "prefill", info(500, 10, 0, 0, 0.2))
+    tracker.record_worker("http://d1", "decode", {**info(0, 0, 3, 1, 0.5), "kv_transfer_bytes": 0})
+    one = tracker.summary()["roles"]
+    assert one["prefill"]["prompt_tokens_per_second"] is None  # one scrape each: no rate yet
+    assert (one["prefill"]["running"], one["decode"]["queue_depth"]) == (1, 1)
+    clock.t = 10.0
+    tracker.record_worker("http://p1", "prefill", info(2000, 10, 2, 3, 0.4))  # 200 prompt tok/s
+    tracker.record_worker("http://p2", "prefill", info(1500, 20, 1, 1, 0.8))  # 100 prompt tok/s
+    tracker.record_worker("http://d1", "decode", {**info(0, 400, 4, 0, 0.9), "kv_transfer_bytes": 10**10})
+    roles = tracker.summary()["roles"]
+    assert roles["prefill"] == {
+        "workers": 2,
+        "prompt_tokens_per_second": 300.0,
+        "generation_tokens_per_second": 2.0,
+        "queue_depth": 4,
+        "running": 3,
+        "kv_usage": 0.6,
+        "kv_usage_max": 0.8,
+    }
+    assert roles["decode"]["generation_tokens_per_second"] == 40.0 and roles["decode"]["running"] == 4
+    assert tracker.summary()["kv_transfer_gbps"] == pytest.approx(1.0)  # decode's kv_transfer_bytes, as before
+    # a restarted worker (counters back to 0) starts its series again; a removed one leaves the figures
+    clock.t = 20.0
+    tracker.record_worker("http://p1", "prefill", info(50, 0, 0, 0, 0.0))
+    tracker.forget_worker("http://p2")
+    roles = tracker.summary()["roles"]
+    assert roles["prefill"]["workers"] == 1 and roles["prefill"]["prompt_tokens_per_second"] is None
+    tracker.record_worker("http://p1", "prefill", {"prompt_tokens": "x", "running": True, "token_usage": -1})
+    assert tracker.summary()["roles"]["prefill"]["running"] is None  # junk is no figure
+
+
 # --- a real router and worker under a load generator ------------------------------------------------------
 
 MAX_TOKENS = 12

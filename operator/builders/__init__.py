@@ -63,14 +63,19 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
 
 
 def build_children(
-    cfg: ServiceConfig, images: Images, network: Network = Network(), credentials: str | None = None
+    cfg: ServiceConfig,
+    images: Images,
+    network: Network = Network(),
+    credentials: str | None = None,
+    planned_groups: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every child of the service, in apply order (config, RBAC and network policies before the pods).
 
     Worker Deployments are those of the spec's current revision (:func:`worker_revision`); Deployments of
     older revisions are kept or removed by the rollout (kvship.operator.rollout), not here.  ``credentials``:
     a digest of the service's Secrets (kvship.operator.credentials), put on the pod templates so that a
-    rotated Secret rolls the pods.
+    rotated Secret rolls the pods.  ``planned_groups``: the SLO planner's group count per grouped role
+    (builders/groups.py).
     """
     revision = worker_revision(cfg, images)
     deployments = [worker_deployment(cfg, role, images, revision, credentials) for role in worker_roles(cfg)]
@@ -79,7 +84,7 @@ def build_children(
     for d in deployments:  # a role of multi-node workers runs as groups of pods instead (builders/groups.py)
         role = _role_of(d)
         if role != "router" and grouped(cfg, role):
-            workloads += group_workloads(cfg, role, d, network.leader_worker_set)
+            workloads += group_workloads(cfg, role, d, network.leader_worker_set, (planned_groups or {}).get(role))
         else:
             workloads.append(d)
     argv = {_role_of(w): _pod_spec(w)["containers"][0]["args"] for w in workloads}

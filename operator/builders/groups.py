@@ -15,16 +15,21 @@ discovery (its selector adds the leader's index label).  Two shapes, chosen by w
   pod's ``apps.kubernetes.io/pod-index`` label (downward API); the operator itself restarts a group whose
   pod was replaced or restarted (kvship.operator.groups) and counts groups from the StatefulSets.
 
+The number of groups is ``replicas`` of the role, or, for a role the SLO planner scales (``spec.autoscaling.mode:
+slo``), the planner's count (the InferenceService's ``kvship.io/planned-groups`` annotation, within the role's
+``[minReplicas, maxReplicas]``; ``minReplicas`` before its first decision): the planner changes whole groups,
+never the pods of one.
+
 Pure builders: the same input always gives the same output.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 from kvship.operator.builders.common import REVISION_LABEL, child_name, metadata
-from kvship.operator.spec import ServiceConfig
+from kvship.operator.spec import ServiceConfig, slo_mode
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_KIND = "LeaderWorkerSet"
@@ -52,6 +57,16 @@ def any_grouped(cfg: ServiceConfig) -> bool:
     return any(grouped(cfg, role) for role in roles)
 
 
+def group_count(cfg: ServiceConfig, role: str, deployment: dict[str, Any], planned: Optional[int]) -> Optional[int]:
+    """The role's number of groups (module docstring); None: the role's Deployment leaves it unset."""
+    r = cfg.spec.prefill if role == "prefill" else cfg.spec.decode
+    if r.autoscaling is not None and slo_mode(cfg.spec):
+        a = r.autoscaling
+        return a.min_replicas if planned is None else min(max(planned, a.min_replicas), a.max_replicas)
+    replicas = deployment["spec"].get("replicas")
+    return None if replicas is None else int(replicas)
+
+
 def leader_label(leader_worker_set: bool) -> str:
     """The label whose value is a pod's index in its group (``"0"`` on leaders)."""
     return LWS_WORKER_INDEX_LABEL if leader_worker_set else STS_POD_INDEX_LABEL
@@ -72,8 +87,11 @@ def _with_group_container(pod: dict[str, Any], flags: list[str], env: list[dict[
     return pod
 
 
-def leader_worker_set(cfg: ServiceConfig, role: str, deployment: dict[str, Any]) -> dict[str, Any]:
-    """The role's LeaderWorkerSet, made from the Deployment it replaces (same name, labels and pod template)."""
+def leader_worker_set(
+    cfg: ServiceConfig, role: str, deployment: dict[str, Any], planned: Optional[int] = None
+) -> dict[str, Any]:
+    """The role's LeaderWorkerSet, made from the Deployment it replaces (same name, labels and pod template);
+    ``planned``: the SLO planner's group count, if it made one."""
     n = nodes_per_replica(cfg, role)
     tpl = deployment["spec"]["template"]
     flags = group_flags(n, "$(LWS_WORKER_INDEX)", "$(LWS_LEADER_ADDRESS)")
@@ -90,17 +108,21 @@ def leader_worker_set(cfg: ServiceConfig, role: str, deployment: dict[str, Any])
             "workerTemplate": template,
         },
     }
-    if "replicas" in deployment["spec"]:
-        spec["replicas"] = deployment["spec"]["replicas"]
+    groups = group_count(cfg, role, deployment, planned)
+    if groups is not None:
+        spec["replicas"] = groups
     meta = copy.deepcopy(deployment["metadata"])
     return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": meta, "spec": spec}
 
 
-def group_statefulsets(cfg: ServiceConfig, role: str, deployment: dict[str, Any]) -> list[dict[str, Any]]:
-    """One StatefulSet of ``nodesPerReplica`` pods per replica: ``<deployment name>-g<i>``."""
+def group_statefulsets(
+    cfg: ServiceConfig, role: str, deployment: dict[str, Any], planned: Optional[int] = None
+) -> list[dict[str, Any]]:
+    """One StatefulSet of ``nodesPerReplica`` pods per group: ``<deployment name>-g<i>``."""
     n = nodes_per_replica(cfg, role)
     base = deployment["metadata"]["name"]
-    replicas = int(deployment["spec"].get("replicas", 1))
+    groups = group_count(cfg, role, deployment, planned)
+    replicas = 1 if groups is None else groups
     service = child_name(cfg, role)
     out = []
     for i in range(replicas):
@@ -137,12 +159,17 @@ def group_statefulsets(cfg: ServiceConfig, role: str, deployment: dict[str, Any]
 
 
 def group_workloads(
-    cfg: ServiceConfig, role: str, deployment: dict[str, Any], use_leader_worker_set: bool
+    cfg: ServiceConfig,
+    role: str,
+    deployment: dict[str, Any],
+    use_leader_worker_set: bool,
+    planned: Optional[int] = None,
 ) -> list[dict[str, Any]]:
-    """What replaces a grouped role's Deployment: one LeaderWorkerSet, or a StatefulSet per group."""
+    """What replaces a grouped role's Deployment: one LeaderWorkerSet, or a StatefulSet per group;
+    ``planned``: the SLO planner's group count for the role, if it made one."""
     if use_leader_worker_set:
-        return [leader_worker_set(cfg, role, deployment)]
-    return group_statefulsets(cfg, role, deployment)
+        return [leader_worker_set(cfg, role, deployment, planned)]
+    return group_statefulsets(cfg, role, deployment, planned)
 
 
 def workload_revision(obj: dict[str, Any]) -> str:
