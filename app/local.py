@@ -65,6 +65,7 @@ from typing import Any, Optional, Sequence
 
 from kvship.app.gpu_placement import worker_gpus, worker_layout
 from kvship.app.local_child import Child, ChildFailed, WorkerNodes
+from kvship.app.mooncake_master import MooncakeMaster, mooncake_master_binary
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
 from kvship.common.envs import ENV
 from kvship.common.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -646,8 +647,17 @@ def run(args: argparse.Namespace) -> int:
     cfg: LocalConfig = dataclass_from_namespace(LocalConfig, args)
     flags = dataclass_from_namespace(WorkerFlags, args)
     setup_logging(flags.log_level)
+    master: Optional[MooncakeMaster] = None
     try:
         cfg.validate()
+        if flags.hicache_storage == "mooncake" and not flags.hicache_storage_master:
+            # the shared tier's master, run here (kvship.app.mooncake_master; docs/cache.md, "Mooncake Store")
+            master = MooncakeMaster(mooncake_master_binary())
+            flags = dataclasses.replace(
+                flags,
+                hicache_storage_master=master.rpc_address,
+                hicache_storage_metadata=flags.hicache_storage_metadata or master.metadata_url,
+            )
         ServerArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}).validate()
         device = _resolved_device(flags.device)
         backend = resolve_transfer_backend(cfg.transfer_backend, device, flags.disaggregation_ib_device)
@@ -673,6 +683,9 @@ def run(args: argparse.Namespace) -> int:
     old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
+        if master is not None:
+            master.start(os.path.join(log_dir, "mooncake-master.log"))
+            logger.info("mooncake_master on %s (metadata %s)", master.rpc_address, master.metadata_url)
         deployment.start()
         print(
             f"kvship local: serving on {deployment.router.url} ({cfg.prefill} prefill + {cfg.decode} decode "
@@ -690,6 +703,8 @@ def run(args: argparse.Namespace) -> int:
         for sig in old:
             signal.signal(sig, signal.SIG_IGN)
         deployment.stop()
+        if master is not None:
+            master.stop(cfg.shutdown_grace)
         for sig, handler in old.items():
             signal.signal(sig, handler)
     logger.info("kvship local stopped")

@@ -14,14 +14,21 @@ same workload once per policy, each time to fresh workers:
   each tenant's turns one after the other; the sum of the final contexts is
   several times the device pools, so pages are evicted during the run.
 
+* ``--routers N`` runs N router replicas with the same policy over the same
+  workers (as a Deployment of N router pods behind one Service) and a
+  tenant's turns alternate between them: each ``cache_aware`` replica sees
+  only the turns sent through it, each ``kv_events`` replica follows every
+  worker's events.
+
 Reports, per policy, the share of prompt tokens served from cache (sum of the
 replies' ``meta_info.cached_tokens`` over the sum of ``prompt_tokens``), the
 same for returning turns only (turn >= 2), TTFT p50/p90 (first streamed event,
 through the router) and how often a tenant's turn moved to another worker;
-then the difference in points and the TTFT ratio.  docs/cache.md, "Routing
-on KV events".
+for ``kv_events`` the routers' predicted against actual cached tokens per
+request (their ``kvship_router_kv_*`` metrics); then the difference in points
+and the TTFT ratio.  docs/cache.md, "Routing on KV events".
 
-    nice -n 19 .venv/bin/python bench/router_kv_events.py
+    nice -n 19 .venv/bin/python bench/router_kv_events.py [--routers 2]
 """
 
 from __future__ import annotations
@@ -171,9 +178,9 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Iterator[tuple[str, list[str]]]:
-    """Fresh workers and a router with ``policy`` (+ ``router_extra`` flags); yields (router URL, worker URLs);
-    stops them all."""
+def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Iterator[tuple[list[str], list[str]]]:
+    """Fresh workers and ``--routers`` routers with ``policy`` (+ ``router_extra`` flags), each following every
+    worker; yields (router URLs, worker URLs); stops them all."""
     worker_args = [
         "--model-path", model_dir,
         "--served-model-name", "tiny",
@@ -191,14 +198,17 @@ def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Itera
         procs += workers
         wait_healthy(workers, 300)
         urls = [w.url for w in workers]
-        router = spawn(
-            f"router-{policy}",
-            "router",
-            ["--worker-urls", *urls, "--policy", policy, "--worker-api-key", KEY, "--debug-headers", *router_extra],
-        )
-        procs.append(router)
-        wait_healthy([router], 60)
-        yield router.url, urls
+        routers = [
+            spawn(
+                f"router{i}-{policy}",
+                "router",
+                ["--worker-urls", *urls, "--policy", policy, "--worker-api-key", KEY, "--debug-headers", *router_extra],
+            )
+            for i in range(args.routers)
+        ]
+        procs += routers
+        wait_healthy(routers, 60)
+        yield [r.url for r in routers], urls
     finally:
         for p in procs:
             p.stop()
@@ -218,6 +228,11 @@ class Result:
     first: dict = field(default_factory=dict)  # worker URL -> tenants whose first turn went there
     errors: int = 0
     wall_s: float = 0.0
+    # the routers' predicted vs actual cached tokens (kv_events only; summed over the router replicas)
+    predictions: dict = field(default_factory=dict)  # outcome (exact/under/over) -> requests
+    predicted_sum: float = 0.0
+    actual_sum: float = 0.0
+    error_sum: float = 0.0
 
     def share(self, min_turn: int = 1) -> float:
         pairs = [(p, c) for p, c, t in zip(self.prompt, self.cached, self.turn) if t >= min_turn]
@@ -257,7 +272,7 @@ async def one_turn(client: aiohttp.ClientSession, url: str, ids: list[int], max_
     return last, ttft, worker
 
 
-async def run_workload(url: str, worker_urls: list[str], policy: str, args) -> Result:
+async def run_workload(router_urls: list[str], worker_urls: list[str], policy: str, args) -> Result:
     res = Result(policy)
     rng = random.Random(args.seed)
     systems = [[rng.randrange(LOW, HIGH) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
@@ -281,6 +296,7 @@ async def run_workload(url: str, worker_urls: list[str], policy: str, args) -> R
             prev_worker = None
             for t in range(args.turns):
                 prompt = history + users[i][t]
+                url = router_urls[(i + t) % len(router_urls)]  # replicas behind one Service: turns alternate
                 async with sem:
                     try:
                         event, ttft, worker = await one_turn(client, url, prompt, args.max_new_tokens)
@@ -303,7 +319,27 @@ async def run_workload(url: str, worker_urls: list[str], policy: str, args) -> R
         t0 = time.perf_counter()
         await asyncio.gather(*(tenant(i) for i in range(args.tenants)))
         res.wall_s = time.perf_counter() - t0
+        for r in router_urls:
+            async with client.get(r + "/metrics", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                assert resp.status == 200, await resp.text()
+                read_predictions(res, await resp.text())
     return res
+
+
+def read_predictions(res: Result, text: str) -> None:
+    """Add one router's ``kvship_router_kv_*`` prediction series (docs/cache.md) to ``res``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvship_router_kv_predictions_total":
+                res.predictions[s.labels["outcome"]] = res.predictions.get(s.labels["outcome"], 0) + int(s.value)
+            elif s.name == "kvship_router_kv_actual_cached_tokens_sum":
+                res.actual_sum += s.value
+            elif s.name == "kvship_router_kv_prediction_error_tokens_sum":
+                res.error_sum += s.value
+            elif s.name == "kvship_router_kv_predicted_cached_tokens_sum":
+                res.predicted_sum += s.value
 
 
 def report(results: list[Result], args, load: tuple[float, float]) -> str:
@@ -313,8 +349,8 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
         f"{args.workers} CPU workers (tiny 2-layer llama), {args.pool_tokens}-token device pool each, page size {PAGE}, "
         f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.turns} turns "
         f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
-        f"at most {args.concurrency} in flight; streamed token-id /generate through the router; fresh workers per "
-        f"policy.",
+        f"at most {args.concurrency} in flight; streamed token-id /generate through {args.routers} router "
+        f"replica(s) (a tenant's turns alternate between them); fresh workers per policy.",
         "",
         "| policy | requests | errors | prompt tokens | cached share % | cached share, turns >= 2 % | "
         "TTFT p50 ms | TTFT p90 ms | tenant moved worker | first turns per worker | wall s |",
@@ -326,6 +362,15 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
             f"{r.ttft_ms(0.5):.1f} | {r.ttft_ms(0.9):.1f} | {r.moves} | "
             f"{'/'.join(str(n) for n in sorted(r.first.values(), reverse=True))} | {r.wall_s:.1f} |"
         )
+    for r in results:
+        n = sum(r.predictions.values())
+        if n:
+            lines.append(
+                f"\n{r.policy}: predicted vs actual cached tokens over {n} requests compared: "
+                + ", ".join(f"{k} {100 * r.predictions.get(k, 0) / n:.0f}%" for k in ("exact", "under", "over"))
+                + f"; mean predicted {r.predicted_sum / max(1, len(r.prompt)):.1f}, mean actual "
+                f"{r.actual_sum / n:.1f}, mean |error| {r.error_sum / n:.1f} tokens."
+            )
     c = by.get("cache_aware")
     for k in results:
         if c is None or k is c:
@@ -345,12 +390,18 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--pool-tokens", type=int, default=320, help="each worker's --max-total-tokens")
     p.add_argument("--hicache-ratio", type=float, default=1.0, help="host tier size (0: none)")
-    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--tenants", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=96)
     p.add_argument("--user-tokens", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas (same policy, same workers); turns alternate between them",
+    )
     p.add_argument("--settle-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--policies", nargs="+", default=["cache_aware", "kv_events"])
@@ -375,8 +426,8 @@ def main() -> None:
             else:
                 runs.append((policy, policy, []))
         for label, policy, extra in runs:
-            with cluster(model_dir, policy, extra, args) as (url, worker_urls):
-                results.append(asyncio.run(run_workload(url, worker_urls, label, args)))
+            with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls):
+                results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args)))
             print(f"{label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
     print(report(results, args, (load0, os.getloadavg()[0])))
 

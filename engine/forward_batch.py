@@ -88,6 +88,10 @@ class ForwardBatch:
     # current stream); None = no call.  A prefill worker ships early layers while later ones compute
     # (docs/pd.md, "Layer-wise transfer")
     layer_done: Optional[Callable[[int], None]] = field(default=None, repr=False)
+    # called with a layer's id before that layer's attention reads the KV pool: pages loading back from the
+    # host tier are in place once it returns (on CUDA: the current stream waits for them); None = no call
+    # (docs/cache.md, "Load-back")
+    kv_ready: Optional[Callable[[int], None]] = field(default=None, repr=False)
 
     def default_logits_indices(self) -> torch.Tensor:
         """Index of the last new token of each request in the packed tokens."""

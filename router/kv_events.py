@@ -14,16 +14,21 @@ Data flow::
   missed, or answers a gap line); any gap or failure marks the worker unsynced until the next snapshot.
 * ``KVEventSubscriber`` runs one feed per registered worker of the roles that route with ``kv_events`` and
   drops a worker's pages when it leaves the registry.
-* ``KVEventsPolicy`` routes a token-id prompt to the worker with the best score::
+* ``KVEventsPolicy`` routes a token-id prompt by the rule of ``cache_aware`` with the index in place of the
+  approximate tree: when in-flight counts are imbalanced (``--balance-abs-threshold`` and
+  ``--balance-rel-threshold``) the least loaded worker wins; otherwise the worker with the best score::
 
       score = gpu_tokens + host_weight * host_tokens - load_tokens * in_flight
 
   where ``gpu_tokens`` / ``host_tokens`` are the tokens of the prompt's longest leading run of pages the
-  worker holds on that tier (``page_hashes`` of the prompt at the worker's page size).  A worker whose feed is
-  not synced is scored from the approximate tree of ``cache_aware`` (what the router sent it) instead.
-  Ties: the least loaded, then at random.  The load escape of ``cache_aware`` holds (imbalanced in-flight
-  counts: the least loaded wins).  The router has no tokenizer: text prompts (chat, text completions and
-  ``/generate`` text, batches) are routed by the ``cache_aware`` rule on the approximate tree.
+  worker holds on that tier (``page_hashes`` of the prompt at the worker's page size); ``load_tokens``
+  (``--kv-events-load-tokens``) is 0 by default, so the longest cached prefix wins and load only breaks ties.
+  Ties: the worker sent the fewest distinct prompt tokens (``cache_aware``'s tree size: its KV demand),
+  then the least loaded, then the fewest pages held (most free KV), then at random.  When no worker holds
+  any page of the prompt the same tie rule picks.  A worker whose feed is not synced is scored from the
+  approximate tree of ``cache_aware`` (what the router sent it) instead.  The router has no tokenizer: text
+  prompts (chat, text completions and ``/generate`` text, batches) are routed by the ``cache_aware`` rule on
+  the approximate tree.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
@@ -88,6 +93,10 @@ class PrefixIndex:
 
     def page_size(self, url: str) -> int:
         return self.state[url].page_size
+
+    def held(self, url: str) -> int:
+        """How many pages the index holds for ``url``."""
+        return len(self._held.get(url, ()))
 
     def pages(self, url: str) -> dict[int, str]:
         """The pages the index holds for ``url`` (a copy): hash -> tier."""
@@ -330,6 +339,76 @@ class KVEventSubscriber:
             index.forget(worker.url)
 
 
+MAX_REPLY_LINE_BYTES = 1 << 20  # a reply line longer than this is not searched for cached_tokens
+
+
+def reply_cached_tokens(obj: Any) -> Optional[int]:
+    """The worker's count of cached prompt tokens in one reply object (``/generate``: ``meta_info.cached_tokens``;
+    OpenAI routes: ``usage.prompt_tokens_details.cached_tokens``), else None."""
+    if not isinstance(obj, dict):
+        return None
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("cached_tokens"), int):
+        return meta["cached_tokens"]
+    usage = obj.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return None
+
+
+@dataclass
+class KVPrediction:
+    """What ``kv_events`` expected of the worker it chose for one token-id request, and what the worker said.
+
+    The proxy feeds it the reply (``feed`` per stream chunk, ``feed_body`` for a whole reply) and calls
+    ``finish`` once the reply ended well: the metrics then compare ``tokens`` (predicted) with the worker's own
+    ``cached_tokens`` (docs/cache.md, "Routing on KV events", Metrics).
+    """
+
+    worker: str
+    tokens: int
+    source: str  # "index" (the worker's KV events) or "tree" (the approximate tree: its feed was behind)
+    actual: Optional[int] = None
+    _tail: bytes = field(default=b"", repr=False)
+
+    def feed(self, chunk: bytes) -> None:
+        """One piece of an SSE reply; the last ``cached_tokens`` of its ``data:`` events is kept."""
+        data = self._tail + chunk if self._tail else chunk
+        lines = data.split(b"\n")
+        tail = lines.pop()
+        self._tail = tail if len(tail) <= MAX_REPLY_LINE_BYTES else b""
+        for line in lines:
+            if b"cached_tokens" in line and line.startswith(b"data:"):
+                try:
+                    found = reply_cached_tokens(json.loads(line[5:]))
+                except ValueError:
+                    continue
+                if found is not None:
+                    self.actual = found
+
+    def feed_body(self, body: bytes) -> None:
+        """A whole (non-streamed) JSON reply."""
+        if b"cached_tokens" not in body:
+            return
+        try:
+            found = reply_cached_tokens(json.loads(body))
+        except ValueError:
+            return
+        if found is not None:
+            self.actual = found
+
+    def finish(self, metrics: Optional[RouterMetrics], worker_url: str) -> None:
+        """Record predicted against actual (a reply from another worker, resumed or retried, is not counted)."""
+        if metrics is None or self.actual is None or worker_url != self.worker:
+            return
+        diff = self.actual - self.tokens
+        outcome = "exact" if diff == 0 else ("under" if diff > 0 else "over")
+        metrics.kv_actual_cached_tokens.labels(self.source).observe(self.actual)
+        metrics.kv_prediction_error_tokens.labels(self.source).observe(abs(diff))
+        metrics.kv_predictions.labels(self.source, outcome).inc()
+
+
 def prompt_ids(request: RoutingRequest) -> Optional[list[int]]:
     """The token ids of a single token-id prompt (``/generate`` ``input_ids``, a completions id list), else None."""
     if not request.text_is_ids or request.batch_size != 1 or request.route == ROUTE_CHAT:
@@ -348,6 +427,7 @@ class KVEventsPolicy(Policy):
         super().__init__(config, metrics)
         self.index = PrefixIndex(config.kv_index_max_pages)
         self.fallback = CacheAwarePolicy(config, metrics)
+        self._last: Optional[tuple[int, KVPrediction]] = None  # (id of the request, its prediction)
 
     def predict(
         self, worker: Worker, ids: list[int], text: str, hashes: dict[int, list[int]]
@@ -362,7 +442,12 @@ class KVEventsPolicy(Policy):
         matched = self.fallback.tree(worker).match(text)
         return float(matched), matched, False
 
+    def held_pages(self, worker: Worker) -> int:
+        """Pages the index holds for ``worker`` (its used KV as far as the router knows; 0 when unsynced)."""
+        return self.index.held(worker.url) if self.index.synced(worker.url) else 0
+
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        self._last = None
         ids = prompt_ids(request)
         if ids is None:
             return self.fallback.select(workers, request)
@@ -375,7 +460,9 @@ class KVEventsPolicy(Policy):
         )
         hashes: dict[int, list[int]] = {}
         if imbalanced:
-            chosen = self.least_loaded(workers)
+            least = min(loads)
+            pool = [w for w in workers if w.in_flight == least]
+            chosen = self._tie_break([(0.0, 0, False, w) for w in pool])[3]
             _, cached, from_index = self.predict(chosen, ids, text, hashes)
         else:
             scored = []
@@ -383,15 +470,34 @@ class KVEventsPolicy(Policy):
                 score, cached, from_index = self.predict(w, ids, text, hashes)
                 scored.append((score - self.config.kv_events_load_tokens * w.in_flight, cached, from_index, w))
             best = max(s[0] for s in scored)
-            tied = [s for s in scored if s[0] == best]
-            if len(tied) > 1:
-                least = min(s[3].in_flight for s in tied)
-                tied = [s for s in tied if s[3].in_flight == least]
-            _, cached, from_index, chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+            _, cached, from_index, chosen = self._tie_break([s for s in scored if s[0] == best])
         self.fallback.tree(chosen).insert(text)
+        source = "index" if from_index else "tree"
         if self.metrics is not None:
-            self.metrics.kv_predicted_cached_tokens.labels("index" if from_index else "tree").observe(cached)
+            self.metrics.kv_predicted_cached_tokens.labels(source).observe(cached)
+        self._last = (id(request), KVPrediction(chosen.url, cached, source))
         return chosen
+
+    def take_prediction(self, request: RoutingRequest) -> Optional[KVPrediction]:
+        """The prediction of the ``select`` that just routed ``request`` (once; None for a text prompt)."""
+        last, self._last = self._last, None
+        return last[1] if last is not None and last[0] == id(request) else None
+
+    def _tie_break(self, tied: list[tuple[float, int, bool, Worker]]) -> tuple[float, int, bool, Worker]:
+        """Among equal scores (and for a prompt no worker holds): the worker sent the fewest distinct prompt
+        tokens (the size of ``cache_aware``'s approximate tree of what it was sent: its KV demand, counted at
+        the choice, where the index hears of pages only once they are cached), then the least loaded, then
+        the fewest pages held in the index, then at random.  Demand before load: a new conversation goes
+        where its KV is least likely to push others out (load has the balance thresholds)."""
+        for key in (
+            lambda w: self.fallback.tree(w).size,
+            lambda w: w.in_flight,
+            self.held_pages,
+        ):
+            if len(tied) > 1:
+                least = min(key(s[3]) for s in tied)
+                tied = [s for s in tied if key(s[3]) == least]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     def on_worker_removed(self, worker: Worker) -> None:
         self.fallback.on_worker_removed(worker)

@@ -73,6 +73,28 @@ class RouterMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self.kv_actual_cached_tokens = Histogram(
+            "kvship_router_kv_actual_cached_tokens",
+            "kv_events: prompt tokens the chosen worker reported cached (its reply's cached_tokens), by the "
+            "prediction's source",
+            ["source"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.kv_prediction_error_tokens = Histogram(
+            "kvship_router_kv_prediction_error_tokens",
+            "kv_events: |actual - predicted| cached prompt tokens per request, by the prediction's source",
+            ["source"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.kv_predictions = Counter(
+            "kvship_router_kv_predictions",
+            "kv_events: requests whose worker reported exactly the predicted cached tokens, more (under) or "
+            "fewer (over), by the prediction's source",
+            ["source", "outcome"],
+            registry=r,
+        )
         self.kv_index_pages = Gauge(
             "kvship_router_kv_index_pages", "kv_events: page hashes in the router's prefix index", registry=r
         )

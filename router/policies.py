@@ -19,7 +19,7 @@ import itertools
 import random
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kvship.router.config import RouterConfig
 from kvship.router.metrics import RouterMetrics
@@ -66,6 +66,12 @@ class Policy(ABC):
     @abstractmethod
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         """Pick one of ``workers`` (non-empty, all available) for ``request``."""
+
+    def take_prediction(self, request: RoutingRequest) -> Optional[Any]:
+        """What this policy expected of the worker its last ``select`` chose for ``request``, handed over once,
+        right after that ``select``; None for policies that predict nothing (``kv_events`` returns a
+        ``KVPrediction`` the proxy completes with the reply)."""
+        return None
 
     def on_worker_removed(self, worker: Worker) -> None:
         """Forget per-worker state of a worker that left the registry."""

@@ -82,6 +82,9 @@ class WholeResponse(Response):
             if up.status == 200:
                 assert up.body is not None
                 ctx.router.slo.record(ctx.route, RequestMeter.body_sample(ctx.started, up.body))
+                if ctx.kv_prediction is not None:
+                    ctx.kv_prediction.feed_body(up.body)
+                    ctx.kv_prediction.finish(ctx.router.metrics, up.worker.url)
             ctx.finish(up.status, up.worker.url)
 
 
@@ -123,6 +126,8 @@ class RelayResponse(Response):
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 meter.feed(chunk)
+                if ctx.kv_prediction is not None:
+                    ctx.kv_prediction.feed(chunk)
                 try:
                     async with asyncio.timeout_at(ctx.deadline):
                         chunk = await content.readany()
@@ -158,6 +163,8 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if clean_end and self.status_code == 200 and not self.client_gone:
                 ctx.router.slo.record(ctx.route, meter.stream_sample())
+                if ctx.kv_prediction is not None:
+                    ctx.kv_prediction.finish(ctx.router.metrics, up.worker.url)
         finally:
             watcher.cancel()
             if clean_end:
@@ -244,6 +251,8 @@ class ResumingRelay(Response):
                         if out:
                             await send({"type": "http.response.body", "body": out, "more_body": True})
                             meter.feed(out)
+                            if ctx.kv_prediction is not None:
+                                ctx.kv_prediction.feed(out)
                             if broke_at is not None:
                                 logger.info(
                                     "request %s: resumed on %s, %.1f ms from the break to the next event relayed",
@@ -298,6 +307,8 @@ class ResumingRelay(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if completed and self.status_code == 200:
                 ctx.router.slo.record(ctx.route, meter.stream_sample(len(state.out_ids)))
+                if ctx.kv_prediction is not None:
+                    ctx.kv_prediction.finish(ctx.router.metrics, self.up.worker.url)
         finally:
             watcher.cancel()
             if not self.up.lease.done:
@@ -486,6 +497,9 @@ async def proxy_request(ctx: RequestContext, request: RoutingRequest) -> Respons
             if last is None:
                 return error_response(ctx, 503, str(e), "no_healthy_worker")
             break
+        policy = router.policies.get(sel.worker.role) if sel.worker is not None else None
+        if policy is not None:  # (a PD pair's reply counts the decode worker's cache: not compared)
+            ctx.kv_prediction = policy.take_prediction(request)
         if pick is not None:
             if sel.selective is not None:  # docs/observability.md: the --pd-selective decision on the pick span
                 ctx.spans.end(pick, pd_selective=sel.selective, pd_route="pd" if sel.is_pair else "decode")

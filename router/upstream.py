@@ -64,6 +64,7 @@ class RequestContext:
     deadline: float = 0.0  # event-loop time
     attempts: int = 0
     spans: Optional[Any] = None  # the request's ``kvship.router.tracing.RequestSpans`` when tracing is on
+    kv_prediction: Optional[Any] = None  # a ``kv_events`` choice's ``KVPrediction``, completed by the reply
 
     def finish(self, status: int, worker: str) -> None:
         if self.spans is not None:

@@ -39,6 +39,13 @@ def cached(cache, alloc, kv, tokens):
     return slots
 
 
+def settle(cache: RadixCache) -> None:
+    """Run the queued load-backs to the end (what the launcher does around the forward that reads them)."""
+    loads = cache.take_loads()
+    if loads is not None:
+        loads.finish()
+
+
 def check_consistent(cache: RadixCache, alloc, host) -> None:
     """Counters equal the tree; every slot is free xor in exactly one node; gpu nodes form a rooted subtree."""
     gpu_slots, host_slots, evictable, protected = [], [], 0, 0
@@ -81,7 +88,12 @@ def test_evicted_prefix_moves_to_host_and_loads_back_with_the_same_kv():
         kv.v_buffer[layer].fill_(-1)
     m2 = cache.load_back(m, max_tokens=100)
     assert m2.length == 8 and m2.host_len == 0 and cache.host_size() == 0
+    assert read_tokens(kv, m2.indices) == [-1] * 8  # queued, not copied: the forward starts it
+    loads = cache.take_loads()
+    assert loads is not None and cache.take_loads() is None
+    loads.wait(0)  # layer 0 is in place once its wait returns
     assert read_tokens(kv, m2.indices) == tokens
+    loads.finish()
     assert kv.k_buffer[1][m2.indices, 0, 1].long().tolist() == [t + 1000 for t in tokens]
     assert kv.v_buffer[1][m2.indices, 0, 1].long().tolist() == [-(t + 1000) for t in tokens]
     assert cache.match_prefix(tokens).indices.tolist() == m2.indices.tolist()
@@ -102,9 +114,57 @@ def test_partial_host_match_splits_the_host_node_and_load_back_respects_max_toke
     assert m.length == 4 and m.host_len == 2
     assert cache.load_back(m, max_tokens=0).length == 4  # no room: the match is unchanged
     m2 = cache.load_back(m, max_tokens=2)
+    settle(cache)
     assert m2.length == 6 and read_tokens(kv, m2.indices) == [1, 2, 3, 4, 5, 6]
     assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).host_len == 2  # [7, 8] stayed on host
     check_consistent(cache, alloc, host)
+
+
+def test_a_write_back_reuses_the_host_pages_of_a_queued_load_back_only_after_the_copy():
+    cache, alloc, kv, host = make_tiered(ps=2, pages=8, host_pages=4)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 8, 8, 7, 7]
+    cached(cache, alloc, kv, a)
+    cache.evict(8)  # a fills the host pool
+    for layer in range(kv.num_layers):  # the device rows a left behind are gone
+        kv.k_buffer[layer].fill_(-1)
+        kv.v_buffer[layer].fill_(-1)
+    m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)  # queued; a's host pages are free again
+    assert m.length == 8 and host.available_size() == host.total_slots
+    cached(cache, alloc, kv, b)
+    cache.match_prefix(b)  # a is the least recently used device leaf
+    assert cache.evict(8) == 8  # a goes back to host, into the pages its queued load reads: the load runs first
+    assert cache.match_prefix(a).host_len == 8
+    m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)
+    settle(cache)
+    assert m.length == 8 and read_tokens(kv, m.indices) == a
+    check_consistent(cache, alloc, host)
+
+
+def test_load_back_with_room_for_part_of_a_host_node_loads_its_leading_pages():
+    cache, alloc, kv, host = make_tiered(ps=2)
+    tokens = list(range(20, 30))
+    cached(cache, alloc, kv, tokens)
+    cache.evict(10)  # one host node of 10 tokens
+    m = cache.match_prefix(tokens + [0])
+    assert m.host_len == 10 and len(m.host_nodes) == 1
+    m2 = cache.load_back(m, max_tokens=7)  # room for 3 whole pages of it
+    settle(cache)
+    assert m2.length == 6 and m2.host_len == 4 and read_tokens(kv, m2.indices) == tokens[:6]
+    assert [node.key for node in m2.host_nodes] == [tokens[6:]]
+    m3 = cache.load_back(m2, max_tokens=100)
+    settle(cache)
+    assert m3.length == 10 and read_tokens(kv, m3.indices) == tokens
+    check_consistent(cache, alloc, host)
+
+
+def test_a_failed_load_back_copy_fails_the_forward_that_waits_for_it():
+    _, _, kv, host = make_tiered(ps=2, pages=4)
+    host.load_back(torch.tensor([2, 3]), torch.tensor([kv.num_slots + 64, kv.num_slots + 65]))  # no such rows
+    loads = host.start_loads()
+    with pytest.raises(RuntimeError, match="host KV load-back failed"):
+        loads.wait(0)
+    with pytest.raises(RuntimeError, match="host KV load-back failed"):
+        loads.finish()
 
 
 def test_full_host_pool_evicts_its_least_recently_used_pages_first():
@@ -144,6 +204,9 @@ def test_random_operations_keep_both_pools_consistent_and_end_full():
         m = cache.match_prefix(tokens)
         if m.host_len and rng.random() < 0.7:
             m = cache.load_back(m, rng.choice([2, 4, 100]))
+            if rng.random() < 0.5:  # else the next write-back (an eviction) completes it first
+                settle(cache)
+        settle(cache)
         assert read_tokens(kv, m.indices) == tokens[: m.length]  # every tier kept each page's own K/V
         cache.inc_lock_ref(m.last_node)
         n_new = len(tokens) // 2 * 2 - m.length

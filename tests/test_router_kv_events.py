@@ -17,7 +17,8 @@ from router_fixtures import running_router
 from kvship.engine.mem.hicache_events import KVEvent, page_hashes
 from kvship.router.circuit import CircuitBreaker
 from kvship.router.config import RouterConfig
-from kvship.router.kv_events import KVEventsPolicy, PrefixIndex, WorkerFeed
+from kvship.router.kv_events import KVEventsPolicy, KVPrediction, PrefixIndex, WorkerFeed
+from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import create_policy
 from kvship.router.wire import RoutingRequest
 from kvship.router.worker import Worker
@@ -82,6 +83,59 @@ def test_policy_routes_to_the_longest_cached_prefix_weighted_by_tier_and_load():
     text = RoutingRequest.parse("/generate", json.dumps({"text": "hello " * 20}).encode())
     first = policy.select([a, b, c], text)
     assert policy.select([a, b, c], text) is first
+
+
+def test_policy_keeps_the_longest_cached_prefix_under_load_until_the_balance_thresholds_pass():
+    a, b, c = (Worker(url=f"http://w{i}", role="unified", breaker=CircuitBreaker(5, 30)) for i in range(3))
+    ids = list(range(200, 232))
+    h = page_hashes(ids, PAGE)
+    req = _gen_request(ids)
+
+    def policy_for(cfg: RouterConfig) -> KVEventsPolicy:
+        p = create_policy("kv_events", cfg)
+        assert isinstance(p, KVEventsPolicy)
+        p.index.reset(a.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "gpu"] for x in h[:2]]})
+        p.index.reset(b.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "gpu"] for x in range(7)]})  # others
+        p.index.reset(c.url, {"seq": 0, "page_size": PAGE, "pages": [[x, "gpu"] for x in range(10, 13)]})
+        return p
+
+    a.in_flight, b.in_flight, c.in_flight = 3, 0, 0
+    policy = policy_for(RouterConfig())  # default: load does not offset cached tokens
+    assert policy.select([a, b, c], req) is a  # 8 cached tokens on a busy worker beat an idle one
+    prediction = policy.take_prediction(req)
+    assert prediction is not None and (prediction.worker, prediction.tokens, prediction.source) == (a.url, 8, "index")
+    assert policy.take_prediction(req) is None  # handed over once
+    # no worker holds the prompt: the least loaded, then the fewest pages held (c: 3 against b's 7)
+    assert policy.select([a, b, c], _gen_request(list(range(300, 332)))) is c
+    policy = policy_for(RouterConfig(balance_abs_threshold=2, balance_rel_threshold=1.5))
+    assert policy.select([a, b, c], req) is c  # 3 - 0 > 2: imbalanced, the least loaded (fewest pages) wins
+    a.in_flight = 0
+
+
+def test_prediction_reads_the_workers_cached_tokens_from_a_split_stream_and_counts_the_outcome():
+    metrics = RouterMetrics()
+    events = [
+        {"text": "a", "meta_info": {"prompt_tokens": 40, "cached_tokens": 16}},
+        {"text": "ab", "meta_info": {"prompt_tokens": 40, "cached_tokens": 32}},
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    p = KVPrediction("http://w0", 32, "index")
+    for i in range(0, len(stream), 7):  # lines split across chunks
+        p.feed(stream[i : i + 7])
+    assert p.actual == 32
+    p.finish(metrics, "http://w0")
+    q = KVPrediction("http://w0", 48, "tree")
+    q.feed_body(json.dumps({"usage": {"prompt_tokens": 60, "prompt_tokens_details": {"cached_tokens": 20}}}).encode())
+    q.finish(metrics, "http://w0")
+    r = KVPrediction("http://w0", 0, "index")
+    r.feed_body(json.dumps({"meta_info": {"cached_tokens": 8}}).encode())
+    r.finish(metrics, "http://w1")  # the reply came from another worker (a resumed stream): not counted
+    value = metrics.registry.get_sample_value
+    assert value("kvship_router_kv_predictions_total", {"source": "index", "outcome": "exact"}) == 1
+    assert value("kvship_router_kv_predictions_total", {"source": "tree", "outcome": "over"}) == 1
+    assert value("kvship_router_kv_predictions_total", {"source": "index", "outcome": "under"}) is None
+    assert value("kvship_router_kv_prediction_error_tokens_sum", {"source": "tree"}) == 28
+    assert value("kvship_router_kv_actual_cached_tokens_sum", {"source": "index"}) == 32
 
 
 # -- real workers ---------------------------------------------------------------------------------------------------
@@ -158,6 +212,8 @@ async def test_requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it(
             assert r.json()["meta_info"]["cached_tokens"] >= len(prefix)
         metrics = (await c.get(url + "/metrics", headers=AUTH)).text
         assert 'kvship_router_kv_predicted_cached_tokens_count{source="index"} 3.0' in metrics
+        # the worker's reply reported exactly the prefix the index predicted, each time
+        assert 'kvship_router_kv_predictions_total{outcome="exact",source="index"} 3.0' in metrics
 
 
 @pytest.mark.timeout(300)

@@ -111,6 +111,8 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
+        if forward_batch.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
+            forward_batch.kv_ready(layer.layer_id)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

@@ -10,19 +10,46 @@ their own page allocator, so host and device pages have the same size.
 * ``write_back(gpu_slots)`` copies those device slots to freshly allocated
   host slots and returns them (None when the host pool is full: the caller
   evicts host pages first, or drops the KV).
-* ``load_back(host_slots, gpu_slots)`` copies host slots into device slots.
+* ``load_back(host_slots, gpu_slots)`` queues a copy of host slots into
+  device slots; the caller may free the host slots at once (the tier keeps
+  them unused until the copy has read them).
+* ``start_loads()`` starts the queued copies, layer by layer, and returns a
+  ``LayerLoads`` (None when none are queued): the forward that reads the
+  loaded pages calls ``wait(layer_id)`` before each layer's attention and
+  ``finish()`` after the forward.
 * ``free(host_slots)`` returns host pages.
 
-Ordering rule callers rely on: both copies are issued on the device's current
-stream, so a write-back reads the device slots after every kernel queued
-before it has written them, and a load-back lands before any later kernel
-reads the slots.  The copies are synchronous with respect to the host here
-(a write-back waits for its data; a load-back is queued on the stream before
-the forward that reads it): docs/cache.md, "What is not done yet".
+Asynchronous load-back (docs/cache.md, "Load-back").  One copy thread per
+tier runs the started batches in order; for each layer it gathers the host
+rows of every queued pair and writes them into the device pool, then marks
+the layer ready.  On CUDA the writes are issued on a side stream that first
+waits for everything queued on the forward's stream before ``start_loads``
+(so a reused device slot is written only after earlier kernels read it), and
+a layer is ready once its CUDA event is recorded: ``wait`` makes the
+forward's stream wait for that event, so the request waits only for the
+layers it reaches, the first one first.  On CPU ``wait`` blocks until the
+copy thread has written the layer.
+
+Ordering rules callers rely on:
+
+* A page loaded back is read only by a forward that ``wait``s for it
+  (the scheduler's launcher attaches the ``LayerLoads`` of the loads queued
+  at admission to the next extend forward and ``finish``es it after).
+* ``write_back`` first completes every queued and running load
+  (``drain``): host slots freed by a load-back are reused only after the
+  copy read them, and a device page is read for write-back only once loaded.
+* A write-back is issued on the device's current stream and waits for its
+  data (it reads the device slots after every kernel queued before it).
+* A copy that fails (a bug, a device error) raises ``RuntimeError`` in
+  every ``wait`` / ``finish`` / ``drain`` after it: the loaded pages would
+  hold wrong KV, so the worker stops rather than serve them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from typing import Optional
 
 import torch
@@ -83,6 +110,96 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+class LayerLoads:
+    """One started batch of host -> device copies, ready layer by layer (see the module docstring)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int, device: torch.device):
+        self.pairs = pairs  # (host slots, device slots), int64 CPU
+        self.num_layers = num_layers
+        self.cuda = device.type == "cuda"
+        self._ready = [threading.Event() for _ in range(num_layers)]  # the copy thread wrote (CPU) / queued it
+        self._events: list = [None] * num_layers  # CUDA: recorded on the side stream after the layer's copies
+        self.error: Optional[BaseException] = None
+        # CUDA: the side stream starts after the work queued on the forward's stream so far (reused slots)
+        self.after = torch.cuda.current_stream(device).record_event() if self.cuda else None
+
+    def wait(self, layer_id: int) -> None:
+        """Block (CPU) or order the current stream (CUDA) until layer ``layer_id``'s rows are in the pool;
+        a layer the pool does not have waits for every layer."""
+        if not 0 <= layer_id < self.num_layers:
+            self.finish()
+            return
+        self._ready[layer_id].wait()
+        if self.error is not None:
+            raise RuntimeError(f"host KV load-back failed: {self.error}") from self.error
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self._events[layer_id])
+
+    def finish(self) -> None:
+        """Wait for every layer (after the forward, and before anything else reads the loaded pages)."""
+        for layer in range(self.num_layers):
+            self.wait(layer)
+
+    def run(self, pool: "HostKVPool", device_pool: KVPool, stream) -> None:
+        """The copy thread's part: every layer in order, marking each ready."""
+        try:
+            if stream is not None:
+                stream.wait_event(self.after)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                host = torch.cat([h for h, _ in self.pairs])
+                dst = torch.cat([d for _, d in self.pairs]).to(device_pool.device)
+                staging = None
+                if stream is not None:  # CUDA: every layer's rows gathered into one pinned buffer, then sent
+                    row = _raw(pool.k_buffer[0]).shape[1:]
+                    dtype = _raw(pool.k_buffer[0]).dtype
+                    staging = torch.empty((self.num_layers, 2, host.numel(), *row), dtype=dtype, pin_memory=True)
+                for layer in range(self.num_layers):
+                    for j, (dbuf, hbuf) in enumerate(
+                        (
+                            (device_pool.k_buffer[layer], pool.k_buffer[layer]),
+                            (device_pool.v_buffer[layer], pool.v_buffer[layer]),
+                        )
+                    ):
+                        if staging is None:
+                            rows = _raw(hbuf).index_select(0, host)
+                        else:  # (the gather of the next layer runs while this one crosses the bus)
+                            torch.index_select(_raw(hbuf), 0, host, out=staging[layer, j])
+                            rows = staging[layer, j].to(device_pool.device, non_blocking=True)
+                        _raw(dbuf).index_copy_(0, dst, rows)
+                    if stream is not None:
+                        self._events[layer] = stream.record_event()
+                    self._ready[layer].set()
+        except BaseException as e:  # the forward's wait raises it
+            self.error = e
+        finally:
+            for ev in self._ready:
+                ev.set()
+
+
+class _CopyThread:
+    """Runs started ``LayerLoads`` one after the other (a daemon thread, started on first use)."""
+
+    def __init__(self, pool: "HostKVPool", device_pool: KVPool):
+        self.pool = pool
+        self.device_pool = device_pool
+        cuda = device_pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device_pool.device) if cuda else None
+        self.jobs: "queue.SimpleQueue[LayerLoads]" = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+
+    def submit(self, loads: LayerLoads) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="kvship-hicache-load", daemon=True)
+            self.thread.start()
+        self.jobs.put(loads)
+
+    def _loop(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device_pool.device)
+        while True:
+            self.jobs.get().run(self.pool, self.device_pool, self.stream)
+
+
 class HostTier:
     """Host pool + its allocator + the copies between it and the device pool (see the module docstring)."""
 
@@ -95,6 +212,9 @@ class HostTier:
         self.device = device_pool.device
         self.bytes_written = 0  # device -> host
         self.bytes_loaded = 0  # host -> device
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # load-backs not started yet
+        self._running: Optional[LayerLoads] = None  # the last started batch (the thread runs them in order)
+        self._copier = _CopyThread(self.pool, device_pool)
 
     @property
     def total_slots(self) -> int:
@@ -104,7 +224,9 @@ class HostTier:
         return self.allocator.available_size()
 
     def write_back(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """Copy ``gpu_slots`` (whole pages, int64 CPU) to new host slots; None when the host pool is short."""
+        """Copy ``gpu_slots`` (whole pages, int64 CPU) to new host slots; None when the host pool is short.
+        Completes every load-back first (module docstring)."""
+        self.drain()
         n = int(gpu_slots.numel())
         host_slots = self.allocator.alloc(n)
         if host_slots is None:
@@ -122,22 +244,29 @@ class HostTier:
         return host_slots
 
     def load_back(self, host_slots: torch.Tensor, gpu_slots: torch.Tensor) -> None:
-        """Copy ``host_slots`` into ``gpu_slots`` (same length, int64 CPU)."""
+        """Queue a copy of ``host_slots`` into ``gpu_slots`` (same length, int64 CPU); ``start_loads`` runs it."""
         if host_slots.numel() != gpu_slots.numel():
             raise ValueError(f"load_back: {host_slots.numel()} host slots for {gpu_slots.numel()} device slots")
-        dst = gpu_slots.to(self.device)
-        dev = self.device_pool
-        cuda = self.device.type == "cuda"
-        for layer in range(self.pool.num_layers):
-            for dbuf, hbuf in (
-                (dev.k_buffer[layer], self.pool.k_buffer[layer]),
-                (dev.v_buffer[layer], self.pool.v_buffer[layer]),
-            ):
-                rows = _raw(hbuf).index_select(0, host_slots)
-                if cuda:
-                    rows = rows.pin_memory().to(self.device, non_blocking=True)
-                _raw(dbuf).index_copy_(0, dst, rows)
-        self.bytes_loaded += int(host_slots.numel()) * bytes_per_token(dev)
+        self._queued.append((host_slots.clone(), gpu_slots.clone()))
+        self.bytes_loaded += int(host_slots.numel()) * bytes_per_token(self.device_pool)
+
+    def start_loads(self) -> Optional[LayerLoads]:
+        """Start the queued load-backs on the copy thread; their ``LayerLoads`` (None when none were queued)."""
+        if not self._queued:
+            return None
+        loads = LayerLoads(self._queued, self.pool.num_layers, self.device)
+        self._queued = []
+        self._running = loads
+        self._copier.submit(loads)
+        return loads
+
+    def drain(self) -> None:
+        """Complete every queued and started load-back (the thread runs batches in order: the last one ends
+        last).  On CUDA the current stream is ordered after them."""
+        self.start_loads()
+        if self._running is not None:
+            self._running.finish()
+            self._running = None
 
     def free(self, host_slots: torch.Tensor) -> None:
         self.allocator.free(host_slots)

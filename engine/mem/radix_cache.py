@@ -157,6 +157,12 @@ class BasePrefixCache(ABC):
         """A shared tier is attached: ``load_back`` may extend a match with no host part."""
         return False
 
+    def take_loads(self) -> Optional[Any]:
+        """The host-tier load-backs queued since the last call, started (``kvship.engine.mem.hicache.LayerLoads``:
+        the forward that reads them calls ``wait(layer_id)`` before each layer's attention and ``finish()``
+        after); None when there are none.  The launcher calls it before every extend forward."""
+        return None
+
     def tier_stats(self) -> dict:
         """Host-tier figures for the scheduler's stats (empty without a host tier)."""
         return {}
@@ -587,9 +593,13 @@ class RadixCache(BasePrefixCache):
     def consults_storage(self) -> bool:
         return self.storage is not None
 
+    def take_loads(self) -> Optional[Any]:
+        return self.host.start_loads() if self.host is not None else None
+
     def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
-        """See ``BasePrefixCache``: whole host nodes of ``match``, in path order, while they fit ``max_tokens``;
-        then, when the match reached the end of the tree, the key's next pages the shared tier holds."""
+        """See ``BasePrefixCache``: the leading whole pages of ``match``'s host part that fit ``max_tokens`` (a
+        host node that fits in part is split there; the copies are queued, ``take_loads`` starts them); then,
+        when the match reached the end of the tree, the key's next pages the shared tier holds."""
         loaded = self._load_back_host(match, max_tokens)
         if self.storage is None or loaded.host_len or loaded.length >= len(loaded.key):
             return loaded
@@ -641,11 +651,19 @@ class RadixCache(BasePrefixCache):
         if self.host is None or not match.host_nodes:
             return match
         nodes: list[TreeNode] = []
+        rest = list(match.host_nodes)  # the host nodes of the match not loaded (path order)
         n = 0
-        for node in match.host_nodes:
-            if n + len(node.key) > max_tokens or node.parent is None or not node.on_host:
+        while rest:
+            node = rest[0]
+            if node.parent is None or not node.on_host:
                 break
-            nodes.append(node)
+            if n + len(node.key) > max_tokens:  # the whole pages of it that fit: split it there
+                k = (max_tokens - n) // self.page_size * self.page_size
+                if k > 0:
+                    nodes.append(self._split(node, k))
+                    n += k
+                break
+            nodes.append(rest.pop(0))
             n += len(node.key)
         if not nodes:
             return match
@@ -659,8 +677,8 @@ class RadixCache(BasePrefixCache):
         finally:
             self._loading = frozenset()
             self.dec_lock_ref(match.last_node)
-        if slots is None:
-            return match
+        if slots is None:  # (a node split above stays split: the same pages, in two nodes)
+            return MatchResult(match.indices, match.last_node, match.host_len, tuple(nodes + rest), match.key)
         off = 0
         for node in nodes:
             k = len(node.key)
@@ -669,13 +687,7 @@ class RadixCache(BasePrefixCache):
             self.host.load_back(node.host_value, part)
             self._host_to_gpu(node, part)
         self.host_hits += n
-        return MatchResult(
-            torch.cat([match.indices, slots]),
-            nodes[-1],
-            match.host_len - n,
-            match.host_nodes[len(nodes) :],
-            match.key,
-        )
+        return MatchResult(torch.cat([match.indices, slots]), nodes[-1], match.host_len - n, tuple(rest), match.key)
 
     def evictable_size(self) -> int:
         return self._evictable

@@ -59,6 +59,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -182,6 +183,10 @@ class Launcher:
         else:
             batch.prepare_for_extend(runner.allocator, runner.req_to_token_pool, self.cache)
             fb = batch.to_forward_batch(self.device, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
+        # host-tier pages loaded back at admission: copied layer by layer while the forward runs
+        loads = None if batch.forward_mode.is_decode() else self.cache.take_loads()
+        if loads is not None:
+            fb.kv_ready = loads.wait
         reqs = batch.sampling_reqs
         try:
             if watch is not None:
@@ -191,7 +196,12 @@ class Launcher:
         except BaseException:
             if watch is not None:
                 watch.end(False)
+            if loads is not None:
+                with contextlib.suppress(RuntimeError):
+                    loads.finish()
             raise
+        if loads is not None:
+            loads.finish()
         if watch is not None:
             watch.end(True)
         index = {id(r): j for j, r in enumerate(reqs)}

@@ -1,0 +1,130 @@
+"""The Mooncake Store master that ``kvship local`` starts for ``--hicache-storage mooncake`` (docs/cache.md,
+"Mooncake Store").
+
+When the workers are asked for the Mooncake shared tier and no ``--hicache-storage-master`` is given,
+``kvship local`` runs one ``mooncake_master`` (the binary the ``mooncake`` package ships) on 127.0.0.1 with
+its HTTP metadata server on, gives every worker ``--hicache-storage-master 127.0.0.1:<rpc port>`` and
+``--hicache-storage-metadata http://127.0.0.1:<port>/metadata``, waits for its RPC port before the workers
+start, and stops it after them.  Its log is ``mooncake-master.log`` in the run's log folder.  A master that
+dies later costs the workers only recompute (a store failure is a miss, docs/cache.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from kvship.app.local_child import ChildFailed, _parent_death_signal
+
+
+def mooncake_master_binary() -> str:
+    """The ``mooncake_master`` executable: the one in the ``mooncake`` package's folder, else on ``PATH``.
+    Raises ``RuntimeError`` saying why there is none."""
+    path = ""
+    try:
+        import mooncake
+
+        path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    except (ImportError, OSError):
+        pass
+    if not (path and os.access(path, os.X_OK)):
+        path = shutil.which("mooncake_master") or ""
+    if not path:
+        raise RuntimeError(
+            "--hicache-storage mooncake without --hicache-storage-master: kvship local starts a mooncake_master, "
+            "but none is installed (pip install mooncake-transfer-engine-non-cuda, or give "
+            "--hicache-storage-master HOST:PORT of a running one)"
+        )
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` child: ``start`` (returns once its RPC port accepts), ``stop``."""
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        self.log_path = ""
+        self.rpc_port, self.metadata_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def rpc_address(self) -> str:
+        """``--hicache-storage-master`` of the workers."""
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """``--hicache-storage-metadata`` of the workers."""
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    def argv(self) -> list[str]:
+        return [
+            self.binary,
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.metadata_port}",
+            f"--metrics_port={self.metrics_port}",
+            "--enable_metric_reporting=false",
+        ]
+
+    def start(self, log_path: str, timeout: float = 30.0) -> None:
+        """Start it (output to ``log_path``) and wait until its RPC port accepts; ``ChildFailed`` (with its
+        log's end) otherwise."""
+        self.log_path = log_path
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    status = self.proc.poll()
+                    self.stop()
+                    raise ChildFailed(
+                        f"mooncake_master did not start (status {status}); its log ({self.log_path}) ends with:\n"
+                        f"{self.log_tail()}"
+                    ) from None
+                time.sleep(0.1)
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: pgid == pid
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
