@@ -131,6 +131,12 @@ def check_tensor_parallel(server_args: ServerArgs, topology: Optional[Topology] 
 
         stage_layers(mc.num_hidden_layers, server_args.pp_size, server_args.resolved_pp_layer_partition)
     check_expert_parallel(mc, server_args.tp_size, server_args.ep_size, server_args.ep_dispatch)
+    if server_args.ep_num_redundant_experts:  # EPLB: E + R slots spread evenly (docs/parallel.md)
+        from kvship.engine.parallel.eplb import check_eplb
+
+        if mc.moe is None:
+            raise ValueError(f"--ep-num-redundant-experts needs a Mixture-of-Experts model; {mc.architecture} has none")
+        check_eplb(mc.moe.num_experts, server_args.ep_num_redundant_experts, server_args.ep_size, server_args.tp_size)
     if server_args.speculative_algorithm == "draft" and server_args.mode != "prefill":
         # the draft model is sharded like the target (docs/speculative.md, "Tensor parallelism")
         draft = ModelConfig.from_pretrained(

@@ -77,6 +77,11 @@ class ServerArgs:
         1.0, "Fraction of new traces kept (a request whose traceparent is sampled is always traced)"
     )
     max_request_bytes: int = opt(8 * 1024 * 1024, "Largest accepted request body in bytes (413 above)")
+    shutdown_timeout: float = opt(
+        30.0,
+        "Seconds SIGTERM/SIGINT waits for in-flight requests and streams before closing them (under a pod's "
+        'terminationGracePeriodSeconds: docs/operator.md, "How a replica leaves")',
+    )
 
     # Request pre-processing limits (docs/api.md, "Chat templates" and "Structured output")
     max_chat_template_output_chars: int = opt(
@@ -192,13 +197,19 @@ class ServerArgs:
     )
     ep_dispatch: str = opt(
         "all_reduce",
-        "How a MoE layer of a --tp-size > 1 worker combines its ranks' experts: all_reduce (CUDA-graph safe) "
-        "or all_to_all (tokens sent to their experts' ranks; needs --ep-size = --tp-size; graphs all-reduce)",
-        choices=("all_reduce", "all_to_all"),
+        "How a MoE layer of a --tp-size > 1 worker combines its ranks' experts: all_reduce (CUDA-graph safe), "
+        "static (tokens sent to their experts' ranks in fixed-capacity buffers, counts on the device: CUDA-graph "
+        "safe) or all_to_all (host-read counts; graphs all-reduce); static and all_to_all need --ep-size = --tp-size",
+        choices=("all_reduce", "static", "all_to_all"),
+    )
+    enable_two_batch_overlap: bool = opt(
+        False,
+        "MoE layers of an --ep-size > 1 worker split a step's tokens in two micro-batches and overlap one's "
+        "communication with the other's expert compute (eager steps; --ep-dispatch all_reduce or static)",
     )
     ep_num_redundant_experts: int = opt(
         0,
-        "EPLB (docs/parallel.md, \"Expert load balancing\"): R extra expert slots per MoE layer holding copies of "
+        'EPLB (docs/parallel.md, "Expert load balancing"): R extra expert slots per MoE layer holding copies of '
         "hot experts; E + R must divide by --ep-size (needs --ep-size = --tp-size > 1)",
     )
     eplb_rebalance_interval: int = opt(
@@ -409,6 +420,8 @@ class ServerArgs:
             from kvship.common.trace_export import otlp_target
 
             otlp_target(self.otlp_traces_endpoint)  # ValueError naming the flag: http(s):// or grpc(s):// only
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0 seconds")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.disaggregation_layerwise_writes < 0:
@@ -451,6 +464,8 @@ class ServerArgs:
                 f"--ep-size {self.ep_size} must divide --tp-size ({self.tp_size}): "
                 "experts are split over the tensor-parallel ranks"
             )
+        if self.enable_two_batch_overlap and self.ep_dispatch == "all_to_all":
+            raise ValueError("--enable-two-batch-overlap works with --ep-dispatch all_reduce or static")
         if self.ep_num_redundant_experts < 0 or self.eplb_rebalance_interval < 0:
             raise ValueError("--ep-num-redundant-experts and --eplb-rebalance-interval must be >= 0")
         if self.ep_num_redundant_experts and not (self.ep_size > 1 and self.ep_size == self.tp_size):

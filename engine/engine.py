@@ -423,6 +423,8 @@ class Engine:
             "quantization": self.model_runner.model_config.quantization,
             "kv_cache_dtype": self.server_args.resolved_kv_dtype,
         }
+        if self.model_runner.eplb is not None:  # expert load balancing (docs/parallel.md)
+            info["eplb"] = self.model_runner.eplb.stats()
         info.update(self.revision)
         info.update(self._safe_stats())
         return info

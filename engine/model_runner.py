@@ -139,10 +139,21 @@ class ModelRunner:
         split = head_split(mc.num_attention_heads, mc.num_key_value_heads, self.tp_size, self.tp_rank)
         self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
         # MoE at --tp-size > 1: each rank holds its share of the experts (--ep-size; docs/parallel.md)
-        ep = (server_args.ep_size, server_args.ep_dispatch)
+        ep = (
+            server_args.ep_size,
+            server_args.ep_dispatch,
+            server_args.ep_num_redundant_experts,
+            server_args.enable_two_batch_overlap,
+        )
         self.model = load_model(
             mc, server_args.load_format, self.device, seed=server_args.seed, tp=tp, ep=ep, layers=layers
         )
+        # EPLB (docs/parallel.md, "Expert load balancing"): rebalances between forwards, on every rank alike
+        self.eplb = None
+        if server_args.ep_num_redundant_experts and tp is not None and mc.moe is not None:
+            from kvship.engine.parallel.eplb import EPLBManager
+
+            self.eplb = EPLBManager(self.model, tp, server_args.eplb_rebalance_interval)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cuda" and ENV.K_MAJOR_WEIGHTS:  # opt-in, see the function
             logger.info("K-major weights: %d matrices re-stored", store_weights_k_major_(self.model))
@@ -295,6 +306,8 @@ class ModelRunner:
         The caller must have written every position's slot into
         ``req_to_token`` (see ``kvship.engine.forward_batch``).
         """
+        if self.eplb is not None:  # between steps: maybe move experts and switch the routing tables
+            self.eplb.step()
         if self.pipeline is not None:
             with torch.inference_mode():
                 return self._forward_stage(forward_batch)

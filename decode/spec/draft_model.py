@@ -57,6 +57,7 @@ class DraftModelDrafter(SequenceDrafter):
             speculative_eagle_topk=None,
             page_size=1,
             mode="unified",
+            ep_num_redundant_experts=0,  # EPLB is the target's (docs/parallel.md)
         )
         self.runner: Any = None
         self.k = num_draft_tokens

@@ -20,6 +20,9 @@ Contract:
   A graph runner captures inside ``graph_capture()``; while it is open,
   ``can_run(op)`` is False for the other ops, and a caller with a choice
   (the MoE dispatch) takes a safe path.  Host-object ops are never safe.
+* ``async_op=True`` (``all_reduce``, ``all_gather_into``, ``all_to_all``)
+  returns the collective's work handle instead of waiting (two-batch overlap,
+  docs/parallel.md); no backend declares async collectives capture-safe.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from kvship.engine.parallel.p2p_all_reduce import P2PAllReduce
 logger = logging.getLogger(__name__)
 
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
+# all_to_all: split sizes passed from the host; all_to_all_equal: the same op with equal splits (no lists), whose
+# shapes are fixed by the caller's buffers (the MoE ``static`` dispatch, docs/parallel.md "Dispatch")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_equal", "send", "recv", "broadcast")
 
 
 class RankLost(BaseException):
@@ -115,10 +120,11 @@ class Communicator(ABC):
 
     # --- tensors (device group) ------------------------------------------------
     @_collective
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place; returns ``t``."""
-        dist.all_reduce(t, group=self.device_group)
-        return t
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
+        """Sum ``t`` over the ranks, in place; returns ``t`` (``async_op``: the work handle; ``t`` holds the sum
+        once it completes)."""
+        work = dist.all_reduce(t, group=self.device_group, async_op=async_op)
+        return work if async_op else t
 
     @_collective
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -127,6 +133,13 @@ class Communicator(ABC):
         out = torch.empty((self.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
         _all_gather_into(out.view(self.size * t.shape[0], *t.shape[1:]), t, group=self.device_group)
         return out.movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
+
+    @_collective
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False) -> Any:
+        """``out [size * n, ...]`` <- every rank's ``t [n, ...]`` in rank order along dim 0; returns ``out``
+        (``async_op``: the work handle)."""
+        work = _all_gather_into(out, t.contiguous(), group=self.device_group, async_op=async_op)
+        return work if async_op else out
 
     @_collective
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -143,11 +156,13 @@ class Communicator(ABC):
         inp: torch.Tensor,
         out_splits: Optional[list[int]] = None,
         in_splits: Optional[list[int]] = None,
-    ) -> torch.Tensor:
+        async_op: bool = False,
+    ) -> Any:
         """Rows of ``inp`` go to the ranks in order (``in_splits`` rows each, default equal), ``out`` receives
-        ``out_splits`` rows from each; returns ``out``."""
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.device_group)
-        return out
+        ``out_splits`` rows from each; returns ``out`` (``async_op``: the work handle).  Without split lists it
+        is the ``all_to_all_equal`` op (capture-safe where the backend declares it)."""
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.device_group, async_op=async_op)
+        return work if async_op else out
 
     @_collective
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -244,19 +259,24 @@ class NcclCommunicator(Communicator):
     """CUDA tensors over NCCL; host objects over a gloo group of the same ranks.
 
     NCCL kernels with shapes fixed on the host are captured into CUDA graphs (all_reduce, all_gather,
-    reduce_scatter, broadcast, send, recv).  ``all_to_all`` is not declared safe: its callers pass split sizes
-    read from the device on the host.  ``p2p``: all-reduces of tensors it ``fits`` go one-shot over peer GPU
-    memory (opt-in, ``KVSHIP_TP_ALLREDUCE=p2p``), captured as well."""
+    reduce_scatter, broadcast, send, recv, and all_to_all_equal: ``all_to_all_single`` with equal splits, whose
+    buffers the caller sizes from host shapes).  ``all_to_all`` with split lists is not declared safe: its
+    callers pass split sizes read from the device on the host.  ``p2p``: all-reduces of tensors it ``fits`` go
+    one-shot over peer GPU memory (opt-in, ``KVSHIP_TP_ALLREDUCE=p2p``), captured as well."""
 
     backend = "nccl"
-    CAPTURE_SAFE = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"})
+    CAPTURE_SAFE = frozenset(
+        {"all_reduce", "all_gather", "reduce_scatter", "all_to_all_equal", "broadcast", "send", "recv"}
+    )
 
     def __init__(self, *args: Any, p2p: Optional[P2PAllReduce] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.p2p = p2p
 
     @_collective
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
+        if async_op:  # a work handle to wait on: NCCL's (the one-shot kernel has none)
+            return dist.all_reduce(t, group=self.device_group, async_op=True)
         if self.p2p is not None and self.p2p.fits(t):
             return self.p2p.all_reduce_(t)
         dist.all_reduce(t, group=self.device_group)

@@ -92,7 +92,7 @@ def load_model(
     device: str | torch.device,
     seed: int = 0,
     tp: "Communicator | None" = None,
-    ep: tuple[int, str] = (1, "all_reduce"),
+    ep: tuple = (1, "all_reduce"),
     layers: "LayerRange | None" = None,
 ) -> nn.Module:
     """Build the registered model on ``device`` in ``model_config.dtype`` and fill its weights.
@@ -100,7 +100,7 @@ def load_model(
     With ``tp`` (a tensor-parallel rank) the model is made parallel
     (``build_parallel_model``: on CUDA via the meta device) with this rank's
     parameters only, which the loader fills from this rank's blocks; MoE
-    experts are split too, ``ep = (ep size, dispatch)``
+    experts are split too, ``ep = (ep size, dispatch[, redundant experts, two-batch overlap])``
     (``kvship.engine.parallel.ep``): a rank reads only its own share.
     With ``layers`` (a pipeline stage) the model holds only that part of the
     decoder (``kvship.engine.models.stage``) and reads only its tensors.

@@ -29,6 +29,15 @@ dispatches (docs/parallel.md, "Expert parallelism"):
   (``Communicator.can_run("all_to_all")`` is False) the layer all-reduces
   instead (same result), so decode graphs all-reduce and eager steps go
   all-to-all.  With N = T the TP communicator is the EP one.
+* ``static`` (needs N = T; ``kvship.engine.parallel.ep_dispatch``): the same
+  token exchange with the counts kept on the device: fixed-capacity buffers
+  sized from ``M`` (a host shape), rows placed by a device prefix sum, equal
+  splits.  Capture-safe wherever the communicator declares
+  ``all_to_all_equal`` (NCCL), so decode and prefill graphs keep it.
+
+``--enable-two-batch-overlap`` (``kvship.engine.parallel.tbo``) runs the
+``all_reduce`` and ``static`` dispatches of an eager step as two micro-batches
+whose communication overlaps the other's expert compute.
 
 ``check_expert_parallel(config, tp_size, ep_size, dispatch)`` raises a clear
 ValueError before any rank starts; ``apply_expert_parallel(model, tp, ep_size,
@@ -39,8 +48,9 @@ loaders never read another rank's experts or width slices).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -49,8 +59,12 @@ from kvship.engine.distributed.communicator import Communicator
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import Shard
 from kvship.engine.loaders.lazy import Loaded
+from kvship.engine.parallel.ep_dispatch import StaticDispatch
+from kvship.engine.parallel.tbo import overlap_all_reduce, overlap_static
 
-EP_DISPATCHES = ("all_reduce", "all_to_all")
+EP_DISPATCHES = ("all_reduce", "static", "all_to_all")
+WHOLE_EXPERT_DISPATCHES = ("static", "all_to_all")  # tokens travel to whole experts: --ep-size = --tp-size
+TBO_DISPATCHES = ("all_reduce", "static")
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,8 @@ def check_expert_parallel(config: Any, tp_size: int, ep_size: int, dispatch: str
                 f"--ep-size {ep_size} needs a Mixture-of-Experts model; {config.architecture} has no experts"
             )
         return
-    if dispatch == "all_to_all" and ep_size != tp_size:
-        raise ValueError(f"--ep-dispatch all_to_all needs --ep-size equal to --tp-size ({tp_size}), got {ep_size}")
+    if dispatch in WHOLE_EXPERT_DISPATCHES and ep_size != tp_size:
+        raise ValueError(f"--ep-dispatch {dispatch} needs --ep-size equal to --tp-size ({tp_size}), got {ep_size}")
     expert_split(config.moe.num_experts, config.moe.intermediate_size, tp_size, ep_size, 0)
     shared = config.moe.shared_expert_intermediate_size
     if shared % tp_size:  # Qwen2-MoE's shared expert is a tensor-parallel MLP
@@ -113,12 +127,14 @@ class ParallelFusedMoE(FusedMoE):
     """``FusedMoE`` holding this rank's share only (``ExpertSplit``); ``forward`` combines every rank's
     (module docstring)."""
 
+    two_batch_overlap = False  # --enable-two-batch-overlap (set by apply_expert_parallel)
+
     def __init__(self, base: FusedMoE, tp: Communicator, ep_size: int, dispatch: str = "all_reduce", name: str = ""):
         if dispatch not in EP_DISPATCHES:
             raise ValueError(f"unknown expert-parallel dispatch '{dispatch}'; known: {list(EP_DISPATCHES)}")
         split = expert_split(base.num_experts, base.intermediate_size, tp.size, ep_size, tp.rank)
-        if dispatch == "all_to_all" and ep_size != tp.size:
-            raise ValueError("the all_to_all dispatch needs --ep-size equal to --tp-size")
+        if dispatch in WHOLE_EXPERT_DISPATCHES and ep_size != tp.size:
+            raise ValueError(f"the {dispatch} dispatch needs --ep-size equal to --tp-size")
         if split.inter_local != split.intermediate_size:  # each expert's width split: whole blocks only
             base.quant_method.check_shard(f"{name}.w13_weight", Shard(0, split.inter_start, split.inter_local))
             base.quant_method.check_shard(f"{name}.w2_weight", Shard(1, split.inter_start, split.inter_local))
@@ -152,11 +168,30 @@ class ParallelFusedMoE(FusedMoE):
         runner, weights, ids = self.route(x, router_logits)
         if self.dispatch == "all_to_all" and self.tp.can_run("all_to_all"):  # not while a graph captures
             return self._all_to_all(runner, x, weights, ids)
+        # two micro-batches: eager steps of two tokens or more; a graph capture runs the plain path (no
+        # communicator declares async collectives or split lists capture-safe: can_run("all_to_all") is "eager")
+        overlap = self.two_batch_overlap and x.shape[0] >= 2 and self.tp.can_run("all_to_all")
+        if self.dispatch == "static" and self.tp.can_run("all_to_all_equal") and self.tp.can_run("all_gather"):
+            # this rank's experts over the rows it received (local ids; absent ones add nothing)
+            static = StaticDispatch(self.tp, self.num_local_experts, functools.partial(self._run_local, runner))
+            return overlap_static(static, x, weights, ids) if overlap else static(x, weights, ids)
+        compute = functools.partial(self._run_global, runner)
+        if overlap:
+            return overlap_all_reduce(self.tp, compute, x, weights, ids)
+        return self.tp.all_reduce(compute(x, weights, ids))
+
+    def _run_local(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over ``x`` routed by local ids (``-1``: absent), weighted: ``[M, H]``."""
+        # the kernel configs of the whole layer (docs/parallel.md, "Expert parallelism": tuned tables)
+        return self.quant_method.apply_moe(
+            self, runner, x, weights, local, absent=True, config_experts=self.num_experts
+        )
+
+    def _run_global(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the layer over ``x`` routed by (physical) expert ids: the pairs it holds."""
         local = ids - self.expert_start
         local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-        # the kernel configs of the whole layer (docs/parallel.md, "Expert parallelism": tuned tables)
-        y = self.quant_method.apply_moe(self, runner, x, weights, local, absent=True, config_experts=self.num_experts)
-        return self.tp.all_reduce(y)
+        return self._run_local(runner, x, weights, local)
 
     def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n = self.tp.size
@@ -198,16 +233,32 @@ class ParallelFusedMoE(FusedMoE):
 
     def extra_repr(self) -> str:
         where = f"tp_rank={self.tp.rank}/{self.tp.size}, ep_size={self.ep_size}"
-        return f"{super().extra_repr()}, {where}, dispatch={self.dispatch}"
+        overlap = ", two_batch_overlap" if self.two_batch_overlap else ""
+        return f"{super().extra_repr()}, {where}, dispatch={self.dispatch}{overlap}"
 
 
 def apply_expert_parallel(
-    model: nn.Module, tp: Communicator, ep_size: int = 1, dispatch: str = "all_reduce"
+    model: nn.Module,
+    tp: Communicator,
+    ep_size: int = 1,
+    dispatch: str = "all_reduce",
+    two_batch_overlap: bool = False,
+    make: Optional[Callable[[FusedMoE, str], "ParallelFusedMoE"]] = None,
 ) -> nn.Module:
-    """Replace every ``FusedMoE`` of ``model`` by this rank's ``ParallelFusedMoE``, in place (before loading)."""
+    """Replace every ``FusedMoE`` of ``model`` by this rank's ``ParallelFusedMoE``, in place (before loading);
+    ``make(base, name)`` builds another subclass (EPLB's, ``kvship.engine.parallel.eplb.apply_eplb``)."""
+    if two_batch_overlap and dispatch not in TBO_DISPATCHES:
+        raise ValueError(f"--enable-two-batch-overlap works with --ep-dispatch {' or '.join(TBO_DISPATCHES)}")
+    if make is None:
+
+        def make(base: FusedMoE, name: str) -> ParallelFusedMoE:
+            return ParallelFusedMoE(base, tp, ep_size, dispatch, name)
+
     for name, module in list(model.named_modules()):
         if type(module) is FusedMoE:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, ParallelFusedMoE(module, tp, ep_size, dispatch, name))
+            layer = make(module, name)
+            layer.two_batch_overlap = two_batch_overlap  # --enable-two-batch-overlap (docs/parallel.md)
+            setattr(parent, attr, layer)
     return model

@@ -404,7 +404,7 @@ def build_parallel_model(
     tp: Communicator,
     device: str | torch.device,
     on_meta: bool | None = None,
-    ep: tuple[int, str] = (1, "all_reduce"),
+    ep: tuple[Any, ...] = (1, "all_reduce"),
     layers: Any = None,
 ) -> nn.Module:
     """``cls(config)`` (``cls(config, layers=layers)``: a pipeline stage's part) made tensor-parallel with only this rank's (empty) parameters on ``device``.
@@ -415,14 +415,19 @@ def build_parallel_model(
     the full-size ``torch.empty`` parameters it replaces are never written,
     so their pages are never touched (and the meta device's first use costs
     seconds of imports).  ``on_meta`` overrides that choice (tests).
-    MoE experts are split over the ranks too, ``ep = (ep size, dispatch)``
+    MoE experts are split over the ranks too, ``ep = (ep size, dispatch[, redundant experts, two-batch overlap])``
     (``kvship.engine.parallel.ep.apply_expert_parallel``).
     """
     from kvship.engine.parallel.ep import apply_expert_parallel
+    from kvship.engine.parallel.eplb import apply_eplb
+
+    ep_size, dispatch, redundant, overlap = (*ep, 0, False)[:4]
 
     def parallel(model: nn.Module) -> nn.Module:
         model = apply_tensor_parallel(model, tp)
-        return apply_expert_parallel(model, tp, *ep)
+        if redundant:  # EPLB's layers (docs/parallel.md, "Expert load balancing")
+            return apply_eplb(model, tp, ep_size, dispatch, redundant, overlap)
+        return apply_expert_parallel(model, tp, ep_size, dispatch, overlap)
 
     kwargs = {} if layers is None else {"layers": layers}
     device = torch.device(device)

@@ -1,0 +1,221 @@
+"""Expert-parallel dispatch/combine and the MoE layer: ``all_reduce`` vs ``static`` vs two-batch overlap.
+
+docs/parallel.md, "Dispatch" and "Two-batch overlap".  ``--ep-size N`` rank
+processes (NCCL on N GPUs, else gloo on CPU) build the same MoE layer
+(``ParallelFusedMoE``, E/N whole experts per rank) and, for each token count
+``--m`` (default 4096), time on every rank and report rank 0's:
+
+* communication alone: ``all_reduce`` (one all-reduce of ``[M, H]``, what the
+  all-reduce dispatch adds to the experts) and ``static`` (pack, the two
+  equal-split all-to-alls out, the one back, unpack, the all-gather; the
+  experts replaced by the identity), with the bytes each rank sends and, on
+  GPUs, GB/s;
+* the whole layer: ``all_reduce``, ``static``, ``all_reduce_tbo`` and
+  ``static_tbo`` (``--enable-two-batch-overlap``), with ratios to
+  ``all_reduce``.  On GPUs the non-overlapped settings are timed as CUDA-graph
+  replays (as decode runs them; both are capture-safe) and eager; the
+  overlapped ones eager (that is where the product runs them).
+
+Every setting's output is checked against ``all_reduce``'s first.  On CPU the
+figures say nothing about GPUs (gloo over loopback, the torch expert loop);
+they show the bench runs.  Writes ``ep_dispatch_ep<N>.json`` / ``.md`` to
+``--out``.
+
+    python bench/ep_dispatch.py --ep-size 2 --out /tmp/out                       # two GPUs, Qwen3-30B-A3B layer
+    python bench/ep_dispatch.py --ep-size 2 --shape small --m 1024 --out /tmp/o  # CPU (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+
+# name -> (experts, top-k, hidden, expert width)
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small": (16, 4, 256, 128)}
+SETTINGS = {"all_reduce": ("all_reduce", False), "static": ("static", False),
+            "all_reduce_tbo": ("all_reduce", True), "static_tbo": ("static", True)}  # fmt: skip
+
+
+def _timer(fn: Callable[[], Any], iters: int, cuda: bool, comm) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls after a warm-up; ranks start each call together."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        comm.all_reduce(torch.zeros(1, device="cuda" if cuda else "cpu"))  # line the ranks up
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph(fn: Callable[[], Any], comm) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph (NCCL collectives included), as a replay callable."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with comm.graph_capture(), torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
+    from kvship.engine.layers.moe.layer import FusedMoE
+    from kvship.engine.layers.moe.topk import select_experts
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+    from kvship.engine.parallel.ep_dispatch import StaticDispatch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ep_size))
+    comm = init_distributed(Topology(tp_size=args.ep_size, rank=rank), init_method, dev, timeout_s=600).tp
+    e, k, h, inter = SHAPES[args.shape]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with dev:
+        layer = ParallelFusedMoE(
+            FusedMoE(e, k, h, inter, renormalize=True, dtype=dtype, runner="triton" if cuda else "torch"),
+            comm,
+            args.ep_size,
+        )
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, h**-0.5)
+        layer.w2_weight.normal_(0, inter**-0.5)
+    rows = []
+    with torch.inference_mode():
+        for m in args.m:
+            g = torch.Generator(device=dev).manual_seed(m)  # the same tokens and routing on every rank
+            x = torch.randn(m, h, device=dev, dtype=dtype, generator=g)
+            logits = torch.randn(m, e, device=dev, generator=g, dtype=dtype)
+            weights, ids = select_experts(logits, k, renormalize=True)
+            row: dict[str, Any] = {"m": m}
+            # communication alone
+            buf = x.clone()
+            row["comm_all_reduce_us"] = _timer(lambda: comm.all_reduce(buf), args.iters, cuda, comm) * 1e6
+            ident = StaticDispatch(comm, layer.num_local_experts, lambda rows, w, local: rows)
+            row["comm_static_us"] = _timer(lambda: ident(x, weights, ids), args.iters, cuda, comm) * 1e6
+            # bytes a rank sends to the others: rows + meta out, partials back, its block to all (static); a ring
+            # all-reduce's reduce-scatter + all-gather
+            per, others, row_b = -(-m // args.ep_size), args.ep_size - 1, h * x.element_size()
+            row["static_bytes_sent"] = others * per * (3 * row_b + 2 * k * 4)
+            row["all_reduce_bytes_sent"] = 2 * others * per * row_b
+            # the whole layer
+            ref = None
+            for name, (dispatch, tbo) in SETTINGS.items():
+                layer.dispatch, layer.two_batch_overlap = dispatch, tbo
+                got = layer(x, logits)
+                ref = got if ref is None else ref
+                row[f"{name}_max_diff"] = float((got.float() - ref.float()).abs().max()) if m else 0.0
+                row[f"{name}_us"] = _timer(lambda: layer(x, logits), args.iters, cuda, comm) * 1e6
+                if cuda and not tbo:
+                    replay = _graph(lambda: layer(x, logits), comm)
+                    row[f"{name}_graph_us"] = _timer(replay, args.iters, cuda, comm) * 1e6
+            rows.append(row)
+    if rank == 0:
+        out.put(rows)
+    comm.all_reduce(torch.zeros(1, device=dev))  # nobody leaves while another still times
+
+
+def _table(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
+    e, k, h, inter = SHAPES[args.shape]
+    where = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, gloo)"
+    lines = [
+        f"EP dispatch: E={e} top-{k} H={h} I={inter}, --ep-size {args.ep_size} on {where} (rank 0, median of "
+        f"{args.iters}; microseconds; ratio = all_reduce / setting, > 1 is faster)",
+        "",
+    ]
+    if not cuda:
+        lines += ["CPU figures: gloo over loopback and the torch expert loop; they say nothing about GPUs.", ""]
+    lines += [
+        "| M | comm all_reduce | comm static | static bytes / all_reduce bytes sent |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['m']} | {r['comm_all_reduce_us']:.0f} | {r['comm_static_us']:.0f} "
+            f"({r['comm_all_reduce_us'] / r['comm_static_us']:.2f}x) | "
+            f"{r['static_bytes_sent'] / max(1, r['all_reduce_bytes_sent']):.2f} |"
+        )
+    lines += ["", "| M | " + " | ".join(SETTINGS) + " | max diff vs all_reduce |", "|---" * (len(SETTINGS) + 2) + "|"]
+    for r in rows:
+        base = r["all_reduce_us"]
+        cells = [f"{r[f'{n}_us']:.0f} ({base / r[f'{n}_us']:.2f}x)" for n in SETTINGS]
+        diff = max(r[f"{n}_max_diff"] for n in SETTINGS)
+        lines.append(f"| {r['m']} | " + " | ".join(cells) + f" | {diff:.2e} |")
+        if cuda:
+            graph = r["all_reduce_graph_us"]
+            lines.append(
+                f"| {r['m']} (graphs) | {graph:.0f} | {r['static_graph_us']:.0f} "
+                f"({graph / r['static_graph_us']:.2f}x) | - | - | |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ep-size", type=int, default=2)
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="default: qwen3-30b-a3b on GPUs, small on CPU"
+    )
+    ap.add_argument("--m", type=int, nargs="+", default=[4096])
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per setting (default 20 GPU, 3 CPU)")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs are visible")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda and torch.cuda.device_count() < args.ep_size:
+        raise SystemExit(f"--ep-size {args.ep_size} needs {args.ep_size} GPUs, {torch.cuda.device_count()} visible")
+    if SHAPES[args.shape or "small"][0] % args.ep_size:
+        raise SystemExit(f"--ep-size {args.ep_size} must divide the shape's expert count")
+    args.shape = args.shape or ("qwen3-30b-a3b" if cuda else "small")
+    args.iters = args.iters or (20 if cuda else 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args, init_method, q)) for r in range(args.ep_size)]
+    for p in procs:
+        p.start()
+    try:
+        rows = q.get(timeout=3600)
+        for p in procs:
+            p.join(120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    md = _table(rows, args, cuda)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"ep_dispatch_ep{args.ep_size}.json"), "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, f"ep_dispatch_ep{args.ep_size}.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
