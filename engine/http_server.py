@@ -270,7 +270,7 @@ def serve_engine(
             log_level=server_args.log_level,
             access_log=server_args.log_level == "debug",
             timeout_keep_alive=30,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=server_args.shutdown_timeout,
         )
         server = uvicorn.Server(config)
         failures: list[str] = []
