@@ -6,8 +6,9 @@ device tokens, page size 4, a host tier of ``--hicache-ratio`` times that,
 ``--enable-kv-events``) behind ``kvship router`` (subprocesses), and sends the
 same workload once per policy, each time to fresh workers:
 
-* ``--tenants`` conversations of ``--turns`` turns; a tenant's first prompt
-  is its own ``--system-tokens`` random ids plus ``--user-tokens`` ids, each
+* ``--tenants`` x ``--sessions`` conversations of ``--turns`` turns; a
+  conversation's first prompt is its tenant's ``--system-tokens`` random ids
+  (shared by the tenant's sessions) plus ``--user-tokens`` ids, each
   later prompt is the previous prompt + the reply's ids + ``--user-tokens``
   new ids (token-id ``/generate`` requests, so ``kv_events`` can hash them);
 * tenants run concurrently (at most ``--concurrency`` requests in flight),
@@ -276,9 +277,11 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
     res = Result(policy)
     rng = random.Random(args.seed)
     systems = [[rng.randrange(LOW, HIGH) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
+    # conversation c belongs to tenant c % tenants (its system prompt) and has its own user turns
+    conversations = args.tenants * args.sessions
     users = [
         [[rng.randrange(LOW, HIGH) for _ in range(args.user_tokens)] for _ in range(args.turns)]
-        for _ in range(args.tenants)
+        for _ in range(conversations)
     ]
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as client:
@@ -292,7 +295,7 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
         sem = asyncio.Semaphore(args.concurrency)
 
         async def tenant(i: int) -> None:
-            history = list(systems[i])
+            history = list(systems[i % args.tenants])
             prev_worker = None
             for t in range(args.turns):
                 prompt = history + users[i][t]
@@ -317,7 +320,7 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
                 history = prompt + list(event["output_ids"])
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(tenant(i) for i in range(args.tenants)))
+        await asyncio.gather(*(tenant(i) for i in range(conversations)))
         res.wall_s = time.perf_counter() - t0
         for r in router_urls:
             async with client.get(r + "/metrics", headers={"Authorization": f"Bearer {KEY}"}) as resp:
@@ -347,7 +350,7 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
     lines = [
         f"Machine: {args.machine}; load average {load[0]:.1f} before, {load[1]:.1f} after.",
         f"{args.workers} CPU workers (tiny 2-layer llama), {args.pool_tokens}-token device pool each, page size {PAGE}, "
-        f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.turns} turns "
+        f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.sessions} sessions x {args.turns} turns "
         f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
         f"at most {args.concurrency} in flight; streamed token-id /generate through {args.routers} router "
         f"replica(s) (a tenant's turns alternate between them); fresh workers per policy.",
@@ -391,6 +394,12 @@ def main() -> None:
     p.add_argument("--pool-tokens", type=int, default=320, help="each worker's --max-total-tokens")
     p.add_argument("--hicache-ratio", type=float, default=1.0, help="host tier size (0: none)")
     p.add_argument("--tenants", type=int, default=12)
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="conversations per tenant: each starts from its tenant's system prompt with its own user turns",
+    )
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=96)
     p.add_argument("--user-tokens", type=int, default=24)

@@ -204,7 +204,6 @@ def test_absorbed_extend_equals_decompressed_extend_over_a_cached_prefix():
     "override,what",
     [
         (dict(speculative_algorithm="draft", speculative_draft_model_path="/x", page_size=1), "algorithm draft"),
-        (dict(hicache_size_gb=1.0), "--hicache-size-gb"),
         (dict(kv_cache_dtype="fp8_e4m3"), "FP8 latent cache"),
     ],
 )

@@ -1,9 +1,11 @@
 """The host-memory tier of the prefix cache (``--hicache-size-gb`` / ``--hicache-ratio``; docs/cache.md).
 
-``HostKVPool`` holds K and V per layer in host memory, in the device pool's
-layout and dtype (an FP8 pool's bytes are copied as they are, so its scales
-stay valid), pinned when the device pool is on CUDA.  Host slots come from
-their own page allocator, so host and device pages have the same size.
+``HostKVPool`` holds, per layer, a host copy of each of the device pool's
+buffers of that layer (``layer_buffers``): K and V for a ``KVPool``, the one
+latent row of an ``MLAKVPool`` (DeepSeek; docs/deepseek.md), in the device
+pool's layout and dtype (an FP8 pool's bytes are copied as they are, so its
+scales stay valid), pinned when the device pool is on CUDA.  Host slots come
+from their own page allocator, so host and device pages have the same size.
 
 ``HostTier`` is what the radix cache talks to:
 
@@ -54,12 +56,30 @@ from typing import Optional
 
 import torch
 
+from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.mem.pools import KVPool, TokenToKVPoolAllocator
 
 GIB = 1 << 30
 
 
-def host_pool_slots(device_pool: KVPool, size_gb: float = 0.0, ratio: float = 0.0) -> int:
+def layer_buffers(pool) -> list[list[torch.Tensor]]:
+    """Per layer, the buffers that hold a slot's KV rows: ``[K, V]`` of a ``KVPool``, ``[latent]`` of an
+    ``MLAKVPool``, and the host copies of either (``HostKVPool``)."""
+    if isinstance(pool, HostKVPool):
+        return pool.layers
+    if isinstance(pool, MLAKVPool):
+        return [[b] for b in pool.kv_buffer]
+    if isinstance(pool, KVPool):
+        return [[k, v] for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    raise TypeError(f"no KV buffers known for a {type(pool).__name__}")
+
+
+def buffers_per_layer(pool) -> int:
+    """2 (K and V) for a ``KVPool``, 1 (the latent row) for an ``MLAKVPool``."""
+    return 1 if isinstance(pool, MLAKVPool) else 2
+
+
+def host_pool_slots(device_pool, size_gb: float = 0.0, ratio: float = 0.0) -> int:
     """Host slots for ``--hicache-size-gb`` (bytes / bytes per token) or ``--hicache-ratio`` (x device slots).
 
     0 when both are 0 (the tier is off).  A size that holds less than one page is an error.
@@ -85,24 +105,34 @@ def host_pool_slots(device_pool: KVPool, size_gb: float = 0.0, ratio: float = 0.
     return slots
 
 
-def bytes_per_token(pool: KVPool) -> int:
+def bytes_per_token(pool) -> int:
+    """KV bytes of one token in ``pool`` (a ``KVPool`` or an ``MLAKVPool``), every layer and buffer."""
     elem = torch.empty((), dtype=pool.dtype).element_size()
-    return 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * elem
+    return buffers_per_layer(pool) * pool.num_layers * pool.num_kv_heads * pool.head_dim * elem
 
 
 class HostKVPool:
-    """K and V per layer in host memory, ``[num_slots + page_size, kv_heads, head_dim]`` (page 0 unused)."""
+    """Per layer, one host buffer ``[num_slots + page_size, kv_heads, head_dim]`` (page 0 unused) for each of
+    the device pool's buffers of that layer (``layers[layer]`` in ``layer_buffers`` order).  A ``KVPool``'s
+    copies are also ``k_buffer`` / ``v_buffer``, an ``MLAKVPool``'s ``kv_buffer``."""
 
-    def __init__(self, device_pool: KVPool, num_slots: int):
+    def __init__(self, device_pool, num_slots: int):
         self.page_size = device_pool.page_size
         self.num_slots = num_slots // self.page_size * self.page_size
         self.num_layers = device_pool.num_layers
         self.dtype = device_pool.dtype
         pin = device_pool.device.type == "cuda"
         shape = (self.num_slots + self.page_size, device_pool.num_kv_heads, device_pool.head_dim)
-        # bytes (uint8 views) for FP8 pools: index_copy_ has no float8 kernel everywhere
-        self.k_buffer = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        # FP8 pools' rows move as bytes (``_raw``): index_copy_ has no float8 kernel everywhere
+        self.layers = [
+            [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in per_layer]
+            for per_layer in layer_buffers(device_pool)
+        ]
+        if len(self.layers[0]) == 2:
+            self.k_buffer = [bufs[0] for bufs in self.layers]
+            self.v_buffer = [bufs[1] for bufs in self.layers]
+        else:
+            self.kv_buffer = [bufs[0] for bufs in self.layers]
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +170,7 @@ class LayerLoads:
         for layer in range(self.num_layers):
             self.wait(layer)
 
-    def run(self, pool: "HostKVPool", device_pool: KVPool, stream) -> None:
+    def run(self, pool: "HostKVPool", device_pool, stream) -> None:
         """The copy thread's part: every layer in order, marking each ready."""
         try:
             if stream is not None:
@@ -148,18 +178,14 @@ class LayerLoads:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 host = torch.cat([h for h, _ in self.pairs])
                 dst = torch.cat([d for _, d in self.pairs]).to(device_pool.device)
+                dev_layers = layer_buffers(device_pool)
                 staging = None
                 if stream is not None:  # CUDA: every layer's rows gathered into one pinned buffer, then sent
-                    row = _raw(pool.k_buffer[0]).shape[1:]
-                    dtype = _raw(pool.k_buffer[0]).dtype
-                    staging = torch.empty((self.num_layers, 2, host.numel(), *row), dtype=dtype, pin_memory=True)
+                    first = _raw(pool.layers[0][0])
+                    shape = (self.num_layers, len(pool.layers[0]), host.numel(), *first.shape[1:])
+                    staging = torch.empty(shape, dtype=first.dtype, pin_memory=True)
                 for layer in range(self.num_layers):
-                    for j, (dbuf, hbuf) in enumerate(
-                        (
-                            (device_pool.k_buffer[layer], pool.k_buffer[layer]),
-                            (device_pool.v_buffer[layer], pool.v_buffer[layer]),
-                        )
-                    ):
+                    for j, (dbuf, hbuf) in enumerate(zip(dev_layers[layer], pool.layers[layer])):
                         if staging is None:
                             rows = _raw(hbuf).index_select(0, host)
                         else:  # (the gather of the next layer runs while this one crosses the bus)
@@ -179,7 +205,7 @@ class LayerLoads:
 class _CopyThread:
     """Runs started ``LayerLoads`` one after the other (a daemon thread, started on first use)."""
 
-    def __init__(self, pool: "HostKVPool", device_pool: KVPool):
+    def __init__(self, pool: "HostKVPool", device_pool):
         self.pool = pool
         self.device_pool = device_pool
         cuda = device_pool.device.type == "cuda"
@@ -203,7 +229,8 @@ class _CopyThread:
 class HostTier:
     """Host pool + its allocator + the copies between it and the device pool (see the module docstring)."""
 
-    def __init__(self, device_pool: KVPool, num_slots: int):
+    def __init__(self, device_pool, num_slots: int):
+        """``device_pool``: a ``KVPool`` or an ``MLAKVPool``."""
         if num_slots < device_pool.page_size:
             raise ValueError("the host KV tier needs at least one page")
         self.device_pool = device_pool
@@ -233,11 +260,8 @@ class HostTier:
             return None
         src = gpu_slots.to(self.device)
         dev = self.device_pool
-        for layer in range(self.pool.num_layers):
-            for dbuf, hbuf in (
-                (dev.k_buffer[layer], self.pool.k_buffer[layer]),
-                (dev.v_buffer[layer], self.pool.v_buffer[layer]),
-            ):
+        for dev_bufs, host_bufs in zip(layer_buffers(dev), self.pool.layers):
+            for dbuf, hbuf in zip(dev_bufs, host_bufs):
                 rows = _raw(dbuf).index_select(0, src).cpu()  # waits for the kernels that wrote them
                 _raw(hbuf).index_copy_(0, host_slots, rows)
         self.bytes_written += n * bytes_per_token(dev)

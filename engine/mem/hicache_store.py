@@ -14,8 +14,10 @@ worker or on any other worker of the same model.
   heads / layers).  Workers of different models or layouts never read each
   other's pages.
 * **Value.**  A 16-byte header (magic, payload length, CRC-32 of the payload)
-  and the page's raw K and V rows of every layer, in the device pool's dtype
-  (FP8 pools as bytes).  A value of the wrong length or checksum is a miss.
+  and the page's raw rows of every layer, in the device pool's dtype (FP8
+  pools as bytes): K then V per layer for a ``KVPool``, the one latent row per
+  layer for an ``MLAKVPool`` (DeepSeek; docs/deepseek.md).  A value of the
+  wrong length or checksum is a miss.
 * **No correctness dependence.**  Every store call that raises, times out or
   returns something unusable counts in ``storage_errors`` and acts as a miss
   (reads) or a skipped write: the prompt's pages are computed again.
@@ -49,7 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from kvship.engine.mem.pools import KVPool
+from kvship.engine.mem.hicache import buffers_per_layer, layer_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +292,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 class StorageTier:
-    """Pages of one rank's KV pool in a ``KVPageStore`` (see the module docstring).
+    """Pages of one rank's KV pool (a ``KVPool`` or an ``MLAKVPool``) in a ``KVPageStore`` (module docstring).
 
     ``namespace``: the key prefix (fingerprint + shard); ``bandwidth``: bytes/s per direction (0: no cap);
     ``agree``: the smallest of an int over every rank of a multi-rank worker (identity for one rank), so
@@ -300,7 +302,7 @@ class StorageTier:
     def __init__(
         self,
         store: KVPageStore,
-        device_pool: KVPool,
+        device_pool,
         namespace: str,
         bandwidth: float = 0.0,
         agree: Optional[Callable[[int], int]] = None,
@@ -314,8 +316,14 @@ class StorageTier:
         self.agree = agree or (lambda n: n)
         elem = torch.empty((), dtype=device_pool.dtype).element_size()
         self.row_shape = (device_pool.num_kv_heads, device_pool.head_dim)
+        self.buffers_per_layer = buffers_per_layer(device_pool)  # K and V, or the one latent row
         self.page_bytes = (
-            2 * device_pool.num_layers * self.page_size * device_pool.num_kv_heads * device_pool.head_dim * elem
+            self.buffers_per_layer
+            * device_pool.num_layers
+            * self.page_size
+            * device_pool.num_kv_heads
+            * device_pool.head_dim
+            * elem
         )
         self.read_budget = ByteBudget(bandwidth, self.page_bytes)
         self.write_budget = ByteBudget(bandwidth, self.page_bytes)
@@ -369,9 +377,9 @@ class StorageTier:
             return key in self._known
 
     # --- writes (eviction) -----------------------------------------------------------------------------------------
-    def save(self, hashes: Sequence[int], slots: torch.Tensor, k_buffers, v_buffers) -> int:
-        """Queue the pages ``hashes`` (whose rows are ``slots`` of ``k_buffers`` / ``v_buffers``: the device
-        pool's or the host tier's) for the store; returns how many were queued.  Pages the store already
+    def save(self, hashes: Sequence[int], slots: torch.Tensor, source) -> int:
+        """Queue the pages ``hashes`` (whose rows are ``slots`` of ``source``: the device pool or the host
+        tier's ``HostKVPool``) for the store; returns how many were queued.  Pages the store already
         holds (put or read by this worker), pages over the write bandwidth and pages that find the queue
         full are skipped."""
         ps = self.page_size
@@ -388,10 +396,10 @@ class StorageTier:
             return 0
         idx = torch.cat([slots[i * ps : (i + 1) * ps] for i, _ in todo]).to(self.pool.device)
         layers = []
-        for kb, vb in zip(k_buffers, v_buffers):
-            layers.append(_raw(kb).index_select(0, idx.to(kb.device)).cpu())
-            layers.append(_raw(vb).index_select(0, idx.to(vb.device)).cpu())
-        rows = torch.stack(layers).view(torch.uint8)  # [2 * layers, pages * ps, heads, dim * elem]
+        for bufs in layer_buffers(source):
+            for b in bufs:
+                layers.append(_raw(b).index_select(0, idx.to(b.device)).cpu())
+        rows = torch.stack(layers).view(torch.uint8)  # [buffers per layer * layers, pages * ps, heads, dim * elem]
         queued = 0
         for j, (_, key) in enumerate(todo):
             payload = rows[:, j * ps : (j + 1) * ps].contiguous().numpy().tobytes()
@@ -462,17 +470,15 @@ class StorageTier:
         if n:
             heads, dim = self.row_shape
             buf = torch.frombuffer(bytearray(b"".join(payloads[:n])), dtype=torch.uint8)
-            # per page [2 * layers, ps, heads, dim * elem] -> [2 * layers, n * ps, heads, dim * elem]
-            rows = (
-                buf.view(n, 2 * self.pool.num_layers, ps, heads, -1)
-                .transpose(0, 1)
-                .reshape(2 * self.pool.num_layers, n * ps, heads, -1)
-            )
+            # per page [B * layers, ps, heads, dim * elem] -> [B * layers, n * ps, heads, dim * elem], with B the
+            # buffers per layer (2: K and V; 1: the latent row)
+            nb = self.buffers_per_layer * self.pool.num_layers
+            rows = buf.view(n, nb, ps, heads, -1).transpose(0, 1).reshape(nb, n * ps, heads, -1)
             dst = gpu_slots[: n * ps].to(self.pool.device)
             cuda = self.pool.device.type == "cuda"
-            for layer in range(self.pool.num_layers):
-                for j, dbuf in enumerate((self.pool.k_buffer[layer], self.pool.v_buffer[layer])):
-                    src = rows[2 * layer + j].view(_raw(dbuf).dtype)
+            for layer, bufs in enumerate(layer_buffers(self.pool)):
+                for j, dbuf in enumerate(bufs):
+                    src = rows[self.buffers_per_layer * layer + j].view(_raw(dbuf).dtype)
                     if cuda:
                         src = src.pin_memory().to(self.pool.device, non_blocking=True)
                     _raw(dbuf).index_copy_(0, dst, src)

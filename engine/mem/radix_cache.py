@@ -518,11 +518,9 @@ class RadixCache(BasePrefixCache):
         if self.storage is None:
             return
         if node.value is not None:
-            pool = self.storage.pool
-            self.storage.save(self._node_hashes(node), node.value, pool.k_buffer, pool.v_buffer)
+            self.storage.save(self._node_hashes(node), node.value, self.storage.pool)
         elif self.host is not None and node.host_value is not None:
-            hp = self.host.pool
-            self.storage.save(self._node_hashes(node), node.host_value, hp.k_buffer, hp.v_buffer)
+            self.storage.save(self._node_hashes(node), node.host_value, self.host.pool)
 
     def _free_host(self, node: TreeNode) -> None:
         assert self.host is not None and node.host_value is not None

@@ -65,13 +65,10 @@ def check_mla_serving(server_args) -> None:
     """ValueError naming the first mode an MLA (DeepSeek) model cannot run in yet (docs/deepseek.md)."""
     sa = server_args
     refusals = [
-        (sa.pp_size > 1, "--pp-size > 1 (pipeline parallelism)"),
         (  # eagle: the checkpoint's MTP module as the head (kvship.engine.models.deepseek_mtp); ngram
             sa.speculative_algorithm not in (None, "eagle", "ngram"),
             f"--speculative-algorithm {sa.speculative_algorithm} (eagle drafts with the checkpoint's MTP module)",
         ),
-        (sa.hicache_size_gb > 0 or sa.hicache_ratio > 0, "--hicache-size-gb / --hicache-ratio (host KV tier)"),
-        (sa.hicache_storage != "none", f"--hicache-storage {sa.hicache_storage}"),
         (sa.resolved_kv_dtype.startswith("fp8"), f"--kv-cache-dtype {sa.resolved_kv_dtype} (FP8 latent cache)"),
     ]
     for bad, what in refusals:
@@ -223,6 +220,8 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self._rotary[0](positions, q_pe, k_pe)
         latent = torch.cat([c, k_pe], dim=-1)
         backend = fb.attn_backend
+        if fb.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
+            fb.kv_ready(self.spec.layer_id)
         if fb.forward_mode == ForwardMode.EXTEND:  # prefill / extend: decompress K and V
             out = backend.forward_extend_decompressed(
                 torch.cat([q_nope, q_pe], dim=-1), latent, self.spec, fb, self._decompress
