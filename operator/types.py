@@ -449,10 +449,10 @@ class Tracing:
     """OpenTelemetry traces of every pod (router and workers), exported over OTLP (docs/observability.md)."""
 
     otlp_endpoint: str = api_field(
-        "OTLP collector URL every pod exports its spans to (e.g. http://otel-collector:4318); passed as "
-        "--otlp-traces-endpoint.",
+        "OTLP collector every pod exports its spans to: http(s)://host:4318 (OTLP/HTTP) or grpc(s)://host:4317 "
+        "(OTLP/gRPC, plaintext or TLS); passed as --otlp-traces-endpoint.",
         required=True,
-        pattern=r"^(http|https|grpc)://\S+$",
+        pattern=r"^(http|https|grpc|grpcs)://\S+$",
     )
     sample_ratio: float = api_field(
         "Fraction of new traces kept (--otlp-traces-sample-ratio).", 1.0, minimum=0, maximum=1

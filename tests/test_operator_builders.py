@@ -449,3 +449,7 @@ def test_tracing_passes_the_otlp_endpoint_and_sample_ratio_to_every_pod():
     assert not any("--otlp-traces-endpoint" in container(dep)["args"] for dep in untraced.values())
     with pytest.raises(Exception, match="sampleRatio|otlpEndpoint"):
         config(dict(PD, tracing={"otlpEndpoint": "http://c:4318", "sampleRatio": 2}))
+    for url in ("grpc://c:4317", "grpcs://c:4317"):  # OTLP/gRPC, plaintext and TLS
+        assert config(dict(PD, tracing={"otlpEndpoint": url})).spec.tracing.otlp_endpoint == url
+    with pytest.raises(Exception, match="otlpEndpoint"):
+        config(dict(PD, tracing={"otlpEndpoint": "collector:4317"}))
