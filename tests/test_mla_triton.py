@@ -1,4 +1,5 @@
-"""The split-KV MLA decode kernel (engine/attention/mla_triton.py) against the torch reference backend.
+"""The Triton MLA kernels (split-KV decode: engine/attention/mla_triton.py; extend and tree verify:
+engine/attention/mla_triton_extend.py) against torch references and the torch_native backend.
 
 Runs under Triton's interpreter on CPU (``TRITON_INTERPRET=1``: tests/test_deepseek.py starts it in a
 child pytest) or natively on CUDA.  float32; the sums run in another order than SDPA's, so 1e-5.
@@ -67,9 +68,45 @@ def test_mla_decode_refuses_mismatched_latent_rows():
         )
 
 
+def _verify_step(runner, drv, reqs, trees, masks):
+    """A TARGET_VERIFY forward of draft trees (``trees[b]`` tokens, ``masks[b]`` their tree mask) after each
+    request's tokens; logits of every tree node.  The tree's slots are freed afterwards (nothing accepted)."""
+    from kvship.engine.forward_batch import ForwardMode, build_forward_batch
+
+    prefix = [len(q.tokens) for q in reqs]
+    seq = [p + len(t) for p, t in zip(prefix, trees)]
+    locs = runner.allocator.alloc_extend(prefix, seq, [q.slots[-1] for q in reqs])
+    off = 0
+    for q, p, toks in zip(reqs, prefix, trees):
+        runner.req_to_token_pool.write(q.row, p, locs[off : off + len(toks)])
+        off += len(toks)
+    n = sum(len(t) for t in trees)
+    fb = build_forward_batch(
+        ForwardMode.TARGET_VERIFY,
+        input_ids=torch.tensor([t for toks in trees for t in toks], dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor([p + d for p, m in zip(prefix, masks) for d in (m.sum(1) - 1).tolist()], device=DEVICE),
+        req_pool_indices=torch.tensor([q.row for q in reqs], dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.tensor(seq, dtype=torch.int64, device=DEVICE),
+        seq_lens_cpu=seq,
+        out_cache_loc=locs.to(DEVICE),
+        req_to_token_pool=runner.req_to_token_pool,
+        kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend,
+        device=DEVICE,
+        extend_lens=[len(t) for t in trees],
+        prefix_lens=prefix,
+        logits_indices=torch.arange(n, device=DEVICE),
+        tree_masks=masks,
+    )
+    logits = runner.forward(fb).next_token_logits
+    runner.allocator.free(locs.tolist())
+    return logits
+
+
 def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
-    """A tiny DeepSeek-V3 through the model runner: ``--attention-backend triton`` (this kernel for decode)
-    gives the torch_native backend's logits at every decode step."""
+    """A tiny DeepSeek-V3 through the model runner: ``--attention-backend triton`` gives the torch_native
+    backend's logits at the extends (decompressed kernel, over a cached prefix the second time), every decode
+    step (split-KV kernel) and every node of a tree verify (absorbed kernel with the tree masks)."""
     from deepseek_fixtures import build_tiny_deepseek
 
     from kvship.engine.attention.mla_triton import MLATritonBackend
@@ -83,9 +120,147 @@ def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
         runner = ModelRunner(sa)
         drv = kv_driver(runner)
         reqs = [drv.new(), drv.new()]
-        drv.extend(reqs, [list(range(5, 22)), list(range(40, 45))])
-        runs[backend] = [drv.decode(reqs, [7 + i, 9 + i]) for i in range(2)]
+        runs[backend] = [drv.extend(reqs, [list(range(5, 22)), list(range(40, 45))], all_logits=True)]
+        runs[backend] += [drv.decode(reqs, [7 + i, 9 + i]) for i in range(2)]
+        runs[backend].append(drv.extend(reqs, [[3, 4, 5], list(range(50, 70))], all_logits=True))
+        # trees: root -> {a, b}, a -> c (siblings must not see each other); a 3-token chain
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        chain = torch.ones(3, 3, dtype=torch.bool).tril()
+        runs[backend].append(_verify_step(runner, drv, reqs, [[11, 12, 13, 14], [21, 22, 23]], [tree, chain]))
         if backend == "triton":
             assert isinstance(runner.attn_backend, MLATritonBackend)
     for a, b in zip(runs["torch_native"], runs["triton"]):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def _packed_batch(g, pres, exts, dim, rows=(4, 1, 6)):
+    """Requests with ``pres[b]`` cached + ``exts[b]`` new tokens at scattered slots of a latent buffer."""
+    seqs = [p + e for p, e in zip(pres, exts)]
+    slots = torch.randperm(300, generator=g)[: sum(seqs)] + 1  # 0 is the padding slot
+    r2t = torch.zeros((8, 64), dtype=torch.int32)
+    rows_t = torch.tensor(rows[: len(pres)])
+    off = 0
+    for row, n in zip(rows_t.tolist(), seqs):
+        r2t[row, :n] = slots[off : off + n].to(torch.int32)
+        off += n
+    buf = torch.randn((301, 1, dim), generator=g)
+    q_starts = torch.tensor([sum(exts[:i]) for i in range(len(exts))], dtype=torch.int32)
+    return buf, r2t, rows_t, torch.tensor(pres, dtype=torch.int32), torch.tensor(exts, dtype=torch.int32), q_starts
+
+
+def _visible(p, e, tree):
+    vis = torch.ones((e, p + e), dtype=torch.bool)
+    vis[:, p:] = tree if tree is not None else torch.ones(e, e, dtype=torch.bool).tril()
+    return vis
+
+
+@pytest.mark.parametrize("tree,h", [(False, 3), (True, 3), (True, 20)])
+def test_absorbed_extend_and_tree_verify_equal_the_reference(tree, h):
+    """Causal extends (a request longer than one block of tokens, one with no prefix) and tree verify (random
+    tree masks with the diagonal set) over the latent pool; 20 heads: two head blocks, the second partial."""
+    from kvship.engine.attention.mla_triton_extend import mla_extend_absorbed
+
+    g = torch.Generator().manual_seed(7 + tree)
+    r, p = 32, 8
+    pres, exts = ([5, 0, 33], [4, 19, 1]) if not tree else ([9, 40, 2], [4, 6, 1])
+    buf, r2t, rows, pre_t, ext_t, q_starts = _packed_batch(g, pres, exts, r + p)
+    masks = [(torch.rand(e, e, generator=g) < 0.5).tril() | torch.eye(e, dtype=torch.bool) for e in exts]
+    q = torch.randn((sum(exts), h, r + p), generator=g)
+    scale = (r + p) ** -0.5
+    kw = {}
+    if tree:
+        kw = dict(
+            tree_mask=torch.cat([m.reshape(-1).to(torch.uint8) for m in masks]).to(DEVICE),
+            mask_starts=torch.tensor([sum(e * e for e in exts[:i]) for i in range(3)]).to(DEVICE),
+        )
+    dev = [t.to(DEVICE) for t in (q, buf, r2t, rows, pre_t, ext_t, q_starts)]
+    got = mla_extend_absorbed(*dev, max(exts), r, scale, **kw).cpu()
+    for b, (row, pl, e) in enumerate(zip(rows.tolist(), pres, exts)):
+        lat = buf[r2t[row, : pl + e].long(), 0]
+        qb = q[int(q_starts[b]) : int(q_starts[b]) + e]
+        s = torch.einsum("thd,nd->htn", qb, lat) * scale
+        s = s.masked_fill(~_visible(pl, e, masks[b] if tree else None), float("-inf"))
+        ref = torch.einsum("htn,nr->thr", torch.softmax(s, -1), lat[:, :r])
+        assert torch.allclose(got[int(q_starts[b]) : int(q_starts[b]) + e], ref, atol=1e-5, rtol=1e-5), b
+
+
+def test_decompressed_extend_over_a_cached_prefix_equals_the_reference():
+    """Per-head keys ``[k_nope | k_pe]`` (k_pe read from the pool through req_to_token), causal over prefix + new."""
+    from kvship.engine.attention.mla_triton_extend import mla_extend_decompressed
+
+    g = torch.Generator().manual_seed(11)
+    h, r, dn, p, dv = 2, 16, 8, 4, 12
+    pres, exts = [6, 0, 30], [3, 18, 2]
+    buf, r2t, rows, pre_t, ext_t, q_starts = _packed_batch(g, pres, exts, r + p)
+    seqs = [a + b for a, b in zip(pres, exts)]
+    kv_starts = torch.tensor([sum(seqs[:i]) for i in range(3)], dtype=torch.int32)
+    k_nope = torch.randn((sum(seqs), h, dn), generator=g)
+    v = torch.randn((sum(seqs), h, dv), generator=g)
+    q = torch.randn((sum(exts), h, dn + p), generator=g)
+    scale = (dn + p) ** -0.5
+    dev = [t.to(DEVICE) for t in (q, k_nope, v, buf, r2t, rows, pre_t, ext_t, q_starts, kv_starts)]
+    got = mla_extend_decompressed(*dev, max(exts), r, scale).cpu()
+    assert got.shape == (sum(exts), h, dv)
+    for b, (row, pl, e) in enumerate(zip(rows.tolist(), pres, exts)):
+        k0, q0, n = int(kv_starts[b]), int(q_starts[b]), pl + e
+        pe = buf[r2t[row, :n].long(), 0, r:]
+        key = torch.cat([k_nope[k0 : k0 + n], pe[:, None].expand(n, h, p)], dim=-1)
+        s = torch.einsum("thd,nhd->htn", q[q0 : q0 + e], key) * scale
+        s = s.masked_fill(~_visible(pl, e, None), float("-inf"))
+        ref = torch.einsum("htn,nhv->thv", torch.softmax(s, -1), v[k0 : k0 + n])
+        assert torch.allclose(got[q0 : q0 + e], ref, atol=1e-5, rtol=1e-5), b
+
+
+def _greedy(sa, batches):
+    """Greedy tokens of ``batches`` (lists of prompts, each list run to idle before the next: later batches hit
+    the radix cache) through the unified scheduler; also its stats."""
+    from pd_fixtures import Collector, run_until_idle
+
+    from kvship.app.roles import scheduler_for_mode
+    from kvship.engine.io_struct import GenerateRequest, SamplingParams
+    from kvship.engine.model_runner import ModelRunner
+
+    out = Collector()
+    sched = scheduler_for_mode("unified")(sa, ModelRunner(sa), None, out)
+    rids = []
+    for n, prompts in enumerate(batches):
+        for i, p in enumerate(prompts):
+            rids.append(f"b{n}r{i}")
+            sched.submit(GenerateRequest(rids[-1], list(p), SamplingParams(max_new_tokens=6, temperature=0.0)))
+        run_until_idle(sched)
+    cached = max((c.cached_tokens for c in out.chunks if c.rid.startswith("b1")), default=0)
+    return [out.tokens(r) for r in rids], cached, sched.get_stats()
+
+
+@pytest.mark.timeout(120)
+def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_tree_verify(tmp_path):
+    """Tiny DeepSeek-V3 (with an MTP layer) through the scheduler: ``--attention-backend triton`` (Triton
+    decompressed extend over a radix-cache prefix, split-KV decode, absorbed tree verify of MTP drafts with
+    ``eagle_topk 2``) gives torch_native's greedy tokens."""
+    from deepseek_fixtures import build_tiny_deepseek
+    from test_deepseek_mtp import add_mtp_layer
+
+    from kvship.engine.config import ServerArgs
+
+    path = add_mtp_layer(build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=61), seed=62)
+    shared = list(range(10, 27))
+    batches = [[shared + [40, 41], list(range(60, 66))], [shared + [50, 51, 52, 53], shared + [70]]]
+    spec = dict(
+        speculative_algorithm="eagle",
+        speculative_draft_model_path=path,
+        speculative_num_steps=2,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=4,
+    )
+    runs = {}
+    for backend in ("torch_native", "triton"):
+        base = dict(model_path=path, device=DEVICE, max_total_tokens=512, page_size=1, attention_backend=backend)
+        runs[backend] = _greedy(ServerArgs(**base), batches)
+        runs[backend + "+mtp"] = _greedy(ServerArgs(**base, **spec), batches)
+    tokens, cached, _ = runs["torch_native"]
+    assert cached >= 16  # the second batch's shared pages came from the radix cache
+    for name in ("triton", "torch_native+mtp", "triton+mtp"):
+        assert runs[name][0] == tokens, name
+        assert runs[name][1] >= 16, name
+    st = runs["triton+mtp"][2]
+    assert st["spec_rounds"] > 0 and st["spec_draft_tokens"] > st["spec_rounds"]

@@ -27,7 +27,8 @@ stores them at ``out_cache_loc`` before reading; every read goes through
 torch_native backend's per-step metadata (slot lists, causal / tree masks),
 attention by ``scaled_dot_product_attention``.  No CUDA graphs.
 ``triton`` (kvship.engine.attention.mla_triton) decodes with a split-KV
-Triton kernel over the latent pool and extends as the reference.
+Triton kernel over the latent pool and extends / verifies with the Triton
+kernels of kvship.engine.attention.mla_triton_extend.
 """
 
 from __future__ import annotations

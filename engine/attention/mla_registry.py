@@ -1,7 +1,7 @@
 """Which MLA attention backend a DeepSeek model gets for ``--attention-backend`` (docs/deepseek.md).
 
 ``torch_native`` (and ``auto``): the reference (kvship.engine.attention.mla);
-``triton``: its split-KV decode kernel (kvship.engine.attention.mla_triton),
+``triton``: its Triton kernels (kvship.engine.attention.mla_triton: split-KV decode, extend, tree verify),
 imported only when asked for.
 """
 

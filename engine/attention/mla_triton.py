@@ -14,16 +14,23 @@
 Returns ``[B, H, R]`` in ``q``'s dtype; the model applies ``W_UV`` after it.  Accumulation is float32.
 Parts past a short request's length are empty (log-sum-exp ``-inf``) and weigh nothing.
 
-``MLATritonBackend`` (``--attention-backend triton`` for MLA models) runs decode through it.
+``MLATritonBackend`` (``--attention-backend triton`` for MLA models) runs decode through it, and extends
+through the kernels of kvship.engine.attention.mla_triton_extend: prefill / prefix-cached extends decompressed
+(``kv_b_proj`` of the request's latent rows as one GEMM, then a causal flash kernel), verify and draft extends
+absorbed over the latent pool (tree masks for TARGET_VERIFY).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kvship.engine.attention.mla import MLATorchBackend
+from kvship.engine.attention.mla import Decompress, MLALayerSpec, MLATorchBackend
+from kvship.engine.attention.mla_triton_extend import mla_extend_absorbed, mla_extend_decompressed
+from kvship.engine.attention.triton_backend import TritonExtendMeta, extend_meta
 from kvship.engine.forward_batch import ForwardBatch
 
 
@@ -174,15 +181,56 @@ def mla_decode(
     return out
 
 
+# context tokens per decode split worth a program of its own: shorter contexts take fewer splits (a split
+# shorter than this costs a program and a merge term for little parallel work)
+TOKENS_PER_SPLIT = 128
+
+
+def decode_splits(max_seq_len: int, max_splits: int = 8) -> int:
+    """``mla_decode``'s ``num_splits`` for a batch whose longest context is ``max_seq_len``: a power of two,
+    one per ``TOKENS_PER_SPLIT`` tokens, at most ``max_splits``."""
+    want = triton.cdiv(max(max_seq_len, 1), TOKENS_PER_SPLIT)
+    return min(triton.next_power_of_2(want), max_splits)
+
+
+@dataclass
+class MLAExtendMeta:
+    """Per-step tensors of the Triton MLA extends (shared by every layer of the forward)."""
+
+    ext: TritonExtendMeta  # prefix / extend lengths, query starts, tree masks
+    kv_starts: torch.Tensor  # [bs] int32: where request b's rows start in the packed decompressed K / V
+    kv_slots: torch.Tensor  # [sum(seq_lens)] int64: every request's slots, prefix then new (position order)
+
+
+def mla_extend_meta(fb: ForwardBatch) -> MLAExtendMeta:
+    """``MLAExtendMeta`` for an extend batch (``extend_meta``'s tensors plus the decompression gather)."""
+    r2t = fb.req_to_token_pool.req_to_token
+    device = r2t.device
+    seq = [int(x) for x in fb.seq_lens_cpu]
+    starts = [0] * len(seq)
+    for i in range(1, len(seq)):
+        starts[i] = starts[i - 1] + seq[i - 1]
+    owner = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(seq, dtype=torch.int64))
+    pos = torch.arange(int(owner.numel())) - torch.tensor(starts, dtype=torch.int64)[owner]
+    rows = fb.req_pool_indices.to(device=device, dtype=torch.int64)[owner.to(device)]
+    return MLAExtendMeta(
+        ext=extend_meta(fb, device),
+        kv_starts=torch.tensor(starts, dtype=torch.int32).to(device),
+        kv_slots=r2t[rows, pos.to(device)].to(torch.int64),
+    )
+
+
 class MLATritonBackend(MLATorchBackend):
     """``--attention-backend triton`` for MLA models: decode through ``mla_decode`` (split-KV over the latent
-    pool); extends and verify as the torch reference.  No CUDA graphs yet."""
+    pool), extends through ``mla_extend_decompressed`` (prefill, prefix-cached extends) and
+    ``mla_extend_absorbed`` (verify with its tree masks, draft extends).  No CUDA graphs yet."""
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():
-            forward_batch.attn_metadata = None  # the kernel reads req_to_token and seq_lens itself
+            # the kernel reads req_to_token and seq_lens itself; the metadata is its number of splits
+            forward_batch.attn_metadata = decode_splits(max(forward_batch.seq_lens_cpu, default=1))
         else:
-            super().init_forward_metadata(forward_batch)
+            forward_batch.attn_metadata = mla_extend_meta(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
@@ -194,5 +242,61 @@ class MLATritonBackend(MLATorchBackend):
             fb.req_pool_indices,
             fb.seq_lens,
             layer.kv_lora_rank,
+            layer.scaling,
+            num_splits=fb.attn_metadata,
+        )
+
+    def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):
+        """Absorbed: ``q [T, H, latent_dim]`` -> ``[T, H, kv_lora_rank]`` (causal, or the verify tree masks)."""
+        fb = forward_batch
+        meta: MLAExtendMeta = fb.attn_metadata
+        buf = self._store(fb, layer, k, save_kv_cache)
+        e = meta.ext
+        return mla_extend_absorbed(
+            q.view(-1, layer.num_heads, layer.latent_dim).contiguous(),
+            buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            e.prefix_lens,
+            e.extend_lens,
+            e.extend_starts,
+            e.max_extend_len,
+            layer.kv_lora_rank,
+            layer.scaling,
+            tree_mask=e.custom_mask,
+            mask_starts=e.mask_starts,
+        )
+
+    def forward_extend_decompressed(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        layer: MLALayerSpec,
+        forward_batch: ForwardBatch,
+        decompress: Decompress,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Decompressed: ``q [T, H, d_nope + d_rope]`` -> ``[T, H, d_v]``; ``decompress`` (``kv_b_proj``) runs
+        once over all the batch's latent rows, the kernel reads ``k_pe`` from the pool."""
+        fb = forward_batch
+        meta: MLAExtendMeta = fb.attn_metadata
+        buf = self._store(fb, layer, latent, save_kv_cache)
+        r = layer.kv_lora_rank
+        c = buf.index_select(0, meta.kv_slots)[:, 0, :r].to(q.dtype)
+        k_nope, v = decompress(c)
+        e = meta.ext
+        return mla_extend_decompressed(
+            q.contiguous(),
+            k_nope,
+            v,
+            buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            e.prefix_lens,
+            e.extend_lens,
+            e.extend_starts,
+            meta.kv_starts,
+            e.max_extend_len,
+            r,
             layer.scaling,
         )
