@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -45,14 +45,13 @@ from torch import nn
 from kvship.engine.attention.mla import MLALayerSpec
 from kvship.engine.deepseek_config import GroupedRouting, yarn_mscale
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
-from kvship.engine.layers.embedding import VocabEmbedding
 from kvship.engine.layers.linear import Linear, StackedLinear, _param
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
 from kvship.engine.model_config import ModelConfig
-from kvship.engine.models.llama import AbsentLayer, LlamaForCausalLM, LlamaMLP
+from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from kvship.engine.models.moe import MoEForCausalLM
 from kvship.engine.models.registry import register_model
 from kvship.engine.models.stage import LayerRange
@@ -343,64 +342,30 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
-class DeepseekModel(nn.Module):
-    """Embedding, decoder layers, final norm; the interface of ``LlamaModel`` (``run_layers``, ``norm``...),
-    so ``LlamaForCausalLM``'s forward and logits serve this model too."""
+class DeepseekModel(LlamaModel):
+    """``LlamaModel`` (embedding, ``run_layers``, final norm, pipeline parts) with DeepSeek's decoder layers and
+    RoPE, so ``LlamaForCausalLM``'s forward and logits serve this model too."""
 
     def __init__(self, config: ModelConfig, layers: Optional[LayerRange] = None):
-        super().__init__()
+        if config.mla is None:
+            raise ValueError(f"{config.architecture}: config.json lacks the MLA fields")
+        super().__init__(config, None, layers)
+
+    def build_rotary(self, config: ModelConfig) -> nn.Module:
         mla = config.mla
         assert mla is not None
-        part = self.part = layers or LayerRange.whole(config.num_hidden_layers)
-        if part.first or (part.last and config.tie_word_embeddings):
-            self.embed_tokens = VocabEmbedding(
-                config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
-            )
-        self.rotary_emb = DeepseekRotary(
+        return DeepseekRotary(
             mla.qk_rope_head_dim,
             max(config.context_len, 1),
             config.rope_theta,
             config.rope_scaling,
             mla.rope_interleave,
         )
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, self.rotary_emb, i - part.start) if i in part else AbsentLayer()
-            for i in range(config.num_hidden_layers)
-        )
-        if part.last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.forward_with_aux(input_ids, positions, forward_batch, ())[0]
-
-    def forward_with_aux(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, aux_layers: tuple[int, ...]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden, residual, aux = self.run_layers(input_ids, positions, forward_batch, None, aux_layers)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, aux
-
-    def run_layers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        stage_input: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        aux_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[torch.Tensor]]:
-        part = self.part
-        if part.first:
-            hidden, residual = self.embed_tokens(input_ids), None
-        elif stage_input is None:
-            raise ValueError(f"layers [{part.start}, {part.end}) continue a residual stream: pass stage_input")
-        else:
-            hidden, residual = stage_input
-        aux = []
-        for i in range(part.start, part.end):
-            hidden, residual = self.layers[i](positions, hidden, residual, forward_batch)
-            if i in aux_layers:
-                aux.append(hidden + residual)
-        return hidden, residual, aux
+    def build_layer(
+        self, config: ModelConfig, i: int, mlp_for_layer: Optional[Callable[[int], nn.Module]]
+    ) -> nn.Module:
+        return DeepseekDecoderLayer(config, i, self.rotary_emb, i - self.part.start)
 
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")

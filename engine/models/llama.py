@@ -162,23 +162,24 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabEmbedding(
                 config.vocab_size, config.hidden_size, config.dtype, quant_method=quant_method_for(config)
             )
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling
-        )
+        self.rotary_emb = self.build_rotary(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config,
-                i,
-                self.rotary_emb,
-                None if mlp_for_layer is None else mlp_for_layer(i),
-                kv_layer_id=i - part.start,
-            )
-            if i in part
-            else AbsentLayer()
+            self.build_layer(config, i, mlp_for_layer) if i in part else AbsentLayer()
             for i in range(config.num_hidden_layers)
         )
         if part.last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def build_rotary(self, config: ModelConfig) -> nn.Module:
+        """The RoPE table every layer shares (another model family's decoder returns its own)."""
+        return RotaryEmbedding(config.head_dim, max(config.context_len, 1), config.rope_theta, config.rope_scaling)
+
+    def build_layer(
+        self, config: ModelConfig, i: int, mlp_for_layer: Optional[Callable[[int], nn.Module]]
+    ) -> nn.Module:
+        """Decoder layer ``i`` of the whole model (this part's KV layer ``i - part.start``)."""
+        mlp = None if mlp_for_layer is None else mlp_for_layer(i)
+        return LlamaDecoderLayer(config, i, self.rotary_emb, mlp, kv_layer_id=i - self.part.start)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.forward_with_aux(input_ids, positions, forward_batch, ())[0]
