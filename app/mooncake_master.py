@@ -2,10 +2,11 @@
 "Mooncake Store").
 
 When the workers are asked for the Mooncake shared tier and no ``--hicache-storage-master`` is given,
-``kvship local`` runs one ``mooncake_master`` (the binary the ``mooncake`` package ships) on 127.0.0.1 with
-its HTTP metadata server on, gives every worker ``--hicache-storage-master 127.0.0.1:<rpc port>`` and
-``--hicache-storage-metadata http://127.0.0.1:<port>/metadata``, waits for its RPC port before the workers
-start, and stops it after them.  Its log is ``mooncake-master.log`` in the run's log folder.  A master that
+``kvship local`` runs one ``mooncake_master`` (the binary the ``mooncake`` package ships) with its RPC and
+metrics servers on 127.0.0.1 and no HTTP metadata server (that one binds every interface whatever its host
+flag says), gives every worker ``--hicache-storage-master 127.0.0.1:<rpc port>`` and
+``--hicache-storage-metadata P2PHANDSHAKE`` (the store's clients exchange their segment descriptors
+directly), waits for its RPC port before the workers start, and stops it after them.  Its log is ``mooncake-master.log`` in the run's log folder.  A master that
 dies later costs the workers only recompute (a store failure is a miss, docs/cache.md).
 """
 
@@ -57,7 +58,7 @@ class MooncakeMaster:
     def __init__(self, binary: str):
         self.binary = binary
         self.log_path = ""
-        self.rpc_port, self.metadata_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.metrics_port = _free_port(), _free_port()
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -67,17 +68,15 @@ class MooncakeMaster:
 
     @property
     def metadata_url(self) -> str:
-        """``--hicache-storage-metadata`` of the workers."""
-        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+        """``--hicache-storage-metadata`` of the workers: no metadata service, the clients' P2P handshake."""
+        return "P2PHANDSHAKE"
 
     def argv(self) -> list[str]:
         return [
             self.binary,
             f"--rpc_port={self.rpc_port}",
             "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.metadata_port}",
+            "--metrics_host=127.0.0.1",  # its HTTP metrics/admin server defaults to 0.0.0.0 (docs/security.md)
             f"--metrics_port={self.metrics_port}",
             "--enable_metric_reporting=false",
         ]

@@ -40,9 +40,14 @@ def test_kvship_local_starts_a_mooncake_master_its_workers_use_and_stops_it(tiny
         masters = [p for p in children if _cmdline(p)[0].endswith("mooncake_master")]
         assert len(masters) == 1, [_cmdline(p)[:3] for p in children]
         rpc = next(a.split("=", 1)[1] for a in _cmdline(masters[0]) if a.startswith("--rpc_port="))
+        import psutil
+
+        listening = [c.laddr for c in psutil.Process(masters[0]).net_connections("inet") if c.status == "LISTEN"]
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening  # loopback only
         for url in cluster.workers("prefill") + cluster.workers("decode"):
             argv = _cmdline(cluster.pid(url))
             assert argv[argv.index("--hicache-storage-master") + 1] == f"127.0.0.1:{rpc}"
+            assert argv[argv.index("--hicache-storage-metadata") + 1] == "P2PHANDSHAKE"
             assert cluster.info(url)["storage_backend"] == "mooncake"
         r = cluster.generate(list(range(10, 70)), max_new=4)
         assert r.status_code == 200, r.text
