@@ -40,7 +40,6 @@ import itertools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from typing import Any, Iterator, Optional, Sequence
 import httpx
 import torch
 
+from kvship.common.ports import free_port  # below the ephemeral range: no race with bind(0)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 384
 KV_SECRET = b"kvship-test-kv-transfer-secret-0123456789"
@@ -60,12 +61,6 @@ KV_SECRET = b"kvship-test-kv-transfer-secret-0123456789"
 def room_token(room: int) -> str:
     """A valid ``bootstrap_token`` for ``room`` (tests; the router draws them with ``secrets``)."""
     return f"test-room-token-{room}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 120, vocab: int = TINY_VOCAB) -> list[list[int]]:

@@ -44,15 +44,11 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator, Optional
 
+from kvship.common.ports import free_port  # below the ephemeral range: no race with bind(0)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------------

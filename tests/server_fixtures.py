@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,17 +45,13 @@ from typing import Any, Iterator, Optional, Sequence
 
 import httpx
 
+from kvship.common.ports import free_port  # below the ephemeral range: no race with bind(0)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ServerStartError(RuntimeError):
     """The process died or did not become healthy in time (message holds its log tail)."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(target, world: int, args: tuple, timeout: float):

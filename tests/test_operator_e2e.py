@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import httpx
 import pytest
 import yaml
 from kube_emulator import EmulatorThread, find_tool
+
+from kvship.common.ports import free_port  # below the ephemeral range: no race with bind(0)
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
@@ -61,12 +62,6 @@ def install_chart_rbac(kube) -> str:
             kube.create(api_version, plural, doc["metadata"].get("namespace"), doc)
     assert sa is not None
     return sa
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Operator:
