@@ -15,7 +15,8 @@ targets of ``spec.slo``:
 
 Queue depth and KV usage guard both roles: a role whose workers queue requests while their KV pools are
 nearly full (mean ``kv_usage`` >= :data:`KV_FULL`) cannot admit more, whatever the latency says, and wants
-one replica more; a role that queues more requests than it has replicas is never shrunk.
+one replica more; a role that queues more requests than it has replicas is never shrunk, nor is one with
+fewer replicas serving (in the router's rotation) than it has: a scale-up is judged once its replicas serve.
 
 Capacity per replica is learnt from what is observed (or starts from ``spec.autoscaling.profile``): a
 latency ``v`` at per-replica load ``c`` estimates the capacity at the target ``t`` as ``c * t / v`` (a
@@ -336,6 +337,10 @@ class Planner:
             return current + 1, f"{why}; {queued} queued with kv {load.kv_usage:.0%} >= {KV_FULL:.0%}: full"
         if want < current and queued > max(load.serving, 1):
             return current, f"{why}; {queued} queued on {load.serving} replicas: not shrinking"
+        if want < current and load.serving < current:
+            # a scale-up (or a restarted replica) not serving yet: its load still sits on the others, and the
+            # figures that asked for it cannot be judged until it takes its share
+            return current, f"{why}; {load.serving} of {current} replicas serving: not shrinking before the rest are"
         return want, why
 
     def _signal_want(

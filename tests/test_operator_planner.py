@@ -274,3 +274,28 @@ def test_planner_setup_and_the_event_name_the_service_and_reason():
     ev = scale_event(cfg, d, "2026-01-01T00:00:00Z")
     assert ev["involvedObject"]["uid"] == "u-1" and ev["reason"] == "ScaledUp" and ev["type"] == "Normal"
     assert ev["message"].startswith("decode 1 -> 2: itl p50 80 ms > target 50 ms")
+
+
+def test_a_role_whose_scale_up_is_not_serving_yet_is_never_shrunk():
+    p = Planner(FAST, PD_TARGETS)
+    # decode was scaled 1 -> 2; the new replica is not in the router's rotation yet, and ITL already looks
+    # met (the load has not moved): shrinking now would undo the scale-up before it was judged
+    met = slo(100, 100.0, 5.0, 1.0)
+    d = {
+        x.role: x
+        for x in p.step(figures_from_router(met, workers((1, 0), (1, 2)), REV), {"prefill": 1, "decode": 2}, 0)
+    }
+    assert d["decode"].desired == 2 and "1 of 2 replicas serving: not shrinking" in d["decode"].message
+    # once both serve, the same figures shrink it
+    d = {
+        x.role: x
+        for x in p.step(figures_from_router(met, workers((1, 0), (2, 2)), REV), {"prefill": 1, "decode": 2}, 1)
+    }
+    assert d["decode"].desired == 1 and d["decode"].reason == "ScaledDown"
+    # no traffic at all: back to minReplicas whatever is serving
+    idle = slo(0, None, None, None)
+    d = {
+        x.role: x
+        for x in p.step(figures_from_router(idle, workers((1, 0), (1, 0)), REV), {"prefill": 1, "decode": 2}, 2)
+    }
+    assert d["decode"].desired == 1

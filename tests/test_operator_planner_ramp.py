@@ -241,7 +241,7 @@ def test_real_load_ramp_scales_decode_on_itl_and_prefill_on_ttft_then_back_witho
 
                 t_low = time.monotonic()
                 load.level = LOW
-                wait_for(lambda: replicas(kube) == {"prefill": 1, "decode": 1}, 120, "scale-down of both roles")
+                wait_for(lambda: replicas(kube) == {"prefill": 1, "decode": 1}, 180, "scale-down of both roles")
                 wait_for(lambda: worker_pods(kube) == {"prefill": 1, "decode": 1}, 60, "the leaving pods gone")
                 t_down = time.monotonic()
                 time.sleep(3)  # low load on what is left
@@ -267,7 +267,13 @@ def test_real_load_ramp_scales_decode_on_itl_and_prefill_on_ttft_then_back_witho
                 ]
                 ups = [e["message"] for e in got if e["reason"] == "ScaledUp"]
                 downs = [e["message"] for e in got if e["reason"] == "ScaledDown"]
-                assert any(m.startswith("decode 1 -> 2: itl p50 ") and f"> target {itl:g} ms" in m for m in ups), ups
+                # decode grows on an ITL miss, or ahead of one once ITL nears the target with the concurrency it
+                # learnt (the planner's "near target" rule: docs/operator.md, "SLO planner")
+                assert any(
+                    m.startswith("decode 1 -> 2: itl p50 ")
+                    and (f"> target {itl:g} ms" in m or f"near target {itl:g} ms" in m)
+                    for m in ups
+                ), ups
                 # prefill grows on a TTFT miss, or first on the planner's full-KV rule (its rooms wait on the busy
                 # decode side, queued with kv >= 90%: docs/operator.md, "SLO planner"), whichever comes first
                 assert any(

@@ -277,6 +277,7 @@ import server_fixtures  # noqa: E402
 # The issue's 300-stream run: RESUME_TEST_STREAMS=300 (left out of CI for time).
 N_STREAMS = int(os.environ.get("RESUME_TEST_STREAMS", "40"))
 MAX_NEW = 48
+LONG_NEW = 128  # the unified-worker SIGKILL burst (test_streams_survive_a_unified_worker_sigkilled_mid_burst)
 
 
 def _bodies(n: int, max_new: int = MAX_NEW) -> list[tuple[str, dict]]:
@@ -510,7 +511,9 @@ def two_workers(tiny_llama_dir):
 
 async def test_streams_survive_a_unified_worker_sigkilled_mid_burst(two_workers):
     urls = [w.url for w in two_workers]
-    bodies = _bodies(N_STREAMS)
+    # 128 tokens a stream: the victim's burst must outlast a few of the watcher's polls of a busy worker on a
+    # loaded machine (with 48, a clean-clone CI run's watcher saw 0 tokens, then all 960 with nothing running)
+    bodies = _bodies(N_STREAMS, max_new=LONG_NEW)
     # the router runs in a process of its own: in this one it would share the interpreter with the client
     # parsing 40 streams, and on a loaded machine read the victim's first chunks only after the kill (the
     # streams are then retried whole, nothing is resumed)
@@ -519,9 +522,9 @@ async def test_streams_survive_a_unified_worker_sigkilled_mid_burst(two_workers)
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as c:
             victim = two_workers[0]
             # killed once it generated 2 streams' worth of tokens and is still busy (its 20 streams
-            # ask for 960 tokens, 4 run at once)
+            # ask for 2560 tokens, 4 run at once)
             results = await burst_with_a_kill(
-                c, url, bodies, victim.proc.pid, victim.url, "x-kvship-worker", busy_tokens=2 * MAX_NEW
+                c, url, bodies, victim.proc.pid, victim.url, "x-kvship-worker", busy_tokens=2 * LONG_NEW
             )
             resumed = await check_burst(c, url, bodies, results)
             assert resumed >= 1
