@@ -11,7 +11,18 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-TIERS = ("gpu", "host")
+TIERS = ("gpu", "host")  # fastest first
+TIER_BIT = {t: 1 << i for i, t in enumerate(TIERS)}  # a page's set of tiers as a bit mask
+
+
+def tier_names(mask: int) -> list[str]:
+    """The tiers of a mask of ``TIER_BIT`` values, fastest first."""
+    return [t for t in TIERS if mask & TIER_BIT[t]]
+
+
+def fastest_tier(mask: int) -> str:
+    """The fastest tier of a non-empty mask (a page on the GPU and on the host is used from the GPU)."""
+    return tier_names(mask)[0]
 
 
 def _h(parent: int, tokens: Sequence[int]) -> int:
@@ -32,7 +43,8 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int = 0) -> list[
 
 @dataclass(frozen=True)
 class KVEvent:
-    """``kind``: ``stored`` (the pages are now on ``tier``) or ``removed`` (``tier`` is None)."""
+    """``kind``: ``stored`` (the pages are now on ``tier`` too: a page may be on several tiers) or ``removed``
+    (the pages left ``tier``, or the cache when ``tier`` is None)."""
 
     seq: int
     kind: str
@@ -53,4 +65,6 @@ class KVEvent:
         tier = d.get("tier")
         if kind == "stored" and tier not in TIERS:
             raise ValueError(f"a stored KV event needs a tier in {TIERS}, got {tier!r}")
-        return cls(int(d["seq"]), kind, tuple(int(h) for h in d["hashes"]), tier if kind == "stored" else None)
+        if kind == "removed" and tier is not None and tier not in TIERS:
+            raise ValueError(f"a removed KV event's tier must be in {TIERS} or absent, got {tier!r}")
+        return cls(int(d["seq"]), kind, tuple(int(h) for h in d["hashes"]), tier)

@@ -135,6 +135,13 @@ class ServerArgs:
     hicache_ratio: float = opt(
         0.0, "Host-memory KV tier as a multiple of the GPU KV pool's tokens (0: off; or use --hicache-size-gb)"
     )
+    hicache_write_policy: str = opt(
+        "write_back",
+        "Host KV tier: write_back copies a page to host memory when it is evicted from the GPU pool; "
+        "write_through copies it when it is cached (a later GPU eviction is free; host copies of everything "
+        "cached). Needs --hicache-size-gb / --hicache-ratio (docs/cache.md)",
+        choices=("write_back", "write_through"),
+    )
     hicache_storage: str = opt(
         "none",
         "Shared KV tier: pages evicted from the last local tier are written to it and a prefix match that goes "
@@ -436,6 +443,14 @@ class ServerArgs:
             raise ValueError("give --hicache-size-gb or --hicache-ratio, not both")
         if (self.hicache_size_gb or self.hicache_ratio) and self.disable_radix_cache:
             raise ValueError("the host KV tier (--hicache-size-gb / --hicache-ratio) needs the radix cache")
+        if self.hicache_write_policy not in ("write_back", "write_through"):
+            raise ValueError(
+                f"--hicache-write-policy must be write_back or write_through, not {self.hicache_write_policy!r}"
+            )
+        if self.hicache_write_policy == "write_through" and not (self.hicache_size_gb or self.hicache_ratio):
+            raise ValueError(
+                "--hicache-write-policy write_through needs the host KV tier (--hicache-size-gb or --hicache-ratio)"
+            )
         if self.hicache_storage != "none":
             if self.disable_radix_cache:
                 raise ValueError("--hicache-storage needs the radix cache")

@@ -5,7 +5,8 @@ Data flow::
     worker /kv_events (NDJSON) ──> WorkerFeed (one task per worker) ──> PrefixIndex ──> KVEventsPolicy.select
     worker /kv_events/snapshot ──> WorkerFeed.resync (first sync, a gap, a lost line, a reconnect failure)
 
-* ``PrefixIndex`` holds page hash -> {worker URL: tier} for the workers it follows, at most
+* ``PrefixIndex`` holds page hash -> {worker URL: tiers} for the workers it follows (a page may be on both
+  tiers of a worker: ``--hicache-write-policy write_through``; it counts as a gpu page), at most
   ``--kv-index-max-pages`` hashes (least recently stored or matched dropped first), and per worker the
   sequence number of the last event applied, its page size and whether it is *synced* (its events since the
   last snapshot were all applied in order).  Event-loop thread only.
@@ -42,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
-from kvship.common.kv_events import KVEvent, page_hashes
+from kvship.common.kv_events import TIER_BIT, KVEvent, fastest_tier, page_hashes
 from kvship.router.config import RouterConfig
 from kvship.router.metrics import RouterMetrics
 from kvship.router.policies import CacheAwarePolicy, Policy, register_policy
@@ -73,13 +74,14 @@ class FeedState:
 
 
 class PrefixIndex:
-    """page hash -> {worker URL: tier}, bounded; see the module docstring.  Event-loop thread only."""
+    """page hash -> {worker URL: tiers (a ``TIER_BIT`` mask)}, bounded; see the module docstring.  Event-loop
+    thread only."""
 
     def __init__(self, max_pages: int):
         if max_pages < 1:
             raise ValueError("--kv-index-max-pages must be >= 1")
         self.max_pages = max_pages
-        self._pages: OrderedDict[int, dict[str, str]] = OrderedDict()
+        self._pages: OrderedDict[int, dict[str, int]] = OrderedDict()
         self._held: dict[str, set[int]] = {}
         self.state: dict[str, FeedState] = {}
         self.evicted_pages = 0
@@ -99,8 +101,8 @@ class PrefixIndex:
         return len(self._held.get(url, ()))
 
     def pages(self, url: str) -> dict[int, str]:
-        """The pages the index holds for ``url`` (a copy): hash -> tier."""
-        return {h: self._pages[h][url] for h in self._held.get(url, ())}
+        """The pages the index holds for ``url`` (a copy): hash -> its fastest tier there."""
+        return {h: fastest_tier(self._pages[h][url]) for h in self._held.get(url, ())}
 
     # -- updates -----------------------------------------------------------
     def reset(self, url: str, snapshot: dict) -> None:
@@ -135,7 +137,7 @@ class PrefixIndex:
                     self._store(h, url, e.tier)  # type: ignore[arg-type]
             else:
                 for h in e.hashes:
-                    self._remove(h, url)
+                    self._remove(h, url, e.tier)
             state.seq = e.seq
         return True
 
@@ -156,7 +158,7 @@ class PrefixIndex:
             entry = self._pages[h] = {}
         else:
             self._pages.move_to_end(h)
-        entry[url] = tier
+        entry[url] = entry.get(url, 0) | TIER_BIT[tier]
         self._held.setdefault(url, set()).add(h)
         while len(self._pages) > self.max_pages:
             old, holders = self._pages.popitem(last=False)
@@ -164,10 +166,17 @@ class PrefixIndex:
                 self._held[u].discard(old)
             self.evicted_pages += 1
 
-    def _remove(self, h: int, url: str) -> None:
+    def _remove(self, h: int, url: str, tier: Optional[str] = None) -> None:
+        """``url`` no longer holds page ``h`` on ``tier`` (None: on any tier)."""
         entry = self._pages.get(h)
-        if entry is None or entry.pop(url, None) is None:
+        if entry is None or url not in entry:
             return
+        if tier is not None:
+            left = entry[url] & ~TIER_BIT[tier]
+            if left:
+                entry[url] = left
+                return
+        del entry[url]
         self._held[url].discard(h)
         if not entry:
             del self._pages[h]
@@ -183,11 +192,11 @@ class PrefixIndex:
         gpu = host = 0
         for h in hashes:
             entry = self._pages.get(h)
-            tier = entry.get(url) if entry is not None else None
-            if tier is None:
+            tiers = entry.get(url) if entry is not None else None
+            if tiers is None:
                 break
             self._pages.move_to_end(h)
-            if tier == "gpu":
+            if tiers & TIER_BIT["gpu"]:
                 gpu += 1
             else:
                 host += 1

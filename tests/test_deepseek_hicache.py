@@ -158,3 +158,29 @@ def test_deepseek_prefix_from_the_file_store_gives_the_cold_tokens(ds_dir, cold,
     assert st["free_slots"] == st["total_slots"]
     a.cache.storage.close()
     b.cache.storage.close()
+
+
+def test_deepseek_write_through_prefix_loaded_back_gives_the_cold_tokens(ds_dir, cold):
+    turn2, cold_tokens = cold
+    sched, out, prompt = _turns(ds_dir, hicache_ratio=3.0, hicache_write_policy="write_through", enable_kv_events=True)
+    assert prompt == turn2
+    cache = sched.cache
+    assert cache.match_prefix(turn2[:-1]).host_len >= 56, "turn 1's pages should be on the host tier"
+    # every latent page was copied to host once, when cached (the pages still on the device are there too)
+    tiers = cache.cached_page_tiers()
+    assert {(int(h), t) for h, t in sched.kv_events.snapshot()["pages"]} == tiers
+    on_gpu, on_host = {h for h, t in tiers if t == "gpu"}, {h for h, t in tiers if t == "host"}
+    assert on_gpu and on_gpu <= on_host
+    st = sched.get_stats()
+    assert st["host_write_policy"] == "write_through" and cache.host.pages_written * PAGE == st["host_cached_slots"]
+    sched.submit(_gen("t2", turn2, 8))
+    _drain(sched)
+    fin = out.finished("t2")[0]
+    assert fin.cached_tokens >= 56 and sched.get_stats()["host_hit_tokens"] >= 56
+    assert out.tokens("t2") == cold_tokens
+    st = sched.get_stats()
+    assert st["free_slots"] == st["total_slots"] and st["running"] == 0
+    cache.evict(st["total_slots"])
+    cache.evict_host(st["host_total_slots"])
+    assert sched.allocator.available_size() == sched.allocator.total_slots
+    assert cache.host.available_size() == cache.host.total_slots

@@ -9,9 +9,14 @@ from their own page allocator, so host and device pages have the same size.
 
 ``HostTier`` is what the radix cache talks to:
 
+* ``write_policy`` (``--hicache-write-policy``): ``write_back`` (the radix
+  cache copies a device page to host when it evicts it) or ``write_through``
+  (it copies the page when the page is cached; evicting it later copies
+  nothing).  The tier's copies are the same for both.
 * ``write_back(gpu_slots)`` copies those device slots to freshly allocated
   host slots and returns them (None when the host pool is full: the caller
-  evicts host pages first, or drops the KV).
+  evicts host pages first, or drops the KV, or, for a write-through copy,
+  skips it).
 * ``load_back(host_slots, gpu_slots)`` queues a copy of host slots into
   device slots; the caller may free the host slots at once (the tier keeps
   them unused until the copy has read them).
@@ -41,7 +46,9 @@ Ordering rules callers rely on:
   (``drain``): host slots freed by a load-back are reused only after the
   copy read them, and a device page is read for write-back only once loaded.
 * A write-back is issued on the device's current stream and waits for its
-  data (it reads the device slots after every kernel queued before it).
+  data (it reads the device slots after every kernel queued before it).  A
+  write-through copy is the same call, made when the scheduler hands a
+  request's computed pages to the cache after the forward that wrote them.
 * A copy that fails (a bug, a device error) raises ``RuntimeError`` in
   every ``wait`` / ``finish`` / ``drain`` after it: the loaded pages would
   hold wrong KV, so the worker stops rather than serve them.
@@ -60,6 +67,7 @@ from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.mem.pools import KVPool, TokenToKVPoolAllocator
 
 GIB = 1 << 30
+WRITE_POLICIES = ("write_back", "write_through")  # --hicache-write-policy (docs/cache.md, "Tiers")
 
 
 def layer_buffers(pool) -> list[list[torch.Tensor]]:
@@ -229,15 +237,19 @@ class _CopyThread:
 class HostTier:
     """Host pool + its allocator + the copies between it and the device pool (see the module docstring)."""
 
-    def __init__(self, device_pool, num_slots: int):
-        """``device_pool``: a ``KVPool`` or an ``MLAKVPool``."""
+    def __init__(self, device_pool, num_slots: int, write_policy: str = "write_back"):
+        """``device_pool``: a ``KVPool`` or an ``MLAKVPool``; ``write_policy``: one of ``WRITE_POLICIES``."""
         if num_slots < device_pool.page_size:
             raise ValueError("the host KV tier needs at least one page")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown host KV tier write policy {write_policy!r} (one of {WRITE_POLICIES})")
+        self.write_policy = write_policy
         self.device_pool = device_pool
         self.pool = HostKVPool(device_pool, num_slots)
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, device_pool.page_size)
         self.device = device_pool.device
         self.bytes_written = 0  # device -> host
+        self.pages_written = 0  # device -> host, in pages (write-back and write-through copies alike)
         self.bytes_loaded = 0  # host -> device
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # load-backs not started yet
         self._running: Optional[LayerLoads] = None  # the last started batch (the thread runs them in order)
@@ -265,6 +277,7 @@ class HostTier:
                 rows = _raw(dbuf).index_select(0, src).cpu()  # waits for the kernels that wrote them
                 _raw(hbuf).index_copy_(0, host_slots, rows)
         self.bytes_written += n * bytes_per_token(dev)
+        self.pages_written += n // self.pool.page_size
         return host_slots
 
     def load_back(self, host_slots: torch.Tensor, gpu_slots: torch.Tensor) -> None:
@@ -310,4 +323,4 @@ def host_tier_for(server_args, model_runner) -> Optional[HostTier]:
     groups = model_runner.groups
     if groups is not None:
         slots = groups.world.min_int(slots)
-    return HostTier(pool, slots)
+    return HostTier(pool, slots, server_args.hicache_write_policy)

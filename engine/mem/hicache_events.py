@@ -8,16 +8,22 @@ computes the same names (``page_hashes``), so the router can ask "how many
 leading pages of this prompt does worker W hold, and on which tier".
 
 ``KVEventLog`` is the worker side.  The radix cache calls ``stored(hashes,
-tier)`` when pages enter a tier (``gpu`` or ``host``; a page moving between
-tiers is stored again with its new tier) and ``removed(hashes)`` when they
-leave the cache.  Each call becomes one event with the next sequence number
-(1, 2, ...).  The log keeps the latest ``capacity`` events and the current
-set of pages:
+tier)`` when pages enter a tier (``gpu`` or ``host``), ``removed(hashes,
+tier)`` when they leave one and ``removed(hashes)`` when they leave the
+cache.  A page may be on both tiers (``--hicache-write-policy
+write_through``: its host copy is made when it is cached); a page moving
+between tiers is removed from the old one, then stored on the new one.
+Each call becomes one event with the next sequence number (1, 2, ...).  The
+log keeps the latest ``capacity`` events and the current set of pages:
 
 * ``since(seq)`` -> the events after ``seq``, or None when some of them
   were already dropped (the subscriber must resync from a snapshot);
 * ``snapshot()`` -> ``{"seq", "page_size", "pages": [[hash, tier], ...]}``:
-  the state after event ``seq`` (apply only events after it).
+  the state after event ``seq`` (apply only events after it); a page on
+  two tiers is listed once per tier.
+
+``pages()`` (and a mirror's ``pages``) name each page's fastest tier;
+``page_tiers()`` (``tiers()``) give every (hash, tier) pair.
 
 Thread rule: the scheduler thread writes; any thread may read (one lock).
 """
@@ -28,7 +34,14 @@ import threading
 from collections import deque
 from typing import Optional, Sequence
 
-from kvship.common.kv_events import TIERS, KVEvent, page_hashes  # noqa: F401 (re-exported)
+from kvship.common.kv_events import (  # noqa: F401 (page_hashes re-exported)
+    TIER_BIT,
+    TIERS,
+    KVEvent,
+    fastest_tier,
+    page_hashes,
+    tier_names,
+)
 
 
 class KVEventLog:
@@ -39,7 +52,7 @@ class KVEventLog:
             raise ValueError("the KV event log must keep at least one event")
         self.page_size = page_size
         self._events: deque[KVEvent] = deque(maxlen=capacity)
-        self._pages: dict[int, str] = {}
+        self._pages: dict[int, int] = {}  # hash -> its tiers (TIER_BIT mask)
         self._seq = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -54,17 +67,18 @@ class KVEventLog:
         if not hashes:
             return
         with self._lock:
-            for h in hashes:
-                self._pages[h] = tier
+            _store(self._pages, hashes, tier)
             self._append("stored", hashes, tier)
 
-    def removed(self, hashes: Sequence[int]) -> None:
+    def removed(self, hashes: Sequence[int], tier: Optional[str] = None) -> None:
+        """The pages left ``tier`` (None: every tier, the cache)."""
+        if tier is not None and tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}")
         if not hashes:
             return
         with self._lock:
-            for h in hashes:
-                self._pages.pop(h, None)
-            self._append("removed", hashes, None)
+            _remove(self._pages, hashes, tier)
+            self._append("removed", hashes, tier)
 
     def _append(self, kind: str, hashes: Sequence[int], tier: Optional[str]) -> None:
         self._seq += 1
@@ -96,13 +110,18 @@ class KVEventLog:
             return {
                 "seq": self._seq,
                 "page_size": self.page_size,
-                "pages": [[h, t] for h, t in self._pages.items()],
+                "pages": [[h, t] for h, mask in self._pages.items() for t in tier_names(mask)],
             }
 
     def pages(self) -> dict[int, str]:
-        """The current page set (a copy): hash -> tier."""
+        """The current page set (a copy): hash -> its fastest tier."""
         with self._lock:
-            return dict(self._pages)
+            return {h: fastest_tier(mask) for h, mask in self._pages.items()}
+
+    def page_tiers(self) -> set[tuple[int, str]]:
+        """The current page set, every tier of every page: {(hash, tier)}."""
+        with self._lock:
+            return {(h, t) for h, mask in self._pages.items() for t in tier_names(mask)}
 
 
 class KVEventMirror:
@@ -115,13 +134,24 @@ class KVEventMirror:
     def __init__(self) -> None:
         self.seq = 0
         self.page_size: Optional[int] = None
-        self.pages: dict[int, str] = {}
+        self._pages: dict[int, int] = {}  # hash -> its tiers (TIER_BIT mask)
         self.resyncs = 0
+
+    @property
+    def pages(self) -> dict[int, str]:
+        """hash -> the page's fastest tier."""
+        return {h: fastest_tier(mask) for h, mask in self._pages.items()}
+
+    def tiers(self) -> set[tuple[int, str]]:
+        """Every tier of every page: {(hash, tier)}."""
+        return {(h, t) for h, mask in self._pages.items() for t in tier_names(mask)}
 
     def reset(self, snapshot: dict) -> None:
         self.seq = int(snapshot["seq"])
         self.page_size = int(snapshot["page_size"])
-        self.pages = {int(h): str(t) for h, t in snapshot["pages"]}
+        self._pages = {}
+        for h, t in snapshot["pages"]:
+            _store(self._pages, [int(h)], str(t))
         self.resyncs += 1
 
     def apply(self, events: Sequence[KVEvent]) -> bool:
@@ -130,10 +160,24 @@ class KVEventMirror:
             return False
         for e in events:
             if e.kind == "stored":
-                for h in e.hashes:
-                    self.pages[h] = e.tier  # type: ignore[assignment]
+                _store(self._pages, e.hashes, e.tier)  # type: ignore[arg-type]
             else:
-                for h in e.hashes:
-                    self.pages.pop(h, None)
+                _remove(self._pages, e.hashes, e.tier)
             self.seq = e.seq
         return True
+
+
+def _store(pages: dict[int, int], hashes: Sequence[int], tier: str) -> None:
+    bit = TIER_BIT[tier]
+    for h in hashes:
+        pages[h] = pages.get(h, 0) | bit
+
+
+def _remove(pages: dict[int, int], hashes: Sequence[int], tier: Optional[str]) -> None:
+    keep = 0 if tier is None else ~TIER_BIT[tier]
+    for h in hashes:
+        mask = pages.get(h, 0) & keep
+        if mask:
+            pages[h] = mask
+        else:
+            pages.pop(h, None)

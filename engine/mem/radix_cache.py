@@ -25,16 +25,36 @@ computed), ``kv_allocated_len``, ``cache_protected_len``, ``last_node``,
 ``prefix_indices`` and ``last_loc``.
 
 Tiers (docs/cache.md).  With a host tier (``HostTier``, ``--hicache-size-gb`` /
-``--hicache-ratio``) every node lives on exactly one tier: ``gpu`` (``value``
-holds device slots) or ``host`` (``host_value`` holds host slots, ``value`` is
-None).  Invariant: the gpu nodes form a subtree that contains the root, host
-nodes hang below it (a gpu node is evicted to host only once none of its
+``--hicache-ratio``) a node is a ``gpu`` node (``value`` holds device slots)
+or a ``host`` node (``value`` is None, ``host_value`` holds host slots); a gpu
+node whose ``host_value`` also holds host slots is *backed up* (its pages are
+on both tiers).  Invariant: the gpu nodes form a subtree that contains the
+root, host nodes hang below it (a gpu node is evicted only once none of its
 children is on the gpu; a load-back or an insert brings a whole path back
-from the top).  ``evict`` writes gpu leaves back to host (evicting host
-leaves, least recently used first, when the host pool is full; dropping the
-KV when even that fails); ``match_prefix`` reports the host part of a match
-(``host_len``) without loading it; ``load_back`` loads it.  Without a host
-tier nothing of this is used and every node is on the gpu.
+from the top).  ``match_prefix`` reports the host part of a match
+(``host_len``) without loading it; ``load_back`` loads it.  Host slots are
+freed by ``evict_host`` (least recently used first: host leaves leave the
+cache, backed-up nodes lose their host copy and stay gpu nodes).  The host
+tier's ``write_policy`` (``--hicache-write-policy``) decides when pages are
+copied to host:
+
+* ``write_back``: ``evict`` copies gpu leaves to host (evicting host pages
+  when the host pool is full; dropping the KV when even that fails); a
+  load-back or an insert over host nodes frees their host copy.  No node is
+  backed up.
+* ``write_through``: ``insert`` copies the pages it adds to the tree to host
+  at once (when the host pool is full it evicts host leaves, least recently
+  used first, and else skips the copy: that node is written back when it is
+  evicted, as above); ``evict`` frees a backed-up leaf's device slots
+  without a copy; a load-back or an insert over host nodes keeps their host
+  copy (they become backed up).
+
+Without a host tier nothing of this is used and every node is on the gpu.
+``host_size`` counts the host slots of host and backed-up nodes;
+``evictable_size`` and ``protected_size`` count device slots only.  KV
+events (``events``) name each change of a page's tiers: ``stored`` with the
+tier it joined, ``removed`` with the tier it left, or with none when it left
+the cache (a move is a removal, then a store).
 
 Shared tier (``StorageTier``, ``--hicache-storage``; docs/cache.md).  Pages
 that leave the cache from its last tier (host leaves evicted from a full host
@@ -258,7 +278,13 @@ class TreeNode:
 
     @property
     def on_host(self) -> bool:
+        """A host node (its pages only in host memory)."""
         return self.value is None
+
+    @property
+    def backed_up(self) -> bool:
+        """A gpu node whose pages are in host memory too (``write_through``)."""
+        return self.value is not None and self.host_value is not None
 
 
 class RadixCache(BasePrefixCache):
@@ -277,6 +303,8 @@ class RadixCache(BasePrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         self.host = host
+        # --hicache-write-policy write_through: pages are copied to host when cached (module docstring)
+        self.write_through = host is not None and host.write_policy == "write_through"
         self.storage = storage  # the shared tier (--hicache-storage; docs/cache.md), None when off
         self.events = events  # pages stored / removed, per tier (docs/cache.md, "KV events")
         self._clock = itertools.count(1)
@@ -398,12 +426,14 @@ class RadixCache(BasePrefixCache):
                 node.children[self._child_key(rest)] = leaf
                 self._evictable += len(rest)
                 self._emit_stored(leaf, "gpu")
+                self._write_through(leaf)
                 return done if first_host is None else first_host
             self._touch(child)
             n = self._match_len(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
-            if child.on_host:  # the caller computed these pages again: keep its device copy, drop the host one
+            if child.on_host:  # the caller computed these pages again: keep its device copy (and the host one
+                # with write-through)
                 if first_host is None:
                     first_host = done
                 self._host_to_gpu(child, value[done : done + n].clone())
@@ -412,14 +442,34 @@ class RadixCache(BasePrefixCache):
         return done if first_host is None else first_host
 
     def _host_to_gpu(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """``node`` (unlocked, on host) now lives in the device ``slots``; its host pages are freed."""
+        """``node`` (unlocked, on host) now lives in the device ``slots``; with write-back its host pages are
+        freed, with write-through they stay (the node is backed up)."""
         assert self.host is not None and node.host_value is not None
-        self.host.free(node.host_value)
-        node.host_value = None
         node.value = slots
-        self._host -= len(node.key)
         self._evictable += len(node.key)
+        if not self.write_through:
+            self._emit_removed(node, "host")
+            self.host.free(node.host_value)
+            node.host_value = None
+            self._host -= len(node.key)
         self._emit_stored(node, "gpu")
+
+    def _write_through(self, node: TreeNode) -> None:
+        """With write-through, copy ``node``'s new device pages to host (module docstring): when the host pool
+        is short, host leaves are evicted first; when it still is, the copy is skipped."""
+        if not self.write_through:
+            return
+        assert self.host is not None and node.host_value is None
+        k = len(node.key)
+        host_slots = self.host.write_back(node.value)
+        if host_slots is None:
+            self.evict_host(k - self.host.available_size(), backed_up=False)
+            host_slots = self.host.write_back(node.value)
+        if host_slots is None:
+            return
+        node.host_value = host_slots
+        self._host += k
+        self._emit_stored(node, "host")
 
     def inc_lock_ref(self, node: Any) -> None:
         while node is not None and node is not self.root:
@@ -473,7 +523,11 @@ class RadixCache(BasePrefixCache):
             freed += k
             parent = leaf.parent
             assert parent is not None
-            if not self._write_back(leaf):
+            if leaf.backed_up:  # write-through made its host copy: only the device slots go
+                self._emit_removed(leaf, "gpu")
+                self.allocator.free(leaf.value)
+                leaf.value = None
+            elif not self._write_back(leaf):
                 self._save(leaf)  # the KV leaves the cache: the shared tier keeps a copy
                 self.allocator.free(leaf.value)
                 self._drop_subtree(leaf)
@@ -492,6 +546,7 @@ class RadixCache(BasePrefixCache):
             host_slots = self.host.write_back(leaf.value)
         if host_slots is None:
             return False
+        self._emit_removed(leaf, "gpu")
         self.allocator.free(leaf.value)
         leaf.value = None
         leaf.host_value = host_slots
@@ -545,24 +600,35 @@ class RadixCache(BasePrefixCache):
         if self.events is not None:
             self.events.stored(self._node_hashes(node), tier)
 
-    def _emit_removed(self, node: TreeNode) -> None:
+    def _emit_removed(self, node: TreeNode, tier: Optional[str] = None) -> None:
+        """``node``'s pages left ``tier`` (None: the cache)."""
         if self.events is not None:
-            self.events.removed(self._node_hashes(node))
+            self.events.removed(self._node_hashes(node), tier)
 
     def cached_pages(self) -> dict[int, str]:
-        """Every cached page: hash -> tier (what the KV events describe; for checks and snapshots)."""
+        """Every cached page: hash -> its fastest tier (what a KV event mirror's ``pages`` holds; for checks)."""
         out: dict[int, str] = {}
+        for h, tier in self.cached_page_tiers():
+            if tier == "gpu" or h not in out:
+                out[h] = tier
+        return out
+
+    def cached_page_tiers(self) -> set[tuple[int, str]]:
+        """Every cached page on every tier that holds it: {(hash, tier)} (what the KV events describe)."""
+        out: set[tuple[int, str]] = set()
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            tier = "host" if node.on_host else "gpu"
+            tiers = (["gpu"] if node.value is not None else []) + (["host"] if node.host_value is not None else [])
             for h in self._node_hashes(node):
-                out[h] = tier
+                out.update((h, t) for t in tiers)
         return out
 
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host slots of host leaves, least recently used first; returns how many."""
+    def evict_host(self, num_tokens: int, backed_up: bool = True) -> int:
+        """Free at least ``num_tokens`` host slots, least recently used first: of host leaves (they leave the
+        cache) and, when ``backed_up``, of backed-up nodes (they lose their host copy, stay on the device);
+        returns how many."""
         if num_tokens <= 0 or self.host is None:
             return 0
         heap, stack = [], [self.root]
@@ -571,11 +637,17 @@ class RadixCache(BasePrefixCache):
             stack.extend(node.children.values())
             if node.on_host and not node.children and id(node) not in self._loading:
                 heap.append(node)
+            elif backed_up and node.backed_up:
+                heap.append(node)
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             freed += len(leaf.key)
+            if leaf.backed_up:  # the device copy stays cached
+                self._emit_removed(leaf, "host")
+                self._free_host(leaf)
+                continue
             self._emit_removed(leaf)
             self._save(leaf)
             self._free_host(leaf)
@@ -701,6 +773,7 @@ class RadixCache(BasePrefixCache):
         if self.host is None:
             return out
         return out | {
+            "host_write_policy": self.host.write_policy,
             "host_total_slots": self.host.total_slots,
             "host_free_slots": self.host.available_size(),
             "host_cached_slots": self._host,
