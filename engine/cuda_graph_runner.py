@@ -111,8 +111,9 @@ class CudaGraphRunner:
         # a later pipeline stage: the residual stream it continues (hidden, residual)
         self.stage_in: Optional[torch.Tensor] = None
         if stage_input_width is not None:
-            dtype = next(model.parameters()).dtype
-            self.stage_in = torch.zeros((2, n, stage_input_width), dtype=dtype, device=dev)
+            # the activations' dtype (ctx.dtype), not a parameter's: a later stage's first parameter may be a
+            # quantized weight (an FP8 checkpoint's first projection of its first layer)
+            self.stage_in = torch.zeros((2, n, stage_input_width), dtype=ctx.dtype, device=dev)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, LogitsOutput | StageOutput] = {}

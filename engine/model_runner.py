@@ -233,7 +233,7 @@ class ModelRunner:
                 self.device,
                 # decode: rare resumes; a pipeline stage: prefill runs eagerly (docs/parallel.md)
                 0 if server_args.mode == "decode" or self.pipeline else server_args.prefill_graph_max_tokens,
-                # MLA: no graph-capable backend yet (docs/deepseek.md)
+                # MLA: its backends capture decode graphs only (docs/deepseek.md)
                 server_args.disable_cuda_graph or mc.mla is not None,
                 ep_all_to_all=server_args.ep_size > 1 and server_args.ep_dispatch == "all_to_all",
                 pool=None if self.cuda_graph_runner is None else self.cuda_graph_runner.pool,

@@ -105,7 +105,8 @@ def _verify_step(runner, drv, reqs, trees, masks):
 
 def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
     """A tiny DeepSeek-V3 through the model runner: ``--attention-backend triton`` gives the torch_native
-    backend's logits at the extends (decompressed kernel, over a cached prefix the second time), every decode
+    backend's logits at the extends (decompressed kernel the first time; over a cached prefix the second time the
+    model's extend switch picks the path, the same for both backends), every decode
     step (split-KV kernel) and every node of a tree verify (absorbed kernel with the tree masks)."""
     from deepseek_fixtures import build_tiny_deepseek
 
@@ -235,7 +236,7 @@ def _greedy(sa, batches):
 @pytest.mark.timeout(120)
 def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_tree_verify(tmp_path):
     """Tiny DeepSeek-V3 (with an MTP layer) through the scheduler: ``--attention-backend triton`` (Triton
-    decompressed extend over a radix-cache prefix, split-KV decode, absorbed tree verify of MTP drafts with
+    extends over a radix-cache prefix by the model's extend switch, split-KV decode, absorbed tree verify of MTP drafts with
     ``eagle_topk 2``) gives torch_native's greedy tokens."""
     from deepseek_fixtures import build_tiny_deepseek
     from test_deepseek_mtp import add_mtp_layer

@@ -25,10 +25,13 @@ stores them at ``out_cache_loc`` before reading; every read goes through
 
 ``MLATorchBackend`` (``torch_native``) is the reference, on CPU and GPU: the
 torch_native backend's per-step metadata (slot lists, causal / tree masks),
-attention by ``scaled_dot_product_attention``.  No CUDA graphs.
+attention by ``scaled_dot_product_attention``.  No CUDA graphs (its metadata
+is built from host lengths every step): decode runs eagerly.
 ``triton`` (kvship.engine.attention.mla_triton) decodes with a split-KV
-Triton kernel over the latent pool and extends / verifies with the Triton
-kernels of kvship.engine.attention.mla_triton_extend.
+Triton kernel over the latent pool, captured in CUDA graphs (its split count
+depends on the graph size a batch pads to, never on a sequence length), and
+extends / verifies with the Triton kernels of
+kvship.engine.attention.mla_triton_extend.
 """
 
 from __future__ import annotations

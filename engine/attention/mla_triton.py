@@ -18,20 +18,37 @@ Parts past a short request's length are empty (log-sum-exp ``-inf``) and weigh n
 through the kernels of kvship.engine.attention.mla_triton_extend: prefill / prefix-cached extends decompressed
 (``kv_b_proj`` of the request's latent rows as one GEMM, then a causal flash kernel), verify and draft extends
 absorbed over the latent pool (tree masks for TARGET_VERIFY).
+
+Splits and CUDA graphs (``MLADecodeSplits``): a decode batch that pads to a CUDA-graph size
+(``AttentionContext.cuda_graph_bs``, given also when graphs are off) splits its contexts by
+``graph_decode_splits`` of that padded size, the head count and the SM count only -- never by a sequence
+length -- so an eager step and a replayed graph of the same batch run the very same kernels, and a graph
+captured once holds for every context length.  Larger batches split by their longest context
+(``decode_splits``).  Under graphs the partial outputs / log-sum-exps live in scratch allocated once
+(``init_cuda_graph_state``) and the kernels read ``req_pool_indices`` / ``seq_lens`` straight from the graph
+runner's static buffers: replay refreshes nothing.  Only DECODE is captured; the speculative verify graphs
+(kvship.decode.spec.graphs) hand ``forward_extend`` the Triton extend metadata (``TritonExtendMeta``) itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.attention.base import AttentionContext
 from kvship.engine.attention.mla import Decompress, MLALayerSpec, MLATorchBackend
 from kvship.engine.attention.mla_triton_extend import mla_extend_absorbed, mla_extend_decompressed
 from kvship.engine.attention.triton_backend import TritonExtendMeta, extend_meta
-from kvship.engine.forward_batch import ForwardBatch
+from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+
+# heads one decode program takes (``mla_decode``'s ``block_h``): the split count counts programs by it
+DECODE_BLOCK_H = 16
+# the most splits ``graph_decode_splits`` gives
+MAX_GRAPH_SPLITS = 16
 
 
 @triton.jit
@@ -134,10 +151,15 @@ def mla_decode(
     kv_lora_rank: int,
     scale: float,
     num_splits: int = 8,
-    block_h: int = 16,
+    block_h: int = DECODE_BLOCK_H,
     block_n: int = 32,
+    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype."""
+    """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.
+
+    ``scratch``: preallocated flat float32 buffers for the partial outputs (at least ``B * H * num_splits *
+    kv_lora_rank`` values) and log-sum-exps (at least ``B * H * num_splits``), so that a CUDA graph allocates
+    no scratch of its own; None: allocated here."""
     bs, num_heads, dim = q.shape
     r, p = kv_lora_rank, dim - kv_lora_rank
     if latent.shape[-1] != dim or p <= 0:
@@ -148,8 +170,21 @@ def mla_decode(
     kv = latent.reshape(latent.shape[0], dim)
     if kv.stride(-1) != 1:
         raise ValueError("the latent buffer's rows must be contiguous")
-    o_part = torch.empty((bs, num_heads, num_splits, r), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    parts = bs * num_heads * num_splits
+    if scratch is None:
+        o_part = torch.empty((bs, num_heads, num_splits, r), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        o_flat, lse_flat = scratch
+        if o_flat.dtype != torch.float32 or lse_flat.dtype != torch.float32:
+            raise ValueError("the decode scratch buffers must be float32")
+        if o_flat.numel() < parts * r or lse_flat.numel() < parts:
+            raise ValueError(
+                f"decode scratch of {o_flat.numel()} / {lse_flat.numel()} values is short of {parts * r} / {parts} "
+                f"({bs} requests x {num_heads} heads x {num_splits} splits)"
+            )
+        o_part = o_flat.reshape(-1)[: parts * r].view(bs, num_heads, num_splits, r)
+        lse_part = lse_flat.reshape(-1)[:parts].view(bs, num_heads, num_splits)
     out = torch.empty((bs, num_heads, r), dtype=q.dtype, device=q.device)
     if bs == 0:
         return out
@@ -193,6 +228,89 @@ def decode_splits(max_seq_len: int, max_splits: int = 8) -> int:
     return min(triton.next_power_of_2(want), max_splits)
 
 
+def graph_decode_splits(bs: int, num_heads: int, num_sms: int) -> int:
+    """``mla_decode``'s ``num_splits`` for a batch that pads to the CUDA-graph size ``bs``: enough ``(request,
+    head block, split)`` programs for one per SM, rounded up to a power of two, at most ``MAX_GRAPH_SPLITS``.
+    No sequence length enters, so a graph captured with it holds for any context; splits past a short context
+    are empty (log-sum-exp ``-inf``) and weigh nothing in the merge.  (Not tuned on a GPU yet.)"""
+    programs = max(1, bs * triton.cdiv(num_heads, DECODE_BLOCK_H))
+    return min(triton.next_power_of_2(triton.cdiv(max(num_sms, 1), programs)), MAX_GRAPH_SPLITS)
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 8 off CUDA (Triton's interpreter, in tests)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+@dataclass
+class MLADecodeMeta:
+    """Per-step state of the split-KV decode, shared by every layer of the forward."""
+
+    num_splits: int
+    # ``mla_decode``'s scratch (flat float32 partial outputs, log-sum-exps); None: allocated per call
+    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+class MLADecodeSplits:
+    """The split count of every decode batch and the scratch CUDA graphs capture against (module docstring).
+
+    Invariant: a batch of ``bs <= max(ctx.cuda_graph_bs)`` requests takes ``graph_decode_splits`` of the size it
+    pads to, eager or captured, so both run the same kernels; a larger batch (or any batch where no graph size
+    exists) takes ``decode_splits`` of its longest context, and is never captured."""
+
+    def __init__(self, ctx: AttentionContext):
+        self.num_heads = ctx.num_heads
+        # a partial output row holds kv_lora_rank values; the latent row (ctx.head_dim) is never shorter
+        self.row_width = ctx.head_dim
+        self.num_sms = device_sm_count(ctx.device)
+        self.graph_sizes = ctx.cuda_graph_bs
+        self.device = ctx.device
+        self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._scratch_bs = 0
+
+    def padded_bs(self, bs: int) -> int:
+        """The CUDA-graph size a batch of ``bs`` pads to (itself where none is captured)."""
+        return next((b for b in self.graph_sizes if b >= bs), bs)
+
+    def graph_stable(self, bs: int) -> bool:
+        """Whether a batch of ``bs`` pads to a CUDA-graph size (then its splits depend on that size alone)."""
+        return bool(self.graph_sizes) and bs <= self.graph_sizes[-1]
+
+    def graph_splits(self, bs: int) -> int:
+        return graph_decode_splits(self.padded_bs(bs), self.num_heads, self.num_sms)
+
+    def num_splits(self, bs: int, seq_lens_cpu: Sequence[int]) -> int:
+        """The splits of an eager decode step of ``bs`` requests (``seq_lens_cpu`` read only past the graphs)."""
+        if self.graph_stable(bs):
+            return self.graph_splits(bs)
+        return decode_splits(max(seq_lens_cpu, default=1))
+
+    def init_graph_scratch(self, max_bs: int) -> None:
+        """Scratch for captures of up to ``max_bs`` requests (each at its own split count), allocated once."""
+        parts = max((b * self.graph_splits(b) for b in range(1, max_bs + 1) if self.graph_stable(b)), default=0)
+        if parts == 0:
+            raise ValueError(f"no CUDA-graph batch size ({self.graph_sizes}) covers a batch of up to {max_bs}")
+        rows = parts * self.num_heads
+        self._scratch = (
+            torch.empty(rows * self.row_width, dtype=torch.float32, device=self.device),
+            torch.empty(rows, dtype=torch.float32, device=self.device),
+        )
+        self._scratch_bs = max_bs
+
+    def graph_meta(self, bs: int) -> MLADecodeMeta:
+        """The metadata a decode graph of ``bs`` requests captures (the graph scratch, its split count)."""
+        if self._scratch is None:
+            raise RuntimeError("init_cuda_graph_state must run before capturing")
+        if bs > self._scratch_bs or not self.graph_stable(bs):
+            raise ValueError(
+                f"a decode graph of {bs} requests is outside the captured sizes {self.graph_sizes} "
+                f"(graph state for up to {self._scratch_bs})"
+            )
+        return MLADecodeMeta(self.graph_splits(bs), self._scratch)
+
+
 @dataclass
 class MLAExtendMeta:
     """Per-step tensors of the Triton MLA extends (shared by every layer of the forward)."""
@@ -222,18 +340,31 @@ def mla_extend_meta(fb: ForwardBatch) -> MLAExtendMeta:
 
 class MLATritonBackend(MLATorchBackend):
     """``--attention-backend triton`` for MLA models: decode through ``mla_decode`` (split-KV over the latent
-    pool), extends through ``mla_extend_decompressed`` (prefill, prefix-cached extends) and
-    ``mla_extend_absorbed`` (verify with its tree masks, draft extends).  No CUDA graphs yet."""
+    pool; CUDA graphs of decode: module docstring), extends through ``mla_extend_decompressed`` (prefill,
+    prefix-cached extends) and ``mla_extend_absorbed`` (verify with its tree masks, draft extends)."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, ctx: AttentionContext):
+        super().__init__(ctx)
+        self.splits = MLADecodeSplits(ctx)
+        # this step's metadata (an eager step's, a capture's, or the verify graphs' TritonExtendMeta)
+        self.forward_metadata: Optional[object] = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if forward_batch.forward_mode.is_decode():
+        fb = forward_batch
+        meta: object
+        if fb.forward_mode.is_decode():
             # the kernel reads req_to_token and seq_lens itself; the metadata is its number of splits
-            forward_batch.attn_metadata = decode_splits(max(forward_batch.seq_lens_cpu, default=1))
+            meta = MLADecodeMeta(self.splits.num_splits(fb.batch_size, fb.seq_lens_cpu))
         else:
-            forward_batch.attn_metadata = mla_extend_meta(forward_batch)
+            meta = mla_extend_meta(fb)
+        self.forward_metadata = meta
+        fb.attn_metadata = meta
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
+        meta: MLADecodeMeta = self.forward_metadata  # type: ignore[assignment]
         buf = self._store(fb, layer, k, save_kv_cache)
         return mla_decode(
             q.view(-1, layer.num_heads, layer.latent_dim),
@@ -243,15 +374,17 @@ class MLATritonBackend(MLATorchBackend):
             fb.seq_lens,
             layer.kv_lora_rank,
             layer.scaling,
-            num_splits=fb.attn_metadata,
+            num_splits=meta.num_splits,
+            scratch=meta.scratch,
         )
 
     def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):
         """Absorbed: ``q [T, H, latent_dim]`` -> ``[T, H, kv_lora_rank]`` (causal, or the verify tree masks)."""
         fb = forward_batch
-        meta: MLAExtendMeta = fb.attn_metadata
+        meta = self.forward_metadata
+        # an eager step's MLAExtendMeta, or the verify graphs' TritonExtendMeta over their static buffers
+        e = meta if isinstance(meta, TritonExtendMeta) else meta.ext  # type: ignore[union-attr]
         buf = self._store(fb, layer, k, save_kv_cache)
-        e = meta.ext
         return mla_extend_absorbed(
             q.view(-1, layer.num_heads, layer.latent_dim).contiguous(),
             buf,
@@ -279,7 +412,7 @@ class MLATritonBackend(MLATorchBackend):
         """Decompressed: ``q [T, H, d_nope + d_rope]`` -> ``[T, H, d_v]``; ``decompress`` (``kv_b_proj``) runs
         once over all the batch's latent rows, the kernel reads ``k_pe`` from the pool."""
         fb = forward_batch
-        meta: MLAExtendMeta = fb.attn_metadata
+        meta: MLAExtendMeta = self.forward_metadata  # type: ignore[assignment]
         buf = self._store(fb, layer, latent, save_kv_cache)
         r = layer.kv_lora_rank
         c = buf.index_select(0, meta.kv_slots)[:, 0, :r].to(q.dtype)
@@ -300,3 +433,33 @@ class MLATritonBackend(MLATorchBackend):
             r,
             layer.scaling,
         )
+
+    # --- CUDA graphs (decode only) -------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.splits.init_graph_scratch(max_bs)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+    ) -> None:
+        if not forward_mode.is_decode():
+            raise ValueError(f"the triton MLA backend captures decode graphs only, not {forward_mode.name}")
+        self.forward_metadata = self.splits.graph_meta(bs)
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        forward_mode: ForwardMode,
+        seq_lens_cpu: Optional[torch.Tensor] = None,
+    ) -> None:
+        # The captured kernels read req_pool_indices / seq_lens from the runner's static buffers and the split
+        # count depends on bs alone: nothing to refresh (no live sequence length is read on the host).
+        if not forward_mode.is_decode():
+            raise ValueError(f"the triton MLA backend replays decode graphs only, not {forward_mode.name}")

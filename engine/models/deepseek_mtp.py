@@ -186,7 +186,10 @@ class DeepseekMTPHead(DeepseekDecoderLayer):
         self, num_slots: int, target_runner: Any, r2t: Any, max_requests: int, graph_bs: tuple[int, ...]
     ) -> tuple[MLAKVPool, Any]:
         """The block's one-layer latent pool (page size 1) and an MLA backend (the target's
-        ``--attention-backend``) reading it through ``r2t``."""
+        ``--attention-backend``) reading it through ``r2t``.  ``graph_bs``: the draft graphs' batch sizes (given
+        also when graphs are off), by which the ``triton`` backend picks its decode splits, so eager and replayed
+        draft steps compute alike; with ``triton`` the drafter captures its draft steps in CUDA graphs
+        (kvship.decode.spec.graphs.DraftGraphs), with ``torch_native`` they run eagerly."""
         from kvship.engine.attention.mla_registry import create_mla_attention_backend
 
         r = target_runner
@@ -274,4 +277,5 @@ def build_mtp_head(
     with torch.device(device):
         mtp = DeepseekMTPHead(cfg, target_config, layer_index, embed, head, (own_embed, own_head))
     mtp.load(tensors)
+    mtp.self_attn.process_weights_after_loading()  # a quantized kv_b_proj dequantized once (docs/deepseek.md)
     return mtp.eval()
