@@ -19,7 +19,16 @@ What one run measures (docs/deepseek.md, "Benchmark"), on one device:
    bytes at the mean context) / copy bandwidth``; active weights are every
    weight a batch-1 step reads (attention, dense layers, the router, ``top_k``
    routed and the shared experts of each MoE layer, one embedding row, the LM
-   head).
+   head);
+5. one MLA layer's extend of ``T`` new tokens (``--extend-new``) over a
+   cached prefix of ``--extend-prefix`` positions (default 8192), one request:
+   the whole attention block (projections included) with the batch forced
+   absorbed and forced decompressed (``ForwardBatch.mla_absorbed_extend``),
+   next to the path ``auto`` picks and the cost rule's FLOP ratio
+   (``mla_extend_flops``; docs/deepseek.md, "Absorbed or decompressed
+   extend"), so a GPU run shows where the measured crossover lies.  On CUDA
+   (``triton``), or on a CPU with ``--reduced`` (``torch_native``, a
+   self-check); skipped on a CPU otherwise.
 
 ``--reduced`` shrinks the shape (3 layers, hidden 256, 8 experts...), the
 kernel batch and the context so that the whole run finishes on a CPU in about a
@@ -244,6 +253,79 @@ def mla_decode_kernel(cfg: dict, device: torch.device, bs: int, ctx: int, bw: fl
     }
 
 
+def mla_extend_paths(cfg: dict, device: torch.device, prefix: int, new_lens: list[int]) -> dict[str, Any]:
+    """One MLA layer's extend over a cached prefix, both paths (module docstring, item 5)."""
+    from kvship.engine.attention.base import AttentionContext
+    from kvship.engine.attention.mla_registry import create_mla_attention_backend
+    from kvship.engine.forward_batch import ForwardMode, build_forward_batch
+    from kvship.engine.layers.rmsnorm import RMSNorm
+    from kvship.engine.mem.mla_pool import MLAKVPool
+    from kvship.engine.mem.pools import ReqToTokenPool
+    from kvship.engine.model_config import ModelConfig
+    from kvship.engine.models.deepseek import DeepseekRotary, MLAAttention, extend_takes_absorbed, mla_extend_flops
+
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ctx = prefix + max(new_lens)
+    mc = ModelConfig.from_hf_dict(cfg, dtype=dt, context_length=ctx + 1)
+    mla = mc.mla
+    assert mla is not None
+    r, dr = mla.kv_lora_rank, mla.qk_rope_head_dim
+    with torch.device(device), torch.no_grad():
+        rotary = DeepseekRotary(dr, ctx + 1, mc.rope_theta, mc.rope_scaling, mla.rope_interleave)
+        attn = MLAAttention(mc, 0, rotary)
+        norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dt)
+        for prm in attn.parameters():
+            prm.normal_(0.0, 0.02)
+        norm.weight.fill_(1.0)
+    pool = MLAKVPool(ctx, 1, dt, r, dr, 1, device)
+    pool.get_latent_buffer(0).normal_()
+    r2t = ReqToTokenPool(1, ctx + 1, device)
+    r2t.write(0, 0, torch.arange(1, ctx + 1, device=device))
+    name = "triton" if device.type == "cuda" else "torch_native"
+    actx = AttentionContext(
+        device=device, dtype=dt, kv_dtype=dt, num_heads=attn.num_heads, num_kv_heads=1, head_dim=r + dr,
+        page_size=1, req_to_token_pool=r2t, max_running_requests=1, cuda_graph_bs=(),
+    )  # fmt: skip
+    backend = create_mla_attention_backend(name, actx)
+    rows = []
+    for t in new_lens:
+        seq = prefix + t
+        ms = {}
+        for path in ("absorbed", "decompressed"):
+            fb = build_forward_batch(
+                ForwardMode.EXTEND,
+                input_ids=torch.zeros(t, dtype=torch.int64, device=device),
+                positions=torch.arange(prefix, seq, device=device),
+                out_cache_loc=torch.arange(prefix + 1, seq + 1, device=device),
+                req_pool_indices=torch.zeros(1, dtype=torch.int64, device=device),
+                seq_lens=torch.tensor([seq], device=device),
+                seq_lens_cpu=[seq],
+                req_to_token_pool=r2t,
+                kv_pool=pool,
+                attn_backend=backend,
+                device=device,
+                extend_lens=[t],
+                prefix_lens=[prefix],
+                mla_absorbed_extend=path == "absorbed",
+            )
+            backend.init_forward_metadata(fb)
+            hidden = torch.randn(t, mc.hidden_size, dtype=dt, device=device)
+            with torch.inference_mode():
+                sec = timed(lambda: attn(fb.positions, hidden, None, norm, fb), device, 5)
+            ms[path] = sec * 1e3
+        dec, ab = mla_extend_flops(attn.spec, [t], [seq])
+        rows.append(
+            {
+                "new": t,
+                "absorbed_ms": ms["absorbed"],
+                "decompressed_ms": ms["decompressed"],
+                "auto": "absorbed" if extend_takes_absorbed("auto", attn.spec, [t], [seq]) else "decompressed",
+                "flops_decompressed_over_absorbed": dec / ab,
+            }
+        )
+    return {"backend": name, "prefix": prefix, "rows": rows}
+
+
 def http_batch1_decode(model_dir: str, device: str, input_len: int, output_len: int, bw: float, cfg: dict) -> dict:
     """Per-token decode time over HTTP: ``/generate`` of ``output_len`` tokens minus one of 1 token."""
     import httpx
@@ -323,7 +405,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gqa-kv-heads", type=int, default=None, help="default: half the shape's attention heads")
     p.add_argument("--gqa-head-dim", type=int, default=None, help="default: hidden size / attention heads")
     p.add_argument("--pool-mib", type=int, default=256)
+    p.add_argument("--extend-prefix", type=int, default=None, help="extend paths: cached prefix (8192; 256 reduced)")
+    p.add_argument(
+        "--extend-new",
+        default=None,
+        help="extend paths: new tokens, comma-separated (default 4,16,64,128,192,256,512; 4,64 reduced)",
+    )
     p.add_argument("--skip-http", action="store_true")
+    p.add_argument("--skip-extend", action="store_true")
     a = p.parse_args(argv)
     red = a.reduced
     device = torch.device(a.device)
@@ -338,6 +427,11 @@ def main(argv: list[str] | None = None) -> dict:
     res["mla_decode_kernel"] = mla_decode_kernel(
         cfg, device, a.kernel_bs or (4 if red else 32), a.kernel_ctx or (512 if red else 8192), bw
     )
+    if not a.skip_extend and (device.type == "cuda" or red):
+        new = a.extend_new or ("4,64" if red else "4,16,64,128,192,256,512")
+        res["mla_extend_paths"] = mla_extend_paths(
+            cfg, device, a.extend_prefix or (256 if red else 8192), [int(x) for x in new.split(",")]
+        )
     if not a.skip_http:
         res["http_batch1"] = http_batch1_decode(
             model_dir, a.device, a.input_len or (64 if red else 1024), a.output_len or (16 if red else 128), bw, cfg
@@ -367,6 +461,13 @@ def _markdown(res: dict) -> str:
         f"| MLA decode ({k['backend']}) {k['bs']} x {k['ctx']} | {k['ms']:.3f} ms, {k['GB/s']:.1f} GB/s, "
         f"{100 * k['of_copy_bw']:.0f}% of copy bandwidth |",
     ]
+    e = res.get("mla_extend_paths")
+    for row in e["rows"] if e else []:
+        lines.append(
+            f"| MLA extend ({e['backend']}) {row['new']} new over {e['prefix']} | absorbed {row['absorbed_ms']:.3f} ms, "
+            f"decompressed {row['decompressed_ms']:.3f} ms; auto picks {row['auto']} (FLOPs decompressed / absorbed "
+            f"{row['flops_decompressed_over_absorbed']:.2f}) |"
+        )
     h = res.get("http_batch1")
     if h:
         lines.append(

@@ -34,6 +34,16 @@ def _opt_int(raw: str) -> Optional[int]:
     return int(raw) if raw.strip() else None
 
 
+MLA_EXTEND_PATHS = ("auto", "absorbed", "decompressed")
+
+
+def _mla_extend_path(raw: str) -> str:
+    v = raw.strip().lower() or "auto"
+    if v not in MLA_EXTEND_PATHS:
+        raise ValueError(f"expected one of {', '.join(MLA_EXTEND_PATHS)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Knob(Generic[T]):
     """One environment variable: its full name, parser, default and meaning."""
@@ -126,6 +136,13 @@ class _Env:
         "nccl",
         "tensor-parallel all-reduce of tensors up to 1 MiB: nccl, or p2p (one-shot over peer GPU memory where every "
         "rank can map it, else NCCL; not yet measured on a GPU pair, docs/parallel.md)",
+    )
+    MLA_EXTEND = Knob(
+        "KVSHIP_MLA_EXTEND",
+        _mla_extend_path,
+        "auto",
+        "how MLA (DeepSeek) layers attend in a prefill / prefix-cached extend: auto (the cheaper path by the "
+        "model's cost rule), absorbed or decompressed (benchmarks, tests; docs/deepseek.md)",
     )
     K_MAJOR_WEIGHTS = Knob("KVSHIP_K_MAJOR_WEIGHTS", _bool, False, "store Linear weights K-major for the decode GEMVs")
     FLASHINFER_CUDA_CORE_DECODE_BS = Knob(

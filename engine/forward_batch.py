@@ -76,6 +76,11 @@ class ForwardBatch:
     # TARGET_VERIFY: per request [extend_len, extend_len] bool, True where a new token attends to another new
     # token (its tree ancestors and itself); every new token also attends to the whole cached prefix
     tree_masks: Optional[list[torch.Tensor]] = None
+    # EXTEND of an MLA model (docs/deepseek.md, "Absorbed or decompressed extend"): True = its MLA layers attend
+    # absorbed, False = decompressed.  None until the first MLA layer picks it from the host lengths (the
+    # model's cost rule, or KVSHIP_MLA_EXTEND) and stores it here, so every layer of the forward takes the same
+    # path; a builder may set it to force one
+    mla_absorbed_extend: Optional[bool] = None
     # rows of the final hidden states to compute logits for (default: last new token per req)
     logits_indices: Optional[torch.Tensor] = None
     # hidden states to return for every new token (``LogitsOutput.hidden_states``; EAGLE drafting,
@@ -166,7 +171,7 @@ def build_forward_batch(
       TARGET_VERIFY takes them too, or leaves them to its backend's own metadata (the verify graphs).
     * DECODE has exactly one new token per request.
     * ``extra``: the optional fields as named on ``ForwardBatch`` (``decode_inputs``, ``tree_masks``,
-      ``capture_hidden``, ``layer_done``).
+      ``capture_hidden``, ``layer_done``, ``mla_absorbed_extend``).
     Violations raise ValueError; nothing here reads the device.
     """
 

@@ -15,7 +15,9 @@ quantize-dequantized per token-group of 128 (the ``fp8`` method's arithmetic,
 docs/quantization.md) except ``kv_b_proj``'s, and each routed expert as
 tests/test_quantization_fp8_moe.py builds it.  ``kv_b_proj`` is read dequantized
 by both MLA paths (decompressed prefill, absorbed decode) with an unquantized
-input, so the absorbed decode equals the reference's decompressed attention.
+input, so the absorbed decode equals the reference's decompressed attention.  It is dequantized once, after
+loading (``MLAAttention.kv_b_dense``): no forward dequantizes it again, and the outputs equal those of the
+per-step dequantization it replaced, bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from test_quantization_fp8_moe import _dequant, _experts_forward, _qdq_groups
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.quantization.fp8 import Fp8Method
 from kvship.engine.layers.quantization.writer import write_fp8_checkpoint
 from kvship.engine.model_runner import ModelRunner
 
@@ -76,6 +79,11 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 def _engine_run(path: str) -> tuple[ModelRunner, torch.Tensor]:
     runner = ModelRunner(ServerArgs(model_path=path, device="cpu", max_total_tokens=256, max_running_requests=4))
+    return runner, _logits(runner)
+
+
+def _logits(runner: ModelRunner) -> torch.Tensor:
+    """Logits of every ``PROMPT`` token (one prefill) and of each ``FOLLOW`` token (decode steps)."""
     drv = KVDriver(runner)
     req = drv.new()
     try:
@@ -83,7 +91,7 @@ def _engine_run(path: str) -> tuple[ModelRunner, torch.Tensor]:
         decode = [drv.decode([req], [t])[0] for t in FOLLOW]
     finally:
         drv.free(req)
-    return runner, torch.cat([prefill, torch.stack(decode)]).float()
+    return torch.cat([prefill, torch.stack(decode)]).float()
 
 
 def _reference_logits(path: str) -> torch.Tensor:
@@ -136,3 +144,45 @@ def test_fp8_block_deepseek_v3_matches_its_fake_quant_reference(paths):
     assert got[len(PROMPT) :].argmax(-1).tolist() == want[len(PROMPT) :].argmax(-1).tolist()
     _, plain = _engine_run(paths["src"])  # FP8 moved the logits: the test sees the quantization
     assert (plain - got).abs().max().item() > 10 * LOGIT_ATOL
+
+
+def test_fp8_kv_b_proj_is_dequantized_once_after_loading_with_outputs_unchanged(paths, monkeypatch):
+    """Each MLA layer's ``kv_b_dense`` is made at load (model dtype, equal to the dequantization every step used
+    to run); forwards never dequantize ``kv_b_proj`` again and keep the same tensor; logits and greedy tokens equal,
+    bit for bit, those of the per-step dequantization (the same runner with the dense copies dropped)."""
+    runner = ModelRunner(
+        ServerArgs(model_path=paths["block"], device="cpu", max_total_tokens=256, max_running_requests=4)
+    )
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    kv_b = {id(a.kv_b_proj) for a in attns}
+    calls: list = []
+    dequantize = Fp8Method.dequantized_weight
+
+    def counted(method, layer):
+        if id(layer) in kv_b:
+            calls.append(layer)
+        return dequantize(method, layer)
+
+    monkeypatch.setattr(Fp8Method, "dequantized_weight", counted)
+    dense = [a.kv_b_dense for a in attns]
+    for a, d in zip(attns, dense):
+        assert d is not None and d.dtype == runner.model_config.dtype and d.shape == a.kv_b_proj.weight.shape
+        assert torch.equal(d, dequantize(a.kv_b_proj.quant_method, a.kv_b_proj).to(d.dtype))
+    got = _logits(runner)  # a prefill and three decode steps: both MLA paths
+    tokens = KVDriver(runner).greedy(PROMPT, 6)
+    assert calls == []  # no forward dequantized kv_b_proj
+    assert all(a.kv_b_dense is d for a, d in zip(attns, dense))
+    for a in attns:  # what ran before: kv_b_proj dequantized at every use
+        monkeypatch.setattr(a, "kv_b_dense", None)
+    want = _logits(runner)
+    assert len(calls) >= len(attns) * (1 + len(FOLLOW))  # the per-step path ran
+    assert torch.equal(got, want)
+    assert KVDriver(runner).greedy(PROMPT, 6) == tokens
+
+
+def test_unquantized_kv_b_proj_is_read_as_it_is_without_a_copy(paths):
+    runner = ModelRunner(ServerArgs(model_path=paths["src"], device="cpu", max_total_tokens=64, max_running_requests=2))
+    for layer in runner.model.model.layers:
+        a = layer.self_attn
+        assert a.kv_b_dense is None
+        assert a._kv_b_weight(runner.model_config.dtype) is a.kv_b_proj.weight

@@ -11,12 +11,16 @@ projection (``q_a_proj`` with q LoRA, else the whole ``q_proj``) and
 ``k_pe``); with q LoRA the query continues through ``q_a_layernorm`` and
 ``q_b_proj``.  ``c`` is normalised (``kv_a_layernorm``), ``q_pe`` / ``k_pe``
 rotated (``DeepseekRotary``: interleaved pairs, YaRN with its attention
-factor), and the latent row ``[c | k_pe]`` goes to the latent pool.  Prefill
-extends attend over keys and values decompressed by ``kv_b_proj``; decode
-(and verify) fold ``W_UK`` into the query and ``W_UV`` into the output and
-attend over the latent rows directly (kvship.engine.attention.mla).  The
-softmax scale is ``qk_head_dim ** -0.5`` times YaRN's ``mscale_all_dim``
-factor squared.
+factor), and the latent row ``[c | k_pe]`` goes to the latent pool.  Two exact
+ways to attend (kvship.engine.attention.mla): **decompressed**, over keys and
+values ``kv_b_proj`` makes from every latent row of the request, and
+**absorbed**, folding ``W_UK`` into the query and ``W_UV`` into the output and
+attending over the latent rows directly.  Decode, verify and draft extends
+absorb; an ``EXTEND`` (prefill, prefix-cached extend) takes the cheaper of the
+two by ``mla_extend_flops`` (a few new tokens over a long prefix: absorbed; a
+fresh prefill: decompressed), chosen once per forward (``KVSHIP_MLA_EXTEND``
+forces one).  The softmax scale is ``qk_head_dim ** -0.5`` times YaRN's
+``mscale_all_dim`` factor squared.
 
 **DeepSeekMoE** (``DeepseekMoE``): router logits in float32 from
 ``gate.weight`` (kept in float32), grouped routing
@@ -27,21 +31,24 @@ moe_intermediate_size``).
 
 Checkpoint names are Hugging Face's; per-expert tensors are stacked as for
 the other MoE models (kvship.engine.models.moe).  Weights: bf16/fp32, or
-block-128 FP8 through the quantization seam (every projection, ``kv_b_proj``
-read dequantized by both MLA paths).  Tensor / expert parallelism: ``tp_plan``
-below (the latent cache replicated on every rank).  The model runner refuses
-the modes it does not support yet, naming them (``check_mla_serving``).
+block-128 FP8 through the quantization seam (every projection; ``kv_b_proj``
+dequantized once after loading and read as that dense matrix by both MLA
+paths, ``MLAAttention.process_weights_after_loading``).  Tensor / expert
+parallelism: ``tp_plan`` below (the latent cache replicated on every rank).
+The model runner refuses the modes it does not support yet, naming them
+(``check_mla_serving``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from kvship.common.envs import ENV
 from kvship.engine.attention.mla import MLALayerSpec
 from kvship.engine.deepseek_config import GroupedRouting, yarn_mscale
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
@@ -144,8 +151,40 @@ def _inv_freq(dim: int, base: float, scaling: Optional[dict]) -> tuple[torch.Ten
     return inv_freq, float(attn)
 
 
+def mla_extend_flops(spec: MLALayerSpec, extend_lens: Sequence[int], seq_lens: Sequence[int]) -> tuple[int, int]:
+    """``(decompressed, absorbed)`` FLOPs of one MLA layer's attention for an extend of ``extend_lens[b]`` new
+    tokens over ``seq_lens[b]`` positions (cached prefix + new) per request; ``T``, ``S``: their sums.  What the
+    two paths share (the q / kv_a / o projections) is left out (docs/deepseek.md, "Absorbed or decompressed
+    extend"):
+
+    * decompressed: ``kv_b_proj`` over every position, ``2 S r H (d_nope + d_v)``, then attention with per-head
+      keys and values, ``2 sum_b T_b S_b H (d_nope + d_rope + d_v)``;
+    * absorbed: ``W_UK`` into each query and ``W_UV`` out of each output, ``2 T H r (d_nope + d_v)``, then
+      attention over the latent rows, ``2 sum_b T_b S_b H (2 r + d_rope)``."""
+    h, r = spec.num_heads, spec.kv_lora_rank
+    dn, dr, dv = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    ts = sum(t * s for t, s in zip(extend_lens, seq_lens))
+    kv_b = r * h * (dn + dv)  # multiply-adds of W_UK and W_UV for one row
+    decompressed = 2 * sum(seq_lens) * kv_b + 2 * ts * h * (dn + dr + dv)
+    absorbed = 2 * sum(extend_lens) * kv_b + 2 * ts * h * (2 * r + dr)
+    return decompressed, absorbed
+
+
+def extend_takes_absorbed(path: str, spec: MLALayerSpec, extend_lens: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether an ``EXTEND`` attends absorbed: ``path`` ``absorbed`` / ``decompressed`` (``KVSHIP_MLA_EXTEND``)
+    forces it; ``auto`` absorbs only where ``mla_extend_flops`` says it is strictly cheaper (so never for a
+    fresh prefill, where every position is new)."""
+    if path != "auto":
+        return path == "absorbed"
+    decompressed, absorbed = mla_extend_flops(spec, extend_lens, seq_lens)
+    return absorbed < decompressed
+
+
 class MLAAttention(nn.Module):
-    """Multi-head Latent Attention (module docstring); ``layer_id``: the layer's index in the latent pool."""
+    """Multi-head Latent Attention (module docstring); ``layer_id``: the layer's index in the latent pool.
+
+    ``kv_b_dense``: ``kv_b_proj``'s weight dequantized in the model dtype when the checkpoint stores it
+    quantized (``process_weights_after_loading``), else None and the weight itself is read."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary: DeepseekRotary):
         super().__init__()
@@ -168,10 +207,13 @@ class MLAAttention(nn.Module):
             self.q_b_proj = Linear(self.q_width, h * mla.qk_head_dim, dtype=dt, quant_method=qm)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, dt)
         # W_UK / W_UV of every head: both paths read it as a dense matrix (``_kv_b_weight``; an FP8 checkpoint's
-        # is dequantized, docs/deepseek.md)
+        # is dequantized once after loading into ``kv_b_dense``, docs/deepseek.md)
         self.kv_b_proj = Linear(
             mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dt, quant_method=qm
         )
+        self.dtype = dt
+        self.register_buffer("kv_b_dense", None, persistent=False)
+        self.extend_path = ENV.MLA_EXTEND  # auto / absorbed / decompressed, read once when the layer is built
         self.o_proj = Linear(h * mla.v_head_dim, config.hidden_size, bias=config.o_proj_bias, dtype=dt, quant_method=qm)
         self._rotary = [rotary]  # shared by all layers; a list keeps it out of this module's state dict
         self.spec = MLALayerSpec(
@@ -184,12 +226,35 @@ class MLAAttention(nn.Module):
             scaling=mla.softmax_scale(config.rope_scaling),
         )
 
+    def process_weights_after_loading(self) -> None:
+        """Once every weight of the layer is loaded: a quantized ``kv_b_proj`` is dequantized (this rank's heads)
+        into ``kv_b_dense`` in the model dtype, so no step dequantizes it again; an unquantized one is read as it
+        is (no copy).  ``DeepseekV2ForCausalLM.load_weights`` calls it; a module that loads an MLA layer by other
+        means should too (until then such a layer dequantizes on every call, as ``_kv_b_weight`` says)."""
+        kv_b = self.kv_b_proj
+        with torch.no_grad():
+            w = kv_b.quant_method.dequantized_weight(kv_b)
+            self.kv_b_dense = None if w is kv_b.weight else w.to(self.dtype).contiguous()
+
     def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """``kv_b_proj``'s weight ``[H * (d_nope + d_v), kv_lora_rank]`` (this rank's heads) in ``dtype``:
-        dequantized when the checkpoint stores it quantized, so absorption and decompression multiply by the
-        same matrix and neither quantizes its input."""
-        w = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj)
+        """``kv_b_proj``'s weight ``[H * (d_nope + d_v), kv_lora_rank]`` (this rank's heads) in ``dtype``: the
+        weight itself, or ``kv_b_dense`` for a quantized checkpoint, so absorption and decompression multiply by
+        the same matrix and neither quantizes its input.  (A quantized layer never prepared by
+        ``process_weights_after_loading`` dequantizes here, each call.)"""
+        w = self.kv_b_dense
+        if w is None:
+            w = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj)
         return w if w.dtype == dtype else w.to(dtype)
+
+    def _extend_absorbed(self, fb: ForwardBatch) -> bool:
+        """This ``EXTEND``'s path (``extend_takes_absorbed``), picked by the forward's first MLA layer and kept
+        on ``fb`` for the others."""
+        if fb.mla_absorbed_extend is None:
+            assert fb.extend_seq_lens_cpu is not None, "an EXTEND batch carries its host extend lengths"
+            fb.mla_absorbed_extend = extend_takes_absorbed(
+                self.extend_path, self.spec, fb.extend_seq_lens_cpu, fb.seq_lens_cpu
+            )
+        return fb.mla_absorbed_extend
 
     def _decompress(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.mla
@@ -221,11 +286,11 @@ class MLAAttention(nn.Module):
         backend = fb.attn_backend
         if fb.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
             fb.kv_ready(self.spec.layer_id)
-        if fb.forward_mode == ForwardMode.EXTEND:  # prefill / extend: decompress K and V
+        if fb.forward_mode == ForwardMode.EXTEND and not self._extend_absorbed(fb):  # decompress K and V
             out = backend.forward_extend_decompressed(
                 torch.cat([q_nope, q_pe], dim=-1), latent, self.spec, fb, self._decompress
             )
-        else:  # decode, verify: absorbed, over the latent rows
+        else:  # decode, verify, draft extends, and the extends where absorbing is cheaper: over the latent rows
             w = self._kv_b_weight(q_nope.dtype).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
             q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, : m.qk_nope_head_dim])
             qa = torch.cat([q_lat, q_pe], dim=-1)
@@ -405,3 +470,12 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
     def build_decoder(self, config: ModelConfig, mlp_for_layer, layers: Optional[LayerRange]) -> nn.Module:
         return DeepseekModel(config, layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """``MoEForCausalLM.load_weights``, then every MLA layer's ``process_weights_after_loading`` (the dense
+        ``kv_b_proj`` of a quantized checkpoint, made once)."""
+        loaded = super().load_weights(weights)
+        for m in self.modules():
+            if isinstance(m, MLAAttention):
+                m.process_weights_after_loading()
+        return loaded
