@@ -7,7 +7,9 @@ layer only), ``2,1``, chunked prefill over the radix cache with a shared prompt 
 ``--speculative-algorithm ngram`` (the stages verify drafts).  Each stage holds only its layers' parameters and
 a latent pool of its layers; the greedy tokens equal the single process's and every KV slot is free again at
 the end.  A ``kvship local`` cluster then runs a ``--pp-size 2`` DeepSeek prefill worker feeding a decode
-worker.  About 25 s on 2 cores.
+worker.  A second group of 4 (``--tp-size 2 --pp-size 2``: each stage's heads and experts split over its 2 TP
+ranks, the latent pool replicated on both) runs the split and the chunked radix scenarios.  About 25 s on 2
+cores, 40 s more for the group of 4.
 """
 
 from __future__ import annotations
@@ -73,13 +75,22 @@ def _run_scenario(groups, sa: ServerArgs, waves: list) -> dict:
     }
 
 
-def _rank_main(rank: int, init_method: str, path: str, out) -> None:
+# the scenarios the --tp-size 2 --pp-size 2 group (4 rank processes) runs
+TP_PP_SCENARIOS = ("split_1_2", "chunked_radix")
+
+
+def _rank_main(rank: int, init_method: str, path: str, out, tp: int = 1, scenarios: tuple = tuple(SCENARIOS)) -> None:
     def body(groups) -> dict:
         return {
-            name: _run_scenario(groups, _sa(path, pp_size=2, **kw), waves) for name, (kw, waves) in SCENARIOS.items()
+            name: _run_scenario(groups, _sa(path, tp_size=tp, pp_size=2, **SCENARIOS[name][0]), SCENARIOS[name][1])
+            for name in scenarios
         }
 
-    rank_body(rank, init_method, _sa("", pp_size=2), body, out)
+    rank_body(rank, init_method, _sa("", tp_size=tp, pp_size=2), body, out)
+
+
+def _tp_pp_rank_main(rank: int, init_method: str, path: str, out) -> None:
+    _rank_main(rank, init_method, path, out, tp=2, scenarios=TP_PP_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +156,25 @@ def test_kvship_local_with_a_deepseek_pp2_prefill_equals_unified(ds_path):
         cluster.wait_free(prefill + decode)
         p = cluster.info(prefill[0])
         assert p["pp_size"] == 2 and p["free_slots_per_rank"] == [p["total_slots"]] * 2, p
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(ds_path) -> list[dict]:
+    """Per rank of a --tp-size 2 --pp-size 2 DeepSeek worker (4 processes): {scenario: results}."""
+    return run_ranks(_tp_pp_rank_main, 4, (ds_path,), RANK_TIMEOUT_S)
+
+
+@pytest.mark.timeout(RANK_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name", TP_PP_SCENARIOS)
+def test_deepseek_tp2_pp2_greedy_tokens_equal_the_single_process_on_every_rank(tp2_pp2, ds_path, name):
+    ref = _reference(ds_path, name)
+    assert len(tp2_pp2) == 4
+    for rank, res in enumerate(tp2_pp2):
+        assert res[name]["tokens"] == ref, f"rank {rank}"
+        free, total = res[name]["free"]
+        assert free == total, f"rank {rank}"
+    # stage by stage: both TP ranks of a stage hold the same layers, and each stage only its own
+    layers = sorted({res["split_1_2"]["layers"] for res in tp2_pp2})
+    assert layers == [(0, 1), (1, 3)], layers
+    if name == "chunked_radix":
+        assert tp2_pp2[0][name]["cached_tokens"] > 0
