@@ -59,7 +59,7 @@ from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutpu
 from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
-from kvship.engine.mem.kv_scales import read_kv_scales
+from kvship.engine.mem.kv_scales import read_kv_scales, read_latent_scales
 from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.mem.pools import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, is_fp8_kv, kv_cache_torch_dtype
 from kvship.engine.model_config import ModelConfig, parse_dtype
@@ -167,10 +167,17 @@ class ModelRunner:
         mc = self.model_config
         # FP8 KV: the checkpoint's per-layer k/v scales, else 1.0 (docs/quantization.md, "FP8 KV cache")
         fp8_kv = is_fp8_kv(self.kv_dtype) and server_args.load_format != "dummy"  # dummy weights: scales 1.0
-        scales = read_kv_scales(self.model_path, mc.num_hidden_layers) if fp8_kv else None
-        if scales is not None and layers is not None:  # a pipeline stage's pool holds its layers only
-            scales = (scales[0][layers.start : layers.end], scales[1][layers.start : layers.end])
-        if mc.mla is not None:  # one latent row per token and layer (docs/deepseek.md)
+        if mc.mla is not None:  # one latent row per token and layer, one FP8 scale per layer (docs/deepseek.md)
+            from kvship.engine.models.deepseek_mtp import mtp_layers
+
+            # the checkpoint's MTP layers (stored after the model's) may carry scales of their own: allowed here
+            latent = (
+                read_latent_scales(self.model_path, mc.num_hidden_layers, mtp_layers(self.model_path))
+                if fp8_kv
+                else None
+            )
+            if latent is not None:  # the model's layers (a pipeline stage's only), not the MTP layers'
+                latent = latent[: mc.num_hidden_layers] if layers is None else latent[layers.start : layers.end]
             self.kv_pool = MLAKVPool(
                 num_slots,
                 self.page_size,
@@ -179,8 +186,12 @@ class ModelRunner:
                 mc.mla.qk_rope_head_dim,
                 self.num_layers,
                 self.device,
+                latent,
             )
         else:
+            scales = read_kv_scales(self.model_path, mc.num_hidden_layers) if fp8_kv else None
+            if scales is not None and layers is not None:  # a pipeline stage's pool holds its layers only
+                scales = (scales[0][layers.start : layers.end], scales[1][layers.start : layers.end])
             self.kv_pool = KVPool(
                 num_slots,
                 self.page_size,

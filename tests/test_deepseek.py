@@ -202,10 +202,7 @@ def test_absorbed_extend_equals_decompressed_extend_over_a_cached_prefix():
 
 @pytest.mark.parametrize(
     "override,what",
-    [
-        (dict(speculative_algorithm="draft", speculative_draft_model_path="/x", page_size=1), "algorithm draft"),
-        (dict(kv_cache_dtype="fp8_e4m3"), "FP8 latent cache"),
-    ],
+    [(dict(speculative_algorithm="draft", speculative_draft_model_path="/x", page_size=1), "algorithm draft")],
 )
 def test_deepseek_refuses_unsupported_modes_by_name(override, what, ds_dirs):
     sa = ServerArgs(model_path=ds_dirs["v2_lite"], device="cpu", max_total_tokens=64, **override)

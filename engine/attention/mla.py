@@ -21,7 +21,12 @@ Contract of an MLA backend (besides ``AttentionBackend``'s per-step metadata
 rules): ``k`` is the new tokens' latent rows ``[N, latent_dim]`` (``v`` is
 unused: the values live in the latent); with ``save_kv_cache`` the backend
 stores them at ``out_cache_loc`` before reading; every read goes through
-``req_to_token``; outputs are in ``q``'s dtype.
+``req_to_token``; outputs are in ``q``'s dtype.  Over an FP8 latent pool
+(``kv_pool.is_fp8``) the store quantizes with the layer's scale and every read
+computes with ``float(e4m3) * scale`` -- the new tokens' own rows included,
+read back from the pool, so an extend sees what later decode steps see (the
+base contract; docs/deepseek.md, "FP8 latent cache").  The reference
+dequantizes into ``q``'s dtype (``MLAKVPool.read_latent``).
 
 ``MLATorchBackend`` (``torch_native``) is the reference, on CPU and GPU: the
 torch_native backend's per-step metadata (slot lists, causal / tree masks),
@@ -73,6 +78,7 @@ class MLATorchBackend(TorchNativeAttnBackend):
 
     @staticmethod
     def _store(fb: ForwardBatch, layer: MLALayerSpec, latent: torch.Tensor, save: bool) -> torch.Tensor:
+        """Store the new latent rows (when asked; over an FP8 pool quantized); the layer's buffer as stored."""
         if save:
             fb.kv_pool.set_latent(layer.layer_id, fb.out_cache_loc, latent)
         return fb.kv_pool.get_latent_buffer(layer.layer_id)
@@ -89,9 +95,10 @@ class MLATorchBackend(TorchNativeAttnBackend):
         """Absorbed: ``q [B, H, latent_dim]`` over each request's latent rows -> ``[B, H, kv_lora_rank]``."""
         fb = forward_batch
         meta = fb.attn_metadata  # the torch_native decode metadata: padded slots + key mask
-        buf = self._store(fb, layer, k, save_kv_cache)
+        self._store(fb, layer, k, save_kv_cache)
         bs, max_len = meta.slots.shape
-        lat = buf.index_select(0, meta.slots.reshape(-1)).view(bs, 1, max_len, layer.latent_dim).to(q.dtype)
+        lat = fb.kv_pool.read_latent(layer.layer_id, meta.slots.reshape(-1), q.dtype)
+        lat = lat.view(bs, 1, max_len, layer.latent_dim)
         qs = q.view(bs, layer.num_heads, 1, layer.latent_dim)
         out = F.scaled_dot_product_attention(
             qs, lat, lat[..., : layer.kv_lora_rank], attn_mask=meta.mask, scale=layer.scaling, enable_gqa=True
@@ -111,14 +118,14 @@ class MLATorchBackend(TorchNativeAttnBackend):
         (causal over prefix + new tokens, or the TARGET_VERIFY tree masks)."""
         fb = forward_batch
         meta = fb.attn_metadata  # the torch_native extend metadata: per-request slots + masks
-        buf = self._store(fb, layer, k, save_kv_cache)
+        self._store(fb, layer, k, save_kv_cache)
         r = layer.kv_lora_rank
         out = q.new_empty((q.shape[0], layer.num_heads, r))
         for start, e, slots, mask in zip(meta.starts, meta.ext_lens, meta.slots, meta.masks):
             if e == 0:
                 continue
             qi = q[start : start + e].view(e, layer.num_heads, -1).transpose(0, 1).unsqueeze(0)  # [1, H, e, D]
-            lat = buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, s, D]
+            lat = fb.kv_pool.read_latent(layer.layer_id, slots, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, s, D]
             oi = F.scaled_dot_product_attention(
                 qi, lat, lat[..., :r], attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
             )
@@ -138,13 +145,13 @@ class MLATorchBackend(TorchNativeAttnBackend):
         each request's latent rows (prefix + new) go through ``decompress`` (the layer's ``kv_b_proj``)."""
         fb = forward_batch
         meta = fb.attn_metadata  # the torch_native extend metadata: per-request slots + masks
-        buf = self._store(fb, layer, latent, save_kv_cache)
+        self._store(fb, layer, latent, save_kv_cache)
         r, h = layer.kv_lora_rank, layer.num_heads
         out = q.new_empty((q.shape[0], h, layer.v_head_dim))
         for start, e, slots, mask in zip(meta.starts, meta.ext_lens, meta.slots, meta.masks):
             if e == 0:
                 continue
-            lat = buf.index_select(0, slots)[:, 0].to(q.dtype)  # [s, latent_dim]
+            lat = fb.kv_pool.read_latent(layer.layer_id, slots, q.dtype)[:, 0]  # [s, latent_dim]
             k_nope, v = decompress(lat[:, :r])
             k_pe = lat[:, None, r:].expand(-1, h, -1)
             key = torch.cat([k_nope, k_pe], dim=-1)  # [s, H, d_nope + d_rope]

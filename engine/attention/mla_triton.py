@@ -12,6 +12,9 @@
 * Stage 2, grid ``(B, H)``: merges the parts by their log-sum-exp.
 
 Returns ``[B, H, R]`` in ``q``'s dtype; the model applies ``W_UV`` after it.  Accumulation is float32.
+An FP8 latent pool (``--kv-cache-dtype fp8_e4m3``) is read as ``float(e4m3) * kv_scale``, the layer's scale
+a kernel argument (a constant of a captured graph, as the pool fixes it at construction); the extends read it
+so too, and the decompressed extend dequantizes the ``c`` rows it gathers before ``kv_b_proj``.
 Parts past a short request's length are empty (log-sum-exp ``-inf``) and weigh nothing.
 
 ``MLATritonBackend`` (``--attention-backend triton`` for MLA models) runs decode through it, and extends
@@ -66,6 +69,7 @@ def _mla_decode_part(
     stride_r2t,
     num_heads,
     scale,
+    kv_scale,
     R: tl.constexpr,
     P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -101,8 +105,11 @@ def _mla_decode_part(
         nmask = pos < end
         slot = tl.load(R2T + row * stride_r2t + pos, mask=nmask, other=0).to(tl.int64)
         kv_row = KV + slot[:, None] * stride_kv
+        # the stored row (model dtype, or e4m3) in fp32 times the layer's dequantization scale (1.0 unless FP8)
         c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
         pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+        c = c * kv_scale
+        pe = pe * kv_scale
         qk = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(pe))
         qk = tl.where(nmask[None, :], qk * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -154,8 +161,12 @@ def mla_decode(
     block_h: int = DECODE_BLOCK_H,
     block_n: int = 32,
     scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.
+
+    ``kv_scale``: the layer's dequantization scale; an FP8 (``float8_e4m3fn``) latent buffer is read as
+    ``float(e4m3) * kv_scale`` (docs/deepseek.md, "FP8 latent cache"), any other as ``float(x) * kv_scale``.
 
     ``scratch``: preallocated flat float32 buffers for the partial outputs (at least ``B * H * num_splits *
     kv_lora_rank`` values) and log-sum-exps (at least ``B * H * num_splits``), so that a CUDA graph allocates
@@ -204,6 +215,7 @@ def mla_decode(
         req_to_token.stride(0),
         num_heads,
         scale,
+        float(kv_scale),
         R=r,
         P=p,
         NUM_SPLITS=num_splits,
@@ -376,6 +388,7 @@ class MLATritonBackend(MLATorchBackend):
             layer.scaling,
             num_splits=meta.num_splits,
             scratch=meta.scratch,
+            kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
         )
 
     def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):
@@ -398,6 +411,7 @@ class MLATritonBackend(MLATorchBackend):
             layer.scaling,
             tree_mask=e.custom_mask,
             mask_starts=e.mask_starts,
+            kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
         )
 
     def forward_extend_decompressed(
@@ -415,7 +429,8 @@ class MLATritonBackend(MLATorchBackend):
         meta: MLAExtendMeta = self.forward_metadata  # type: ignore[assignment]
         buf = self._store(fb, layer, latent, save_kv_cache)
         r = layer.kv_lora_rank
-        c = buf.index_select(0, meta.kv_slots)[:, 0, :r].to(q.dtype)
+        # every request's rows (prefix + new) as stored, dequantized over an FP8 pool, before kv_b_proj
+        c = fb.kv_pool.read_latent(layer.layer_id, meta.kv_slots, q.dtype)[:, 0, :r]
         k_nope, v = decompress(c)
         e = meta.ext
         return mla_extend_decompressed(
@@ -432,6 +447,7 @@ class MLATritonBackend(MLATorchBackend):
             e.max_extend_len,
             r,
             layer.scaling,
+            kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
         )
 
     # --- CUDA graphs (decode only) -------------------------------------------

@@ -5,7 +5,9 @@ Both attend the new tokens of each request (packed: request ``b``'s ``ext_lens[b
 ``req_to_token[req_pool_indices[b], :]`` of the latent pool (the new tokens' rows already stored).  Every
 prefix position is visible; among the new tokens, query ``i`` sees new token ``j`` when ``j <= i`` (causal) or,
 with a tree mask, when ``mask[mask_starts[b] + i * ext_lens[b] + j]`` is non-zero (the packed uint8 masks of
-``triton_backend.extend_meta``).  Online softmax in float32.
+``triton_backend.extend_meta``).  Online softmax in float32.  Every latent value read from the pool is
+``float(x) * kv_scale`` (``kv_scale`` the layer's dequantization scale: an FP8 ``float8_e4m3fn`` pool's, 1.0
+otherwise; docs/deepseek.md, "FP8 latent cache").
 
 * ``mla_extend_absorbed`` (verify, draft extends): queries ``[T, H, R + P]`` (``[q_nope @ W_UK | q_pe]``) over
   the latent rows (keys: the whole row; values: its first ``R`` columns) -> ``[T, H, R]``; ``W_UV`` after it.
@@ -70,6 +72,7 @@ def _mla_extend_absorbed_kernel(
     stride_kv,
     stride_r2t,
     scale,
+    kv_scale,
     num_heads,
     R: tl.constexpr,
     P: tl.constexpr,
@@ -117,6 +120,8 @@ def _mla_extend_absorbed_kernel(
         kv_row = KV + slot[:, None] * stride_kv
         c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
         pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+        c = c * kv_scale
+        pe = pe * kv_scale
         qk = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(pe))
         ok = _visible(pos, pre, offs_m, ext, MASK, mask_start, HAS_MASK) & nmask[None, :] & mmask[:, None]
         qk = tl.where(ok, qk * scale, float("-inf"))
@@ -151,6 +156,7 @@ def _mla_extend_decompressed_kernel(
     stride_kv,
     stride_r2t,
     scale,
+    kv_scale,
     R: tl.constexpr,
     DN: tl.constexpr,
     P: tl.constexpr,
@@ -201,6 +207,7 @@ def _mla_extend_decompressed_kernel(
         pe = tl.load(
             KV + slot[:, None] * stride_kv + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0
         ).to(tl.float32)
+        pe = pe * kv_scale
         v = tl.load(
             V + packed[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
             mask=nmask[:, None] & dvmask[None, :],
@@ -251,10 +258,12 @@ def mla_extend_absorbed(
     mask_starts: Optional[torch.Tensor] = None,
     max_rows: int = 16,
     block_n: int = 32,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed extend / tree verify (module docstring): ``[T, H, kv_lora_rank]`` in ``q``'s dtype.
     ``max_rows`` (a power of two) bounds the (token, head) rows of one program: 16 by default, the decode
-    kernel's tile (16 rows of ``kv_lora_rank`` float32 accumulators); not tuned on a GPU yet."""
+    kernel's tile (16 rows of ``kv_lora_rank`` float32 accumulators); not tuned on a GPU yet.  ``kv_scale``: the
+    layer's dequantization scale (module docstring)."""
     t, num_heads, dim = q.shape
     r, p = kv_lora_rank, dim - kv_lora_rank
     if p <= 0:
@@ -290,6 +299,7 @@ def mla_extend_absorbed(
         kv.stride(0),
         req_to_token.stride(0),
         scale,
+        float(kv_scale),
         num_heads,
         R=r,
         P=p,
@@ -319,8 +329,10 @@ def mla_extend_decompressed(
     scale: float,
     block_m: int = 16,
     block_n: int = 32,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Decompressed causal extend (module docstring): ``[T, H, d_v]`` in ``q``'s dtype."""
+    """Decompressed causal extend (module docstring): ``[T, H, d_v]`` in ``q``'s dtype; ``k_pe`` read from the
+    pool as ``float(x) * kv_scale`` (``k_nope`` / ``v`` come from already dequantized rows)."""
     t, num_heads, dq = q.shape
     dn, dv = k_nope.shape[-1], v.shape[-1]
     p = dq - dn
@@ -361,6 +373,7 @@ def mla_extend_decompressed(
         kv.stride(0),
         req_to_token.stride(0),
         scale,
+        float(kv_scale),
         R=kv_lora_rank,
         DN=dn,
         P=p,

@@ -9,6 +9,11 @@ these names (``N`` the layer):
 
 The model's loader skips these tensors (``KV_SCALE_SUFFIXES``); the model runner reads them here when the pool is
 FP8.  A layer without one gets 1.0.
+
+An MLA (DeepSeek) latent cache has one scale per layer for its one latent row (``read_latent_scales``): the
+layer's K scale (``k_scale``, ``kv_scale`` or ``k_proj.output_scale``), as the latent row is the keys of absorbed
+attention (and, its first ``kv_lora_rank`` columns, the values); a ``v_scale`` is not used (docs/deepseek.md,
+"FP8 latent cache").
 """
 
 from __future__ import annotations
@@ -44,6 +49,33 @@ _WHICH = {
 def read_kv_scales(model_path: str, num_layers: int) -> Optional[tuple[list[float], list[float]]]:
     """``(k_scales, v_scales)`` per layer from a safetensors folder, or None when it holds none (a GGUF file, a
     folder without weights).  ValueError for a scale that is not one positive finite number or a layer out of range."""
+    found = _read(model_path, num_layers)
+    if found is None:
+        return None
+    k, v = found
+    n = sum(x is not None for x in k) + sum(x is not None for x in v)
+    if n < 2 * num_layers:
+        logger.warning("the checkpoint has KV scales for %d of %d K/V tensors; the others use 1.0", n, 2 * num_layers)
+    return [1.0 if x is None else x for x in k], [1.0 if x is None else x for x in v]
+
+
+def read_latent_scales(model_path: str, num_layers: int, extra_layers: int = 0) -> Optional[list[float]]:
+    """An MLA latent cache's scale per layer (module docstring): each layer's K scale, 1.0 where it has none;
+    None when the folder holds no K scale.  ``extra_layers``: the checkpoint's decoder layers past ``num_layers``
+    (a DeepSeek checkpoint's MTP layers, stored as layers ``num_layers..``): their scales are allowed and
+    returned too, after the model's.  ValueError as ``read_kv_scales``."""
+    found = _read(model_path, num_layers + extra_layers)
+    if found is None or all(x is None for x in found[0]):
+        return None
+    k = found[0]
+    n = sum(x is not None for x in k[:num_layers])
+    if n < num_layers:
+        logger.warning("the checkpoint has latent KV scales for %d of %d layers; the others use 1.0", n, num_layers)
+    return [1.0 if x is None else x for x in k]
+
+
+def _read(model_path: str, num_layers: int) -> Optional[tuple[list[Optional[float]], list[Optional[float]]]]:
+    """The K and V scales the folder holds per layer (None where a layer has none), or None without any."""
     from safetensors import safe_open
 
     from kvship.engine.loaders.safetensors_loader import INDEX_FILE, safetensors_files
@@ -76,11 +108,6 @@ def read_kv_scales(model_path: str, num_layers: int) -> Optional[tuple[list[floa
                     k[layer] = x
                 if which in ("v", "kv"):
                     v[layer] = x
-    found = sum(x is not None for x in k) + sum(x is not None for x in v)
-    if not found:
+    if all(x is None for x in k) and all(x is None for x in v):
         return None
-    if found < 2 * num_layers:
-        logger.warning(
-            "the checkpoint has KV scales for %d of %d K/V tensors; the others use 1.0", found, 2 * num_layers
-        )
-    return [1.0 if x is None else x for x in k], [1.0 if x is None else x for x in v]
+    return k, v

@@ -9,20 +9,29 @@ padding page, ``ReqToTokenPool`` and the radix cache work exactly as with
 
 Memory: ``bytes_per_token = num_layers * latent_dim * element_size`` (no
 factor 2: keys and values are both read from the one latent row).  For
-DeepSeek-V3 (61 layers, 512 + 64, bf16) that is 70,272 bytes per token.
+DeepSeek-V3 (61 layers, 512 + 64) that is 70,272 bytes per token in bf16 and
+35,136 in FP8.
 
-The pool stores the model dtype only (an FP8 latent cache is refused at
-startup); ``scales`` answers 1.0 so readers written for ``KVPool`` agree.
+FP8 (``--kv-cache-dtype fp8_e4m3``; docs/deepseek.md, "FP8 latent cache"):
+the rows are stored as ``float8_e4m3fn`` with ONE fp32 dequantization scale
+per layer for the whole row (``latent_scales``, default 1.0): a store writes
+``quantize_kv(x, scale)``, every reader computes ``float(e4m3) * scale``
+(``read_latent`` does).  ``scales(layer)`` answers ``(s, s)`` and
+``k_scales`` / ``v_scales`` are both the latent scales, so code written for
+``KVPool`` (the PD layout's scale check) reads them alike.  Other dtypes keep
+1.0.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
+
+from kvship.engine.mem.pools import dequantize_kv, is_fp8_kv, quantize_kv
 
 
 class MLAKVPool:
-    is_fp8 = False
-
     def __init__(
         self,
         num_slots: int,
@@ -32,9 +41,13 @@ class MLAKVPool:
         qk_rope_head_dim: int,
         num_layers: int,
         device: str | torch.device,
+        latent_scales: Optional[Sequence[float]] = None,
     ):
-        if dtype == torch.float8_e4m3fn:
-            raise ValueError("the MLA latent KV pool does not store FP8 (--kv-cache-dtype auto for MLA models)")
+        self.is_fp8 = is_fp8_kv(dtype)
+        # one dequantization scale per layer for the whole latent row; fixed at construction (a captured CUDA
+        # graph holds it as a constant) and part of the PD layout check
+        self.latent_scales = _latent_scales(latent_scales, num_layers) if self.is_fp8 else [1.0] * num_layers
+        self.k_scales = self.v_scales = self.latent_scales
         self.page_size = page_size
         self.num_slots = (num_slots // page_size) * page_size
         self.dtype = dtype
@@ -53,11 +66,12 @@ class MLAKVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
-        """KV bytes one token takes in a pool of ``num_layers`` layers (module docstring)."""
+        """KV bytes one token takes in a pool of ``num_layers`` layers (module docstring; FP8: one byte a value)."""
         return num_layers * latent_dim * torch.empty((), dtype=dtype).element_size()
 
     def get_latent_buffer(self, layer_id: int) -> torch.Tensor:
-        """``[num_slots + page_size, 1, latent_dim]``: ``[..., :kv_lora_rank]`` is ``c``, the rest ``k_pe``."""
+        """``[num_slots + page_size, 1, latent_dim]``: ``[..., :kv_lora_rank]`` is ``c``, the rest ``k_pe``
+        (as stored: over an FP8 pool, e4m3 values to multiply by ``latent_scale(layer_id)``)."""
         return self.kv_buffer[layer_id]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -68,17 +82,53 @@ class MLAKVPool:
         """The values of absorbed attention: the latent's first ``kv_lora_rank`` columns (a view)."""
         return self.kv_buffer[layer_id][..., : self.kv_lora_rank]
 
+    def latent_scale(self, layer_id: int) -> float:
+        """The layer's dequantization scale (1.0 on a pool that is not FP8)."""
+        return self.latent_scales[layer_id]
+
     def scales(self, layer_id: int) -> tuple[float, float]:
-        return 1.0, 1.0
+        """``(s, s)``: the latent row is both the keys and the values, with one scale."""
+        s = self.latent_scales[layer_id]
+        return s, s
 
     def set_latent(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
-        """Write new latent rows ``[n, latent_dim]`` (or ``[n, 1, latent_dim]``) at slots ``loc``."""
-        latent = latent.reshape(-1, 1, self.latent_dim).to(self.dtype)
+        """Write new latent rows ``[n, latent_dim]`` (or ``[n, 1, latent_dim]``) at slots ``loc`` (over an FP8
+        pool quantized with the layer's scale)."""
+        latent = latent.reshape(-1, 1, self.latent_dim)
+        if self.is_fp8 and latent.dtype != self.dtype:
+            latent = quantize_kv(latent, self.latent_scales[layer_id])
+        else:
+            latent = latent.to(self.dtype)
         if loc.dtype != torch.int64:
             loc = loc.long()
+        buf = self.kv_buffer[layer_id]
+        if self.is_fp8:  # index_copy_ has no float8 kernel on every device: copy the bytes
+            buf, latent = buf.view(torch.uint8), latent.view(torch.uint8)
         # index_copy_ rather than ``buf[loc] = x``: on CPU advanced-index assignment is far slower
-        self.kv_buffer[layer_id].index_copy_(0, loc, latent)
+        buf.index_copy_(0, loc, latent)
+
+    def read_latent(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The latent rows at ``slots`` (int64) as ``[n, 1, latent_dim]`` in ``dtype``: ``float(e4m3) * scale``
+        over an FP8 pool (the FP8 read of docs/quantization.md), else the stored values cast."""
+        buf = self.kv_buffer[layer_id]
+        if self.is_fp8:  # gather the bytes (no float8 gather kernel on every device)
+            rows = buf.view(torch.uint8).index_select(0, slots).view(self.dtype)
+            return dequantize_kv(rows, self.latent_scales[layer_id], dtype)
+        return buf.index_select(0, slots).to(dtype)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every layer's latent buffer, in layer order."""
         return list(self.kv_buffer)
+
+
+def _latent_scales(scales: Optional[Sequence[float]], num_layers: int) -> list[float]:
+    """One positive finite scale per layer (1.0 each when none are given); ValueError naming the bad one."""
+    if scales is None:
+        return [1.0] * num_layers
+    out = [float(x) for x in scales]
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} latent KV scales for {num_layers} layers")
+    for i, x in enumerate(out):
+        if not (0 < x < float("inf")):
+            raise ValueError(f"layer {i}: the latent KV scale must be a positive finite number, got {x}")
+    return out

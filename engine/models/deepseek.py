@@ -11,7 +11,9 @@ projection (``q_a_proj`` with q LoRA, else the whole ``q_proj``) and
 ``k_pe``); with q LoRA the query continues through ``q_a_layernorm`` and
 ``q_b_proj``.  ``c`` is normalised (``kv_a_layernorm``), ``q_pe`` / ``k_pe``
 rotated (``DeepseekRotary``: interleaved pairs, YaRN with its attention
-factor), and the latent row ``[c | k_pe]`` goes to the latent pool.  Two exact
+factor), and the latent row ``[c | k_pe]`` goes to the latent pool (the
+backend stores it; over an FP8 pool quantized with the layer's scale, and every
+path reads it back dequantized, docs/deepseek.md "FP8 latent cache").  Two exact
 ways to attend (kvship.engine.attention.mla): **decompressed**, over keys and
 values ``kv_b_proj`` makes from every latent row of the request, and
 **absorbed**, folding ``W_UK`` into the query and ``W_UV`` into the output and
@@ -75,7 +77,6 @@ def check_mla_serving(server_args) -> None:
             sa.speculative_algorithm not in (None, "eagle", "ngram"),
             f"--speculative-algorithm {sa.speculative_algorithm} (eagle drafts with the checkpoint's MTP module)",
         ),
-        (sa.resolved_kv_dtype.startswith("fp8"), f"--kv-cache-dtype {sa.resolved_kv_dtype} (FP8 latent cache)"),
     ]
     for bad, what in refusals:
         if bad:

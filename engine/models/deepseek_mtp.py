@@ -16,7 +16,9 @@ As for an EAGLE head (kvship.decode.spec.eagle_head), a draft *entry* at positio
 next draft step's ``f``.  Only the first MTP layer is used, for every draft step (a chain of further MTP
 layers, ``n > 1``, is not run).  ``embed_tokens`` and ``shared_head.head`` copies equal to the target's
 embedding / LM head are shared with the target (no memory); a copy that differs is loaded as the head's
-own.  The block's attention keeps its own one-layer latent pool (``MLAKVPool``) with an MLA backend.
+own.  The block's attention keeps its own one-layer latent pool (``MLAKVPool``) with an MLA backend, in the
+target's KV dtype; an FP8 draft pool takes the MTP layer's own K scale from the checkpoint (1.0 without one;
+docs/deepseek.md, "FP8 latent cache").
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvship.engine.layers.embedding import LMHead, VocabEmbedding
 from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.rmsnorm import RMSNorm
+from kvship.engine.mem.kv_scales import KV_SCALE_SUFFIXES, read_latent_scales
 from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.deepseek import DeepseekDecoderLayer, DeepseekRotary, DeepseekV2ForCausalLM
@@ -43,7 +46,8 @@ from kvship.engine.models.deepseek import DeepseekDecoderLayer, DeepseekRotary, 
 # ``mlp.experts.<N>.<proj>.<weight | weight_scale_inv>`` of the MTP block
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$")
 _EXPERT_PARAM = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", "down")}
-_IGNORED = ("rotary_emb.inv_freq",)
+# not parameters: the RoPE table, and KV-cache scales (read by ``build_mtp_head`` for the draft pool)
+_IGNORED = ("rotary_emb.inv_freq",) + KV_SCALE_SUFFIXES
 
 
 def read_config(path: str) -> Optional[dict]:
@@ -108,6 +112,7 @@ class DeepseekMTPHead(DeepseekDecoderLayer):
         target_embed: VocabEmbedding,
         target_head: LMHead,
         own: tuple[bool, bool],
+        latent_scale: float = 1.0,
     ):
         mc = target_config
         mla = mc.mla
@@ -119,6 +124,7 @@ class DeepseekMTPHead(DeepseekDecoderLayer):
         self.rotary = rotary
         self.cfg = cfg
         self.layer_index = layer_index
+        self.latent_scale = latent_scale  # the draft pool's FP8 dequantization scale (unused by other dtypes)
         h = mc.hidden_size
         self.enorm = RMSNorm(h, mc.rms_norm_eps, mc.dtype)
         self.hnorm = RMSNorm(h, mc.rms_norm_eps, mc.dtype)
@@ -194,7 +200,9 @@ class DeepseekMTPHead(DeepseekDecoderLayer):
 
         r = target_runner
         mla = r.model_config.mla
-        pool = MLAKVPool(num_slots, 1, r.kv_dtype, mla.kv_lora_rank, mla.qk_rope_head_dim, 1, r.device)
+        pool = MLAKVPool(
+            num_slots, 1, r.kv_dtype, mla.kv_lora_rank, mla.qk_rope_head_dim, 1, r.device, [self.latent_scale]
+        )
         ctx = AttentionContext(
             device=r.device,
             dtype=r.dtype,
@@ -267,6 +275,9 @@ def build_mtp_head(
     check_mtp_target(path, "eagle", target_config)
     layer_index = int((read_config(path) or {})["num_hidden_layers"])
     tensors = _read_layer(path, layer_index)
+    # the MTP layer's K scale for an FP8 draft pool (its latent rows; kvship.engine.mem.kv_scales), else 1.0
+    scales = read_latent_scales(path, layer_index, mtp_layers(path))
+    latent_scale = scales[layer_index] if scales is not None else 1.0
     embed, head = target_model.model.embed_tokens, target_model.lm_head
     own_embed = not _same(tensors.get("embed_tokens.weight"), getattr(embed, "weight", None))
     own_head = not _same(tensors.get("shared_head.head.weight"), getattr(head, "weight", None))
@@ -275,7 +286,7 @@ def build_mtp_head(
     if not own_head:
         tensors.pop("shared_head.head.weight", None)
     with torch.device(device):
-        mtp = DeepseekMTPHead(cfg, target_config, layer_index, embed, head, (own_embed, own_head))
+        mtp = DeepseekMTPHead(cfg, target_config, layer_index, embed, head, (own_embed, own_head), latent_scale)
     mtp.load(tensors)
     mtp.self_attn.process_weights_after_loading()  # a quantized kv_b_proj dequantized once (docs/deepseek.md)
     return mtp.eval()
