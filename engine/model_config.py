@@ -424,11 +424,9 @@ def _resolved_quantization(cfg: dict, requested: Optional[str]) -> str:
     does not read is refused naming it (docs/quantization.md)."""
     method = resolve_quantization(_checkpoint_quant_method(cfg), requested)
     if method in ("fp8", "compressed-tensors"):
-        from kvship.engine.layers.quantization.fp8 import MOE_SCHEME_ERROR, parse_scheme
+        from kvship.engine.layers.quantization.fp8 import parse_scheme
 
-        scheme = parse_scheme(method, cfg.get("quantization_config"))
-        if MoEConfig.from_hf_dict(cfg) is not None and scheme.weight != "block":  # FP8 experts: block formats
-            raise ValueError(MOE_SCHEME_ERROR.format(method=method))
+        parse_scheme(method, cfg.get("quantization_config"))  # every format parse_scheme reads, MoE experts included
     return method
 
 

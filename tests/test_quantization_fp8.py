@@ -186,10 +186,15 @@ def test_tp2_over_gloo_equals_tp1_for_block_and_static_formats(sources, tmp_path
             assert tp2[fmt]["greedy"] == tp1["greedy"], fmt
             assert torch.allclose(logits, tp1["logits"], atol=1e-4), fmt
         else:
+            # the reference sums each row-parallel layer's two halves in another order than the all-reduce: an
+            # activation on an FP8 rounding boundary may round the other way (seen with one transformers
+            # release: 2.2e-4), hence LOGIT_ATOL; still much closer to the per-rank reference than to TP=1
             want = _reference_run(path, tp=2)
             assert tp2[fmt]["greedy"] == want["greedy"], fmt
-            assert torch.allclose(logits, want["logits"], atol=1e-4), fmt
-            assert not torch.allclose(logits, tp1["logits"], atol=1e-4), fmt
+            err_rank = (logits - want["logits"]).abs().max().item()
+            err_tp1 = (logits - tp1["logits"]).abs().max().item()
+            print(f"{fmt}: vs per-rank reference {err_rank:.3g}, vs TP=1 {err_tp1:.3g}")
+            assert err_rank < LOGIT_ATOL and err_tp1 > 10 * err_rank, (fmt, err_rank, err_tp1)
 
 
 def test_tp_size_cutting_a_128_block_is_refused_naming_the_layer(tmp_path):
@@ -271,14 +276,14 @@ def test_formats_kvship_does_not_read_are_refused_at_startup(qc, match):
         ModelConfig.from_hf_dict(_cfg(**qc))
 
 
-def test_fp8_moe_models_load_block_formats_and_refuse_the_others():
-    """Block-FP8 experts exist (tests/test_quantization_fp8_moe.py); per-channel / per-tensor FP8 experts do not."""
+def test_fp8_moe_models_load_block_and_per_channel_formats():
+    """Block-FP8 experts (tests/test_quantization_fp8_moe.py) and per-channel / per-tensor FP8 experts
+    (tests/test_quantization_fp8_moe_formats.py) are accepted at startup."""
     moe = dict(_cfg(quant_method="fp8", weight_block_size=[128, 128]), architectures=["Qwen3MoeForCausalLM"])
     moe.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
     assert ModelConfig.from_hf_dict(moe).quantization == "fp8"
     moe["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    with pytest.raises(ValueError, match="'fp8' quantization of Mixture-of-Experts models supports block-scaled"):
-        ModelConfig.from_hf_dict(moe)
+    assert ModelConfig.from_hf_dict(moe).quantization == "fp8"
     with pytest.raises(ValueError, match="needs a checkpoint with its quantization_config"):
         ModelConfig.from_hf_dict(dict(_cfg(), quantization_config=None), quantization="compressed-tensors")
 

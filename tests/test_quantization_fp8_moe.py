@@ -2,7 +2,8 @@
 project's writer in fp8 block-128 (experts included, router unquantized) loads and matches a fake-quant reference
 built here independently of the engine (transformers with dequantized checkpoint tensors, every projection input
 and every expert's gate/up and down inputs quantize-dequantized per token-group of 128); TP=2 and EP=2 over gloo
-equal TP=1; a TP size cutting an expert's 128-blocks and non-block FP8 MoE formats are refused.
+equal TP=1; a TP size cutting an expert's 128-blocks is refused (per-channel / per-tensor experts:
+tests/test_quantization_fp8_moe_formats.py).
 docs/quantization.md ("Reference arithmetic", MoE)."""
 
 from __future__ import annotations
@@ -231,16 +232,19 @@ def _moe_cfg(**qc) -> dict:
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None),
         ({"quant_method": "fp8", "activation_scheme": "static"}, None),
         (None, "fp8"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None),
     ],
-    ids=["per_channel", "per_tensor_static", "quantize_at_load"],
+    ids=["per_channel", "per_tensor_static", "quantize_at_load", "block"],
 )
-def test_fp8_moe_formats_without_block_scales_are_refused_at_startup(qc, quantization):
+def test_fp8_moe_formats_are_accepted_at_startup(qc, quantization):
+    """Every FP8 format kvship reads is accepted for MoE models too (per-channel / per-tensor experts:
+    tests/test_quantization_fp8_moe_formats.py); a format it does not read is refused as for a dense model."""
     cfg = _moe_cfg(**(qc or {}))
     if qc is None:
         del cfg["quantization_config"]
-    with pytest.raises(ValueError, match="Mixture-of-Experts models supports block-scaled FP8 checkpoints only"):
-        ModelConfig.from_hf_dict(cfg, quantization=quantization)
-    ModelConfig.from_hf_dict(_moe_cfg(quant_method="fp8", weight_block_size=[128, 128]))  # block: accepted
+    assert ModelConfig.from_hf_dict(cfg, quantization=quantization).quantization == "fp8"
+    with pytest.raises(ValueError, match="fp8 with weight_block_size needs activation_scheme 'dynamic'"):
+        ModelConfig.from_hf_dict(_moe_cfg(quant_method="fp8", weight_block_size=[128, 128], activation_scheme="static"))
 
 
 def test_dummy_loader_makes_fp8_experts_with_an_unquantized_router(tmp_path):

@@ -38,7 +38,7 @@ from kvship.engine.models.stage import LayerRange
 
 # ``<prefix>.experts.<N>.<proj>.weight`` -> (prefix, expert, projection)
 _EXPERT_RE = re.compile(
-    r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight(?:_scale_inv|_scale)?)$"
+    r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight(?:_scale_inv|_scale)?|input_scale)$"
 )
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _PART_PARAM = {"gate": "w13_weight", "up": "w13_weight", "down": "w2_weight"}
@@ -142,8 +142,12 @@ class MoEForCausalLM(LlamaForCausalLM):
             m = _EXPERT_RE.match(name)
             if m is not None:
                 part = _EXPERT_PART[m.group(3)]
-                # ``weight`` -> w13_weight, a quantized checkpoint's ``weight_scale_inv`` -> w13_weight_scale_inv
-                param = _PART_PARAM[part] + m.group(4).removeprefix("weight")
+                # ``weight`` -> w13_weight, a quantized checkpoint's ``weight_scale_inv`` -> w13_weight_scale_inv,
+                # ``input_scale`` -> w13_weight_input_scale
+                suffix = m.group(4)
+                param = _PART_PARAM[part] + (
+                    suffix.removeprefix("weight") if suffix.startswith("weight") else "_" + suffix
+                )
                 pname, shard = f"{m.group(1)}.{param}", (int(m.group(2)), part)
             else:
                 pname, shard = name, None

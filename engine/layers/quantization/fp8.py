@@ -10,15 +10,19 @@ unquantised checkpoint quantises each weight per output row as it is loaded.
 
 ``apply`` is the CPU reference of the GPU kernels (quantize-dequantize (QDQ),
 ``fp8_math``); the embedding and the LM head stay in the model dtype, as the
-checkpoints keep them.  MoE experts (block formats only) are stacked as
-``w13_weight`` / ``w2_weight`` with their ``*_weight_scale_inv``; ``apply_moe``
-runs ``triton_moe_fp8`` under the ``triton`` runner, else ``moe_reference``.
+checkpoints keep them.  MoE experts are stacked as ``w13_weight`` /
+``w2_weight`` with their ``*_weight_scale_inv`` (block: ``apply_moe`` runs
+``triton_moe_fp8`` under the ``triton`` runner, else ``moe_reference``) or
+``*_weight_scale`` per row and, static, ``*_weight_input_scale`` (every other
+format, ``--quantization fp8`` included: ``moe_channel_reference`` on every
+device, no kernel yet).
 docs/quantization.md lists the key names, the arithmetic ("MoE experts") and
 what is not done.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -33,6 +37,8 @@ from kvship.engine.layers.quantization import fp8_math as fm
 from kvship.engine.layers.quantization.base import QuantMethod, Shard, WeightLoader, register_quant_method
 from kvship.engine.layers.quantization.unquantized import UnquantizedMethod, dense_linear
 from kvship.engine.loaders.lazy import Loaded, materialize
+
+logger = logging.getLogger(__name__)
 
 # entries of a checkpoint's list of unquantised modules that match what we keep unquantised anyway
 _UNQUANTIZED_MODULES = {"lm_head", "re:.*lm_head", "model.embed_tokens", "re:.*embed_tokens"}
@@ -178,12 +184,13 @@ class Fp8Method(QuantMethod):
             layer.register_buffer("weight_scale", torch.empty(out, dtype=torch.float32), persistent=False)
 
     def _create_moe_weights(self, layer: nn.Module, weights: dict[str, tuple[int, ...]], loader: WeightLoader) -> None:
-        """FP8 experts (block formats only): ``w13_weight`` e4m3 ``[E, 2I, H]`` with ``w13_weight_scale_inv`` fp32
-        ``[E, 2I/bn, ceil(H/bk)]`` (gate's blocks, then up's), ``w2_weight`` ``[E, H, I]`` with
-        ``w2_weight_scale_inv`` ``[E, ceil(H/bn), ceil(I/bk)]``: each expert's checkpoint tensors stacked."""
+        """FP8 experts, each expert's checkpoint tensors stacked.  Block formats: ``w13_weight`` e4m3 ``[E, 2I, H]``
+        with ``w13_weight_scale_inv`` fp32 ``[E, 2I/bn, ceil(H/bk)]`` (gate's blocks, then up's), ``w2_weight``
+        ``[E, H, I]`` with ``w2_weight_scale_inv`` ``[E, ceil(H/bn), ceil(I/bk)]``.  Every other format
+        (``_create_moe_channel_weights``): one scale per output row."""
         s = self.scheme
-        if s.weight != "block" or s.quantize_at_load:
-            raise ValueError(MOE_SCHEME_ERROR.format(method=self.name))
+        if s.weight != "block":
+            return self._create_moe_channel_weights(layer, weights, loader)
         (e, two_i, h), (_, _, inter) = weights["w13_weight"], weights["w2_weight"]
         bn, bk = s.block
         if inter % bn:
@@ -202,6 +209,31 @@ class Fp8Method(QuantMethod):
             p.weight_loader = loader  # type: ignore[attr-defined]
             setattr(layer, name, p)
 
+    def _create_moe_channel_weights(
+        self, layer: nn.Module, weights: dict[str, tuple[int, ...]], loader: WeightLoader
+    ) -> None:
+        """Per-channel / per-tensor experts: ``w13_weight`` e4m3 ``[E, 2I, H]`` with ``w13_weight_scale`` fp32
+        ``[E, 2I]`` (gate's rows, then up's; a per-tensor checkpoint scale repeated over its projection's rows),
+        ``w2_weight`` ``[E, H, I]`` with ``w2_weight_scale`` ``[E, H]``; static activations add
+        ``w13_weight_input_scale`` ``[E, 2I]`` and ``w2_weight_input_scale`` ``[E, H]`` (each row its checkpoint
+        projection's ``input_scale``).  Quantised at load: the weight scales are buffers, made, not read."""
+        s = self.scheme
+        (e, two_i, h), (_, _, inter) = weights["w13_weight"], weights["w2_weight"]
+        params = {"w13_weight": ((e, two_i, h), fm.FP8), "w2_weight": ((e, h, inter), fm.FP8)}
+        scales = {"w13_weight_scale": (e, two_i), "w2_weight_scale": (e, h)}
+        if not s.quantize_at_load:
+            params.update({name: (shape, torch.float32) for name, shape in scales.items()})
+        if s.activation == "static":
+            params["w13_weight_input_scale"] = ((e, two_i), torch.float32)
+            params["w2_weight_input_scale"] = ((e, h), torch.float32)
+        for name, (shape, dt) in params.items():
+            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
+            p.weight_loader = loader  # type: ignore[attr-defined]
+            setattr(layer, name, p)
+        if s.quantize_at_load:
+            for name, shape in scales.items():
+                layer.register_buffer(name, torch.empty(*shape, dtype=torch.float32), persistent=False)
+
     def tensor_kind(self, name: str) -> str:
         for suffix, kind in _SCALE_KINDS:
             if name == suffix or name.endswith("_" + suffix):  # ``w13_weight_scale_inv``: an expert's block scales
@@ -209,16 +241,18 @@ class Fp8Method(QuantMethod):
         return super().tensor_kind(name)
 
     def shard(self, layer: nn.Module, name: str, loaded: Loaded, shard: Shard) -> torch.Tensor:
-        if name == "weight_scale" and _numel(loaded.shape) == 1:  # a per-tensor scale: whole on every rank
+        # ``weight_scale``, or an expert's ``w13_weight_scale`` / ``w2_weight_scale``
+        channel = self.tensor_kind(name) == "channel_scale"
+        if channel and _numel(loaded.shape) == 1:  # a per-tensor scale: whole on every rank
             return materialize(loaded)
-        if name == "weight_scale" and len(loaded.shape) == 2:  # [out, 1] (compressed-tensors)
+        if channel and len(loaded.shape) == 2:  # [out, 1] (compressed-tensors)
             loaded = materialize(loaded).reshape(-1)
         return super().shard(layer, name, loaded, shard)
 
     def accepts_shape(self, name: str, target: tuple[int, ...], loaded: tuple[int, ...]) -> bool:
         """Scales of fewer dimensions: a per-tensor scale (one value) fills every row it covers; ``[out, 1]``
         fills ``[out]``."""
-        if name in ("weight_scale", "input_scale"):
+        if self.tensor_kind(name) in ("channel_scale", "tensor_scale"):  # experts' ``w13_weight_scale``... too
             return _numel(loaded) == 1 or _numel(loaded) == _numel(target)
         return False
 
@@ -236,9 +270,14 @@ class Fp8Method(QuantMethod):
                 )
             q, scale = fm.quantize_channel(loaded)
             target.copy_(q)
-            param = layer.weight
-            row0 = (target.storage_offset() - param.storage_offset()) // param.stride(0)
-            layer.weight_scale[row0 : row0 + target.shape[0]] = scale
+            # the scale rows of ``target``'s rows: ``weight`` -> ``weight_scale``; an expert's ``w13_weight``
+            # region (expert e, rows r0...) -> ``w13_weight_scale[e, r0...]``
+            param, scales = getattr(layer, name), getattr(layer, name + "_scale")
+            offset = target.storage_offset() - param.storage_offset()
+            if param.dim() == 3:
+                scales, offset = scales[offset // param.stride(0)], offset % param.stride(0)
+            row0 = offset // param.stride(-2)
+            scales[row0 : row0 + target.shape[0]] = scale
 
     # --- compute ---------------------------------------------------------------------------------
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
@@ -288,7 +327,18 @@ class Fp8Method(QuantMethod):
 
     def apply_moe(self, layer, runner, x, topk_weights, topk_ids, absent=False, config_experts=None):
         """Block-FP8 experts: the fused Triton kernels (``triton_moe_fp8``) where the layer runs the ``triton``
-        runner, else the reference ``moe_reference`` (docs/quantization.md, "Reference arithmetic", MoE)."""
+        runner, else the reference ``moe_reference``.  Per-channel / per-tensor experts: ``moe_channel_reference``
+        on every device (no kernel yet; on CUDA a warning at the first forward says so).  docs/quantization.md
+        ("MoE experts")."""
+        if self.scheme.weight != "block":
+            if x.is_cuda:
+                _warn_slow_moe_once(self.name)
+            static = self.scheme.activation == "static"
+            return moe_channel_reference(
+                x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale,
+                layer.w13_weight_input_scale if static else None, layer.w2_weight_input_scale if static else None,
+                topk_weights, topk_ids,
+            )  # fmt: skip
         args = (x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv)
         if _is_triton_runner(runner):
             from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8
@@ -299,11 +349,18 @@ class Fp8Method(QuantMethod):
         return moe_reference(*args, self.scheme.block, topk_weights, topk_ids)
 
 
-MOE_SCHEME_ERROR = (
-    "'{method}' quantization of Mixture-of-Experts models supports block-scaled FP8 checkpoints only "
-    "(quant_method 'fp8' with weight_block_size, e.g. DeepSeek-V3 / Qwen3 -FP8); per-channel and per-tensor FP8 "
-    "experts and --quantization fp8 of an unquantized MoE model are not supported (docs/quantization.md)"
-)
+_warned_slow_moe: set[str] = set()
+
+
+def _warn_slow_moe_once(method: str) -> None:
+    if method not in _warned_slow_moe:
+        _warned_slow_moe.add(method)
+        logger.warning(
+            "'%s' per-channel / per-tensor FP8 MoE experts run the torch reference on CUDA (no Triton kernel for "
+            "these formats yet; only block-128 experts have one): slow, and not CUDA-graph safe (use "
+            '--disable-cuda-graph) (docs/quantization.md, "MoE experts")',
+            method,
+        )
 
 
 def _is_triton_runner(runner: object) -> bool:
@@ -344,6 +401,48 @@ def moe_reference(
         h = F.linear(xq[token], fm.dequant_blocks(w13[e], w13_scale[e], block))
         h = fm.qdq_groups(F.silu(h[:, :inter]) * h[:, inter:], group)
         y = F.linear(h, fm.dequant_blocks(w2[e], w2_scale[e], block))
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
+
+
+def moe_channel_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_input_scale: Optional[torch.Tensor],
+    w2_input_scale: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The reference of per-channel / per-tensor FP8 experts (``moe_reference``'s contract), mirroring the dense
+    layers of the same format: ``x`` quantised per token (input scales None: dynamic) or with expert e's static
+    gate/up input scale (the larger of gate's and up's, as a dense stacked gate/up layer takes the largest of its
+    rows), dequantised, fp32; ``h = x_deq @ (w13[e] * w13_scale[e] per row)^T``; ``a = silu(h[:, :I]) * h[:, I:]``
+    in fp32 quantised per token again (or with down's static input scale); ``y = a_deq @ w2_deq[e]^T``; the
+    routing weight; every pair summed per token in fp32 and cast to ``x.dtype`` once.  Reads the routing on the
+    host: not CUDA-graph safe."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the FP8 MoE reference reads the routing on the host and cannot be captured in a CUDA graph: "
+            "per-channel / per-tensor FP8 experts need --disable-cuda-graph"
+        )
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out.to(x.dtype)
+    static = w13_input_scale is not None
+    inter, experts = w2.shape[2], w13.shape[0]
+    xq = None if static else fm.qdq_tokens(x)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        if not 0 <= e < experts:  # absent: another rank's expert
+            continue
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        xe = fm.qdq_static(x[token], w13_input_scale[e].amax()) if static else xq[token]
+        h = F.linear(xe, fm.dequant_channel(w13[e], w13_scale[e]))
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        a = fm.qdq_static(a, w2_input_scale[e].amax()) if static else fm.qdq_tokens(a)
+        y = F.linear(a, fm.dequant_channel(w2[e], w2_scale[e]))
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
     return out.to(x.dtype)
 

@@ -22,7 +22,9 @@ them); each expert's gate/up/down is quantized like a dense projection.  Formats
 
 Static ``input_scale``s are calibrated: the unquantised model (transformers)
 runs ``calibration_ids`` and each projection's scale is the largest
-``|input|`` it saw divided by 448.
+``|input|`` it saw divided by 448; every MoE expert is calibrated on every
+token reaching its layer (not only the tokens routed to it), so each expert
+gets a scale.
 
 Command line: ``python -m kvship.engine.layers.quantization.writer SRC DST FORMAT``.
 """
@@ -112,11 +114,33 @@ def calibrate_input_amax(src: str, ids: Sequence[int]) -> dict[str, float]:
                 amax[key] = max(amax.get(key, 0.0), float(args[0].detach().abs().amax()))
 
             hooks.append(mod.register_forward_pre_hook(hook))
+        elif _is_stacked_experts(mod):
+            hooks.append(mod.register_forward_pre_hook(lambda m, args, p=mname: _expert_amax(m, p, args[0], amax)))
     with torch.no_grad():
         model(torch.tensor([list(ids)]))
     for h in hooks:
         h.remove()
     return amax
+
+
+def _is_stacked_experts(mod: torch.nn.Module) -> bool:
+    """transformers' stacked experts module (``Qwen3MoeExperts``...): ``gate_up_proj [E, 2I, H]`` (gate rows,
+    then up rows), ``down_proj [E, H, I]``, ``act_fn``; saved as ``<name>.<e>.{gate,up,down}_proj.weight``."""
+    w13, w2 = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    return isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3 and hasattr(mod, "act_fn")
+
+
+def _expert_amax(mod: torch.nn.Module, prefix: str, x: torch.Tensor, amax: dict[str, float]) -> None:
+    """Every expert calibrated on every token of the layer (not only those routed to it: an expert the
+    calibration prompt never routes to still gets a scale); ``amax`` as in ``calibrate_input_amax``."""
+    x = x.detach().reshape(-1, x.shape[-1])
+    inp = float(x.abs().amax())
+    for e in range(mod.gate_up_proj.shape[0]):
+        gate, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+        down_in = float((mod.act_fn(gate) * up).abs().amax())
+        for proj, v in (("gate_proj", inp), ("up_proj", inp), ("down_proj", down_in)):
+            key = f"{prefix}.{e}.{proj}.weight"
+            amax[key] = max(amax.get(key, 0.0), v)
 
 
 def write_fp8_checkpoint(src: str, dst: str, fmt: str, calibration_ids: Optional[Sequence[int]] = None) -> str:
