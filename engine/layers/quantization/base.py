@@ -211,6 +211,15 @@ _LAZY_MODULES = {
 UNQUANTIZED = "unquantized"
 
 
+def add_weights(layer: nn.Module, params: dict[str, tuple[tuple[int, ...], torch.dtype]], loader: WeightLoader) -> None:
+    """``create_weights``' common step: an empty, frozen parameter ``name`` of ``(shape, dtype)`` on ``layer`` for
+    each entry, filled later by ``loader`` (the layer is being built: its quant method owns these parameters)."""
+    for name, (shape, dtype) in params.items():
+        p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        p.weight_loader = loader  # type: ignore[attr-defined]
+        setattr(layer, name, p)  # nn.Module's own registration (replaces a placeholder such as ``bias = None``)
+
+
 def register_quant_method(name: str) -> Callable[[type[QuantMethod]], type[QuantMethod]]:
     def deco(cls: type[QuantMethod]) -> type[QuantMethod]:
         cls.name = name

@@ -34,7 +34,13 @@ from torch import nn
 
 from kvship.engine.layers.fused_dispatch import cuda_fp8_kernels
 from kvship.engine.layers.quantization import fp8_math as fm
-from kvship.engine.layers.quantization.base import QuantMethod, Shard, WeightLoader, register_quant_method
+from kvship.engine.layers.quantization.base import (
+    QuantMethod,
+    Shard,
+    WeightLoader,
+    add_weights,
+    register_quant_method,
+)
 from kvship.engine.layers.quantization.unquantized import UnquantizedMethod, dense_linear
 from kvship.engine.loaders.lazy import Loaded, materialize
 
@@ -176,10 +182,7 @@ class Fp8Method(QuantMethod):
             params["weight_scale"] = ((out,), torch.float32)
         if s.activation == "static":
             params["input_scale"] = ((out,), torch.float32)
-        for name, (shape, dt) in params.items():
-            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
-            p.weight_loader = loader  # type: ignore[attr-defined]
-            setattr(layer, name, p)
+        add_weights(layer, params, loader)
         if s.quantize_at_load:  # scales made from the weights, not read: no checkpoint tensor fills them
             layer.register_buffer("weight_scale", torch.empty(out, dtype=torch.float32), persistent=False)
 
@@ -204,10 +207,7 @@ class Fp8Method(QuantMethod):
             "w2_weight": ((e, h, inter), fm.FP8),
             "w2_weight_scale_inv": ((e, -(-h // bn), -(-inter // bk)), torch.float32),
         }
-        for name, (shape, dt) in params.items():
-            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
-            p.weight_loader = loader  # type: ignore[attr-defined]
-            setattr(layer, name, p)
+        add_weights(layer, params, loader)
 
     def _create_moe_channel_weights(
         self, layer: nn.Module, weights: dict[str, tuple[int, ...]], loader: WeightLoader
@@ -226,10 +226,7 @@ class Fp8Method(QuantMethod):
         if s.activation == "static":
             params["w13_weight_input_scale"] = ((e, two_i), torch.float32)
             params["w2_weight_input_scale"] = ((e, h), torch.float32)
-        for name, (shape, dt) in params.items():
-            p = nn.Parameter(torch.empty(*shape, dtype=dt), requires_grad=False)
-            p.weight_loader = loader  # type: ignore[attr-defined]
-            setattr(layer, name, p)
+        add_weights(layer, params, loader)
         if s.quantize_at_load:
             for name, shape in scales.items():
                 layer.register_buffer(name, torch.empty(*shape, dtype=torch.float32), persistent=False)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.engine.layers.fused_dispatch import cuda_skinny_gemm
-from kvship.engine.layers.quantization.base import QuantMethod, WeightLoader, register_quant_method
+from kvship.engine.layers.quantization.base import QuantMethod, WeightLoader, add_weights, register_quant_method
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -36,10 +36,7 @@ class UnquantizedMethod(QuantMethod):
     def create_weights(
         self, layer: nn.Module, weights: dict[str, tuple[int, ...]], dtype: torch.dtype, loader: WeightLoader
     ) -> None:
-        for name, shape in weights.items():
-            p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-            p.weight_loader = loader  # type: ignore[attr-defined]
-            setattr(layer, name, p)
+        add_weights(layer, {name: (shape, dtype) for name, shape in weights.items()}, loader)
 
     def load(self, layer: nn.Module, name: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
         with torch.no_grad():
