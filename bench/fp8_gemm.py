@@ -67,18 +67,16 @@ def _gemv_time(fn: Callable[[int], Any], copies: int) -> float:
 
 
 def candidates(m: int) -> list[fk.Fp8Config]:
-    """Decode configs worth timing at ``m`` rows."""
-    b = fk.bucket(m)
-    out = []
-    if b <= 4:
-        for bn, bk in ((4, 512), (8, 512), (16, 256), (8, 1024)):
-            out.append(fk.Fp8Config("gemv", b, bn, bk, num_warps=4 if b <= 2 else 8))
-        out.append(fk.Fp8Config("gemv", b, 8, 512, num_warps=4 if b <= 2 else 8, preq=True))
-    else:
-        out.append(fk.Fp8Config("gemv", b, 4, 256, num_warps=8, preq=True))
-    for bn in (32, 64, 128):
-        for fp8_dot in (False, True):
-            out.append(fk.Fp8Config("mma", 16, bn, 128, num_warps=4, num_stages=4, fp8_dot=fp8_dot))
+    """Decode configs worth timing at ``m`` rows: the skinny tensor-core tiles over weight rows per program,
+    pipeline stages and K split (more programs in flight for narrow or long-K projections), and one CUDA-core
+    GEMV for reference (measured 2-9x slower on an H200, docs/quantization.md)."""
+    out = [fk.Fp8Config("gemv", fk.bucket(m), 8, 512, num_warps=4 if m <= 2 else 8, preq=True)]
+    for bn in (16, 32, 64):
+        for stages in (4, 6):
+            for split in (1, 2, 4):
+                out.append(fk.Fp8Config("mma", 16, bn, 128, num_warps=4, num_stages=stages, split_k=split))
+    out.append(fk.Fp8Config("mma", 16, 128, 128, num_warps=4, num_stages=4))
+    out.append(fk.Fp8Config("mma", 16, 32, 128, num_warps=4, num_stages=4, fp8_dot=True))
     return out
 
 
@@ -247,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time every candidate decode config")
     ap.add_argument(
         "--gemm-configs",
-        default="128x128x8x4,128x128x8x3,128x128x4x3,64x128x4x4,256x128x8x3",
+        default="128x128x8x4,128x128x8x3,128x128x4x3,64x128x4x4,256x128x8x3,128x256x8x3,64x256x4x3,128x128x4x4",
         help="block GEMM tiles BLOCK_MxBLOCK_NxWARPSxSTAGES",
     )
     ap.add_argument("--shapes", default=",".join(SHAPES))

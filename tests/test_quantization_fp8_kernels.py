@@ -140,3 +140,66 @@ def test_kernels_decline_layouts_they_do_not_take(fk):
     assert fk.fp8_linear(x, q.t().contiguous().t(), s, fk.ACT_TOKEN) is None  # column-major weight
     qb, sb = fm.quantize_blocks(torch.randn(64, 256), (64, 96))
     assert fk.fp8_linear(x, qb, sb, fk.ACT_GROUP, (64, 96), 96) is None  # a block width that is no power of two
+
+
+@pytest.mark.parametrize("act", ["group", "token", "static"])
+@pytest.mark.parametrize("with_residual,keep", [(True, False), (False, True), (True, True)])
+def test_norm_quant_is_the_norm_then_the_quantization_bit_for_bit(fk, act, with_residual, keep):
+    """``norm_quant`` (one kernel) gives exactly the e4m3 bytes, scales, residual sum and normed rows of
+    ``fused_ops_cuda.rmsnorm`` followed by ``quantize_act`` (the path it replaces before an FP8 projection)."""
+    from kvship.engine.layers import fused_ops_cuda as fo
+
+    gen = torch.Generator().manual_seed(3)
+    m, k = 3, 320  # a partial last group
+    x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+    res = (torch.randn(m, k, generator=gen)).to(torch.bfloat16) if with_residual else None
+    wn = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    static = torch.tensor([0.01])
+    code = fk.ACT_CODES[act]
+    st = static if act == "static" else None
+    if with_residual:
+        h, r_out = fo.rmsnorm(x, wn, 1e-5, res)
+    else:
+        h, r_out = fo.rmsnorm(x, wn, 1e-5), x
+    q_ref, s_ref = fk.quantize_act(h, code, 128, st)
+    q, s, r, hk = fk.norm_quant(x, res, wn, 1e-5, keep, code, 128, st)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+    assert torch.equal(r, r_out)
+    if keep:
+        assert torch.equal(hk, h)
+    else:
+        assert hk is None
+
+
+@pytest.mark.parametrize("act", ["group", "token", "static"])
+def test_silu_mul_quant_is_silu_and_mul_then_the_quantization_bit_for_bit(fk, act):
+    from kvship.engine.layers import fused_ops_cuda as fo
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 2 * 1100, generator=gen) * 3).to(torch.bfloat16)  # 1100: two blocks, a partial group
+    static = torch.tensor([0.02])
+    code = fk.ACT_CODES[act]
+    st = static if act == "static" else None
+    q_ref, s_ref = fk.quantize_act(fo.silu_and_mul(x), code, 128, st)
+    q, s = fk.quantize_act(x, code, 128, st, silu=True)
+    assert q.shape == (2, 1100)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("fmt,act,m", [("block", "group", 2), ("channel", "token", 3), ("channel", "static", 20)])
+def test_fp8_linear_q_equals_fp8_linear(fk, fmt, act, m):
+    """The product of a pre-quantized input (what the fused producers hand over) is the product
+    ``fp8_linear`` computes from the unquantized rows, at decode rows and past them."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 160, 256
+    x = _exact_acts(m, k, 128, gen)
+    q, s, _ = _weights(n, k, fmt, gen)
+    static = (x.abs().amax() / 448).reshape(1) if act == "static" else None
+    block = (128, 128) if fmt == "block" else None
+    code = fk.ACT_CODES[act]
+    y = fk.fp8_linear(x, q, s, code, block, 128, None, static)
+    xq, xs = fk.quantize_act(x, code, 128, static)
+    y2 = fk.fp8_linear_q(xq, xs, q, s, code, block, 128, None, x.dtype)
+    assert torch.equal(y, y2)

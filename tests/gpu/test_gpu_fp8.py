@@ -161,6 +161,32 @@ PROMPT = [5, 17, 33, 101, 7, 250, 64, 9, 12] * 5  # 45 tokens: the extend runs t
 STEPS = 8
 
 
+@pytest.mark.parametrize("act", ["group", "token", "static"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fused_producers_are_bit_equal_to_the_composed_kernels(fk, act, m):
+    """``norm_quant`` and ``quantize_act(silu=True)`` (what ``Fp8Method.apply_norm_input`` /
+    ``apply_silu_mul_input`` run) give the bytes of the norm / SiLU-and-mul kernel followed by ``quantize_act``,
+    and so the same products."""
+    from kvship.engine.layers import fused_ops_cuda as fo
+
+    code = fk.ACT_CODES[act]
+    static = torch.tensor([0.05], device="cuda") if act == "static" else None
+    x, res = _acts(m, 4096, 1), _acts(m, 4096, 2)
+    wn = (1 + 0.1 * _acts(1, 4096, 3)[0].float()).to(torch.bfloat16)
+    h, r_out = fo.rmsnorm(x, wn, 1e-5, res)
+    q_ref, s_ref = fk.quantize_act(h, code, 128, static)
+    q, s, r, hk = fk.norm_quant(x, res, wn, 1e-5, True, code, 128, static)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert torch.equal(r, r_out) and torch.equal(hk, h)
+    gu = _acts(m, 2 * 14336, 4)
+    q_ref, s_ref = fk.quantize_act(fo.silu_and_mul(gu), code, 128, static)
+    q, s = fk.quantize_act(gu, code, 128, static, silu=True)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    w, ws, _, block = _weights(512, 14336, "block" if act == "group" else "channel", 6)
+    want = fk.fp8_linear(fo.silu_and_mul(gu), w, ws, code, block, 128, None, static)
+    assert torch.equal(fk.fp8_linear_q(q, s, w, ws, code, block, 128, None, torch.bfloat16), want)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     src = build_tiny_model(str(tmp_path_factory.mktemp("fp8gpu_src")), "llama", seed=31, **BLOCK_DIMS)

@@ -302,22 +302,66 @@ class Fp8Method(QuantMethod):
                 return y
         return fm.qdq_linear(self.quantize_input(layer, x), self.dequantized_weight(layer), layer.bias, x.dtype)
 
+    def _kernel_args(self, kernels, layer: nn.Module) -> tuple:
+        """``(weight, weight scales, activation code, block, group, static input scale)`` for the GPU kernels."""
+        s = self.scheme
+        static = layer.input_scale.amax().reshape(1) if s.activation == "static" else None
+        if s.weight == "block":
+            return layer.weight, layer.weight_scale_inv, kernels.ACT_CODES[s.activation], s.block, s.block[1], static
+        return layer.weight, layer.weight_scale, kernels.ACT_CODES[s.activation], None, 128, static
+
     def _kernel_linear(self, kernels, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The GPU kernels' ``x W^T + b`` (``fp8_kernels.fp8_linear``: no host synchronisation, capture-safe), or
         None where they do not take this layer (the reference runs)."""
-        s = self.scheme
+        w, ws, act, block, group, static = self._kernel_args(kernels, layer)
         x2 = x.reshape(-1, x.shape[-1])
-        static = layer.input_scale.amax().reshape(1) if s.activation == "static" else None
-        if s.weight == "block":
-            y = kernels.fp8_linear(
-                x2, layer.weight, layer.weight_scale_inv, kernels.ACT_CODES[s.activation], s.block, s.block[1],
-                layer.bias, static,
-            )  # fmt: skip
-        else:
-            y = kernels.fp8_linear(
-                x2, layer.weight, layer.weight_scale, kernels.ACT_CODES[s.activation], None, 128, layer.bias, static
-            )
+        y = kernels.fp8_linear(x2, w, ws, act, block, group, layer.bias, static)
         return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _fused_kernels(self, layer: nn.Module, x: torch.Tensor):
+        """The FP8 kernels when ``layer``'s product runs on them for input ``x`` (rows of ``k`` columns after the
+        producer), else None."""
+        if layer.weight.dtype != fm.FP8:
+            return None
+        return cuda_fp8_kernels(x)
+
+    def apply_silu_mul_input(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """On CUDA: ``silu(g) * u`` computed and quantized by one kernel (``quantize_act(silu=True)``, no
+        activation tensor), then the FP8 product; bit-equal to ``silu_and_mul`` then ``apply``."""
+        kernels = self._fused_kernels(layer, x)
+        if kernels is None:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        w, ws, act, block, group, static = self._kernel_args(kernels, layer)
+        if x2.shape[1] % 2 or not kernels.applies(x2, w, block, group, k=x2.shape[1] // 2):
+            return None
+        xq, xs = kernels.quantize_act(x2, act, group, static, silu=True)
+        y = kernels.fp8_linear_q(xq, xs, w, ws, act, block, group, layer.bias, x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def apply_norm_input(self, layer, x, residual, norm_weight, eps, keep_normed):
+        """On CUDA: ``rmsnorm(x + residual)`` computed and quantized by one kernel (``norm_quant``), then the FP8
+        product; bit-equal to the norm layer then ``apply``."""
+        kernels = self._fused_kernels(layer, x)
+        if kernels is None:
+            return None
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+        w, ws, act, block, group, static = self._kernel_args(kernels, layer)
+        if (
+            not x2.is_contiguous()
+            or (r2 is not None and (not r2.is_contiguous() or r2.dtype != x2.dtype))
+            or not kernels.applies(x2, w, block, group)
+        ):
+            return None
+        xq, xs, res_out, h = kernels.norm_quant(x2, r2, norm_weight, eps, keep_normed, act, group, static)
+        y = kernels.fp8_linear_q(xq, xs, w, ws, act, block, group, layer.bias, x.dtype)
+        return (
+            y.reshape(*shape[:-1], y.shape[-1]),
+            res_out.view(shape),
+            h.view(*shape[:-1], h.shape[-1]) if h is not None else None,
+        )
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)

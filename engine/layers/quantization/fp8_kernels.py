@@ -93,8 +93,11 @@ def _quant_act_kernel(
     G: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SILU: tl.constexpr = False,
 ):
-    # ACT_TOKEN: one program per row (amax pass, then the quantize pass); else one per row and BLOCK_K columns
+    # ACT_TOKEN: one program per row (amax pass, then the quantize pass); else one per row and BLOCK_K columns.
+    # SILU: the row is ``g || u`` (2K wide) and the input is ``silu(g) * u`` as fused_ops_cuda.silu_and_mul
+    # rounds it (recomputed in each pass: cheaper than a second tensor)
     m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1)
     rk = tl.arange(0, BLOCK_K)
@@ -104,45 +107,128 @@ def _quant_act_kernel(
     if ACT == 1:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            v = tl.load(xr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+            v = _act_in(xr, k0 + rk, (k0 + rk) < K, K, SILU)
             amax = tl.maximum(amax, tl.abs(v))
         sc = _scale_of(tl.max(amax, axis=0))
         tl.store(s + m * stride_sm, sc)
         for k0 in range(0, K, BLOCK_K):
             ok = (k0 + rk) < K
-            v = tl.load(xr + k0 + rk, mask=ok, other=0.0).to(tl.float32)
+            v = _act_in(xr, k0 + rk, ok, K, SILU)
             tl.store(qr + k0 + rk, _to_e4m3(v, sc), mask=ok)
     else:
         ks = pid_k * BLOCK_K + rk
         ok = ks < K
-        v = tl.load(xr + ks, mask=ok, other=0.0).to(tl.float32)
-        if ACT == 0:
-            g = tl.reshape(tl.abs(v), (BLOCK_K // G, G))
-            sg = _scale_of(tl.max(g, axis=1))
-            sfull = tl.reshape(tl.broadcast_to(sg[:, None], (BLOCK_K // G, G)), (BLOCK_K,))
-            tl.store(qr + ks, _to_e4m3(v, sfull), mask=ok)
-            gi = pid_k * (BLOCK_K // G) + tl.arange(0, BLOCK_K // G)
-            tl.store(s + m * stride_sm + gi, sg, mask=gi * G < K)
-        else:
-            tl.store(qr + ks, _to_e4m3(v, tl.load(s_in)), mask=ok)
+        v = _act_in(xr, ks, ok, K, SILU)
+        _store_quant(v, qr + ks, ok, s + m * stride_sm, pid_k, s_in, K, ACT, G, BLOCK_K)
 
 
-def quantize_act(
-    x: torch.Tensor, act: int, group: int = 128, static_scale: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (row stride free, columns contiguous) -> (e4m3 ``[M, K]``, fp32 scales): ``[M, ceil(K/G)]``
-    per group (``ACT_GROUP``), ``[M, 1]`` per token (``ACT_TOKEN``), ``static_scale`` itself (``ACT_STATIC``, a
-    one-element fp32 tensor)."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=fm.FP8, device=x.device)
+@triton.jit
+def _act_in(xr, ks, ok, K, SILU: tl.constexpr):
+    """Columns ``ks`` of a row as fp32: the row itself, or (SILU) ``silu(g) * u`` of ``g || u`` rounded to the
+    row's dtype exactly as ``fused_ops_cuda._silu_mul_kernel`` rounds it."""
+    if SILU:
+        g = tl.load(xr + ks, mask=ok, other=0.0)
+        u = tl.load(xr + K + ks, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    return tl.load(xr + ks, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_quant(v, q_ptr, ok, s_row, pid_k, s_in, K, ACT: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize ``v [BLOCK_K]`` (columns ``pid_k * BLOCK_K ..``, masked ones 0) per ``G``-group (scales stored at
+    ``s_row``) or with the static scale ``s_in``, and store the e4m3 values at ``q_ptr``."""
+    if ACT == 0:
+        g = tl.reshape(tl.abs(v), (BLOCK_K // G, G))
+        sg = _scale_of(tl.max(g, axis=1))
+        sfull = tl.reshape(tl.broadcast_to(sg[:, None], (BLOCK_K // G, G)), (BLOCK_K,))
+        tl.store(q_ptr, _to_e4m3(v, sfull), mask=ok)
+        gi = pid_k * (BLOCK_K // G) + tl.arange(0, BLOCK_K // G)
+        tl.store(s_row + gi, sg, mask=gi * G < K)
+    else:
+        tl.store(q_ptr, _to_e4m3(v, tl.load(s_in)), mask=ok)
+
+
+@triton.jit
+def _norm_quant_kernel(
+    x,
+    res,
+    w,
+    res_out,
+    h,
+    q,
+    s,
+    s_in,
+    K,
+    eps,
+    stride_x,
+    stride_r,
+    stride_ro,
+    stride_h,
+    stride_qm,
+    stride_sm,
+    HAS_RES: tl.constexpr,
+    KEEP: tl.constexpr,
+    ACT: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row: ``x + residual`` (stored), its RMSNorm rounded exactly as ``fused_ops_cuda._rmsnorm_kernel``
+    rounds it (stored in ``h`` if KEEP; ``h``'s dtype is the norm's output dtype either way), then quantized as
+    ``_quant_act_kernel`` quantizes it."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    pdl_enter(USE_PDL)
+    xv = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        rv = tl.load(res + row * stride_r + offs, mask=mask, other=0.0)
+        xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+        tl.store(res_out + row * stride_ro + offs, xv, mask=mask)
+    hf = xv.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / K
+    hn = (hf * tl.rsqrt(var + eps)).to(xv.dtype)
+    wv = tl.load(w + offs, mask=mask, other=0.0)
+    out = (wv.to(tl.float32) * hn.to(tl.float32)).to(h.dtype.element_ty)
+    if KEEP:
+        tl.store(h + row * stride_h + offs, out, mask=mask)
+    v = out.to(tl.float32)
+    qr = q + row * stride_qm
+    if ACT == 1:
+        sc = _scale_of(tl.max(tl.abs(v), axis=0))
+        tl.store(s + row * stride_sm, sc)
+        tl.store(qr + offs, _to_e4m3(v, sc), mask=mask)
+    else:
+        _store_quant(v, qr + offs, mask, s + row * stride_sm, 0, s_in, K, ACT, G, BLOCK)
+
+
+def _act_out(m: int, k: int, act: int, group: int, static_scale: Optional[torch.Tensor], device):
+    """Empty e4m3 ``[m, k]`` and its scales (``quantize_act``'s layout)."""
+    q = torch.empty((m, k), dtype=fm.FP8, device=device)
     if act == ACT_GROUP:
-        s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+        s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=device)
     elif act == ACT_TOKEN:
-        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=device)
     else:
         if static_scale is None:
             raise ValueError("static activation quantization needs its input scale")
         s = static_scale
+    return q, s
+
+
+def quantize_act(
+    x: torch.Tensor, act: int, group: int = 128, static_scale: Optional[torch.Tensor] = None, silu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (row stride free, columns contiguous) -> (e4m3 ``[M, K]``, fp32 scales): ``[M, ceil(K/G)]``
+    per group (``ACT_GROUP``), ``[M, 1]`` per token (``ACT_TOKEN``), ``static_scale`` itself (``ACT_STATIC``, a
+    one-element fp32 tensor).  ``silu``: ``x [M, 2K]`` is ``g || u`` and what is quantized is
+    ``silu_and_mul(x)`` (one kernel, no activation tensor)."""
+    m, k = x.shape
+    if silu:
+        k //= 2
+    q, s = _act_out(m, k, act, group, static_scale, x.device)
     if m == 0:
         return q, s
     block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
@@ -150,9 +236,41 @@ def quantize_act(
     pdl = use_pdl(x)
     _quant_act_kernel[grid](
         x, q, s, s, k, x.stride(0), q.stride(0), s.stride(0) if act != ACT_STATIC else 0,
-        ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+        ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, SILU=silu, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return q, s
+
+
+def norm_quant(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    keep_normed: bool,
+    act: int,
+    group: int = 128,
+    static_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``h = rmsnorm(x + residual)`` quantized in one kernel (``x``, ``residual`` ``[M, K]``, contiguous rows):
+    returns (e4m3 ``[M, K]``, scales as ``quantize_act``, ``x + residual`` (``x`` itself without a residual),
+    ``h`` if ``keep_normed``).  Bit-equal to ``fused_ops_cuda.rmsnorm`` followed by ``quantize_act``."""
+    m, k = x.shape
+    q, s = _act_out(m, k, act, group, static_scale, x.device)
+    out_dtype = torch.promote_types(norm_weight.dtype, x.dtype)
+    h = torch.empty((m, k), dtype=out_dtype, device=x.device) if keep_normed or out_dtype != x.dtype else x
+    res_out = torch.empty_like(x) if residual is not None else x
+    if m:
+        block = max(group, triton.next_power_of_2(k))
+        warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+        pdl = use_pdl(x)
+        r = residual if residual is not None else x
+        _norm_quant_kernel[(m,)](
+            x, r, norm_weight, res_out, h, q, s, s, k, eps, x.stride(0), r.stride(0), res_out.stride(0),
+            h.stride(0), q.stride(0), s.stride(0) if act != ACT_STATIC else 0,
+            HAS_RES=residual is not None, KEEP=keep_normed, ACT=act, G=group, BLOCK=block, USE_PDL=pdl,
+            launch_pdl=pdl, num_warps=warps,
+        )  # fmt: skip
+    return q, s, res_out, h if keep_normed else None
 
 
 # --- decode GEMV (CUDA cores) -------------------------------------------------------------------------
@@ -383,12 +501,9 @@ def bucket(m: int) -> int:
 
 
 # (N, K, bucket, ACT_*) -> decode config where it differs from default_config (bench/fp8_gemm.py --sweep on an
-# H200, docs/quantization.md)
-_GATE_UP = (28672, 4096)
-TUNED: dict[tuple[int, int, int, int], Fp8Config] = {
-    (*_GATE_UP, 16, ACT_GROUP): Fp8Config("mma", 16, 128, 128, num_warps=4, num_stages=4),
-    (*_GATE_UP, 16, ACT_TOKEN): Fp8Config("mma", 16, 128, 128, num_warps=4, num_stages=4),
-}
+# H200, docs/quantization.md); the 2026-11-29 sweep's best configs on the 8B shapes were default_config's at most
+# shapes and differed in pipeline stages, K split or tile width at single ones (one sweep), so it holds none
+TUNED: dict[tuple[int, int, int, int], Fp8Config] = {}
 
 # the prefill / large-batch tiles of the Triton FP8 GEMM (best or within 5% of the best of five tilings for the
 # 8B shapes at M >= 1024 on an H200, bench/fp8_gemm.py)
@@ -396,14 +511,15 @@ GEMM_CONFIG = Fp8Config("mma", 64, 128, 128, num_warps=4, num_stages=4, fp8_dot=
 
 
 def default_config(m: int, n: int, k: int, act: int) -> Fp8Config:
-    """Decode rows: skinny tensor-core tiles (16 rows, 128-wide K steps), 32 weight rows per program (64 for
-    wide layers).  On an H200 they beat the CUDA-core GEMV at every M from 1 to 16 on the 8B shapes (the GEMV
-    spends its time converting e4m3 to fp32, not reading).  The input is quantized first by ``quantize_act``
-    (quantizing it inside the tile kernel was measured 3-7x slower on an H200: every program of a row redoes the
-    correctly rounded divisions).  A long-K, narrow projection (the 8B down_proj: 128 tiles for 132 SMs, each
-    streaming 14336 columns) splits K four ways (H200, M = 2..16: 30.5 us instead of 45 us)."""
-    split = 4 if k >= 8192 and n <= 8192 else 1
-    return Fp8Config("mma", 16, 64 if n >= 16384 else 32, 128, num_warps=4, num_stages=4, split_k=split)
+    """Decode rows: skinny tensor-core tiles (16 rows, 128-wide K steps, 64 weight rows per program).  On an
+    H200 they beat the CUDA-core GEMV at every M from 1 to 16 on the 8B shapes (the GEMV spends its time
+    converting e4m3 to fp32, not reading).  The input is quantized first (``quantize_act``, or fused into the
+    norm / SiLU-and-mul before it: ``norm_quant``, ``quantize_act(silu=True)``).  A projection narrower than
+    16384 rows (the 8B qkv, o and down_proj: 64-96 tiles for 132 SMs) splits K four ways over programs so that
+    enough weight bytes are in flight (H200 sweep, 2026-11-29: o_proj 14.3 -> 11.7 us, qkv 15.8 -> 13.9 us,
+    block-128 down_proj 22 us; docs/quantization.md)."""
+    split = 4 if n < 16384 else 1
+    return Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=split)
 
 
 def pick_config(m: int, n: int, k: int, act: int) -> Fp8Config:
@@ -458,19 +574,41 @@ def launch(
     """``y = qdq(x) @ (w * wscale)^T + bias`` with ``cfg``; no checks beyond the layout (``fp8_linear`` and the
     benchmark choose).  ``block``: the weight's ``(bn, bk)`` (``wscale`` ``[ceil(N/bn), ceil(K/bk)]``, ``bk`` ==
     ``group``) or None (``wscale`` ``[N]``)."""
-    m, k = x.shape
+    if cfg.kind == "gemv" and not cfg.preq:  # the GEMV quantizes its input tiles itself
+        return _launch(x, static_scale if static_scale is not None else wscale, w, wscale, act, block, group, bias,
+                       out_dtype, cfg)  # fmt: skip
+    xq, xs = quantize_act(x, act, group, static_scale)
+    return launch_q(xq, xs, w, wscale, act, block, group, bias, out_dtype, cfg)
+
+
+def launch_q(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    wscale: torch.Tensor,
+    act: int,
+    block: Optional[tuple[int, int]],
+    group: int,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    cfg: Fp8Config,
+) -> torch.Tensor:
+    """``launch`` on an input already quantized (``quantize_act``'s layout: e4m3 ``xq [M, K]`` and its scales
+    ``xs``); a GEMV ``cfg`` runs as its ``preq`` form."""
+    if cfg.kind == "gemv" and not cfg.preq:
+        cfg = Fp8Config(cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, True)
+    return _launch(xq, xs, w, wscale, act, block, group, bias, out_dtype, cfg)
+
+
+def _launch(xin, xs, w, wscale, act, block, group, bias, out_dtype, cfg) -> torch.Tensor:
+    m, k = xin.shape
     n = w.shape[0]
     cfg = _fit(cfg, act, block, group)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=xin.device)
     if m == 0:
         return y
-    pdl = use_pdl(x)
-    if cfg.kind == "gemv" and not cfg.preq:
-        xin, xs = x, static_scale if static_scale is not None else wscale
-        ssm, ssg = 0, 0
-    else:
-        xin, xs = quantize_act(x, act, group, static_scale)
-        ssm, ssg = _scale_strides(act, xs)
+    pdl = use_pdl(xin)
+    ssm, ssg = _scale_strides(act, xs) if cfg.kind == "mma" or cfg.preq else (0, 0)
     wbn = block[0] if block is not None else 1
     wsn, wsg = (wscale.stride(0), wscale.stride(1)) if block is not None else (wscale.stride(0), 0)
     b = bias if bias is not None else wscale
@@ -489,14 +627,14 @@ def launch(
     else:
         split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-        c = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        c = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xin.device)
         _fp8_mm_kernel[grid](
             xin, xs, w, wscale, b, c, m, n, k, xin.stride(0), ssm, ssg, w.stride(0), wsn, wsg, n, m * n,
             FP8_DOT=cfg.fp8_dot, SPLIT_K=split, GROUP_M=cfg.group_m, **common,
         )  # fmt: skip
         if split > 1:
-            block = 1024
-            _splitk_sum_kernel[(triton.cdiv(m * n, block),)](c, y, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+            blk = 1024
+            _splitk_sum_kernel[(triton.cdiv(m * n, blk),)](c, y, m * n, SPLIT_K=split, BLOCK=blk, num_warps=4)
     return y
 
 
@@ -510,10 +648,11 @@ def scaled_mm_rowwise(
     does not take it (remembered per device) or the shape does not fit (dims multiples of 16, bf16 out)."""
     m, k = xq.shape
     n = w.shape[0]
+    if not xq.is_cuda:
+        return None
     idx = xq.device.index if xq.device.index is not None else torch.cuda.current_device()
     if (
-        not xq.is_cuda
-        or _SCALED_MM.get(idx) is False
+        _SCALED_MM.get(idx) is False
         or out_dtype != torch.bfloat16
         or k % 16
         or n % 16
@@ -532,9 +671,13 @@ def scaled_mm_rowwise(
     return y
 
 
-def applies(x: torch.Tensor, w: torch.Tensor, block: Optional[tuple[int, int]], group: int) -> bool:
-    """Whether these kernels take ``x [M, K]`` against e4m3 ``w [N, K]`` with this scale layout."""
-    if x.dim() != 2 or w.dim() != 2 or w.dtype != fm.FP8 or x.shape[1] != w.shape[1]:
+def applies(
+    x: torch.Tensor, w: torch.Tensor, block: Optional[tuple[int, int]], group: int, k: Optional[int] = None
+) -> bool:
+    """Whether these kernels take ``x [M, K]`` against e4m3 ``w [N, K]`` with this scale layout (``k``: the
+    input's width after a producer, e.g. half of ``x``'s for ``quantize_act(silu=True)``)."""
+    k = x.shape[-1] if k is None else k
+    if x.dim() != 2 or w.dim() != 2 or w.dtype != fm.FP8 or k != w.shape[1]:
         return False
     if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
@@ -555,22 +698,40 @@ def fp8_linear(
     cfg: Optional[Fp8Config] = None,
 ) -> Optional[torch.Tensor]:
     """``x W^T + b`` of an FP8 linear layer as the reference computes it (module docstring), ``x [M, K]`` in
-    the model dtype; None where these kernels do not apply (the caller runs the reference).  Decode rows
-    (``M <= GEMV_MAX_M``): the GEMV / skinny kernels; more rows: the input quantized, then ``torch._scaled_mm``
-    (per-row weight scales, no bias) or the Triton GEMM."""
+    the model dtype; None where these kernels do not apply (the caller runs the reference).  The input is
+    quantized (``quantize_act``), then ``fp8_linear_q`` multiplies; ``cfg`` forces one launch config."""
     if not applies(x, w, block, group):
         return None
-    m, k = x.shape
+    if cfg is not None:
+        return launch(x, w, wscale, act, block, group, bias, x.dtype, cfg, static_scale)
+    xq, xs = quantize_act(x, act, group, static_scale)
+    return fp8_linear_q(xq, xs, w, wscale, act, block, group, bias, x.dtype)
+
+
+def fp8_linear_q(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    wscale: torch.Tensor,
+    act: int,
+    block: Optional[tuple[int, int]],
+    group: int,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The product of a quantized input (``quantize_act``'s layout, or a fused producer's: ``norm_quant``,
+    ``silu_mul_quant``) and an FP8 weight that ``applies``.  Decode rows (``M <= GEMV_MAX_M``): the skinny
+    tensor-core tiles (``pick_config``); more rows: ``torch._scaled_mm`` (per-row weight scales, no bias) or
+    the Triton GEMM."""
+    m, k = xq.shape
     n = w.shape[0]
-    if cfg is None and m > GEMV_MAX_M:
+    if m > GEMV_MAX_M:
         if block is None and bias is None and act != ACT_GROUP:
-            xq, xs = quantize_act(x, act, group, static_scale)
-            if act == ACT_STATIC:
-                xs = xs.reshape(1).expand(m).reshape(m, 1).contiguous()
-            y = scaled_mm_rowwise(xq, xs, w, wscale, x.dtype)
+            rows = xs.reshape(1).expand(m).reshape(m, 1).contiguous() if act == ACT_STATIC else xs
+            y = scaled_mm_rowwise(xq, rows, w, wscale, out_dtype)
             if y is not None:
                 return y
         cfg = GEMM_CONFIG
-    elif cfg is None:
+    else:
         cfg = pick_config(m, n, k, act)
-    return launch(x, w, wscale, act, block, group, bias, x.dtype, cfg, static_scale)
+    return launch_q(xq, xs, w, wscale, act, block, group, bias, out_dtype, cfg)
