@@ -283,7 +283,9 @@ class KVDriver:
             prefix_lens=prefix,
             logits_indices=torch.arange(ids.numel(), device=dev) if all_logits else None,
         )
-        logits = r.forward(fb).next_token_logits
+        # a copy: under CUDA graphs the logits are a view of the graph's static output, which the next replay
+        # overwrites (a caller keeping several steps' logits would otherwise see the last step's in all)
+        logits = r.forward(fb).next_token_logits.clone()
         for q, toks in zip(reqs, new_tokens):
             q.tokens.extend(toks)
         return logits
