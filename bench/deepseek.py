@@ -201,7 +201,9 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), device, 5)
 
 
-def mla_decode_kernel(cfg: dict, device: torch.device, bs: int, ctx: int, bw: float) -> dict[str, Any]:
+def mla_decode_kernel(
+    cfg: dict, device: torch.device, bs: int, ctx: int, bw: float, sweep: bool = False
+) -> dict[str, Any]:
     """One layer's MLA decode attention over ``bs`` requests of ``ctx`` latent rows (module docstring, item 3)."""
     from kvship.engine.attention.base import AttentionContext
     from kvship.engine.attention.mla import MLALayerSpec
@@ -243,14 +245,47 @@ def mla_decode_kernel(cfg: dict, device: torch.device, bs: int, ctx: int, bw: fl
     k = pool.get_latent_buffer(0)[last, 0]
     sec = timed(lambda: backend.forward_decode(q, k, None, spec, fb, save_kv_cache=False), device, 5)
     read = bs * ctx * (r + dr) * pool.get_latent_buffer(0).element_size()
-    return {
+    out = {
         "backend": name,
         "bs": bs,
         "ctx": ctx,
+        "splits": getattr(fb.attn_metadata, "num_splits", None),
         "ms": sec * 1e3,
         "GB/s": read / sec / 1e9,
         "of_copy_bw": read / sec / bw,
     }
+    if device.type == "cuda" and sweep:
+        out["sweep"] = mla_decode_sweep(q, pool, r2t, fb, r, spec.scaling, read, bw)
+        best = out["sweep"][0]
+        print(f"MLA decode sweep best: {best}", flush=True)
+    return out
+
+
+def mla_decode_sweep(q, pool, r2t, fb, r: int, scale: float, read: int, bw: float) -> list[dict[str, Any]]:
+    """``mla_decode`` launch configs at this batch (tiles over the context, warps, pipeline stages, splits),
+    fastest first: where the backend's defaults stand (docs/deepseek.md)."""
+    from kvship.engine.attention import mla_triton as mt
+
+    latent = pool.get_latent_buffer(0)
+    rows = []
+    for splits in (4, 8, 16):
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        sec = timed(
+                            lambda kw=kw: mt.mla_decode(
+                                q, latent, r2t.req_to_token, fb.req_pool_indices, fb.seq_lens, r, scale, **kw
+                            ),
+                            q.device,
+                            5,
+                        )
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                        print(f"  {kw}: failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
+                        continue
+                    rows.append({**kw, "ms": sec * 1e3, "of_copy_bw": read / sec / bw})
+    return sorted(rows, key=lambda row: row["ms"])
 
 
 def mla_extend_paths(cfg: dict, device: torch.device, prefix: int, new_lens: list[int]) -> dict[str, Any]:
@@ -413,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--skip-extend", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="CUDA: also time mla_decode launch configs at the kernel batch")
     a = p.parse_args(argv)
     red = a.reduced
     device = torch.device(a.device)
@@ -425,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     gqa = (a.gqa_kv_heads or heads // 2, a.gqa_head_dim or cfg["hidden_size"] // heads)
     res["kv_tokens_per_gb"] = kv_tokens_per_gb(cfg, *gqa, 16 if red else a.pool_mib)
     res["mla_decode_kernel"] = mla_decode_kernel(
-        cfg, device, a.kernel_bs or (4 if red else 32), a.kernel_ctx or (512 if red else 8192), bw
+        cfg, device, a.kernel_bs or (4 if red else 32), a.kernel_ctx or (512 if red else 8192), bw, a.sweep
     )
     if not a.skip_extend and (device.type == "cuda" or red):
         new = a.extend_new or ("4,64" if red else "4,16,64,128,192,256,512")

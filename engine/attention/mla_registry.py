@@ -1,12 +1,13 @@
 """Which MLA attention backend a DeepSeek model gets for ``--attention-backend`` (docs/deepseek.md).
 
-``torch_native`` (and ``auto``): the reference (kvship.engine.attention.mla);
-``triton``: its Triton kernels (kvship.engine.attention.mla_triton: split-KV decode, extend, tree verify),
-imported only when asked for.
+``torch_native``: the reference (kvship.engine.attention.mla); ``triton``: its Triton kernels
+(kvship.engine.attention.mla_triton: split-KV decode, extend, tree verify, CUDA graphs), imported only when
+asked for.  ``auto``: ``triton`` on a CUDA device where Triton imports, else ``torch_native``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from kvship.engine.attention.base import AttentionContext
@@ -17,11 +18,13 @@ MLA_BACKENDS = ("torch_native", "triton")
 
 
 def create_mla_attention_backend(name: str, ctx: AttentionContext) -> MLATorchBackend:
-    """The MLA backend for ``--attention-backend name`` (``auto`` picks ``torch_native``); ValueError naming the
+    """The MLA backend for ``--attention-backend name`` (``auto``: module docstring); ValueError naming the
     MLA backends for any other name, and for ``triton`` where its kernel cannot run (no Triton; a CPU device
     outside Triton's interpreter, ``TRITON_INTERPRET=1``, which tests use)."""
     if name == "auto":
-        name = "torch_native"
+        name = (
+            "triton" if ctx.device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch_native"
+        )
     if name not in MLA_BACKENDS:
         raise ValueError(
             f"attention backend '{name}' has no MLA (DeepSeek) path; use --attention-backend "

@@ -94,8 +94,9 @@ def _mla_decode_part(
     rmask = offs_r < R
     pmask = offs_p < P
     q_base = Q + b.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
-    q_c = tl.load(q_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-    q_p = tl.load(q_base + R + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+    # products in the queries' dtype (bf16 tensor cores on a GPU; float32 stays float32), fp32 accumulators
+    q_c = tl.load(q_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    q_p = tl.load(q_base + R + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -105,22 +106,21 @@ def _mla_decode_part(
         nmask = pos < end
         slot = tl.load(R2T + row * stride_r2t + pos, mask=nmask, other=0).to(tl.int64)
         kv_row = KV + slot[:, None] * stride_kv
-        # the stored row (model dtype, or e4m3) in fp32 times the layer's dequantization scale (1.0 unless FP8)
-        c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-        pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
-        c = c * kv_scale
-        pe = pe * kv_scale
+        # the stored row (model dtype, or e4m3: exact in the queries' dtype); the layer's dequantization scale
+        # (1.0 unless FP8) multiplies the scores and the output instead of every element
+        c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(q_c.dtype)
+        pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(q_c.dtype)
         qk = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(pe))
-        qk = tl.where(nmask[None, :], qk * scale, float("-inf"))
+        qk = tl.where(nmask[None, :], qk * (scale * kv_scale), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
 
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = acc * kv_scale / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     part = (b.to(tl.int64) * num_heads + heads.to(tl.int64)) * NUM_SPLITS + s
     tl.store(O_PART + part[:, None] * R + offs_r[None, :], out, mask=hmask[:, None] & rmask[None, :])
@@ -162,6 +162,8 @@ def mla_decode(
     block_n: int = 32,
     scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     kv_scale: float = 1.0,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.
 
@@ -223,6 +225,8 @@ def mla_decode(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         BLOCK_P=block_p,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _mla_decode_merge[(bs * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=block_r)
     return out
