@@ -319,3 +319,35 @@ def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_d
     cache.evict_host(st["host_total_slots"])
     assert sched.allocator.available_size() == sched.allocator.total_slots
     assert cache.host.available_size() == cache.host.total_slots
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_write_back_and_load_back_copy_every_layer_row_by_pages_or_by_slots(ps, aligned):
+    """The tier's copies move whole pages as single rows when the slots are whole pages (what the allocators
+    hand out) and slot by slot otherwise; either way every layer's K and V rows arrive unchanged."""
+    kv = KVPool(32 * ps, ps, torch.float32, 1, 2, 3, "cpu")
+    host = HostTier(kv, 16 * ps)
+    gen = torch.Generator().manual_seed(ps)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    if aligned:
+        src = (torch.tensor([5, 2, 9])[:, None] * ps + torch.arange(ps)).flatten()
+        dst = (torch.tensor([11, 3, 20])[:, None] * ps + torch.arange(ps)).flatten()
+    else:  # slots that are not whole pages (the copies must still be right)
+        src = torch.tensor([7, 3, 12, 13, 1, 30, 2, 9])[: 2 * ps] + ps
+        dst = torch.tensor([17, 6, 25, 29, 40, 41, 50, 60])[: 2 * ps] + ps
+    want = [(k[src].clone(), v[src].clone()) for k, v in zip(kv.k_buffer, kv.v_buffer)]
+    host_slots = host.write_back(src)
+    assert host_slots is not None and host_slots.numel() == src.numel()
+    for layer, (k, v) in enumerate(want):
+        assert torch.equal(host.pool.k_buffer[layer][host_slots], k)
+        assert torch.equal(host.pool.v_buffer[layer][host_slots], v)
+    before = [(k.clone(), v.clone()) for k, v in zip(kv.k_buffer, kv.v_buffer)]
+    host.load_back(host_slots, dst)
+    host.start_loads().finish()
+    for layer, (k, v) in enumerate(want):
+        assert torch.equal(kv.k_buffer[layer][dst], k) and torch.equal(kv.v_buffer[layer][dst], v)
+        untouched = torch.ones(kv.k_buffer[layer].shape[0], dtype=torch.bool)
+        untouched[dst] = False
+        assert torch.equal(kv.k_buffer[layer][untouched], before[layer][0][untouched])

@@ -148,6 +148,37 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _pages(slots: torch.Tensor, page_size: int) -> Optional[torch.Tensor]:
+    """The page numbers of ``slots`` (int64 CPU) when they are whole pages, each page's slots in order (what
+    the page allocators hand out), else None.  Copies then move one page per index instead of one slot (a page
+    is contiguous in every buffer): far fewer, larger rows for the host-side gathers and scatters."""
+    n = slots.numel()
+    if page_size <= 1 or n == 0 or n % page_size:
+        return None
+    per = slots.view(-1, page_size)
+    first = per[:, 0]
+    if bool((first % page_size).any()) or not torch.equal(per, first[:, None] + torch.arange(page_size)):
+        return None
+    return first // page_size
+
+
+def _by_page(buf: torch.Tensor, page_size: int) -> Optional[torch.Tensor]:
+    """``buf [slots, ...]`` as ``[pages, page_size, ...]`` (None when its slots are not whole pages)."""
+    return buf.unflatten(0, (-1, page_size)) if buf.shape[0] % page_size == 0 else None
+
+
+def _copy_rows(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx, page_size: int, paged: bool) -> None:
+    """``dst[dst_idx] = src[src_idx]`` by pages (``paged``: the indices are page numbers) or by slots."""
+    if paged:
+        dv, sv = _by_page(dst, page_size), _by_page(src, page_size)
+        if dv is not None and sv is not None:
+            dv.index_copy_(0, dst_idx, sv.index_select(0, src_idx))
+            return
+        dst_idx = (dst_idx[:, None] * page_size + torch.arange(page_size, device=dst_idx.device)).flatten()
+        src_idx = (src_idx[:, None] * page_size + torch.arange(page_size, device=src_idx.device)).flatten()
+    dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+
 class LayerLoads:
     """One started batch of host -> device copies, ready layer by layer (see the module docstring)."""
 
@@ -184,22 +215,40 @@ class LayerLoads:
             if stream is not None:
                 stream.wait_event(self.after)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                ps = pool.page_size
                 host = torch.cat([h for h, _ in self.pairs])
-                dst = torch.cat([d for _, d in self.pairs]).to(device_pool.device)
+                dst = torch.cat([d for _, d in self.pairs])
+                hp, dp = _pages(host, ps), _pages(dst, ps)
+                paged = hp is not None and dp is not None
+                if paged:  # whole pages on both sides: one row per page
+                    host, dst = hp, dp
+                dst = dst.to(device_pool.device)
                 dev_layers = layer_buffers(device_pool)
                 staging = None
                 if stream is not None:  # CUDA: every layer's rows gathered into one pinned buffer, then sent
                     first = _raw(pool.layers[0][0])
-                    shape = (self.num_layers, len(pool.layers[0]), host.numel(), *first.shape[1:])
+                    rows = host.numel() * (ps if paged else 1)
+                    shape = (self.num_layers, len(pool.layers[0]), rows, *first.shape[1:])
                     staging = torch.empty(shape, dtype=first.dtype, pin_memory=True)
                 for layer in range(self.num_layers):
                     for j, (dbuf, hbuf) in enumerate(zip(dev_layers[layer], pool.layers[layer])):
                         if staging is None:
-                            rows = _raw(hbuf).index_select(0, host)
-                        else:  # (the gather of the next layer runs while this one crosses the bus)
-                            torch.index_select(_raw(hbuf), 0, host, out=staging[layer, j])
-                            rows = staging[layer, j].to(device_pool.device, non_blocking=True)
-                        _raw(dbuf).index_copy_(0, dst, rows)
+                            _copy_rows(_raw(dbuf), dst, _raw(hbuf), host, ps, paged)
+                            continue
+                        # (the gather of the next layer runs while this one crosses the bus)
+                        stage = staging[layer, j]
+                        if paged:
+                            torch.index_select(_by_page(_raw(hbuf), ps), 0, host, out=_by_page(stage, ps))
+                        else:
+                            torch.index_select(_raw(hbuf), 0, host, out=stage)
+                        rows_dev = stage.to(device_pool.device, non_blocking=True)
+                        if paged and _by_page(_raw(dbuf), ps) is not None:
+                            _by_page(_raw(dbuf), ps).index_copy_(0, dst, _by_page(rows_dev, ps))
+                        elif paged:
+                            slots = (dst[:, None] * ps + torch.arange(ps, device=dst.device)).flatten()
+                            _raw(dbuf).index_copy_(0, slots, rows_dev)
+                        else:
+                            _raw(dbuf).index_copy_(0, dst, rows_dev)
                     if stream is not None:
                         self._events[layer] = stream.record_event()
                     self._ready[layer].set()
@@ -209,6 +258,12 @@ class LayerLoads:
             for ev in self._ready:
                 ev.set()
 
+    def fail(self, error: BaseException) -> None:
+        """Mark every layer failed with ``error`` (the copy thread could not run it)."""
+        self.error = error
+        for ev in self._ready:
+            ev.set()
+
 
 class _CopyThread:
     """Runs started ``LayerLoads`` one after the other (a daemon thread, started on first use)."""
@@ -216,8 +271,11 @@ class _CopyThread:
     def __init__(self, pool: "HostKVPool", device_pool):
         self.pool = pool
         self.device_pool = device_pool
-        cuda = device_pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device_pool.device) if cuda else None
+        dev = device_pool.device
+        cuda = dev.type == "cuda"
+        # the device's index ("cuda" alone names the current device: pin it now, the thread has its own)
+        self.index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None
+        self.stream = torch.cuda.Stream(self.index) if cuda else None
         self.jobs: "queue.SimpleQueue[LayerLoads]" = queue.SimpleQueue()
         self.thread: Optional[threading.Thread] = None
 
@@ -228,10 +286,18 @@ class _CopyThread:
         self.jobs.put(loads)
 
     def _loop(self) -> None:
-        if self.stream is not None:
-            torch.cuda.set_device(self.device_pool.device)
+        setup_error: Optional[BaseException] = None
+        if self.index is not None:
+            try:
+                torch.cuda.set_device(self.index)
+            except BaseException as e:  # every load then fails with it (its waits raise): never a hang
+                setup_error = e
         while True:
-            self.jobs.get().run(self.pool, self.device_pool, self.stream)
+            job = self.jobs.get()
+            if setup_error is not None:
+                job.fail(setup_error)
+            else:
+                job.run(self.pool, self.device_pool, self.stream)
 
 
 class HostTier:
@@ -270,12 +336,41 @@ class HostTier:
         host_slots = self.allocator.alloc(n)
         if host_slots is None:
             return None
-        src = gpu_slots.to(self.device)
         dev = self.device_pool
-        for dev_bufs, host_bufs in zip(layer_buffers(dev), self.pool.layers):
-            for dbuf, hbuf in zip(dev_bufs, host_bufs):
-                rows = _raw(dbuf).index_select(0, src).cpu()  # waits for the kernels that wrote them
-                _raw(hbuf).index_copy_(0, host_slots, rows)
+        ps = self.pool.page_size
+        gp, hp = _pages(gpu_slots, ps), _pages(host_slots, ps)
+        paged = gp is not None and hp is not None
+        src, dst = (gp, hp) if paged else (gpu_slots, host_slots)
+        src = src.to(self.device)
+        pairs = [
+            pair
+            for dev_bufs, host_bufs in zip(layer_buffers(dev), self.pool.layers)
+            for pair in zip(dev_bufs, host_bufs)
+        ]
+        if self.device.type != "cuda":
+            for dbuf, hbuf in pairs:
+                _copy_rows(_raw(hbuf), dst, _raw(dbuf), src, ps, paged)
+        else:
+            # every buffer's rows gathered on the device and sent into one pinned buffer on the current stream
+            # (after the kernels that wrote them), one wait for all of them, then scattered into the host pool
+            first = _raw(pairs[0][1])
+            staging = torch.empty((len(pairs), n, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+            for i, (dbuf, _) in enumerate(pairs):
+                d = _by_page(_raw(dbuf), ps) if paged else None
+                if d is not None:
+                    rows = d.index_select(0, src).flatten(0, 1)
+                else:
+                    slots = (src[:, None] * ps + torch.arange(ps, device=src.device)).flatten() if paged else src
+                    rows = _raw(dbuf).index_select(0, slots)
+                staging[i].copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            for i, (_, hbuf) in enumerate(pairs):
+                h = _by_page(_raw(hbuf), ps) if paged else None
+                if h is not None:
+                    h.index_copy_(0, dst, staging[i].unflatten(0, (-1, ps)))
+                else:
+                    slots = (dst[:, None] * ps + torch.arange(ps)).flatten() if paged else dst
+                    _raw(hbuf).index_copy_(0, slots, staging[i])
         self.bytes_written += n * bytes_per_token(dev)
         self.pages_written += n // self.pool.page_size
         return host_slots
