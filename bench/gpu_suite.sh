@@ -16,6 +16,7 @@
 #   smoke       bench/decode_latency.py, short run    -> $OUT/decode_latency.{json,md}
 #   offline     bench/offline_throughput.py on cuda   -> $OUT/offline_throughput.log
 #   kvtransfer  bench/kv_transfer.py --device cuda    -> $OUT/kv_transfer.log (if the script exists)
+#   script      bash $SCRIPT (more commands for this call, after the setup)
 #   ab          decode_latency from a baseline tree (BASE_TREE) vs this tree, AB_ARGS, AB_ROUNDS -> $OUT/ab_*.json
 # Knobs: BENCH_ARGS (extra decode_latency args), TEST_ARGS (extra pytest args), TEST_PATHS (default tests/gpu;
 #        list a file first to run it first), TEST_TIMEOUT, BENCH_TIMEOUT (s).
@@ -80,6 +81,13 @@ if [[ " $PARTS " == *" tests "* ]]; then
   grep -E "^(FAILED|ERROR)|Error|assert" /tmp/gpu_tests.log | head -40 | cut -c1-300
   tail -3 /tmp/gpu_tests.log
   cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
+fi
+
+if [[ " $PARTS " == *" script "* ]]; then
+  # any further commands of this call ($SCRIPT, a bash file carried with the tree), after the setup above
+  echo "== script $SCRIPT [$(el)s]"
+  bash "$SCRIPT"
+  echo "script rc=$?"
 fi
 
 if [[ " $PARTS " == *" ab "* ]]; then
