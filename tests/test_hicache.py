@@ -128,8 +128,9 @@ def test_a_write_back_reuses_the_host_pages_of_a_queued_load_back_only_after_the
     for layer in range(kv.num_layers):  # the device rows a left behind are gone
         kv.k_buffer[layer].fill_(-1)
         kv.v_buffer[layer].fill_(-1)
-    m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)  # queued; a's host pages are free again
-    assert m.length == 8 and host.available_size() == host.total_slots
+    # queued; a's host pages are freed, but return to the allocator only when the load starts (it reads them)
+    m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)
+    assert m.length == 8 and host.available_size() == 0
     cached(cache, alloc, kv, b)
     cache.match_prefix(b)  # a is the least recently used device leaf
     assert cache.evict(8) == 8  # a goes back to host, into the pages its queued load reads: the load runs first
@@ -340,6 +341,7 @@ def test_write_back_and_load_back_copy_every_layer_row_by_pages_or_by_slots(ps, 
     want = [(k[src].clone(), v[src].clone()) for k, v in zip(kv.k_buffer, kv.v_buffer)]
     host_slots = host.write_back(src)
     assert host_slots is not None and host_slots.numel() == src.numel()
+    host.sync_writes()  # the copy thread scatters the rows into the host pool
     for layer, (k, v) in enumerate(want):
         assert torch.equal(host.pool.k_buffer[layer][host_slots], k)
         assert torch.equal(host.pool.v_buffer[layer][host_slots], v)
@@ -351,3 +353,41 @@ def test_write_back_and_load_back_copy_every_layer_row_by_pages_or_by_slots(ps, 
         untouched = torch.ones(kv.k_buffer[layer].shape[0], dtype=torch.bool)
         untouched[dst] = False
         assert torch.equal(kv.k_buffer[layer][untouched], before[layer][0][untouched])
+
+
+def test_a_write_back_does_not_wait_and_a_load_back_queued_after_it_reads_its_rows():
+    """The copy thread scatters a write-back's rows into the host pool in order with the load-backs it runs:
+    host slots written back and loaded straight back (no wait in between) bring back the written rows."""
+    ps = 2
+    kv = KVPool(16 * ps, ps, torch.float32, 1, 2, 2, "cpu")
+    host = HostTier(kv, 8 * ps)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(7)))
+    src = (torch.tensor([3, 1])[:, None] * ps + torch.arange(ps)).flatten()
+    dst = (torch.tensor([9, 12])[:, None] * ps + torch.arange(ps)).flatten()
+    want = [k[src].clone() for k in kv.k_buffer]
+    slots = host.write_back(src)
+    for k in kv.k_buffer:  # the device rows change right after: the write-back took them already
+        k[src] = -5.0
+    host.load_back(slots, dst)
+    host.start_loads().finish()
+    assert all(torch.equal(k[dst], w) for k, w in zip(kv.k_buffer, want))
+    host.free(slots)
+    host.drain()
+    assert host.available_size() == host.total_slots
+
+
+def test_a_failed_write_back_copy_fails_every_later_wait():
+    """A write-back whose scatter fails on the copy thread (here: host slots that do not exist) leaves the
+    host pool wrong: the next write-back, ``sync_writes`` and the load-backs after it all raise."""
+    from kvship.engine.mem.hicache import HostWrite
+
+    _, _, kv, host = make_tiered(ps=2, pages=4)
+    bad = HostWrite(torch.zeros((4, 2, 1, 2)), torch.tensor([10**6]), True, None)
+    host._writes.append(bad)
+    host._copier.submit(bad)
+    with pytest.raises(RuntimeError, match="host KV write-back failed"):
+        host.sync_writes()
+    host.load_back(torch.tensor([2, 3]), torch.tensor([2, 3]))
+    with pytest.raises(RuntimeError, match="host KV load-back failed"):
+        host.start_loads().finish()

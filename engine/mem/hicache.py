@@ -16,7 +16,8 @@ from their own page allocator, so host and device pages have the same size.
 * ``write_back(gpu_slots)`` copies those device slots to freshly allocated
   host slots and returns them (None when the host pool is full: the caller
   evicts host pages first, or drops the KV, or, for a write-through copy,
-  skips it).
+  skips it).  It gathers the device rows at once (on the current stream) and
+  leaves the rest to the copy thread: the scheduler does not wait for it.
 * ``load_back(host_slots, gpu_slots)`` queues a copy of host slots into
   device slots; the caller may free the host slots at once (the tier keeps
   them unused until the copy has read them).
@@ -24,7 +25,10 @@ from their own page allocator, so host and device pages have the same size.
   ``LayerLoads`` (None when none are queued): the forward that reads the
   loaded pages calls ``wait(layer_id)`` before each layer's attention and
   ``finish()`` after the forward.
-* ``free(host_slots)`` returns host pages.
+* ``free(host_slots)`` returns host pages (while load-backs are queued, when
+  they start).
+* ``sync_writes()`` waits for the write-backs in flight (before the host pool
+  is read on the scheduler thread: the shared tier's saves).
 
 Asynchronous load-back (docs/cache.md, "Load-back").  One copy thread per
 tier runs the started batches in order; for each layer it gathers the host
@@ -42,16 +46,24 @@ Ordering rules callers rely on:
 * A page loaded back is read only by a forward that ``wait``s for it
   (the scheduler's launcher attaches the ``LayerLoads`` of the loads queued
   at admission to the next extend forward and ``finish``es it after).
-* ``write_back`` first completes every queued and running load
-  (``drain``): host slots freed by a load-back are reused only after the
-  copy read them, and a device page is read for write-back only once loaded.
-* A write-back is issued on the device's current stream and waits for its
-  data (it reads the device slots after every kernel queued before it).  A
+* The copy thread runs write-backs and load-backs in the order they were
+  handed to it.  Host slots freed while load-backs that read them are still
+  queued return to the allocator only when those loads are handed over, so a
+  later write-back into them runs after the loads read them; a write-back
+  that finds the host pool short while such slots wait starts and finishes
+  the loads first (``drain``).
+* A write-back of device slots that a queued or the last started load-back
+  writes first completes the loads (``drain``): a device page is read for
+  write-back only once loaded.
+* A write-back's device gather is issued on the device's current stream
+  (after every kernel queued before it, before any queued after it); the
+  copy thread waits for its event before it writes the host pool.  A
   write-through copy is the same call, made when the scheduler hands a
   request's computed pages to the cache after the forward that wrote them.
 * A copy that fails (a bug, a device error) raises ``RuntimeError`` in
-  every ``wait`` / ``finish`` / ``drain`` after it: the loaded pages would
-  hold wrong KV, so the worker stops rather than serve them.
+  every ``wait`` / ``finish`` / ``drain`` / ``write_back`` / ``sync_writes``
+  after it, and every later copy of the thread fails: the pools would hold
+  wrong KV, so the worker stops rather than serve them.
 """
 
 from __future__ import annotations
@@ -265,6 +277,43 @@ class LayerLoads:
             ev.set()
 
 
+class HostWrite:
+    """One write-back's second half, run by the copy thread: wait until the device -> host copy into the
+    staging buffer is done (CUDA event), then scatter the staged rows into the host pool's slots."""
+
+    def __init__(self, staging: torch.Tensor, dst: torch.Tensor, paged: bool, event) -> None:
+        self.staging = staging  # [buffers, n, ...]: every (layer, buffer) pair's rows in layer_buffers order
+        self.dst = dst  # host page numbers (paged) or slots, int64 CPU
+        self.paged = paged
+        self.event = event  # CUDA: recorded after the copies into staging; None on CPU (staging is filled)
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self, pool: "HostKVPool", device_pool, stream) -> None:
+        try:
+            if self.event is not None:
+                self.event.synchronize()
+            ps = pool.page_size
+            host_bufs = [b for bufs in pool.layers for b in bufs]
+            for i, hbuf in enumerate(host_bufs):
+                h = _by_page(_raw(hbuf), ps) if self.paged else None
+                if h is not None:
+                    h.index_copy_(0, self.dst, self.staging[i].unflatten(0, (-1, ps)))
+                else:
+                    slots = (self.dst[:, None] * ps + torch.arange(ps)).flatten() if self.paged else self.dst
+                    _raw(hbuf).index_copy_(0, slots, self.staging[i])
+        except BaseException as e:  # the next wait on the tier raises it
+            self.error = e
+        finally:
+            self.staging = None
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.staging = None
+        self.done.set()
+
+
 class _CopyThread:
     """Runs started ``LayerLoads`` one after the other (a daemon thread, started on first use)."""
 
@@ -296,8 +345,10 @@ class _CopyThread:
             job = self.jobs.get()
             if setup_error is not None:
                 job.fail(setup_error)
-            else:
-                job.run(self.pool, self.device_pool, self.stream)
+                continue
+            job.run(self.pool, self.device_pool, self.stream)
+            if job.error is not None:  # a failed copy leaves the host or device pool wrong: every later one fails
+                setup_error = job.error
 
 
 class HostTier:
@@ -319,21 +370,30 @@ class HostTier:
         self.bytes_loaded = 0  # host -> device
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # load-backs not started yet
         self._running: Optional[LayerLoads] = None  # the last started batch (the thread runs them in order)
+        self._writes: list[HostWrite] = []  # write-backs handed to the copy thread, not yet seen done
+        self._deferred: list[torch.Tensor] = []  # host slots freed while a queued load still reads them
         self._copier = _CopyThread(self.pool, device_pool)
 
     @property
     def total_slots(self) -> int:
         return self.allocator.total_slots
 
-    def available_size(self) -> int:
-        return self.allocator.available_size()
-
     def write_back(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """Copy ``gpu_slots`` (whole pages, int64 CPU) to new host slots; None when the host pool is short.
-        Completes every load-back first (module docstring)."""
-        self.drain()
+        """Copy ``gpu_slots`` (int64 CPU) to new host slots; None when the host pool is short.
+
+        The device rows are gathered now, on the device's current stream (after the kernels that wrote them,
+        before any that overwrite them), into one staging buffer (pinned on CUDA); the copy thread then waits
+        for that copy and scatters the rows into the host pool, in order with the load-backs it runs, so the
+        scheduler does not wait (module docstring, "Ordering rules").  Device slots that a load-back not yet
+        finished is still writing are first waited for (``drain``)."""
+        self._check()
+        if self._loading_into(gpu_slots):
+            self.drain()
         n = int(gpu_slots.numel())
         host_slots = self.allocator.alloc(n)
+        if host_slots is None and self._deferred:  # pages that queued loads still read: start and finish them
+            self.drain()
+            host_slots = self.allocator.alloc(n)
         if host_slots is None:
             return None
         dev = self.device_pool
@@ -342,38 +402,47 @@ class HostTier:
         paged = gp is not None and hp is not None
         src, dst = (gp, hp) if paged else (gpu_slots, host_slots)
         src = src.to(self.device)
-        pairs = [
-            pair
-            for dev_bufs, host_bufs in zip(layer_buffers(dev), self.pool.layers)
-            for pair in zip(dev_bufs, host_bufs)
-        ]
-        if self.device.type != "cuda":
-            for dbuf, hbuf in pairs:
-                _copy_rows(_raw(hbuf), dst, _raw(dbuf), src, ps, paged)
-        else:
-            # every buffer's rows gathered on the device and sent into one pinned buffer on the current stream
-            # (after the kernels that wrote them), one wait for all of them, then scattered into the host pool
-            first = _raw(pairs[0][1])
-            staging = torch.empty((len(pairs), n, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
-            for i, (dbuf, _) in enumerate(pairs):
-                d = _by_page(_raw(dbuf), ps) if paged else None
-                if d is not None:
-                    rows = d.index_select(0, src).flatten(0, 1)
-                else:
-                    slots = (src[:, None] * ps + torch.arange(ps, device=src.device)).flatten() if paged else src
-                    rows = _raw(dbuf).index_select(0, slots)
-                staging[i].copy_(rows, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            for i, (_, hbuf) in enumerate(pairs):
-                h = _by_page(_raw(hbuf), ps) if paged else None
-                if h is not None:
-                    h.index_copy_(0, dst, staging[i].unflatten(0, (-1, ps)))
-                else:
-                    slots = (dst[:, None] * ps + torch.arange(ps)).flatten() if paged else dst
-                    _raw(hbuf).index_copy_(0, slots, staging[i])
+        dev_bufs = [b for bufs in layer_buffers(dev) for b in bufs]
+        first = _raw(self.pool.layers[0][0])
+        cuda = self.device.type == "cuda"
+        staging = torch.empty((len(dev_bufs), n, *first.shape[1:]), dtype=first.dtype, pin_memory=cuda)
+        for i, dbuf in enumerate(dev_bufs):
+            d = _by_page(_raw(dbuf), ps) if paged else None
+            if d is not None:
+                rows = d.index_select(0, src).flatten(0, 1)
+            else:
+                slots = (src[:, None] * ps + torch.arange(ps, device=src.device)).flatten() if paged else src
+                rows = _raw(dbuf).index_select(0, slots)
+            staging[i].copy_(rows, non_blocking=cuda)
+        event = torch.cuda.current_stream(self.device).record_event() if cuda else None
+        job = HostWrite(staging, dst, paged, event)
+        self._writes = [w for w in self._writes if not w.done.is_set()] + [job]
+        self._copier.submit(job)
         self.bytes_written += n * bytes_per_token(dev)
         self.pages_written += n // self.pool.page_size
         return host_slots
+
+    def _loading_into(self, gpu_slots: torch.Tensor) -> bool:
+        """Whether a queued load-back, or the last started one (the current stream may not be ordered after it
+        yet), writes any of ``gpu_slots``."""
+        dsts = [d for _, d in self._queued]
+        if self._running is not None:
+            dsts += [d for _, d in self._running.pairs]
+        return bool(dsts) and bool(torch.isin(gpu_slots, torch.cat(dsts)).any())
+
+    def sync_writes(self) -> None:
+        """Wait until every write-back handed to the copy thread is in the host pool (before the host pool is
+        read on this thread: the shared tier's saves); raises if one failed."""
+        for w in self._writes:
+            w.done.wait()
+        self._check()
+        self._writes = []
+
+    def _check(self) -> None:
+        """Raise the failure of an earlier copy (the pools may hold wrong KV: the worker must stop)."""
+        for w in self._writes:
+            if w.done.is_set() and w.error is not None:
+                raise RuntimeError(f"host KV write-back failed: {w.error}") from w.error
 
     def load_back(self, host_slots: torch.Tensor, gpu_slots: torch.Tensor) -> None:
         """Queue a copy of ``host_slots`` into ``gpu_slots`` (same length, int64 CPU); ``start_loads`` runs it."""
@@ -390,6 +459,11 @@ class HostTier:
         self._queued = []
         self._running = loads
         self._copier.submit(loads)
+        # host slots freed while these loads were queued: every copy handed to the thread from now on runs
+        # after these loads have read them
+        for slots in self._deferred:
+            self.allocator.free(slots)
+        self._deferred = []
         return loads
 
     def drain(self) -> None:
@@ -399,9 +473,18 @@ class HostTier:
         if self._running is not None:
             self._running.finish()
             self._running = None
+        self.sync_writes()
 
     def free(self, host_slots: torch.Tensor) -> None:
-        self.allocator.free(host_slots)
+        """Return host pages; while load-backs are queued (not yet handed to the copy thread) they may read
+        them, so the pages return when those loads start."""
+        if self._queued:
+            self._deferred.append(host_slots)
+        else:
+            self.allocator.free(host_slots)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
 
 
 def host_tier_for(server_args, model_runner) -> Optional[HostTier]:

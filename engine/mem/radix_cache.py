@@ -575,6 +575,7 @@ class RadixCache(BasePrefixCache):
         if node.value is not None:
             self.storage.save(self._node_hashes(node), node.value, self.storage.pool)
         elif self.host is not None and node.host_value is not None:
+            self.host.sync_writes()  # the host rows of a write-back still in flight
             self.storage.save(self._node_hashes(node), node.host_value, self.host.pool)
 
     def _free_host(self, node: TreeNode) -> None:
