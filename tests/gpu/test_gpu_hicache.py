@@ -70,3 +70,27 @@ def test_prefix_loaded_back_on_the_gpu_gives_the_cold_tokens(tiny_llama_dir):
     cold.submit(_gen("c", turn2, 12))
     _drain(cold)
     assert out.tokens("t2") == cold_out.tokens("c")
+
+
+def test_a_write_back_takes_the_rows_before_later_kernels_overwrite_them_and_loads_back_after():
+    """The write-back's device gather is ordered on the current stream before the kernels queued after it, and
+    the copy thread writes the host pool before a load-back handed over after it reads it (no wait between)."""
+    layers, heads, dim, ps = 4, 8, 128, 16
+    kv = KVPool(1 << 14, ps, torch.bfloat16, heads, dim, layers, "cuda")
+    host = HostTier(kv, 1 << 13)
+    for layer in range(layers):
+        kv.k_buffer[layer].normal_()
+        kv.v_buffer[layer].normal_()
+    src = (torch.arange(40, 104)[:, None] * ps + torch.arange(ps)).flatten()  # 64 whole pages
+    dst = (torch.arange(500, 564)[:, None] * ps + torch.arange(ps)).flatten()
+    want = [kv.k_buffer[layer][src.cuda()].cpu() for layer in range(layers)]
+    slots = host.write_back(src)
+    assert slots is not None
+    for layer in range(layers):  # queued after the write-back's gather on the same stream
+        kv.k_buffer[layer].fill_(7.0)
+    host.load_back(slots, dst)
+    loads = host.start_loads()
+    loads.finish()
+    for layer in range(layers):
+        assert torch.equal(kv.k_buffer[layer][dst.cuda()].cpu(), want[layer])
+    host.sync_writes()
