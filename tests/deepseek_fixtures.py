@@ -88,12 +88,13 @@ SPECS = {
 }
 
 
-def build_tiny_deepseek(out_dir: str, key: str, seed: int) -> str:
-    """A tiny random ``SPECS[key]`` model written by ``transformers`` (per-expert tensors) plus the tiny tokenizer."""
+def build_tiny_deepseek(out_dir: str, key: str, seed: int, **config_overrides) -> str:
+    """A tiny random ``SPECS[key]`` model written by ``transformers`` (per-expert tensors) plus the tiny tokenizer;
+    ``config_overrides`` (e.g. ``num_hidden_layers=2``) replace config fields."""
     import transformers
 
     cfg_name, model_name, overrides = SPECS[key]
-    config = getattr(transformers, cfg_name)(**dict(DS_COMMON, **overrides))
+    config = getattr(transformers, cfg_name)(**{**DS_COMMON, **overrides, **config_overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import KVDriver
 from deepseek_fixtures import build_tiny_deepseek
 from pd_fixtures import run_until_idle
+from triton_interp import TEST_TIMEOUT_S, interpreter_outcomes
 
 from kvship.common.envs import ENV
 from kvship.engine.attention.mla import MLALayerSpec
@@ -46,6 +43,9 @@ BACKENDS = [
 PATHS = ("absorbed", "decompressed", "auto")
 # float32 end to end; the two paths sum in different orders (measured ~1e-6 on logits of magnitude ~5)
 ATOL = 1e-4
+# greedy tokens per request through the scheduler: two decode steps after the extend over the cached prefix (more
+# run the same decode kernel again: seconds each in Triton's interpreter)
+MAX_NEW = 3
 
 V3 = MLALayerSpec(0, 128, 512, 128, 64, 128, scaling=0.1)  # 128 heads, kv_lora_rank 512, nope 128, rope 64, v 128
 V2_LITE = MLALayerSpec(0, 16, 512, 128, 64, 128, scaling=0.1)
@@ -90,7 +90,11 @@ def test_mla_extend_knob_reads_its_three_values_and_refuses_others(monkeypatch):
 # --- the tiny model, each path --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ds_path(tmp_path_factory) -> str:
-    return build_tiny_deepseek(str(tmp_path_factory.mktemp("ds_switch")), "v3_yarn_grouped", seed=30)
+    # two layers, the dense one and a MoE one: a forward takes one path in every layer, so a third layer would
+    # only run the Triton kernels once more per forward (seconds each in the interpreter)
+    return build_tiny_deepseek(
+        str(tmp_path_factory.mktemp("ds_switch")), "v3_yarn_grouped", seed=30, num_hidden_layers=2
+    )
 
 
 def _runner(monkeypatch, path: str, backend: str, mode: str, **kw) -> tuple[ModelRunner, list[str]]:
@@ -174,30 +178,21 @@ def test_prefix_cached_greedy_tokens_equal_on_every_extend_path(backend, ds_path
         chunks: list = []
         sched = Scheduler(runner.server_args, runner, None, chunks.extend)
         for i, p in enumerate(prompts):
-            sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=5)))
+            sched.submit(GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)))
             run_until_idle(sched)
         assert max(c.cached_tokens for c in chunks if c.rid == "r1") >= 32  # the shared prefix came from the cache
         runs[mode] = ([[t for c in chunks if c.rid == f"r{i}" for t in c.token_ids] for i in range(2)], set(log))
     assert runs["absorbed"][1] == {"absorbed"} and runs["decompressed"][1] == {"decompressed"}
     assert runs["auto"][1] == {"absorbed", "decompressed"}  # the cold prompt decompressed, the hit absorbed
     assert runs["absorbed"][0] == runs["decompressed"][0] == runs["auto"][0]
-    assert all(len(t) == 5 for t in runs["auto"][0])
+    assert all(len(t) == MAX_NEW for t in runs["auto"][0])
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the triton cases above run natively")
-def test_extend_switch_triton_cases_pass_in_the_triton_interpreter():
-    """This file's ``triton`` cases in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
+def test_extend_switch_triton_cases_pass_in_the_triton_interpreter(request):
+    """This file's ``triton`` cases in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported; the
+    session's one such child, tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton and not interpreter", __file__],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert re.search(r"\b2 passed", proc.stdout), tail
+    interpreter_outcomes(request, "tests/test_deepseek_extend_switch.py").check(passed=2)

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from deepseek_fixtures import build_tiny_deepseek
+from triton_interp import TEST_TIMEOUT_S, interpreter_outcomes
 
 from kvship.engine.config import ServerArgs
 from kvship.engine.mem.mla_pool import MLAKVPool
@@ -334,19 +331,10 @@ def test_triton_kernels_read_an_fp8_latent_buffer_as_its_dequantized_rows():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the triton cases above run natively")
-def test_fp8_triton_cases_pass_in_the_triton_interpreter():
-    """This file's ``triton`` cases in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
+def test_fp8_triton_cases_pass_in_the_triton_interpreter(request):
+    """This file's ``triton`` cases in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported; the
+    session's one such child, tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton and not interpreter", __file__],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert re.search(r"\b3 passed", proc.stdout), tail
+    interpreter_outcomes(request, "tests/test_deepseek_fp8_kv.py").check(passed=3)

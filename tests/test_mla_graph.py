@@ -12,7 +12,8 @@
   computes the eager tree verify.
 
 Runs natively on CUDA, or on CPU under Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before triton is
-imported, so ``test_mla_graph_tests_pass_in_the_triton_interpreter`` runs this file in a child pytest with it.
+imported, so ``test_mla_graph_tests_pass_in_the_triton_interpreter`` runs this file's other tests in a child pytest
+with it (the session's one such child for every file's Triton cases: tests/triton_interp.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 
 import pytest
 import torch
+from triton_interp import TEST_TIMEOUT_S, interpreter_outcomes
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNELS = HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
@@ -309,25 +311,11 @@ def test_verify_graph_metadata_runs_the_eager_tree_verify():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this file's kernel tests run natively")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the interpreter's run already")
-def test_mla_graph_tests_pass_in_the_triton_interpreter():
-    """This file in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_mla_graph_tests_pass_in_the_triton_interpreter(request):
+    """This file's other tests in a child pytest with ``TRITON_INTERPRET=1`` (set before triton is imported; the
+    session's one such child, tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mla_graph.py"],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert re.search(r"\b11 passed, 1 skipped", proc.stdout), tail
+    interpreter_outcomes(request, "tests/test_mla_graph.py").check(passed=11)

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.skipif(
     reason="Triton MLA kernel: needs CUDA, or TRITON_INTERPRET=1 on CPU",
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# greedy tokens per request through the scheduler: two decode steps (or MTP rounds) after every prefill and every
+# extend over a radix-cache prefix, the kernels more tokens would run again (each costs seconds in the interpreter)
+MAX_NEW = 3
+# the tiny DeepSeek-V3 of the model-level tests: a dense layer and a MoE one (a third would run the same kernels
+# once more per forward)
+LAYERS = 2
 
 
 def _reference(q, buf, r2t, rows, lens, r, scale):
@@ -114,7 +120,7 @@ def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
     from kvship.engine.config import ServerArgs
     from kvship.engine.model_runner import ModelRunner
 
-    path = build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=30)
+    path = build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=30, num_hidden_layers=LAYERS)
     runs = {}
     for backend in ("torch_native", "triton"):
         sa = ServerArgs(model_path=path, device=DEVICE, max_total_tokens=256, attention_backend=backend)
@@ -227,7 +233,7 @@ def _greedy(sa, batches):
     for n, prompts in enumerate(batches):
         for i, p in enumerate(prompts):
             rids.append(f"b{n}r{i}")
-            sched.submit(GenerateRequest(rids[-1], list(p), SamplingParams(max_new_tokens=6, temperature=0.0)))
+            sched.submit(GenerateRequest(rids[-1], list(p), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)))
         run_until_idle(sched)
     cached = max((c.cached_tokens for c in out.chunks if c.rid.startswith("b1")), default=0)
     return [out.tokens(r) for r in rids], cached, sched.get_stats()
@@ -243,7 +249,9 @@ def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_
 
     from kvship.engine.config import ServerArgs
 
-    path = add_mtp_layer(build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=61), seed=62)
+    path = add_mtp_layer(
+        build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=61, num_hidden_layers=LAYERS), seed=62
+    )
     shared = list(range(10, 27))
     batches = [[shared + [40, 41], list(range(60, 66))], [shared + [50, 51, 52, 53], shared + [70]]]
     spec = dict(
@@ -260,6 +268,7 @@ def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_
         runs[backend + "+mtp"] = _greedy(ServerArgs(**base, **spec), batches)
     tokens, cached, _ = runs["torch_native"]
     assert cached >= 16  # the second batch's shared pages came from the radix cache
+    assert all(len(t) == MAX_NEW for t in tokens)
     for name in ("triton", "torch_native+mtp", "triton+mtp"):
         assert runs[name][0] == tokens, name
         assert runs[name][1] >= 16, name

@@ -311,13 +311,12 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_per_channel_at_loa
 
 @pytest.mark.slow
 def test_embedded_smollm2_under_quantization_fp8_still_answers_paris(smollm2_path):
-    from transformers import AutoTokenizer
+    from kvship.engine.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
-    )
-    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    # the engine's tokenizer of the GGUF, as tests/test_kv_fp8.py's Paris test (transformers' builds its own from
+    # the file's vocabulary and merges anew: seconds more)
+    tok = load_tokenizer(smollm2_path)
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     runner = ModelRunner(ServerArgs(model_path=None, max_total_tokens=512, max_running_requests=4, quantization="fp8"))
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     out = KVDriver(runner).greedy(ids, 8, eos_ids=set(runner.model_config.eos_token_ids))
