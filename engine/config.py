@@ -250,7 +250,8 @@ class ServerArgs:
     # Kernels
     attention_backend: str = opt(
         "auto",
-        "Attention backend (auto: flashinfer on CUDA when installed, else torch_native)",
+        "Attention backend (auto: flashinfer on CUDA when installed, triton for DeepSeek (MLA) models on CUDA, else "
+        "torch_native)",
         choices=("auto",) + ATTENTION_BACKENDS,
     )
     sampling_backend: str = opt("auto", "Sampling kernels", choices=("auto", "torch", "flashinfer"))
