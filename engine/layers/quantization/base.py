@@ -217,7 +217,9 @@ def add_weights(layer: nn.Module, params: dict[str, tuple[tuple[int, ...], torch
     for name, (shape, dtype) in params.items():
         p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
         p.weight_loader = loader  # type: ignore[attr-defined]
-        setattr(layer, name, p)  # nn.Module's own registration (replaces a placeholder such as ``bias = None``)
+        if name not in layer._parameters and hasattr(layer, name):  # a placeholder such as ``bias = None``
+            delattr(layer, name)
+        layer.register_parameter(name, p)
 
 
 def register_quant_method(name: str) -> Callable[[type[QuantMethod]], type[QuantMethod]]:

@@ -720,7 +720,7 @@ def fp8_linear_q(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The product of a quantized input (``quantize_act``'s layout, or a fused producer's: ``norm_quant``,
-    ``silu_mul_quant``) and an FP8 weight that ``applies``.  Decode rows (``M <= GEMV_MAX_M``): the skinny
+    ``quantize_act(silu=True)``) and an FP8 weight that ``applies``.  Decode rows (``M <= GEMV_MAX_M``): the skinny
     tensor-core tiles (``pick_config``); more rows: ``torch._scaled_mm`` (per-row weight scales, no bias) or
     the Triton GEMM."""
     m, k = xq.shape
