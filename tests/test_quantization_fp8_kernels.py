@@ -203,3 +203,17 @@ def test_fp8_linear_q_equals_fp8_linear(fk, fmt, act, m):
     xq, xs = fk.quantize_act(x, code, 128, static)
     y2 = fk.fp8_linear_q(xq, xs, q, s, code, block, 128, None, x.dtype)
     assert torch.equal(y, y2)
+
+
+def test_the_shared_rmsnorm_row_is_the_torch_norm():
+    """``fused_ops_cuda.rmsnorm_row`` (the norm of both ``rmsnorm`` and ``norm_quant``) against torch, in float32
+    (the interpreter's bfloat16 loads are not exact; the GPU tests cover bfloat16)."""
+    from kvship.engine.layers import fused_ops_cuda as fo
+
+    gen = torch.Generator().manual_seed(8)
+    x, res = torch.randn(3, 320, generator=gen) * 2, torch.randn(3, 320, generator=gen)
+    w = 1 + 0.1 * torch.randn(320, generator=gen)
+    h, r = fo.rmsnorm(x, w, 1e-5, res)
+    s = x + res
+    assert torch.equal(r, s)
+    assert torch.allclose(h, w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=1e-5, atol=1e-6)

@@ -70,12 +70,19 @@ def _rmsnorm_kernel(
         rv = tl.load(res + row * stride_r + offs, mask=mask, other=0.0)
         xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
         tl.store(res_out + row * stride_ro + offs, xv, mask=mask)
+    out = rmsnorm_row(xv, tl.load(w + offs, mask=mask, other=0.0), n_cols, eps)
+    tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rmsnorm_row(xv, wv, n_cols, eps):
+    """RMSNorm of one row ``xv`` (masked columns 0) as Hugging Face rounds it: normalised in float32, cast to the
+    row's dtype, times the weight ``wv``; float32 (the caller casts to the output dtype).  Shared with the FP8
+    norm-and-quantize kernel (``fp8_kernels._norm_quant_kernel``), which must round exactly as this one."""
     h = xv.to(tl.float32)
     var = tl.sum(h * h, axis=0) / n_cols
     h = (h * tl.rsqrt(var + eps)).to(xv.dtype)
-    wv = tl.load(w + offs, mask=mask, other=0.0)
-    out = wv.to(tl.float32) * h.to(tl.float32)
-    tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+    return wv.to(tl.float32) * h.to(tl.float32)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from kvship.engine.layers.fused_dispatch import use_pdl
-from kvship.engine.layers.fused_ops_cuda import pdl_enter
+from kvship.engine.layers.fused_ops_cuda import pdl_enter, rmsnorm_row
 from kvship.engine.layers.quantization import fp8_math as fm
 
 ACT_GROUP, ACT_TOKEN, ACT_STATIC = 0, 1, 2
@@ -187,11 +187,7 @@ def _norm_quant_kernel(
         rv = tl.load(res + row * stride_r + offs, mask=mask, other=0.0)
         xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
         tl.store(res_out + row * stride_ro + offs, xv, mask=mask)
-    hf = xv.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / K
-    hn = (hf * tl.rsqrt(var + eps)).to(xv.dtype)
-    wv = tl.load(w + offs, mask=mask, other=0.0)
-    out = (wv.to(tl.float32) * hn.to(tl.float32)).to(h.dtype.element_ty)
+    out = rmsnorm_row(xv, tl.load(w + offs, mask=mask, other=0.0), K, eps).to(h.dtype.element_ty)
     if KEEP:
         tl.store(h + row * stride_h + offs, out, mask=mask)
     v = out.to(tl.float32)
