@@ -219,7 +219,10 @@ class ModelRunner:
         if mc.mla is not None:
             self.attn_backend = create_mla_attention_backend(server_args.attention_backend, self.attn_context)
         else:
-            self.attn_backend = create_attention_backend(server_args.resolved_attention_backend, self.attn_context)
+            backend = server_args.resolved_attention_backend(mc.head_dim)
+            if server_args.attention_backend == "auto":
+                logger.info("attention backend: %s (auto, head_dim %d)", backend, mc.head_dim)
+            self.attn_backend = create_attention_backend(backend, self.attn_context)
         # set by an EAGLE speculator: eager forwards hand it the tokens' hidden states (docs/speculative.md)
         self.hidden_capture: Optional[HiddenCapture] = None
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)

@@ -27,6 +27,9 @@ Per step (``init_forward_metadata``), planned once and reused by every layer:
   ``v_scale`` to ``run`` (FlashInfer folds them into the softmax scale and
   the output; docs/quantization.md, "FP8 KV cache").
 
+Head dims: FlashInfer's kernels take ``backend_choice.FLASHINFER_HEAD_DIMS`` only; the constructor refuses
+any other before it touches a kernel (``--attention-backend auto`` never picks this backend for one).
+
 Invariant: every kernel choice depends on the CUDA-graph size a batch pads to
 (``AttentionContext.cuda_graph_bs``), never on its context lengths, so an
 eager step and a replayed graph of the same requests run the same kernels.
@@ -51,6 +54,7 @@ import flashinfer
 import torch
 
 from kvship.common.envs import ENV
+from kvship.engine.attention.backend_choice import flashinfer_head_dim_error, flashinfer_head_dim_ok
 from kvship.engine.attention.base import (
     AttentionBackend,
     AttentionContext,
@@ -141,6 +145,8 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, ctx: AttentionContext):
+        if not flashinfer_head_dim_ok(ctx.head_dim):  # first: nothing below may touch a kernel for it
+            raise ValueError(flashinfer_head_dim_error(ctx.head_dim))
         self.device = ctx.device
         if self.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
