@@ -1,14 +1,19 @@
-"""Host-tier load-back bandwidth against a plain pinned host -> device copy (issue 35's goal: >= 70%).
+"""Host-tier copy bandwidth against plain pinned copies (issue 35's goal: load-back >= 70% of host -> device),
+for each I/O backend (``--hicache-io-backend``; docs/cache.md, "Copies"), side by side in one run.
 
 Builds a KV pool of a given shape on ``--device`` (``cuda`` to measure; ``cpu`` runs the same code), a host
-tier beside it (pinned on CUDA), fills the host rows, and times:
+tier per backend beside it (pinned on CUDA), fills the host rows, and times, best of ``--repeat``:
 
-* ``pinned``: one pinned host buffer of the load's size copied to the device (``copy_``, non-blocking);
-* ``load-back``: ``HostTier.load_back`` of ``--pages`` scattered pages, ``start_loads`` and ``finish`` (the copy
-  thread gathers each layer into a pinned staging buffer and sends it on a side stream; docs/cache.md,
-  "Load-back"), until the device is idle.
+* ``pinned h2d`` / ``pinned d2h``: one pinned host buffer of the load's size copied to / from the device;
+* ``load-back``: ``HostTier.load_back`` of ``--pages`` scattered pages, ``start_loads`` and ``finish``, until
+  the device is idle (``copy``: the copy thread gathers each layer into pinned staging and sends it on a side
+  stream; ``kernel``: one ``copy_pages`` launch per layer reads the pinned host pool in place);
+* ``write-back``: ``HostTier.write_back`` of the same number of scattered device pages and ``sync_writes``.
 
-Best of ``--repeat`` runs each; prints GB/s and the ratio.
+``--interference`` (CUDA): a bandwidth-bound GEMV stream (an 8B model's gate_up projection, batch 1) timed
+alone and while load-backs run beside it on the tier's side stream: the slowdown a decode batch would see.
+``--sweep`` (CUDA): ``copy_pages`` over every layer at a grid of ``programs`` x ``block`` (bandwidth and
+interference each), to pick ``page_copy.DEFAULT_PROGRAMS`` / ``DEFAULT_BLOCK``.
 
     .venv/bin/python bench/hicache_loadback.py --device cuda [--layers 32 --kv-heads 8 --head-dim 128]
 """
@@ -16,17 +21,59 @@ Best of ``--repeat`` runs each; prints GB/s and the ratio.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
 
-from kvship.engine.mem.hicache import HostTier, bytes_per_token
+from kvship.engine.mem.hicache import HostTier, bytes_per_token, layer_buffers
 from kvship.engine.mem.pools import KVPool
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _best(fn, device, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class Gemv:
+    """A stand-in decode: back-to-back batch-1 GEMVs of ``[28672, 4096]`` bf16 (235 MB read each)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.w = torch.randn(28672, 4096, dtype=torch.bfloat16, device=device)
+        self.x = torch.randn(4096, dtype=torch.bfloat16, device=device)
+
+    def per_call_ms(self, calls: int = 40) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            torch.mv(self.w, self.x)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / calls
+
+
+def interference(gemv: Gemv, start_copy, device: torch.device, rounds: int = 3) -> dict:
+    """GEMV ms per call alone and while ``start_copy()`` (queued on another stream) runs; best of ``rounds``."""
+    alone = min(gemv.per_call_ms() for _ in range(rounds))
+    during = float("inf")
+    for _ in range(rounds):
+        _sync(device)
+        start_copy()
+        during = min(during, gemv.per_call_ms())
+        _sync(device)
+    return {"gemv_ms_alone": alone, "gemv_ms_during_copy": during, "slowdown": during / alone}
 
 
 def main() -> None:
@@ -39,48 +86,113 @@ def main() -> None:
     p.add_argument("--pool-pages", type=int, default=4096, help="device pool (and host tier) size in pages")
     p.add_argument("--pages", type=int, default=1024, help="pages loaded back per run")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--io-backends", default=None, help="comma list of kernel, copy (default: both on CUDA, copy elsewhere)"
+    )
+    p.add_argument("--interference", action="store_true", help="CUDA: GEMV slowdown while load-backs run")
+    p.add_argument("--sweep", action="store_true", help="CUDA: copy_pages programs x block grid")
+    p.add_argument("--out", default=os.environ.get("OUT", ""))
     args = p.parse_args()
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    backends = (args.io_backends or ("kernel,copy" if cuda else "copy")).split(",")
     ps = args.page_size
     kv = KVPool(args.pool_pages * ps, ps, torch.bfloat16, args.kv_heads, args.head_dim, args.layers, args.device)
-    t_build = time.perf_counter()
-    host = HostTier(kv, args.pool_pages * ps)
-    for layer in range(args.layers):  # any values: the copies' speed does not depend on them (normal_ on tens of
-        host.pool.k_buffer[layer].fill_(0.5 + layer)  # GB of host rows alone took minutes)
-        host.pool.v_buffer[layer].fill_(-0.5 - layer)
-    print(f"device pool and host tier built in {time.perf_counter() - t_build:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     pages = torch.randperm(args.pool_pages - 1, generator=gen)[: args.pages] + 1  # page 0 unused
     src = (pages[:, None] * ps + torch.arange(ps)).flatten()
     dst = (torch.randperm(args.pool_pages - 1, generator=gen)[: args.pages] + 1)[:, None] * ps + torch.arange(ps)
     dst = dst.flatten()
     nbytes = src.numel() * bytes_per_token(kv)
-
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best_copy = best_load = float("inf")
-    for _ in range(args.repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        target.copy_(pinned, non_blocking=True)
-        _sync(device)
-        best_copy = min(best_copy, time.perf_counter() - t0)
-        _sync(device)
-        t0 = time.perf_counter()
-        host.load_back(src, dst)
-        loads = host.start_loads()
-        assert loads is not None
-        loads.finish()
-        _sync(device)
-        best_load = min(best_load, time.perf_counter() - t0)
     gb = nbytes / 1e9
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(
-        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}); "
-        f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} bf16, {args.pages} pages of {ps} "
-        f"tokens = {gb * 1e3:.1f} MB per load"
+        f"device {device} ({name}); {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} bf16, "
+        f"{args.pages} pages of {ps} tokens = {gb * 1e3:.1f} MB per copy",
+        flush=True,
     )
-    print(f"pinned host -> device copy: {gb / best_copy:.1f} GB/s")
-    print(f"load-back (layer by layer): {gb / best_load:.1f} GB/s = {best_copy / best_load:.0%} of the pinned copy")
+    res: dict = {"device": name, "shape": vars(args), "mb_per_copy": gb * 1e3, "backends": {}}
+
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = _best(lambda: target.copy_(pinned, non_blocking=True), device, args.repeat)
+    d2h = _best(lambda: pinned.copy_(target, non_blocking=True), device, args.repeat)
+    res["pinned_h2d_GBps"], res["pinned_d2h_GBps"] = gb / h2d, gb / d2h
+    print(f"pinned host -> device copy: {gb / h2d:.1f} GB/s; device -> host: {gb / d2h:.1f} GB/s", flush=True)
+    del target
+
+    gemv = Gemv(device) if cuda and (args.interference or args.sweep) else None
+    for backend in backends:
+        t_build = time.perf_counter()
+        host = HostTier(kv, args.pool_pages * ps, io_backend=backend)
+        for layer in range(args.layers):  # any values: the copies' speed does not depend on them (normal_ on
+            host.pool.k_buffer[layer].fill_(0.5 + layer)  # tens of GB of host rows alone took minutes)
+            host.pool.v_buffer[layer].fill_(-0.5 - layer)
+        print(f"[{backend}] host tier built in {time.perf_counter() - t_build:.1f} s", flush=True)
+
+        def load() -> None:
+            host.load_back(src, dst)
+            loads = host.start_loads()
+            assert loads is not None
+            loads.finish()
+
+        def write() -> None:
+            slots = host.write_back(src)
+            assert slots is not None
+            host.sync_writes()
+            host.free(slots)
+
+        t_load = _best(load, device, args.repeat)
+        t_write = _best(write, device, args.repeat)
+        row = {
+            "load_back_GBps": gb / t_load,
+            "load_back_vs_pinned_h2d": h2d / t_load,
+            "write_back_GBps": gb / t_write,
+            "write_back_vs_pinned_d2h": d2h / t_write,
+        }
+        print(
+            f"[{backend}] load-back {gb / t_load:.1f} GB/s = {h2d / t_load:.0%} of the pinned copy; "
+            f"write-back {gb / t_write:.1f} GB/s = {d2h / t_write:.0%} of the pinned copy",
+            flush=True,
+        )
+        if gemv is not None and args.interference:
+
+            def start_load() -> None:
+                host.load_back(src, dst)
+                host.start_loads()  # queued on the tier's side stream; the GEMVs run beside it
+
+            row["interference"] = interference(gemv, start_load, device)
+            host.drain()
+            print(f"[{backend}] GEMV beside load-backs: {row['interference']}", flush=True)
+        res["backends"][backend] = row
+        del host
+
+    if gemv is not None and args.sweep:
+        from kvship.engine.mem.page_copy import copy_pages
+
+        host = HostTier(kv, args.pool_pages * ps, io_backend="kernel")
+        dev_layers, host_layers = layer_buffers(kv), host.pool.layers
+        hp, dp = (src[::ps] // ps).to(device), (dst[::ps] // ps).to(device)
+        side = torch.cuda.Stream(device)
+        res["sweep"] = []
+        for programs in (16, 32, 64, 132, 264, 528):
+            for block in (1024, 2048, 4096, 8192):
+
+                def run(on=None, programs=programs, block=block) -> None:
+                    with torch.cuda.stream(on) if on is not None else torch.cuda.stream(torch.cuda.current_stream()):
+                        for layer in range(args.layers):
+                            copy_pages(dev_layers[layer], dp, host_layers[layer], hp, ps, programs, block)
+
+                t = _best(run, device, args.repeat)
+                inter = interference(gemv, lambda run=run: run(side), device)
+                row = {"programs": programs, "block": block, "load_GBps": gb / t, "vs_pinned_h2d": h2d / t}
+                row["gemv_slowdown"] = inter["slowdown"]
+                res["sweep"].append(row)
+                print(f"sweep {row}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "hicache_loadback.json"), "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvship.common.cli_args import add_dataclass_arguments, dataclass_from_namespace, opt
+from kvship.engine.attention.backend_choice import FLASHINFER_HEAD_DIMS, auto_attention_backend
 
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
@@ -142,6 +143,13 @@ class ServerArgs:
         "cached). Needs --hicache-size-gb / --hicache-ratio (docs/cache.md)",
         choices=("write_back", "write_through"),
     )
+    hicache_io_backend: str = opt(
+        "auto",
+        "Host KV tier copies: kernel (one page-gather kernel per layer reads / writes the pinned host pool in "
+        "place; no copy thread), copy (a copy thread gathers on the host and copies through a staging buffer); "
+        "auto = kernel on CUDA, copy elsewhere (docs/cache.md)",
+        choices=("auto", "kernel", "copy"),
+    )
     hicache_storage: str = opt(
         "none",
         "Shared KV tier: pages evicted from the last local tier are written to it and a prefix match that goes "
@@ -250,8 +258,9 @@ class ServerArgs:
     # Kernels
     attention_backend: str = opt(
         "auto",
-        "Attention backend (auto: flashinfer on CUDA when installed, triton for DeepSeek (MLA) models on CUDA, else "
-        "torch_native)",
+        "Attention backend (auto, on CUDA: flashinfer when installed and the model's head_dim is one of "
+        f"{'/'.join(map(str, FLASHINFER_HEAD_DIMS))} (the only ones flashinfer takes), else triton; triton for "
+        "DeepSeek (MLA) models; torch_native elsewhere)",
         choices=("auto",) + ATTENTION_BACKENDS,
     )
     sampling_backend: str = opt("auto", "Sampling kernels", choices=("auto", "torch", "flashinfer"))
@@ -332,18 +341,21 @@ class ServerArgs:
     def resolved_kv_dtype(self) -> str:
         return self.resolved_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    @property
-    def resolved_attention_backend(self) -> str:
+    def resolved_attention_backend(self, head_dim: int) -> str:
+        """The backend ``--attention-backend`` names for a (non-MLA) model of ``head_dim``: the flag itself
+        unless it is ``auto`` (``kvship.engine.attention.backend_choice.auto_attention_backend``: FlashInfer
+        only for the head dims its kernels take)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        if self.resolved_device == "cuda":
-            import importlib.util
+        import importlib.util
 
-            if importlib.util.find_spec("flashinfer") is not None:
-                return "flashinfer"
-            if importlib.util.find_spec("triton") is not None:
-                return "triton"
-        return "torch_native"
+        device = self.resolved_device
+        return auto_attention_backend(
+            device,
+            head_dim,
+            flashinfer_available=device == "cuda" and importlib.util.find_spec("flashinfer") is not None,
+            triton_available=device == "cuda" and importlib.util.find_spec("triton") is not None,
+        )
 
     @property
     def speculative_shape(self) -> tuple[int, int, int]:

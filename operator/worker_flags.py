@@ -61,6 +61,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--enable-kv-events", "--no-enable-kv-events"), "enable_kv_events", "switch"),
     (("--hicache-ratio",), "hicache_ratio", "value"),
     (("--hicache-write-policy",), "hicache_write_policy", "value"),
+    (("--hicache-io-backend",), "hicache_io_backend", "value"),
     (("--hicache-storage",), "hicache_storage", "value"),
     (("--hicache-storage-path",), "hicache_storage_path", "value"),
     (("--hicache-storage-master",), "hicache_storage_master", "value"),

@@ -80,6 +80,7 @@ from kvship.engine.mem.pools import KVPool, TokenToKVPoolAllocator
 
 GIB = 1 << 30
 WRITE_POLICIES = ("write_back", "write_through")  # --hicache-write-policy (docs/cache.md, "Tiers")
+IO_BACKENDS = ("auto", "kernel", "copy")  # --hicache-io-backend (docs/cache.md, "Copies")
 
 
 def layer_buffers(pool) -> list[list[torch.Tensor]]:
@@ -191,6 +192,59 @@ def _copy_rows(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx, page_size
     dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
 
 
+def copy_pages(*args, **kwargs) -> None:
+    """``kvship.engine.mem.page_copy.copy_pages`` (Triton), imported on first use: a worker without Triton runs
+    the copy backend and never needs it."""
+    from kvship.engine.mem.page_copy import copy_pages as kernel
+
+    kernel(*args, **kwargs)
+
+
+def _to_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Index rows (int64 CPU) on ``device`` for a kernel, copied without blocking the host on CUDA."""
+    if device.type != "cuda":
+        return idx.to(device)
+    return idx.pin_memory().to(device, non_blocking=True)
+
+
+def resolve_io_backend(io_backend: str, device: torch.device) -> str:
+    """``--hicache-io-backend``: ``auto`` is ``kernel`` on CUDA and ``copy`` elsewhere."""
+    if io_backend not in IO_BACKENDS:
+        raise ValueError(f"unknown host KV tier I/O backend {io_backend!r} (one of {IO_BACKENDS})")
+    if io_backend == "auto":
+        return "kernel" if device.type == "cuda" else "copy"
+    return io_backend
+
+
+def _check_kernel_io(device_pool, host_pool: "HostKVPool") -> None:
+    """Refuse ``--hicache-io-backend kernel`` at startup where its kernel cannot run: buffers it cannot address,
+    or a device / Triton that cannot reach pinned host memory (one page copied there and back and compared)."""
+    bufs = [b for bufs in layer_buffers(device_pool) for b in bufs] + [b for bufs in host_pool.layers for b in bufs]
+    if not all(b.is_contiguous() and b.dim() >= 2 for b in bufs):
+        raise ValueError("--hicache-io-backend kernel needs contiguous KV buffers; use --hicache-io-backend copy")
+    try:
+        dev = device_pool.device
+        probe = torch.arange(2 * 64, dtype=torch.int32).view(2, 64)
+        host = probe.pin_memory() if dev.type == "cuda" else probe.clone()
+        on_dev = torch.zeros_like(probe, device=dev)
+        one = torch.ones(1, dtype=torch.int64, device=dev)
+        copy_pages([on_dev], one, [host], one, 1)
+        back = torch.zeros_like(host)
+        copy_pages([back], one - 1, [on_dev], one, 1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        ok = torch.equal(back[0], probe[1]) and torch.equal(on_dev[1].cpu(), probe[1])
+    except Exception as e:  # noqa: BLE001 - any failure of the probe is the refusal's reason
+        raise ValueError(
+            f"--hicache-io-backend kernel cannot copy between host and device memory here ({e}); "
+            "use --hicache-io-backend copy"
+        ) from e
+    if not ok:
+        raise ValueError(
+            "--hicache-io-backend kernel copied wrong bytes in its startup check; use --hicache-io-backend copy"
+        )
+
+
 class LayerLoads:
     """One started batch of host -> device copies, ready layer by layer (see the module docstring)."""
 
@@ -261,6 +315,34 @@ class LayerLoads:
                             _raw(dbuf).index_copy_(0, slots, rows_dev)
                         else:
                             _raw(dbuf).index_copy_(0, dst, rows_dev)
+                    if stream is not None:
+                        self._events[layer] = stream.record_event()
+                    self._ready[layer].set()
+        except BaseException as e:  # the forward's wait raises it
+            self.error = e
+        finally:
+            for ev in self._ready:
+                ev.set()
+
+    def launch(self, pool: "HostKVPool", device_pool, stream) -> None:
+        """The kernel I/O path (``--hicache-io-backend kernel``), on the caller's thread: one ``copy_pages``
+        launch per layer on ``stream`` (after ``self.after``), reading the pinned host pool in place, each
+        layer's event recorded after its launch.  Only launches: nothing here waits for the device."""
+        try:
+            ps = pool.page_size
+            host = torch.cat([h for h, _ in self.pairs])
+            dst = torch.cat([d for _, d in self.pairs])
+            hp, dp = _pages(host, ps), _pages(dst, ps)
+            paged = hp is not None and dp is not None
+            if paged:
+                host, dst = hp, dp
+            dev_layers = layer_buffers(device_pool)
+            if stream is not None:
+                stream.wait_event(self.after)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                idx = _to_device(torch.stack([host, dst]), device_pool.device)
+                for layer in range(self.num_layers):
+                    copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
                     if stream is not None:
                         self._events[layer] = stream.record_event()
                     self._ready[layer].set()
@@ -354,15 +436,20 @@ class _CopyThread:
 class HostTier:
     """Host pool + its allocator + the copies between it and the device pool (see the module docstring)."""
 
-    def __init__(self, device_pool, num_slots: int, write_policy: str = "write_back"):
-        """``device_pool``: a ``KVPool`` or an ``MLAKVPool``; ``write_policy``: one of ``WRITE_POLICIES``."""
+    def __init__(self, device_pool, num_slots: int, write_policy: str = "write_back", io_backend: str = "auto"):
+        """``device_pool``: a ``KVPool`` or an ``MLAKVPool``; ``write_policy``: one of ``WRITE_POLICIES``;
+        ``io_backend``: one of ``IO_BACKENDS`` (``kernel``: ``copy_pages`` launches, no copy thread)."""
         if num_slots < device_pool.page_size:
             raise ValueError("the host KV tier needs at least one page")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown host KV tier write policy {write_policy!r} (one of {WRITE_POLICIES})")
         self.write_policy = write_policy
+        self.io_backend = resolve_io_backend(io_backend, device_pool.device)
         self.device_pool = device_pool
         self.pool = HostKVPool(device_pool, num_slots)
+        if self.io_backend == "kernel":
+            _check_kernel_io(device_pool, self.pool)
+        self._last_write = None  # kernel I/O on CUDA: an event after the last write-back's launches
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, device_pool.page_size)
         self.device = device_pool.device
         self.bytes_written = 0  # device -> host
@@ -387,6 +474,8 @@ class HostTier:
         scheduler does not wait (module docstring, "Ordering rules").  Device slots that a load-back not yet
         finished is still writing are first waited for (``drain``)."""
         self._check()
+        if self.io_backend == "kernel":
+            return self._write_back_kernel(gpu_slots)
         if self._loading_into(gpu_slots):
             self.drain()
         n = int(gpu_slots.numel())
@@ -422,6 +511,30 @@ class HostTier:
         self.pages_written += n // self.pool.page_size
         return host_slots
 
+    def _write_back_kernel(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """``write_back`` by ``copy_pages`` on the current stream, straight into the pinned host pool.  The
+        current stream first waits for every load-back handed over (``drain``: only stream waits here), so the
+        copy reads device pages once loaded and writes host pages only after the loads that read them."""
+        if self._queued or self._running is not None:
+            self.drain()
+        n = int(gpu_slots.numel())
+        host_slots = self.allocator.alloc(n)
+        if host_slots is None:
+            return None
+        ps = self.pool.page_size
+        gp, hp = _pages(gpu_slots, ps), _pages(host_slots, ps)
+        paged = gp is not None and hp is not None
+        src, dst = (gp, hp) if paged else (gpu_slots, host_slots)
+        idx = _to_device(torch.stack([src, dst]), self.device)
+        dev_bufs = [b for bufs in layer_buffers(self.device_pool) for b in bufs]
+        host_bufs = [b for bufs in self.pool.layers for b in bufs]
+        copy_pages(host_bufs, idx[1], dev_bufs, idx[0], ps if paged else 1)
+        if self.device.type == "cuda":
+            self._last_write = torch.cuda.current_stream(self.device).record_event()
+        self.bytes_written += n * bytes_per_token(self.device_pool)
+        self.pages_written += n // ps
+        return host_slots
+
     def _loading_into(self, gpu_slots: torch.Tensor) -> bool:
         """Whether a queued load-back, or the last started one (the current stream may not be ordered after it
         yet), writes any of ``gpu_slots``."""
@@ -437,6 +550,9 @@ class HostTier:
             w.done.wait()
         self._check()
         self._writes = []
+        if self._last_write is not None:  # kernel I/O: the launches write the host pool in place
+            self._last_write.synchronize()
+            self._last_write = None
 
     def _check(self) -> None:
         """Raise the failure of an earlier copy (the pools may hold wrong KV: the worker must stop)."""
@@ -458,7 +574,10 @@ class HostTier:
         loads = LayerLoads(self._queued, self.pool.num_layers, self.device)
         self._queued = []
         self._running = loads
-        self._copier.submit(loads)
+        if self.io_backend == "kernel":
+            loads.launch(self.pool, self.device_pool, self._copier.stream)
+        else:
+            self._copier.submit(loads)
         # host slots freed while these loads were queued: every copy handed to the thread from now on runs
         # after these loads have read them
         for slots in self._deferred:
@@ -473,7 +592,8 @@ class HostTier:
         if self._running is not None:
             self._running.finish()
             self._running = None
-        self.sync_writes()
+        if self.io_backend == "copy":  # kernel I/O: write-backs run on the current stream, already in order
+            self.sync_writes()
 
     def free(self, host_slots: torch.Tensor) -> None:
         """Return host pages; while load-backs are queued (not yet handed to the copy thread) they may read
@@ -501,4 +621,4 @@ def host_tier_for(server_args, model_runner) -> Optional[HostTier]:
     groups = model_runner.groups
     if groups is not None:
         slots = groups.world.min_int(slots)
-    return HostTier(pool, slots, server_args.hicache_write_policy)
+    return HostTier(pool, slots, server_args.hicache_write_policy, server_args.hicache_io_backend)
