@@ -42,6 +42,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
+from deepseek import V2_LITE  # bench/deepseek.py (this directory is on sys.path when a bench script runs)
 
 logger = logging.getLogger("decode_latency")
 
@@ -118,6 +119,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         torch_dtype="bfloat16",
     ),
 }
+# DeepSeek-V2-Lite (issue 34): MLA over a latent cache, 64 routed + 2 shared experts (bench/deepseek.py's definition)
+SHAPES["deepseek-v2-lite"] = V2_LITE
 
 
 def step_weight_bytes(mc: Any, weight_bytes: int, elem: int = 2, tp_size: int = 1, ep_size: int = 1) -> int:

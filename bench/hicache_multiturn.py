@@ -98,7 +98,8 @@ def worker_argv(args: argparse.Namespace, plan: dict[str, Any], model: str, port
     if args.device == "cuda":
         argv += ["--cuda-graph-max-bs", str(max(16, args.concurrency + 2))]
     if host_tier:
-        argv += ["--hicache-ratio", str(plan["hicache_ratio"]), "--hicache-write-policy", args.hicache_write_policy]
+        argv += ["--hicache-ratio", str(plan["hicache_ratio"]), "--hicache-write-policy", args.hicache_write_policy,
+                 "--hicache-io-backend", args.hicache_io_backend]  # fmt: skip
     return argv + args.extra.split()
 
 
@@ -390,7 +391,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"ids + {p['answer_tokens']} answer tokens a turn (contexts up to {p['final_context']}), "
         f"{a['concurrency']} in flight, page {a['page_size']}.  Working set {p['working_set_tokens']} tokens; device "
         f"pool {p['pool_tokens']} ({p['pool_share_of_working_set']:.0%}); host tier {p['hicache_ratio']}x = "
-        f"{p['host_tokens']} tokens ({a['hicache_write_policy']}).  Unrelated decode: {a['decode_prompt']} + "
+        f"{p['host_tokens']} tokens ({a['hicache_write_policy']}, I/O {a['hicache_io_backend']}).  Unrelated decode: {a['decode_prompt']} + "
         f"{a['decode_tokens']} tokens.",
         "",
         "| config | requests | TTFT p50 ms | TTFT p90 ms | returning p50 ms | cached share | returning cached share | "
@@ -437,6 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--hicache-ratio", type=float, default=0.0, help="0: enough for the whole working set")
     ap.add_argument("--hicache-write-policy", default="write_back", choices=("write_back", "write_through"))
+    ap.add_argument("--hicache-io-backend", default="auto", choices=("auto", "kernel", "copy"))
     ap.add_argument("--decode-prompt", type=int, default=None, help="unrelated request's prompt ids (128; tiny 32)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="its output tokens (1024; tiny 256)")
     ap.add_argument("--poll-ms", type=float, default=None, help="/get_server_info poll period (50; cpu 200)")

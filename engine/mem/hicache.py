@@ -229,7 +229,7 @@ def _check_kernel_io(device_pool, host_pool: "HostKVPool") -> None:
         on_dev = torch.zeros_like(probe, device=dev)
         one = torch.ones(1, dtype=torch.int64, device=dev)
         copy_pages([on_dev], one, [host], one, 1)
-        back = torch.zeros_like(host)
+        back = torch.zeros_like(probe).pin_memory() if dev.type == "cuda" else torch.zeros_like(probe)
         copy_pages([back], one - 1, [on_dev], one, 1)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

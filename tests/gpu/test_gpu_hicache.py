@@ -17,12 +17,15 @@ from kvship.engine.mem.hicache import HostTier
 from kvship.engine.mem.pools import KVPool
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
+# both I/O backends (--hicache-io-backend; docs/cache.md, "Copies"): kernel is the default on CUDA
+io_backends = pytest.mark.parametrize("io", ["kernel", "copy"])
 
 
-def test_each_layer_is_in_place_on_the_forward_stream_once_its_wait_returns():
+@io_backends
+def test_each_layer_is_in_place_on_the_forward_stream_once_its_wait_returns(io):
     layers, slots, heads, dim = 6, 1 << 15, 8, 128
     kv = KVPool(slots, 16, torch.bfloat16, heads, dim, layers, "cuda")
-    host = HostTier(kv, slots)
+    host = HostTier(kv, slots, io_backend=io)
     src = torch.arange(16, slots, dtype=torch.int64)  # host slots (page 0 unused)
     dst = torch.flip(src, [0])  # device slots, another order
     for layer in range(layers):
@@ -46,7 +49,8 @@ def test_each_layer_is_in_place_on_the_forward_stream_once_its_wait_returns():
     loads.finish()
 
 
-def test_prefix_loaded_back_on_the_gpu_gives_the_cold_tokens(tiny_llama_dir):
+@io_backends
+def test_prefix_loaded_back_on_the_gpu_gives_the_cold_tokens(tiny_llama_dir, io):
     from tests.test_hicache import _drain, _gen, _sched
 
     g = torch.Generator().manual_seed(11)
@@ -55,7 +59,8 @@ def test_prefix_loaded_back_on_the_gpu_gives_the_cold_tokens(tiny_llama_dir):
     # triton attention: the shared tiny model's head_dim 16 is under what FlashInfer's merge kernel takes (an
     # H200 run of 2026-11-29 failed there, in VariableLengthMergeStates, before reaching the tier)
     kw = dict(device="cuda", page_size=4, attention_backend="triton")
-    sched, _, out = _sched(tiny_llama_dir, max_total_tokens=256, hicache_ratio=4.0, **kw)
+    sched, _, out = _sched(tiny_llama_dir, max_total_tokens=256, hicache_ratio=4.0, hicache_io_backend=io, **kw)
+    assert sched.cache.host.io_backend == io
     sched.submit(_gen("t1", first, 8))
     _drain(sched)
     for i, ids in enumerate(others):
@@ -72,12 +77,13 @@ def test_prefix_loaded_back_on_the_gpu_gives_the_cold_tokens(tiny_llama_dir):
     assert out.tokens("t2") == cold_out.tokens("c")
 
 
-def test_a_write_back_takes_the_rows_before_later_kernels_overwrite_them_and_loads_back_after():
-    """The write-back's device gather is ordered on the current stream before the kernels queued after it, and
-    the copy thread writes the host pool before a load-back handed over after it reads it (no wait between)."""
+@io_backends
+def test_a_write_back_takes_the_rows_before_later_kernels_overwrite_them_and_loads_back_after(io):
+    """The write-back's device read is ordered on the current stream before the kernels queued after it, and
+    its host rows are written before a load-back handed over after it reads them (no wait between)."""
     layers, heads, dim, ps = 4, 8, 128, 16
     kv = KVPool(1 << 14, ps, torch.bfloat16, heads, dim, layers, "cuda")
-    host = HostTier(kv, 1 << 13)
+    host = HostTier(kv, 1 << 13, io_backend=io)
     for layer in range(layers):
         kv.k_buffer[layer].normal_()
         kv.v_buffer[layer].normal_()
