@@ -79,6 +79,10 @@ def _fake_quant(runner: ModelRunner, scales, monkeypatch) -> ModelRunner:
         store(layer_id, loc, dequantize_kv(quantize_kv(latent, s), s, latent.dtype))
 
     monkeypatch.setattr(pool, "set_latent", set_latent)
+    # decode steps store through set_latent too (not mla_decode_prep's kernel store, which this hook cannot see):
+    # the reference runs the layer's unfused decode, the FP8 runner under test the fused one
+    if getattr(runner.attn_backend, "fused_decode_prep", False):
+        monkeypatch.setattr(runner.attn_backend, "fused_decode_prep", False)
     return runner
 
 

@@ -59,6 +59,75 @@ def test_split_kv_mla_decode_equals_the_reference(heads, r, p, splits):
     assert torch.allclose(got.cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_mla_decode_with_q_pe_apart_equals_the_joined_queries():
+    """``q_pe=``: the absorbed queries and the rope part as two strided views give the joined queries' output."""
+    from kvship.engine.attention.mla_triton import mla_decode
+
+    g = torch.Generator().manual_seed(3)
+    heads, r, p = 4, 32, 8
+    lens = torch.tensor([5, 40])
+    r2t = torch.arange(1, 1 + 2 * 48, dtype=torch.int32).view(2, 48)
+    buf = torch.randn((120, 1, r + p), generator=g)
+    q = torch.randn((2, heads, r + p), generator=g)
+    q_lat = q[..., :r].transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, R] through [H, T, R] strides
+    q_pe = torch.randn((2, heads, 24 + p), generator=g)[..., 24:]  # a slice of wider rows
+    q_pe.copy_(q[..., r:])
+    args = [t.to(DEVICE) for t in (buf, r2t, torch.tensor([0, 1]), lens)]
+    joined = mla_decode(q.to(DEVICE), *args, r, 0.3, num_splits=2)
+    apart = mla_decode(q_lat.to(DEVICE), *args, r, 0.3, num_splits=2, q_pe=q_pe.to(DEVICE))
+    assert torch.equal(joined.cpu(), apart.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_decode_prep_equals_the_layers_ops_bit_for_bit(dtype, interleave, fp8):
+    """``mla_decode_prep`` (norm + rotary + latent store in one kernel) against what the eager layer runs:
+    ``RMSNorm``, ``DeepseekRotary``, the concatenation and ``MLAKVPool.set_latent`` (FP8: quantized)."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter casts float32 to bfloat16 by truncation (a GPU rounds to nearest even)")
+    from kvship.engine.attention.mla_prep import mla_decode_prep
+    from kvship.engine.layers.rmsnorm import RMSNorm
+    from kvship.engine.mem.mla_pool import MLAKVPool
+    from kvship.engine.models.deepseek import DeepseekRotary
+
+    g = torch.Generator().manual_seed(7)
+    t, h, d_nope, r, p = 3, 5, 12, 24, 8
+    scaling = {
+        "type": "yarn",
+        "factor": 4,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.7,
+    }
+    rotary = DeepseekRotary(p, 256, 10000.0, scaling, interleave)
+    norm = RMSNorm(r, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(r, generator=g) + 0.5)
+    q = (torch.randn((t, h, d_nope + p), generator=g) * 2).to(dtype)
+    kv_a = (torch.randn((t, r + p + 3), generator=g) * 2).to(dtype)[:, : r + p]  # a view into wider rows
+    positions = torch.tensor([0, 17, 200])
+    loc = torch.tensor([9, 2, 30])
+    pool_dtype = torch.float8_e4m3fn if fp8 else dtype
+    scales = [0.37] if fp8 else None
+    want_pool = MLAKVPool(32, 1, pool_dtype, r, p, 1, "cpu", latent_scales=scales)
+    got_pool = MLAKVPool(32, 1, pool_dtype, r, p, 1, "cpu", latent_scales=scales)
+    # the eager layer's ops
+    q_pe, k_pe = rotary(positions, q[..., d_nope:], kv_a[:, r:])
+    c = norm(kv_a[:, :r].contiguous())
+    want_pool.set_latent(0, loc, torch.cat([c, k_pe], dim=-1))
+    want_q = torch.cat([q[..., :d_nope], q_pe], dim=-1)
+    # the kernel, in place
+    qd, kvd = q.to(DEVICE).clone(), kv_a.to(DEVICE)
+    got_pool.kv_buffer[0] = got_pool.kv_buffer[0].to(DEVICE)
+    mla_decode_prep(
+        qd, kvd, positions.to(DEVICE), rotary.cos_sin_cache.to(DEVICE), norm.weight.to(DEVICE), norm.eps,
+        got_pool.kv_buffer[0], loc.to(DEVICE), got_pool.latent_scale(0), interleave, d_nope,
+    )  # fmt: skip
+    assert torch.equal(qd.cpu(), want_q)
+    assert torch.equal(got_pool.kv_buffer[0].cpu().view(torch.uint8), want_pool.kv_buffer[0].view(torch.uint8))
+
+
 def test_mla_decode_refuses_mismatched_latent_rows():
     from kvship.engine.attention.mla_triton import mla_decode
 

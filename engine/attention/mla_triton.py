@@ -57,6 +57,7 @@ MAX_GRAPH_SPLITS = 16
 @triton.jit
 def _mla_decode_part(
     Q,
+    QPE,
     KV,
     R2T,
     RPI,
@@ -65,6 +66,8 @@ def _mla_decode_part(
     LSE_PART,
     stride_qb,
     stride_qh,
+    stride_pb,
+    stride_ph,
     stride_kv,
     stride_r2t,
     num_heads,
@@ -94,9 +97,10 @@ def _mla_decode_part(
     rmask = offs_r < R
     pmask = offs_p < P
     q_base = Q + b.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+    p_base = QPE + b.to(tl.int64) * stride_pb + heads[:, None].to(tl.int64) * stride_ph
     # products in the queries' dtype (bf16 tensor cores on a GPU; float32 stays float32), fp32 accumulators
     q_c = tl.load(q_base + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
-    q_p = tl.load(q_base + R + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    q_p = tl.load(p_base + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -164,8 +168,12 @@ def mla_decode(
     kv_scale: float = 1.0,
     num_warps: int = 4,
     num_stages: int = 3,
+    q_pe: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.
+
+    ``q_pe``: the rope part of the queries ``[B, H, P]`` as its own tensor; ``q`` is then ``[B, H, R]`` (the
+    absorbed ``q_nope``).  Either may be a strided view (rows contiguous): nothing is copied to join them.
 
     ``kv_scale``: the layer's dequantization scale; an FP8 (``float8_e4m3fn``) latent buffer is read as
     ``float(e4m3) * kv_scale`` (docs/deepseek.md, "FP8 latent cache"), any other as ``float(x) * kv_scale``.
@@ -174,12 +182,23 @@ def mla_decode(
     kv_lora_rank`` values) and log-sum-exps (at least ``B * H * num_splits``), so that a CUDA graph allocates
     no scratch of its own; None: allocated here."""
     bs, num_heads, dim = q.shape
-    r, p = kv_lora_rank, dim - kv_lora_rank
+    r = kv_lora_rank
+    if q_pe is None:
+        q, q_pe = q[..., :r], q[..., r:]
+    elif dim != r or q_pe.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"with q_pe given, q must be [B, H, {r}] and q_pe [B, H, rope dims]; got {q.shape}, {q_pe.shape}"
+        )
+    p = q_pe.shape[-1]
+    dim = r + p
     if latent.shape[-1] != dim or p <= 0:
         raise ValueError(f"latent rows of {latent.shape[-1]} values do not match queries of {dim} = {r} + rope dims")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
     kv = latent.reshape(latent.shape[0], dim)
     if kv.stride(-1) != 1:
         raise ValueError("the latent buffer's rows must be contiguous")
@@ -205,6 +224,7 @@ def mla_decode(
     grid = (bs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_part[grid](
         q,
+        q_pe,
         kv,
         req_to_token,
         req_pool_indices,
@@ -213,6 +233,8 @@ def mla_decode(
         lse_part,
         q.stride(0),
         q.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
         kv.stride(0),
         req_to_token.stride(0),
         num_heads,
@@ -360,6 +382,9 @@ class MLATritonBackend(MLATorchBackend):
     prefix-cached extends) and ``mla_extend_absorbed`` (verify with its tree masks, draft extends)."""
 
     supports_cuda_graph = True
+    # decode steps may run ``mla_prep.mla_decode_prep`` (norm, rotary, latent store in one kernel) and hand
+    # ``forward_decode_prepped`` the absorbed queries and the rotated ``q_pe`` apart (docs/deepseek.md)
+    fused_decode_prep = True
 
     def __init__(self, ctx: AttentionContext):
         super().__init__(ctx)
@@ -393,6 +418,27 @@ class MLATritonBackend(MLATorchBackend):
             num_splits=meta.num_splits,
             scratch=meta.scratch,
             kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
+        )
+
+    def forward_decode_prepped(
+        self, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Decode after ``mla_decode_prep`` stored the new latent rows: ``q_lat [B, H, R]`` and ``q_pe [B, H, P]``
+        (strided views, rows contiguous) -> ``[B, H, R]``."""
+        fb = forward_batch
+        meta: MLADecodeMeta = self.forward_metadata  # type: ignore[assignment]
+        return mla_decode(
+            q_lat,
+            fb.kv_pool.get_latent_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            layer.kv_lora_rank,
+            layer.scaling,
+            num_splits=meta.num_splits,
+            scratch=meta.scratch,
+            kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
+            q_pe=q_pe,
         )
 
     def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):

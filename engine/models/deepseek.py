@@ -279,6 +279,8 @@ class MLAAttention(nn.Module):
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q = q.view(-1, h, m.qk_head_dim)
+        if fb.forward_mode.is_decode() and self._prep_fits(fb):
+            return self._decode_prepped(positions, q, kv_a, fb), residual
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())
@@ -303,6 +305,45 @@ class MLAAttention(nn.Module):
         if fb.layer_done is not None:
             fb.layer_done(self.spec.layer_id)
         return self.o_proj(out.reshape(-1, h * m.v_head_dim)), residual
+
+    def _prep_fits(self, fb: ForwardBatch) -> bool:
+        """Whether this decode step runs ``mla_decode_prep`` (a backend with ``fused_decode_prep``, a rope dim
+        whose half is a power of two)."""
+        half = self.mla.qk_rope_head_dim // 2
+        return getattr(fb.attn_backend, "fused_decode_prep", False) and half > 0 and half & (half - 1) == 0
+
+    def _decode_prepped(
+        self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """A decode step's attention with the norm, the rotary and the latent store in one kernel
+        (kvship.engine.attention.mla_prep): the eager path's numbers, fewer kernels (docs/deepseek.md)."""
+        from kvship.engine.attention.mla_prep import mla_decode_prep
+
+        m, h, layer = self.mla, self.num_heads, self.spec.layer_id
+        if fb.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
+            fb.kv_ready(layer)
+        rotary = self._rotary[0]
+        mla_decode_prep(
+            q,
+            kv_a,
+            positions,
+            rotary.cos_sin_cache,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            fb.kv_pool.get_latent_buffer(layer),
+            fb.out_cache_loc,
+            fb.kv_pool.latent_scale(layer),
+            rotary.interleave,
+            m.qk_nope_head_dim,
+        )
+        w = self._kv_b_weight(q.dtype).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        # [H, T, R] from one batched GEMM over the heads; the kernel reads it as [T, H, R] through its strides
+        q_lat = torch.bmm(q[..., : m.qk_nope_head_dim].transpose(0, 1), w[:, : m.qk_nope_head_dim]).transpose(0, 1)
+        o = fb.attn_backend.forward_decode_prepped(q_lat, q[..., m.qk_nope_head_dim :], self.spec, fb)
+        out = torch.einsum("thr,hvr->thv", o, w[:, m.qk_nope_head_dim :])
+        if fb.layer_done is not None:
+            fb.layer_done(layer)
+        return self.o_proj(out.reshape(-1, h * m.v_head_dim))
 
 
 class DeepseekRouter(nn.Module):
