@@ -140,9 +140,8 @@ def test_the_scheduler_with_kernel_io_gives_the_cold_tokens_and_leaks_nothing(ti
 
     g = torch.Generator().manual_seed(21)
     rand = lambda n: torch.randint(3, 384, (n,), generator=g).tolist()  # noqa: E731
-    sched, _, out = _sched(
-        tiny_llama_dir, page_size=4, max_total_tokens=192, hicache_ratio=3.0, hicache_io_backend="kernel"
-    )
+    kw = dict(device=DEV, page_size=4, max_total_tokens=192)
+    sched, _, out = _sched(tiny_llama_dir, hicache_ratio=3.0, hicache_io_backend="kernel", **kw)
     assert sched.cache.host.io_backend == "kernel"
     first = rand(90)
     sched.submit(_gen("t1", first, 6))
@@ -158,7 +157,7 @@ def test_the_scheduler_with_kernel_io_gives_the_cold_tokens_and_leaks_nothing(ti
     st = sched.get_stats()
     assert st["host_hit_tokens"] >= 80 and st["host_bytes_loaded"] > 0 and st["host_bytes_written"] > 0
 
-    cold, _, cold_out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=192, disable_radix_cache=True)
+    cold, _, cold_out = _sched(tiny_llama_dir, disable_radix_cache=True, **kw)
     cold.submit(_gen("t2", turn2, 10))
     _drain(cold)
     assert out.tokens("t2") == cold_out.tokens("t2")

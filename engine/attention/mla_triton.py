@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kvship.engine.attention.base import AttentionContext
 from kvship.engine.attention.mla import Decompress, MLALayerSpec, MLATorchBackend
-from kvship.engine.attention.mla_triton_extend import mla_extend_absorbed, mla_extend_decompressed
+from kvship.engine.attention.mla_triton_extend import dot_precision, mla_extend_absorbed, mla_extend_decompressed
 from kvship.engine.attention.triton_backend import TritonExtendMeta, extend_meta
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -80,6 +80,7 @@ def _mla_decode_part(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -114,13 +115,13 @@ def _mla_decode_part(
         # (1.0 unless FP8) multiplies the scores and the output instead of every element
         c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(q_c.dtype)
         pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(q_c.dtype)
-        qk = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(pe))
+        qk = tl.dot(q_c, tl.trans(c), input_precision=DOT_PREC) + tl.dot(q_p, tl.trans(pe), input_precision=DOT_PREC)
         qk = tl.where(nmask[None, :], qk * (scale * kv_scale), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0
@@ -247,6 +248,7 @@ def mla_decode(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         BLOCK_P=block_p,
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -42,14 +42,14 @@ def _visible(pos, pre, offs_m, ext, MASK, mask_start, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _online_step(qk, m_i, l_i, acc, vals):
+def _online_step(qk, m_i, l_i, acc, vals, DOT_PREC: tl.constexpr):
     """One block of the online softmax; rows with nothing visible yet (max ``-inf``) stay empty, not NaN."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(qk - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, vals)
+    acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -82,6 +82,7 @@ def _mla_extend_absorbed_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # one program: BLOCK_M new tokens x BLOCK_H heads as BLOCK_M * BLOCK_H rows, so each latent row it loads
     # serves all those queries (the heads share it)
@@ -122,10 +123,10 @@ def _mla_extend_absorbed_kernel(
         pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
         c = c * kv_scale
         pe = pe * kv_scale
-        qk = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(pe))
+        qk = tl.dot(q_c, tl.trans(c), input_precision=DOT_PREC) + tl.dot(q_p, tl.trans(pe), input_precision=DOT_PREC)
         ok = _visible(pos, pre, offs_m, ext, MASK, mask_start, HAS_MASK) & nmask[None, :] & mmask[:, None]
         qk = tl.where(ok, qk * scale, float("-inf"))
-        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, c)
+        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, c, DOT_PREC)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptr = OUT + (q0 + offs_m[:, None]).to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_r[None, :]
@@ -166,6 +167,7 @@ def _mla_extend_decompressed_kernel(
     BLOCK_DN: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     mb = tl.program_id(1)
@@ -213,14 +215,20 @@ def _mla_extend_decompressed_kernel(
             mask=nmask[:, None] & dvmask[None, :],
             other=0.0,
         ).to(tl.float32)
-        qk = tl.dot(q_n, tl.trans(kn)) + tl.dot(q_p, tl.trans(pe))
+        qk = tl.dot(q_n, tl.trans(kn), input_precision=DOT_PREC) + tl.dot(q_p, tl.trans(pe), input_precision=DOT_PREC)
         ok = ((pos - pre)[None, :] <= offs_m[:, None]) & nmask[None, :] & mmask[:, None]
         qk = tl.where(ok, qk * scale, float("-inf"))
-        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v)
+        m_i, l_i, acc = _online_step(qk, m_i, l_i, acc, v, DOT_PREC)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptr = OUT + (q0 + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mmask[:, None] & dvmask[None, :])
+
+
+def dot_precision(dtype: torch.dtype):
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: ``ieee`` for float32 (Triton's default on a GPU is
+    TF32, 10 mantissa bits: a float32 model must not lose them), the default otherwise."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _dot_block(n: int) -> int:
@@ -309,6 +317,7 @@ def mla_extend_absorbed(
         BLOCK_N=block_n,
         BLOCK_R=_dot_block(r),
         BLOCK_P=_dot_block(p),
+        DOT_PREC=dot_precision(q.dtype),
     )
     return out
 
@@ -383,5 +392,6 @@ def mla_extend_decompressed(
         BLOCK_DN=_dot_block(dn),
         BLOCK_P=_dot_block(p),
         BLOCK_DV=_dot_block(dv),
+        DOT_PREC=dot_precision(q.dtype),
     )
     return out

@@ -79,6 +79,9 @@ def _group_scales(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constex
 
 
 # --- activation quantization -------------------------------------------------------------------------
+# per-token quantization's widest one-tile row (``quantize_act``); wider rows loop over tiles of this size
+TOKEN_ROW_BLOCK = 16384
+
 @triton.jit
 def _quant_act_kernel(
     x,
@@ -227,12 +230,20 @@ def quantize_act(
     q, s = _act_out(m, k, act, group, static_scale, x.device)
     if m == 0:
         return q, s
-    block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
+    warps = 4
+    if act == ACT_TOKEN:
+        # one program per row makes both passes: the whole row in one tile where it fits (up to 16k columns, 16
+        # warps) so each pass is one load instead of a serial loop over 1024-column chunks (a decode row of
+        # 14336 took ~7 us that way on an H200: docs/benchmarks.md)
+        block_k = max(16, min(TOKEN_ROW_BLOCK, triton.next_power_of_2(k)))
+        warps = 4 if block_k <= 2048 else (8 if block_k <= 4096 else 16)
+    else:
+        block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
     grid = (m, 1) if act == ACT_TOKEN else (m, triton.cdiv(k, block_k))
     pdl = use_pdl(x)
     _quant_act_kernel[grid](
         x, q, s, s, k, x.stride(0), q.stride(0), s.stride(0) if act != ACT_STATIC else 0,
-        ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, SILU=silu, launch_pdl=pdl, num_warps=4,
+        ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, SILU=silu, launch_pdl=pdl, num_warps=warps,
     )  # fmt: skip
     return q, s
 
