@@ -175,7 +175,7 @@ def main() -> None:
         hp, dp = (src[::ps] // ps).to(device), (dst[::ps] // ps).to(device)
         side = torch.cuda.Stream(device)
         res["sweep"] = []
-        for programs in (16, 32, 64, 132, 264, 528):
+        for programs in (8, 16, 32, 64, 132, 264, 528):
             for block in (1024, 2048, 4096, 8192):
 
                 def run(on=None, programs=programs, block=block) -> None:

@@ -44,6 +44,8 @@ from kvship.engine.layers.fused_ops_cuda import silu_and_mul  # noqa: E402
 def projections(shape: str) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, act) for one layer of ``shape`` plus its lm_head."""
     c = SHAPES[shape]
+    if "kv_lora_rank" in c:
+        return _mla_projections(c)
     d = c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     h, i = c["hidden_size"], c["intermediate_size"]
@@ -56,6 +58,28 @@ def projections(shape: str) -> dict[str, tuple[int, int, int]]:
     }
     if "num_experts" in c:  # MoE shapes: the router (its experts run the fused-MoE kernels, bench/moe_layer.py)
         out["router"] = (c["num_experts"], h, sg.ACT_NONE)
+    return out
+
+
+def _mla_projections(c: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    """The dense projections of a DeepSeek (MLA) layer: the fused q / kv_a projection, q_b (q LoRA), o, the shared
+    experts and the first dense layers' MLP, plus the lm_head (the routed experts run the fused-MoE kernels)."""
+    h, heads, rope = c["hidden_size"], c["num_attention_heads"], c["qk_rope_head_dim"]
+    q_head = c["qk_nope_head_dim"] + rope
+    q_lora = c.get("q_lora_rank")
+    shared = c.get("n_shared_experts", 0) * c["moe_intermediate_size"]
+    out = {
+        "qkv_a_proj": ((q_lora or heads * q_head) + c["kv_lora_rank"] + rope, h, sg.ACT_NONE),
+        "o_proj": (h, heads * c["v_head_dim"], sg.ACT_NONE),
+        "dense_gate_up": (2 * c["intermediate_size"], h, sg.ACT_NONE),
+        "dense_down": (h, c["intermediate_size"], sg.ACT_SILU_MUL),
+        "lm_head": (c["vocab_size"], h, sg.ACT_NONE),
+    }
+    if q_lora:
+        out["q_b_proj"] = (heads * q_head, q_lora, sg.ACT_NONE)
+    if shared:
+        out["shared_gate_up"] = (2 * shared, h, sg.ACT_NONE)
+        out["shared_down"] = (h, shared, sg.ACT_SILU_MUL)
     return out
 
 

@@ -26,6 +26,7 @@ SELECTIONS = {
     "tests/test_deepseek_extend_switch.py": "test_deepseek_extend_switch and triton and not interpreter",
     "tests/test_deepseek_fp8_kv.py": "test_deepseek_fp8_kv and triton and not interpreter",
     "tests/test_hicache_kernel_io.py": "test_hicache_kernel_io and not interpreter",
+    "tests/test_moe_route_kernel.py": "test_moe_route_kernel and not interpreter",
 }
 # the file whose interpreter test asks for a file's cases, where that is another file
 ASKED_BY = {"tests/test_mla_triton.py": "tests/test_deepseek.py"}

@@ -80,6 +80,13 @@ def cuda_fp8_kernels(t: torch.Tensor) -> Optional[ModuleType]:
     return _load("quantization.fp8_kernels")
 
 
+def cuda_moe_route(t: torch.Tensor) -> Optional[ModuleType]:
+    """The one-kernel expert selection (``moe.topk_triton``) for CUDA router logits ``t``, or None."""
+    if not t.is_cuda:
+        return None
+    return _load("moe.topk_triton")
+
+
 def cuda_skinny_gemm(t: torch.Tensor) -> Optional[ModuleType]:
     """The decode-matmul module for CUDA tensor ``t``, or None (CPU, no Triton, or disabled)."""
     if not t.is_cuda:

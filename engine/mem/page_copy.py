@@ -28,8 +28,9 @@ import triton.language as tl
 MAX_PAIRS = 2
 # words of one program's chunk (16 KiB of 32-bit words: 8 x 16-byte accesses per thread of 4 warps)
 DEFAULT_BLOCK = 4096
-# programs of one launch on CUDA (tuned by bench/hicache_loadback.py --sweep; docs/benchmarks.md)
-DEFAULT_PROGRAMS = 64
+# programs of one launch on CUDA: an H200 sweep (bench/hicache_loadback.py --sweep; docs/benchmarks.md) gave 49-51 GB/s
+# (89-92% of a pinned copy) from 16 to 528 programs, and the least slowdown of a GEMV beside it at 16
+DEFAULT_PROGRAMS = 16
 
 
 @triton.jit

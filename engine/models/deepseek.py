@@ -54,6 +54,7 @@ from kvship.common.envs import ENV
 from kvship.engine.attention.mla import MLALayerSpec
 from kvship.engine.deepseek_config import GroupedRouting, yarn_mscale
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.layers.fused_dispatch import cuda_moe_route
 from kvship.engine.layers.linear import Linear, StackedLinear, _param
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import quant_method_for
@@ -365,6 +366,20 @@ class DeepseekRouter(nn.Module):
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits ``[M, E]`` -> float32 weights and int32 expert ids, ``[M, top_k]`` each."""
         r = self.routing
+        fused = cuda_moe_route(logits)
+        if fused is not None and fused.fits(logits.shape[-1], self.top_k, r.n_group):  # one kernel
+            return fused.route(
+                logits,
+                self.top_k,
+                r.scoring,
+                self.renormalize,
+                1e-20,
+                r.topk_method,
+                r.n_group,
+                r.topk_group,
+                self.e_score_correction_bias if r.has_correction_bias else None,
+                r.routed_scaling_factor,
+            )
         logits = logits.float()
         scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
         m, e = scores.shape

@@ -4,7 +4,8 @@
 experts (in float32), the ``top_k`` largest probabilities, divided by their
 sum when ``renormalize`` (Mixtral always; Qwen-MoE when ``norm_topk_prob``).
 Returns float32 weights ``[M, top_k]`` and int32 ids ``[M, top_k]``; no host
-synchronisation, so it runs inside a CUDA graph.
+synchronisation, so it runs inside a CUDA graph.  On CUDA one Triton kernel
+does it all (``moe.topk_triton.route``).
 
 ``count_routed(counts, ids, rows_slots)``: the expert-load counter update
 (``FusedMoE``, docs/parallel.md "Expert load"), device ops only.
@@ -16,8 +17,13 @@ from typing import Optional
 
 import torch
 
+from kvship.engine.layers.fused_dispatch import cuda_moe_route
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = cuda_moe_route(router_logits)
+    if fused is not None and fused.fits(router_logits.shape[-1], top_k):  # one kernel (moe.topk_triton)
+        return fused.route(router_logits, top_k, "softmax", renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

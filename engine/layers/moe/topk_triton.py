@@ -1,0 +1,164 @@
+"""Expert selection in one Triton kernel: router logits -> (weights, ids), one program per token.
+
+``route(logits, top_k, scoring, renormalize, ...)`` does what ``topk.select_experts`` (softmax, top-k, optional
+renormalisation) and ``DeepseekRouter.select`` (softmax or sigmoid, the correction bias, group-limited choice,
+``routed_scaling_factor``) do with PyTorch ops, in place of their ~6 small kernels per MoE layer (softmax, the
+two of ``torch.topk``, the renormalisation, the scaling, the int32 cast): at decode batches each of them is a
+few microseconds of a step that is mostly launch latency (docs/benchmarks.md, DeepSeek-V2-Lite profile).
+
+Numerics: float32 throughout; Triton's ``exp`` (the GPU's ``ex2.approx``, a few ulp from PyTorch's ``expf``) and
+a softmax sum in another order than PyTorch's, so weights agree to about 1e-6 relative, not bit for bit.  The experts are taken
+largest first by repeated arg-max (the lowest index among equal scores); ``torch.topk`` leaves the order of
+equal scores unspecified.  Grouped choice (``n_group > 1``): groups ranked by their largest score
+(``group_limited_greedy``, the others' scores set to 0 as the PyTorch path does) or by the sum of their two
+largest biased scores (``noaux_tc``, the others' experts excluded).  Used on CUDA (``fused_dispatch``); the
+kernel also runs under Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+SCORING = {"softmax": 0, "sigmoid": 1}
+# topk_method codes (deepseek_config.GroupedRouting)
+GREEDY, GROUP_LIMITED_GREEDY, NOAUX_TC = 0, 1, 2
+METHODS = {"greedy": GREEDY, "group_limited_greedy": GROUP_LIMITED_GREEDY, "noaux_tc": NOAUX_TC}
+# the widest router this kernel takes (experts of one row in one tile)
+MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _route_kernel(
+    LOGITS,
+    BIAS,
+    W_OUT,
+    ID_OUT,
+    stride_l,
+    num_experts,
+    scale,
+    renorm_eps,
+    TOP_K: tl.constexpr,
+    SCORE: tl.constexpr,
+    METHOD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    x = tl.load(LOGITS + row * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
+    if SCORE == 0:
+        m = tl.max(x, 0)
+        p = tl.where(valid, tl.exp(x - m), 0.0)
+        scores = p / tl.sum(p, 0)
+    else:
+        scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    neg = float("-inf")
+    if METHOD == 2:
+        choice = tl.where(valid, scores + tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32), neg)
+    else:
+        choice = tl.where(valid, scores, neg)
+    if N_GROUP > 1:
+        grp = e // GROUP_SIZE
+        gi = tl.arange(0, BLOCK_G)
+        gscore = tl.full([BLOCK_G], neg, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            ing = (grp == g) & valid
+            v1 = tl.max(tl.where(ing, choice, neg), 0)
+            if METHOD == 2 and GROUP_SIZE > 1:  # the sum of the group's two largest biased scores
+                i1 = tl.argmax(tl.where(ing, choice, neg), 0)
+                v = v1 + tl.max(tl.where(ing & (e != i1), choice, neg), 0)
+            else:
+                v = v1
+            gscore = tl.where(gi == g, v, gscore)
+        keep = tl.zeros([BLOCK_E], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            gbest = tl.argmax(gscore, 0)
+            keep = keep | (grp == gbest)
+            gscore = tl.where(gi == gbest, neg, gscore)
+        keep = keep & valid
+        if METHOD == 2:
+            choice = tl.where(keep, choice, neg)
+        else:  # group_limited_greedy: the other groups' scores become 0 (and so do their weights, if chosen)
+            scores = tl.where(keep, scores, 0.0)
+            choice = tl.where(valid, scores, neg)
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(choice, 0)
+        wv = tl.sum(tl.where(e == best, scores, 0.0), 0)
+        w = tl.where(ks == i, wv, w)
+        ids = tl.where(ks == i, best.to(tl.int32), ids)
+        choice = tl.where(e == best, neg, choice)
+    if RENORM:
+        w = w / (tl.sum(w, 0) + renorm_eps)
+    w = w * scale
+    tl.store(W_OUT + row * TOP_K + ks, w, mask=ks < TOP_K)
+    tl.store(ID_OUT + row * TOP_K + ks, ids, mask=ks < TOP_K)
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    renorm_eps: float = 0.0,
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [M, E]`` -> float32 weights and int32 ids ``[M, top_k]`` (module docstring; ``fits`` says whether
+    a router can take this kernel)."""
+    m, e = logits.shape
+    if not fits(e, top_k, n_group):
+        raise ValueError(f"route: {e} experts, top_k {top_k}, {n_group} groups do not fit the kernel")
+    method = METHODS[topk_method]
+    if method == NOAUX_TC and correction_bias is None:
+        raise ValueError("route: noaux_tc needs the correction bias")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((m, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((m, top_k), dtype=torch.int32, device=logits.device)
+    if m == 0:
+        return weights, ids
+    grouped = method != GREEDY and n_group > 1
+    _route_kernel[(m,)](
+        logits,
+        correction_bias if correction_bias is not None else logits,
+        weights,
+        ids,
+        logits.stride(0),
+        e,
+        float(scale),
+        float(renorm_eps),
+        TOP_K=top_k,
+        SCORE=SCORING[scoring],
+        METHOD=method,
+        N_GROUP=n_group if grouped else 1,
+        TOPK_GROUP=topk_group if grouped else 1,
+        GROUP_SIZE=e // n_group if grouped else e,
+        RENORM=renormalize,
+        BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4 if e <= 256 else 8,
+    )
+    return weights, ids
+
+
+def fits(num_experts: int, top_k: int, n_group: int = 1) -> bool:
+    """Whether ``route`` takes this router: at most ``MAX_EXPERTS`` experts in whole groups, ``top_k`` no larger
+    than the experts."""
+    return 0 < top_k <= num_experts <= MAX_EXPERTS and n_group >= 1 and num_experts % n_group == 0
