@@ -164,11 +164,11 @@ def mla_decode(
     scale: float,
     num_splits: int = 8,
     block_h: int = DECODE_BLOCK_H,
-    block_n: int = 32,
+    block_n: int = 64,
     scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     kv_scale: float = 1.0,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
     q_pe: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.

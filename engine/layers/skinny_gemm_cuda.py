@@ -329,6 +329,24 @@ TUNED.update(
 )
 
 
+# DeepSeek-V2-Lite's dense projections on an H200 (bench/skinny_gemm.py --shape deepseek-v2-lite --ms 1,2,
+# docs/benchmarks.md): the fused q / kv_a projection, o_proj, the shared experts' gate/up and down (SiLU-and-mul
+# in its input); the same rule
+_DS_QKV_A, _DS_O, _DS_SH_GATE_UP, _DS_SH_DOWN = (3648, 2048), (2048, 2048), (5632, 2048), (2048, 2816)
+TUNED.update(
+    {
+        (*_DS_QKV_A, 1): _gemv(4, 512, 4),  # 5.7 vs 6.4 us (cuBLAS)
+        (*_DS_QKV_A, 2): None,
+        (*_DS_O, 1): _gemv(2, 1024, 4),  # 3.5 vs 6.1
+        (*_DS_O, 2): _gemv(4, 1024, 8, bm=2),  # 4.4 vs 6.1
+        (*_DS_SH_GATE_UP, 1): _gemv(8, 512, 4),  # 7.1 vs 8.4
+        (*_DS_SH_GATE_UP, 2): None,
+        (*_DS_SH_DOWN, 1): _gemv(4, 1024, 8),  # 5.2 vs 8.0
+        (*_DS_SH_DOWN, 2): _gemv(8, 1024, 8, bm=2),  # 5.8 vs 8.1
+    }
+)
+
+
 def _default_config(m: int, n: int, k: int) -> Optional[SkinnyConfig]:
     """Shapes nobody tuned: the batch-1 GEMV that won on most H100 shapes; cuBLAS for more rows."""
     if m != 1:
