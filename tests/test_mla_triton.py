@@ -134,15 +134,18 @@ def test_mla_decode_prep_equals_the_layers_ops_bit_for_bit(dtype, interleave, fp
             assert torch.allclose(got_pool.kv_buffer[0], want_pool.kv_buffer[0], rtol=1e-6, atol=1e-6)
         return
     if dtype == torch.bfloat16:
-        # on an H200 the bfloat16 results differed from PyTorch's kernels in the last place (2026-11-29); the
-        # kernel rounds each product and sum as PyTorch does, so a rounding step apart at most
-        assert torch.allclose(got_q.float(), want_q.float(), rtol=2**-7, atol=2**-14)
+        # on an H200 the bfloat16 results differed from PyTorch's kernels (2026-11-29): a product rounded one step
+        # apart moves a rotated value by a rounding step of its operands, which a cancelling sum does not shrink;
+        # so: within two bfloat16 steps of the largest operand (a wrong pair or sign would be off by O(1))
+        step = 2.0**-6 * q.float().abs().max().item()
+        assert (got_q.float() - want_q.float()).abs().max().item() <= step
+        assert torch.equal(got_q[..., :d_nope], q[..., :d_nope])  # q_nope untouched
         got_f, want_f = got_pool.kv_buffer[0].float(), want_pool.kv_buffer[0].float()
-        assert (
-            torch.allclose(got_f, want_f, rtol=2**-7, atol=2**-14)
-            if not fp8
-            else ((got_bytes.int() - want_bytes.int()).abs().max().item() <= 1)
-        )
+        if fp8:
+            assert (got_bytes.int() - want_bytes.int()).abs().max().item() <= 1
+        else:
+            assert torch.equal(got_f[:, :, :r], want_f[:, :, :r])  # the norm: the very same rounding
+            assert (got_f - want_f).abs().max().item() <= 2.0**-6 * kv_a.float().abs().max().item()
         return
     assert torch.equal(got_q, want_q)
     assert torch.equal(got_bytes, want_bytes)
@@ -228,8 +231,11 @@ def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
         runs[backend].append(_verify_step(runner, drv, reqs, [[11, 12, 13, 14], [21, 22, 23]], [tree, chain]))
         if backend == "triton":
             assert isinstance(runner.attn_backend, MLATritonBackend)
+    # float32: 1e-4 on CPU; on an H200 the two backends' float32 logits were 3.9e-4 apart (FMA contraction in the
+    # kernels, another summation order), so 1e-3 there
+    tol = 1e-4 if DEVICE == "cpu" else 1e-3
     for a, b in zip(runs["torch_native"], runs["triton"]):
-        assert (a - b).abs().max().item() < 1e-4
+        assert (a - b).abs().max().item() < tol
 
 
 def _packed_batch(g, pres, exts, dim, rows=(4, 1, 6)):
