@@ -41,6 +41,13 @@ forward's stream wait for that event, so the request waits only for the
 layers it reaches, the first one first.  On CPU ``wait`` blocks until the
 copy thread has written the layer.
 
+Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA; docs/cache.md, "Copies"): no copy thread runs.
+``start_loads`` launches one ``page_copy.copy_pages`` kernel per layer on the side stream (after the forward
+stream's work so far), reading the pinned host pool in place, and records each layer's event; a write-back is
+the same kernel on the current stream, writing the pinned host pool in place, after the current stream was
+ordered behind every started load (``drain``: stream waits only).  The rules below hold with "handed to the copy
+thread" read as "launched".  ``sync_writes`` waits for the last write-back's event.
+
 Ordering rules callers rely on:
 
 * A page loaded back is read only by a forward that ``wait``s for it
