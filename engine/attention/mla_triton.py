@@ -407,20 +407,9 @@ class MLATritonBackend(MLATorchBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         fb = forward_batch
-        meta: MLADecodeMeta = self.forward_metadata  # type: ignore[assignment]
-        buf = self._store(fb, layer, k, save_kv_cache)
-        return mla_decode(
-            q.view(-1, layer.num_heads, layer.latent_dim),
-            buf,
-            fb.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            layer.kv_lora_rank,
-            layer.scaling,
-            num_splits=meta.num_splits,
-            scratch=meta.scratch,
-            kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
-        )
+        self._store(fb, layer, k, save_kv_cache)
+        qv = q.view(-1, layer.num_heads, layer.latent_dim)
+        return self.forward_decode_prepped(qv[..., : layer.kv_lora_rank], qv[..., layer.kv_lora_rank :], layer, fb)
 
     def forward_decode_prepped(
         self, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec, forward_batch: ForwardBatch

@@ -289,12 +289,7 @@ class LayerLoads:
                 stream.wait_event(self.after)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 ps = pool.page_size
-                host = torch.cat([h for h, _ in self.pairs])
-                dst = torch.cat([d for _, d in self.pairs])
-                hp, dp = _pages(host, ps), _pages(dst, ps)
-                paged = hp is not None and dp is not None
-                if paged:  # whole pages on both sides: one row per page
-                    host, dst = hp, dp
+                host, dst, paged = self._indices(ps)
                 dst = dst.to(device_pool.device)
                 dev_layers = layer_buffers(device_pool)
                 staging = None
@@ -331,18 +326,23 @@ class LayerLoads:
             for ev in self._ready:
                 ev.set()
 
+    def _indices(self, ps: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Every pair's host and device indices, joined: page numbers when both sides are whole pages (one row
+        per page; ``paged`` True), else slots."""
+        host = torch.cat([h for h, _ in self.pairs])
+        dst = torch.cat([d for _, d in self.pairs])
+        hp, dp = _pages(host, ps), _pages(dst, ps)
+        if hp is not None and dp is not None:
+            return hp, dp, True
+        return host, dst, False
+
     def launch(self, pool: "HostKVPool", device_pool, stream) -> None:
         """The kernel I/O path (``--hicache-io-backend kernel``), on the caller's thread: one ``copy_pages``
         launch per layer on ``stream`` (after ``self.after``), reading the pinned host pool in place, each
         layer's event recorded after its launch.  Only launches: nothing here waits for the device."""
         try:
             ps = pool.page_size
-            host = torch.cat([h for h, _ in self.pairs])
-            dst = torch.cat([d for _, d in self.pairs])
-            hp, dp = _pages(host, ps), _pages(dst, ps)
-            paged = hp is not None and dp is not None
-            if paged:
-                host, dst = hp, dp
+            host, dst, paged = self._indices(ps)
             dev_layers = layer_buffers(device_pool)
             if stream is not None:
                 stream.wait_event(self.after)
