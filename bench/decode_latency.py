@@ -123,7 +123,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["deepseek-v2-lite"] = V2_LITE
 
 
-def step_weight_bytes(mc: Any, weight_bytes: int, elem: int = 2, tp_size: int = 1, ep_size: int = 1) -> int:
+def step_weight_bytes(mc: Any, weight_bytes: int, elem: float = 2, tp_size: int = 1, ep_size: int = 1) -> int:
     """Weight bytes a batch-1 decode step reads (of ``weight_bytes``, one rank's): all of them, except that
     an MoE layer reads only its ``top_k`` experts.  With ``tp_size`` ranks and experts split ``ep_size``
     ways a rank holds ``E/ep`` experts of width ``I/(tp/ep)`` and reads, on average, ``top_k/ep`` of them."""
@@ -1176,7 +1176,9 @@ def variants_main(args: argparse.Namespace) -> int:
         )
         mc = runner.model_config
         embed = mc.vocab_size * mc.hidden_size * 2
-        weight_read = step_weight_bytes(mc, runner.weight_bytes) - embed
+        # an FP8 expert weight is one byte an element (+ a float32 scale per 128 x 128 block, per row otherwise)
+        elem = 2.0 if not qc else 1.0 + (4.0 / (128 * 128) if qc.get("weight_block_size") else 4.0 / mc.hidden_size)
+        weight_read = step_weight_bytes(mc, runner.weight_bytes, elem=elem) - embed
         kv = (args.input_len + args.output_len / 2) * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
         row: dict[str, Any] = {
             "variant": name + ("+quantization=" + args.quantization if args.quantization and not qc else ""),

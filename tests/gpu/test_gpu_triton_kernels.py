@@ -155,6 +155,58 @@ def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits
             assert int(counters.abs().sum()) == 0, "arrival counters were not reset"
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8, fused_merge):
+    """Stage 1's tile choices (keys a step, warps, pipeline stages) each match
+    the float64 reference on a bf16/fp32 pool and an FP8 pool (read as ``e4m3 * scale``), lengths that end
+    mid-step included; the default tile run twice gives the same bits; an unknown launch key is refused."""
+    from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention
+
+    dtype = _dtype(dev)
+    hkv, group, head_dim = 4, 4, 64
+    h = hkv * group
+    k_buf, v_buf = _pool(dev, dtype, slots=900, hkv=hkv, d=head_dim)
+    scales = {}
+    if kv_fp8:
+        k_buf, v_buf = k_buf.to(torch.float8_e4m3fn), v_buf.to(torch.float8_e4m3fn)
+        scales = {"k_scale": 0.5, "v_scale": 1.5}
+    lens = [1, 70, 300]
+    bs = len(lens)
+    r2t = _assign_slots(lens, bs + 1, 512, 900, dev)
+    pool_idx = torch.arange(bs, device=dev)
+    seq = torch.tensor(lens, device=dev)
+    q = torch.randn(bs, h, head_dim, dtype=dtype, device=dev)
+
+    def run(launch):
+        o = torch.full_like(q, float("nan"))
+        mid_o = torch.empty(bs, h, MAX_KV_SPLITS, head_dim, dtype=torch.float32, device=dev)
+        mid_l = torch.empty(bs, h, MAX_KV_SPLITS, dtype=torch.float32, device=dev)
+        counters = torch.zeros(bs * hkv, dtype=torch.int32, device=dev) if fused_merge else None
+        decode_attention(
+            q, k_buf, v_buf, o, r2t, pool_idx, seq, mid_o, mid_l, 3, 0.125, counters=counters, launch=launch,
+            **scales,
+        )  # fmt: skip
+        if counters is not None:
+            assert int(counters.abs().sum()) == 0, "arrival counters were not reset"
+        return o
+
+    kf = k_buf.float() * scales.get("k_scale", 1.0)
+    vf = v_buf.float() * scales.get("v_scale", 1.0)
+    refs = [
+        _ref_attention(q[i : i + 1] * math.sqrt(head_dim) * 0.125, kf[r2t[i, :n].long()], vf[r2t[i, :n].long()], None)
+        for i, n in enumerate(lens)
+    ]
+    base = run(None)
+    assert torch.equal(run(None), base)
+    for launch in (None, {"num_stages": 2}, {"block_n": 32, "num_warps": 8}, {"block_n": 16, "num_stages": 1}):
+        got = base if launch is None else run(launch)
+        for i, ref in enumerate(refs):
+            assert _rel(got[i : i + 1], ref) < _tol(dtype), f"{launch}: request {i} (len {lens[i]})"
+    with pytest.raises(ValueError, match="unknown launch keys"):
+        run({"kv_heads": 3})
+
+
 @pytest.mark.parametrize("group,head_dim", [(2, 64), (4, 128)])
 def test_triton_extend_kernel_matches_reference_with_and_without_prefix(dev, group, head_dim):
     from kvship.engine.attention.triton_ops.extend_attention import extend_attention

@@ -33,9 +33,12 @@ MAX_KV_SPLITS = 16
 
 
 def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits so that ``bs * num_kv_heads * splits`` covers the GPU about twice (1..MAX_KV_SPLITS)."""
+    """Splits so that ``bs * num_kv_heads * splits`` programs cover the GPU about six times, rounded down to a
+    power of two (1..MAX_KV_SPLITS).  Measured on an H200 (bench/kv_fp8.py --sweep): at 32 requests x 8 KV
+    heads two splits ran 1.15-1.25x slower than four or eight; at 8 requests eight was the fastest."""
     work = max(1, bs * num_kv_heads)
-    return max(1, min(MAX_KV_SPLITS, (2 * num_sms + work - 1) // work))
+    want = max(1, min(MAX_KV_SPLITS, (6 * num_sms + work - 1) // work))
+    return 1 << (want.bit_length() - 1)
 
 
 @triton.jit
@@ -145,18 +148,23 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    offs_b = tl.arange(0, BLOCK_N)
+    k_base = k_buf + kvh * stride_kh + offs_d[None, :]
+    v_base = v_buf + kvh * stride_vh + offs_d[None, :]
+    r2t_row = req_to_token + row * stride_r2t
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_n = n0 + offs_b
         n_mask = offs_n < end
-        slot = tl.load(req_to_token + row * stride_r2t + offs_n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        kb = tl.load(k_buf + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        slot = tl.load(r2t_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kb = tl.load(k_base + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
         s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * sm_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        vb = tl.load(v_buf + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        # the values' load stays after the scores: issued before them it measured 1.7x slower on an FP8 pool
+        vb = tl.load(v_base + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
         if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the sums (v)
             vb = vb.to(qv.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
@@ -250,6 +258,7 @@ def decode_attention(
     counters: "torch.Tensor | None" = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    launch: "dict | None" = None,
 ) -> torch.Tensor:
     """Decode attention for ``bs`` requests; writes and returns ``o``.
 
@@ -260,7 +269,8 @@ def decode_attention(
     ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.  With ``counters``
     (int32 zeros, ``>= bs * Hkv``) the merge runs inside the one kernel.
     An FP8 pool (``float8_e4m3fn`` buffers) is read as ``e4m3 * k_scale`` /
-    ``e4m3 * v_scale`` (docs/quantization.md, "FP8 KV cache").
+    ``e4m3 * v_scale`` (docs/quantization.md, "FP8 KV cache").  ``launch`` overrides stage 1's tile
+    (:func:`stage1_tile`'s keys; bench/kv_fp8.py ``--sweep``).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -268,7 +278,7 @@ def decode_attention(
         raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
     launch_stage1(
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, launch=launch,
     )  # fmt: skip
     pdl = use_pdl(q)
     if counters is not None:
@@ -295,6 +305,13 @@ def decode_attention(
     return o
 
 
+def stage1_tile(block_d: int, kv_fp8: bool) -> dict:
+    """Stage 1's default tile: keys a step (``block_n``), warps and software-pipeline stages.  Three stages on a
+    bf16/fp16 pool (measured 1.16x faster than two at 32 requests x 8k context on an H200), two on an FP8 pool
+    (three measured 1.2x slower there); docs/benchmarks.md, session 21."""
+    return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 2 if kv_fp8 else 3}
+
+
 def launch_stage1(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -311,6 +328,7 @@ def launch_stage1(
     min_split_len: int = 1,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    launch: "dict | None" = None,
 ) -> None:
     """Stage 1 over ``q.shape[0]`` rows (with ``counters``: the merge too, into ``o``). A row's splits cover at
     least ``min_split_len`` positions each (1: ``ceil(seq_len / num_splits)``, the decode layout)."""
@@ -318,6 +336,12 @@ def launch_stage1(
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
+    tile = stage1_tile(block_d, kv_fp8)
+    unknown = set(launch or {}) - set(tile)
+    if unknown:
+        raise ValueError(f"decode_attention: unknown launch keys {sorted(unknown)}; known: {sorted(tile)}")
+    tile.update(launch or {})
     pdl = use_pdl(q)
     _decode_stage1[(rows, num_kv_heads, num_splits)](
         q,
@@ -353,11 +377,11 @@ def launch_stage1(
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=32 if block_d >= 256 else 64,
+        BLOCK_N=tile["block_n"],
         FUSED_MERGE=counters is not None,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
         USE_PDL=pdl,
-        KV_FP8=k_buf.dtype == torch.float8_e4m3fn,
+        KV_FP8=kv_fp8,
         launch_pdl=pdl,
     )
