@@ -8,10 +8,17 @@ bench/decode_latency.py (default the Llama-3.1-8B shape, ``--load-format dummy``
   ``--max-total-tokens``), and the ratio FP8 / bf16;
 * **decode throughput at batch ``--batch`` x ``--context``**: every request's context is laid out in the pool
   (its slots written into ``req_to_token``; decode speed does not depend on the values), then ``--steps`` decode
-  steps (CUDA-graph replays) are timed with CUDA events; output tokens per second and the ratio.
+  steps (CUDA-graph replays) are timed with CUDA events; output tokens per second and the ratio;
+* **one layer's decode attention alone** on that batch (the backend's ``forward_decode``, eager): microseconds
+  and the KV bytes it must read per second;
+* with ``--sweep`` (triton rows): our Triton decode kernel over its tiles and split counts, fastest first.
+
+``--attention-backend`` takes a comma list: every backend runs each of ``--kv-dtypes``, and the ratios are
+against the fastest bf16 row.
 
     python bench/kv_fp8.py                          # Llama-3.1-8B shape, batch 32 at 8k context, flashinfer
     python bench/kv_fp8.py --attention-backend flashinfer,triton --json out.json --append-md out.md
+    python bench/kv_fp8.py --attention-backend triton --kv-dtypes fp8_e4m3 --sweep
 """
 
 from __future__ import annotations
