@@ -122,6 +122,12 @@ class ServerArgs:
     page_size: int = opt(1, "KV cache page size in tokens")
     chunked_prefill_size: int = opt(2048, "Most prompt tokens computed in one extend step (-1 disables chunking)")
     max_prefill_tokens: int = opt(8192, "Most new tokens in one prefill batch")
+    decode_interleave: int = opt(
+        0,
+        "While requests are decoding, at most this many extend (prefill) steps run in a row before one decode "
+        "step (0: an extend whenever a waiting request fits, decode waits; 1 bounds a running request's token "
+        "gap to about one --chunked-prefill-size step; docs/architecture.md)",
+    )
     disable_radix_cache: bool = opt(False, "Disable prefix caching")
     hicache_size_gb: float = opt(
         0.0,
@@ -434,6 +440,8 @@ class ServerArgs:
         """Raise ValueError with a clear message for inconsistent settings."""
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
+        if self.decode_interleave < 0:
+            raise ValueError(f"--decode-interleave must be >= 0, got {self.decode_interleave}")
         if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
             raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
         if self.otlp_traces_endpoint:

@@ -56,6 +56,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--page-size",), "page_size", "value"),
     (("--chunked-prefill-size",), "chunked_prefill_size", "value"),
     (("--max-prefill-tokens",), "max_prefill_tokens", "value"),
+    (("--decode-interleave",), "decode_interleave", "value"),
     (("--disable-radix-cache", "--no-disable-radix-cache"), "disable_radix_cache", "switch"),
     (("--hicache-size-gb",), "hicache_size_gb", "value"),
     (("--enable-kv-events", "--no-enable-kv-events"), "enable_kv_events", "switch"),

@@ -202,6 +202,45 @@ def test_new_requests_join_while_others_decode():
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("interleave", [0, 1, 2])
+def test_decode_interleave_bounds_the_extend_steps_a_running_request_waits(interleave):
+    """``--decode-interleave N``: while "a" decodes, long prompts arriving (chunked into 8-token extends) run at
+    most N extend steps in a row before a decode step; 0 keeps extends first (decode waits for them all).
+    Every output equals the reference either way and every slot comes back."""
+    sched, runner, out = make(
+        FakeRunner(total_tokens=1024), chunked_prefill_size=8, max_prefill_tokens=8, decode_interleave=interleave
+    )
+    sched.submit(GenerateRequest("a", prompt(5, 1), greedy(40)))
+    for _ in range(3):
+        sched.step()
+    prompts = {f"p{i}": prompt(24, 10 + i) for i in range(3)}  # 9 extend steps of 8 tokens
+    for rid, p in prompts.items():
+        sched.submit(GenerateRequest(rid, p, greedy(4)))
+    start = len(runner.batch_sizes)
+    run(sched)
+    modes = [m for m, _ in runner.batch_sizes[start:]]
+    streaks, n = [], 0
+    for m in modes[: modes.index("DECODE", modes.index("EXTEND")) if interleave == 0 else len(modes)] + ["DECODE"]:
+        if m == "EXTEND":
+            n += 1
+        elif n:
+            streaks.append(n)
+            n = 0
+    if interleave == 0:
+        assert streaks == [9], modes  # every chunk of every waiting prompt before a's next token
+    else:
+        assert max(streaks) == interleave and sum(streaks) == 9, modes
+    assert out.tokens("a") == reference(prompt(5, 1), 40)
+    for rid, p in prompts.items():
+        assert out.tokens(rid) == reference(p, 4), rid
+    assert_all_free(sched)
+
+
+def test_decode_interleave_must_not_be_negative():
+    with pytest.raises(ValueError, match="--decode-interleave must be >= 0"):
+        ServerArgs(device="cpu", decode_interleave=-1).validate()
+
+
 def test_one_chunk_per_request_per_step_and_exactly_one_finished_chunk():
     sched, _, out = make()
     sched.submit(GenerateRequest("a", prompt(4, 3), greedy(6)))

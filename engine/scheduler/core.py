@@ -157,6 +157,8 @@ class Scheduler:
             chunk_size=chunk,
         )
         self.decoder = DecodeBatcher(self.queues, self.kv, self.counters, self.finish)
+        self.decode_interleave = server_args.decode_interleave
+        self._extend_streak = 0  # extend steps since the last decode step (--decode-interleave)
         self.launcher = Launcher(
             model_runner,
             self.io.wrap_sampler(create_sampler(server_args.sampling_backend, self.device, server_args.seed)),
@@ -361,7 +363,8 @@ class Scheduler:
                     )
 
     def schedule(self, busy: Optional[dict[int, Req]] = None, parts: int = 1) -> Optional[ScheduleBatch]:
-        """The next batch: an extend when waiting requests can be admitted, else a decode; or None.
+        """The next batch: an extend when waiting requests can be admitted, else a decode; or None.  With
+        ``--decode-interleave N`` (> 0) a decode of the running requests comes first after N extends in a row.
 
         ``busy`` (the pipeline loop): requests in batches still in flight (by id), which no batch may take;
         a decode then takes at most ``ceil(running / parts)`` of the others."""
@@ -371,9 +374,16 @@ class Scheduler:
             else:
                 self._admit(req, greq)
         self.role.before_schedule()
+        if 0 < self.decode_interleave <= self._extend_streak:  # running requests have waited long enough
+            batch = self.decoder.build(busy, parts)
+            if batch is not None:
+                self._extend_streak = 0
+                return batch
         batch = self.admission.build_extend(busy)
         if batch is not None:
+            self._extend_streak += 1
             return batch
+        self._extend_streak = 0
         return self.decoder.build(busy, parts)
 
     def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
