@@ -82,6 +82,7 @@ def _group_scales(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constex
 # per-token quantization's widest one-tile row (``quantize_act``); wider rows loop over tiles of this size
 TOKEN_ROW_BLOCK = 16384
 
+
 @triton.jit
 def _quant_act_kernel(
     x,
