@@ -43,10 +43,12 @@ pytestmark = [
     pytest.mark.slow,
 ]
 NAME = "ramp"
-# targets = this x the low-load figures, at least the floors below (measured on a 2-core box: high load raises
-# TTFT p90 and ITL p50 about 10x over low load; low load stays well under 0.8 x these targets)
-HEADROOM = 3.0
-MIN_TTFT_MS, MIN_ITL_MS = 400.0, 15.0
+# targets = these x the low-load figures, at least the floors below.  Measured on 2-core boxes: high load raises
+# TTFT p90 about 10x over low load but ITL p50 only ~3.2x, and only once prefill has grown and feeds decode faster
+# (a decode step of this model is mostly fixed cost): with 3x and a 15 ms floor decode sometimes never grew (one
+# CI run: 13.5 ms at high load against a 15 ms target).  Low load stays under 0.8 x these targets.
+HEADROOM, ITL_HEADROOM = 3.0, 2.5
+MIN_TTFT_MS, MIN_ITL_MS = 400.0, 10.0
 LOW, HIGH = 1, 6  # concurrent streams
 MAX_TOKENS = 16
 
@@ -224,7 +226,7 @@ def test_real_load_ramp_scales_decode_on_itl_and_prefill_on_ttft_then_back_witho
                 base = router_get(router_url, kube, "/slo")
                 assert base and base["requests"] > 5 and base["roles"]["prefill"]["prompt_tokens_per_second"], base
                 ttft = round(max(HEADROOM * base["ttft_p90_ms"], MIN_TTFT_MS))
-                itl = round(max(HEADROOM * base["itl_p50_ms"], MIN_ITL_MS), 1)
+                itl = round(max(ITL_HEADROOM * base["itl_p50_ms"], MIN_ITL_MS), 1)
                 slo_patch = {"spec": {"slo": {"ttftP90Ms": ttft, "itlP50Ms": itl}}}
                 kube.patch("kvship.io/v1alpha1", "inferenceservices", NS, NAME, slo_patch)
                 time.sleep(5)  # two resync passes at low load under the real targets: nothing moves
@@ -232,7 +234,15 @@ def test_real_load_ramp_scales_decode_on_itl_and_prefill_on_ttft_then_back_witho
 
                 t_high = time.monotonic()
                 load.level = HIGH
-                wait_for(lambda: replicas(kube) == {"prefill": 2, "decode": 2}, 120, "scale-up of both roles")
+                try:
+                    wait_for(lambda: replicas(kube) == {"prefill": 2, "decode": 2}, 120, "scale-up of both roles")
+                except AssertionError as e:  # what the targets came from and what the router saw at high load
+                    now = router_get(router_url, kube, "/slo")
+                    raise AssertionError(
+                        f"{e}: replicas {replicas(kube)}; targets ttft p90 {ttft} ms, itl p50 {itl} ms from low load "
+                        f"{base['ttft_p90_ms']} / {base['itl_p50_ms']} ms; high load now "
+                        f"{now and now['ttft_p90_ms']} / {now and now['itl_p50_ms']} ms"
+                    ) from None
                 t_scaled = time.monotonic()
                 wait_for(lambda: in_rotation(router_url, kube) == {"prefill": 2, "decode": 2}, 180, "new pods serve")
                 t_serving = time.monotonic()
