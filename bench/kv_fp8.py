@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_latency import write_model_dir  # noqa: E402  (bench/ is not a package)
+from decode_latency import cuda_time, write_model_dir  # noqa: E402  (bench/ is not a package)
 
 from kvship.engine.config import ServerArgs  # noqa: E402
 from kvship.engine.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
@@ -147,13 +147,7 @@ def triton_decode_sweep(runner: ModelRunner, fb, iters: int) -> list[dict]:
             except Exception as e:  # a tile that does not fit shared memory: skipped, named
                 rows.append({**cfg, "splits": splits, "error": str(e)[:120]})
                 continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                call()
-            end.record()
-            torch.cuda.synchronize()
-            s = start.elapsed_time(end) / iters / 1e3
+            s = cuda_time(call, iters)
             rows.append({**cfg, "splits": splits, "us": s * 1e6, "kv_TBps": kv_bytes / s / 1e12})
     rows.sort(key=lambda r: r.get("us", float("inf")))
     for r in rows[:12]:
@@ -175,16 +169,7 @@ def attention_alone(runner: ModelRunner, fb, iters: int) -> dict:
     k = torch.randn(bs, hk * d, dtype=torch.bfloat16, device=dev)
     backend = runner.attn_backend
     backend.init_forward_metadata(fb)
-    call = lambda: backend.forward_decode(q, k, k, spec, fb, save_kv_cache=False)  # noqa: E731
-    for _ in range(3):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    s = start.elapsed_time(end) / iters / 1e3
+    s = cuda_time(lambda: backend.forward_decode(q, k, k, spec, fb, save_kv_cache=False), iters)
     kv_bytes = sum(fb.seq_lens_cpu) * hk * d * 2 * runner.kv_pool.get_key_buffer(0).element_size()
     return {"attention_layer_us": s * 1e6, "attention_kv_TBps": kv_bytes / s / 1e12}
 
