@@ -1192,7 +1192,26 @@ def variants_main(args: argparse.Namespace) -> int:
         for bs in bs_list:
             r = engine_decode(runner, bs, args.input_len, args.output_len, "graph")
             row["decode"][bs] = r["decode_tok_s"]
-            logger.info("%s bs %d: %.1f tok/s (%.3f ms/step)", name, bs, r["decode_tok_s"], r["step_ms"])
+            # the device's own step (graph replays back to back): what the loop's host work hides or adds
+            replay = graph_replay_ms(runner, bs, args.input_len) if runner.cuda_graph_runner is not None else None
+            row.setdefault("replay_ms", {})[bs] = replay
+            logger.info(
+                "%s bs %d: %.1f tok/s (%.3f ms/step; graph replay alone %s ms)",
+                name, bs, r["decode_tok_s"], r["step_ms"], f"{replay:.3f}" if replay is not None else "-",
+            )  # fmt: skip
+            if "graph+overlap" in args.modes.split(","):
+                o = engine_decode(runner, bs, args.input_len, args.output_len, "graph+overlap")
+                row.setdefault("decode_overlap", {})[bs] = o["decode_tok_s"]
+                logger.info("%s bs %d graph+overlap: %.1f tok/s", name, bs, o["decode_tok_s"])
+        for bs in [int(x) for x in args.profile_bs.split(",") if x and int(x) in bs_list]:
+            if runner.cuda_graph_runner is None:
+                break
+            rows = kernel_profile(runner, bs, args.input_len)
+            row.setdefault("profile", {})[bs] = rows
+            for k in rows[:10] + [x for x in rows if x.get("kernel", "").startswith("TOTAL")]:
+                if "us_per_step" in k:
+                    logger.info("%s bs %d kernel %-90s %8.1f us/step x%.0f", name, bs, k["kernel"], k["us_per_step"],
+                                k["calls_per_step"])  # fmt: skip
         if 1 in row["decode"]:
             row["bs1_pct_roofline"] = 100 * row["decode"][1] / row["roofline_tok_s"]
         for n in prefill_lens:
@@ -1225,6 +1244,15 @@ def variants_main(args: argparse.Namespace) -> int:
         cells += [f"{v['prefill_ms'][n]:.1f} ({v['prefill_ms'][n] / base['prefill_ms'][n]:.2f}x)" for n in prefill_lens]
         cells.append(f"{v['decode'].get(1, 0) / base['decode'].get(1, 1):.2f}")
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for v in res["variants"]:  # the device's step alone, and the loop with the host work overlapped
+        extra = [f"bs{b} replay {ms:.3f} ms" for b, ms in v.get("replay_ms", {}).items() if ms is not None]
+        extra += [
+            f"bs{b} overlap {t:.0f} tok/s ({t / base['decode_overlap'][b]:.2f}x)"
+            for b, t in v.get("decode_overlap", {}).items() if b in base.get("decode_overlap", {})
+        ]  # fmt: skip
+        if extra:
+            lines.append(f"* {v['variant']}: " + "; ".join(extra))
     md = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_latency_variants.json"), "w") as f:
@@ -1692,7 +1720,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="",
         help="comma list of " + ",".join(QUANT_VARIANTS) + ": one dummy-weight runner each (bf16, FP8 formats), "
-        "side by side: graph decode tok/s at --batch-sizes, batch 1 vs its roofline, prefill of --prefill-lens "
+        "side by side: graph decode tok/s at --batch-sizes (and graph+overlap where --modes names it; the graph "
+        "replay alone; the kernels of --profile-bs), batch 1 vs its roofline, prefill of --prefill-lens "
         "(default 4096); writes decode_latency_variants.{json,md}",
     )
     ap.add_argument(

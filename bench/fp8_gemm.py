@@ -70,6 +70,16 @@ def candidates(m: int) -> list[fk.Fp8Config]:
     """Decode configs worth timing at ``m`` rows: the skinny tensor-core tiles over weight rows per program,
     pipeline stages and K split (more programs in flight for narrow or long-K projections), and one CUDA-core
     GEMV for reference (measured 2-9x slower on an H200, docs/quantization.md)."""
+    if m > fk.GEMV_MAX_M:  # decode batches past the skinny tiles (fk.mid_config's regime)
+        bm = min(fk.bucket(m), 64)
+        out = [fk.Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=4)]
+        for bn in (64, 128):
+            for split in (1, 2, 4):
+                for dot in (False, True):
+                    out.append(fk.Fp8Config("mma", bm, bn, 128, num_warps=4, num_stages=4, fp8_dot=dot, split_k=split))
+        out.append(fk.Fp8Config("mma", bm, 64, 128, num_warps=4, num_stages=3, fp8_dot=True, split_k=2))
+        out.append(fk.Fp8Config("mma", bm, 32, 128, num_warps=4, num_stages=4, fp8_dot=True, split_k=2))
+        return out
     out = [fk.Fp8Config("gemv", fk.bucket(m), 8, 512, num_warps=4 if m <= 2 else 8, preq=True)]
     for bn in (16, 32, 64):
         for stages in (4, 6):
@@ -109,6 +119,19 @@ def gemv_rows(ms: list[int], hbm: float, sweep: bool) -> tuple[list[dict], list[
                     q, s = ws[i % len(ws)]
                     return fk.fp8_linear(x, q, s, act, block, 128, None, None, cfg=cfg)
 
+                if m > fk.GEMV_MAX_M:  # the prefill path these rows took before fk.MID_MAX_M
+
+                    def gemm(i, ws=ws, block=block, act=act):
+                        q, s = ws[i % len(ws)]
+                        if block is None:
+                            xq, xs = fk.quantize_act(x, act, 128)
+                            y = fk.scaled_mm_rowwise(xq, xs, q, s, x.dtype)
+                            if y is not None:
+                                return y
+                        return fk.fp8_linear(x, q, s, act, block, 128, None, None, cfg=fk.GEMM_CONFIG)
+
+                    tg = _gemv_time(gemm, len(ws))
+                    row[f"{f}_gemm_us"] = tg * 1e6
                 t = _gemv_time(run, len(ws))
                 row[f"{f}_us"] = t * 1e6
                 row[f"{f}_gbs"] = nbytes / t / 1e9
@@ -140,6 +163,8 @@ def _fmt_gemv(r: dict) -> str:
     parts = [f"{r['shape']:8s} M={r['m']:<3d} bf16 {r['bf16_best_us']:7.1f}us ({r['bf16_cublas_pct_bw']:4.0f}% cuBLAS)"]
     for f in FORMATS:
         s = f" | {f} {r[f + '_us']:7.1f}us {r[f + '_pct_bw']:4.0f}% x{r[f + '_speedup_vs_bf16']:.2f}"
+        if f + "_gemm_us" in r:
+            s += f" (prefill path {r[f + '_gemm_us']:.1f}us)"
         if f + "_best_us" in r:
             s += f" (best {r[f + '_best_us']:.1f}us {r[f + '_best_pct_bw']:.0f}%)"
         parts.append(s)
@@ -219,6 +244,11 @@ def markdown(res: dict) -> str:
             f"| {r['shape']} | {r['m']} | {r['bf16_best_us']:.1f} | {r['fp8_channel_us']:.1f} | "
             f"{r['fp8_channel_pct_bw']:.0f}% | {r['fp8_channel_speedup_vs_bf16']:.2f} | {r['fp8_block_us']:.1f} | "
             f"{r['fp8_block_pct_bw']:.0f}% | {r['fp8_block_speedup_vs_bf16']:.2f} |"
+            + (
+                f" prefill path: channel {r['fp8_channel_gemm_us']:.1f} us, block {r['fp8_block_gemm_us']:.1f} us |"
+                if "fp8_block_gemm_us" in r
+                else ""
+            )
         )
     lines += [
         "",

@@ -85,10 +85,11 @@ def test_activation_quantization_matches_reference_except_interpreter_carries(fk
     assert bad.float().mean() < 0.05
 
 
-@pytest.mark.parametrize("k", [5000, 17000])
+@pytest.mark.parametrize("k", [3000, 5000, 17000])
 def test_per_token_quantization_of_wide_rows_one_tile_or_several(fk, k):
-    """Per-token rows take one tile up to ``TOKEN_ROW_BLOCK`` columns and loop over tiles past it: both give the
-    reference's scale, and its values up to the interpreter's carry bug."""
+    """Per-token rows up to ``TOKEN_SPLIT_MIN`` columns take one program each; longer ones are spread over
+    ``TOKEN_CHUNK``-column chunks (chunk maxima, then the quantization): both give the reference's scale, and
+    its values up to the interpreter's carry bug."""
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(2, k, generator=gen) * 3
     x[1, k - 7] = 40.0  # the row's maximum in its last tile
@@ -101,6 +102,20 @@ def test_per_token_quantization_of_wide_rows_one_tile_or_several(fk, k):
     # the same bug where a subnormal rounds up to the smallest normal (2^-6): one subnormal step short
     carry |= (want.abs() == 2.0**-6) & ((want - got).abs() == 2.0**-9)
     assert (bad <= carry).all() and bad.float().mean() < 0.05
+
+
+def test_chunked_per_token_quantization_of_a_silu_row_is_the_composed_ops(fk):
+    """A SiLU-and-mul row longer than ``TOKEN_SPLIT_MIN`` (down_proj's input) quantized in chunks equals
+    ``silu_and_mul`` then the same quantization, byte for byte."""
+    from kvship.engine.layers import fused_ops_cuda as fo
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2 * 9000, generator=gen).to(torch.bfloat16)
+    x[2, 8999] = 30.0  # a row maximum in the last chunk
+    q_ref, s_ref = fk.quantize_act(fo.silu_and_mul(x), fk.ACT_TOKEN, 128)
+    q, s = fk.quantize_act(x, fk.ACT_TOKEN, 128, silu=True)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -137,6 +152,8 @@ def test_decode_kernels_match_reference(fk, fmt, act, m, cfg):
     y = fk.fp8_linear(x, q, s, fk.ACT_CODES[act], block, 128, bias, static, cfg=c)
     ref = fm.qdq_linear(x, w_deq, bias, torch.float32)  # x quantizes exactly: x_deq == x
     assert _rel(y, ref) <= 1e-5
+    if more.get("split_k", 1) > 1:  # the tiles' last programs added the partials and zeroed their counts
+        assert all(int(c.abs().sum()) == 0 for c in fk._COUNTERS.values()) and fk._COUNTERS
 
 
 @pytest.mark.parametrize("fmt,act", [("block", "group"), ("channel", "token"), ("channel", "static")])
@@ -149,6 +166,23 @@ def test_prefill_gemm_matches_reference(fk, fmt, act):
     block = (128, 128) if fmt == "block" else None
     cfg = fk.Fp8Config("mma", 32, 64, 128, fp8_dot=True, group_m=2)
     y = fk.fp8_linear(x, q, s, fk.ACT_CODES[act], block, 128, None, static, cfg=cfg)
+    assert _rel(y, fm.qdq_linear(x, w_deq, None, torch.float32)) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt,act,m", [("block", "group", 40), ("channel", "token", 33), ("block", "group", 140)])
+def test_batches_past_the_decode_tiles_take_the_mid_tiles_then_the_gemm(fk, fmt, act, m):
+    """Decode batches of 17..MID_MAX_M rows run ``mid_config``'s tiles (whole SMs' worth of programs: K split on
+    a narrow projection), more rows the GEMM; both equal the reference."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 160, 256
+    x = _exact_acts(m, k, 128, gen)
+    q, s, w_deq = _weights(n, k, fmt, gen)
+    code = fk.ACT_CODES[act]
+    if m <= fk.MID_MAX_M:
+        cfg = fk.pick_config(m, n, k, code)
+        assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.split_k, cfg.fp8_dot) == ("mma", 64, 64, 4, True)
+    block = (128, 128) if fmt == "block" else None
+    y = fk.fp8_linear(x, q, s, code, block, 128, None, None)
     assert _rel(y, fm.qdq_linear(x, w_deq, None, torch.float32)) <= 1e-5
 
 

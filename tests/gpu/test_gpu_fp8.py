@@ -79,7 +79,7 @@ def _reference(x, w_deq, act, static, bias):
 
 
 @pytest.mark.parametrize("act", ["group", "token", "static"])
-@pytest.mark.parametrize("shape", [(7, 1000), (33, 4096)])
+@pytest.mark.parametrize("shape", [(7, 1000), (33, 4096), (5, 14336)])
 def test_activation_quantization_is_bit_equal_to_the_reference(fk, act, shape):
     x = _acts(*shape, seed=1)
     static = torch.tensor([0.05], device="cuda")
@@ -114,6 +114,49 @@ def test_fp8_linear_matches_the_reference(fk, fmt, act, m, bias):
     y = fk.fp8_linear(x, q, s, fk.ACT_CODES[act], block, 128, b, static)
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert _rel(y, _reference(x, w_deq, act, static, b)) <= TOL
+
+
+@pytest.mark.parametrize("fmt,act", FORMAT_ACTS)
+@pytest.mark.parametrize("m", [33, 64, 128])
+def test_decode_batch_tiles_keep_long_sums_accurate(fk, fmt, act, m):
+    """Decode batches past the skinny tiles (``mid_config``: e4m3 MMAs from 64 rows, K split) over down_proj's
+    14336-long rows: each K step's sum is added in fp32 outside the MMA, so the error stays the reference's."""
+    n, k = 512, 14336
+    q, s, w_deq, block = _weights(n, k, fmt, seed=m)
+    x = _acts(m, k, seed=200 + m)
+    static = (x.float().abs().amax() / 300).reshape(1) if act == "static" else None
+    assert fk.pick_config(m, n, k, fk.ACT_CODES[act]).kind == "mma"
+    y = fk.fp8_linear(x, q, s, fk.ACT_CODES[act], block, 128, None, static)
+    assert _rel(y, _reference(x, w_deq, act, static, None)) <= TOL
+
+
+def test_split_k_last_program_adds_the_partials_and_rezeroes_its_count(fk):
+    """Split-K tiles add their partials in the tile's last program (no second kernel): eager launches, CUDA-graph
+    replays and the unsplit tiles agree bit for bit, and every arrival count is back at 0 after each."""
+    m, n, k = 13, 512, 4096
+    q, s, w_deq, block = _weights(n, k, "block", seed=11)
+    x = _acts(m, k, seed=12)
+    split = fk.Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=4)
+    one = fk.Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=1)
+    ref = fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=one)
+    for _ in range(3):
+        assert torch.equal(fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=split), ref)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in fk._COUNTERS.values())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=split)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=split) for _ in range(2)]
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, ref) for o in outs)
+        assert all(int(c.abs().sum()) == 0 for c in fk._COUNTERS.values())
+    assert _rel(ref, _reference(x, w_deq, "group", None, None)) <= TOL
 
 
 CONFIGS = {

@@ -39,6 +39,7 @@ kernels also run under Triton's interpreter on CPU tensors (tests).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,6 +55,10 @@ ACT_GROUP, ACT_TOKEN, ACT_STATIC = 0, 1, 2
 ACT_CODES = {"group": ACT_GROUP, "token": ACT_TOKEN, "static": ACT_STATIC}
 # rows up to which the decode kernels run; more rows: quantize, then the GEMM
 GEMV_MAX_M = 16
+# rows above GEMV_MAX_M up to which a decode batch takes ``mid_config``'s tiles (still weight-bandwidth bound:
+# the prefill tiles leave most SMs idle there, e.g. 32 programs for o_proj at 64 rows); more rows: the GEMM.
+# ``KVSHIP_FP8_MID_MAX_M`` overrides it (16: off; benchmarks compare both in one run)
+MID_MAX_M = int(os.environ.get("KVSHIP_FP8_MID_MAX_M", "128"))
 
 
 # --- arithmetic shared by the kernels ----------------------------------------------------------------
@@ -81,6 +86,9 @@ def _group_scales(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constex
 # --- activation quantization -------------------------------------------------------------------------
 # per-token quantization's widest one-tile row (``quantize_act``); wider rows loop over tiles of this size
 TOKEN_ROW_BLOCK = 16384
+# rows longer than this are quantized per token in two kernels over TOKEN_CHUNK-column chunks (``quantize_act``)
+TOKEN_SPLIT_MIN = 4096
+TOKEN_CHUNK = 2048
 
 
 @triton.jit
@@ -98,8 +106,11 @@ def _quant_act_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     SILU: tl.constexpr = False,
+    PARTS: tl.constexpr = 0,
 ):
-    # ACT_TOKEN: one program per row (amax pass, then the quantize pass); else one per row and BLOCK_K columns.
+    # ACT_TOKEN: one program per row (amax pass, then the quantize pass), or with PARTS > 0 one per row and
+    # BLOCK_K columns whose row amax is the max of ``s_in``'s PARTS chunk maxima (``_row_amax_kernel``; the
+    # chunk-0 program stores the scale); else one per row and BLOCK_K columns.
     # SILU: the row is ``g || u`` (2K wide) and the input is ``silu(g) * u`` as fused_ops_cuda.silu_and_mul
     # rounds it (recomputed in each pass: cheaper than a second tensor)
     m = tl.program_id(0).to(tl.int64)
@@ -108,7 +119,16 @@ def _quant_act_kernel(
     xr = x + m * stride_xm
     qr = q + m * stride_qm
     pdl_enter(USE_PDL)
-    if ACT == 1:
+    if ACT == 1 and PARTS > 0:
+        parts = tl.arange(0, PARTS)
+        nparts = tl.cdiv(K, BLOCK_K)
+        sc = _scale_of(tl.max(tl.load(s_in + m * nparts + parts, mask=parts < nparts, other=0.0), axis=0))
+        if pid_k == 0:
+            tl.store(s + m * stride_sm, sc)
+        ks = pid_k * BLOCK_K + rk
+        ok = ks < K
+        tl.store(qr + ks, _to_e4m3(_act_in(xr, ks, ok, K, SILU), sc), mask=ok)
+    elif ACT == 1:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             v = _act_in(xr, k0 + rk, (k0 + rk) < K, K, SILU)
@@ -124,6 +144,18 @@ def _quant_act_kernel(
         ok = ks < K
         v = _act_in(xr, ks, ok, K, SILU)
         _store_quant(v, qr + ks, ok, s + m * stride_sm, pid_k, s_in, K, ACT, G, BLOCK_K)
+
+
+@triton.jit
+def _row_amax_kernel(x, amax, K, stride_xm, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SILU: tl.constexpr):
+    """``amax[m, j]`` = max |input| over row ``m``'s columns ``[j * BLOCK_K, (j + 1) * BLOCK_K)`` (the input as
+    ``_act_in`` forms it): per-token quantization's first pass, spread over the row's chunks."""
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    ks = j * BLOCK_K + tl.arange(0, BLOCK_K)
+    pdl_enter(USE_PDL)
+    v = _act_in(x + m * stride_xm, ks, ks < K, K, SILU)
+    tl.store(amax + m * tl.num_programs(1) + j, tl.max(tl.abs(v), axis=0))
 
 
 @triton.jit
@@ -232,16 +264,29 @@ def quantize_act(
     if m == 0:
         return q, s
     warps = 4
+    pdl = use_pdl(x)
+    if act == ACT_TOKEN and k > TOKEN_SPLIT_MIN:
+        # a long row (down_proj's input, 14336): its chunks' maxima in one kernel, then every chunk quantized
+        # with the row's scale in a second, each over rows x chunks programs (one program a row took ~7.5 us
+        # for a SiLU-and-mul row of 14336 on an H200, the two kernels ~3, docs/quantization.md)
+        chunks = triton.cdiv(k, TOKEN_CHUNK)
+        amax = torch.empty((m, chunks), dtype=torch.float32, device=x.device)
+        _row_amax_kernel[(m, chunks)](
+            x, amax, k, x.stride(0), BLOCK_K=TOKEN_CHUNK, USE_PDL=pdl, SILU=silu, launch_pdl=pdl, num_warps=4
+        )  # fmt: skip
+        _quant_act_kernel[(m, chunks)](
+            x, q, s, amax, k, x.stride(0), q.stride(0), s.stride(0), ACT=act, G=group, BLOCK_K=TOKEN_CHUNK,
+            USE_PDL=pdl, SILU=silu, PARTS=triton.next_power_of_2(chunks), launch_pdl=pdl, num_warps=4,
+        )  # fmt: skip
+        return q, s
     if act == ACT_TOKEN:
-        # one program per row makes both passes: the whole row in one tile where it fits (up to 16k columns, 16
-        # warps) so each pass is one load instead of a serial loop over 1024-column chunks (a decode row of
-        # 14336 took ~7 us that way on an H200: docs/benchmarks.md)
+        # one program per row makes both passes: the whole row in one tile (up to 4096 columns, 8 warps) so
+        # each pass is one load instead of a serial loop over 1024-column chunks
         block_k = max(16, min(TOKEN_ROW_BLOCK, triton.next_power_of_2(k)))
         warps = 4 if block_k <= 2048 else (8 if block_k <= 4096 else 16)
     else:
         block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
     grid = (m, 1) if act == ACT_TOKEN else (m, triton.cdiv(k, block_k))
-    pdl = use_pdl(x)
     _quant_act_kernel[grid](
         x, q, s, s, k, x.stride(0), q.stride(0), s.stride(0) if act != ACT_STATIC else 0,
         ACT=act, G=group, BLOCK_K=block_k, USE_PDL=pdl, SILU=silu, launch_pdl=pdl, num_warps=warps,
@@ -399,6 +444,8 @@ def _fp8_mm_kernel(
     stride_bsg,
     stride_cm,
     stride_cs,
+    y,
+    counters,
     ACT: tl.constexpr,
     WBLOCK: tl.constexpr,
     G: tl.constexpr,
@@ -411,12 +458,17 @@ def _fp8_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FIXUP: tl.constexpr = False,
 ):
     # a: e4m3 [M, K] with scales as_ (ACT: per group [M, K/G], per token [M], static scalar); b: e4m3 [N, K] with
     # bs (WBLOCK: [N/WBN, K/G] blocks, else [N] rows).  Per-group activations or block weights: a scale changes
-    # along K, BLOCK_K == G.  SPLIT_K > 1:
+    # along K, BLOCK_K == G.  FP8_DOT: every K step's product is added to the fp32 accumulator outside the MMA
+    # (Hopper's e4m3 MMAs keep fewer accumulator bits than fp32; a 14336-long sum must not stay in them).
+    # SPLIT_K > 1:
     # program (pid, s) sums K steps [s * k_per, (s + 1) * k_per) and stores its fp32 partial (scales applied, the
-    # bias on s == 0) at ``c + s * stride_cs``; ``_splitk_sum_kernel`` adds the partials.
+    # bias on s == 0) at ``c + s * stride_cs``.  FIXUP: then it counts itself in at ``counters[pid]``; the
+    # tile's last program adds the SPLIT_K partials in split order into ``y`` and sets the count back to 0
+    # (the next launch, or graph replay, finds it 0).  Else ``_splitk_sum_kernel`` adds them.
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -446,7 +498,7 @@ def _fp8_mm_kernel(
         if not FP8_DOT:  # e4m3 values are exact in fp16 (a single conversion instruction on Hopper)
             at = at.to(tl.float16)
             bt = bt.to(tl.float16)
-        if ACT == 0 or WBLOCK:
+        if ACT == 0 or WBLOCK or FP8_DOT:  # e4m3 MMAs: each K step's sum leaves the tensor cores (fp32 adds)
             part = tl.dot(at, tl.trans(bt))
             g = k0 // G
             if ACT == 0:
@@ -465,11 +517,18 @@ def _fp8_mm_kernel(
     if HAS_BIAS:
         if pid_s == 0:
             acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        c + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
-        acc.to(c.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    tl.store(c + pid_s * stride_cs + offs, acc.to(c.dtype.element_ty), mask=ok)
+    if FIXUP:
+        tl.debug_barrier()  # every thread's partial issued before the count (released at GPU scope)
+        arrived = tl.atomic_add(counters + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):  # the order _splitk_sum_kernel adds in; L2 reads (.cg)
+                tot += tl.load(c + i * stride_cs + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y + offs, tot.to(y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(counters + pid, 0)
 
 
 @triton.jit
@@ -530,9 +589,27 @@ def default_config(m: int, n: int, k: int, act: int) -> Fp8Config:
     return Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=split)
 
 
+def mid_config(m: int, n: int, k: int, act: int) -> Fp8Config:
+    """Decode batches of ``GEMV_MAX_M`` < ``m`` <= ``MID_MAX_M`` rows: tensor-core tiles of up to 64 rows, so
+    that every SM streams weights (the prefill tiles run 32-224 programs on the 8B shapes there).  A projection
+    narrower than 16384 rows takes 64 weight rows a program and splits K (4 ways up to 64 rows, 2 above); a
+    wide one (gate_up) 128 rows and no split.  e4m3 operands from 64 rows, fp16 below.  The H200 sweep of
+    2026-11-29 (``bench/fp8_gemm.py --gemv-ms 32,64,128 --sweep``; docs/quantization.md) found these the best
+    or within ~10% of the best at 64 and 128 rows on all four 8B projections, both formats."""
+    bm = min(bucket(m), 64)
+    if n >= 16384:
+        bn, split = 128, 1
+    else:
+        bn, split = 64, (4 if m <= 64 else 2)
+    return Fp8Config("mma", bm, bn, 128, num_warps=4, num_stages=4, fp8_dot=bm >= 64, split_k=split)
+
+
 def pick_config(m: int, n: int, k: int, act: int) -> Fp8Config:
-    """The config for ``[m, k] x [n, k]^T`` in the decode kernels (``m`` <= ``GEMV_MAX_M``)."""
-    return TUNED.get((n, k, bucket(m), act)) or default_config(m, n, k, act)
+    """The config for ``[m, k] x [n, k]^T`` in the decode kernels (``m`` <= ``MID_MAX_M``)."""
+    tuned = TUNED.get((n, k, bucket(m), act))
+    if tuned is not None:
+        return tuned
+    return default_config(m, n, k, act) if m <= GEMV_MAX_M else mid_config(m, n, k, act)
 
 
 # --- launches -----------------------------------------------------------------------------------------
@@ -634,16 +711,46 @@ def _launch(xin, xs, w, wscale, act, block, group, bias, out_dtype, cfg) -> torc
         )  # fmt: skip
     else:
         split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         c = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xin.device)
-        _fp8_mm_kernel[grid](
+        # decode tiles (16 rows) add their partials in their last program; bigger tiles leave it to a second
+        # kernel (one program summing 4 x 64 x 64 partials is a serial tail: M = 64 layers got ~2-4 us slower
+        # on an H200, docs/quantization.md)
+        counters = _split_counters(xin.device, tiles) if split > 1 and cfg.block_m <= FIXUP_MAX_BLOCK_M else None
+        _fp8_mm_kernel[(tiles, split)](
             xin, xs, w, wscale, b, c, m, n, k, xin.stride(0), ssm, ssg, w.stride(0), wsn, wsg, n, m * n,
-            FP8_DOT=cfg.fp8_dot, SPLIT_K=split, GROUP_M=cfg.group_m, **common,
+            y, counters if counters is not None else wscale, FP8_DOT=cfg.fp8_dot, SPLIT_K=split,
+            GROUP_M=cfg.group_m, FIXUP=counters is not None, **common,
         )  # fmt: skip
-        if split > 1:
+        if split > 1 and counters is None:
             blk = 1024
             _splitk_sum_kernel[(triton.cdiv(m * n, blk),)](c, y, m * n, SPLIT_K=split, BLOCK=blk, num_warps=4)
     return y
+
+
+# split-K arrival counts (int32, 0 between launches), one buffer per (device, stream): kernels on one stream
+# run one after another (a PDL launch waits for its predecessor before it counts), two streams never share one
+SPLIT_COUNTERS = 1 << 16
+FIXUP_MAX_BLOCK_M = 16
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The arrival counts for a split-K launch of ``tiles`` tiles on the current stream, or None (more tiles
+    than the buffer: the partials are added by ``_splitk_sum_kernel``).  Created zeroed on a stream's first
+    split launch (during a CUDA-graph capture too: the graph then re-zeroes it where it was created, and the
+    last program of every tile zeroes its count anyway)."""
+    if tiles > SPLIT_COUNTERS:
+        return None
+    key = (device.index if device.index is not None else -1, _stream_id(device))
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 _SCALED_MM: dict[int, bool] = {}
@@ -728,12 +835,12 @@ def fp8_linear_q(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The product of a quantized input (``quantize_act``'s layout, or a fused producer's: ``norm_quant``,
-    ``quantize_act(silu=True)``) and an FP8 weight that ``applies``.  Decode rows (``M <= GEMV_MAX_M``): the skinny
-    tensor-core tiles (``pick_config``); more rows: ``torch._scaled_mm`` (per-row weight scales, no bias) or
-    the Triton GEMM."""
+    ``quantize_act(silu=True)``) and an FP8 weight that ``applies``.  Decode rows (``M <= MID_MAX_M``): the
+    skinny and mid-size tensor-core tiles (``pick_config``); more rows: ``torch._scaled_mm`` (per-row weight
+    scales, no bias) or the Triton GEMM."""
     m, k = xq.shape
     n = w.shape[0]
-    if m > GEMV_MAX_M:
+    if m > max(GEMV_MAX_M, MID_MAX_M):
         if block is None and bias is None and act != ACT_GROUP:
             rows = xs.reshape(1).expand(m).reshape(m, 1).contiguous() if act == ACT_STATIC else xs
             y = scaled_mm_rowwise(xq, rows, w, wscale, out_dtype)
