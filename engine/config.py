@@ -128,6 +128,12 @@ class ServerArgs:
         "step (0: an extend whenever a waiting request fits, decode waits; 1 bounds a running request's token "
         "gap to about one --chunked-prefill-size step; docs/architecture.md)",
     )
+    enable_mixed_chunk: bool = opt(
+        False,
+        "Running requests decode inside each extend (prefill) step: one new token each, beside the prompt chunk, "
+        "so a long prefill no longer stalls them (a unified worker without speculative decoding or pipeline "
+        "stages; requests with a grammar, penalties or a seed decode in their own steps; docs/architecture.md)",
+    )
     disable_radix_cache: bool = opt(False, "Disable prefix caching")
     hicache_size_gb: float = opt(
         0.0,
@@ -442,6 +448,21 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.decode_interleave < 0:
             raise ValueError(f"--decode-interleave must be >= 0, got {self.decode_interleave}")
+        if self.enable_mixed_chunk:  # decode rows ride in a unified worker's own extend steps only
+            other = [
+                name
+                for name, on in (
+                    (f"--mode {self.mode}", self.mode != "unified"),
+                    ("--speculative-algorithm", bool(self.speculative_algorithm)),
+                    (f"--pp-size {self.pp_size}", self.pp_size > 1),
+                )
+                if on
+            ]
+            if other:
+                raise ValueError(
+                    f"--enable-mixed-chunk works on a unified worker without speculative decoding or pipeline "
+                    f"stages; this one has {', '.join(other)}"
+                )
         if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
             raise ValueError("--otlp-traces-sample-ratio must be in [0, 1]")
         if self.otlp_traces_endpoint:

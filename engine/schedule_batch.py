@@ -289,6 +289,8 @@ class ScheduleBatch:
     out_cache_loc: Optional[torch.Tensor] = None
     # requests whose logits are sampled this step (extend: those whose fill_ids are complete)
     sample_mask: list[bool] = field(default_factory=list)
+    # --enable-mixed-chunk: running requests (by id) that decode one token inside this extend step
+    decode_rows: frozenset[int] = frozenset()
 
     @property
     def batch_size(self) -> int:

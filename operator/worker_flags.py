@@ -57,6 +57,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--chunked-prefill-size",), "chunked_prefill_size", "value"),
     (("--max-prefill-tokens",), "max_prefill_tokens", "value"),
     (("--decode-interleave",), "decode_interleave", "value"),
+    (("--enable-mixed-chunk", "--no-enable-mixed-chunk"), "enable_mixed_chunk", "switch"),
     (("--disable-radix-cache", "--no-disable-radix-cache"), "disable_radix_cache", "switch"),
     (("--hicache-size-gb",), "hicache_size_gb", "value"),
     (("--enable-kv-events", "--no-enable-kv-events"), "enable_kv_events", "switch"),

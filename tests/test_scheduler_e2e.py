@@ -112,6 +112,27 @@ def test_concurrent_greedy_continuations_equal_transformers_generate(arch, page_
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_chunks_give_transformers_greedy_tokens(tiny_llama_dir, page_size):
+    """``--enable-mixed-chunk``: the requests decoding while the later prompts are computed ride in those
+    extend steps (one-token rows over their cached K/V) and every continuation still equals transformers'."""
+    sched, runner, out = make(tiny_llama_dir, page_size=page_size, chunked_prefill_size=16, enable_mixed_chunk=True)
+    ps = prompts(runner.model_config.vocab_size)
+    expected = hf_generate(tiny_llama_dir, ps)
+    for i, p in enumerate(ps[:4]):
+        sched.submit(GenerateRequest(f"r{i}", p, greedy()))
+    for _ in range(8):
+        sched.step()
+    assert sched.running
+    for i, p in enumerate(ps[4:], start=4):
+        sched.submit(GenerateRequest(f"r{i}", p, greedy()))
+    drain(sched)
+    for i in range(len(ps)):
+        assert out.tokens(f"r{i}") == expected[i], f"prompt {i} (len {len(ps[i])})"
+    assert sched.counters["mixed_decode_rows"] > 0
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_shared_prefix_is_served_from_cache_and_equals_a_cold_run(tiny_llama_dir, page_size):
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(3, 384, (100,), generator=g).tolist()

@@ -80,7 +80,7 @@ from kvship.engine.scheduler.decode import DecodeBatcher
 from kvship.engine.scheduler.inbox import Abort, GrammarReady, Submit
 from kvship.engine.scheduler.io import LocalIO, SchedulerIO
 from kvship.engine.scheduler.kv_budget import KVBudget
-from kvship.engine.scheduler.launch import Launcher, Pending
+from kvship.engine.scheduler.launch import Launcher, Pending, needs_host_state
 from kvship.engine.scheduler.overlap import OverlapLoop
 from kvship.engine.scheduler.pipeline import PipelineLoop
 from kvship.engine.scheduler.policy import SchedulePolicy, SchedulerTuning
@@ -158,6 +158,7 @@ class Scheduler:
         )
         self.decoder = DecodeBatcher(self.queues, self.kv, self.counters, self.finish)
         self.decode_interleave = server_args.decode_interleave
+        self.mixed_chunk = server_args.enable_mixed_chunk  # running requests decode inside extend steps
         self._extend_streak = 0  # extend steps since the last decode step (--decode-interleave)
         self.launcher = Launcher(
             model_runner,
@@ -381,10 +382,35 @@ class Scheduler:
                 return batch
         batch = self.admission.build_extend(busy)
         if batch is not None:
-            self._extend_streak += 1
+            if self.mixed_chunk and busy is None and self._mix_running(batch):
+                self._extend_streak = 0  # every running request got its token in this step
+            else:
+                self._extend_streak += 1
             return batch
         self._extend_streak = 0
         return self.decoder.build(busy, parts)
+
+    def _mix_running(self, batch: ScheduleBatch) -> bool:
+        """``--enable-mixed-chunk``: add the running requests to extend ``batch`` as one-token rows (their newest
+        token, whose K/V is not computed yet), so they decode in this step too; True when every running request
+        joined.  Left to a decode step of their own: requests with a grammar, penalties or a seed (their
+        sampling reads host state the decode path keeps), and all of them when their slots do not fit beside
+        the prompt's without eviction failing (the decode step can retract; an extend cannot)."""
+        if self.speculator is not None or self.role.mode != "unified":
+            return False
+        rows = [r for r in self.queues.running if not needs_host_state(r)]
+        if not rows:
+            return False
+        kv = self.kv
+        need = kv.decode_need(rows) + sum(kv.round_up(r.extend_input_len) + kv.page_size for r in batch.reqs)
+        if kv.shortfall_after_evict(need) > 0:
+            return False
+        for r in rows:
+            r.extend_input_len = 1
+        batch.reqs = batch.reqs + rows
+        batch.decode_rows = frozenset(id(r) for r in rows)
+        self.counters["mixed_decode_rows"] += len(rows)
+        return len(rows) == len(self.queues.running)
 
     def launch(self, batch: ScheduleBatch, after: Optional[Pending] = None, defer_sampling: bool = False) -> Pending:
         """Run ``batch`` on the model without waiting for its tokens (``kvship.engine.scheduler.launch``)."""
@@ -433,15 +459,16 @@ class Scheduler:
                 q.chunked_req = None
             lp = lps[j] if lps is not None else None
             top = tops[j] if tops is not None else None
-            if extend and self.events.active and not req.output_ids:
+            prompt = extend and id(req) not in batch.decode_rows  # else a running request's token (mixed)
+            if prompt and self.events.active and not req.output_ids:
                 self.events.emit(FirstToken(rid=req.rid))
-            if extend and self.role.on_prompt_done(req, ids[j], lp, top):
+            if prompt and self.role.on_prompt_done(req, ids[j], lp, top):
                 continue
             req.append_token(ids[j], self.tokenizer, lp, top)
             self.counters["generation_tokens"] += 1
             if req.finished:
                 self.finish(req, req.finished_reason)
-            elif extend:
+            elif prompt:
                 q.running.append(req)
                 self.emit(req)
             else:
