@@ -322,6 +322,40 @@ def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_d
     assert cache.host.available_size() == cache.host.total_slots
 
 
+def test_mixed_chunks_over_load_backs_give_the_unmixed_tokens_and_leak_nothing(tiny_llama_dir):
+    """``--enable-mixed-chunk`` with the host tier: returning turns load their prefixes back while other
+    sessions decode inside those extend steps; every output equals the same schedule's without mixing, the
+    running requests really rode in extends, and both tiers end full."""
+    outs = {}
+    for mixed in (False, True):
+        g = torch.Generator().manual_seed(13)
+        sched, _, out = _sched(
+            tiny_llama_dir,
+            page_size=4,
+            max_total_tokens=192,
+            hicache_ratio=2.0,
+            chunked_prefill_size=16,
+            enable_mixed_chunk=mixed,
+        )
+        history = {s: torch.randint(3, 384, (20 + 6 * s,), generator=g).tolist() for s in range(6)}
+        for turn in range(3):
+            for s in range(6):  # staggered: later sessions' prompts arrive while earlier ones decode
+                sched.submit(_gen(f"s{s}t{turn}", history[s], 10))
+                for _ in range(2):
+                    sched.step()
+            _drain(sched)
+            for s in range(6):
+                history[s] = history[s] + out.tokens(f"s{s}t{turn}") + torch.randint(3, 384, (6,), generator=g).tolist()
+        st = sched.get_stats()
+        assert st["host_hit_tokens"] > 0 and st["num_aborted"] == 0
+        assert st["free_slots"] == st["total_slots"] and sched.cache.protected_size() == 0
+        check_consistent(sched.cache, sched.allocator, sched.cache.host)
+        if mixed:
+            assert sched.counters["mixed_decode_rows"] > 0
+        outs[mixed] = {f"s{s}t{t}": out.tokens(f"s{s}t{t}") for s in range(6) for t in range(3)}
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_write_back_and_load_back_copy_every_layer_row_by_pages_or_by_slots(ps, aligned):

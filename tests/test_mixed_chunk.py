@@ -87,7 +87,9 @@ def test_mixing_is_skipped_when_the_decode_rows_would_not_fit(monkeypatch):
     for _ in range(3):
         sched.step()
     fits = sched.kv.shortfall_after_evict
-    monkeypatch.setattr(sched.kv, "shortfall_after_evict", lambda need: 1 if need > 8 + 1 else fits(need))  # chunk + a page
+    monkeypatch.setattr(
+        sched.kv, "shortfall_after_evict", lambda need: 1 if need > 8 + 1 else fits(need)
+    )  # chunk + a page
     sched.submit(GenerateRequest("long", prompt(40, 7), greedy(3)))
     start = len(runner.batch_sizes)
     run(sched)
