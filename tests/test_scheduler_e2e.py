@@ -111,11 +111,18 @@ def test_concurrent_greedy_continuations_equal_transformers_generate(arch, page_
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_chunks_give_transformers_greedy_tokens(tiny_llama_dir, page_size):
+def test_mixed_chunks_give_transformers_greedy_tokens(tiny_llama_dir, page_size, overlap, monkeypatch):
     """``--enable-mixed-chunk``: the requests decoding while the later prompts are computed ride in those
-    extend steps (one-token rows over their cached K/V) and every continuation still equals transformers'."""
+    extend steps (one-token rows over their cached K/V) and every continuation still equals transformers',
+    in the synchronous and the overlapped loop."""
+    from kvship.engine.scheduler.overlap import FORCE_ENV
+
+    if overlap:
+        monkeypatch.setenv(FORCE_ENV, "1")
     sched, runner, out = make(tiny_llama_dir, page_size=page_size, chunked_prefill_size=16, enable_mixed_chunk=True)
+    assert (sched.overlap is not None) == overlap
     ps = prompts(runner.model_config.vocab_size)
     expected = hf_generate(tiny_llama_dir, ps)
     for i, p in enumerate(ps[:4]):
