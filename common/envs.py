@@ -109,6 +109,13 @@ class _Env:
         False,
         "FP8 linear layers compute with the reference arithmetic on CUDA too (A/B tests; docs/quantization.md)",
     )
+    FP8_MID_MAX_M = Knob(
+        "KVSHIP_FP8_MID_MAX_M",
+        int,
+        128,
+        "FP8 linear layers: decode batches up to this many rows take the mid-size tensor-core tiles (16: off, "
+        "the prefill path from 17 rows; docs/quantization.md)",
+    )
     PDL = Knob(
         "KVSHIP_PDL",
         _bool,

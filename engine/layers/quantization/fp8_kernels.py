@@ -39,7 +39,6 @@ kernels also run under Triton's interpreter on CPU tensors (tests).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.common.envs import ENV
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter, rmsnorm_row
 from kvship.engine.layers.quantization import fp8_math as fm
@@ -58,7 +58,7 @@ GEMV_MAX_M = 16
 # rows above GEMV_MAX_M up to which a decode batch takes ``mid_config``'s tiles (still weight-bandwidth bound:
 # the prefill tiles leave most SMs idle there, e.g. 32 programs for o_proj at 64 rows); more rows: the GEMM.
 # ``KVSHIP_FP8_MID_MAX_M`` overrides it (16: off; benchmarks compare both in one run)
-MID_MAX_M = int(os.environ.get("KVSHIP_FP8_MID_MAX_M", "128"))
+MID_MAX_M = ENV.FP8_MID_MAX_M
 
 
 # --- arithmetic shared by the kernels ----------------------------------------------------------------
