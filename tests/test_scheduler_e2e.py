@@ -92,10 +92,18 @@ def assert_all_free(sched):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_concurrent_greedy_continuations_equal_transformers_generate(arch, page_size, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    sched, runner, out = make(model_dir, page_size=page_size, chunked_prefill_size=16)
-    ps = prompts(runner.model_config.vocab_size)
+    sched, _, _ = make(model_dir, page_size=page_size, chunked_prefill_size=16)
+    two_waves_equal_transformers(sched, model_dir)
+    assert sched.get_stats()["extend_steps"] > 2  # the 64/50/40-token prompts took several chunks
+    assert_all_free(sched)
+
+
+def two_waves_equal_transformers(sched, model_dir):
+    """Half the prompts start, the rest join while those are decoding (continuous batching); every
+    continuation equals transformers' greedy ``generate`` and finishes once."""
+    out = sched.output_sink
+    ps = prompts(sched.vocab_size)
     expected = hf_generate(model_dir, ps)
-    # half the requests start, the rest join while those are decoding (continuous batching)
     for i, p in enumerate(ps[:4]):
         sched.submit(GenerateRequest(f"r{i}", p, greedy()))
     for _ in range(8):
@@ -107,8 +115,6 @@ def test_concurrent_greedy_continuations_equal_transformers_generate(arch, page_
     for i in range(len(ps)):
         assert out.tokens(f"r{i}") == expected[i], f"prompt {i} (len {len(ps[i])})"
         assert len(out.finished(f"r{i}")) == 1
-    assert sched.get_stats()["extend_steps"] > 2  # the 64/50/40-token prompts took several chunks
-    assert_all_free(sched)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -121,20 +127,9 @@ def test_mixed_chunks_give_transformers_greedy_tokens(tiny_llama_dir, page_size,
 
     if overlap:
         monkeypatch.setenv(FORCE_ENV, "1")
-    sched, runner, out = make(tiny_llama_dir, page_size=page_size, chunked_prefill_size=16, enable_mixed_chunk=True)
+    sched, _, _ = make(tiny_llama_dir, page_size=page_size, chunked_prefill_size=16, enable_mixed_chunk=True)
     assert (sched.overlap is not None) == overlap
-    ps = prompts(runner.model_config.vocab_size)
-    expected = hf_generate(tiny_llama_dir, ps)
-    for i, p in enumerate(ps[:4]):
-        sched.submit(GenerateRequest(f"r{i}", p, greedy()))
-    for _ in range(8):
-        sched.step()
-    assert sched.running
-    for i, p in enumerate(ps[4:], start=4):
-        sched.submit(GenerateRequest(f"r{i}", p, greedy()))
-    drain(sched)
-    for i in range(len(ps)):
-        assert out.tokens(f"r{i}") == expected[i], f"prompt {i} (len {len(ps[i])})"
+    two_waves_equal_transformers(sched, tiny_llama_dir)
     assert sched.counters["mixed_decode_rows"] > 0
     assert_all_free(sched)
 

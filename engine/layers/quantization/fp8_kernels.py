@@ -84,9 +84,8 @@ def _group_scales(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constex
 
 
 # --- activation quantization -------------------------------------------------------------------------
-# per-token quantization's widest one-tile row (``quantize_act``); wider rows loop over tiles of this size
-TOKEN_ROW_BLOCK = 16384
-# rows longer than this are quantized per token in two kernels over TOKEN_CHUNK-column chunks (``quantize_act``)
+# per-token rows up to this long are quantized by one program each in one tile; longer ones in two kernels over
+# TOKEN_CHUNK-column chunks (``quantize_act``)
 TOKEN_SPLIT_MIN = 4096
 TOKEN_CHUNK = 2048
 
@@ -282,8 +281,8 @@ def quantize_act(
     if act == ACT_TOKEN:
         # one program per row makes both passes: the whole row in one tile (up to 4096 columns, 8 warps) so
         # each pass is one load instead of a serial loop over 1024-column chunks
-        block_k = max(16, min(TOKEN_ROW_BLOCK, triton.next_power_of_2(k)))
-        warps = 4 if block_k <= 2048 else (8 if block_k <= 4096 else 16)
+        block_k = max(16, triton.next_power_of_2(k))
+        warps = 4 if block_k <= 2048 else 8
     else:
         block_k = max(group if act == ACT_GROUP else 16, min(1024, triton.next_power_of_2(k)))
     grid = (m, 1) if act == ACT_TOKEN else (m, triton.cdiv(k, block_k))
