@@ -1586,6 +1586,11 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = build_parser().parse_args(argv)
+    mla = "kv_lora_rank" in SHAPES[args.shape]
+    if args.attention_backend is None:
+        args.attention_backend = "triton" if mla else "flashinfer"
+    elif mla and args.attention_backend == "flashinfer":
+        raise SystemExit(f"{args.shape} is an MLA shape: its attention runs with --attention-backend triton")
     if args.device == "cpu":
         return cpu_main(args)
     if not torch.cuda.is_available():
@@ -1694,7 +1699,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", default="1,8,32,64,128")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--attention-backend", default="flashinfer", choices=("flashinfer", "triton"))
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=("flashinfer", "triton"),
+        help="default: flashinfer; triton for an MLA shape (deepseek-*), which has no FlashInfer path",
+    )
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument(
         "--modes",

@@ -49,6 +49,9 @@ from typing import Any, Callable
 
 import torch
 
+# decode_latency's CUDA timers (kernel_time, copy_bandwidth) when run from anywhere
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 V2_LITE: dict[str, Any] = dict(
     architectures=["DeepseekV2ForCausalLM"],
     model_type="deepseek_v2",
@@ -194,8 +197,24 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Seconds per call of a kernel launch: on CUDA ``calls`` launches captured in one CUDA graph (as in a decode
+    step; a host-timed single launch would add the launch and the synchronisation, tens of microseconds, to a
+    kernel of ~100), elsewhere ``timed``."""
+    if device.type != "cuda":
+        return timed(fn, device, iters)
+    from decode_latency import graph_time
+
+    return graph_time(lambda i: fn(), calls=max(iters, 10))
+
+
 def copy_bandwidth(device: torch.device, mib: int) -> float:
-    """Bytes per second of a device copy (read + written)."""
+    """Bytes per second of a device copy (read + written): CUDA-event timed on a GPU (a graph's copy node may run
+    on a copy engine, slower than the kernel an eager copy launches)."""
+    if device.type == "cuda":
+        from decode_latency import copy_bandwidth as cuda_copy_bandwidth
+
+        return cuda_copy_bandwidth(mib / 1024)
     src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() / timed(lambda: dst.copy_(src), device, 5)
@@ -243,7 +262,7 @@ def mla_decode_kernel(
     backend.init_forward_metadata(fb)
     q = torch.randn(bs, heads, r + dr, dtype=dt, device=device)
     k = pool.get_latent_buffer(0)[last, 0]
-    sec = timed(lambda: backend.forward_decode(q, k, None, spec, fb, save_kv_cache=False), device, 5)
+    sec = kernel_time(lambda: backend.forward_decode(q, k, None, spec, fb, save_kv_cache=False), device, 5)
     read = bs * ctx * (r + dr) * pool.get_latent_buffer(0).element_size()
     out = {
         "backend": name,
@@ -274,7 +293,7 @@ def mla_decode_sweep(q, pool, r2t, fb, r: int, scale: float, read: int, bw: floa
                 for stages in (1, 2, 3):
                     kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
                     try:
-                        sec = timed(
+                        sec = kernel_time(
                             lambda kw=kw: mt.mla_decode(
                                 q, latent, r2t.req_to_token, fb.req_pool_indices, fb.seq_lens, r, scale, **kw
                             ),

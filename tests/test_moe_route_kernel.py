@@ -77,6 +77,34 @@ def test_grouped_routing_equals_the_deepseek_router(scoring, method, n_group, to
     w, ids = route(logits, top_k, scoring, renorm, 1e-20, method, n_group, topk_group, bias, scale)
     assert torch.equal(ids.cpu(), rids)
     assert torch.allclose(w.cpu(), rw, rtol=1e-6, atol=1e-7)
+    # the expert load counted in the same kernel equals the PyTorch path's count_routed, with and without the
+    # CUDA graphs' KV slots (rows writing slot 0 are padding and count nothing)
+    for slots in (None, torch.tensor([0, 3, 5, 0, 1, 2, 0, 9, 4])):
+        got, want = torch.zeros(e, dtype=torch.int64, device=DEV), torch.zeros(e, dtype=torch.int64)
+        route(logits, top_k, scoring, renorm, 1e-20, method, n_group, topk_group, bias, scale, got,
+              None if slots is None else slots.to(DEV))  # fmt: skip
+        router.select(logits.cpu(), want, slots)
+        assert torch.equal(got.cpu(), want) and int(want.sum()) == top_k * (9 if slots is None else 6)
+
+
+@needs_triton
+@pytest.mark.parametrize("m,e,hidden,dtype", [(1, 64, 2048, torch.bfloat16), (5, 60, 300, torch.float32),
+                                              (16, 256, 512, torch.bfloat16), (3, 8, 64, torch.float16)])  # fmt: skip
+def test_router_logits_kernel_equals_the_float32_linear(m, e, hidden, dtype):
+    """``router_logits`` (a decode batch's router GEMV in one kernel) against ``F.linear(x.float(), w)``: float32
+    sums in another order, so within float32 rounding of the products' magnitude."""
+    from kvship.engine.layers.moe.topk_triton import LOGITS_MAX_ROWS, router_logits
+
+    g = torch.Generator().manual_seed(m * e)
+    x = torch.randn((m, hidden), generator=g).to(dtype).to(DEV)
+    w = torch.randn((e, hidden), generator=g).to(DEV)
+    got = router_logits(x, w)
+    want = torch.nn.functional.linear(x.float(), w)
+    assert got.dtype == torch.float32 and got.shape == (m, e)
+    assert torch.allclose(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-5 * hidden**0.5)
+    # outside what it takes: None (the caller keeps cuBLAS)
+    big = torch.zeros((LOGITS_MAX_ROWS + 1, hidden), dtype=dtype, device=DEV)
+    assert router_logits(big, w) is None and router_logits(x, w.to(torch.bfloat16)) is None
 
 
 def test_fits_takes_whole_groups_and_at_most_max_experts():
@@ -92,4 +120,4 @@ def test_fits_takes_whole_groups_and_at_most_max_experts():
 def test_route_kernel_cases_pass_in_the_triton_interpreter(request):
     """This file's kernel cases in the session's Triton-interpreter child (tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    interpreter_outcomes(request, "tests/test_moe_route_kernel.py").check(passed=14)
+    interpreter_outcomes(request, "tests/test_moe_route_kernel.py").check(passed=18)

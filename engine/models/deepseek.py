@@ -57,6 +57,7 @@ from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 from kvship.engine.layers.fused_dispatch import cuda_moe_route
 from kvship.engine.layers.linear import Linear, StackedLinear, _param
 from kvship.engine.layers.moe.layer import FusedMoE
+from kvship.engine.layers.moe.topk import count_routed
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
@@ -361,10 +362,16 @@ class DeepseekRouter(nn.Module):
         self.routing, self.top_k, self.renormalize = routing, top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight)
+        """Float32 logits ``[M, E]``; decode batches on CUDA in one kernel (``topk_triton.router_logits``)."""
+        fused = cuda_moe_route(x)
+        logits = fused.router_logits(x, self.weight) if fused is not None else None
+        return logits if logits is not None else torch.nn.functional.linear(x.float(), self.weight)
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits ``[M, E]`` -> float32 weights and int32 expert ids, ``[M, top_k]`` each."""
+    def select(
+        self, logits: torch.Tensor, counts: Optional[torch.Tensor] = None, rows_slots: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits ``[M, E]`` -> float32 weights and int32 expert ids, ``[M, top_k]`` each; with
+        ``counts`` the picks are added to the expert load (``topk.count_routed``'s contract)."""
         r = self.routing
         fused = cuda_moe_route(logits)
         if fused is not None and fused.fits(logits.shape[-1], self.top_k, r.n_group):  # one kernel
@@ -379,6 +386,8 @@ class DeepseekRouter(nn.Module):
                 r.topk_group,
                 self.e_score_correction_bias if r.has_correction_bias else None,
                 r.routed_scaling_factor,
+                counts=counts,
+                rows_slots=rows_slots,
             )
         logits = logits.float()
         scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -399,7 +408,10 @@ class DeepseekRouter(nn.Module):
             weights, ids = scores.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * r.routed_scaling_factor, ids.to(torch.int32)
+        ids = ids.to(torch.int32)
+        if counts is not None:
+            count_routed(counts, ids, rows_slots)
+        return weights * r.routed_scaling_factor, ids
 
     def _group_mask(self, group_scores: torch.Tensor, num_experts: int) -> torch.Tensor:
         """``[M, E]`` bool: the experts of each row's ``topk_group`` best groups."""

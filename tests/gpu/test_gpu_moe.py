@@ -73,11 +73,11 @@ def test_aligned_kernels_with_and_without_whole_tiles(h, i):
 @cuda_or_interpreter
 @pytest.mark.parametrize("m,e,k,renormalize", [(1, 8, 2, True), (5, 128, 8, True), (3, 60, 4, False), (0, 8, 2, True)])
 def test_fused_routing_kernel_equals_select_experts(m, e, k, renormalize):
-    from kvship.engine.layers.moe.triton_moe import route
+    from kvship.engine.layers.moe.topk_triton import route
 
     logits = torch.randn(m, e, device=kernel_device())
     want_w, want_ids = select_experts(logits, k, renormalize)
-    got_w, got_ids = route(logits, k, renormalize)
+    got_w, got_ids = route(logits, k, "softmax", renormalize)
     assert got_ids.dtype == torch.int32 and got_w.dtype == torch.float32
     assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
     # the expert-load count in the same kernel: every pick, or only rows whose KV slot is not 0 (padding)
@@ -85,7 +85,7 @@ def test_fused_routing_kernel_equals_select_experts(m, e, k, renormalize):
 
     for slots in (None, torch.arange(m, device=logits.device) % 2):
         got_c, want_c = (torch.zeros(e, dtype=torch.int64, device=logits.device) for _ in range(2))
-        route(logits, k, renormalize, got_c, slots)
+        route(logits, k, "softmax", renormalize, counts=got_c, rows_slots=slots)
         count_routed(want_c, want_ids, slots)
         assert torch.equal(got_c, want_c)
 

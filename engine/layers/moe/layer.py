@@ -23,7 +23,8 @@ given): it creates and fills the stacked parameters and runs the experts
 
 ``forward(x [M, H], router_logits [M, E]) -> [M, H]``: the runner's
 ``select_experts`` (softmax -> top-k -> renormalise; a layer built with
-``routing=`` calls that instead: DeepSeekMoE's grouped routing), then the method's
+``routing=`` calls that instead, ``routing(logits, counts, rows_slots)`` with
+``select_experts``' counting contract: DeepSeekMoE's grouped routing), then the method's
 ``apply_moe`` with that runner.  The
 runner is picked by name (``runner=`` or the ``KVSHIP_MOE_RUNNER`` knob, read
 when the layer is built): ``auto`` is ``triton`` on CUDA where Triton
@@ -51,7 +52,6 @@ from torch import nn
 from kvship.common.envs import ENV
 from kvship.engine.layers.linear import load_checked, unquantized_or
 from kvship.engine.layers.moe.runner import MoERunner, get_moe_runner
-from kvship.engine.layers.moe.topk import count_routed
 from kvship.engine.layers.quantization import QuantMethod
 from kvship.engine.loaders.lazy import Loaded
 
@@ -74,7 +74,7 @@ class FusedMoE(nn.Module):
         expert_start: int = 0,
         num_local_experts: Optional[int] = None,
         quant_method: Optional[QuantMethod] = None,
-        routing: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
+        routing: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -178,9 +178,8 @@ class FusedMoE(nn.Module):
         """The runner, routing weights and global expert ids for ``x``; counted in the expert load."""
         runner = self.runner_for(x)
         counts = self._counts(router_logits.device)
-        if self.routing is not None:
-            weights, ids = self.routing(router_logits)
-            count_routed(counts, ids, self._rows_slots)
+        if self.routing is not None:  # it counts the picks itself (in its kernel where it has one)
+            weights, ids = self.routing(router_logits, counts, self._rows_slots)
             return runner, weights, ids
         return runner, *runner.select_experts(router_logits, self.top_k, self.renormalize, counts, self._rows_slots)
 

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
+
 SCORING = {"softmax": 0, "sigmoid": 1}
 # topk_method codes (deepseek_config.GroupedRouting)
 GREEDY, GROUP_LIMITED_GREEDY, NOAUX_TC = 0, 1, 2
@@ -37,6 +40,8 @@ def _route_kernel(
     BIAS,
     W_OUT,
     ID_OUT,
+    COUNTS,
+    SLOTS,
     stride_l,
     num_experts,
     scale,
@@ -51,8 +56,12 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COUNT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
     x = tl.load(LOGITS + row * stride_l + e, mask=valid, other=float("-inf")).to(tl.float32)
@@ -105,6 +114,69 @@ def _route_kernel(
     w = w * scale
     tl.store(W_OUT + row * TOP_K + ks, w, mask=ks < TOP_K)
     tl.store(ID_OUT + row * TOP_K + ks, ids, mask=ks < TOP_K)
+    if COUNT:  # the expert load (topk.count_routed): one per pick; a row writing KV slot 0 is padding
+        add = tl.full([BLOCK_K], 1, tl.int64)
+        if HAS_SLOTS:
+            add = add * (tl.load(SLOTS + row) != 0).to(tl.int64)
+        tl.atomic_add(COUNTS + ids, add, mask=ks < TOP_K, sem="relaxed")
+
+
+@triton.jit
+def _router_logits_kernel(
+    X,
+    W,
+    OUT,
+    m,
+    num_experts,
+    hidden,
+    stride_x,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # BLOCK_E experts of every row: float32 products of the rows (any float dtype) and the float32 weights
+    pid = tl.program_id(0)
+    pdl_enter(USE_PDL)
+    rows = tl.arange(0, BLOCK_M)
+    ex = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + ks
+        x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < m) & (k[None, :] < hidden), other=0.0)
+        w = tl.load(
+            W + ex[:, None].to(tl.int64) * stride_w + k[None, :],
+            mask=(ex[:, None] < num_experts) & (k[None, :] < hidden),
+            other=0.0,
+        )
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(OUT + rows[:, None] * num_experts + ex[None, :], acc, mask=(rows[:, None] < m) & (ex[None, :] < num_experts))
+
+
+# the most rows ``router_logits`` takes (decode batches; larger ones are a GEMM for cuBLAS)
+LOGITS_MAX_ROWS = 16
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x [M, H] @ weight[E, H]^T`` in float32 (a router's logits, ``F.linear(x.float(), weight)``) in one kernel
+    for decode batches of at most ``LOGITS_MAX_ROWS`` rows, in place of the float32 copy of ``x`` and cuBLAS's
+    two GEMV kernels; None for larger batches or layouts it does not take.  The float32 sums run in another
+    order than cuBLAS's (about 1e-6 relative)."""
+    m, hidden = x.shape
+    if m == 0 or m > LOGITS_MAX_ROWS or x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.dtype != torch.float32:
+        return None
+    e = weight.shape[0]
+    out = torch.empty((m, e), dtype=torch.float32, device=x.device)
+    block_m = max(triton.next_power_of_2(m), 2)
+    block_e = 2 if block_m <= 4 else 1
+    pdl = use_pdl(x)
+    _router_logits_kernel[(triton.cdiv(e, block_e),)](
+        x, weight, out, m, e, hidden, x.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=256, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
 
 
 def route(
@@ -118,9 +190,12 @@ def route(
     topk_group: int = 1,
     correction_bias: Optional[torch.Tensor] = None,
     scale: float = 1.0,
+    counts: Optional[torch.Tensor] = None,
+    rows_slots: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [M, E]`` -> float32 weights and int32 ids ``[M, top_k]`` (module docstring; ``fits`` says whether
-    a router can take this kernel)."""
+    a router can take this kernel).  With ``counts`` (int64 ``[E]``) the same kernel adds the picks to the
+    expert load as ``topk.count_routed(counts, ids, rows_slots)`` does."""
     m, e = logits.shape
     if not fits(e, top_k, n_group):
         raise ValueError(f"route: {e} experts, top_k {top_k}, {n_group} groups do not fit the kernel")
@@ -134,11 +209,14 @@ def route(
     if m == 0:
         return weights, ids
     grouped = method != GREEDY and n_group > 1
+    pdl = use_pdl(logits)
     _route_kernel[(m,)](
         logits,
         correction_bias if correction_bias is not None else logits,
         weights,
         ids,
+        ids if counts is None else counts,
+        ids if rows_slots is None else rows_slots,
         logits.stride(0),
         e,
         float(scale),
@@ -153,7 +231,11 @@ def route(
         BLOCK_E=triton.next_power_of_2(e),
         BLOCK_G=max(2, triton.next_power_of_2(n_group)),
         BLOCK_K=triton.next_power_of_2(top_k),
+        COUNT=counts is not None,
+        HAS_SLOTS=rows_slots is not None,
+        USE_PDL=pdl,
         num_warps=4 if e <= 256 else 8,
+        launch_pdl=pdl,
     )
     return weights, ids
 

@@ -17,9 +17,9 @@ Steps for ``x [M, H]`` routed to ``k`` experts per token (``n = M * k`` pairs):
    weight into ``out [n, H]``.
 4. ``_topk_sum_kernel``: each token's ``k`` rows of ``out`` summed in float32.
 
-Routing (``TritonMoERunner.select_experts``): ``_route_kernel``, softmax ->
-top-k -> renormalise in one program per token (``topk.select_experts``'s
-contract; ties go to the lower expert id).
+Routing (``TritonMoERunner.select_experts``): ``moe.topk_triton.route``, softmax
+-> top-k -> renormalise and the expert-load count in one program per token
+(``topk.select_experts``'s contract; ties go to the lower expert id).
 
 Both kernels skip blocks past ``num_tokens_post_padded`` and padding entries,
 so the launch grid depends only on ``M`` and the config: the step is captured
@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter
+from kvship.engine.layers.moe import topk_triton
 from kvship.engine.layers.moe.align import moe_align_block_size, padded_size
 from kvship.engine.layers.moe.kernel_config import get_config
 from kvship.engine.layers.moe.runner import MoERunner, register_moe_runner
@@ -635,75 +636,6 @@ def align_block_size(
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    num_experts,
-    stride_l,
-    counts_ptr,
-    slots_ptr,
-    TOP_K: tl.constexpr,
-    EXPERTS: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    COUNT: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # one program per token: softmax over the experts, the TOP_K largest (descending, lowest index on ties);
-    # COUNT: each pick adds one to its expert's load counter (a row writing KV slot 0 is padding: nothing)
-    row = tl.program_id(0)
-    pdl_enter(USE_PDL)
-    real = 1
-    if HAS_SLOTS:
-        real = (tl.load(slots_ptr + row) != 0).to(tl.int64)
-    e = tl.arange(0, EXPERTS)
-    logits = tl.load(logits_ptr + row * stride_l + e, mask=e < num_experts, other=-float("inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)
-    remaining = tl.where(e < num_experts, p, -1.0)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        idx = tl.min(tl.where(remaining == best, e, EXPERTS), axis=0)
-        tl.store(weights_ptr + row * TOP_K + j, best)
-        tl.store(ids_ptr + row * TOP_K + j, idx)
-        if COUNT:
-            tl.atomic_add(counts_ptr + idx, real, sem="relaxed")
-        total += best
-        remaining = tl.where(e == idx, -1.0, remaining)
-    if RENORMALIZE:
-        k = tl.arange(0, TOP_K)
-        w = tl.load(weights_ptr + row * TOP_K + k)
-        tl.store(weights_ptr + row * TOP_K + k, w / total)
-
-
-def route(
-    router_logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    counts: Optional[torch.Tensor] = None,
-    rows_slots: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk.select_experts`` in one kernel (float32 weights, int32 ids ``[M, top_k]``); top_k a power of 2.
-    With ``counts`` (int64 ``[E]``) the same kernel adds the picks to it as ``topk.count_routed`` does."""
-    m, num_experts = router_logits.shape
-    weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
-    if m:
-        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-        pdl = use_pdl(logits)
-        _route_kernel[(m,)](
-            logits, weights, ids, num_experts, logits.stride(0),
-            ids if counts is None else counts, ids if rows_slots is None else rows_slots,
-            TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-            COUNT=counts is not None, HAS_SLOTS=rows_slots is not None, num_warps=1,
-            USE_PDL=pdl, launch_pdl=pdl,
-        )  # fmt: skip
-    return weights, ids
-
-
-@triton.jit
 def _topk_sum_kernel(in_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     # out[m, cols] = sum_j in[m * TOP_K + j, cols], accumulated in float32
     m = tl.program_id(0)
@@ -866,6 +798,8 @@ class TritonMoERunner(MoERunner):
         return fused_experts(x, w13, w2, topk_weights, topk_ids, absent=absent, config_experts=config_experts)
 
     def select_experts(self, router_logits, top_k, renormalize, counts=None, rows_slots=None):
-        if top_k & (top_k - 1) or router_logits.shape[1] > 1024:  # the kernel's shapes: fall back
+        if not topk_triton.fits(router_logits.shape[1], top_k):  # the kernel's shapes: fall back
             return super().select_experts(router_logits, top_k, renormalize, counts, rows_slots)
-        return route(router_logits, top_k, renormalize, counts, rows_slots)
+        return topk_triton.route(
+            router_logits, top_k, "softmax", renormalize, counts=counts, rows_slots=rows_slots
+        )
