@@ -338,14 +338,25 @@ def _greedy(sa, batches):
 
 
 @pytest.mark.timeout(120)
-def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_tree_verify(tmp_path):
+def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_tree_verify(tmp_path, monkeypatch):
     """Tiny DeepSeek-V3 (with an MTP layer) through the scheduler: ``--attention-backend triton`` (Triton
     extends over a radix-cache prefix by the model's extend switch, split-KV decode, absorbed tree verify of MTP drafts with
-    ``eagle_topk 2``) gives torch_native's greedy tokens."""
+    ``eagle_topk 2``, the verify forwards' norm, rotary and latent store by ``mla_decode_prep`` as in decode)
+    gives torch_native's greedy tokens."""
     from deepseek_fixtures import build_tiny_deepseek
     from test_deepseek_mtp import add_mtp_layer
 
     from kvship.engine.config import ServerArgs
+    from kvship.engine.forward_batch import ForwardMode
+    from kvship.engine.models.deepseek import MLAAttention
+
+    prepped = []  # the forward mode of every attention that ran mla_decode_prep
+    real = MLAAttention._prepped
+    monkeypatch.setattr(
+        MLAAttention,
+        "_prepped",
+        lambda self, p, q, kv, fb: (prepped.append(fb.forward_mode), real(self, p, q, kv, fb))[1],
+    )
 
     path = add_mtp_layer(
         build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=61, num_hidden_layers=LAYERS), seed=62
@@ -379,3 +390,4 @@ def test_triton_mla_backend_greedy_equals_torch_native_with_prefix_hits_and_mtp_
         assert runs[name][1] >= 16, name
     st = runs["triton+mtp"][2]
     assert st["spec_rounds"] > 0 and st["spec_draft_tokens"] > st["spec_rounds"]
+    assert ForwardMode.TARGET_VERIFY in prepped and ForwardMode.DECODE in prepped  # verify took the prep kernel too

@@ -281,8 +281,8 @@ class MLAAttention(nn.Module):
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q = q.view(-1, h, m.qk_head_dim)
-        if fb.forward_mode.is_decode() and self._prep_fits(fb):
-            return self._decode_prepped(positions, q, kv_a, fb), residual
+        if fb.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) and self._prep_fits(fb):
+            return self._prepped(positions, q, kv_a, fb), residual
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())
@@ -309,16 +309,15 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(-1, h * m.v_head_dim)), residual
 
     def _prep_fits(self, fb: ForwardBatch) -> bool:
-        """Whether this decode step runs ``mla_decode_prep`` (a backend with ``fused_decode_prep``, a rope dim
-        whose half is a power of two)."""
+        """Whether this decode step or verify forward runs ``mla_decode_prep`` (a backend with
+        ``fused_decode_prep``, a rope dim whose half is a power of two)."""
         half = self.mla.qk_rope_head_dim // 2
         return getattr(fb.attn_backend, "fused_decode_prep", False) and half > 0 and half & (half - 1) == 0
 
-    def _decode_prepped(
-        self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        """A decode step's attention with the norm, the rotary and the latent store in one kernel
-        (kvship.engine.attention.mla_prep): the eager path's numbers, fewer kernels (docs/deepseek.md)."""
+    def _prepped(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """A decode step's (or a speculative verify forward's) attention with the norm, the rotary and the latent
+        store in one kernel (kvship.engine.attention.mla_prep): the eager path's numbers, fewer kernels
+        (docs/deepseek.md, "Decode step").  Verify then attends through the absorbed extend (its tree masks)."""
         from kvship.engine.attention.mla_prep import mla_decode_prep
 
         m, h, layer = self.mla, self.num_heads, self.spec.layer_id
@@ -341,7 +340,11 @@ class MLAAttention(nn.Module):
         w = self._kv_b_weight(q.dtype).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         # [H, T, R] from one batched GEMM over the heads; the kernel reads it as [T, H, R] through its strides
         q_lat = torch.bmm(q[..., : m.qk_nope_head_dim].transpose(0, 1), w[:, : m.qk_nope_head_dim]).transpose(0, 1)
-        o = fb.attn_backend.forward_decode_prepped(q_lat, q[..., m.qk_nope_head_dim :], self.spec, fb)
+        q_pe = q[..., m.qk_nope_head_dim :]
+        if fb.forward_mode.is_decode():
+            o = fb.attn_backend.forward_decode_prepped(q_lat, q_pe, self.spec, fb)
+        else:  # the new rows are stored: the absorbed extend reads them from the pool
+            o = fb.attn_backend.forward_extend(torch.cat([q_lat, q_pe], dim=-1), None, None, self.spec, fb, False)
         out = torch.einsum("thr,hvr->thv", o, w[:, m.qk_nope_head_dim :])
         if fb.layer_done is not None:
             fb.layer_done(layer)

@@ -145,14 +145,18 @@ def _router_logits_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + ks
-        x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < m) & (k[None, :] < hidden), other=0.0)
+        x = tl.load(
+            X + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < m) & (k[None, :] < hidden), other=0.0
+        )
         w = tl.load(
             W + ex[:, None].to(tl.int64) * stride_w + k[None, :],
             mask=(ex[:, None] < num_experts) & (k[None, :] < hidden),
             other=0.0,
         )
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(OUT + rows[:, None] * num_experts + ex[None, :], acc, mask=(rows[:, None] < m) & (ex[None, :] < num_experts))
+    tl.store(
+        OUT + rows[:, None] * num_experts + ex[None, :], acc, mask=(rows[:, None] < m) & (ex[None, :] < num_experts)
+    )
 
 
 # the most rows ``router_logits`` takes (decode batches; larger ones are a GEMM for cuBLAS)

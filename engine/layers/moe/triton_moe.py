@@ -800,6 +800,4 @@ class TritonMoERunner(MoERunner):
     def select_experts(self, router_logits, top_k, renormalize, counts=None, rows_slots=None):
         if not topk_triton.fits(router_logits.shape[1], top_k):  # the kernel's shapes: fall back
             return super().select_experts(router_logits, top_k, renormalize, counts, rows_slots)
-        return topk_triton.route(
-            router_logits, top_k, "softmax", renormalize, counts=counts, rows_slots=rows_slots
-        )
+        return topk_triton.route(router_logits, top_k, "softmax", renormalize, counts=counts, rows_slots=rows_slots)
