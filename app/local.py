@@ -61,7 +61,7 @@ import tempfile
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from kvship.app.gpu_placement import worker_gpus, worker_layout
 from kvship.app.local_child import Child, ChildFailed, WorkerNodes
@@ -303,11 +303,12 @@ def role_worker_args(worker_args: Sequence[str], role: str) -> list[str]:
     return kept
 
 
-def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """A port ``p`` with ``p .. p + n - 1`` all free (rank r of a tensor-parallel prefill binds ``p + r``)."""
+def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` all free (rank r of a tensor-parallel prefill binds ``p + r``) and
+    none in ``avoid`` (ports already handed to children that have not bound them yet)."""
     for _ in range(100):
         base = free_port(host)
-        if base + n > 65536 or any(port in MOONCAKE_PORTS for port in range(base, base + n)):
+        if base + n > 65536 or any(port in MOONCAKE_PORTS or port in avoid for port in range(base, base + n)):
             continue
         try:
             with contextlib.ExitStack() as stack:
@@ -346,6 +347,10 @@ class LocalDeployment:
         self.nodes: list[WorkerNodes] = []  # every worker's node processes, in start order
         self.workers: list[Child] = []  # every worker's node 0 (its HTTP server: the URL the router knows)
         self.gpus_of: dict[str, list[int]] = {}  # worker name -> its GPUs (CUDA only)
+        # every port this run hands out, the router's first: a child binds its own seconds after the pick, so
+        # a later pick must not land on one still unbound (CI once saw the router's port taken by a prefill
+        # rank's bootstrap server)
+        self.ports_given: set[int] = {cfg.port}
         api_key = cfg.api_key or ENV.API_KEY
         admin_key = cfg.admin_api_key or ENV.ADMIN_API_KEY
         # the workers' key is never the client key (docs/router.md, "Authentication")
@@ -388,11 +393,11 @@ class LocalDeployment:
                 name = f"{role}-{i}"
                 argv = list(base)
                 if role == "prefill":  # every node of the worker gets the same one: rank r binds port + r
-                    argv += ["--disaggregation-bootstrap-port", str(free_port_run(ranks))]
-                rendezvous = ["--dist-init-addr", f"127.0.0.1:{free_port()}"] if nnodes > 1 else []
+                    argv += ["--disaggregation-bootstrap-port", str(self.pick_ports(ranks))]
+                rendezvous = ["--dist-init-addr", f"127.0.0.1:{self.pick_ports()}"] if nnodes > 1 else []
                 nodes = []
                 for r in range(nnodes):
-                    port = free_port()
+                    port = self.pick_ports()
                     node_argv = argv + ["--port", str(port)]
                     if nnodes > 1:
                         node_argv += ["--nnodes", str(nnodes), "--node-rank", str(r), *rendezvous]
@@ -474,6 +479,12 @@ class LocalDeployment:
             self.router.start()
             self._wait_healthy([WorkerNodes("router", [self.router])], deadline, bar)
 
+    def pick_ports(self, n: int = 1) -> int:
+        """The first of ``n`` consecutive free ports for a child, none handed out before in this run."""
+        base = free_port_run(n, avoid=self.ports_given)
+        self.ports_given.update(range(base, base + n))
+        return base
+
     def _retry_taken_port(self, w: WorkerNodes) -> bool:
         """A worker that exited at start because a port was taken: the ports are picked free here and bound
         by the child seconds later, and another process may bind one in between.  Pick another port (HTTP or
@@ -486,13 +497,13 @@ class LocalDeployment:
             said = c.log_since_start()
             if "cannot listen on" in said:
                 old = c.url
-                port = free_port()
+                port = self.pick_ports()
                 _set_flag(c.argv, "--port", str(port))
                 c.url = f"http://127.0.0.1:{port}"
                 self.router.argv = [c.url if a == old else a for a in self.router.argv]
                 fixed = True
             elif "cannot bind the KV bootstrap server" in said:
-                first = str(free_port_run(_flag_int(c.argv, "--tp-size", 1) * _flag_int(c.argv, "--pp-size", 1)))
+                first = str(self.pick_ports(_flag_int(c.argv, "--tp-size", 1) * _flag_int(c.argv, "--pp-size", 1)))
                 for n in w.nodes:  # every node's ranks bind from the same port on
                     _set_flag(n.argv, "--disaggregation-bootstrap-port", first)
                 fixed = True
@@ -508,7 +519,7 @@ class LocalDeployment:
         start together, at a new rendezvous port)."""
         w.stop(self.cfg.shutdown_grace)
         if w.nnodes > 1:
-            w.new_rendezvous(free_port())
+            w.new_rendezvous(self.pick_ports())
         w.start()
 
     def _wait_healthy(self, workers: Sequence[WorkerNodes], deadline: float, bar: Any) -> None:

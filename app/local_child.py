@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import os
 import signal
 import subprocess
@@ -78,7 +79,9 @@ class Child:
         try:
             with urllib.request.urlopen(req, timeout=2.0) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+            # no listener yet, or another one on the port (a data-plane socket that took it first answers
+            # with its own framing): not healthy; a child that lost its port exits and is retried elsewhere
             return False
 
     def log_since_start(self) -> str:

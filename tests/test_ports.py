@@ -125,3 +125,47 @@ def test_kvship_local_starts_a_worker_again_when_its_picked_port_is_taken(tiny_l
             assert decode.healthy() and dep.router.healthy()
         finally:
             dep.stop()
+
+
+def test_the_health_check_of_a_port_another_protocol_holds_is_false_not_an_exception():
+    """CI once saw ``kvship local`` die with ``BadStatusLine``: the router's picked port answered with a KV
+    data-plane refusal (binary framing, not HTTP).  A health check there is False, like no listener at all, so
+    the start-up loop goes on to notice the child that lost its port and retry it."""
+    import threading
+
+    from kvship.app.local_child import Child
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b'\x00\x00\x008{"v":1,"type":"refuse","reason":"authentication failed"}')
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        child = Child("router", [], f"http://127.0.0.1:{port}", "/dev/null", "/health", health_key="k")
+        assert child.healthy() is False
+    finally:
+        srv.close()
+        t.join(timeout=5)
+
+
+def test_kvship_local_hands_out_no_port_twice_nor_the_routers(monkeypatch):
+    """A child binds its port seconds after ``kvship local`` picked it, so a later pick must skip the ports
+    already given (the router's first): forced collisions (every pick tries the same ports first) are stepped
+    over, never reused."""
+    from kvship.app import local
+
+    tries = iter([20001, 20001, 20002, 20001, 20002, 20003, 20004] + list(range(20010, 20100)))
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(tries))
+    dep = local.LocalDeployment.__new__(local.LocalDeployment)  # the port book alone, no children
+    dep.ports_given = {20001}  # the router's --port
+    got = [dep.pick_ports(), dep.pick_ports(), dep.pick_ports(2)]
+    assert got[0] == 20002 and got[1] not in (20001, 20002) and got[2] not in (20001, 20002, got[1])
+    assert dep.ports_given == {20001, got[0], got[1], got[2], got[2] + 1}
