@@ -1487,14 +1487,14 @@ def tp_bench(rank: int, args: argparse.Namespace, init_method: str) -> Optional[
 
 def _tp_rank_main(rank: int, argv: Optional[list[str]], init_method: str) -> None:
     logging.basicConfig(level=logging.WARNING)
-    tp_bench(rank, build_parser().parse_args(argv), init_method)
+    tp_bench(rank, parse_args(argv), init_method)
 
 
 def _baseline_main(argv: Optional[list[str]], out: Any) -> None:
     """The same loops on one GPU with the plain runner (no group): ``tp_main``'s baseline, in its own process so
     its memory is gone before the ranks load."""
     logging.basicConfig(level=logging.WARNING)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.tp_size, args.ep_size, args.force_tp_group = 1, 1, False
     try:
         out.put(tp_bench(0, args, ""))
@@ -1583,14 +1583,21 @@ def tp_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    """The parser's namespace with the shape-dependent defaults filled in (every process of a run: the TP
+    ranks and the one-GPU baseline re-parse ``argv``)."""
     args = build_parser().parse_args(argv)
     mla = "kv_lora_rank" in SHAPES[args.shape]
     if args.attention_backend is None:
         args.attention_backend = "triton" if mla else "flashinfer"
     elif mla and args.attention_backend == "flashinfer":
         raise SystemExit(f"{args.shape} is an MLA shape: its attention runs with --attention-backend triton")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
     if args.device == "cpu":
         return cpu_main(args)
     if not torch.cuda.is_available():
@@ -1688,7 +1695,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --tp-size N and an MoE --shape (qwen3-30b-a3b): experts split this many ways "
         "(writes decode_latency_tp<N>_ep<E>.json)",
     )
-    ap.add_argument("--ep-dispatch", default="all_reduce", choices=("all_reduce", "all_to_all"))
+    ap.add_argument("--ep-dispatch", default="all_reduce", choices=("all_reduce", "static", "all_to_all"))
     ap.add_argument(
         "--baseline",
         action=argparse.BooleanOptionalAction,

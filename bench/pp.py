@@ -14,7 +14,8 @@ call uses fresh prompts (the prefix cache never helps).  Prints both
 workers' figures and the ratios PP=2 / PP=1 (issue 32's goals: throughput at
 batch 128 >= 1.5x, batch-1 latency <= 1.15x).  Needs 2 GPUs
 (``nvidia-h200-x2``); ``--device cpu --tiny`` runs the harness on a tiny
-model over gloo.
+model over gloo.  ``--vs '--tp-size 2'`` measures tensor parallelism the same
+way (issue 33: batch 1 >= 1.6x, batch 64 >= 1.7x one GPU over HTTP).
 
     python bench/pp.py                       # 2 GPUs, llama3-8b shape, bf16
     python bench/pp.py --device cpu --tiny --batch 8 --output-len 8 --rounds 1
@@ -119,6 +120,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--base-gpu-id", type=int, default=0)
     ap.add_argument("--extra", default="", help="more `kvship serve` flags for both workers")
+    ap.add_argument(
+        "--vs",
+        default="--pp-size 2",
+        help="the second worker's flags, measured against the first (one GPU); e.g. '--tp-size 2' for TP over HTTP",
+    )
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     root = tempfile.mkdtemp(prefix="kvship-pp-bench-")
@@ -133,23 +139,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device == "cpu":
         common += ["--max-total-tokens", str((args.batch + 1) * (args.input_len + args.output_len + 64))]
     results = {}
-    for pp in (1, 2):
-        worker = Worker(common + ["--pp-size", str(pp)])
+    for seed, (name, flags) in enumerate((("one_gpu", []), ("vs", args.vs.split())), start=1):
+        worker = Worker(common + flags)
         try:
-            results[f"pp{pp}"] = measure(worker, args, random.Random(pp))
+            results[name] = measure(worker, args, random.Random(seed))
         finally:
             worker.stop()
-        print(f"pp={pp}: {json.dumps(results[f'pp{pp}'])}", flush=True)
-    one, two = results["pp1"], results["pp2"]
+        print(f"{name} {' '.join(flags)}: {json.dumps(results[name])}", flush=True)
+    one, two = results["one_gpu"], results["vs"]
     results["ratio"] = {
         f"throughput_b{args.batch}": two["tok_s"] / one["tok_s"],
         "latency_b1": two["ms_per_token_b1"] / one["ms_per_token_b1"],
     }
     print(
-        f"{args.shape}{' (tiny)' if args.tiny else ''} on {args.device}: batch {args.batch} "
+        f"{args.shape}{' (tiny)' if args.tiny else ''} on {args.device}, one GPU vs {args.vs!r}: batch {args.batch} "
         f"{one['tok_s']:.0f} -> {two['tok_s']:.0f} tok/s ({results['ratio'][f'throughput_b{args.batch}']:.2f}x; "
-        f"goal >= 1.5x), batch 1 {one['ms_per_token_b1']:.2f} -> {two['ms_per_token_b1']:.2f} ms/token "
-        f"({results['ratio']['latency_b1']:.2f}x; goal <= 1.15x)"
+        f"PP goal >= 1.5x), batch 1 {one['ms_per_token_b1']:.2f} -> {two['ms_per_token_b1']:.2f} ms/token "
+        f"({results['ratio']['latency_b1']:.2f}x; PP goal <= 1.15x)"
     )
     if args.json:
         with open(args.json, "w") as f:

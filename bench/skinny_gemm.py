@@ -41,20 +41,23 @@ from kvship.engine.layers import skinny_gemm_cuda as sg  # noqa: E402
 from kvship.engine.layers.fused_ops_cuda import silu_and_mul  # noqa: E402
 
 
-def projections(shape: str) -> dict[str, tuple[int, int, int]]:
-    """name -> (N, K, act) for one layer of ``shape`` plus its lm_head."""
+def projections(shape: str, tp: int = 1) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, act) for one layer of ``shape`` plus its lm_head; ``tp``: one tensor-parallel rank's part
+    (column-parallel N and row-parallel K divided by ``tp``, docs/parallel.md)."""
     c = SHAPES[shape]
     if "kv_lora_rank" in c:
+        if tp != 1:
+            raise SystemExit("--tp-size applies to the dense (GQA) shapes")
         return _mla_projections(c)
     d = c["head_dim"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    h, i = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * d // tp, max(1, c["num_key_value_heads"] // tp) * d
+    h, i = c["hidden_size"], c["intermediate_size"] // tp
     out = {
         "qkv_proj": (q + 2 * kv, h, sg.ACT_NONE),
         "o_proj": (h, q, sg.ACT_NONE),
         "gate_up_proj": (2 * i, h, sg.ACT_NONE),
         "down_proj": (h, i, sg.ACT_SILU_MUL),
-        "lm_head": (c["vocab_size"], h, sg.ACT_NONE),
+        "lm_head": (c["vocab_size"] // tp, h, sg.ACT_NONE),
     }
     if "num_experts" in c:  # MoE shapes: the router (its experts run the fused-MoE kernels, bench/moe_layer.py)
         out["router"] = (c["num_experts"], h, sg.ACT_NONE)
@@ -288,6 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--ms", default="1,2,4,8,16,32,64", help="row counts (decode batch sizes)")
     ap.add_argument("--layers", default="", help="comma list of projections (default: all)")
+    ap.add_argument("--tp-size", type=int, default=1, help="time one tensor-parallel rank's projections")
     ap.add_argument("--wide", action="store_true", help="also time deeper-pipelined / 8-warp tensor-core tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter works)")
     ap.add_argument(
@@ -306,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         env: dict[str, Any] = {"device": str(dev)}
     else:
         dev, dtype = torch.device("cuda"), torch.bfloat16
-        projs = projections(a.shape)
+        projs = projections(a.shape, a.tp_size)
         hbm = copy_bandwidth()
         env = environment()
     if a.layers:

@@ -44,6 +44,16 @@ def _mla_extend_path(raw: str) -> str:
     return v
 
 
+TP_ALLREDUCE_PATHS = ("p2p", "nccl")
+
+
+def _tp_allreduce(raw: str) -> str:
+    v = raw.strip().lower() or "p2p"
+    if v not in TP_ALLREDUCE_PATHS:
+        raise ValueError(f"expected one of {', '.join(TP_ALLREDUCE_PATHS)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Knob(Generic[T]):
     """One environment variable: its full name, parser, default and meaning."""
@@ -139,10 +149,11 @@ class _Env:
     )
     TP_ALLREDUCE = Knob(
         "KVSHIP_TP_ALLREDUCE",
-        str,
-        "nccl",
-        "tensor-parallel all-reduce of tensors up to 1 MiB: nccl, or p2p (one-shot over peer GPU memory where every "
-        "rank can map it, else NCCL; not yet measured on a GPU pair, docs/parallel.md)",
+        _tp_allreduce,
+        "p2p",
+        "tensor-parallel all-reduce: p2p (one-shot / two-shot over peer GPU memory for tensors up to the measured "
+        "thresholds, NCCL above and wherever a rank cannot map peer memory) or nccl (NCCL for every size); "
+        "docs/parallel.md, \"The all-reduce\"",
     )
     MLA_EXTEND = Knob(
         "KVSHIP_MLA_EXTEND",

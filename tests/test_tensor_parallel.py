@@ -480,8 +480,19 @@ def test_p2p_all_reduce_is_only_for_cuda_groups_of_several_ranks():
     assert P2PAllReduce.create(None, torch.device("cuda", 0), 2, agree=no_collective, mode="nccl") is None
 
 
-def test_p2p_all_reduce_is_opt_in():
-    """Until it is measured on a GPU pair, TP groups keep NCCL unless KVSHIP_TP_ALLREDUCE=p2p."""
+def test_p2p_all_reduce_is_the_default_and_its_knob_refuses_other_values(monkeypatch):
+    """Measured better than NCCL on two H200s (docs/parallel.md, "The all-reduce"), the peer-memory all-reduce is
+    the TP groups' default; KVSHIP_TP_ALLREDUCE=nccl turns it off, and a value that is neither is refused with the
+    variable's name (not silently NCCL).  Its size table picks one-shot below two-shot below NCCL."""
     from kvship.common.envs import ENV
+    from kvship.engine.parallel.p2p_all_reduce import THRESHOLDS
 
+    monkeypatch.delenv("KVSHIP_TP_ALLREDUCE", raising=False)
+    assert ENV.TP_ALLREDUCE == "p2p"
+    monkeypatch.setenv("KVSHIP_TP_ALLREDUCE", " NCCL ")
     assert ENV.TP_ALLREDUCE == "nccl"
+    monkeypatch.setenv("KVSHIP_TP_ALLREDUCE", "custom")
+    with pytest.raises(ValueError, match="KVSHIP_TP_ALLREDUCE='custom': expected one of p2p, nccl"):
+        ENV.TP_ALLREDUCE
+    for one_shot_max, two_shot_max in THRESHOLDS.values():
+        assert 0 < one_shot_max <= two_shot_max

@@ -262,7 +262,8 @@ class NcclCommunicator(Communicator):
     reduce_scatter, broadcast, send, recv, and all_to_all_equal: ``all_to_all_single`` with equal splits, whose
     buffers the caller sizes from host shapes).  ``all_to_all`` with split lists is not declared safe: its
     callers pass split sizes read from the device on the host.  ``p2p``: all-reduces of tensors it ``fits`` go
-    one-shot over peer GPU memory (opt-in, ``KVSHIP_TP_ALLREDUCE=p2p``), captured as well."""
+    one-shot or two-shot over peer GPU memory (default; ``KVSHIP_TP_ALLREDUCE=nccl`` turns it off), captured as
+    well."""
 
     backend = "nccl"
     CAPTURE_SAFE = frozenset(

@@ -329,6 +329,44 @@ TUNED.update(
 )
 
 
+# One rank of the Llama-3.1-8B shape at --tp-size 2 on an H200 (bench/skinny_gemm.py --tp-size 2, docs/benchmarks.md
+# "session 24"): qkv and gate/up split by columns, o and down by rows, the vocabulary halved; the same rule
+_TP2_QKV, _TP2_O, _TP2_GATE_UP, _TP2_DOWN, _TP2_LM_HEAD = (
+    (3072, 4096),
+    (4096, 2048),
+    (14336, 4096),
+    (4096, 7168),
+    (
+        64128,
+        4096,
+    ),
+)
+TUNED.update(
+    {
+        (*_TP2_QKV, 1): _gemv(4, 1024, 4),  # 7.3 vs 10.9 us (cuBLAS)
+        (*_TP2_QKV, 2): _gemv(2, 1024, 8, bm=2),  # 10.7 vs 11.7
+        (*_TP2_QKV, 4): None,
+        (*_TP2_QKV, 8): _mma(16, 32, 256),  # 9.1 vs 11.7
+        (*_TP2_QKV, 16): _mma(16, 32, 256),  # 9.1 vs 11.8
+        (*_TP2_QKV, 32): _mma(32, 32, 256),  # 10.2 vs 12.1
+        (*_TP2_QKV, 64): None,
+        (*_TP2_O, 1): _gemv(4, 512, 4),  # 6.0 vs 7.2
+        (*_TP2_O, 2): None,
+        (*_TP2_O, 4): None,
+        (*_TP2_O, 8): _mma(16, 32, 256),  # 6.4 vs 7.1
+        (*_TP2_O, 16): _mma(16, 32, 256),  # 6.5 vs 7.3
+        (*_TP2_O, 32): _mma(32, 32, 256),  # 6.9 vs 7.2
+        (*_TP2_O, 64): None,
+        (*_TP2_GATE_UP, 1): None,  # 30.3 vs 30.4: cuBLAS (the untuned default GEMV took 32.1)
+        (*_TP2_DOWN, 1): _gemv(8, 512, 8),  # 18.2 vs 19.6 (the untuned default took 24.7)
+        (*_TP2_LM_HEAD, 1): None,  # 122.5 vs 125.1: within 3%, cuBLAS (the default took 131.2)
+    }
+)
+for _m in (2, 4, 8, 16, 32, 64):  # gate/up, down and lm_head: cuBLAS at every other bucket
+    for _shape in (_TP2_GATE_UP, _TP2_DOWN, _TP2_LM_HEAD):
+        TUNED[(*_shape, _m)] = None
+
+
 # DeepSeek-V2-Lite's dense projections on an H200 (bench/skinny_gemm.py --shape deepseek-v2-lite --ms 1,2,
 # docs/benchmarks.md): the fused q / kv_a projection, o_proj, the shared experts' gate/up and down (SiLU-and-mul
 # in its input); the same rule

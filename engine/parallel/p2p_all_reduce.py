@@ -1,22 +1,27 @@
-"""One-shot all-reduce of small tensors over peer-to-peer GPU memory (docs/parallel.md, "The all-reduce").
+"""All-reduce of small and mid-size tensors over peer-to-peer GPU memory (docs/parallel.md, "The all-reduce").
 
 A decode step of a tensor-parallel model all-reduces two small activations per
 layer (``[batch, hidden]``: 8 KiB at batch 1 of the Llama-3.1-8B shape).
 NCCL's ring takes about 19 us for one of those on two NVLink-connected H100s,
-a quarter of a TP=2 batch-1 step.  Here every rank copies its tensor into a
-buffer the other ranks can read (PyTorch symmetric memory: CUDA IPC mappings
-of one allocation per rank), waits on a device-side barrier, and sums all
-ranks' copies in one kernel (``symm_mem.one_shot_all_reduce``): one read of
-each peer's bytes over NVLink, no ring steps.  It runs inside CUDA graphs.
+a quarter of a TP=2 batch-1 step.  Here every rank's tensor goes into a buffer
+the other ranks can read (PyTorch symmetric memory: CUDA IPC mappings of one
+allocation per rank) and one kernel does the rest:
 
-Opt-in (``KVSHIP_TP_ALLREDUCE=p2p``) until it has been measured on a GPU pair:
-its first two-GPU run stopped at a fault in the self-check itself (a bfloat16
-``arange`` cannot hold 4096 distinct values), and the session's device time
-was spent.  ``P2PAllReduce.create`` returns None (the group keeps NCCL)
-unless asked for, on CPU, at one rank, or when this PyTorch or machine cannot
-map peer memory; every rank takes the same decision (agreed over the host
-group), and a self-check against known sums runs before it is used.  Tensors
-above ``max_bytes`` keep NCCL's all-reduce (prefill).
+* **one-shot** (up to ``one_shot_max`` bytes): the kernel copies this rank's
+  tensor into its buffer, meets the peers at a device-side barrier and sums
+  every rank's copy in rank order: one read of each peer's bytes, no ring
+  steps;
+* **two-shot** (up to ``two_shot_max``): reduce-scatter then all-gather over
+  the buffers; each rank reads 1/N of every peer's bytes, so it keeps winning
+  where one-shot's N-fold reads start to cost;
+* NCCL above ``two_shot_max`` (prefill), for a dtype or layout the kernels do
+  not take, and wherever a rank cannot map peer memory.
+
+Both kernels sum ranks in the same order on every rank, so every rank holds the
+same bits (deterministic), and both run inside CUDA graphs (the buffer is
+static, registered once).  The thresholds come from ``bench/all_reduce.py``
+on the GPU pair (``THRESHOLDS``); every rank takes the same decision (agreed
+over the host group) and a self-check against known sums runs before use.
 """
 
 from __future__ import annotations
@@ -28,33 +33,52 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# the one-shot kernel reads every peer's whole tensor: it wins while the transfer is latency-bound
-DEFAULT_MAX_BYTES = 1 << 20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (one_shot_max, two_shot_max) in bytes, by group size: where each path stops beating the next one, measured by
+# bench/all_reduce.py on two NVLink H200s (docs/parallel.md, "The all-reduce": one-shot wins to 1 MiB, two-shot
+# from 2 to 16 MiB, 32 MiB ties NCCL).  Sizes not listed take the 2-rank row's values.
+THRESHOLDS = {2: (1 << 20, 16 << 20)}
 
 
 class P2PAllReduce:
-    """Sum a small contiguous CUDA tensor over the group, in place, through symmetric memory."""
+    """Sum a contiguous CUDA tensor over the group, in place, through symmetric memory."""
 
-    def __init__(self, group_name: str, buffer: torch.Tensor) -> None:
+    def __init__(self, group_name: str, buffer: torch.Tensor, one_shot_max: int, two_shot_max: int) -> None:
         self.group_name = group_name
         self.buffer = buffer  # uint8, this rank's symmetric allocation
-        self.max_bytes = buffer.numel()
+        self.one_shot_max = one_shot_max
+        self.two_shot_max = min(two_shot_max, buffer.numel())
+        self.max_bytes = max(self.one_shot_max, self.two_shot_max)
+        self.fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        self.dtypes: tuple[torch.dtype, ...] = DTYPES  # narrowed by the self-check to what the kernels take
 
     def fits(self, t: torch.Tensor) -> bool:
+        nbytes = t.numel() * t.element_size()
         return (
             t.is_cuda
-            and t.dtype in DTYPES
+            and t.dtype in self.dtypes
             and t.is_contiguous()
-            and 0 < t.numel() * t.element_size() <= self.max_bytes
+            and 0 < nbytes <= self.max_bytes
+            and (nbytes <= self.one_shot_max or nbytes % 16 == 0)  # two-shot splits the bytes in 16-byte units
             and t.device == self.buffer.device
         )
 
-    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce_(self, t: torch.Tensor, path: Optional[str] = None) -> torch.Tensor:
+        """``path``: ``one_shot`` or ``two_shot`` to force one (benchmarks); by default the size picks."""
         flat = t.view(-1)
-        staged = self.buffer[: flat.numel() * flat.element_size()].view(t.dtype)
-        staged.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        nbytes = flat.numel() * flat.element_size()
+        staged = self.buffer[:nbytes].view(t.dtype)
+        if path is None:
+            path = "one_shot" if nbytes <= self.one_shot_max else "two_shot"
+        if path == "one_shot":
+            if self.fused_copy:  # the copy into the buffer happens inside the kernel: one launch
+                torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
+            else:
+                staged.copy_(flat)
+                torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        else:
+            staged.copy_(flat)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, flat)
         return t
 
     @classmethod
@@ -65,46 +89,67 @@ class P2PAllReduce:
         size: int,
         agree: Callable[[int], int],
         mode: str = "p2p",
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        thresholds: Optional[tuple[int, int]] = None,
     ) -> Optional["P2PAllReduce"]:
-        """The group's P2P all-reduce, or None for NCCL.  ``agree(ok)`` is the minimum of ``ok`` over the ranks
-        (host group), so a rank that cannot map peer memory takes every rank back to NCCL."""
+        """The group's peer-memory all-reduce, or None for NCCL.  ``agree(ok)`` is the minimum of ``ok`` over the
+        ranks (host group), so a rank that cannot map peer memory takes every rank back to NCCL."""
         if mode != "p2p" or device.type != "cuda" or size < 2:
             return None
+        one_max, two_max = thresholds or THRESHOLDS.get(size, THRESHOLDS[2])
         made: Optional[P2PAllReduce] = None
         reason = ""
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
-                raise RuntimeError("this PyTorch has no symm_mem.one_shot_all_reduce_out")
-            buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+            for op in ("one_shot_all_reduce_out", "two_shot_all_reduce_out"):
+                if not hasattr(torch.ops.symm_mem, op):
+                    raise RuntimeError(f"this PyTorch has no symm_mem.{op}")
+            buffer = symm_mem.empty(max(one_max, two_max), dtype=torch.uint8, device=device)
         except Exception as e:  # noqa: BLE001 - any failure means NCCL, said once in the log
             buffer, reason = None, f"{type(e).__name__}: {e}"
         if agree(int(buffer is not None)):
             try:
                 symm_mem.rendezvous(buffer, device_group.group_name)  # collective: every rank maps the others'
-                made = cls(device_group.group_name, buffer)
-                made._self_check(size, device)
+                made = cls(device_group.group_name, buffer, one_max, two_max)
+                made._self_check(device_group, size, device, agree)
             except Exception as e:  # noqa: BLE001
                 made, reason = None, f"{type(e).__name__}: {e}"
         if not agree(int(made is not None)):
             logger.info("tensor-parallel all-reduce: NCCL (%s)", reason or "a peer cannot use peer-to-peer memory")
             return None
-        logger.info("tensor-parallel all-reduce: one-shot over peer memory up to %d bytes, NCCL above", max_bytes)
+        logger.info(
+            "tensor-parallel all-reduce: one-shot over peer memory up to %d bytes, two-shot up to %d, NCCL above "
+            "and for other dtypes (peer memory takes %s)",
+            made.one_shot_max,
+            made.two_shot_max,
+            ", ".join(str(d).removeprefix("torch.") for d in made.dtypes),
+        )
         return made
 
-    def _self_check(self, size: int, device: torch.device) -> None:
+    def _self_check(self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int]) -> None:
         """Every rank contributes a ramp plus rank+1 (small integers, exact in every dtype): the sums must be
-        exact."""
+        exact, on both paths.  A dtype this PyTorch's kernels do not implement (2.11 has no float16 one-shot) is
+        dropped, NCCL keeps it; a wrong sum fails the whole check."""
         import torch.distributed as dist
 
-        rank = dist.get_rank()
+        rank = dist.get_rank(device_group)  # the rank in this group (a TP group of a PP x TP world is a subgroup)
         ramp = torch.arange(4096, device=device, dtype=torch.float32) % 7
+        want = ramp * size + size * (size + 1) / 2
+        kept = []
         for dtype in DTYPES:
-            t = (ramp + (rank + 1)).to(dtype)
-            self.all_reduce_(t)
-            want = ramp * size + size * (size + 1) / 2
-            if not torch.equal(t.float(), want):
-                raise RuntimeError(f"self-check failed for {dtype}")
+            ok = True
+            for path in ("one_shot", "two_shot"):
+                t = (ramp + (rank + 1)).to(dtype)
+                try:
+                    self.all_reduce_(t, path)
+                except NotImplementedError:  # raised at dispatch, before any rank enters the kernel's barrier
+                    ok = False
+                    break
+                if not torch.equal(t.float(), want):
+                    raise RuntimeError(f"self-check failed for {dtype} ({path})")
+            if agree(int(ok)):
+                kept.append(dtype)
+        if not kept:
+            raise RuntimeError("the peer-memory kernels take none of bfloat16, float16, float32")
+        self.dtypes = tuple(kept)
         torch.cuda.synchronize(device)

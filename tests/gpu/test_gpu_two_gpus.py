@@ -133,13 +133,20 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
     from kvship.engine.distributed.groups import init_distributed
     from kvship.engine.distributed.topology import Topology
 
-    os.environ["KVSHIP_TP_ALLREDUCE"] = "p2p"  # opt-in until measured (engine/parallel/p2p_all_reduce.py)
+    os.environ["KVSHIP_TP_ALLREDUCE"] = "p2p"  # the default, said here so a caller's environment cannot turn it off
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     tp = init_distributed(Topology(tp_size=2, rank=rank), init_method, dev, timeout_s=120).tp
     report = {"p2p": tp.p2p is not None, "eager": [], "graph": None}
     g = torch.Generator(device=dev).manual_seed(100 + rank)
-    for rows, dtype in ((1, torch.bfloat16), (7, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)):
+    # 256 x 4096 bf16 (2 MiB) is past one-shot's range: two-shot
+    for rows, dtype in (
+        (1, torch.bfloat16),
+        (7, torch.bfloat16),
+        (64, torch.bfloat16),
+        (256, torch.bfloat16),
+        (3, torch.float32),
+    ):
         x = torch.randn(rows, 4096, device=dev, dtype=dtype, generator=g)
         ref = x.clone()
         dist.all_reduce(ref, group=tp.device_group)  # NCCL
@@ -167,8 +174,8 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
 
 def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
     """With ``KVSHIP_TP_ALLREDUCE=p2p`` the TP group's small all-reduces go over peer memory
-    (``engine/parallel/p2p_all_reduce.py``): at two ranks the one-shot sum is NCCL's bit for bit (one rounding of
-    a + b), eager and replayed from a CUDA graph.  Not yet run to the end on a GPU pair (docs/parallel.md)."""
+    (``engine/parallel/p2p_all_reduce.py``): at two ranks the one-shot and two-shot sums are NCCL's bit for bit (one
+    rounding of a + b), eager and replayed from a CUDA graph."""
     import multiprocessing as mp
     import socket
 
