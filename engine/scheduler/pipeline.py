@@ -9,15 +9,18 @@ runner receives the previous stage's hidden states and sends its own on,
     recv                 the leader's messages of this step (sent without waiting)
     schedule(busy)       a batch of requests not in flight: an extend, else a
                          decode of at most ceil(running / pp_size) requests
-    launch               this stage's part; the last stage samples and sends
-                         the results to the earlier stages at once
+    launch               this stage's part (the last stage samples)
     process oldest       when pp_size batches are in flight (or nothing new
-                         was launched): the earlier stages take its results
-                         from the last stage first
+                         was launched): the last stage sends its results to
+                         the earlier stages, which take them first
 
 So while the last stage computes micro-batch i, stage 0 already computes
-i + 1 (with two stages; i + pp_size - 1 with more), and a step's tokens
-reach stage 0 before it needs them.
+i + 1 (with two stages; i + pp_size - 1 with more).  The last stage sends
+i's results only when it processes i, after it has launched i + 1 in the
+same step: its host waits for i's tokens with i + 1 already queued behind
+them on its GPU, so the GPU runs the two back to back instead of idling
+while the host schedules (the earlier stages process i in that same step, so
+nobody waits for a later step).
 
 Invariants:
 
@@ -68,6 +71,7 @@ class PipelineLoop:
         self.inflight: deque[Pending] = deque()
         self.busy: dict[int, "Req"] = {}  # id(req) -> req, for every request of a batch in flight
         self._processing: Optional[Pending] = None
+        self._unsent: set[int] = set()  # the last stage: id() of launched batches whose results are not sent yet
         self.max_in_flight = 0
         self.overlapped = 0
 
@@ -97,7 +101,7 @@ class PipelineLoop:
                 pending = s.launch(batch)
                 batch = None  # launched: it is in ``inflight`` from here on
                 if self.link.is_last:
-                    self.link.send_results(pending.results())
+                    self._unsent.add(id(pending))  # sent when processed (module docstring)
                 self.overlapped += int(bool(self.inflight))
                 self.inflight.append(pending)
                 self.busy.update((id(r), r) for r in pending.batch.reqs)
@@ -139,7 +143,10 @@ class PipelineLoop:
 
     def _process(self, p: Pending) -> None:
         self._processing = p
-        if p.remote:
+        if id(p) in self._unsent:
+            self._unsent.discard(id(p))
+            self.link.send_results(p.results())
+        elif p.remote:
             p.resolve(self.link.recv_results())
         for r in p.batch.reqs:
             self.busy.pop(id(r), None)
@@ -154,7 +161,14 @@ class PipelineLoop:
         for p in dropped:
             for r in p.batch.reqs:
                 self.busy.pop(id(r), None)
-            if p.awaiting_results:
+            if id(p) in self._unsent:  # the last stage: the earlier stages wait for one result per dropped batch
+                self._unsent.discard(id(p))
+                try:
+                    results = p.results()
+                except Exception:  # noqa: BLE001 - its requests are being failed: any placeholder keeps the channel
+                    results = ([], None, None)
+                self.link.send_results(results)
+            elif p.awaiting_results:
                 p.resolve(self.link.recv_results())
 
     def drop(self) -> None:
@@ -162,4 +176,5 @@ class PipelineLoop:
         for p in self.inflight:
             p.wait()
         self.inflight.clear()
+        self._unsent.clear()
         self.busy.clear()
