@@ -496,3 +496,24 @@ def test_p2p_all_reduce_is_the_default_and_its_knob_refuses_other_values(monkeyp
         ENV.TP_ALLREDUCE
     for one_shot_max, two_shot_max in THRESHOLDS.values():
         assert 0 < one_shot_max <= two_shot_max
+
+
+def test_a_tp_group_spanning_nodes_keeps_nccl_and_unmeasured_sizes_get_smaller_one_shot_limits():
+    """Peer GPU memory maps only within a host: a TP group over two nodes takes NCCL without trying (no
+    rendezvous that could hang), one inside a node keeps the asked mode.  Group sizes the bench has not measured
+    get the 2-rank row with one-shot's limit divided by the peers it reads."""
+    from kvship.engine.distributed.groups import tp_all_reduce_mode
+    from kvship.engine.parallel.p2p_all_reduce import THRESHOLDS, thresholds_for
+
+    addr = "10.0.0.5:29500"
+    spans = Topology(tp_size=8, nnodes=2, node_rank=1, rank=5, dist_init_addr=addr)  # 0-3 node 0, 4-7 node 1
+    assert tp_all_reduce_mode(spans, "p2p") == "nccl"
+    inside = Topology(tp_size=4, pp_size=2, nnodes=2, node_rank=1, rank=5, dist_init_addr=addr)  # TP group 4-7
+    assert tp_all_reduce_mode(inside, "p2p") == "p2p"
+    assert tp_all_reduce_mode(inside, "nccl") == "nccl"
+    one_node = Topology(tp_size=2, rank=1)
+    assert tp_all_reduce_mode(one_node, "p2p") == "p2p"
+    assert thresholds_for(2) == THRESHOLDS[2]
+    one2, two2 = THRESHOLDS[2]
+    assert thresholds_for(4) == (one2 // 3, two2)
+    assert thresholds_for(8)[0] == one2 // 7 and thresholds_for(8)[0] < thresholds_for(4)[0]

@@ -120,8 +120,17 @@ def init_distributed(topology: Topology, url: str, device: torch.device, timeout
     pp = axis(topology.pp_groups())
     ep = tp if topology.ep_size == topology.tp_size else axis(topology.ep_groups())
     if isinstance(tp, NcclCommunicator):  # the TP all-reduce's small-tensor path (docs/parallel.md)
-        tp.p2p = P2PAllReduce.create(tp.device_group, device, tp.size, agree=tp.min_int, mode=ENV.TP_ALLREDUCE)
+        mode = tp_all_reduce_mode(topology, ENV.TP_ALLREDUCE)
+        tp.p2p = P2PAllReduce.create(tp.device_group, device, tp.size, agree=tp.min_int, mode=mode)
     return ProcessGroups(topology, world, tp, pp, ep)
+
+
+def tp_all_reduce_mode(topology: Topology, mode: str) -> str:
+    """``mode`` (``KVSHIP_TP_ALLREDUCE``), or ``nccl`` where this rank's TP group spans nodes: peer GPU memory
+    maps only within a host, so such a group does not even try (every rank of the group takes the same view)."""
+    per_node = topology.ranks_per_node
+    nodes = {r // per_node for r in next(g for g in topology.tp_groups() if topology.rank in g)}
+    return "nccl" if len(nodes) > 1 else mode
 
 
 def solo_groups(topology: Topology, communicator: Communicator) -> ProcessGroups:

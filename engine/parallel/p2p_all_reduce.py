@@ -36,8 +36,18 @@ logger = logging.getLogger(__name__)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (one_shot_max, two_shot_max) in bytes, by group size: where each path stops beating the next one, measured by
 # bench/all_reduce.py on two NVLink H200s (docs/parallel.md, "The all-reduce": one-shot wins to 1 MiB, two-shot
-# from 2 to 16 MiB, 32 MiB ties NCCL).  Sizes not listed take the 2-rank row's values.
+# from 2 to 16 MiB, 32 MiB ties NCCL).  Group sizes not measured yet: ``thresholds_for``.
 THRESHOLDS = {2: (1 << 20, 16 << 20)}
+
+
+def thresholds_for(size: int) -> tuple[int, int]:
+    """The measured row for ``size`` ranks; else the 2-rank row with one-shot's limit divided by ``size - 1``
+    (one-shot reads every peer's whole tensor, so its reads grow with the peers while two-shot's stay at one
+    tensor per rank).  An estimate until ``bench/all_reduce.py --tp-size N`` runs on N GPUs."""
+    if size in THRESHOLDS:
+        return THRESHOLDS[size]
+    one, two = THRESHOLDS[2]
+    return max(one // max(size - 1, 1), 64 << 10), two
 
 
 class P2PAllReduce:
@@ -95,7 +105,7 @@ class P2PAllReduce:
         ranks (host group), so a rank that cannot map peer memory takes every rank back to NCCL."""
         if mode != "p2p" or device.type != "cuda" or size < 2:
             return None
-        one_max, two_max = thresholds or THRESHOLDS.get(size, THRESHOLDS[2])
+        one_max, two_max = thresholds or thresholds_for(size)
         made: Optional[P2PAllReduce] = None
         reason = ""
         try:
