@@ -1,4 +1,5 @@
-"""The block-FP8 fused-MoE kernels (``triton_moe_fp8``) against the reference ``fp8.moe_reference``.
+"""The FP8 fused-MoE kernels (``triton_moe_fp8``) against the references ``fp8.moe_reference`` (block-128 experts)
+and ``fp8.moe_channel_reference`` (per-channel / per-tensor experts, dynamic or static activations).
 
 GPU: bf16 activations, experts quantized per 128x128 block from random bf16
 weights; relative Frobenius error ``|kernel - ref| / |ref|`` <= 1e-2 (the
@@ -17,12 +18,14 @@ in-kernel quantization are checked exactly; torch's rounding needs the GPU.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from gpu_common import HAS_CUDA, cuda_or_interpreter, kernel_device, requires_cuda
 
 from kvship.engine.layers.quantization import fp8_math as fm
-from kvship.engine.layers.quantization.fp8 import moe_reference
+from kvship.engine.layers.quantization.fp8 import moe_channel_reference, moe_reference
 
 pytestmark = [pytest.mark.gpu]
 BLOCK = (128, 128)
@@ -160,3 +163,123 @@ def test_fp8_moe_decode_captured_in_a_cuda_graph_equals_eager(m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, _run((x2,) + args[1:]))
+
+
+# --- per-channel / per-tensor experts ------------------------------------------------------------------------
+def _channel_problem(m: int, e: int, k: int, h: int, i: int, dev: torch.device, static: bool, seed: int = 0):
+    """Experts quantised per output row (a per-tensor checkpoint is the same with equal rows); static: per-row
+    input scales as the loader fills them (each row its projection's checkpoint scale: gate and up differ)."""
+    from kvship.engine.layers.moe.topk import select_experts
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, h, generator=g).to(dev, dtype)
+
+    def experts(rows: int, cols: int):
+        w = torch.randn(e, rows, cols, generator=g) * cols**-0.5
+        q, s = zip(*(fm.quantize_channel(w[j]) for j in range(e)))
+        return torch.stack(q).to(dev), torch.stack(s).to(dev)
+
+    w13, s13 = experts(2 * i, h)
+    w2, s2 = experts(h, i)
+    in13 = in2 = None
+    if static:
+        gate_up = torch.rand(e, 2, generator=g) * 0.02 + 0.01
+        in13 = gate_up.repeat_interleave(i, dim=1).to(dev)  # [E, 2I]: gate's scale on gate's rows, up's on up's
+        in2 = (torch.rand(e, 1, generator=g) * 0.02 + 0.01).expand(e, h).contiguous().to(dev)
+    logits = torch.randn(m, e, generator=g).to(dev)
+    if e > k + 1:
+        logits[:, e // 2] = -1e4
+    weights, ids = select_experts(logits, k, renormalize=True)
+    return x, w13, s13, w2, s2, in13, in2, weights, ids
+
+
+def _run_channel(args, **kw):
+    from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8_channel
+
+    return fused_experts_fp8_channel(*args, **kw)
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("m", [0, 1, 5])
+@pytest.mark.parametrize("kind", ["default", "aligned", "persistent"])
+def test_per_channel_fp8_moe_kernels_match_the_reference(static, m, kind):
+    """H = 192, I = 160: partial last K-blocks of both GEMMs and a partial last gate/up tile."""
+    args = _channel_problem(m, 8, 2, 192, 160, kernel_device(), static, seed=m + 20 * static)
+    cfg = None if kind == "default" else _configs(m)[kind]
+    out = _run_channel(args, config=cfg)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    if m:
+        assert _rel(out, moe_channel_reference(*args)) < TOL
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("static", [False, True])
+def test_per_channel_fp8_moe_absent_experts_add_nothing(static):
+    args = _channel_problem(5, 8, 2, 128, 128, kernel_device(), static, seed=7)
+    ids = args[8].clone()
+    ids[ids >= 4] = -1
+    args = args[:8] + (ids,)
+    out = _run_channel(args, absent=True)
+    assert _rel(out, moe_channel_reference(*args)) < TOL
+
+
+def test_per_channel_fp8_moe_refuses_scales_of_another_layout():
+    from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8_channel
+
+    x, w13, s13, w2, s2, in13, in2, weights, ids = _channel_problem(2, 4, 2, 32, 32, torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="per-channel FP8 expert scales"):
+        fused_experts_fp8_channel(x, w13, s13[:, :4], w2, s2, None, None, weights, ids)
+    with pytest.raises(ValueError, match="both input scales"):
+        fused_experts_fp8_channel(x, w13, s13, w2, s2, in13, None, weights, ids)
+
+
+@requires_cuda
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 700])
+def test_per_channel_fp8_moe_at_the_qwen3_30b_a3b_shape_matches_the_reference(static, m):
+    args = _channel_problem(m, 128, 8, 2048, 768, torch.device("cuda"), static, seed=m)
+    assert _rel(_run_channel(args), moe_channel_reference(*args)) < TOL
+
+
+@requires_cuda
+def test_per_channel_fp8_moe_decode_captured_in_a_cuda_graph_equals_eager():
+    args = _channel_problem(4, 128, 8, 2048, 768, torch.device("cuda"), False, seed=3)
+    eager = _run_channel(args)
+    static_x = args[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run_channel((static_x,) + args[1:])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run_channel((static_x,) + args[1:])
+    static_x.copy_(args[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@cuda_or_interpreter
+@pytest.mark.parametrize("static", [False, True])
+def test_a_per_channel_fp8_moe_layer_on_the_triton_runner_takes_the_kernels(static, monkeypatch):
+    """``Fp8Method.apply_moe`` with the ``triton`` runner runs ``fused_experts_fp8_channel`` (not the reference,
+    which would raise here), passing expert parallelism's absent ids through."""
+    from kvship.engine.layers.moe.triton_moe import TritonMoERunner
+    from kvship.engine.layers.quantization import fp8
+
+    x, w13, s13, w2, s2, in13, in2, weights, ids = _channel_problem(5, 8, 2, 128, 128, kernel_device(), static, 9)
+    ids[ids >= 6] = -1
+    layer = SimpleNamespace(w13_weight=w13, w13_weight_scale=s13, w2_weight=w2, w2_weight_scale=s2,
+                            w13_weight_input_scale=in13, w2_weight_input_scale=in2)  # fmt: skip
+    method = fp8.Fp8Method(fp8.Fp8Scheme("channel", "static" if static else "token"))
+
+    def no_reference(*a, **k):
+        raise AssertionError("the triton runner must not take the reference")
+
+    want = moe_channel_reference(x, w13, s13, w2, s2, in13, in2, weights, ids)
+    monkeypatch.setattr(fp8, "moe_channel_reference", no_reference)
+    out = method.apply_moe(layer, TritonMoERunner(), x, weights, ids, absent=True, config_experts=8)
+    assert _rel(out, want) < TOL

@@ -152,8 +152,10 @@ def _gate_up_fp8_tile(
     BLOCK_SIZE_M: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    RAW_OUT: tl.constexpr,
 ):
-    # BLOCK_N == GROUP: this tile's silu(g) * u columns are one token-group of the down GEMM's input
+    # BLOCK_N == GROUP: this tile's silu(g) * u columns are one token-group of the down GEMM's input.  RAW_OUT:
+    # store silu(g) * u in fp32 instead (per-channel experts quantise the whole row afterwards)
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pair < num_pairs
@@ -174,11 +176,14 @@ def _gate_up_fp8_tile(
     acc_u = _scaled_k_loop(a_ptrs, as_ptrs, u_ptrs, us_ptrs, mask_m, mask_n, hidden_size, acc_u, stride_wsk, GROUP)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h = tl.where(mask_n[None, :], h, 0.0)
-    s = _group_scale(tl.max(tl.abs(h), axis=1))
     pair64 = pair.to(tl.int64)
     h_ptrs = h_ptr + pair64[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, _quantize(h, s[:, None]), mask=mask_m[:, None] & mask_n[None, :])
-    tl.store(hs_ptr + pair64 * stride_hsm + pid_n, s, mask=mask_m)
+    if RAW_OUT:
+        tl.store(h_ptrs, h, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        s = _group_scale(tl.max(tl.abs(h), axis=1))
+        tl.store(h_ptrs, _quantize(h, s[:, None]), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(hs_ptr + pair64 * stride_hsm + pid_n, s, mask=mask_m)
 
 
 @triton.jit
@@ -211,6 +216,7 @@ def _gate_up_fp8_kernel(
     BLOCK_ROWS: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     PERSISTENT: tl.constexpr = False,
+    RAW_OUT: tl.constexpr = False,
 ):
     num_pid_n = tl.cdiv(inter_size, GROUP)
     if PERSISTENT:
@@ -220,7 +226,7 @@ def _gate_up_fp8_kernel(
             _gate_up_fp8_tile(
                 pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr, expert_ids_ptr,
                 num_pairs, inter_size, hidden_size, top_k, stride_am, stride_asm, stride_we, stride_wn,
-                stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm, BLOCK_SIZE_M, GROUP, BLOCK_ROWS,
+                stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm, BLOCK_SIZE_M, GROUP, BLOCK_ROWS, RAW_OUT,
             )  # fmt: skip
     else:
         pid_m, pid_n = _block_coords(tl.program_id(0), tl.cdiv(padded_len, BLOCK_SIZE_M), num_pid_n, GROUP_SIZE_M)
@@ -229,7 +235,7 @@ def _gate_up_fp8_kernel(
         _gate_up_fp8_tile(
             pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr, expert_ids_ptr,
             num_pairs, inter_size, hidden_size, top_k, stride_am, stride_asm, stride_we, stride_wn,
-            stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm, BLOCK_SIZE_M, GROUP, BLOCK_ROWS,
+            stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm, BLOCK_SIZE_M, GROUP, BLOCK_ROWS, RAW_OUT,
         )  # fmt: skip
 
 
@@ -482,6 +488,17 @@ def _check(x, w13, w13_scale, w2, w2_scale, block) -> None:
         raise ValueError("expert weights must be contiguous in their last dim")
 
 
+def _align(topk_ids: torch.Tensor, bm: int, num_experts: int, absent: bool):
+    """The pairs sorted and padded per expert in blocks of ``bm`` (``align_block_size``); with ``absent``, ids of
+    ``-1`` go to a sentinel expert sorted last whose blocks are cut off ``num_tokens_post_padded``."""
+    if not absent:
+        return align_block_size(topk_ids, bm, num_experts)
+    topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
+    sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts + 1)
+    n_absent = (topk_ids == num_experts).sum()
+    return sorted_ids, expert_ids, (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
+
+
 def fused_experts_fp8(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -533,13 +550,7 @@ def fused_experts_fp8(
     bm, gm = cfg["BLOCK_SIZE_M"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     persistent = bool(cfg.get("persistent"))
-    if absent:
-        topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
-        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts + 1)
-        n_absent = (topk_ids == num_experts).sum()
-        ntp = (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
-    else:
-        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)
+    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts, absent)
     n = m * top_k
     padded = sorted_ids.numel()
     hq = torch.empty(n, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -556,6 +567,109 @@ def fused_experts_fp8(
         hq, hs, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2),
         out.stride(0), BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn_down, GROUP=group, BLOCK_ROWS=bn, GROUP_SIZE_M=gm,
+        PERSISTENT=persistent, **launch,
+    )  # fmt: skip
+    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
+    return y
+
+
+# --- per-channel / per-tensor experts ---------------------------------------------------------------------------
+# The K-block of the per-channel GEMMs: their scales are per row and per token (or per expert), not per block, so
+# any power of two >= 16 works; 128 is the block kernels' tile.
+CHANNEL_GROUP = 128
+# their smallest batches take the aligned GEMMs too (the GEMV kernels read per-block scales)
+CHANNEL_SMALL_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
+
+
+def _check_channel(w13, w13_scale, w2, w2_scale, w13_input_scale, w2_input_scale) -> None:
+    num_experts, two_i, hidden = w13.shape
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 experts must be float8_e4m3fn, got {w13.dtype} / {w2.dtype}")
+    want = {"w13": (num_experts, two_i), "w2": (num_experts, hidden)}
+    got = {"w13": tuple(w13_scale.shape), "w2": tuple(w2_scale.shape)}
+    if (w13_input_scale is None) != (w2_input_scale is None):
+        raise ValueError("static FP8 experts need both input scales (gate/up and down), or neither")
+    if w13_input_scale is not None and (
+        tuple(w13_input_scale.shape) != want["w13"] or tuple(w2_input_scale.shape) != want["w2"]
+    ):
+        raise ValueError(f"FP8 expert input scales {tuple(w13_input_scale.shape)} / {tuple(w2_input_scale.shape)}")
+    if got != want:
+        raise ValueError(f"per-channel FP8 expert scales {got['w13']} / {got['w2']}, want {want['w13']} / {want['w2']}")
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1 or w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1:
+        raise ValueError("expert weights and scales must be contiguous in their last dim")
+
+
+def fused_experts_fp8_channel(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_input_scale: Optional[torch.Tensor],
+    w2_input_scale: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    absent: bool = False,
+    config_experts: Optional[int] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """The ``MoERunner`` contract over per-channel / per-tensor FP8 experts, ``fp8.moe_channel_reference``'s
+    arithmetic: ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` e4m3 with one fp32 scale per output row (``[E, 2I]`` /
+    ``[E, H]``); activations quantised per token (dynamic) or, with the input scales, per expert with the
+    largest of its projection's static scales.  The block kernels' aligned GEMMs run it with a K-block of
+    ``CHANNEL_GROUP`` columns whose row scales are the token's (or the pair's) scale repeated and whose weight
+    scales are one per row (``BLOCK_ROWS = 1``, the same for every K-block); the gate/up GEMM stores
+    ``silu(g) * u`` in fp32 (``RAW_OUT``) and the whole row is quantised before the down GEMM.  Static scales
+    depend on the expert, so there each (token, expert) pair gets its own quantised input row.  Nothing is read
+    on the host: CUDA-graph safe.  ``absent``: ids of ``-1`` add nothing."""
+    from kvship.engine.layers.quantization import fp8_math as fm
+
+    m, hidden = x.shape
+    if m == 0:
+        return torch.zeros_like(x)
+    _check_channel(w13, w13_scale, w2, w2_scale, w13_input_scale, w2_input_scale)
+    num_experts, two_i, _ = w13.shape
+    inter, top_k, group = two_i // 2, topk_ids.shape[1], CHANNEL_GROUP
+    n = m * top_k
+    cfg = config or default_config_fp8(m, config_experts or num_experts, top_k)
+    if "gemv" in cfg:
+        cfg = dict(CHANNEL_SMALL_CONFIG)
+    static = w13_input_scale is not None
+    if static:  # one quantised input row per pair, with its expert's scale
+        expert_of_pair = topk_ids.reshape(-1).clamp(0, num_experts - 1).long()
+        s_in = w13_input_scale.float().amax(dim=1)[expert_of_pair][:, None]
+        xq, xs, a_top_k = fm.to_fp8(x.repeat_interleave(top_k, 0), s_in), s_in, 1
+    else:
+        xq, xs = fm.quantize_tokens(x)
+        a_top_k = top_k
+    xs = xs.expand(-1, triton.cdiv(hidden, group)).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    s13, s2 = w13_scale.float(), w2_scale.float()
+    bm, gm = cfg["BLOCK_SIZE_M"], cfg["GROUP_SIZE_M"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    persistent = bool(cfg.get("persistent"))
+    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts, absent)
+    padded = sorted_ids.numel()
+    h = (torch.zeros if absent else torch.empty)(n, inter, dtype=torch.float32, device=x.device)
+    _gate_up_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(inter, group), persistent, x.device)](
+        xq, xs, w13, s13, h, h, sorted_ids, expert_ids, ntp, n, padded, inter, hidden, a_top_k,
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), 0,
+        h.stride(0), 0, BLOCK_SIZE_M=bm, GROUP=group, BLOCK_ROWS=1, GROUP_SIZE_M=gm,
+        PERSISTENT=persistent, RAW_OUT=True, **launch,
+    )  # fmt: skip
+    if static:
+        s_a = w2_input_scale.float().amax(dim=1)[expert_of_pair][:, None]
+        hq = fm.to_fp8(h, s_a)
+    else:
+        hq, s_a = fm.quantize_tokens(h)
+    s_a = s_a.expand(-1, triton.cdiv(inter, group)).contiguous()
+    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
+    bn_down = cfg["BLOCK_SIZE_N"]
+    _down_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn_down), persistent, x.device)](
+        hq, s_a, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
+        hq.stride(0), s_a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), 0,
+        out.stride(0), BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn_down, GROUP=group, BLOCK_ROWS=1, GROUP_SIZE_M=gm,
         PERSISTENT=persistent, **launch,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)

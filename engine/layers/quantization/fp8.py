@@ -367,21 +367,27 @@ class Fp8Method(QuantMethod):
         return F.embedding(ids, layer.weight)
 
     def apply_moe(self, layer, runner, x, topk_weights, topk_ids, absent=False, config_experts=None):
-        """Block-FP8 experts: the fused Triton kernels (``triton_moe_fp8``) where the layer runs the ``triton``
-        runner, else the reference ``moe_reference``.  Per-channel / per-tensor experts: ``moe_channel_reference``
-        on every device (no kernel yet; on CUDA a warning at the first forward says so).  docs/quantization.md
-        ("MoE experts")."""
+        """FP8 experts: the fused Triton kernels (``triton_moe_fp8``: ``fused_experts_fp8`` for block-128,
+        ``fused_experts_fp8_channel`` for per-channel / per-tensor experts) where the layer runs the ``triton``
+        runner, else the references ``moe_reference`` / ``moe_channel_reference`` (on CUDA a warning at the
+        first forward says the reference is slow).  docs/quantization.md ("MoE experts")."""
+        triton_runner = _is_triton_runner(runner)
         if self.scheme.weight != "block":
-            if x.is_cuda:
-                _warn_slow_moe_once(self.name)
             static = self.scheme.activation == "static"
-            return moe_channel_reference(
+            args = (
                 x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale,
                 layer.w13_weight_input_scale if static else None, layer.w2_weight_input_scale if static else None,
                 topk_weights, topk_ids,
             )  # fmt: skip
+            if triton_runner:
+                from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8_channel
+
+                return fused_experts_fp8_channel(*args, absent=absent, config_experts=config_experts)
+            if x.is_cuda:
+                _warn_slow_moe_once(self.name)
+            return moe_channel_reference(*args)
         args = (x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv)
-        if _is_triton_runner(runner):
+        if triton_runner:
             from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8
 
             return fused_experts_fp8(
@@ -397,9 +403,9 @@ def _warn_slow_moe_once(method: str) -> None:
     if method not in _warned_slow_moe:
         _warned_slow_moe.add(method)
         logger.warning(
-            "'%s' per-channel / per-tensor FP8 MoE experts run the torch reference on CUDA (no Triton kernel for "
-            "these formats yet; only block-128 experts have one): slow, and not CUDA-graph safe (use "
-            '--disable-cuda-graph) (docs/quantization.md, "MoE experts")',
+            "'%s' per-channel / per-tensor FP8 MoE experts run the torch reference on CUDA because the MoE runner "
+            "is not 'triton' (KVSHIP_MOE_RUNNER): slow, and not CUDA-graph safe (use --disable-cuda-graph) "
+            '(docs/quantization.md, "MoE experts")',
             method,
         )
 

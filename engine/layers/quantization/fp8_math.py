@@ -39,12 +39,19 @@ def qdq_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return deq.view(*xf.shape[:-1], k + pad)[..., :k]
 
 
-def qdq_tokens(x: torch.Tensor) -> torch.Tensor:
-    """Activations quantised per token (one scale per row: ``max(amax, 1e-10) / 448``), dequantised: fp32."""
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations quantised per token: (e4m3, fp32 scales ``[..., 1]``), one scale per row:
+    ``max(amax, 1e-10) / 448``."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = amax.clamp_(min=ACT_EPS) / amax.new_full((), FP8_MAX)
-    return to_fp8(xf, scale).float() * scale
+    return to_fp8(xf, scale), scale
+
+
+def qdq_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Activations quantised per token (``quantize_tokens``), dequantised: fp32."""
+    q, scale = quantize_tokens(x)
+    return q.float() * scale
 
 
 def qdq_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
