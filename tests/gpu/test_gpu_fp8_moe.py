@@ -225,6 +225,7 @@ def test_per_channel_fp8_moe_absent_experts_add_nothing(static):
     assert _rel(out, moe_channel_reference(*args)) < TOL
 
 
+@cuda_or_interpreter
 def test_per_channel_fp8_moe_refuses_scales_of_another_layout():
     from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8_channel
 
