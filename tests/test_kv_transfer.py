@@ -380,19 +380,26 @@ def test_aux_record_only_becomes_visible_after_the_kv(pair, dm):
     p, d = pair
     src = list(range(1, 121))  # 120 pages x 6 buffers x 16 KiB = 11 MiB
     dst = list(range(250, 130, -1))  # reversed: one descriptor per page and buffer
-    d("zero", dm)
-    room = new_room()
-    d("receiver", dm, p.ports["p16_big"], room)
-    p("sender", "p16_big", room)
-    d("init", room, dst)
-    p("send", room, src, (1, 0.0, 1920))
-    (st, reason, _), early = d("wait_checking_order", dm, room, 30, PREFILL_MANAGERS["p16_big"][2], src)
-    assert st == SUCCESS, reason
+    seen = []
+    # the poll loop catches a written record only if it runs between the write and the done signal: on a loaded
+    # box that window can pass between two polls, so up to three transfers, and one catch is enough
+    for _ in range(3):
+        d("zero", dm)
+        room = new_room()
+        d("receiver", dm, p.ports["p16_big"], room)
+        p("sender", "p16_big", room)
+        d("init", room, dst)
+        p("send", room, src, (1, 0.0, 1920))
+        (st, reason, _), early = d("wait_checking_order", dm, room, 30, PREFILL_MANAGERS["p16_big"][2], src)
+        assert st == SUCCESS, reason
+        assert early is not False, "the aux record was visible before all KV pages had landed"
+        assert d("pages_match", dm, dst, PREFILL_MANAGERS["p16_big"][2], src)
+        assert_clean(p, d, "p16_big", dm)
+        seen.append(early)
+        if early is not None:
+            break
     if p.backend != "nixl" or dm.endswith("_old"):
-        assert early is not None, "the aux record was never seen in decode memory before the transfer finished"
-    assert early is not False, "the aux record was visible before all KV pages had landed"
-    assert d("pages_match", dm, dst, PREFILL_MANAGERS["p16_big"][2], src)
-    assert_clean(p, d, "p16_big", dm)
+        assert seen[-1] is not None, "the aux record was never seen in decode memory before a transfer finished"
 
 
 def test_aux_record_rides_in_the_done_signal_where_backend_and_peer_can(pair):
