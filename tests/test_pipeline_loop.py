@@ -26,7 +26,7 @@ class ScriptedScheduler:
         self.failed: list[Any] = []
 
     def recv(self, block_s: float) -> None:
-        pass
+        """The script is the inbox: nothing arrives from outside."""
 
     def schedule(self, busy: dict, parts: int) -> Any:
         if not self.script:
@@ -47,7 +47,7 @@ class ScriptedScheduler:
         self.log.append(f"fail {sorted(r.rid for r in reqs or [])}")
 
     def end_step(self) -> None:
-        pass
+        """No per-step bookkeeping in the script."""
 
 
 class ScriptedLink:

@@ -143,26 +143,32 @@ def test_fp8_moe_at_the_qwen3_30b_a3b_shape_matches_the_reference(m):
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_fp8_moe_decode_captured_in_a_cuda_graph_equals_eager(m):
     args = _problem(m, 128, 8, 2048, 768, torch.device("cuda"), seed=10 + m)
-    eager = _run(args)
-    static_x = args[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _run((static_x,) + args[1:])  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run((static_x,) + args[1:])
-    static_x.copy_(args[0])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    static_x, graph, out = _captured(_run, args)
+    assert torch.equal(out, _run(args))
     # new inputs replayed through the same graph
     x2 = torch.randn_like(args[0])
     static_x.copy_(x2)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, _run((x2,) + args[1:]))
+
+
+def _captured(run, args):
+    """``run(args)`` captured in a CUDA graph over a static copy of ``x`` (a warm-up outside the capture
+    compiles the kernels), replayed once on ``args``' ``x``: (static x, graph, the graph's output)."""
+    static_x = args[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run((static_x,) + args[1:])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run((static_x,) + args[1:])
+    static_x.copy_(args[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    return static_x, graph, out
 
 
 # --- per-channel / per-tensor experts ------------------------------------------------------------------------
@@ -248,18 +254,7 @@ def test_per_channel_fp8_moe_at_the_qwen3_30b_a3b_shape_matches_the_reference(st
 def test_per_channel_fp8_moe_decode_captured_in_a_cuda_graph_equals_eager():
     args = _channel_problem(4, 128, 8, 2048, 768, torch.device("cuda"), False, seed=3)
     eager = _run_channel(args)
-    static_x = args[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _run_channel((static_x,) + args[1:])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run_channel((static_x,) + args[1:])
-    static_x.copy_(args[0])
-    graph.replay()
-    torch.cuda.synchronize()
+    _, _, out = _captured(_run_channel, args)
     assert torch.equal(out, eager)
 
 

@@ -499,6 +499,26 @@ def _align(topk_ids: torch.Tensor, bm: int, num_experts: int, absent: bool):
     return sorted_ids, expert_ids, (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
 
 
+def _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, block_rows, absent):
+    """The aligned down GEMM over the quantised ``silu(g) * u`` rows ``hq`` (scales ``hs`` per row and K-block of
+    ``group``; weight scales ``s2`` with ``s2_strides`` (expert, row block, K-block) and ``block_rows`` rows a
+    scale), each pair's row times its routing weight, then every token's ``top_k`` rows summed in fp32."""
+    sorted_ids, expert_ids, ntp = aligned
+    (m, hidden), (n, inter), padded = x.shape, hq.shape, sorted_ids.numel()
+    bm, bn_down, persistent = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], bool(cfg.get("persistent"))
+    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
+    _down_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn_down), persistent, x.device)](
+        hq, hs, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
+        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
+        out.stride(0), BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn_down, GROUP=group, BLOCK_ROWS=block_rows,
+        GROUP_SIZE_M=cfg["GROUP_SIZE_M"], PERSISTENT=persistent, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
+    return y
+
+
 def fused_experts_fp8(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -561,17 +581,9 @@ def fused_experts_fp8(
         hq.stride(0), hs.stride(0), BLOCK_SIZE_M=bm, GROUP=group, BLOCK_ROWS=bn, GROUP_SIZE_M=gm,
         PERSISTENT=persistent, **launch,
     )  # fmt: skip
-    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
-    bn_down = cfg["BLOCK_SIZE_N"]
-    _down_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn_down), persistent, x.device)](
-        hq, hs, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
-        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2),
-        out.stride(0), BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn_down, GROUP=group, BLOCK_ROWS=bn, GROUP_SIZE_M=gm,
-        PERSISTENT=persistent, **launch,
-    )  # fmt: skip
-    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return y
+    s2_strides = (s2.stride(0), s2.stride(1), s2.stride(2))
+    aligned = (sorted_ids, expert_ids, ntp)
+    return _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, bn, absent)
 
 
 # --- per-channel / per-tensor experts ---------------------------------------------------------------------------
@@ -664,14 +676,6 @@ def fused_experts_fp8_channel(
     else:
         hq, s_a = fm.quantize_tokens(h)
     s_a = s_a.expand(-1, triton.cdiv(inter, group)).contiguous()
-    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
-    bn_down = cfg["BLOCK_SIZE_N"]
-    _down_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn_down), persistent, x.device)](
-        hq, s_a, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
-        hq.stride(0), s_a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), 0,
-        out.stride(0), BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn_down, GROUP=group, BLOCK_ROWS=1, GROUP_SIZE_M=gm,
-        PERSISTENT=persistent, **launch,
-    )  # fmt: skip
-    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return y
+    s2_strides = (s2.stride(0), s2.stride(1), 0)  # one scale per row, the same for every K-block
+    aligned = (sorted_ids, expert_ids, ntp)
+    return _down_and_sum(hq, s_a, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, 1, absent)
