@@ -16,6 +16,8 @@ batch 128 >= 1.5x, batch-1 latency <= 1.15x).  Needs 2 GPUs
 (``nvidia-h200-x2``); ``--device cpu --tiny`` runs the harness on a tiny
 model over gloo.  ``--vs '--tp-size 2'`` measures tensor parallelism the same
 way (issue 33: batch 1 >= 1.6x, batch 64 >= 1.7x one GPU over HTTP).
+``--vs-env 'KVSHIP_PP_CHAIN=0'`` also measures the ``--vs`` worker under
+that environment (result ``vs_env``), side by side in the same call.
 
     python bench/pp.py                       # 2 GPUs, llama3-8b shape, bf16
     python bench/pp.py --device cpu --tiny --batch 8 --output-len 8 --rounds 1
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,12 +57,14 @@ def free_port() -> int:
 class Worker:
     """One ``kvship serve`` process, healthy on entry, stopped on exit."""
 
-    def __init__(self, args: list[str], timeout_s: float = 900.0):
+    def __init__(self, args: list[str], timeout_s: float = 900.0, env: Optional[dict[str, str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvship-pp-bench-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "kvship.app.cli", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -105,7 +110,8 @@ def measure(worker: Worker, args: argparse.Namespace, rng: random.Random) -> dic
                for _ in range(args.rounds))  # fmt: skip
     lat = min(worker.generate(prompts(1), args.output_len) / args.output_len for _ in range(args.rounds))
     info = worker.info()
-    return {"tok_s": tput, "ms_per_token_b1": 1000 * lat, "pp_max_in_flight": info.get("pp_max_in_flight")}
+    keys = ("pp_max_in_flight", "pp_chained_launches", "pp_steps", "pp_host_s")
+    return {"tok_s": tput, "ms_per_token_b1": 1000 * lat, **{k: info.get(k) for k in keys}}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -125,6 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         default="--pp-size 2",
         help="the second worker's flags, measured against the first (one GPU); e.g. '--tp-size 2' for TP over HTTP",
     )
+    ap.add_argument("--vs-env", default="", help="also measure the --vs worker with these KEY=VALUE variables set")
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     root = tempfile.mkdtemp(prefix="kvship-pp-bench-")
@@ -139,18 +146,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device == "cpu":
         common += ["--max-total-tokens", str((args.batch + 1) * (args.input_len + args.output_len + 64))]
     results = {}
-    for seed, (name, flags) in enumerate((("one_gpu", []), ("vs", args.vs.split())), start=1):
-        worker = Worker(common + flags)
+    env = dict(kv.split("=", 1) for kv in args.vs_env.split())
+    runs = [("one_gpu", [], None), ("vs", args.vs.split(), None)] + ([("vs_env", args.vs.split(), env)] if env else [])
+    for seed, (name, flags, extra_env) in enumerate(runs, start=1):
+        worker = Worker(common + flags, env=extra_env)
         try:
             results[name] = measure(worker, args, random.Random(seed))
         finally:
             worker.stop()
-        print(f"{name} {' '.join(flags)}: {json.dumps(results[name])}", flush=True)
+            if args.json:  # every rank's log (a PP rank logs its host seconds per step part)
+                shutil.copy(worker.log.name, os.path.join(os.path.dirname(os.path.abspath(args.json)), f"{name}.log"))
+        print(f"{name} {' '.join(flags)} {args.vs_env if extra_env else ''}: {json.dumps(results[name])}", flush=True)
     one, two = results["one_gpu"], results["vs"]
     results["ratio"] = {
         f"throughput_b{args.batch}": two["tok_s"] / one["tok_s"],
         "latency_b1": two["ms_per_token_b1"] / one["ms_per_token_b1"],
     }
+    if env:
+        alt = results["vs_env"]
+        results["ratio_env"] = {
+            f"throughput_b{args.batch}": alt["tok_s"] / one["tok_s"],
+            "latency_b1": alt["ms_per_token_b1"] / one["ms_per_token_b1"],
+        }
+        print(f"with {args.vs_env}: {json.dumps(results['ratio_env'])}", flush=True)
     print(
         f"{args.shape}{' (tiny)' if args.tiny else ''} on {args.device}, one GPU vs {args.vs!r}: batch {args.batch} "
         f"{one['tok_s']:.0f} -> {two['tok_s']:.0f} tok/s ({results['ratio'][f'throughput_b{args.batch}']:.2f}x; "

@@ -153,7 +153,15 @@ class _Env:
         "p2p",
         "tensor-parallel all-reduce: p2p (one-shot / two-shot over peer GPU memory for tensors up to the measured "
         "thresholds, NCCL above and wherever a rank cannot map peer memory) or nccl (NCCL for every size); "
-        "docs/parallel.md, \"The all-reduce\"",
+        'docs/parallel.md, "The all-reduce"',
+    )
+    PP_CHAIN = Knob(
+        "KVSHIP_PP_CHAIN",
+        _bool,
+        True,
+        "pipeline parallelism: stage 0 starts a decode micro-batch's next step on the last stage's sampled ids "
+        "sent device to device, before the host processed them (0: after; every rank must agree; "
+        'docs/parallel.md, "Pipeline parallelism")',
     )
     MLA_EXTEND = Knob(
         "KVSHIP_MLA_EXTEND",

@@ -12,6 +12,8 @@ import pytest
 from kvship.engine.scheduler.launch import Pending
 from kvship.engine.scheduler.pipeline import PipelineLoop
 
+EXTEND = SimpleNamespace(is_decode=lambda: False)
+
 
 class ScriptedScheduler:
     """Hands out the scripted batches one per step (None when the script is done); logs what the loop does."""
@@ -32,9 +34,9 @@ class ScriptedScheduler:
         if not self.script:
             return None
         name = self.script.pop(0)
-        return SimpleNamespace(name=name, reqs=[SimpleNamespace(rid=name)])
+        return SimpleNamespace(name=name, reqs=[SimpleNamespace(rid=name)], forward_mode=EXTEND)
 
-    def launch(self, batch: Any) -> Pending:
+    def launch(self, batch: Any, after: Optional[Pending] = None) -> Pending:
         if batch.name == self.fail_launch:
             raise RuntimeError(f"launch of {batch.name} failed")
         self.log.append(f"launch {batch.name}")
@@ -98,8 +100,8 @@ def test_an_earlier_stage_receives_one_result_per_processed_micro_batch_in_launc
     sched = ScriptedScheduler(["A", "B"], log)
     original = sched.launch
 
-    def remote_launch(batch: Any) -> Pending:
-        p = original(batch)
+    def remote_launch(batch: Any, after: Optional[Pending] = None) -> Pending:
+        p = original(batch, after)
         p.remote = True
         return p
 

@@ -9,6 +9,8 @@ counters.  The server test runs ``kvship serve --pp-size 2`` and talks HTTP.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import build_tiny_model
 from moe_fixtures import build_tiny_moe
@@ -84,7 +86,9 @@ def _run_scenario(groups, sa: ServerArgs, waves: list, abort) -> dict:
         "layers": (runner.pipeline.layers.start, runner.pipeline.layers.end),
         "pool_layers": runner.kv_pool.num_layers,
         "params": sorted(names),
-        "stats": {k: st.get(k) for k in ("pp_max_in_flight", "pp_overlapped_launches", "cached_tokens")},
+        "stats": {
+            k: st.get(k) for k in ("pp_max_in_flight", "pp_overlapped_launches", "pp_chained_launches", "cached_tokens")
+        },
     }
 
 
@@ -97,6 +101,11 @@ def _rank_main(rank: int, init_method: str, tp: int, pp: int, paths: dict, scena
         return results
 
     rank_body(rank, init_method, _sa("", tp_size=tp, pp_size=pp), body, out)
+
+
+def _rank_main_unchained(rank: int, init_method: str, paths: dict, out) -> None:
+    os.environ["KVSHIP_PP_CHAIN"] = "0"  # every rank: stage 0 waits for the results on its host (the old loop)
+    _rank_main(rank, init_method, 1, 2, paths, ("even",), out)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +165,7 @@ def test_micro_batches_overlap_and_kv_is_back_to_full_on_every_stage(pp2):
     for rank, res in enumerate(pp2):
         st = res["even"]["stats"]
         assert st["pp_max_in_flight"] >= 2 and st["pp_overlapped_launches"] > 0, (rank, st)
+        assert st["pp_chained_launches"] > 0, (rank, st)  # decodes started on the last stage's device ids
         for name, got in res.items():
             free, total = got["free"]
             assert free == total and got["open"] == 0, (rank, name, got["free"])
@@ -174,6 +184,16 @@ def test_abort_frees_the_kv_of_every_stage(pp2, paths):
         assert 0 < len(got["tokens"]["long"]) < 400
         assert {r: got["tokens"][r] for r in ref} == ref
         assert got["free"][0] == got["free"][1] and got["open"] == 0
+
+
+def test_pp2_without_chaining_equals_the_single_process(paths):
+    """``KVSHIP_PP_CHAIN=0``: every decode forms after its predecessor's results reached stage 0's host."""
+    ref = _reference(paths, "even")
+    for rank, r in enumerate(run_ranks(_rank_main_unchained, 2, (paths,), RANK_TIMEOUT_S)):
+        got = r["even"]
+        assert {k: got["tokens"][k] for k in ref} == ref, rank
+        assert got["stats"]["pp_chained_launches"] == 0 and got["stats"]["pp_max_in_flight"] >= 2, got["stats"]
+        assert got["free"][0] == got["free"][1]
 
 
 def test_pp2_tp2_greedy_tokens_equal_the_single_process(paths):

@@ -176,6 +176,12 @@ class Communicator(ABC):
         return dist.isend(t, dst=self._global(dst), group=self.device_group, tag=tag)
 
     @_collective
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
+        """Start filling ``t`` from group rank ``src``; returns the work handle (``wait`` before reading ``t``: on
+        NCCL that makes the current stream wait, on gloo the host)."""
+        return dist.irecv(t, src=self._global(src), group=self.device_group, tag=tag)
+
+    @_collective
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Fill ``t`` from group rank ``src``; returns ``t``."""
         dist.recv(t, src=self._global(src), group=self.device_group, tag=tag)

@@ -41,6 +41,9 @@ class ProcessGroups:
     tp: Optional[Communicator]
     pp: Optional[Communicator]
     ep: Optional[Communicator]
+    # the pipeline's sampled-ids channel (last stage -> stage 0): on NCCL a device group of its own beside ``pp``,
+    # so its receives never queue behind the hidden-state sends on one NCCL stream (``StageLink``); else ``pp``
+    pp_ids: Optional[Communicator] = None
 
     @property
     def is_leader(self) -> bool:
@@ -48,7 +51,7 @@ class ProcessGroups:
 
     def communicators(self) -> list[Communicator]:
         seen: dict[int, Communicator] = {}
-        for c in (self.world, self.tp, self.pp, self.ep):
+        for c in (self.world, self.tp, self.pp, self.ep, self.pp_ids):
             if c is not None:
                 seen.setdefault(id(c), c)
         return list(seen.values())
@@ -118,11 +121,20 @@ def init_distributed(topology: Topology, url: str, device: torch.device, timeout
 
     tp = axis(topology.tp_groups())
     pp = axis(topology.pp_groups())
+    pp_ids = pp
+    if pp is not None and backend == "nccl":  # a second device group per PP group (every rank, same order)
+        for ranks in topology.pp_groups():
+            device_group = _new_group(ranks, backend, timeout)
+            if topology.rank in ranks:
+                whole = len(ranks) == world_size
+                pp_ids = NcclCommunicator(
+                    ranks.index(topology.rank), len(ranks), device_group, pp.cpu_group, None if whole else ranks
+                )
     ep = tp if topology.ep_size == topology.tp_size else axis(topology.ep_groups())
     if isinstance(tp, NcclCommunicator):  # the TP all-reduce's small-tensor path (docs/parallel.md)
         mode = tp_all_reduce_mode(topology, ENV.TP_ALLREDUCE)
         tp.p2p = P2PAllReduce.create(tp.device_group, device, tp.size, agree=tp.min_int, mode=mode)
-    return ProcessGroups(topology, world, tp, pp, ep)
+    return ProcessGroups(topology, world, tp, pp, ep, pp_ids)
 
 
 def tp_all_reduce_mode(topology: Topology, mode: str) -> str:

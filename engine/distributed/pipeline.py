@@ -19,9 +19,18 @@ one to be ready; every receive blocks):
   list to every other rank, over the world's host group;
 * sampled tokens: each rank of the last stage sends every step's results
   (ids, logprobs, top logprobs) to the ranks of the earlier stages with its
-  TP rank, over the PP communicator's host group.
+  TP rank, over the PP communicator's host group;
+* sampled ids on the device: each rank of the last stage sends a decode
+  step's ids ``[n] int64`` to the rank of stage 0 with its TP rank as soon
+  as it sampled them, and stage 0 posts the matching receive when it
+  launches that step, so its next decode of the same requests reads them as
+  input ids without the host (``kvship.engine.scheduler.pipeline``).  On
+  NCCL this is a device group of its own (``ProcessGroups.pp_ids``): on the
+  PP group it would share the hidden states' NCCL stream, where stage 0's
+  receive of step i's ids would queue behind its send of step i + 1's
+  hidden states, which the last stage receives only after sending i's ids.
 
-On gloo the three share groups and are kept apart by tags; on CUDA hidden
+On gloo the four share groups and are kept apart by tags; on CUDA hidden
 states are the only traffic of the PP device group (NCCL ignores tags).
 Contract: every rank makes the same sends and receives in the same order
 (the replicated scheduler guarantees it), and a send's buffers live until
@@ -46,6 +55,7 @@ logger = logging.getLogger(__name__)
 TAG_INBOX = 11
 TAG_RESULTS = 12
 TAG_HIDDEN = 13
+TAG_IDS = 14
 MAX_OUTSTANDING_SENDS = 256  # beyond this many unfinished sends, wait for the oldest
 
 
@@ -88,6 +98,7 @@ class StageLink:
         self.topology = topo
         self.world = groups.world
         self.pp = groups.pp  # group rank = stage index
+        self.ids = groups.pp_ids if groups.pp_ids is not None else groups.pp  # the device ids' channel
         self.pp_size = topo.pp_size
         self.stage = topo.me.pp_rank
         self.layers = layers[self.stage]
@@ -134,6 +145,18 @@ class StageLink:
         """The previous stage's ``[2, num_tokens, width]`` (hidden, residual) of the current batch."""
         buf = torch.empty((2, num_tokens, width), dtype=dtype, device=device)
         return self.pp.recv(buf, self.stage - 1, TAG_HIDDEN)
+
+    # --- sampled ids on the device (the pipeline loop) -------------------------
+    def send_ids(self, ids: torch.Tensor) -> None:
+        """The last stage: start sending a decode step's sampled ids to stage 0 (module docstring)."""
+        buf = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+        self._keep([(self.ids.isend(buf, 0, TAG_IDS), buf)])
+
+    def recv_ids(self, n: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Stage 0: post the receive of a decode step's ``n`` sampled ids; (buffer, work): ``work.wait()``
+        before a forward reads the buffer."""
+        buf = torch.empty(n, dtype=torch.int64, device=device)
+        return buf, self.ids.irecv(buf, self.pp_size - 1, TAG_IDS)
 
     # --- the leader's inbox (the scheduler) -----------------------------------
     def send_inbox(self, msgs: Any) -> None:
