@@ -13,9 +13,13 @@ Reported per M: time, the fp8 speed-up, bytes read (the active experts'
 weights, their block scales, x and the output) per second against the
 measured copy bandwidth, and the fp8 output's relative error against
 ``fp8.moe_reference`` (fp32 quantize-dequantize) and against bf16.  Writes
-``fp8_moe.json`` / ``fp8_moe.md`` to ``--out``.
+``fp8_moe.json`` / ``fp8_moe.md`` to ``--out``.  ``--gemv-sweep M`` also times
+the decode GEMV kernels' launch configs at M tokens (gate/up's tile, warps and
+stages with down's default, then down's with the best of those), fastest
+first, each checked against the reference.
 
     python bench/fp8_moe.py --out /tmp/out
+    python bench/fp8_moe.py --m 1 --gemv-sweep 1 --out /tmp/out
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from decode_latency import copy_bandwidth, environment, graph_time  # noqa: E402
 
 from kvship.engine.layers.moe.topk import select_experts  # noqa: E402
 from kvship.engine.layers.moe.triton_moe import fused_experts  # noqa: E402
-from kvship.engine.layers.moe.triton_moe_fp8 import fused_experts_fp8  # noqa: E402
+from kvship.engine.layers.moe.triton_moe_fp8 import GEMV_CONFIG_FP8, fused_experts_fp8  # noqa: E402
 from kvship.engine.layers.quantization import fp8_math as fm  # noqa: E402
 from kvship.engine.layers.quantization.fp8 import moe_reference  # noqa: E402
 
@@ -94,6 +98,44 @@ def bench_m(m: int, args, bf16: list, fp8: list, copy_bw: float) -> dict:
     }
 
 
+def gemv_sweep(m: int, args, fp8: list) -> list[dict]:
+    """The decode GEMVs' launch configs at ``m`` tokens (module docstring): microseconds, fastest first."""
+    e, k, h = args.experts, args.topk, args.hidden
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    topk_w, ids = select_experts(torch.randn(m, e, device="cuda", generator=g), k, renormalize=True)
+    ref = moe_reference(x, *fp8[0], BLOCK, topk_w, ids)
+    copies = len(fp8)
+    rows: list[dict] = []
+
+    def run(gemv: dict) -> dict:
+        cfg = {"gemv": gemv}
+        try:
+            out = fused_experts_fp8(x, *fp8[0], BLOCK, topk_w, ids, config=cfg)
+            t = graph_time(lambda i: fused_experts_fp8(x, *fp8[i % copies], BLOCK, topk_w, ids, config=cfg),
+                           calls=2 * copies)  # fmt: skip
+        except Exception as exc:  # a config that does not compile or fit: named, skipped
+            row = {**gemv, "error": str(exc)[:120]}
+        else:
+            row = {**gemv, "us": t * 1e6, "rel_err_vs_reference": _rel(out, ref)}
+        rows.append(row)
+        return row
+
+    base = dict(GEMV_CONFIG_FP8)
+    for bn in (4, 8, 16, 32):
+        for w in (2, 4, 8):
+            for st in (2, 3, 4):
+                run({**base, "BLOCK_N": bn, "num_warps": w, "num_stages": st})
+    ok = [r for r in rows if "us" in r]
+    best = min(ok, key=lambda r: r["us"]) if ok else base
+    best = {kk: best[kk] for kk in base}
+    for dbn in (2, 4, 8, 16):
+        for dw in (2, 4, 8):
+            run({**best, "DOWN_BLOCK_N": dbn, "down_num_warps": dw})
+    rows.sort(key=lambda r: r.get("us", float("inf")))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=128)
@@ -103,12 +145,19 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 4096])
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--out", default=".")
+    p.add_argument("--gemv-sweep", type=int, nargs="*", default=[], help="token counts to sweep the GEMV configs at")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bf16, fp8 = make_weights(args)
     copy_bw = copy_bandwidth()
     rows = [bench_m(m, args, bf16, fp8, copy_bw) for m in args.m]
     result = {"environment": environment(), "copy_bandwidth": copy_bw, "shape": vars(args), "rows": rows}
+    for m in args.gemv_sweep:
+        sweep = gemv_sweep(m, args, fp8)
+        result[f"gemv_sweep_m{m}"] = sweep
+        print(f"GEMV sweep at M={m} (default {GEMV_CONFIG_FP8}):")
+        for r in sweep[:10]:
+            print("  ", json.dumps(r))
     with open(os.path.join(args.out, "fp8_moe.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [

@@ -127,10 +127,12 @@ def triton_decode_sweep(runner: ModelRunner, fb, iters: int) -> list[dict]:
     r2t = runner.req_to_token_pool.req_to_token
     kv_bytes = sum(fb.seq_lens_cpu) * hk * d * 2 * kbuf.element_size()
     rows = []
+    fp8 = kbuf.dtype == torch.float8_e4m3fn
     tiles = [
-        {"block_n": n, "num_warps": w, "num_stages": st}
+        {"block_n": n, "num_warps": w, "num_stages": st, **({"dot_f16": f16} if fp8 else {})}
         for n in (32, 64, 128)
         for w, st in ((4, 2), (4, 3), (8, 2), (8, 3))
+        for f16 in ((False, True) if fp8 else (False,))
     ]
     for cfg in tiles:
         for splits in (4, 8, 16):

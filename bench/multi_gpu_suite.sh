@@ -21,7 +21,8 @@
 #   ep_dispatch  bench/ep_dispatch.py: all_reduce vs static vs two-batch overlap, communication alone and the layer
 #   eplb       bench/eplb.py: a skewed Qwen3-30B-A3B layer, plain EP vs 32 redundant experts after a rebalance
 #   pp         bench/pp.py: kvship serve --pp-size 2 vs one GPU over /generate (batch 128 and batch 1), and PP=2
-#              again under $PP_ENV (default KVSHIP_PP_CHAIN=0: stage 0 waits for the results on its host)
+#              again under $PP_ENV (default KVSHIP_PP_CHAIN=0: stage 0 waits for the results on its host);
+#              PP_ARGS: more bench/pp.py flags (e.g. "--batch 256")
 #   tp_http    bench/pp.py --vs "--tp-size N": TP over /generate vs one GPU (batch 64, batch 1), all-reduce
 #              KVSHIP_TP_ALLREDUCE=$TP_ALLREDUCE (default p2p)
 #   pd         bench/pd_ttft.py: prefill on GPU 0, decode on GPU 1 (nixl, mooncake) beside unified; KV GB/s
@@ -83,7 +84,7 @@ part ep_decode_static 150 python3 bench/decode_latency.py --shape qwen3-30b-a3b 
 part ep_dispatch 150 python3 bench/ep_dispatch.py --ep-size "$N" --m ${EP_M:-1 32 128 4096 8192} --out /tmp/res/ep_dispatch
 part eplb 120 python3 bench/eplb.py --device cuda --ep-size "$N" --experts 128 --redundant 32 --topk 8 --hidden 2048 \
   --inter 768 --tokens 4096 --out /tmp/res/eplb
-part pp 360 python3 bench/pp.py --vs-env "${PP_ENV:-KVSHIP_PP_CHAIN=0}" --json /tmp/res/pp/pp.json
+part pp 360 python3 bench/pp.py --vs-env "${PP_ENV:-KVSHIP_PP_CHAIN=0}" ${PP_ARGS:-} --json /tmp/res/pp/pp.json
 part tp_http 200 env KVSHIP_TP_ALLREDUCE=${TP_ALLREDUCE:-p2p} python3 bench/pp.py --vs "--tp-size $N" --batch 64 \
   --json /tmp/res/tp_http/tp_http.json
 part pd 240 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend mooncake \

@@ -123,6 +123,7 @@ def _decode_stage1(
     FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,6 +146,8 @@ def _decode_stage1(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if DOT_F16:  # an FP8 pool: e4m3 -> fp16 is one conversion per pair of values (stage1_tile)
+        qv = qv.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -305,11 +308,22 @@ def decode_attention(
     return o
 
 
-def stage1_tile(block_d: int, kv_fp8: bool) -> dict:
+def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Stage 1's default tile: keys a step (``block_n``), warps and software-pipeline stages.  Three stages on a
-    bf16/fp16 pool (measured 1.16x faster than two at 32 requests x 8k context on an H200), two on an FP8 pool
-    (three measured 1.2x slower there); docs/benchmarks.md, session 21."""
-    return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 2 if kv_fp8 else 3}
+    bf16/fp16 pool (measured 1.16x faster than two at 32 requests x 8k context on an H200; docs/benchmarks.md,
+    session 21); on an FP8 pool of a bf16 model 128 keys a step, three stages and ``dot_f16`` (the fastest of
+    the session-25 sweep: 220 us a layer against 265 us for the best bf16-product tile), else two stages.
+
+    ``dot_f16`` (FP8 pools of a bf16 model): the queries, keys, values and probabilities enter the tensor-core
+    products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16 is the GPU's one-instruction
+    conversion while e4m3 -> bf16 goes through more, and fp16 keeps more of a probability's bits.  A query
+    element beyond fp16's range (65504) would overflow: attention queries are far below it.
+    docs/quantization.md, "FP8 KV cache"."""
+    if not kv_fp8:
+        return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3}
+    f16 = q_dtype == torch.bfloat16
+    return {"block_n": 32 if block_d >= 256 else (128 if f16 else 64), "num_warps": 4, "num_stages": 3 if f16 else 2,
+            "dot_f16": f16}  # fmt: skip
 
 
 def launch_stage1(
@@ -337,7 +351,7 @@ def launch_stage1(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     kv_fp8 = k_buf.dtype == torch.float8_e4m3fn
-    tile = stage1_tile(block_d, kv_fp8)
+    tile = stage1_tile(block_d, kv_fp8, q.dtype)
     unknown = set(launch or {}) - set(tile)
     if unknown:
         raise ValueError(f"decode_attention: unknown launch keys {sorted(unknown)}; known: {sorted(tile)}")
@@ -383,5 +397,6 @@ def launch_stage1(
         num_stages=tile["num_stages"],
         USE_PDL=pdl,
         KV_FP8=kv_fp8,
+        DOT_F16=bool(tile.get("dot_f16", False)),
         launch_pdl=pdl,
     )
