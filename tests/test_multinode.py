@@ -73,8 +73,8 @@ def tp1_greedy(qwen3_dir) -> list[list[int]]:
     return [drv.greedy(p, GREEDY_TOKENS) for p in PROMPTS]
 
 
-def _two_nodes(stack: contextlib.ExitStack, path: str) -> list:
-    common = ["--model-path", path, "--max-total-tokens", "1024", "--tp-size", "2", "--nnodes", "2"]
+def _two_nodes(stack: contextlib.ExitStack, path: str, parallel: tuple[str, ...] = ("--tp-size", "2")) -> list:
+    common = ["--model-path", path, "--max-total-tokens", "1024", *parallel, "--nnodes", "2"]
     common += ["--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout", "20"]
     nodes = [start_server(common + ["--node-rank", str(r)], keep_log=True, timeout=240) for r in (0, 1)]
     return enter_together(stack, nodes)
@@ -110,6 +110,29 @@ def test_tp2_over_two_nodes_matches_tp1_and_the_other_node_exits_when_one_dies(q
         assert "tensor-parallel" in other.log_tail(200)
         time.sleep(2)  # the other node's ranks follow their launcher
         left = [p.pid for p in tree + other_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"processes left: {left}"
+
+
+def test_pp2_over_two_nodes_matches_tp1_one_stage_a_node_and_node1_dying_ends_node0(qwen3_dir, tp1_greedy):
+    """``--pp-size 2 --nnodes 2``: stage 0 (layers 0-1, rank 0, HTTP) on node 0, stage 1 on node 1; the stages'
+    hidden states, device ids and results cross the "nodes" (docs/parallel.md, "Pipeline parallelism")."""
+    import psutil
+
+    with contextlib.ExitStack() as stack:
+        nodes = _two_nodes(stack, qwen3_dir, ("--pp-size", "2"))
+        greedy = {"max_new_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = nodes[0].post("/generate", json={"input_ids": PROMPTS, "sampling_params": greedy})
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == tp1_greedy
+        info = nodes[0].get("/get_server_info").json()
+        assert info["pp_size"] == 2 and info["pp_chained_launches"] > 0, info
+        assert nodes[1].get("/health").json()["node_rank"] == 1
+
+        other_tree = [psutil.Process(nodes[0].proc.pid)] + psutil.Process(nodes[0].proc.pid).children(True)
+        os.killpg(nodes[1].proc.pid, signal.SIGKILL)
+        assert _wait_exit(nodes[0], EXIT_WITHIN_S) == 1
+        time.sleep(2)
+        left = [p.pid for p in other_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, f"processes left: {left}"
 
 
