@@ -56,6 +56,7 @@ from kvship.engine.cuda_graph_runner import cuda_graph_batch_sizes, maybe_create
 from kvship.engine.distributed.groups import ProcessGroups
 from kvship.engine.distributed.pipeline import StageLink, stage_layers
 from kvship.engine.forward_batch import ForwardBatch, HiddenCapture, LogitsOutput, StageOutput
+from kvship.engine.layers.fused_dispatch import cuda_fp8_kernels
 from kvship.engine.layers.k_major import store_weights_k_major_
 from kvship.engine.layers.moe.layer import reset_expert_load
 from kvship.engine.loaders.base import load_model
@@ -225,6 +226,7 @@ class ModelRunner:
             self.attn_backend = create_attention_backend(backend, self.attn_context)
         # set by an EAGLE speculator: eager forwards hand it the tokens' hidden states (docs/speculative.md)
         self.hidden_capture: Optional[HiddenCapture] = None
+        self._probe_fp8_products()  # before any capture: the FP8 GEMM path is then the same eager and replayed
         # CUDA-graph decode (None on CPU, with --disable-cuda-graph, or for backends without graphs)
         with self.graph_capture():  # the graph runners capture in their constructors
             self.cuda_graph_runner = maybe_create_cuda_graph_runner(
@@ -267,6 +269,16 @@ class ModelRunner:
         )
         if self.pipeline is not None:
             logger.info("%s", self.pipeline.describe())
+
+    def _probe_fp8_products(self) -> None:
+        """A model with FP8 weights on CUDA: which block-128 GEMM its larger batches take (cuBLAS where this
+        torch computes it right, else the Triton GEMM), decided once per device before graphs are captured."""
+        if self.device.type != "cuda":
+            return
+        param = next((p for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn), None)
+        kernels = None if param is None else cuda_fp8_kernels(param)
+        if kernels is not None:
+            kernels.probe_block_scaled_mm(torch.device(self.device))
 
     def graph_capture(self) -> ContextManager[None]:
         """Open around every CUDA-graph capture of this runner's model (decode, prefill, speculative graphs):

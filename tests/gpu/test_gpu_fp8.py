@@ -199,6 +199,23 @@ def test_scaled_mm_rowwise_is_available_and_matches(fk):
     assert _rel(y, _reference(x, w_deq, "token", None, None)) <= TOL
 
 
+def test_block_scaled_mm_is_found_and_matches_the_reference(fk):
+    """Block-128 at prefill goes to cuBLAS (``scaled_mm``, 1x128 activation / 128x128 weight scales) on Hopper
+    with this torch, once the probe found the scale layouts that compute right; ``fp8_linear`` takes it above
+    the decode tiles."""
+    assert fk.probe_block_scaled_mm(torch.device("cuda")), "no block-wise scaled_mm here (the Triton GEMM serves)"
+    m, n, k = 384, 512, 1024
+    q, s, w_deq, block = _weights(n, k, "block", seed=7)
+    x = _acts(m, k, seed=8)
+    xq, xs = fk.quantize_act(x, fk.ACT_GROUP)
+    y = fk.scaled_mm_blockwise(xq, xs, q, s, torch.bfloat16)
+    assert y is not None
+    assert _rel(y, _reference(x, w_deq, "group", None, None)) <= TOL
+    assert torch.equal(fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128), y)
+    triton = fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=fk.GEMM_CONFIG)
+    assert _rel(y, triton.float()) <= TOL  # the two GPU paths agree as each agrees with the reference
+
+
 # --- models ------------------------------------------------------------------------------------------
 PROMPT = [5, 17, 33, 101, 7, 250, 64, 9, 12] * 5  # 45 tokens: the extend runs the GEMM path
 STEPS = 8

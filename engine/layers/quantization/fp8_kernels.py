@@ -28,7 +28,11 @@ Kernels:
   is added, otherwise the row and column scales multiply the sum.  Skinny
   tiles (``BLOCK_M`` 16) serve decode batches, 128x128 tiles prefill.
 * per-channel / per-tensor formats at larger M: ``torch._scaled_mm`` with
-  row-wise scales where this torch and GPU have it (``_mm`` otherwise).
+  row-wise scales where this torch and GPU have it (``_mm`` otherwise);
+  block-128 at larger M: ``torch.nn.functional.scaled_mm`` with 1x128
+  activation and 128x128 weight scales (cuBLAS) where ``probe_block_scaled_mm``
+  found it right on the device before any graph was captured (``_mm``
+  otherwise).
 
 ``fp8_linear`` picks the path; it returns None for what these kernels do not
 take (the caller then runs the reference).  Every launch is asynchronous and
@@ -39,10 +43,12 @@ kernels also run under Triton's interpreter on CPU tensors (tests).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -50,6 +56,8 @@ from kvship.common.envs import ENV
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter, rmsnorm_row
 from kvship.engine.layers.quantization import fp8_math as fm
+
+logger = logging.getLogger(__name__)
 
 ACT_GROUP, ACT_TOKEN, ACT_STATIC = 0, 1, 2
 ACT_CODES = {"group": ACT_GROUP, "token": ACT_TOKEN, "static": ACT_STATIC}
@@ -785,6 +793,81 @@ def scaled_mm_rowwise(
     return y
 
 
+# Block-128 products through cuBLAS (``torch.nn.functional.scaled_mm`` with 1x128 activation and 128x128 weight
+# scales, the DeepSeek-V3 recipe this format is): per device, the scale layouts this torch build takes and computes
+# right (``probe_block_scaled_mm``), or False where it has none (the Triton GEMM then runs).  Layout candidates:
+# (activation scales, weight scales) as handed to ``scaled_mm`` from ``xs [M, K/128]`` and ``ws [N/128, K/128]``.
+_BLOCK_MM: dict[int, Any] = {}
+_BLOCK_MM_LAYOUTS = (
+    ("outer_major", "as_is"),
+    ("outer_major", "transposed"),
+    ("as_is", "as_is"),
+    ("as_is", "transposed"),
+)
+
+
+def _block_scales(xs: torch.Tensor, ws: torch.Tensor, layout: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    a = xs.t().contiguous().t() if layout[0] == "outer_major" else xs
+    b = ws.t() if layout[1] == "transposed" else ws
+    return a, b
+
+
+def _block_mm_call(xq, xs, w, ws, out_dtype, layout) -> torch.Tensor:
+    st = F.ScalingType
+    a, b = _block_scales(xs, ws, layout)
+    return F.scaled_mm(xq, w.t(), a, st.BlockWise1x128, b, st.BlockWise128x128, output_dtype=out_dtype)
+
+
+def probe_block_scaled_mm(device: torch.device) -> bool:
+    """Find (once per device, outside any CUDA-graph capture) the scale layouts with which this torch's
+    ``scaled_mm`` multiplies block-128 FP8 operands as the reference does (a small product against the
+    dequantized one in fp32); True when one does.  ``torch.nn.functional.scaled_mm`` with block-wise recipes
+    needs torch >= 2.10 and cuBLAS on sm90+; elsewhere (or when no layout computes right) the Triton GEMM
+    stays in use."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _BLOCK_MM:
+        return _BLOCK_MM[idx] is not False
+    _BLOCK_MM[idx] = False
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType") or torch.cuda.get_device_capability(idx) < (9, 0):
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    m, n, k = 192, 256, 512
+    xq = (torch.randn(m, k, device=device, generator=g) * 4).to(fm.FP8)
+    wq = (torch.randn(n, k, device=device, generator=g) * 4).to(fm.FP8)
+    xs = torch.rand(m, k // 128, device=device, generator=g) + 0.5
+    ws = torch.rand(n // 128, k // 128, device=device, generator=g) + 0.5
+    ref = (xq.float() * xs.repeat_interleave(128, 1)) @ (
+        wq.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    ).t()
+    for layout in _BLOCK_MM_LAYOUTS:
+        try:
+            y = _block_mm_call(xq, xs, wq, ws, torch.bfloat16, layout)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            continue
+        if y.shape == ref.shape and float((y.float() - ref).norm() / ref.norm()) < 1e-2:
+            _BLOCK_MM[idx] = layout
+            logger.info("block-128 FP8 products through cuBLAS scaled_mm (scale layouts %s)", layout)
+            return True
+    logger.info("block-128 FP8 products through the Triton GEMM (this torch's scaled_mm takes no block scales)")
+    return False
+
+
+def scaled_mm_blockwise(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype
+) -> Optional[torch.Tensor]:
+    """Block-128 ``xq W^T`` through cuBLAS where ``probe_block_scaled_mm`` found it right on this device (and the
+    shape fits: N and K multiples of 128, bf16 out), else None.  Never probes itself (it may run under capture)."""
+    if not xq.is_cuda or out_dtype != torch.bfloat16:
+        return None
+    idx = xq.device.index if xq.device.index is not None else torch.cuda.current_device()
+    layout = _BLOCK_MM.get(idx, False)
+    m, k = xq.shape
+    n = w.shape[0]
+    if layout is False or k % 128 or n % 128 or xs.shape != (m, k // 128) or ws.shape != (n // 128, k // 128):
+        return None
+    return _block_mm_call(xq, xs, w, ws.float(), out_dtype, layout)
+
+
 def applies(
     x: torch.Tensor, w: torch.Tensor, block: Optional[tuple[int, int]], group: int, k: Optional[int] = None
 ) -> bool:
@@ -843,6 +926,10 @@ def fp8_linear_q(
         if block is None and bias is None and act != ACT_GROUP:
             rows = xs.reshape(1).expand(m).reshape(m, 1).contiguous() if act == ACT_STATIC else xs
             y = scaled_mm_rowwise(xq, rows, w, wscale, out_dtype)
+            if y is not None:
+                return y
+        if block == (128, 128) and group == 128 and bias is None and act == ACT_GROUP:
+            y = scaled_mm_blockwise(xq, xs, w, wscale, out_dtype)
             if y is not None:
                 return y
         cfg = GEMM_CONFIG
