@@ -204,7 +204,7 @@ def test_block_scaled_mm_is_found_and_matches_the_reference(fk):
     with this torch, once the probe found the scale layouts that compute right; ``fp8_linear`` takes it above
     the decode tiles."""
     assert fk.probe_block_scaled_mm(torch.device("cuda")), "no block-wise scaled_mm here (the Triton GEMM serves)"
-    m, n, k = 384, 512, 1024
+    m, n, k = 2048, 4096, 4096  # above BLOCK_MM_MIN_MACS
     q, s, w_deq, block = _weights(n, k, "block", seed=7)
     x = _acts(m, k, seed=8)
     xq, xs = fk.quantize_act(x, fk.ACT_GROUP)
@@ -214,6 +214,7 @@ def test_block_scaled_mm_is_found_and_matches_the_reference(fk):
     assert torch.equal(fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128), y)
     triton = fk.fp8_linear(x, q, s, fk.ACT_GROUP, block, 128, cfg=fk.GEMM_CONFIG)
     assert _rel(y, triton.float()) <= TOL  # the two GPU paths agree as each agrees with the reference
+    assert fk.scaled_mm_blockwise(xq[:128], xs[:128], q, s, torch.bfloat16) is None  # small: the Triton GEMM
 
 
 # --- models ------------------------------------------------------------------------------------------

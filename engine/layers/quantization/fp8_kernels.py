@@ -798,9 +798,12 @@ def scaled_mm_rowwise(
 # right (``probe_block_scaled_mm``), or False where it has none (the Triton GEMM then runs).  Layout candidates:
 # (activation scales, weight scales) as handed to ``scaled_mm`` from ``xs [M, K/128]`` and ``ws [N/128, K/128]``.
 _BLOCK_MM: dict[int, Any] = {}
-_BLOCK_MM_LAYOUTS = (
-    ("outer_major", "as_is"),
+# Smaller products stay on the Triton GEMM: at M = 1024 cuBLAS lost on the Llama-3.1-8B qkv (25.8G multiply-adds:
+# 457 vs 592 TFLOP/s) and o (17.2G: 359 vs 414) and won from down (60G: 711 vs 668) up; H200, session 25.
+BLOCK_MM_MIN_MACS = 1 << 35
+_BLOCK_MM_LAYOUTS = (  # the first is what torch 2.11 on an H200 takes (session 25)
     ("outer_major", "transposed"),
+    ("outer_major", "as_is"),
     ("as_is", "as_is"),
     ("as_is", "transposed"),
 )
@@ -856,7 +859,7 @@ def scaled_mm_blockwise(
     xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype
 ) -> Optional[torch.Tensor]:
     """Block-128 ``xq W^T`` through cuBLAS where ``probe_block_scaled_mm`` found it right on this device (and the
-    shape fits: N and K multiples of 128, bf16 out), else None.  Never probes itself (it may run under capture)."""
+    shape fits: N and K multiples of 128, bf16 out, at least ``BLOCK_MM_MIN_MACS`` multiply-adds), else None.  Never probes itself (it may run under capture)."""
     if not xq.is_cuda or out_dtype != torch.bfloat16:
         return None
     idx = xq.device.index if xq.device.index is not None else torch.cuda.current_device()
@@ -864,6 +867,8 @@ def scaled_mm_blockwise(
     m, k = xq.shape
     n = w.shape[0]
     if layout is False or k % 128 or n % 128 or xs.shape != (m, k // 128) or ws.shape != (n // 128, k // 128):
+        return None
+    if m * n * k < BLOCK_MM_MIN_MACS:
         return None
     return _block_mm_call(xq, xs, w, ws.float(), out_dtype, layout)
 
