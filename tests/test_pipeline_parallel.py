@@ -196,6 +196,18 @@ def test_pp2_without_chaining_equals_the_single_process(paths):
         assert got["free"][0] == got["free"][1]
 
 
+def test_pp3_with_a_middle_stage_equals_the_single_process(paths):
+    """Three stages (layers 2, 1, 1): the middle stage neither embeds nor samples; chained decodes give it
+    placeholder input ids (it reads the hidden states), and every stage's KV is back to full."""
+    ref = _reference(paths, "even")
+    res = run_ranks(_rank_main, 3, (1, 3, paths, ("even",)), RANK_TIMEOUT_S)
+    assert [r["even"]["layers"] for r in res] == [(0, 2), (2, 3), (3, 4)]
+    for rank, r in enumerate(res):
+        got = r["even"]
+        assert {k: got["tokens"][k] for k in ref} == ref, rank
+        assert got["stats"]["pp_chained_launches"] > 0 and got["free"][0] == got["free"][1], (rank, got)
+
+
 def test_pp2_tp2_greedy_tokens_equal_the_single_process(paths):
     res = run_ranks(_rank_main, 4, (2, 2, paths, PP_TP_SCENARIOS), RANK_TIMEOUT_S)
     for name in PP_TP_SCENARIOS:
