@@ -160,7 +160,7 @@ class _Env:
         _bool,
         True,
         "pipeline parallelism: stage 0 starts a decode micro-batch's next step on the last stage's sampled ids "
-        "sent device to device, before the host processed them (0: after; every rank must agree; "
+        "sent device to device, before the host processed them (0: after; chained only where every rank has it on; "
         'docs/parallel.md, "Pipeline parallelism")',
     )
     MLA_EXTEND = Knob(

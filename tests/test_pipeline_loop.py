@@ -58,6 +58,7 @@ class ScriptedLink:
         self.log = log
         self.is_last = is_last
         self.pp_size = 2
+        self.chain = True  # as every rank agreed (StageLink.chain)
         self.stopped = False
         self.results = list(results or [])
 

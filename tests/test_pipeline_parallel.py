@@ -103,8 +103,9 @@ def _rank_main(rank: int, init_method: str, tp: int, pp: int, paths: dict, scena
     rank_body(rank, init_method, _sa("", tp_size=tp, pp_size=pp), body, out)
 
 
-def _rank_main_unchained(rank: int, init_method: str, paths: dict, out) -> None:
-    os.environ["KVSHIP_PP_CHAIN"] = "0"  # every rank: stage 0 waits for the results on its host (the old loop)
+def _rank_main_unchained(rank: int, init_method: str, paths: dict, off_ranks: tuple, out) -> None:
+    if rank in off_ranks:  # stage 0 waits for the results on its host (the old loop)
+        os.environ["KVSHIP_PP_CHAIN"] = "0"
     _rank_main(rank, init_method, 1, 2, paths, ("even",), out)
 
 
@@ -186,10 +187,12 @@ def test_abort_frees_the_kv_of_every_stage(pp2, paths):
         assert got["free"][0] == got["free"][1] and got["open"] == 0
 
 
-def test_pp2_without_chaining_equals_the_single_process(paths):
-    """``KVSHIP_PP_CHAIN=0``: every decode forms after its predecessor's results reached stage 0's host."""
+@pytest.mark.parametrize("off_ranks", [(0, 1), (1,)], ids=["every-rank", "one-rank"])
+def test_pp2_without_chaining_equals_the_single_process(paths, off_ranks):
+    """``KVSHIP_PP_CHAIN=0``: every decode forms after its predecessor's results reached stage 0's host; set on
+    one rank only, the ranks agree to chain nowhere (no stage 0 waits for ids nobody sends)."""
     ref = _reference(paths, "even")
-    for rank, r in enumerate(run_ranks(_rank_main_unchained, 2, (paths,), RANK_TIMEOUT_S)):
+    for rank, r in enumerate(run_ranks(_rank_main_unchained, 2, (paths, off_ranks), RANK_TIMEOUT_S)):
         got = r["even"]
         assert {k: got["tokens"][k] for k in ref} == ref, rank
         assert got["stats"]["pp_chained_launches"] == 0 and got["stats"]["pp_max_in_flight"] >= 2, got["stats"]

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from kvship.common.envs import ENV
 from kvship.engine.models.stage import LayerRange
 
 if TYPE_CHECKING:
@@ -105,6 +106,11 @@ class StageLink:
         self.all_layers = tuple(layers)
         self._sends: deque[tuple[Any, Any]] = deque()  # (work, buffer) not known to be complete
         self.stopped = False  # the leader said stop (set by the scheduler's inbox)
+        # chained decodes (KVSHIP_PP_CHAIN) only where every rank has them on: a stage 0 waiting for ids that no
+        # last stage sends would hang; every rank builds its link at startup, so the agreement is a collective
+        self.chain = bool(self.world.min_int(int(ENV.PP_CHAIN)))
+        if ENV.PP_CHAIN and not self.chain:
+            logger.warning("KVSHIP_PP_CHAIN is off on another rank: no chained pipeline decodes on any rank")
 
     @property
     def is_first(self) -> bool:

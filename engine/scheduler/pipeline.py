@@ -82,7 +82,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kvship.common.envs import ENV
 from kvship.engine.scheduler.launch import Pending, needs_host_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +101,7 @@ class PipelineLoop:
         self.s = sched
         self.link = link
         self.depth = link.pp_size  # micro-batches in flight
-        self.chain = ENV.PP_CHAIN if chain is None else chain
+        self.chain = link.chain if chain is None else chain  # every rank agreed on it (``StageLink.chain``)
         self.inflight: deque[Pending] = deque()
         self.busy: dict[int, "Req"] = {}  # id(req) -> req, for every request of a batch in flight
         self._refs: Counter[int] = Counter()  # id(req) -> batches in flight holding it (2 while chained)
