@@ -315,9 +315,10 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     the session-25 sweep: 220 us a layer against 265 us for the best bf16-product tile), else two stages.
 
     ``dot_f16`` (FP8 pools of a bf16 model): the queries, keys, values and probabilities enter the tensor-core
-    products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16 is the GPU's one-instruction
-    conversion while e4m3 -> bf16 goes through more, and fp16 keeps more of a probability's bits.  A query
-    element beyond fp16's range (65504) would overflow: attention queries are far below it.
+    products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16
+    is the GPU's one-instruction conversion while e4m3 -> bf16 goes through more, and fp16 keeps more of a
+    probability's bits.  A query element beyond fp16's range (65504) would overflow: attention queries are far
+    below it.
     docs/quantization.md, "FP8 KV cache"."""
     if not kv_fp8:
         return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3}

@@ -859,7 +859,8 @@ def scaled_mm_blockwise(
     xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype
 ) -> Optional[torch.Tensor]:
     """Block-128 ``xq W^T`` through cuBLAS where ``probe_block_scaled_mm`` found it right on this device (and the
-    shape fits: N and K multiples of 128, bf16 out, at least ``BLOCK_MM_MIN_MACS`` multiply-adds), else None.  Never probes itself (it may run under capture)."""
+    shape fits: N and K multiples of 128, bf16 out, at least ``BLOCK_MM_MIN_MACS`` multiply-adds), else None.
+    Never probes itself (it may run under capture)."""
     if not xq.is_cuda or out_dtype != torch.bfloat16:
         return None
     idx = xq.device.index if xq.device.index is not None else torch.cuda.current_device()
