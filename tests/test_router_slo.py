@@ -259,8 +259,13 @@ async def test_slo_figures_agree_with_what_a_load_generator_measures(small_llama
     figures["rps"] = (slo["requests_per_second"], rps)
     figures["tokens/s"] = (slo["output_tokens_per_second"], rps * MAX_TOKENS)
     print("router vs load generator:", {k: (round(a, 3), round(b, 3)) for k, (a, b) in figures.items()})
+    # an inter-token gap is timed in two processes (the router as chunks arrive from the worker, the generator as
+    # they arrive from the router) on a box that may have 2 cores for all three: a gap of ~7 ms can shift by a
+    # scheduler tick either way (CI once saw 7.71 against 6.95 ms), so ITL also passes within 1 ms
+    slack = {"itl": 1.0}
     for name, (router_value, client_value) in figures.items():
-        assert router_value == pytest.approx(client_value, rel=0.10), (name, router_value, client_value)
+        want = pytest.approx(client_value, rel=0.10, abs=slack.get(name, 0.0))
+        assert router_value == want, (name, router_value, client_value)
     assert slo["ttft_p50_ms"] <= slo["ttft_p90_ms"] <= slo["ttft_p99_ms"]
     assert slo["kv_transfer_gbps"] is None  # no decode worker: no KV transfer
     assert f'{names.ROUTER_ITL}_count{{route="/v1/completions"}}' in metrics_text
