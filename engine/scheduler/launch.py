@@ -81,6 +81,14 @@ def reads_host_tokens(req: Req) -> bool:
     return seeded or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def chainable_rows(reqs: list[Req], prev: Pending) -> list[Req]:
+    """The requests of a decode launched before ``prev`` is processed: all but the finished ones and those of
+    ``prev`` that stop by length once it is (their last token is ``prev``'s); the overlap and pipeline loops."""
+    return [
+        r for r in reqs if not r.finished and not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)
+    ]
+
+
 def needs_host_state(req: Req) -> bool:
     """``reads_host_tokens`` or constrained by a grammar: every token known on the host before the
     next is chosen (speculative rounds leave such requests out)."""

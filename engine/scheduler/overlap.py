@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
-from kvship.engine.scheduler.launch import Pending, reads_host_tokens
+from kvship.engine.scheduler.launch import Pending, chainable_rows, reads_host_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.schedule_batch import ScheduleBatch
@@ -93,9 +93,7 @@ class OverlapLoop:
             if self._chainable(batch):
                 prev = self.pending
                 if prev is not None:  # requests that stop by length once ``prev`` is processed need no step
-                    batch.reqs = [
-                        r for r in batch.reqs if not (id(r) in prev.index and len(r.output_ids) + 1 >= r.max_new_tokens)
-                    ]
+                    batch.reqs = chainable_rows(batch.reqs, prev)
                 # masks fill aside only while there is a step to process meanwhile
                 self.pending = s.launch(batch, after=prev, defer_sampling=prev is not None) if batch.reqs else None
                 if ph and self.pending is not None:

@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kvship.engine.scheduler.launch import Pending, needs_host_state
+from kvship.engine.scheduler.launch import Pending, chainable_rows, needs_host_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.distributed.pipeline import StageLink
@@ -229,11 +229,7 @@ class PipelineLoop:
         """Launch ``batch`` before ``oldest`` is processed: chained on its ids when it is a decode (requests
         that stop by length once ``oldest`` is processed left out), as it is when it is an extend."""
         if batch.forward_mode.is_decode():
-            batch.reqs = [
-                r
-                for r in batch.reqs
-                if not r.finished and not (id(r) in oldest.index and len(r.output_ids) + 1 >= r.max_new_tokens)
-            ]
+            batch.reqs = chainable_rows(batch.reqs, oldest)
             if not batch.reqs:
                 return False
             self._launch(batch, after=oldest)
