@@ -9,8 +9,9 @@ the spec alone:
   the worker image (it decides the engine version, and for an absolute path or
   ``builtin:`` model also the weights themselves);
 * the numerics: ``model.dtype``, ``engine.kvCacheDtype``, ``engine.attentionBackend``;
-* the layout: each role's ``tensorParallelSize`` and ``expertParallelSize`` (and ``nodesPerReplica`` above 1:
-  a worker group is another workload kind, so it rolls out as a new set beside the old one);
+* the layout: each role's ``tensorParallelSize`` and ``expertParallelSize``, its ``pipelineParallelSize`` above 1
+  (each rank's KV pool then holds only its stage's layers), and ``nodesPerReplica`` above 1 (a worker group is
+  another workload kind, so it rolls out as a new set beside the old one);
 * the flags among ``engine.extraArgs`` and the roles' ``extraArgs`` that change
   weights or KV (:data:`REVISION_FLAGS`, e.g. ``--page-size``), with their values.
 
@@ -74,6 +75,12 @@ def revision_parts(cfg: ServiceConfig, worker_image: str) -> dict[str, Any]:
             role: {
                 "tp": getattr(spec, role).tensor_parallel_size,
                 "ep": getattr(spec, role).expert_parallel_size,
+                # set above 1 only, like nodes: services without pipeline stages keep their revisions
+                **(
+                    {"pp": getattr(spec, role).pipeline_parallel_size}
+                    if getattr(spec, role).pipeline_parallel_size > 1
+                    else {}
+                ),
                 "flags": revision_flags(list(getattr(spec, role).extra_args)),
                 # set only (an unset override leaves the revisions of existing services as they were)
                 **_set_only(

@@ -32,6 +32,10 @@ MAX_NAME_LENGTH = 63 - len("-prefill")
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 GPU = "nvidia.com/gpu"
 BUILTIN_SERVED_NAME = "SmolLM2-135M-Instruct"
+# Speculative algorithms whose flags the prefill workers of a PD service take too (builders/workers.py).
+EAGLE_ALGORITHMS = ("eagle", "eagle3")
+# What a worker with pipelineParallelSize > 1 may run (engine/config.py refuses the others at start).
+PP_SPEC_ALGORITHMS = ("ngram",)
 
 
 class SpecError(ValueError):
@@ -154,6 +158,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     roles = (("decode", spec.decode),) if unified else (("prefill", spec.prefill), ("decode", spec.decode))
     for role, r in roles:
         errors.extend(_role_errors(role, r, slo_mode(spec)))
+        errors.extend(_pipeline_errors(spec, role, r))
     if not unified:
         errors.extend(_pd_numerics_errors(spec))
     if unified and spec.prefill.autoscaling is not None:
@@ -288,17 +293,26 @@ def _role_errors(role: str, r: WorkerRole, slo: bool = False) -> list[str]:
         )
     gpus = _gpu_count(r.resources)
     nodes = r.nodes_per_replica
-    per_pod = r.tensor_parallel_size // nodes  # a worker's GPUs are split evenly over its pods
+    world = worker_gpus(r)
+    per_pod = world // nodes  # a worker's GPUs are split evenly over its pods
     if nodes > 1:
         errors.extend(_group_errors(base, r, slo))
-    if r.tensor_parallel_size % nodes == 0 and gpus is not None and gpus != per_pod:
-        errors.append(
-            f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
-            f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs"
-            + (f", {per_pod} on each of its {nodes} pods)" if nodes > 1 else ")")
-        )
-    elif r.tensor_parallel_size % nodes == 0 and gpus is None and per_pod > 1:
-        errors.append(f"{base}.resources: tensorParallelSize {r.tensor_parallel_size} needs limits {GPU}: {per_pod}")
+    pp = r.pipeline_parallel_size
+    if world % nodes == 0 and gpus is not None and gpus != per_pod:
+        split = f", {per_pod} on each of its {nodes} pods)" if nodes > 1 else ")"
+        if pp == 1:
+            errors.append(
+                f"{base}.tensorParallelSize: {r.tensor_parallel_size} does not match resources "
+                f"{GPU}={gpus} (one worker uses tensorParallelSize GPUs" + split
+            )
+        else:
+            errors.append(
+                f"{base}.pipelineParallelSize: tensorParallelSize {r.tensor_parallel_size} x pipelineParallelSize "
+                f"{pp} = {world} GPUs does not match resources {GPU}={gpus} (one worker uses tensorParallelSize x "
+                "pipelineParallelSize GPUs" + split
+            )
+    elif world % nodes == 0 and gpus is None and per_pod > 1:
+        errors.append(f"{base}.resources: {_sizes(r)} needs limits {GPU}: {per_pod}")
     for part in ("limits", "requests"):
         if GPU in (r.resources.get(part) or {}) and part == "requests" and GPU not in (r.resources.get("limits") or {}):
             errors.append(f"{base}.resources.limits: {GPU} must be set in limits (extended resources)")
@@ -315,10 +329,10 @@ def _group_errors(base: str, r: WorkerRole, slo: bool) -> list[str]:
     """nodesPerReplica > 1 (docs/operator.md, "Multi-node worker groups")."""
     errors = []
     n = r.nodes_per_replica
-    if r.tensor_parallel_size % n:
+    if worker_gpus(r) % n:
+        sizes = _sizes(r) + (f" = {worker_gpus(r)}" if r.pipeline_parallel_size > 1 else "")
         errors.append(
-            f"{base}.nodesPerReplica: {n} must divide tensorParallelSize {r.tensor_parallel_size} (each pod of a "
-            "group runs the same number of ranks)"
+            f"{base}.nodesPerReplica: {n} must divide {sizes} (each pod of a group runs the same number of ranks)"
         )
     if r.autoscaling is not None and not slo:
         errors.append(
@@ -326,6 +340,69 @@ def _group_errors(base: str, r: WorkerRole, slo: bool) -> list[str]:
             "(spec.autoscaling.mode: slo); an HPA would cut a group. Set the mode or remove it"
         )
     return errors
+
+
+def worker_gpus(r: WorkerRole) -> int:
+    """GPUs (ranks) of one worker of role ``r``: tensorParallelSize x pipelineParallelSize (docs/parallel.md)."""
+    return r.tensor_parallel_size * r.pipeline_parallel_size
+
+
+def _sizes(r: WorkerRole) -> str:
+    """``tensorParallelSize 8``, or ``tensorParallelSize 8 x pipelineParallelSize 2`` with pipeline stages."""
+    tp = f"tensorParallelSize {r.tensor_parallel_size}"
+    return tp if r.pipeline_parallel_size == 1 else f"{tp} x pipelineParallelSize {r.pipeline_parallel_size}"
+
+
+def _pipeline_errors(spec: InferenceServiceSpec, role: str, r: WorkerRole) -> list[str]:
+    """pipelineParallelSize: the combinations the engine refuses at start (engine/config.py), refused here first
+    so the service gets a Valid=False condition instead of crash-looping pods."""
+    pp = r.pipeline_parallel_size
+    base = f"spec.{role}.pipelineParallelSize"
+    errors = []
+    sp = spec.decode.speculative
+    # unified and decode workers run decode.speculative; a PD prefill takes its flags for eagle and eagle3 only
+    speculates = sp is not None and (role == "decode" or sp.algorithm in EAGLE_ALGORITHMS)
+    if pp > 1 and role == "decode" and spec.prefill.replicas > 0:
+        errors.append(
+            f"{base}: {pp} runs on unified or prefill workers only: a pipeline-parallel decode worker is not built "
+            'yet (a PP prefill feeds a TP decode; docs/parallel.md, "PD with pipeline parallelism"); set it to 1'
+        )
+    elif pp > 1 and speculates and sp is not None and sp.algorithm not in PP_SPEC_ALGORITHMS:
+        errors.append(
+            f"{base}: {pp} runs speculative algorithm ngram only (draft, eagle and eagle3 over pipeline stages are "
+            f'not built yet; docs/speculative.md, "Pipeline parallelism"), got spec.decode.speculative.algorithm '
+            f"{sp.algorithm}"
+        )
+    # --pp-layer-partition (extraArgs) names one layer count per stage; the role's own list wins over the engine's
+    for path, args in ((f"spec.{role}.extraArgs", r.extra_args), ("spec.engine.extraArgs", spec.engine.extra_args)):
+        partition = _last_value(list(args), "--pp-layer-partition")
+        if partition is not None:
+            if not _partition_fits(partition, pp):
+                errors.append(
+                    f"{path}: --pp-layer-partition {partition} must give {pp} positive layer counts, one per "
+                    f"pipeline stage of the {role} workers (spec.{role}.pipelineParallelSize {pp})"
+                )
+            break
+    return errors
+
+
+def _last_value(args: list[str], flag: str) -> Optional[str]:
+    """The value of the last ``flag`` in ``args`` (``--flag v`` or ``--flag=v``; argparse keeps the last)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def _partition_fits(partition: str, pp: int) -> bool:
+    try:
+        counts = [int(x) for x in partition.split(",")]
+    except ValueError:
+        return False
+    return len(counts) == pp and min(counts) >= 1
 
 
 def _gpu_count(resources: dict) -> Optional[int]:

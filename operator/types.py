@@ -240,7 +240,12 @@ class Speculative:
     draft_model: Optional[str] = api_field(
         "Draft weights, in the same URI forms as model.uri.", pattern=MODEL_URI_PATTERN, hint=URI_HINT
     )
-    num_steps: int = api_field("Draft steps per verification.", 3, minimum=1, maximum=16)
+    num_steps: int = api_field(
+        "Draft steps per verification (eagle, eagle3, draft; ngram looks its drafts up and takes none).",
+        3,
+        minimum=1,
+        maximum=16,
+    )
     topk: int = api_field("Branching factor of the draft tree (eagle, eagle3).", 1, minimum=1, maximum=16)
     num_draft_tokens: int = api_field("Draft tokens verified per step.", 4, minimum=1, maximum=64)
 
@@ -251,16 +256,34 @@ class WorkerRole:
 
     __cel__ = (
         ("self.tensorParallelSize % self.expertParallelSize == 0", "expertParallelSize must divide tensorParallelSize"),
+        (
+            "(self.tensorParallelSize * self.pipelineParallelSize) % self.nodesPerReplica == 0",
+            "nodesPerReplica must divide tensorParallelSize x pipelineParallelSize",
+        ),
     )
 
     replicas: int = api_field("Worker pods of this role (ignored when autoscaling is set).", 1, minimum=0)
     resources: dict[str, Any] = api_field(
-        "Container resources of each worker, e.g. limits: {nvidia.com/gpu: 8, memory: 200Gi}. The GPU count "
-        "must equal tensorParallelSize when set.",
+        "Container resources of each worker pod, e.g. limits: {nvidia.com/gpu: 8, memory: 200Gi}. The GPU count "
+        "must equal tensorParallelSize x pipelineParallelSize (divided by nodesPerReplica) when set.",
         {},
         kube="resources",
     )
-    tensor_parallel_size: int = api_field("GPUs one worker shards the model over (tensor parallelism).", 1, minimum=1)
+    tensor_parallel_size: int = api_field(
+        "GPUs each pipeline stage of one worker shards the model over (tensor parallelism); a worker uses "
+        "tensorParallelSize x pipelineParallelSize GPUs.",
+        1,
+        minimum=1,
+    )
+    pipeline_parallel_size: int = api_field(
+        "Pipeline stages one worker splits the model's layers into (pipeline parallelism, --pp-size), each "
+        "tensorParallelSize GPUs wide: a worker uses tensorParallelSize x pipelineParallelSize GPUs. Not for the "
+        "decode role of a PD service (a pipeline-parallel decode worker is not built yet: a PP prefill feeds a TP "
+        "decode); above 1 the role's workers run no speculative algorithm but ngram (decode.speculative reaches "
+        "unified workers, and PD prefill workers under eagle and eagle3).",
+        1,
+        minimum=1,
+    )
     expert_parallel_size: int = api_field(
         "Ranks the MoE experts are split over (expert parallelism); must divide tensorParallelSize.", 1, minimum=1
     )
@@ -277,9 +300,9 @@ class WorkerRole:
     nodes_per_replica: int = api_field(
         "Pods (nodes) one worker spans. Above 1 each replica is a group of this many pods started together as a "
         "LeaderWorkerSet when the cluster serves leaderworkerset.x-k8s.io/v1, else as a StatefulSet per "
-        "replica; the worker's GPUs (tensorParallelSize) are split evenly over them, the group is ready only "
-        'when all its pods are, and a lost pod restarts the whole group (docs/operator.md, "Multi-node worker '
-        'groups").',
+        "replica; the worker's GPUs (tensorParallelSize x pipelineParallelSize, which this must divide) are split "
+        "evenly over them, the group is ready only when all its pods are, and a lost pod restarts the whole group "
+        '(docs/operator.md, "Multi-node worker groups").',
         1,
         minimum=1,
         maximum=64,

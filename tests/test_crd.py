@@ -120,6 +120,7 @@ def test_cross_field_rules_are_cel_validations():
     assert any("draftModel" in r for r in rules)
     assert any("rdmaDevices" in r for r in rules)
     assert any("expertParallelSize" in r for r in rules)
+    assert "(self.tensorParallelSize * self.pipelineParallelSize) % self.nodesPerReplica == 0" in rules
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "examples" / "*.yaml"))), ids=lambda p: Path(p).name)

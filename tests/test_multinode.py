@@ -136,15 +136,17 @@ def test_pp2_over_two_nodes_matches_tp1_one_stage_a_node_and_node1_dying_ends_no
         assert not left, f"processes left: {left}"
 
 
-def test_torchrun_started_ranks_serve_what_tp1_does(qwen3_dir, tp1_greedy):
-    """``torchrun --nproc-per-node 2 -m kvship.app.cli serve --tp-size 2``: torchrun starts both ranks (kvship
-    spawns none), the topology comes from its environment, rank 0 serves HTTP."""
+@pytest.mark.parametrize("sizes", [("--tp-size", "2"), ("--pp-size", "2")], ids=["tp2", "pp2"])
+def test_torchrun_started_ranks_serve_what_tp1_does(qwen3_dir, tp1_greedy, sizes):
+    """``torchrun --nproc-per-node 2 -m kvship.app.cli serve --tp-size 2`` (or ``--pp-size 2``: one stage a
+    rank): torchrun starts both ranks (kvship spawns none), the topology comes from its environment, rank 0
+    serves HTTP."""
     import httpx
 
     port = free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "kvship.app.cli", "serve", "--model-path", qwen3_dir, "--max-total-tokens", "1024"]
-    cmd += ["--tp-size", "2", "--port", str(port)]
+    cmd += [*sizes, "--port", str(port)]
     with open(os.devnull, "wb") as devnull:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=devnull, stderr=devnull, start_new_session=True)
     try:
@@ -163,6 +165,9 @@ def test_torchrun_started_ranks_serve_what_tp1_does(qwen3_dir, tp1_greedy):
             f"http://127.0.0.1:{port}/generate", json={"input_ids": PROMPTS, "sampling_params": greedy}, timeout=60
         )
         assert [o["output_ids"] for o in r.json()] == tp1_greedy
+        info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
+        want = (2, 1) if sizes[0] == "--tp-size" else (1, 2)
+        assert (info["tp_size"], info["pp_size"]) == want, info
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the agent only: its ranks run in sessions of their own
         proc.wait(10)

@@ -13,13 +13,14 @@ import yaml
 
 from kvship.engine.config import ServerArgs, add_dataclass_arguments
 from kvship.operator.builders import Images, build_children
-from kvship.operator.builders.workers import EP_FLAG, SPEC_FLAGS, TP_FLAG
-from kvship.operator.spec import parse_service
+from kvship.operator.builders.workers import EP_FLAG, PP_FLAG, SPEC_FLAGS, TP_FLAG
+from kvship.operator.spec import SpecError, parse_service
 from kvship.router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
 EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
+GPU = "nvidia.com/gpu"
 # Speculative-decoding worker flags: the builders emit them only when the spec asks for speculation.
 SPEC_WORKER_FLAGS = {*SPEC_FLAGS.values()}
 
@@ -204,6 +205,98 @@ def test_speculative_worker_flags_appear_only_when_speculation_is_asked_for():
     assert args[args.index(SPEC_FLAGS["algorithm"]) + 1] == "eagle"
     assert args[args.index(SPEC_FLAGS["draft"]) + 1] == "/cache/models/a/d/main"
     assert ns.speculative_algorithm == "eagle" and ns.speculative_draft_model_path == "/cache/models/a/d/main"
+
+
+def test_pipeline_parallel_size_becomes_pp_size_on_its_role_only():
+    spec = {
+        "model": {"uri": "hf://a/b"},
+        "prefill": {
+            "replicas": 1,
+            "tensorParallelSize": 2,
+            "pipelineParallelSize": 2,
+            "resources": {"limits": {GPU: 4}},
+        },
+        "decode": {"tensorParallelSize": 2, "resources": {"limits": {GPU: 2}}},
+    }
+    deployments = by_kind(build_children(config(spec), IMAGES), "Deployment")
+    prefill, decode = (container(deployments[f"svc-{role}"]) for role in ("prefill", "decode"))
+    assert prefill["args"][prefill["args"].index(PP_FLAG) + 1] == "2" and PP_FLAG not in decode["args"]
+    assert prefill["resources"]["limits"][GPU] == 4  # tp x pp ranks, one GPU each
+    for c, (mode, tp, pp) in ((prefill, ("prefill", 2, 2)), (decode, ("decode", 2, 1))):
+        ns, unknown = server_parser().parse_known_args(c["args"][1:])
+        assert not [a for a in unknown if a.startswith("--")]
+        ServerArgs.from_cli_args(ns).validate()  # the engine takes --pp-size 2 on a prefill worker
+        assert (ns.mode, ns.tp_size, ns.pp_size) == (mode, tp, pp)
+    # a unified pipeline-parallel worker, its stages split as extraArgs says
+    unified = {
+        "model": {"uri": "hf://a/b"},
+        "decode": {
+            "pipelineParallelSize": 2,
+            "resources": {"limits": {GPU: 2}},
+            "extraArgs": ["--pp-layer-partition", "1,3"],
+            "speculative": {"algorithm": "ngram"},
+        },
+    }
+    args = container(by_kind(build_children(config(unified), IMAGES), "Deployment")["svc-worker"])["args"]
+    ns, _ = server_parser().parse_known_args(args[1:])
+    ServerArgs.from_cli_args(ns).validate()
+    assert (ns.mode, ns.pp_size, ns.pp_layer_partition, ns.speculative_algorithm) == ("unified", 2, "1,3", "ngram")
+
+
+# speculative settings each worker takes at pipelineParallelSize 1 (draft drafts a chain: steps == draft tokens)
+SPECULATIVE = {
+    "ngram": {"algorithm": "ngram"},
+    "eagle": {"algorithm": "eagle", "draftModel": "hf://a/d"},
+    "eagle3": {"algorithm": "eagle3", "draftModel": "hf://a/d"},
+    "draft": {"algorithm": "draft", "draftModel": "hf://a/d", "numSteps": 4, "numDraftTokens": 4},
+}
+
+
+def _role_args(children: list[dict], mode: str) -> list[list[str]]:
+    """The argv (after ``serve``) of every worker Deployment started with ``--mode mode``."""
+    out = []
+    for dep in by_kind(children, "Deployment").values():
+        args = container(dep)["args"]
+        if args[0] == "serve" and args[args.index("--mode") + 1] == mode:
+            out.append(args[1:])
+    return out
+
+
+def _engine_accepts(argv: list[str]) -> bool:
+    ns, unknown = server_parser().parse_known_args(argv)
+    assert not [a for a in unknown if a.startswith("--")], unknown
+    try:
+        ServerArgs.from_cli_args(ns).validate()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("algorithm", [None, *SPECULATIVE])
+@pytest.mark.parametrize("role", ["unified", "prefill", "decode"])
+def test_the_operator_refuses_the_pipeline_parallel_workers_the_engine_refuses(role, algorithm):
+    """pipelineParallelSize 2 on ``role`` is accepted by the operator exactly when the engine accepts the workers
+    it would start: the argv of the same spec at pipelineParallelSize 1 (which the engine accepts), plus
+    --pp-size 2."""
+    block = "prefill" if role == "prefill" else "decode"
+    spec: dict = {
+        "model": {"uri": "hf://a/b"},
+        "prefill": {"replicas": 0 if role == "unified" else 1, "resources": {"limits": {GPU: 1}}},
+        "decode": {"resources": {"limits": {GPU: 1}}, **({"speculative": SPECULATIVE[algorithm]} if algorithm else {})},
+    }
+    plain = _role_args(build_children(config(spec), IMAGES), role)
+    assert plain and all(_engine_accepts(argv) for argv in plain)
+    engine_ok = all(_engine_accepts(argv + [PP_FLAG, "2"]) for argv in plain)
+    spec[block] = {**spec[block], "pipelineParallelSize": 2, "resources": {"limits": {GPU: 2}}}
+    try:
+        cfg = config(spec)
+    except SpecError as e:
+        assert not engine_ok, e.errors
+        assert [m.split(":", 1)[0] for m in e.errors] == [f"spec.{block}.pipelineParallelSize"]
+        return
+    assert engine_ok, f"the operator accepts pipelineParallelSize 2 on {role} with {algorithm}; the engine does not"
+    (argv,) = _role_args(build_children(cfg, IMAGES), role)
+    assert argv[argv.index(PP_FLAG) + 1] == "2" and _engine_accepts(argv)
 
 
 @pytest.mark.parametrize(

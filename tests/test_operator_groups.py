@@ -49,6 +49,21 @@ def pd_spec(nodes: int = 2, replicas: int = 2) -> dict:
     }
 
 
+def pp_prefill_spec(pp: int = 2) -> dict:
+    """A PD service whose prefill workers run tensorParallelSize 8 x pipelineParallelSize ``pp`` over two pods."""
+    return {
+        "model": {"uri": "hf://org/model"},
+        "prefill": {
+            "replicas": 1,
+            "tensorParallelSize": 8,
+            "pipelineParallelSize": pp,
+            "nodesPerReplica": 2,
+            "resources": {"limits": {GPU: 8 * pp // 2}},
+        },
+        "decode": {"replicas": 1, "tensorParallelSize": 8, "resources": {"limits": {GPU: 8}}},
+    }
+
+
 def of_kind(children: list[dict], kind: str) -> list[dict]:
     return [c for c in children if c["kind"] == kind]
 
@@ -99,6 +114,21 @@ def test_nodes_per_replica_is_part_of_the_revision_only_above_one():
     two = build_children(cfg_of(pd_spec()), IMAGES)
     rev = lambda cs: next(c for c in cs if c["kind"] == "Deployment")["metadata"]["labels"]["kvship.io/revision"]  # noqa: E731
     assert rev(one) != rev(two)  # a new set of groups rolls out beside the old Deployments
+
+
+def test_pipeline_parallel_size_is_part_of_the_revision_only_above_one():
+    rev = lambda cs: {  # noqa: E731
+        c["metadata"]["labels"]["kvship.io/role"]: c["metadata"]["labels"]["kvship.io/revision"]
+        for c in cs
+        if c["kind"] in ("Deployment", "StatefulSet") and c["metadata"]["labels"]["kvship.io/role"] != "router"
+    }
+    one = pp_prefill_spec(pp=1)
+    explicit = rev(build_children(cfg_of(one), IMAGES))
+    del one["prefill"]["pipelineParallelSize"]
+    assert rev(build_children(cfg_of(one), IMAGES)) == explicit  # existing services keep their revision
+    two = rev(build_children(cfg_of(pp_prefill_spec(pp=2)), IMAGES))
+    # a new prefill layout rolls both roles out as one new worker set (prefill and decode share the revision)
+    assert len(set(two.values())) == 1 and set(two.values()).isdisjoint(explicit.values())
 
 
 # ------------------------------------------------------------------------------------------- builders
@@ -163,6 +193,37 @@ def test_statefulset_fallback_one_per_group_matches_the_official_schema():
         assert sts["spec"]["template"]["metadata"]["labels"][GROUP_LABEL] == name
     args = router_args(children)
     assert "apps.kubernetes.io/pod-index=0" in args
+
+
+@pytest.mark.parametrize("lws", [True, False], ids=["leaderworkerset", "statefulsets"])
+def test_pipeline_parallel_prefill_groups_split_tp_times_pp_gpus_over_their_pods(lws):
+    children = build_children(cfg_of(pp_prefill_spec()), IMAGES, Network(leader_worker_set=lws))
+    if lws:
+        (obj,) = of_kind(children, "LeaderWorkerSet")
+        jsonschema.validate(obj, LWS_SCHEMA)
+        tpl = obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": tpl}, K8S, strict=True
+        )
+        assert obj["spec"]["leaderWorkerTemplate"]["size"] == 2
+    else:
+        (obj,) = of_kind(children, "StatefulSet")
+        kubernetes_validate.validate(obj, K8S, strict=True)
+        tpl = obj["spec"]["template"]
+        assert obj["spec"]["replicas"] == 2
+    assert tpl["metadata"]["labels"]["kvship.io/role"] == "prefill"
+    c = tpl["spec"]["containers"][0]
+    assert c["resources"]["limits"][GPU] == 8  # 8 x 2 ranks over 2 pods
+    args = c["args"]
+    assert args[args.index("--pp-size") + 1] == "2" and args[args.index("--tp-size") + 1] == "8"
+    for rank in ("0", "1"):  # what the kubelet runs on each pod once $(VARS) are expanded
+        ns = server_args(args[:-6] + ["--nnodes", "2", "--node-rank", rank, "--dist-init-addr", "leader:29500"])
+        ServerArgs.from_cli_args(ns).validate()
+        assert (ns.mode, ns.tp_size, ns.pp_size, ns.nnodes, ns.node_rank) == ("prefill", 8, 2, 2, int(rank))
+    # the decode role (one pod of TP 8) stays a Deployment without pipeline stages
+    (decode,) = [d for d in of_kind(children, "Deployment") if d["metadata"]["labels"]["kvship.io/role"] == "decode"]
+    dargs = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--pp-size" not in dargs and server_args(dargs).pp_size == 1
 
 
 def test_unified_groups_open_every_port_between_the_workers():

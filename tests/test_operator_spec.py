@@ -79,6 +79,172 @@ def test_expert_parallel_size_must_divide_tensor_parallel_size():
     assert errs == ["spec.decode.expertParallelSize: 3 must divide tensorParallelSize 4"]
 
 
+def gpus(n: int) -> dict:
+    return {"limits": {"nvidia.com/gpu": n}}
+
+
+def test_pipeline_parallel_workers_use_tp_times_pp_gpus():
+    unified = parse_service(
+        body(
+            {
+                "model": {"uri": "hf://a/b"},
+                "decode": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": gpus(4)},
+            }
+        )
+    )
+    assert unified.spec.decode.pipeline_parallel_size == 2 and unified.spec.prefill.pipeline_parallel_size == 1
+    # a PD prefill of 8 x 2 ranks over two pods: 8 GPUs each; decode stays tensor-parallel
+    pd = parse_service(
+        body(
+            {
+                "model": {"uri": "hf://a/b"},
+                "prefill": {
+                    "replicas": 1,
+                    "tensorParallelSize": 8,
+                    "pipelineParallelSize": 2,
+                    "nodesPerReplica": 2,
+                    "resources": gpus(8),
+                },
+                "decode": {"tensorParallelSize": 8, "resources": gpus(8)},
+            }
+        )
+    )
+    assert pd.spec.prefill.pipeline_parallel_size == 2 and pd.spec.prefill.nodes_per_replica == 2
+    # one stage per pod on CPU: 1 x 2 ranks over 2 pods is one rank each, no GPU limit needed
+    parse_service(body({"model": {"uri": "hf://a/b"}, "decode": {"pipelineParallelSize": 2, "nodesPerReplica": 2}}))
+
+
+def test_gpu_limit_must_equal_tp_times_pp_over_nodes():
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "decode": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": gpus(2)},
+        }
+    )
+    assert errs == [
+        "spec.decode.pipelineParallelSize: tensorParallelSize 2 x pipelineParallelSize 2 = 4 GPUs does not match "
+        "resources nvidia.com/gpu=2 (one worker uses tensorParallelSize x pipelineParallelSize GPUs)"
+    ]
+    grouped = {"replicas": 1, "tensorParallelSize": 8, "pipelineParallelSize": 2, "nodesPerReplica": 2}
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "prefill": {**grouped, "resources": gpus(4)}})
+    assert errs == [
+        "spec.prefill.pipelineParallelSize: tensorParallelSize 8 x pipelineParallelSize 2 = 16 GPUs does not match "
+        "resources nvidia.com/gpu=4 (one worker uses tensorParallelSize x pipelineParallelSize GPUs, 8 on each of "
+        "its 2 pods)"
+    ]
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "prefill": grouped})
+    assert errs == [
+        "spec.prefill.resources: tensorParallelSize 8 x pipelineParallelSize 2 needs limits nvidia.com/gpu: 8"
+    ]
+    errs = errors_of({"model": {"uri": "hf://a/b"}, "decode": {"pipelineParallelSize": 2}})
+    assert errs == [
+        "spec.decode.resources: tensorParallelSize 1 x pipelineParallelSize 2 needs limits nvidia.com/gpu: 2"
+    ]
+
+
+def test_nodes_per_replica_must_divide_tp_times_pp():
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "decode": {"tensorParallelSize": 2, "pipelineParallelSize": 3, "nodesPerReplica": 4, "resources": gpus(1)},
+        }
+    )
+    assert errs == [
+        "spec.decode.nodesPerReplica: 4 must divide tensorParallelSize 2 x pipelineParallelSize 3 = 6 (each pod of a "
+        "group runs the same number of ranks)"
+    ]
+    # tensorParallelSize alone need not be a multiple of the pods: 2 x 3 = 6 ranks over 3 pods
+    parse_service(
+        body(
+            {
+                "model": {"uri": "hf://a/b"},
+                "decode": {
+                    "tensorParallelSize": 2,
+                    "pipelineParallelSize": 3,
+                    "nodesPerReplica": 3,
+                    "resources": gpus(2),
+                },
+            }
+        )
+    )
+
+
+def test_pipeline_parallel_decode_of_a_pd_service_is_refused():
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "prefill": {"replicas": 1, "pipelineParallelSize": 2, "resources": gpus(2)},
+            "decode": {"pipelineParallelSize": 2, "resources": gpus(2)},
+        }
+    )
+    assert errs == [
+        "spec.decode.pipelineParallelSize: 2 runs on unified or prefill workers only: a pipeline-parallel decode "
+        'worker is not built yet (a PP prefill feeds a TP decode; docs/parallel.md, "PD with pipeline '
+        'parallelism"); set it to 1'
+    ]
+
+
+@pytest.mark.parametrize(
+    "prefill, algorithm, refused",
+    [
+        (0, "ngram", False),  # unified workers run decode.speculative
+        (0, "eagle", True),
+        (0, "eagle3", True),
+        (0, "draft", True),
+        (1, "ngram", False),  # a PD prefill takes the EAGLE flags only
+        (1, "draft", False),
+        (1, "eagle", True),
+        (1, "eagle3", True),
+    ],
+)
+def test_pipeline_stages_run_ngram_speculation_only(prefill, algorithm, refused):
+    sp = {"algorithm": algorithm, **({} if algorithm == "ngram" else {"draftModel": "hf://a/d"})}
+    role = "prefill" if prefill else "decode"
+    spec = {"model": {"uri": "hf://a/b"}, "decode": {"speculative": sp}}
+    spec[role] = {**spec.get(role, {}), "pipelineParallelSize": 2, "resources": gpus(2)}
+    if prefill:
+        spec["prefill"]["replicas"] = 1
+    if not refused:
+        assert getattr(parse_service(body(spec)).spec, role).pipeline_parallel_size == 2
+        return
+    assert errors_of(spec) == [
+        f"spec.{role}.pipelineParallelSize: 2 runs speculative algorithm ngram only (draft, eagle and eagle3 over "
+        'pipeline stages are not built yet; docs/speculative.md, "Pipeline parallelism"), got '
+        f"spec.decode.speculative.algorithm {algorithm}"
+    ]
+
+
+def test_pipeline_errors_are_collected_with_the_others():
+    errs = errors_of(
+        {
+            "model": {"uri": "hf://a/b"},
+            "prefill": {"replicas": 1, "pipelineParallelSize": 2, "nodesPerReplica": 4, "resources": gpus(1)},
+            "decode": {"pipelineParallelSize": 2, "resources": gpus(2), "extraArgs": ["--pp-size", "4"]},
+            "kvTransfer": {"rdmaDevices": ["mlx5_0"]},
+        }
+    )
+    assert [e.split(":", 1)[0] for e in errs] == [
+        "spec.prefill.nodesPerReplica",
+        "spec.decode.pipelineParallelSize",
+        "spec.decode.extraArgs[0]",
+        "spec.kvTransfer.rdmaDevices",
+    ]
+    assert "spec.decode.extraArgs[0]: --pp-size is set by the operator; use spec.<role>.pipelineParallelSize" in errs
+
+
+def test_pp_layer_partition_must_name_one_count_per_stage():
+    spec = {"model": {"uri": "hf://a/b"}, "decode": {"pipelineParallelSize": 2, "resources": gpus(2)}}
+    parse_service(body({**spec, "engine": {"extraArgs": ["--pp-layer-partition", "1,3"]}}))
+    errs = errors_of({**spec, "engine": {"extraArgs": ["--pp-layer-partition=1,2,1"]}})
+    assert errs == [
+        "spec.engine.extraArgs: --pp-layer-partition 1,2,1 must give 2 positive layer counts, one per pipeline "
+        "stage of the decode workers (spec.decode.pipelineParallelSize 2)"
+    ]
+    # the role's own flag comes after the engine's (argparse keeps the last)
+    decode = {**spec["decode"], "extraArgs": ["--pp-layer-partition", "2,2"]}
+    parse_service(body({**spec, "decode": decode, "engine": {"extraArgs": ["--pp-layer-partition", "4"]}}))
+
+
 def test_prefill_rules_only_apply_in_pd_mode():
     # prefill.replicas 0: its (unused) tensorParallelSize is not checked against GPUs
     parse_service(body({"model": {"uri": "hf://a/b"}, "prefill": {"replicas": 0, "tensorParallelSize": 2}}))

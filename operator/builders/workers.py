@@ -26,11 +26,11 @@ from kvship.operator.builders.common import (
 from kvship.operator.builders.credentials import KV_SECRET_FILE, kv_secret_mount, kv_secret_volume, worker_key_env
 from kvship.operator.builders.groups import grouped
 from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
-from kvship.operator.spec import GPU, ServiceConfig, role_kv_cache_dtype, role_quantization
+from kvship.operator.spec import EAGLE_ALGORITHMS, GPU, ServiceConfig, role_kv_cache_dtype, role_quantization
 from kvship.operator.types import WorkerRole
 
 # `kvship serve` flags not yet in every engine build; emitted only when the feature is asked for.
-TP_FLAG, EP_FLAG = "--tp-size", "--ep-size"
+TP_FLAG, EP_FLAG, PP_FLAG = "--tp-size", "--ep-size", "--pp-size"
 SPEC_FLAGS = {
     "algorithm": "--speculative-algorithm",
     "draft": "--speculative-draft-model-path",
@@ -38,7 +38,6 @@ SPEC_FLAGS = {
     "topk": "--speculative-eagle-topk",
     "tokens": "--speculative-num-draft-tokens",
 }
-EAGLE_ALGORITHMS = ("eagle", "eagle3")
 
 
 # Requested where the spec names no cpu / memory, so a worker is never BestEffort.
@@ -86,6 +85,8 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
         args += ["--cuda-graph-max-bs", str(eng.cuda_graph_max_batch_size)]
     if r.tensor_parallel_size > 1:
         args += [TP_FLAG, str(r.tensor_parallel_size)]
+    if r.pipeline_parallel_size > 1:  # a worker then runs tp x pp ranks (docs/parallel.md, "Pipeline parallelism")
+        args += [PP_FLAG, str(r.pipeline_parallel_size)]
     if r.expert_parallel_size > 1:
         args += [EP_FLAG, str(r.expert_parallel_size)]
     if role in ("prefill", "decode"):
@@ -104,14 +105,9 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
         args += [SPEC_FLAGS["algorithm"], sp.algorithm]
         if draft_path:
             args += [SPEC_FLAGS["draft"], draft_path]
-        args += [
-            SPEC_FLAGS["steps"],
-            str(sp.num_steps),
-            SPEC_FLAGS["topk"],
-            str(sp.topk),
-            SPEC_FLAGS["tokens"],
-            str(sp.num_draft_tokens),
-        ]
+        if sp.algorithm != "ngram":  # ngram looks its drafts up: the worker refuses --speculative-num-steps with it
+            args += [SPEC_FLAGS["steps"], str(sp.num_steps)]
+        args += [SPEC_FLAGS["topk"], str(sp.topk), SPEC_FLAGS["tokens"], str(sp.num_draft_tokens)]
     args += common.tracing_args(spec)
     return args + list(eng.extra_args) + list(r.extra_args)
 
