@@ -91,6 +91,17 @@ def main() -> None:
     )
     p.add_argument("--interference", action="store_true", help="CUDA: GEMV slowdown while load-backs run")
     p.add_argument("--sweep", action="store_true", help="CUDA: copy_pages programs x block grid")
+    p.add_argument("--rounds", type=int, default=3, help="GEMV timings alone and beside the copy (best of)")
+    p.add_argument(
+        "--grid",
+        default="",
+        help="--sweep-small's configs as programs:warps:block,... (default: 1-16 x 1-8 x 1024/4096)",
+    )
+    p.add_argument(
+        "--sweep-small",
+        action="store_true",
+        help="CUDA: copy_pages with 1-16 programs x 1-8 warps, scattered and contiguous host pages",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", ""))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -161,7 +172,7 @@ def main() -> None:
                 host.load_back(src, dst)
                 host.start_loads()  # queued on the tier's side stream; the GEMVs run beside it
 
-            row["interference"] = interference(gemv, start_load, device)
+            row["interference"] = interference(gemv, start_load, device, args.rounds)
             host.drain()
             print(f"[{backend}] GEMV beside load-backs: {row['interference']}", flush=True)
         res["backends"][backend] = row
@@ -189,6 +200,35 @@ def main() -> None:
                 row["gemv_slowdown"] = inter["slowdown"]
                 res["sweep"].append(row)
                 print(f"sweep {row}", flush=True)
+    if gemv is not None and args.sweep_small:
+        from kvship.engine.mem.page_copy import copy_pages
+
+        host = HostTier(kv, args.pool_pages * ps, io_backend="kernel")
+        dev_layers, host_layers = layer_buffers(kv), host.pool.layers
+        dp = (dst[::ps] // ps).to(device)
+        layouts = {
+            "scattered": (src[::ps] // ps).to(device),
+            "contiguous": torch.arange(1, args.pages + 1, device=device),
+        }
+        side = torch.cuda.Stream(device)
+        res["sweep_small"] = []
+        grid = [tuple(int(x) for x in c.split(":")) for c in args.grid.split(",") if c] or [
+            (p_, w, b) for p_ in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for b in (1024, 4096)
+        ]
+        for layout, hp in layouts.items():
+            for programs, warps, block in grid:
+
+                def run(on=None, programs=programs, block=block, warps=warps, hp=hp) -> None:
+                    with torch.cuda.stream(on if on is not None else torch.cuda.current_stream()):
+                        for layer in range(args.layers):
+                            copy_pages(dev_layers[layer], dp, host_layers[layer], hp, ps, programs, block, warps)
+
+                t = _best(run, device, args.repeat)
+                inter = interference(gemv, lambda run=run: run(side), device, args.rounds)
+                row = {"layout": layout, "programs": programs, "warps": warps, "block": block,
+                       "load_GBps": gb / t, "vs_pinned_h2d": h2d / t, "gemv_slowdown": inter["slowdown"]}  # fmt: skip
+                res["sweep_small"].append(row)
+                print(f"sweep_small {row}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "hicache_loadback.json"), "w") as f:

@@ -34,6 +34,13 @@ def _opt_int(raw: str) -> Optional[int]:
     return int(raw) if raw.strip() else None
 
 
+def _nonneg_float(raw: str) -> float:
+    v = float(raw)
+    if not v >= 0:  # also refuses nan
+        raise ValueError("expected a number >= 0")
+    return v
+
+
 MLA_EXTEND_PATHS = ("auto", "absorbed", "decompressed")
 
 
@@ -154,6 +161,14 @@ class _Env:
         "tensor-parallel all-reduce: p2p (one-shot / two-shot over peer GPU memory for tensors up to the measured "
         "thresholds, NCCL above and wherever a rank cannot map peer memory) or nccl (NCCL for every size); "
         'docs/parallel.md, "The all-reduce"',
+    )
+    HICACHE_LOAD_AHEAD = Knob(
+        "KVSHIP_HICACHE_LOAD_AHEAD",
+        _nonneg_float,
+        8.0,
+        "host KV tier: a waiting request whose host-tier prefix has at least this many times the tokens it still "
+        "computes gets its pages loaded ahead, and joins an extend only once they are on the device, so no step "
+        'waits for its copies (0: every load-back rides in the extend that admits it; docs/cache.md, "Load-ahead")',
     )
     PP_CHAIN = Knob(
         "KVSHIP_PP_CHAIN",

@@ -44,6 +44,7 @@ def settle(cache: RadixCache) -> None:
     loads = cache.take_loads()
     if loads is not None:
         loads.finish()
+    cache.poll_loads()  # the loaded pages' lock goes once the copies are seen done
 
 
 def check_consistent(cache: RadixCache, alloc, host) -> None:
@@ -53,7 +54,7 @@ def check_consistent(cache: RadixCache, alloc, host) -> None:
     while stack:
         node, parent_on_gpu = stack.pop()
         if node is not cache.root:
-            assert (node.value is None) != (node.host_value is None), "a node lives on exactly one tier"
+            assert node.value is not None or node.host_value is not None, "a node on no tier"
             if node.value is not None:
                 assert parent_on_gpu, "a gpu node below a host node"
                 gpu_slots += node.value.tolist()
@@ -63,6 +64,7 @@ def check_consistent(cache: RadixCache, alloc, host) -> None:
                     evictable += len(node.key)
             else:
                 assert node.lock_ref == 0, "a host node is locked"
+            if node.host_value is not None:  # a host node, or a backed-up one (loaded back: on both tiers)
                 host_slots += node.host_value.tolist()
         for c in node.children.values():
             assert c.parent is node
@@ -87,17 +89,23 @@ def test_evicted_prefix_moves_to_host_and_loads_back_with_the_same_kv():
         kv.k_buffer[layer].fill_(-1)
         kv.v_buffer[layer].fill_(-1)
     m2 = cache.load_back(m, max_tokens=100)
-    assert m2.length == 8 and m2.host_len == 0 and cache.host_size() == 0
+    # the loaded pages keep their host copy: the node is backed up
+    assert m2.length == 8 and m2.host_len == 0 and cache.host_size() == 8
     assert read_tokens(kv, m2.indices) == [-1] * 8  # queued, not copied: the forward starts it
     loads = cache.take_loads()
     assert loads is not None and cache.take_loads() is None
     loads.wait(0)  # layer 0 is in place once its wait returns
     assert read_tokens(kv, m2.indices) == tokens
     loads.finish()
+    cache.poll_loads()
     assert kv.k_buffer[1][m2.indices, 0, 1].long().tolist() == [t + 1000 for t in tokens]
     assert kv.v_buffer[1][m2.indices, 0, 1].long().tolist() == [-(t + 1000) for t in tokens]
     assert cache.match_prefix(tokens).indices.tolist() == m2.indices.tolist()
     assert cache.tier_stats()["host_hit_tokens"] == 8
+    check_consistent(cache, alloc, host)
+    written = host.bytes_written
+    assert cache.evict(8) == 8 and host.bytes_written == written  # evicting it again copies nothing
+    assert cache.match_prefix(tokens + [1, 2]).host_len == 8 and cache.host_size() == 8
     check_consistent(cache, alloc, host)
 
 
@@ -120,24 +128,29 @@ def test_partial_host_match_splits_the_host_node_and_load_back_respects_max_toke
     check_consistent(cache, alloc, host)
 
 
-def test_a_write_back_reuses_the_host_pages_of_a_queued_load_back_only_after_the_copy():
-    cache, alloc, kv, host = make_tiered(ps=2, pages=8, host_pages=4)
+def test_pages_a_load_back_writes_are_not_evicted_until_its_copies_are_done():
+    """A load-back locks the device pages it fills from the moment it is queued: an eviction in between (a
+    request that did not fit after its load-back was queued) cannot hand them to another request while the
+    copy is still to write them.  Once seen done they unlock, and, backed up, leave the device without a copy."""
+    cache, alloc, kv, host = make_tiered(ps=2, pages=8, host_pages=8)
     a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 8, 8, 7, 7]
     cached(cache, alloc, kv, a)
-    cache.evict(8)  # a fills the host pool
+    cache.evict(8)
     for layer in range(kv.num_layers):  # the device rows a left behind are gone
         kv.k_buffer[layer].fill_(-1)
         kv.v_buffer[layer].fill_(-1)
-    # queued; a's host pages are freed, but return to the allocator only when the load starts (it reads them)
     m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)
-    assert m.length == 8 and host.available_size() == 0
+    assert m.length == 8 and cache.loads_in_flight() and cache.protected_size() == 8
     cached(cache, alloc, kv, b)
-    cache.match_prefix(b)  # a is the least recently used device leaf
-    assert cache.evict(8) == 8  # a goes back to host, into the pages its queued load reads: the load runs first
-    assert cache.match_prefix(a).host_len == 8
-    m = cache.load_back(cache.match_prefix(a + [0]), max_tokens=100)
-    settle(cache)
-    assert m.length == 8 and read_tokens(kv, m.indices) == a
+    assert cache.evict(16) == 6  # b only: a's pages wait for their copy
+    assert cache.protected_size() == 8 and cache.loads_in_flight()
+    settle(cache)  # (b's write-back, short of host pages, may have run the load itself: the lock goes all the same)
+    assert not cache.loads_in_flight() and cache.protected_size() == 0
+    assert read_tokens(kv, m.indices) == a
+    check_consistent(cache, alloc, host)
+    written = host.bytes_written
+    assert cache.evict(8) == 8 and host.bytes_written == written  # backed up: no copy
+    assert cache.match_prefix(a + [0]).host_len == 8
     check_consistent(cache, alloc, host)
 
 
@@ -296,7 +309,9 @@ def test_prefix_evicted_to_host_and_loaded_back_gives_the_cold_tokens_and_counts
     assert out.tokens("t2") == cold_out.tokens("t2")
 
 
-def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_dir):
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_dir, monkeypatch, ahead):
+    monkeypatch.setenv("KVSHIP_HICACHE_LOAD_AHEAD", ahead)  # 1: most returning turns load ahead
     g = torch.Generator().manual_seed(12)
     sched, _, out = _sched(
         tiny_llama_dir, page_size=4, max_total_tokens=160, hicache_ratio=1.5, chunked_prefill_size=32
@@ -311,6 +326,7 @@ def test_many_sessions_over_a_tiny_pool_leak_nothing_on_either_tier(tiny_llama_d
             history[s] = history[s] + out.tokens(f"s{s}t{turn}") + torch.randint(3, 384, (5,), generator=g).tolist()
     st = sched.get_stats()
     assert st["host_hit_tokens"] > 0 and st["host_bytes_written"] > 0
+    assert (st["host_load_ahead_tokens"] > 0) == (ahead == "1")
     assert st["running"] == 0 and st["waiting"] == 0 and st["num_aborted"] == 0
     assert st["free_slots"] == st["total_slots"]  # every device slot is free or evictable
     cache = sched.cache
@@ -425,3 +441,71 @@ def test_a_failed_write_back_copy_fails_every_later_wait():
     host.load_back(torch.tensor([2, 3]), torch.tensor([2, 3]))
     with pytest.raises(RuntimeError, match="host KV load-back failed"):
         host.start_loads().finish()
+
+
+# --- load-ahead (KVSHIP_HICACHE_LOAD_AHEAD; docs/cache.md, "Load-ahead") ---------------------------------------
+
+
+def _returning_turn(sched, out, g, first):
+    """``first``'s session comes back after four others pushed its pages to the host tier: its next prompt."""
+    rand = lambda n: torch.randint(3, 384, (n,), generator=g).tolist()  # noqa: E731
+    for i in range(4):
+        sched.submit(_gen(f"other{i}", rand(120), 8))
+        _drain(sched)
+    turn2 = first + out.tokens("t1") + rand(2)
+    assert sched.cache.match_prefix(turn2[:-1]).host_len >= 96
+    return turn2
+
+
+@pytest.mark.parametrize("ratio", ["0", "8"])
+def test_a_prefix_loaded_ahead_gives_the_cold_tokens_and_only_then_joins_an_extend(tiny_llama_dir, monkeypatch, ratio):
+    """With the knob on, the returning turn (100 host tokens, 3 to compute) is not admitted until its pages are on
+    the device: the step that starts the copies admits nothing, and the request's extend computes only what was
+    not cached.  Off, the load-back rides in the extend that admits it.  Both give the cold tokens."""
+    monkeypatch.setenv("KVSHIP_HICACHE_LOAD_AHEAD", ratio)
+    g = torch.Generator().manual_seed(11)
+    first = torch.randint(3, 384, (100,), generator=g).tolist()
+    sched, _, out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
+    sched.submit(_gen("t1", first, 8))
+    _drain(sched)
+    turn2 = _returning_turn(sched, out, g, first)
+    sched.submit(_gen("t2", turn2, 12))
+    sched.step()  # takes the request in; off: admits it with its load-back, on: only starts the copies
+    st = sched.get_stats()
+    if ratio == "0":
+        assert st["host_load_ahead_tokens"] == 0 and st["waiting"] == 0
+    else:
+        assert st["host_load_ahead_tokens"] >= 96 and st["waiting"] == 1 and st["running"] == 0
+    _drain(sched)
+    assert out.finished("t2")[0].cached_tokens >= 100 // 4 * 4
+    st = sched.get_stats()
+    assert st["host_loads_ahead_in_flight"] == 0 and sched.cache.protected_size() == 0
+    assert st["free_slots"] == st["total_slots"]
+
+    cold, _, cold_out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, disable_radix_cache=True)
+    cold.submit(_gen("t2", turn2, 12))
+    _drain(cold)
+    assert out.tokens("t2") == cold_out.tokens("t2")
+
+
+def test_a_request_aborted_while_its_prefix_loads_ahead_leaks_nothing(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("KVSHIP_HICACHE_LOAD_AHEAD", "1")
+    g = torch.Generator().manual_seed(14)
+    first = torch.randint(3, 384, (100,), generator=g).tolist()
+    sched, _, out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
+    sched.submit(_gen("t1", first, 8))
+    _drain(sched)
+    turn2 = _returning_turn(sched, out, g, first)
+    sched.submit(_gen("t2", turn2, 12))
+    sched.submit(_gen("t2b", turn2[:-1] + [5], 4))  # shares the loading prefix: waits for the same copies
+    sched.step()
+    assert sched.get_stats()["host_load_ahead_tokens"] >= 96 and sched.cache.protected_size() > 0
+    sched.abort("t2")
+    _drain(sched)
+    assert out.finished("t2")[0].finish_reason.is_abort
+    assert len(out.tokens("t2b")) == 4
+    sched.step()  # (idle: the poll at the next schedule unlocks any path still listed)
+    st = sched.get_stats()
+    assert st["host_loads_ahead_in_flight"] == 0 and sched.cache.protected_size() == 0
+    assert st["free_slots"] == st["total_slots"] and st["running"] == 0 and st["waiting"] == 0
+    check_consistent(sched.cache, sched.allocator, sched.cache.host)

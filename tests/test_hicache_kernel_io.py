@@ -135,6 +135,44 @@ def test_a_kernel_write_back_into_host_pages_a_started_load_still_reads_comes_af
 
 
 @needs_triton
+def test_a_kernel_write_back_beside_a_running_load_does_not_wait_for_it(monkeypatch):
+    """Host pages freed while a load may still read them are held until it is done; a write-back that finds
+    other room takes that and does not order the stream behind the load (no ``drain``): decode steps keep
+    running beside a load-back (docs/cache.md, "Load-ahead").  Short of room, it waits and takes them."""
+    from kvship.engine.mem.hicache import LayerLoads
+
+    ps = 2
+    kv = KVPool(16 * ps, ps, torch.float32, 1, 2, 2, DEV)
+    host = HostTier(kv, 3 * ps, io_backend="kernel")
+    _fill(kv.k_buffer + kv.v_buffer, 11)
+    a, b, c = (torch.arange(ps) + k * ps for k in (3, 5, 7))
+    drains = []
+    real_drain = host.drain
+    monkeypatch.setattr(host, "drain", lambda: (drains.append(1), real_drain())[1])
+    running = {"done": False}
+    real_done = LayerLoads.done
+    monkeypatch.setattr(LayerLoads, "done", lambda self: running["done"] and real_done(self))
+    slots = host.write_back(a)
+    ticket = host.load_back(slots, torch.arange(ps) + 9 * ps)
+    host.start_loads()
+    assert host.load_state(ticket) is not None and host.load_state(ticket) != "done"
+    host.free(slots)  # the running load may still read it: held
+    assert host.available_size() == 2 * ps
+    assert host.write_back(b) is not None and not drains  # other room: no wait for the load
+    assert host.available_size() == ps
+    running["done"] = True  # the load is done: the held page returns
+    assert host.load_state(ticket) == "done" and host.available_size() == 2 * ps
+    running["done"] = False
+    more = host.write_back(c)
+    assert more is not None and host.write_back(a) is not None and host.available_size() == 0
+    host.load_back(more, torch.arange(ps) + 11 * ps)
+    host.start_loads()
+    host.free(more)  # held again; now the pool is full
+    assert host.available_size() == 0 and not drains
+    assert host.write_back(b) is not None and drains == [1]  # short of room: it waits for the load, then reuses
+
+
+@needs_triton
 def test_the_scheduler_with_kernel_io_gives_the_cold_tokens_and_leaks_nothing(tiny_llama_dir):
     from tests.test_hicache import _drain, _gen, _sched, check_consistent
 
@@ -192,4 +230,4 @@ def test_kernel_io_cases_pass_in_the_triton_interpreter(request):
     """This file's Triton cases in a child pytest with ``TRITON_INTERPRET=1`` (the session's one such child,
     tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    interpreter_outcomes(request, "tests/test_hicache_kernel_io.py").check(passed=11)
+    interpreter_outcomes(request, "tests/test_hicache_kernel_io.py").check(passed=12)

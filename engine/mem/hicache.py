@@ -75,10 +75,11 @@ Ordering rules callers rely on:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -277,6 +278,15 @@ class LayerLoads:
         if self.cuda:
             torch.cuda.current_stream().wait_event(self._events[layer_id])
 
+    def done(self) -> bool:
+        """Whether every layer's rows are in the pool now (CUDA: the copies ran on the device), without waiting;
+        a failed copy raises, as ``wait`` does."""
+        if not all(ev.is_set() for ev in self._ready):
+            return False
+        if self.error is not None:
+            raise RuntimeError(f"host KV load-back failed: {self.error}") from self.error
+        return not self.cuda or all(ev is None or ev.query() for ev in self._events)
+
     def finish(self) -> None:
         """Wait for every layer (after the forward, and before anything else reads the loaded pages)."""
         for layer in range(self.num_layers):
@@ -464,8 +474,16 @@ class HostTier:
         self.bytes_loaded = 0  # host -> device
         self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # load-backs not started yet
         self._running: Optional[LayerLoads] = None  # the last started batch (the thread runs them in order)
+        # load-back tickets (``load_back``'s return): the started batches not yet seen done, oldest first, each
+        # with the last ticket it holds; every ticket up to ``_done_upto`` is copied
+        self._tickets = 0
+        self._started: collections.deque = collections.deque()
+        self._done_upto = 0
         self._writes: list[HostWrite] = []  # write-backs handed to the copy thread, not yet seen done
         self._deferred: list[torch.Tensor] = []  # host slots freed while a queued load still reads them
+        # kernel I/O: host slots freed while started or queued load-backs may read them, each with the last
+        # ticket then; they return once that ticket is done, so a write-back never waits for the loads
+        self._held: list[tuple[int, torch.Tensor]] = []
         self._copier = _CopyThread(self.pool, device_pool)
 
     @property
@@ -519,13 +537,20 @@ class HostTier:
         return host_slots
 
     def _write_back_kernel(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """``write_back`` by ``copy_pages`` on the current stream, straight into the pinned host pool.  The
-        current stream first waits for every load-back handed over (``drain``: only stream waits here), so the
-        copy reads device pages once loaded and writes host pages only after the loads that read them."""
-        if self._queued or self._running is not None:
-            self.drain()
+        """``write_back`` by ``copy_pages`` on the current stream, straight into the pinned host pool.  It does
+        not wait for the load-backs running beside it: the device pages it reads are none they write (the radix
+        cache keeps a page locked until its load is done) and the host pages it writes are none they read
+        (those come back from ``_held`` once their loads are done).  Only when the pool is short while such
+        pages wait does the current stream wait for the loads (``drain``: stream waits only), then take them."""
+        self._release_held()
         n = int(gpu_slots.numel())
         host_slots = self.allocator.alloc(n)
+        if host_slots is None and self._held:
+            self.drain()
+            for _, slots in self._held:
+                self.allocator.free(slots)
+            self._held = []
+            host_slots = self.allocator.alloc(n)
         if host_slots is None:
             return None
         ps = self.pool.page_size
@@ -567,12 +592,32 @@ class HostTier:
             if w.done.is_set() and w.error is not None:
                 raise RuntimeError(f"host KV write-back failed: {w.error}") from w.error
 
-    def load_back(self, host_slots: torch.Tensor, gpu_slots: torch.Tensor) -> None:
-        """Queue a copy of ``host_slots`` into ``gpu_slots`` (same length, int64 CPU); ``start_loads`` runs it."""
+    def load_back(self, host_slots: torch.Tensor, gpu_slots: torch.Tensor) -> int:
+        """Queue a copy of ``host_slots`` into ``gpu_slots`` (same length, int64 CPU); ``start_loads`` runs it.
+        Returns its ticket (``load_state``)."""
         if host_slots.numel() != gpu_slots.numel():
             raise ValueError(f"load_back: {host_slots.numel()} host slots for {gpu_slots.numel()} device slots")
         self._queued.append((host_slots.clone(), gpu_slots.clone()))
         self.bytes_loaded += int(host_slots.numel()) * bytes_per_token(self.device_pool)
+        self._tickets += 1
+        return self._tickets
+
+    def load_state(self, ticket: int) -> Any:
+        """Where load-back ``ticket`` is: ``"queued"`` (not started), its started ``LayerLoads`` while that may
+        still be copying, or ``"done"``.  Whoever started it (``start_loads``, or ``drain`` / a write-back short
+        of host pages, which also wait for it) the answer is the same."""
+        while self._started and self._started[0][0].done():  # (raises a failed copy's error)
+            self._done_upto = self._started.popleft()[1]
+        if ticket <= self._done_upto:
+            return "done"
+        for loads, last in self._started:
+            if ticket <= last:
+                return loads
+        return "queued"
+
+    def has_queued(self) -> bool:
+        """Load-backs are queued that no ``start_loads`` has started yet."""
+        return bool(self._queued)
 
     def start_loads(self) -> Optional[LayerLoads]:
         """Start the queued load-backs on the copy thread; their ``LayerLoads`` (None when none were queued)."""
@@ -581,6 +626,7 @@ class HostTier:
         loads = LayerLoads(self._queued, self.pool.num_layers, self.device)
         self._queued = []
         self._running = loads
+        self._started.append((loads, self._tickets))
         if self.io_backend == "kernel":
             loads.launch(self.pool, self.device_pool, self._copier.stream)
         else:
@@ -604,13 +650,32 @@ class HostTier:
 
     def free(self, host_slots: torch.Tensor) -> None:
         """Return host pages; while load-backs are queued (not yet handed to the copy thread) they may read
-        them, so the pages return when those loads start."""
-        if self._queued:
+        them, so the pages return when those loads start (kernel I/O: once they are done)."""
+        if self.io_backend == "kernel":
+            self._release_held()
+            if self._queued or self.load_state(self._tickets) != "done":
+                self._held.append((self._tickets, host_slots))
+            else:
+                self.allocator.free(host_slots)
+        elif self._queued:
             self._deferred.append(host_slots)
         else:
             self.allocator.free(host_slots)
 
+    def _release_held(self) -> None:
+        """Kernel I/O: return the held host pages whose load-backs are done."""
+        if not self._held:
+            return
+        keep = []
+        for ticket, slots in self._held:
+            if self.load_state(ticket) == "done":
+                self.allocator.free(slots)
+            else:
+                keep.append((ticket, slots))
+        self._held = keep
+
     def available_size(self) -> int:
+        self._release_held()
         return self.allocator.available_size()
 
 

@@ -28,9 +28,11 @@ import triton.language as tl
 MAX_PAIRS = 2
 # words of one program's chunk (16 KiB of 32-bit words: 8 x 16-byte accesses per thread of 4 warps)
 DEFAULT_BLOCK = 4096
-# programs of one launch on CUDA: an H200 sweep (bench/hicache_loadback.py --sweep; docs/benchmarks.md) gave 49-51 GB/s
-# (89-92% of a pinned copy) from 16 to 528 programs, and the least slowdown of a GEMV beside it at 16
-DEFAULT_PROGRAMS = 16
+# programs of one launch on CUDA, and warps of each: the H200 sweeps (bench/hicache_loadback.py --sweep, --sweep-small;
+# docs/benchmarks.md) gave 49-51 GB/s from 16 to 528 programs of 4 warps and the least slowdown of a GEMV beside it
+# at 16 (1.17x); 4 programs of 8 warps move 47.5 GB/s (86% of a pinned copy) and slow it 1.09x
+DEFAULT_PROGRAMS = 4
+DEFAULT_WARPS = 8
 
 
 @triton.jit
@@ -87,6 +89,7 @@ def copy_pages(
     page_rows: int,
     programs: int = DEFAULT_PROGRAMS,
     block: int = DEFAULT_BLOCK,
+    warps: int = DEFAULT_WARPS,
 ) -> None:
     """``dsts[j]``'s page ``dst_pages[i]`` = ``srcs[j]``'s page ``src_pages[i]`` for every ``i`` and ``j``.
 
@@ -134,5 +137,5 @@ def copy_pages(
             CHUNKS=chunks,
             BLOCK=blk,
             PAIRS=len(pairs),
-            num_warps=4,
+            num_warps=warps,
         )

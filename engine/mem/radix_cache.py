@@ -39,9 +39,10 @@ tier's ``write_policy`` (``--hicache-write-policy``) decides when pages are
 copied to host:
 
 * ``write_back``: ``evict`` copies gpu leaves to host (evicting host pages
-  when the host pool is full; dropping the KV when even that fails); a
-  load-back or an insert over host nodes frees their host copy.  No node is
-  backed up.
+  when the host pool is full; dropping the KV when even that fails); an
+  insert over host nodes frees their host copy; a load-back keeps it (the
+  node is backed up: evicting it again copies nothing, and ``evict_host``
+  takes the copy back when the host pool needs the room).
 * ``write_through``: ``insert`` copies the pages it adds to the tree to host
   at once (when the host pool is full it evicts host leaves, least recently
   used first, and else skips the copy: that node is written back when it is
@@ -177,6 +178,31 @@ class BasePrefixCache(ABC):
         """A shared tier is attached: ``load_back`` may extend a match with no host part."""
         return False
 
+    def load_ahead(self, match: MatchResult, max_tokens: int) -> bool:
+        """Start loading up to ``max_tokens`` of ``match``'s host part now, on its own (docs/cache.md,
+        "Load-ahead"): True when copies started.  Until they are done the loaded path is locked and
+        ``loading`` is True for every match that reaches it; a later ``match_prefix`` then finds those pages
+        on the device.  False (nothing started) without a host tier or while other load-backs are queued."""
+        return False
+
+    def loading(self, match: MatchResult) -> bool:
+        """Whether ``match`` reaches pages whose started load-back is still copying (its request waits: only the
+        extend that admitted a load-back waits for its copies)."""
+        return False
+
+    def poll_loads(self) -> None:
+        """Unlock the paths of the load-backs that are done.  Every load-back locks the pages it fills from
+        ``load_back`` / ``load_ahead`` until then, so nothing evicts and reuses them while they are written."""
+
+    def loads_in_flight(self) -> bool:
+        """Load-backs hold locked device pages (``poll_loads`` has not seen them done)."""
+        return False
+
+    def lock_cost(self, match: MatchResult) -> int:
+        """Evictable device tokens that locking ``match``'s path takes out of reach (a load-back locks it at
+        once: ``load_back`` / ``load_ahead``'s ``max_tokens`` should leave room for them)."""
+        return 0
+
     def take_loads(self) -> Optional[Any]:
         """The host-tier load-backs queued since the last call, started (``kvship.engine.mem.hicache.LayerLoads``:
         the forward that reads them calls ``wait(layer_id)`` before each layer's attention and ``finish()``
@@ -261,7 +287,7 @@ class NoPrefixCache(BasePrefixCache):
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "last_access", "hashes")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "last_access", "hashes", "loads")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"]):
         self.children: dict[Any, TreeNode] = {}
@@ -272,6 +298,7 @@ class TreeNode:
         self.hashes: Optional[list[int]] = None  # the page hash chain of key (KV events), computed when needed
         self.lock_ref = 0
         self.last_access = 0
+        self.loads: Optional[Any] = None  # the started load-ahead filling ``value`` (None once it is done)
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -309,7 +336,12 @@ class RadixCache(BasePrefixCache):
         self.events = events  # pages stored / removed, per tier (docs/cache.md, "KV events")
         self._clock = itertools.count(1)
         self._loading: frozenset = frozenset()  # ids of host nodes a load-back is about to read
+        # load-backs whose copies may still run, their paths locked: queued (node lists, not started yet), and
+        # started ((LayerLoads, last node), every node marked with its LayerLoads) until poll_loads sees them done
+        self._queued: list[tuple[int, list[TreeNode]]] = []  # (the last node's load ticket, the nodes)
+        self._ahead: list = []
         self.host_hits = 0  # tokens loaded back from the host tier
+        self.ahead_hits = 0  # of those, tokens loaded ahead of their request's extend
         self.reset()
 
     def reset(self) -> None:
@@ -397,6 +429,7 @@ class RadixCache(BasePrefixCache):
             child.host_value = child.host_value[n:].clone()
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.loads = child.loads
         upper.children = {self._child_key(child.key[n:]): child}
         assert child.parent is not None
         child.parent.children[self._child_key(child.key)] = upper
@@ -441,13 +474,14 @@ class RadixCache(BasePrefixCache):
             node = child
         return done if first_host is None else first_host
 
-    def _host_to_gpu(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """``node`` (unlocked, on host) now lives in the device ``slots``; with write-back its host pages are
-        freed, with write-through they stay (the node is backed up)."""
+    def _host_to_gpu(self, node: TreeNode, slots: torch.Tensor, loaded: bool = False) -> None:
+        """``node`` (unlocked, on host) now lives in the device ``slots``; its host pages stay (the node is
+        backed up) with write-through or when ``loaded`` (the device pages are copies of them), else they are
+        freed."""
         assert self.host is not None and node.host_value is not None
         node.value = slots
         self._evictable += len(node.key)
-        if not self.write_through:
+        if not (self.write_through or loaded):
             self._emit_removed(node, "host")
             self.host.free(node.host_value)
             node.host_value = None
@@ -665,7 +699,76 @@ class RadixCache(BasePrefixCache):
         return self.storage is not None
 
     def take_loads(self) -> Optional[Any]:
-        return self.host.start_loads() if self.host is not None else None
+        if self.host is None:
+            return None
+        loads = self.host.start_loads()
+        self._claim_started()
+        return loads
+
+    def _claim_started(self) -> None:
+        """Queued load-backs that have started (here, or inside the tier: a drain, a write-back short of host
+        pages) are marked with their ``LayerLoads``; those already done unlock."""
+        left = []
+        for ticket, nodes in self._queued:
+            state = self.host.load_state(ticket)
+            if state == "queued":
+                left.append((ticket, nodes))
+            elif state == "done":
+                self.dec_lock_ref(nodes[-1])
+            else:  # started: locked and marked until poll_loads sees it done
+                for node in nodes:
+                    node.loads = state
+                self._ahead.append((state, nodes[-1]))
+        self._queued = left
+
+    def load_ahead(self, match: MatchResult, max_tokens: int) -> bool:
+        if self.host is None or not match.host_nodes or self.host.has_queued():
+            return False  # (queued loads belong to the extend being built: they ride in it)
+        loaded = self._load_back_host(match, max_tokens)
+        if loaded.last_node is match.last_node:
+            return False
+        self.take_loads()
+        self.ahead_hits += loaded.length - match.length
+        return True
+
+    def loading(self, match: MatchResult) -> bool:
+        if not self._ahead:
+            return False
+        self.poll_loads()
+        node = match.last_node
+        while node is not None:
+            if node.loads is not None:
+                return True
+            node = node.parent
+        return False
+
+    def loads_in_flight(self) -> bool:
+        return bool(self._ahead or self._queued)
+
+    def lock_cost(self, match: MatchResult) -> int:
+        node, n = match.last_node, 0
+        while node is not None and node is not self.root:
+            n += len(node.key) if node.lock_ref == 0 else 0
+            node = node.parent
+        return n
+
+    def poll_loads(self) -> None:
+        if self._queued:
+            self._claim_started()
+        if not self._ahead:
+            return
+        left = []
+        for loads, last in self._ahead:
+            if not loads.done():
+                left.append((loads, last))
+                continue
+            node = last
+            while node is not None:  # (a split gave the upper part the same loads)
+                if node.loads is loads:
+                    node.loads = None
+                node = node.parent
+            self.dec_lock_ref(last)
+        self._ahead = left
 
     def load_back(self, match: MatchResult, max_tokens: int) -> MatchResult:
         """See ``BasePrefixCache``: the leading whole pages of ``match``'s host part that fit ``max_tokens`` (a
@@ -755,8 +858,11 @@ class RadixCache(BasePrefixCache):
             k = len(node.key)
             part = slots[off : off + k].clone()
             off += k
-            self.host.load_back(node.host_value, part)
-            self._host_to_gpu(node, part)
+            ticket = self.host.load_back(node.host_value, part)
+            self._host_to_gpu(node, part, loaded=True)
+        # until the copies are done nothing may evict (and reuse) these device pages: locked from here
+        self.inc_lock_ref(nodes[-1])
+        self._queued.append((ticket, nodes))
         self.host_hits += n
         return MatchResult(torch.cat([match.indices, slots]), nodes[-1], match.host_len - n, tuple(rest), match.key)
 
@@ -779,6 +885,8 @@ class RadixCache(BasePrefixCache):
             "host_free_slots": self.host.available_size(),
             "host_cached_slots": self._host,
             "host_hit_tokens": self.host_hits,
+            "host_load_ahead_tokens": self.ahead_hits,
+            "host_loads_ahead_in_flight": len(self._ahead),
             "host_bytes_written": self.host.bytes_written,
             "host_bytes_loaded": self.host.bytes_loaded,
         }

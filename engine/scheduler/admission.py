@@ -101,6 +101,7 @@ class Admission:
         max_running: int,
         max_prefill_tokens: int,
         chunk_size: Optional[int],
+        load_ahead: float = 0.0,
     ):
         self.q = queues
         self.budget = budget
@@ -111,10 +112,12 @@ class Admission:
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
+        self.load_ahead = load_ahead  # KVSHIP_HICACHE_LOAD_AHEAD (0: off)
 
     def build_extend(self, busy: Optional[Mapping[int, Req]] = None) -> Optional[ScheduleBatch]:
         """The next extend batch, or None when no waiting request can be admitted now."""
         q, kv = self.q, self.budget
+        self.cache.poll_loads()  # load-aheads that are done unlock their paths (also after their request left)
         if not q.waiting and q.chunked_req is None:
             return None
         running = q.running
@@ -155,14 +158,22 @@ class Admission:
                 break
             fill = req.fill_ids
             match = self.cache.match_prefix(fill[:-1])  # at least one token is computed for logits
+            if self.cache.loading(match):
+                continue  # its prefix pages are still being loaded ahead: it joins a later extend
+            # a load-back locks its path at once (the device prefix above the loaded pages too): room for both
+            room = max(0, limits.rem_memory - self.cache.lock_cost(match)) if match.host_len else limits.rem_memory
+            if self._loads_ahead(match, len(fill)) and self.cache.load_ahead(match, room):
+                limits.refresh(kv.memory_left(running))  # the loading path is locked
+                continue
             # prefix pages on the host tier (or, past the tree, in the shared store): load instead of computing
             if match.host_len or self.cache.consults_storage:
-                match = self.cache.load_back(match, max(0, limits.rem_memory))
+                match = self.cache.load_back(match, max(0, room))
             remaining = len(fill) - match.length
             n = limits.fit(remaining, first=not reqs)
             if n == 0:
                 break
-            alone = not reqs and not running  # an idle server always admits its first request
+            # an idle server always admits its first request (not while load-aheads hold pages it cannot evict)
+            alone = not reqs and not running and not self.cache.loads_in_flight()
             reserve = 0
             if n == remaining:  # the prompt completes here: reserve room for its decoding
                 reserve = kv.reserve([req])
@@ -186,8 +197,16 @@ class Admission:
                 q.chunked_req = req
                 break
         if not reqs:
-            return None
+            self.cache.take_loads()  # load-backs of requests that did not fit after all: started, their pages
+            return None  # locked until done (no extend reads them before: ``loading``)
         return ScheduleBatch(reqs, ForwardMode.EXTEND)
+
+    def _loads_ahead(self, match: Any, n_fill: int) -> bool:
+        """Whether ``match``'s host part is worth loading before the request's extend rather than during it: at
+        least ``load_ahead`` times the tokens the extend computes (docs/cache.md, "Load-ahead")."""
+        if not self.load_ahead or not match.host_len:
+            return False
+        return match.host_len >= self.load_ahead * (n_fill - match.length - match.host_len)
 
     def bind_prefix(self, req: Req, idx: int, match: Any) -> None:
         """Give ``req`` a req_to_token row holding its cached prefix (locked in the cache)."""

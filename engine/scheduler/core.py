@@ -155,6 +155,9 @@ class Scheduler:
             max_running=self.max_running,
             max_prefill_tokens=server_args.max_prefill_tokens,
             chunk_size=chunk,
+            # host-tier pages loaded ahead of a request's extend: one rank decides alone when copies are done,
+            # so replicated schedulers (TP, PP) keep every load-back in the extend that admits it
+            load_ahead=ENV.HICACHE_LOAD_AHEAD if isinstance(self.io, LocalIO) else 0.0,
         )
         self.decoder = DecodeBatcher(self.queues, self.kv, self.counters, self.finish)
         self.decode_interleave = server_args.decode_interleave

@@ -210,6 +210,7 @@ class Launcher:
             raise
         if loads is not None:
             loads.finish()
+            self.cache.poll_loads()  # (on CPU the copies are done now: their pages unlock at once)
         if watch is not None:
             watch.end(True)
         index = {id(r): j for j, r in enumerate(reqs)}

@@ -1,0 +1,245 @@
+"""Decode beside host-tier load-backs, with the copies inside the extend that reads them or loaded ahead of it
+(issue 35's goal: unrelated decode within 5% while load-backs run; docs/cache.md, "Load-ahead").
+
+One ``kvship serve`` worker (``--load-format dummy``; on CUDA the Llama-3.1-8B shape, ``--tiny`` a tiny model of
+its family) per config, one after the other, all on the same request stream:
+
+* ``gpu_hits``: a device pool that holds every document, no host tier: each request finds its document cached on
+  the device.  The control: the same extends, no copies.
+* ``load_in_extend``: a device pool of a quarter of the documents, the host tier holds them all,
+  ``KVSHIP_HICACHE_LOAD_AHEAD=0``: each request's document comes back from host inside the extend that admits it.
+* ``load_ahead``: the same pool and tier, ``KVSHIP_HICACHE_LOAD_AHEAD`` (default 8): the document is loaded before
+  the request joins an extend; decode steps run meanwhile.
+
+Workload: ``--docs`` documents of ``--doc-tokens`` random ids, each first prefilled once; then ``--beside`` unrelated
+requests stream ``--decode-tokens`` tokens each (restarted when they end) while ``--requests`` requests, ``--concurrency``
+in flight, go round-robin over the documents: document + ``--new-tokens`` fresh ids, one output token.  Round-robin over
+four times the pool's documents means every request (with the tier) finds its document on host, so a load-back of
+``--doc-tokens`` tokens runs for each.  Reported per config: the unrelated requests' ms/token p50 and mean over the
+workload window and alone before it, the requests' TTFT p50, load-back bytes; and each config's decode over
+``gpu_hits``' (goal <= 1.05).
+
+    python bench/hicache_loadahead.py                       # one GPU, llama3-8b shape
+    nice -n 10 .venv/bin/python bench/hicache_loadahead.py --device cpu --tiny --out /tmp/o   # harness check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_latency import write_model_dir  # noqa: E402
+from hicache_multiturn import Phases, gaps, pct, server_info, stream_generate, token_pct  # noqa: E402
+from pd_ttft import Proc, free_port, wait_ready, write_wordlevel_tokenizer  # noqa: E402
+from pp import TINY  # noqa: E402
+
+CONFIGS = ("gpu_hits", "load_in_extend", "load_ahead")
+
+
+def worker_argv(args: argparse.Namespace, config: str, model: str, port: int) -> list[str]:
+    ps = args.page_size
+    doc_pages = -(-(args.doc_tokens + args.new_tokens + 2) // ps) * ps
+    # what the requests in flight hold at most; the rest of the pool caches documents
+    room = args.beside * (args.decode_prompt + args.decode_tokens + 2 * ps) + (args.concurrency + 2) * doc_pages
+    pool = args.docs * doc_pages + room if config == "gpu_hits" else args.docs * doc_pages // 4 + room
+    argv = [sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", model, "--load-format", "dummy",
+            "--device", args.device, "--dtype", args.dtype, "--page-size", str(ps),
+            "--max-total-tokens", str(pool), "--max-running-requests", str(args.beside + args.concurrency + 2),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    if config != "gpu_hits":  # a host tier that holds every document
+        argv += ["--hicache-ratio", str(round(1.25 * args.docs * doc_pages / pool + 0.05, 2))]
+    return argv + args.extra.split()
+
+
+async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        rng = random.Random(args.seed)  # the documents and the requests' new ids: the same for every config
+        docs = [[rng.randrange(3, args.vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+        news = [[rng.randrange(3, args.vocab) for _ in range(args.new_tokens)] for _ in range(args.requests)]
+        fresh = random.Random(args.seed + 1)
+
+        def ids(n: int) -> list[int]:
+            return [fresh.randrange(3, args.vocab) for _ in range(n)]
+
+        await asyncio.gather(*(stream_generate(http, url, ids(32), 8) for _ in range(args.beside + 1)))  # warm-up
+        for d in docs:  # every document prefilled once (later ones push earlier ones to host)
+            await stream_generate(http, url, d + [4], 1)
+        phases.done("warm-up and documents")
+        alone = await stream_generate(http, url, ids(args.decode_prompt), args.decode_tokens)
+        phases.done("unrelated decode alone")
+
+        beside: list[dict] = []
+
+        async def unrelated() -> None:
+            while True:
+                beside.append({})
+                await stream_generate(http, url, ids(args.decode_prompt), args.decode_tokens, beside[-1])
+
+        order = iter(range(args.requests))
+        reqs: list[dict] = []
+
+        async def client() -> None:
+            for i in order:
+                rec = await stream_generate(http, url, docs[i % args.docs] + news[i], 1)
+                reqs.append({"ttft_s": rec["times"][0] - rec["t0"], "cached": int(rec["meta"].get("cached_tokens", 0))})
+
+        side = [asyncio.create_task(unrelated()) for _ in range(args.beside)]
+        await asyncio.sleep(args.settle_s)  # the unrelated requests are decoding before the workload starts
+        before = await server_info(http, url)
+        try:
+            start = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(args.concurrency)))
+            end = time.perf_counter()
+            after = await server_info(http, url)
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+        phases.done("workload", f"{len(reqs)} requests")
+    in_run = [g for rec in beside if rec.get("times") for g in gaps(rec) if start <= g[0] and g[1] <= end]
+    per_token = [g[2] for g in in_run for _ in range(g[3])]
+    ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
+    load = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("host_bytes_loaded", "host_load_ahead_tokens")}
+    return {
+        "decode_alone_p50_ms": ms(token_pct(gaps(alone), 0.5)),
+        "decode_p50_ms": ms(token_pct(in_run, 0.5)),
+        "decode_mean_ms": ms(statistics.fmean(per_token)) if per_token else None,
+        "decode_tokens": len(per_token),
+        "ttft_p50_ms": ms(pct([r["ttft_s"] for r in reqs], 0.5)),
+        "ttft_p90_ms": ms(pct([r["ttft_s"] for r in reqs], 0.9)),
+        "cached_share": round(sum(r["cached"] for r in reqs) / (len(reqs) * (args.doc_tokens + args.new_tokens)), 4),
+        "wall_s": round(end - start, 3),
+        "load_back_gb": round(load["host_bytes_loaded"] / 1e9, 4),
+        "load_back_gb_per_s": round(load["host_bytes_loaded"] / 1e9 / (end - start), 2),
+        "load_ahead_tokens": load["host_load_ahead_tokens"],
+    }
+
+
+def run_config(args: argparse.Namespace, config: str, model: str, logs: str) -> dict:
+    phases = Phases(config)
+    port = free_port()
+    env = {"KVSHIP_HICACHE_LOAD_AHEAD": "0" if config == "load_in_extend" else str(args.load_ahead)}
+    proc = Proc(config, worker_argv(args, config, model, port), logs, env=env)
+    try:
+        wait_ready(proc, port, "/health", args.start_timeout_s)
+        phases.done("worker start")
+        res = asyncio.run(drive(f"http://127.0.0.1:{port}", args, phases))
+    except BaseException:
+        print(f"[{config}] failed; worker log {proc.log}:\n{proc.tail(40)}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        proc.stop(grace=15)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.p.pid, signal.SIGKILL)
+    print(f"[{config}] {json.dumps(res)}", flush=True)
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    a = res["args"]
+    na = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    lines = [
+        f"# Decode beside host-tier load-backs ({res['model']} on {a['device']})",
+        "",
+        f"{res['machine']}; {res['when']}.  {a['docs']} documents of {a['doc_tokens']} tokens; {a['requests']} "
+        f"requests (document + {a['new_tokens']} ids, 1 token), {a['concurrency']} in flight; {a['beside']} "
+        f"unrelated requests of {a['decode_prompt']} + {a['decode_tokens']} tokens beside; page {a['page_size']}; "
+        f"`KVSHIP_HICACHE_LOAD_AHEAD={a['load_ahead']}` for load_ahead.",
+        "",
+        "| config | decode ms/tok p50 | mean | x gpu_hits (p50 / mean) | alone p50 | request TTFT p50 ms | p90 | "
+        "cached share | load-back GB | GB/s over the run | tokens loaded ahead | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = res["gpu_hits"]
+    for name in CONFIGS:
+        r = res[name]
+        rp = r["decode_p50_ms"] / base["decode_p50_ms"] if r["decode_p50_ms"] and base["decode_p50_ms"] else None
+        rm = r["decode_mean_ms"] / base["decode_mean_ms"] if r["decode_mean_ms"] and base["decode_mean_ms"] else None
+        lines.append(
+            f"| {name} | {na(r['decode_p50_ms'])} | {na(r['decode_mean_ms'])} | {na(rp, '{:.3f}')} / "
+            f"{na(rm, '{:.3f}')} | {na(r['decode_alone_p50_ms'])} | {na(r['ttft_p50_ms'], '{:.1f}')} | "
+            f"{na(r['ttft_p90_ms'], '{:.1f}')} | {r['cached_share']:.1%} | {r['load_back_gb']} | "
+            f"{r['load_back_gb_per_s']} | {r['load_ahead_tokens']} | {r['wall_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model of the shape's family (harness check)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--docs", type=int, default=None, help="documents (32; tiny 16)")
+    ap.add_argument("--doc-tokens", type=int, default=None, help="tokens a document has (4096; tiny 256)")
+    ap.add_argument("--new-tokens", type=int, default=16, help="fresh ids after the document in each request")
+    ap.add_argument("--requests", type=int, default=None, help="requests of the timed workload (384; tiny 48)")
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--beside", type=int, default=4, help="unrelated decoding requests")
+    ap.add_argument("--decode-prompt", type=int, default=None, help="their prompt ids (128; tiny 32)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="their output tokens (2048; tiny 128)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--load-ahead", type=float, default=8.0, help="KVSHIP_HICACHE_LOAD_AHEAD of load_ahead")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--settle-s", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout-s", type=float, default=900.0)
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--extra", default="", help="more `kvship serve` flags for every worker")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    args.docs = args.docs or (16 if args.tiny else 32)
+    args.doc_tokens = args.doc_tokens or (256 if args.tiny else 4096)
+    args.requests = args.requests or (48 if args.tiny else 384)
+    args.decode_prompt = args.decode_prompt or (32 if args.tiny else 128)
+    args.decode_tokens = args.decode_tokens or (128 if args.tiny else 2048)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    root = tempfile.mkdtemp(prefix="kvship-hicache-la-")
+    model = write_model_dir(args.shape, root, **(TINY if args.tiny else {}))
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    write_wordlevel_tokenizer(model, vocab)
+    args.vocab = min(vocab, 32000)
+    res: dict[str, Any] = {
+        "args": dict(vars(args)),
+        "model": f"{args.shape}{' (tiny)' if args.tiny else ''}, dummy weights",
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs ({platform.machine()})",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if args.device == "cuda":
+        import torch
+
+        res["machine"] += f", {torch.cuda.get_device_name(0)}"
+    for config in args.configs.split(","):
+        res[config] = run_config(args, config, model, root)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hicache_loadahead.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    if all(c in res for c in CONFIGS):
+        md = markdown(res)
+        with open(os.path.join(args.out, "hicache_loadahead.md"), "w") as f:
+            f.write(md)
+        print("\n" + md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
