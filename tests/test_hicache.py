@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -509,3 +510,25 @@ def test_a_request_aborted_while_its_prefix_loads_ahead_leaks_nothing(tiny_llama
     assert st["host_loads_ahead_in_flight"] == 0 and sched.cache.protected_size() == 0
     assert st["free_slots"] == st["total_slots"] and st["running"] == 0 and st["waiting"] == 0
     check_consistent(sched.cache, sched.allocator, sched.cache.host)
+
+
+def test_a_multi_rank_tier_counts_a_load_done_only_once_finished_never_by_its_own_timing():
+    """The ranks of a TP / PP worker schedule in lockstep, so a load-back's pages unlock (and the host pages it
+    read return) at the ``finish`` every rank runs at the same point, not when one rank's copies happen to end."""
+    for lockstep in (False, True):
+        kv = KVPool(16, 2, torch.float32, 1, 2, 2, "cpu")
+        host = HostTier(kv, 8, lockstep=lockstep)
+        alloc = TokenToKVPoolAllocator(16, 2)
+        cache = RadixCache(ReqToTokenPool(size=2, max_context_len=8, device="cpu"), alloc, 2, host)
+        cached(cache, alloc, kv, [1, 2, 3, 4])
+        cache.evict(4)
+        cache.load_back(cache.match_prefix([1, 2, 3, 4, 0]), max_tokens=100)
+        loads = cache.take_loads()
+        while not loads.done():  # the copy thread wrote every layer
+            time.sleep(0.001)
+        cache.poll_loads()
+        assert cache.loads_in_flight() == lockstep and cache.protected_size() == (4 if lockstep else 0)
+        loads.finish()
+        cache.poll_loads()
+        assert not cache.loads_in_flight() and cache.protected_size() == 0
+        check_consistent(cache, alloc, host)

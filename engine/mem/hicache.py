@@ -263,6 +263,7 @@ class LayerLoads:
         self._ready = [threading.Event() for _ in range(num_layers)]  # the copy thread wrote (CPU) / queued it
         self._events: list = [None] * num_layers  # CUDA: recorded on the side stream after the layer's copies
         self.error: Optional[BaseException] = None
+        self.finished = False  # ``finish`` ran
         # CUDA: the side stream starts after the work queued on the forward's stream so far (reused slots)
         self.after = torch.cuda.current_stream(device).record_event() if self.cuda else None
 
@@ -291,6 +292,7 @@ class LayerLoads:
         """Wait for every layer (after the forward, and before anything else reads the loaded pages)."""
         for layer in range(self.num_layers):
             self.wait(layer)
+        self.finished = True  # the current stream is ordered after every copy (CPU: they are written)
 
     def run(self, pool: "HostKVPool", device_pool, stream) -> None:
         """The copy thread's part: every layer in order, marking each ready."""
@@ -453,7 +455,14 @@ class _CopyThread:
 class HostTier:
     """Host pool + its allocator + the copies between it and the device pool (see the module docstring)."""
 
-    def __init__(self, device_pool, num_slots: int, write_policy: str = "write_back", io_backend: str = "auto"):
+    def __init__(
+        self,
+        device_pool,
+        num_slots: int,
+        write_policy: str = "write_back",
+        io_backend: str = "auto",
+        lockstep: bool = False,
+    ):
         """``device_pool``: a ``KVPool`` or an ``MLAKVPool``; ``write_policy``: one of ``WRITE_POLICIES``;
         ``io_backend``: one of ``IO_BACKENDS`` (``kernel``: ``copy_pages`` launches, no copy thread)."""
         if num_slots < device_pool.page_size:
@@ -476,6 +485,7 @@ class HostTier:
         self._running: Optional[LayerLoads] = None  # the last started batch (the thread runs them in order)
         # load-back tickets (``load_back``'s return): the started batches not yet seen done, oldest first, each
         # with the last ticket it holds; every ticket up to ``_done_upto`` is copied
+        self.lockstep = lockstep  # a rank of a multi-rank worker (``settled``)
         self._tickets = 0
         self._started: collections.deque = collections.deque()
         self._done_upto = 0
@@ -602,11 +612,18 @@ class HostTier:
         self._tickets += 1
         return self._tickets
 
+    def settled(self, loads: LayerLoads) -> bool:
+        """Whether what reads or reuses ``loads``' pages from now on comes after its copies: it was finished
+        (the current stream waits for them), or, on a worker of one rank, its copies are done (raises a failed
+        copy's error).  The ranks of a multi-rank worker schedule in lockstep: there only ``finish``, which
+        every rank runs at the same point, counts, never a device's own timing."""
+        return loads.finished or (not self.lockstep and loads.done())
+
     def load_state(self, ticket: int) -> Any:
         """Where load-back ``ticket`` is: ``"queued"`` (not started), its started ``LayerLoads`` while that may
         still be copying, or ``"done"``.  Whoever started it (``start_loads``, or ``drain`` / a write-back short
         of host pages, which also wait for it) the answer is the same."""
-        while self._started and self._started[0][0].done():  # (raises a failed copy's error)
+        while self._started and self.settled(self._started[0][0]):
             self._done_upto = self._started.popleft()[1]
         if ticket <= self._done_upto:
             return "done"
@@ -693,4 +710,5 @@ def host_tier_for(server_args, model_runner) -> Optional[HostTier]:
     groups = model_runner.groups
     if groups is not None:
         slots = groups.world.min_int(slots)
-    return HostTier(pool, slots, server_args.hicache_write_policy, server_args.hicache_io_backend)
+    lockstep = groups is not None and groups.world.size > 1  # replicated schedulers (kvship.engine.scheduler.io)
+    return HostTier(pool, slots, server_args.hicache_write_policy, server_args.hicache_io_backend, lockstep=lockstep)

@@ -759,7 +759,7 @@ class RadixCache(BasePrefixCache):
             return
         left = []
         for loads, last in self._ahead:
-            if not loads.done():
+            if not self.host.settled(loads):
                 left.append((loads, last))
                 continue
             node = last

@@ -197,8 +197,12 @@ class Admission:
                 q.chunked_req = req
                 break
         if not reqs:
-            self.cache.take_loads()  # load-backs of requests that did not fit after all: started, their pages
-            return None  # locked until done (no extend reads them before: ``loading``)
+            # load-backs of requests that did not fit after all: started and waited for on the current stream,
+            # so their pages unlock at the next poll on every rank alike
+            loads = self.cache.take_loads()
+            if loads is not None:
+                loads.finish()
+            return None
         return ScheduleBatch(reqs, ForwardMode.EXTEND)
 
     def _loads_ahead(self, match: Any, n_fill: int) -> bool:
