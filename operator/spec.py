@@ -159,6 +159,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
     for role, r in roles:
         errors.extend(_role_errors(role, r, slo_mode(spec)))
         errors.extend(_pipeline_errors(spec, role, r))
+        errors.extend(_mixed_chunk_errors(spec, role, r, unified))
     if not unified:
         errors.extend(_pd_numerics_errors(spec))
     if unified and spec.prefill.autoscaling is not None:
@@ -188,6 +189,8 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
             errors.append("spec.decode.speculative.draftModel: not used by algorithm ngram; remove it")
         if sp.algorithm == "eagle" and sp.topk > 1 and sp.num_draft_tokens < sp.topk:
             errors.append("spec.decode.speculative.numDraftTokens: must be >= topk when topk > 1")
+        if sp.algorithm == "draft" and sp.topk != 1:
+            errors.append(f"spec.decode.speculative.topk: algorithm draft drafts a chain: must be 1, got {sp.topk}")
     kv = spec.kv_transfer
     if kv.rdma_devices and kv.backend == "tcp":
         errors.append("spec.kvTransfer.rdmaDevices: needs backend mooncake or nixl (backend is tcp)")
@@ -384,6 +387,33 @@ def _pipeline_errors(spec: InferenceServiceSpec, role: str, r: WorkerRole) -> li
                 )
             break
     return errors
+
+
+def _mixed_chunk_errors(spec: InferenceServiceSpec, role: str, r: WorkerRole, unified: bool) -> list[str]:
+    """``--enable-mixed-chunk`` in extraArgs (the role's after the engine's: the last switch wins, as in the
+    argv) runs on a unified worker without speculative decoding or pipeline stages only (engine/config.py)."""
+    on, path = False, ""
+    for where, args in (("spec.engine.extraArgs", spec.engine.extra_args), (f"spec.{role}.extraArgs", r.extra_args)):
+        for arg in args:
+            if arg in ("--enable-mixed-chunk", "--no-enable-mixed-chunk"):
+                on, path = arg == "--enable-mixed-chunk", where
+    if not on:
+        return []
+    other = [
+        name
+        for name, bad in (
+            (f"the {role} role of a PD service", not unified),
+            ("spec.decode.speculative", spec.decode.speculative is not None),
+            (f"spec.{role}.pipelineParallelSize {r.pipeline_parallel_size}", r.pipeline_parallel_size > 1),
+        )
+        if bad
+    ]
+    if not other:
+        return []
+    return [
+        f"{path}: --enable-mixed-chunk works on a unified worker without speculative decoding or pipeline "
+        f"stages; the {role} workers have {', '.join(other)}"
+    ]
 
 
 def _last_value(args: list[str], flag: str) -> Optional[str]:

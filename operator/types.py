@@ -241,13 +241,18 @@ class Speculative:
         "Draft weights, in the same URI forms as model.uri.", pattern=MODEL_URI_PATTERN, hint=URI_HINT
     )
     num_steps: int = api_field(
-        "Draft steps per verification (eagle, eagle3, draft; ngram looks its drafts up and takes none).",
+        "Draft steps per verification (eagle, eagle3; draft drafts numDraftTokens steps, ngram looks its drafts "
+        "up: neither takes it).",
         3,
         minimum=1,
         maximum=16,
     )
-    topk: int = api_field("Branching factor of the draft tree (eagle, eagle3).", 1, minimum=1, maximum=16)
-    num_draft_tokens: int = api_field("Draft tokens verified per step.", 4, minimum=1, maximum=64)
+    topk: int = api_field(
+        "Branching factor of the draft tree (eagle, eagle3; draft and ngram draft a chain: 1).", 1, minimum=1, maximum=8
+    )
+    num_draft_tokens: int = api_field(
+        "Draft tokens verified per step (draft: the length of its chain).", 4, minimum=1, maximum=64
+    )
 
 
 @dataclass(frozen=True)

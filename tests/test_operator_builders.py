@@ -546,3 +546,56 @@ def test_tracing_passes_the_otlp_endpoint_and_sample_ratio_to_every_pod():
         assert config(dict(PD, tracing={"otlpEndpoint": url})).spec.tracing.otlp_endpoint == url
     with pytest.raises(Exception, match="otlpEndpoint"):
         config(dict(PD, tracing={"otlpEndpoint": "collector:4317"}))
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "draft", "ngram"])
+@pytest.mark.parametrize("pd", [False, True], ids=["unified", "pd"])
+def test_speculative_defaults_give_workers_the_engine_accepts(algorithm, pd):
+    """Only the algorithm (and a draft model) set, every other speculative field at its CRD default: each
+    worker's argv passes the engine's own validation (draft once got numSteps 3 beside numDraftTokens 4)."""
+    sp = {"algorithm": algorithm, **({"draftModel": "hf://a/d"} if algorithm != "ngram" else {})}
+    spec: dict = {
+        "model": {"uri": "hf://a/b"},
+        "prefill": {"replicas": 1 if pd else 0, "resources": {"limits": {GPU: 1}}},
+        "decode": {"resources": {"limits": {GPU: 1}}, "speculative": sp},
+    }
+    children = build_children(config(spec), IMAGES)
+    argvs = [a for mode in ("unified", "prefill", "decode") for a in _role_args(children, mode)]
+    assert argvs and all(_engine_accepts(argv) for argv in argvs)
+
+
+@pytest.mark.parametrize(
+    "where,pd,extra",
+    [
+        ("engine", False, {}),
+        ("decode", False, {}),
+        ("engine", True, {}),
+        ("decode", False, {"speculative": {"algorithm": "ngram"}}),
+        ("decode", False, {"pipelineParallelSize": 2, "resources": {"limits": {GPU: 2}}}),
+        ("decode", False, {"extraArgs": ["--enable-mixed-chunk", "--no-enable-mixed-chunk"]}),
+    ],
+)
+def test_mixed_chunks_are_accepted_exactly_where_the_engine_runs_them(where, pd, extra):
+    spec: dict = {
+        "model": {"uri": "hf://a/b"},
+        "prefill": {"replicas": 1 if pd else 0, "resources": {"limits": {GPU: 1}}},
+        "decode": {"resources": {"limits": {GPU: 1}}},
+    }
+    spec["decode"].update(extra)
+    if where == "engine":
+        spec["engine"] = {"extraArgs": ["--enable-mixed-chunk"]}
+    elif "extraArgs" not in extra:
+        spec["decode"]["extraArgs"] = ["--enable-mixed-chunk"]
+    plain = {**spec, "engine": {}, "decode": {k: v for k, v in spec["decode"].items() if k != "extraArgs"}}
+    argvs = [
+        a for mode in ("unified", "prefill", "decode") for a in _role_args(build_children(config(plain), IMAGES), mode)
+    ]
+    flags = list(spec.get("engine", {}).get("extraArgs", [])) + list(spec["decode"].get("extraArgs", []))
+    engine_ok = all(_engine_accepts(a + flags) for a in argvs)
+    try:
+        config(spec)
+    except SpecError as e:
+        assert not engine_ok, e.errors
+        assert all("--enable-mixed-chunk works on a unified worker" in m for m in e.errors), e.errors
+        return
+    assert engine_ok, "the operator accepts --enable-mixed-chunk where the engine refuses it"

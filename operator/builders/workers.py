@@ -105,7 +105,9 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
         args += [SPEC_FLAGS["algorithm"], sp.algorithm]
         if draft_path:
             args += [SPEC_FLAGS["draft"], draft_path]
-        if sp.algorithm != "ngram":  # ngram looks its drafts up: the worker refuses --speculative-num-steps with it
+        # ngram looks its drafts up (the worker refuses --speculative-num-steps with it); draft drafts a chain of
+        # numDraftTokens tokens (its steps are that many: the worker refuses a numSteps that differs)
+        if sp.algorithm in EAGLE_ALGORITHMS:
             args += [SPEC_FLAGS["steps"], str(sp.num_steps)]
         args += [SPEC_FLAGS["topk"], str(sp.topk), SPEC_FLAGS["tokens"], str(sp.num_draft_tokens)]
     args += common.tracing_args(spec)
