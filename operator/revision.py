@@ -39,6 +39,7 @@ REVISION_FLAGS = (
     "--seed",
     "--tokenizer-path",
     "--trust-remote-code",
+    "--pp-layer-partition",  # which layers (and so which KV) each pipeline stage's ranks hold
 )
 
 

@@ -129,6 +129,11 @@ def test_pipeline_parallel_size_is_part_of_the_revision_only_above_one():
     two = rev(build_children(cfg_of(pp_prefill_spec(pp=2)), IMAGES))
     # a new prefill layout rolls both roles out as one new worker set (prefill and decode share the revision)
     assert len(set(two.values())) == 1 and set(two.values()).isdisjoint(explicit.values())
+    # so does another split of the layers over the same stages
+    split = pp_prefill_spec(pp=2)
+    split["prefill"]["extraArgs"] = ["--pp-layer-partition", "10,22"]
+    moved = rev(build_children(cfg_of(split), IMAGES))
+    assert len(set(moved.values())) == 1 and set(moved.values()).isdisjoint(two.values())
 
 
 # ------------------------------------------------------------------------------------------- builders
