@@ -44,9 +44,17 @@ copy thread has written the layer.
 Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA; docs/cache.md, "Copies"): no copy thread runs.
 ``start_loads`` launches one ``page_copy.copy_pages`` kernel per layer on the side stream (after the forward
 stream's work so far), reading the pinned host pool in place, and records each layer's event; a write-back is
-the same kernel on the current stream, writing the pinned host pool in place, after the current stream was
-ordered behind every started load (``drain``: stream waits only).  The rules below hold with "handed to the copy
-thread" read as "launched".  ``sync_writes`` waits for the last write-back's event.
+the same kernel on the current stream, writing the pinned host pool in place.  It does not wait for the loads
+beside it: host slots a started or queued load may still read are held (``_held``, per load ticket) until that
+load is ``settled``, and only a write-back that finds the pool short while slots are held orders the current
+stream behind the loads (``drain``: stream waits only) and takes them.  The rules below hold with "handed to the
+copy thread" read as "launched".  ``sync_writes`` waits for the last write-back's event.
+
+Tickets: ``load_back`` returns one per queued copy; ``load_state(ticket)`` says whether it is queued, started
+(its ``LayerLoads``) or done, whoever started it.  A started batch is ``settled`` once ``finish`` ran (the
+current stream waits for it), or, on a worker of one rank, once its copies are done on the device; the ranks
+of a multi-rank worker (``lockstep``) schedule in lockstep, so there only ``finish``, which each rank runs at
+the same point, counts.  The radix cache keeps the device pages a load-back fills locked until it is settled.
 
 Ordering rules callers rely on:
 
@@ -60,8 +68,9 @@ Ordering rules callers rely on:
   that finds the host pool short while such slots wait starts and finishes
   the loads first (``drain``).
 * A write-back of device slots that a queued or the last started load-back
-  writes first completes the loads (``drain``): a device page is read for
-  write-back only once loaded.
+  writes first completes the loads (``drain``; kernel I/O never meets one:
+  the radix cache keeps those pages locked, so none is evicted): a device
+  page is read for write-back only once loaded.
 * A write-back's device gather is issued on the device's current stream
   (after every kernel queued before it, before any queued after it); the
   copy thread waits for its event before it writes the host pool.  A

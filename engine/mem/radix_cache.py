@@ -32,7 +32,12 @@ on both tiers).  Invariant: the gpu nodes form a subtree that contains the
 root, host nodes hang below it (a gpu node is evicted only once none of its
 children is on the gpu; a load-back or an insert brings a whole path back
 from the top).  ``match_prefix`` reports the host part of a match
-(``host_len``) without loading it; ``load_back`` loads it.  Host slots are
+(``host_len``) without loading it; ``load_back`` loads it (``load_ahead``
+starts the copies before the request's extend; docs/cache.md, "Load-ahead").
+A load-back locks the path it fills until its copies are settled
+(``poll_loads``; ``HostTier.settled``), and marks those nodes with their
+``LayerLoads`` once started: ``loading`` tells admission a match reaches pages
+still being copied.  Host slots are
 freed by ``evict_host`` (least recently used first: host leaves leave the
 cache, backed-up nodes lose their host copy and stay gpu nodes).  The host
 tier's ``write_policy`` (``--hicache-write-policy``) decides when pages are
