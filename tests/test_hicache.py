@@ -480,7 +480,7 @@ def test_a_prefix_loaded_ahead_gives_the_cold_tokens_and_only_then_joins_an_exte
     _drain(sched)
     assert out.finished("t2")[0].cached_tokens >= 100 // 4 * 4
     st = sched.get_stats()
-    assert st["host_loads_ahead_in_flight"] == 0 and sched.cache.protected_size() == 0
+    assert st["host_loads_in_flight"] == 0 and sched.cache.protected_size() == 0
     assert st["free_slots"] == st["total_slots"]
 
     cold, _, cold_out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, disable_radix_cache=True)
@@ -507,7 +507,7 @@ def test_a_request_aborted_while_its_prefix_loads_ahead_leaks_nothing(tiny_llama
     assert len(out.tokens("t2b")) == 4
     sched.step()  # (idle: the poll at the next schedule unlocks any path still listed)
     st = sched.get_stats()
-    assert st["host_loads_ahead_in_flight"] == 0 and sched.cache.protected_size() == 0
+    assert st["host_loads_in_flight"] == 0 and sched.cache.protected_size() == 0
     assert st["free_slots"] == st["total_slots"] and st["running"] == 0 and st["waiting"] == 0
     check_consistent(sched.cache, sched.allocator, sched.cache.host)
 

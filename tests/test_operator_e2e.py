@@ -203,7 +203,7 @@ def mark_ready(kube, name: str) -> None:
 def test_kubectl_explain_teaches_the_spec(cluster):
     _, kubectl, _ = cluster
     out = kubectl("explain", "inferenceservice.spec.decode").stdout
-    assert "tensorParallelSize" in out and "GPUs one worker shards the model over" in out
+    assert "tensorParallelSize" in out and "GPUs each pipeline stage of one worker shards the model over" in out
     assert "speculative" in kubectl("explain", "kvsvc.spec.decode.speculative").stdout
 
 

@@ -303,7 +303,7 @@ class TreeNode:
         self.hashes: Optional[list[int]] = None  # the page hash chain of key (KV events), computed when needed
         self.lock_ref = 0
         self.last_access = 0
-        self.loads: Optional[Any] = None  # the started load-ahead filling ``value`` (None once it is done)
+        self.loads: Optional[Any] = None  # the started load-back filling ``value`` (None once it is settled)
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -737,7 +737,7 @@ class RadixCache(BasePrefixCache):
         return True
 
     def loading(self, match: MatchResult) -> bool:
-        if not self._ahead:
+        if not (self._ahead or self._queued):
             return False
         self.poll_loads()
         node = match.last_node
@@ -891,7 +891,7 @@ class RadixCache(BasePrefixCache):
             "host_cached_slots": self._host,
             "host_hit_tokens": self.host_hits,
             "host_load_ahead_tokens": self.ahead_hits,
-            "host_loads_ahead_in_flight": len(self._ahead),
+            "host_loads_in_flight": len(self._ahead) + len(self._queued),
             "host_bytes_written": self.host.bytes_written,
             "host_bytes_loaded": self.host.bytes_loaded,
         }

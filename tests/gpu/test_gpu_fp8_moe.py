@@ -228,7 +228,10 @@ def test_per_channel_fp8_moe_absent_experts_add_nothing(static):
     ids[ids >= 4] = -1
     args = args[:8] + (ids,)
     out = _run_channel(args, absent=True)
-    assert _rel(out, moe_channel_reference(*args)) < TOL
+    # an absent expert that added anything would be off by O(1); 1e-3 allows one per-token FP8 rounding of the
+    # intermediate activation to land on the other side of a tie (the kernel's and the reference's fp32 sums
+    # differ in order: seen under the interpreter with a fresh environment, 2.6e-4)
+    assert _rel(out, moe_channel_reference(*args)) < max(TOL, 1e-3)
 
 
 @cuda_or_interpreter
