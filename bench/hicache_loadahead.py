@@ -30,23 +30,28 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Optional
 
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_latency import write_model_dir  # noqa: E402
-from hicache_multiturn import Phases, gaps, pct, server_info, stream_generate, token_pct  # noqa: E402
-from pd_ttft import Proc, free_port, wait_ready, write_wordlevel_tokenizer  # noqa: E402
-from pp import TINY  # noqa: E402
+from hicache_multiturn import (  # noqa: E402
+    Phases,
+    gaps,
+    model_args,
+    model_setup,
+    pct,
+    server_info,
+    stream_generate,
+    token_pct,
+)
+from pd_ttft import Proc, free_port, wait_ready  # noqa: E402
 
 CONFIGS = ("gpu_hits", "load_in_extend", "load_ahead")
 
@@ -182,10 +187,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model of the shape's family (harness check)")
-    ap.add_argument("--dtype", default="auto")
+    model_args(ap)
     ap.add_argument("--docs", type=int, default=None, help="documents (32; tiny 16)")
     ap.add_argument("--doc-tokens", type=int, default=None, help="tokens a document has (4096; tiny 256)")
     ap.add_argument("--new-tokens", type=int, default=16, help="fresh ids after the document in each request")
@@ -211,22 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.decode_tokens = args.decode_tokens or (128 if args.tiny else 2048)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    root = tempfile.mkdtemp(prefix="kvship-hicache-la-")
-    model = write_model_dir(args.shape, root, **(TINY if args.tiny else {}))
-    with open(os.path.join(model, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
-    write_wordlevel_tokenizer(model, vocab)
-    args.vocab = min(vocab, 32000)
-    res: dict[str, Any] = {
-        "args": dict(vars(args)),
-        "model": f"{args.shape}{' (tiny)' if args.tiny else ''}, dummy weights",
-        "machine": f"{platform.node()}: {os.cpu_count()} CPUs ({platform.machine()})",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    if args.device == "cuda":
-        import torch
-
-        res["machine"] += f", {torch.cuda.get_device_name(0)}"
+    root, model, res = model_setup(args, "kvship-hicache-la-")
     for config in args.configs.split(","):
         res[config] = run_config(args, config, model, root)
     shutil.rmtree(root, ignore_errors=True)

@@ -424,12 +424,39 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the worker's model and device, shared by the host-tier benchmarks."""
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--tiny", action="store_true", help="a tiny model of the shape's family (harness check)")
     ap.add_argument("--dtype", default="auto")
+
+
+def model_setup(args: argparse.Namespace, prefix: str) -> tuple[str, str, dict[str, Any]]:
+    """A temporary folder, the dummy model written in it (with a tokenizer: the worker detokenizes the stream;
+    ``args.vocab`` set to the ids the workload draws from) and the result's header: (folder, model, header)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    model = write_model_dir(args.shape, root, **(TINY if args.tiny else {}))
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    write_wordlevel_tokenizer(model, vocab)
+    args.vocab = min(vocab, 32000)
+    res: dict[str, Any] = {
+        "args": dict(vars(args)),
+        "model": f"{args.shape}{' (tiny)' if args.tiny else ''}, dummy weights",
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs ({platform.machine()})",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if args.device == "cuda":
+        import torch
+
+        res["machine"] += f", {torch.cuda.get_device_name(0)}"
+    return root, model, res
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_args(ap)
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=None, help="tokens a conversation ends at (8192; tiny 512)")
@@ -462,23 +489,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"device pool {plan['pool_tokens']} tokens = {plan['pool_share_of_working_set']:.0%} of the working set "
           f"({args.sessions} sessions x {plan['final_context']} tokens = {plan['working_set_tokens']}); host tier "
           f"{plan['hicache_ratio']}x = {plan['host_tokens']} tokens", flush=True)  # fmt: skip
-    root = tempfile.mkdtemp(prefix="kvship-hicache-mt-")
-    model = write_model_dir(args.shape, root, **(TINY if args.tiny else {}))
-    with open(os.path.join(model, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
-    write_wordlevel_tokenizer(model, vocab)  # the worker loads a tokenizer (detokenizing the stream)
-    args.vocab = min(vocab, 32000)
-    res: dict[str, Any] = {
-        "args": {k: v for k, v in vars(args).items()},
-        "plan": plan,
-        "model": f"{args.shape}{' (tiny)' if args.tiny else ''}, dummy weights",
-        "machine": f"{platform.node()}: {os.cpu_count()} CPUs ({platform.machine()})",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    if args.device == "cuda":
-        import torch
-
-        res["machine"] += f", {torch.cuda.get_device_name(0)}"
+    root, model, res = model_setup(args, "kvship-hicache-mt-")
+    res["plan"] = plan
     for host_tier in (False, True):
         res[CONFIGS[host_tier]] = run_config(args, plan, model, root, host_tier)
     shutil.rmtree(root, ignore_errors=True)  # the model folder and the worker logs (kept when a run fails)

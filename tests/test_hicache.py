@@ -447,15 +447,21 @@ def test_a_failed_write_back_copy_fails_every_later_wait():
 # --- load-ahead (KVSHIP_HICACHE_LOAD_AHEAD; docs/cache.md, "Load-ahead") ---------------------------------------
 
 
-def _returning_turn(sched, out, g, first):
-    """``first``'s session comes back after four others pushed its pages to the host tier: its next prompt."""
+def _returning_turn(model_dir, seed):
+    """A worker with a host tier whose first session comes back after four others pushed its pages to host:
+    (scheduler, output, the session's next prompt)."""
+    g = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(3, 384, (n,), generator=g).tolist()  # noqa: E731
+    first = rand(100)
+    sched, _, out = _sched(model_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
+    sched.submit(_gen("t1", first, 8))
+    _drain(sched)
     for i in range(4):
         sched.submit(_gen(f"other{i}", rand(120), 8))
         _drain(sched)
     turn2 = first + out.tokens("t1") + rand(2)
     assert sched.cache.match_prefix(turn2[:-1]).host_len >= 96
-    return turn2
+    return sched, out, turn2
 
 
 @pytest.mark.parametrize("ratio", ["0", "8"])
@@ -464,12 +470,7 @@ def test_a_prefix_loaded_ahead_gives_the_cold_tokens_and_only_then_joins_an_exte
     the device: the step that starts the copies admits nothing, and the request's extend computes only what was
     not cached.  Off, the load-back rides in the extend that admits it.  Both give the cold tokens."""
     monkeypatch.setenv("KVSHIP_HICACHE_LOAD_AHEAD", ratio)
-    g = torch.Generator().manual_seed(11)
-    first = torch.randint(3, 384, (100,), generator=g).tolist()
-    sched, _, out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
-    sched.submit(_gen("t1", first, 8))
-    _drain(sched)
-    turn2 = _returning_turn(sched, out, g, first)
+    sched, out, turn2 = _returning_turn(tiny_llama_dir, 11)
     sched.submit(_gen("t2", turn2, 12))
     sched.step()  # takes the request in; off: admits it with its load-back, on: only starts the copies
     st = sched.get_stats()
@@ -491,12 +492,7 @@ def test_a_prefix_loaded_ahead_gives_the_cold_tokens_and_only_then_joins_an_exte
 
 def test_a_request_aborted_while_its_prefix_loads_ahead_leaks_nothing(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("KVSHIP_HICACHE_LOAD_AHEAD", "1")
-    g = torch.Generator().manual_seed(14)
-    first = torch.randint(3, 384, (100,), generator=g).tolist()
-    sched, _, out = _sched(tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_ratio=4.0)
-    sched.submit(_gen("t1", first, 8))
-    _drain(sched)
-    turn2 = _returning_turn(sched, out, g, first)
+    sched, out, turn2 = _returning_turn(tiny_llama_dir, 14)
     sched.submit(_gen("t2", turn2, 12))
     sched.submit(_gen("t2b", turn2[:-1] + [5], 4))  # shares the loading prefix: waits for the same copies
     sched.step()
