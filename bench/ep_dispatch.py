@@ -10,8 +10,9 @@ processes (NCCL on N GPUs, else gloo on CPU) build the same MoE layer
   equal-split all-to-alls out, the one back, unpack, the all-gather; the
   experts replaced by the identity), with the bytes each rank sends and, on
   GPUs, GB/s;
-* the whole layer: ``all_reduce``, ``static``, ``all_reduce_tbo`` and
-  ``static_tbo`` (``--enable-two-batch-overlap``), with ratios to
+* the whole layer: ``all_reduce``, ``static`` (its exchange over peer GPU
+  memory where the group maps it, ``kvship.engine.parallel.p2p_exchange``),
+  ``static_nccl`` (the same over NCCL), ``all_reduce_tbo`` and ``static_tbo`` (``--enable-two-batch-overlap``), with ratios to
   ``all_reduce``.  On GPUs the non-overlapped settings are timed as CUDA-graph
   replays (as decode runs them; both are capture-safe) and eager; the
   overlapped ones eager (that is where the product runs them).
@@ -39,8 +40,10 @@ import torch
 
 # name -> (experts, top-k, hidden, expert width)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "small": (16, 4, 256, 128)}
-SETTINGS = {"all_reduce": ("all_reduce", False), "static": ("static", False),
-            "all_reduce_tbo": ("all_reduce", True), "static_tbo": ("static", True)}  # fmt: skip
+# name -> (dispatch, two-batch overlap, the exchange over peer memory where the group has one)
+SETTINGS = {"all_reduce": ("all_reduce", False, False), "static": ("static", False, True),
+            "static_nccl": ("static", False, False), "all_reduce_tbo": ("all_reduce", True, False),
+            "static_tbo": ("static", True, False)}  # fmt: skip
 
 
 def _timer(fn: Callable[[], Any], iters: int, cuda: bool, comm) -> float:
@@ -90,6 +93,8 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ep_size))
     comm = init_distributed(Topology(tp_size=args.ep_size, rank=rank), init_method, dev, timeout_s=600).tp
+    comm.enable_peer_exchange(dev)  # what a --ep-dispatch static worker does (NCCL on CPU: gloo has none)
+    exchange = getattr(comm, "exchange", None)
     e, k, h, inter = SHAPES[args.shape]
     dtype = torch.bfloat16 if cuda else torch.float32
     with dev:
@@ -114,6 +119,18 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
             row["comm_all_reduce_us"] = _timer(lambda: comm.all_reduce(buf), args.iters, cuda, comm) * 1e6
             ident = StaticDispatch(comm, layer.num_local_experts, lambda rows, w, local: rows)
             row["comm_static_us"] = _timer(lambda: ident(x, weights, ids), args.iters, cuda, comm) * 1e6
+            if cuda:  # the same exchange captured, as decode and prefill graphs run it
+                row["comm_static_graph_us"] = (
+                    _timer(_graph(lambda: ident(x, weights, ids), comm), args.iters, cuda, comm) * 1e6
+                )
+            comm.exchange = None  # NCCL's all_to_all_single and all-gather
+            row["comm_static_nccl_us"] = _timer(lambda: ident(x, weights, ids), args.iters, cuda, comm) * 1e6
+            if cuda:
+                row["comm_static_nccl_graph_us"] = (
+                    _timer(_graph(lambda: ident(x, weights, ids), comm), args.iters, cuda, comm) * 1e6
+                )
+            comm.exchange = exchange
+            row["peer_exchange"] = exchange is not None
             # bytes a rank sends to the others: rows + meta out, partials back, its block to all (static); a ring
             # all-reduce's reduce-scatter + all-gather
             per, others, row_b = -(-m // args.ep_size), args.ep_size - 1, h * x.element_size()
@@ -121,8 +138,9 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
             row["all_reduce_bytes_sent"] = 2 * others * per * row_b
             # the whole layer
             ref = None
-            for name, (dispatch, tbo) in SETTINGS.items():
+            for name, (dispatch, tbo, peer) in SETTINGS.items():
                 layer.dispatch, layer.two_batch_overlap = dispatch, tbo
+                comm.exchange = exchange if peer else None
                 got = layer(x, logits)
                 ref = got if ref is None else ref
                 row[f"{name}_max_diff"] = float((got.float() - ref.float()).abs().max()) if m else 0.0
@@ -130,6 +148,7 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
                 if cuda and not tbo:
                     replay = _graph(lambda: layer(x, logits), comm)
                     row[f"{name}_graph_us"] = _timer(replay, args.iters, cuda, comm) * 1e6
+            comm.exchange = exchange
             rows.append(row)
     if rank == 0:
         out.put(rows)
@@ -147,15 +166,28 @@ def _table(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
     if not cuda:
         lines += ["CPU figures: gloo over loopback and the torch expert loop; they say nothing about GPUs.", ""]
     lines += [
-        "| M | comm all_reduce | comm static | static bytes / all_reduce bytes sent |",
-        "|---|---|---|---|",
+        "Communication alone: `static` over peer memory (where the group maps it) and over NCCL; GB/s = bytes a rank "
+        "sends to the others (rows and meta out, partials back, its block to every rank) / time.",
+        "",
+        "| M | comm all_reduce | comm static | comm static, NCCL | static bytes / all_reduce bytes sent |",
+        "|---|---|---|---|---|",
     ]
+
+    def gbps(r: dict, key: str) -> str:
+        return f"{r['static_bytes_sent'] / (r[key] * 1e-6) / 1e9:.1f} GB/s"
+
     for r in rows:
+        cells = []
+        for key in ("comm_static_us", "comm_static_nccl_us"):
+            cell = f"{r[key]:.0f} ({r['comm_all_reduce_us'] / r[key]:.2f}x, {gbps(r, key)})"
+            if f"{key[:-3]}_graph_us" in r:
+                cell += f"; graph {r[f'{key[:-3]}_graph_us']:.0f} ({gbps(r, f'{key[:-3]}_graph_us')})"
+            cells.append(cell)
         lines.append(
-            f"| {r['m']} | {r['comm_all_reduce_us']:.0f} | {r['comm_static_us']:.0f} "
-            f"({r['comm_all_reduce_us'] / r['comm_static_us']:.2f}x) | "
+            f"| {r['m']} | {r['comm_all_reduce_us']:.0f} | {cells[0]} | {cells[1]} | "
             f"{r['static_bytes_sent'] / max(1, r['all_reduce_bytes_sent']):.2f} |"
         )
+    lines += ["", f"peer-memory exchange: {'yes' if rows and rows[0].get('peer_exchange') else 'no (NCCL)'}"]
     lines += ["", "| M | " + " | ".join(SETTINGS) + " | max diff vs all_reduce |", "|---" * (len(SETTINGS) + 2) + "|"]
     for r in rows:
         base = r["all_reduce_us"]
@@ -166,7 +198,8 @@ def _table(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
             graph = r["all_reduce_graph_us"]
             lines.append(
                 f"| {r['m']} (graphs) | {graph:.0f} | {r['static_graph_us']:.0f} "
-                f"({graph / r['static_graph_us']:.2f}x) | - | - | |"
+                f"({graph / r['static_graph_us']:.2f}x) | {r['static_nccl_graph_us']:.0f} "
+                f"({graph / r['static_nccl_graph_us']:.2f}x) | - | - | |"
             )
     return "\n".join(lines)
 

@@ -61,6 +61,16 @@ def _tp_allreduce(raw: str) -> str:
     return v
 
 
+EP_EXCHANGE_PATHS = ("p2p", "nccl")
+
+
+def _ep_exchange(raw: str) -> str:
+    v = raw.strip().lower() or "p2p"
+    if v not in EP_EXCHANGE_PATHS:
+        raise ValueError(f"expected one of {', '.join(EP_EXCHANGE_PATHS)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Knob(Generic[T]):
     """One environment variable: its full name, parser, default and meaning."""
@@ -161,6 +171,14 @@ class _Env:
         "tensor-parallel all-reduce: p2p (one-shot / two-shot over peer GPU memory for tensors up to the measured "
         "thresholds, NCCL above and wherever a rank cannot map peer memory) or nccl (NCCL for every size); "
         'docs/parallel.md, "The all-reduce"',
+    )
+    EP_EXCHANGE = Knob(
+        "KVSHIP_EP_EXCHANGE",
+        _ep_exchange,
+        "p2p",
+        "the MoE static dispatch's exchange (--ep-dispatch static): p2p (equal-split all-to-alls and all-gathers "
+        "pulled over peer GPU memory, NCCL for larger tensors and wherever a rank cannot map peer memory) or nccl; "
+        'docs/parallel.md, "Dispatch"',
     )
     HICACHE_LOAD_AHEAD = Knob(
         "KVSHIP_HICACHE_LOAD_AHEAD",

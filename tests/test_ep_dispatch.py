@@ -318,3 +318,80 @@ def test_startup_errors_name_the_flags(moe_path):
         check_tensor_parallel(_sa(moe_path, 2, 1, "static"))
     with pytest.raises(ValueError, match="--enable-two-batch-overlap works"):
         apply_expert_parallel(torch.nn.Linear(1, 1), None, 2, "all_to_all", two_batch_overlap=True)
+
+
+class _ThreadRanks:
+    """The peer-memory exchange's handle for ranks that are threads of this process: each rank's buffer a CPU
+    tensor every thread can read (as symmetric memory maps them) and the device barrier a thread barrier."""
+
+    def __init__(self, n: int, capacity: int):
+        import threading
+
+        self.buffers = [torch.zeros(capacity, dtype=torch.uint8) for _ in range(n)]
+        self.sync = threading.Barrier(n)
+        self.barriers = 0
+
+    def handle(self, rank: int):
+        ranks = self
+
+        class Handle:
+            def get_buffer(self, r: int, sizes: tuple, dtype: torch.dtype):
+                return ranks.buffers[r].view(dtype).view(sizes)
+
+            def barrier(self, channel: int = 0):
+                ranks.barriers += rank == 0
+                ranks.sync.wait(timeout=30)
+
+        return Handle()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_peer_exchange_moves_each_block_to_its_rank_and_gathers_in_rank_order(n):
+    """``P2PExchange``'s pull order (``engine/parallel/p2p_exchange.py``): copy in, barrier, read each peer's block
+    for this rank, barrier; against ``all_to_all_single`` / ``all_gather`` semantics, for ranks run as threads
+    (the GPU test on two GPUs checks it against NCCL)."""
+    import threading
+
+    from kvship.engine.parallel.p2p_exchange import P2PExchange
+
+    ranks = _ThreadRanks(n, 1 << 16)
+    inputs = [torch.randn(n * 6, 5, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    outs, gathers, errors = [None] * n, [None] * n, []
+
+    def rank(r: int) -> None:
+        try:
+            ex = P2PExchange(ranks.handle(r), ranks.buffers[r], r, n)
+            outs[r] = ex.all_to_all_(torch.empty_like(inputs[r]), inputs[r])
+            gathers[r] = ex.all_gather_(torch.empty((n * 3, 5)), inputs[r][:3].contiguous())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in range(n):
+        want = torch.cat([inputs[s][r * 6 : (r + 1) * 6] for s in range(n)])  # block r of every rank, rank order
+        assert torch.equal(outs[r], want)
+        assert torch.equal(gathers[r], torch.cat([inputs[s][:3] for s in range(n)]))
+    assert ranks.barriers == 4  # two per exchange: before the reads, and before a buffer may be written again
+    ex = P2PExchange(ranks.handle(0), ranks.buffers[0], 0, n)
+    assert not ex.fits(torch.empty(4))  # CPU tensors never take it (nor tensors past the buffer, nor uneven splits)
+    with pytest.raises(ValueError, match="equal splits"):
+        ex.all_to_all_(torch.empty(n * 2 + 1, dtype=torch.uint8), torch.empty(n * 2 + 1, dtype=torch.uint8))
+
+
+def test_peer_exchange_is_nccl_only_and_its_knob_is_checked(monkeypatch):
+    from kvship.common.envs import ENV
+    from kvship.engine.distributed.communicator import GlooCommunicator
+    from kvship.engine.parallel.p2p_exchange import P2PExchange
+
+    assert P2PExchange.create(None, torch.device("cpu"), 2, agree=lambda ok: ok) is None
+    assert GlooCommunicator(0, 1).enable_peer_exchange(torch.device("cpu")) is False
+    monkeypatch.setenv("KVSHIP_EP_EXCHANGE", "nvshmem")
+    with pytest.raises(ValueError, match="p2p, nccl"):
+        ENV.EP_EXCHANGE
+    monkeypatch.setenv("KVSHIP_EP_EXCHANGE", "NCCL")
+    assert ENV.EP_EXCHANGE == "nccl"

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from kvship.engine.parallel.p2p_all_reduce import P2PAllReduce
+from kvship.engine.parallel.p2p_exchange import P2PExchange
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,11 @@ class Communicator(ABC):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def enable_peer_exchange(self, device: torch.device) -> bool:
+        """Collective: move this group's equal-split all-to-alls and all-gathers to peer GPU memory where the
+        backend can (the MoE ``static`` dispatch's exchange, docs/parallel.md "Dispatch"); whether it did."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release backend resources this communicator owns (not the process groups)."""
@@ -279,6 +285,37 @@ class NcclCommunicator(Communicator):
     def __init__(self, *args: Any, p2p: Optional[P2PAllReduce] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.p2p = p2p
+        self.exchange: Optional[P2PExchange] = None
+        self.peer_memory = True  # False where the group spans nodes (groups.init_distributed)
+
+    def enable_peer_exchange(self, device: torch.device) -> bool:
+        from kvship.common.envs import ENV
+
+        if self.exchange is None and self.peer_memory and ENV.EP_EXCHANGE == "p2p":
+            self.exchange = P2PExchange.create(self.device_group, device, self.size, agree=self.min_int)
+        return self.exchange is not None
+
+    @_collective
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Optional[list[int]] = None,
+        in_splits: Optional[list[int]] = None,
+        async_op: bool = False,
+    ) -> Any:
+        if self.exchange is not None and out_splits is None and in_splits is None and not async_op:
+            if self.exchange.fits_all_to_all(out, inp):
+                return self.exchange.all_to_all_(out, inp)
+        return super().all_to_all(out, inp, out_splits, in_splits, async_op)
+
+    @_collective
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False) -> Any:
+        if self.exchange is not None and not async_op:
+            t = t.contiguous()
+            if self.exchange.fits(out, t) and out.numel() == t.numel() * self.size:
+                return self.exchange.all_gather_(out, t)
+        return super().all_gather_into(out, t, async_op)
 
     @_collective
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
@@ -291,3 +328,4 @@ class NcclCommunicator(Communicator):
 
     def close(self) -> None:
         self.p2p = None
+        self.exchange = None

@@ -431,6 +431,8 @@ def build_parallel_model(
 
     kwargs = {} if layers is None else {"layers": layers}
     device = torch.device(device)
+    if dispatch == "static" and ep_size > 1:  # its exchange over peer GPU memory where the group can (collective)
+        tp.enable_peer_exchange(device)
     if not (device.type == "cuda" if on_meta is None else on_meta):
         with device:
             return parallel(cls(config, **kwargs))

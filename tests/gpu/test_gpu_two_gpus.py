@@ -71,6 +71,8 @@ WORKERS = {
     "llama_bf16_tp2": ("llama", "bfloat16", ["--tp-size", "2"]),
     "moe_tp1": ("qwen3_moe", "float32", []),
     "moe_tp2_ep2": ("qwen3_moe", "float32", ["--tp-size", "2", "--ep-size", "2"]),
+    # the static dispatch, its exchange over peer memory (the default), in decode and prefill graphs
+    "moe_tp2_ep2_static": ("qwen3_moe", "float32", ["--tp-size", "2", "--ep-size", "2", "--ep-dispatch", "static"]),
 }
 
 
@@ -170,6 +172,103 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
     dist.destroy_process_group()
     if rank == 0:
         out.put(report)
+
+
+def _exchange_rank(rank: int, init_method: str, out) -> None:
+    """One rank of ``test_peer_exchange_...``: the group's all-to-all and all-gather over peer memory against
+    NCCL's, eager and in a CUDA graph, and the static dispatch of a MoE layer through it; rank 0 reports."""
+    import torch.distributed as dist
+
+    from kvship.engine.distributed.groups import init_distributed
+    from kvship.engine.distributed.topology import Topology
+    from kvship.engine.layers.moe.layer import FusedMoE
+    from kvship.engine.parallel.ep import ParallelFusedMoE
+
+    os.environ["KVSHIP_EP_EXCHANGE"] = "p2p"
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    tp = init_distributed(Topology(tp_size=2, rank=rank), init_method, dev, timeout_s=120).tp
+    report = {"exchange": tp.enable_peer_exchange(dev), "eager": [], "graph": None, "layer": None}
+    g = torch.Generator(device=dev).manual_seed(200 + rank)
+    for rows, dtype in ((2, torch.bfloat16), (64, torch.float32), (4096, torch.bfloat16)):
+        x = torch.randn(rows, 2048, device=dev, dtype=dtype, generator=g)
+        ref, got = torch.empty_like(x), torch.empty_like(x)
+        dist.all_to_all_single(ref, x, group=tp.device_group)
+        tp.all_to_all(got, x)
+        gref = torch.empty((2 * rows, 2048), device=dev, dtype=dtype)
+        ggot = torch.empty_like(gref)
+        dist.all_gather_into_tensor(gref, x, group=tp.device_group)
+        tp.all_gather_into(ggot, x)
+        report["eager"].append((rows, str(dtype), torch.equal(got, ref), torch.equal(ggot, gref)))
+    src = torch.zeros(128, 2048, device=dev, dtype=torch.bfloat16)
+    dst, gathered = torch.empty_like(src), torch.empty((256, 2048), device=dev, dtype=torch.bfloat16)
+    tp.all_to_all(dst, src)  # warm-up outside the capture
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with tp.graph_capture(), torch.cuda.graph(graph):
+        tp.all_to_all(dst, src)
+        tp.all_gather_into(gathered, src)
+    same = []
+    for _ in range(3):
+        src.copy_(torch.randn(128, 2048, device=dev, dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        ref, gref = torch.empty_like(src), torch.empty_like(gathered)
+        dist.all_to_all_single(ref, src, group=tp.device_group)
+        dist.all_gather_into_tensor(gref, src, group=tp.device_group)
+        same.append(torch.equal(dst, ref) and torch.equal(gathered, gref))
+    report["graph"] = same
+    # a MoE layer (8 experts, top-2): static over peer memory equals the all-reduce dispatch, eager and in a graph
+    with dev:
+        layer = ParallelFusedMoE(FusedMoE(8, 2, 256, 128, renormalize=True, dtype=torch.float32), tp, 2, "static")
+    torch.manual_seed(7)  # the same weights and tokens on both ranks
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, 0.1)
+        layer.w2_weight.normal_(0, 0.1)
+    x = torch.randn(37, 256, device=dev)
+    logits = torch.randn(37, 8, device=dev)
+    with torch.inference_mode():
+        static = layer(x, logits)
+        layer.dispatch = "all_reduce"
+        plain = layer(x, logits)
+        layer.dispatch = "static"
+        static_out = layer(x, logits)
+        torch.cuda.synchronize(dev)
+        lg = torch.cuda.CUDAGraph()
+        with tp.graph_capture(), torch.cuda.graph(lg):
+            static_out = layer(x, logits)
+        lg.replay()
+    report["layer"] = (float((static - plain).abs().max()), float((static_out - plain).abs().max()))
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(report)
+
+
+def test_peer_exchange_equals_nccl_eager_and_in_cuda_graphs():
+    """``KVSHIP_EP_EXCHANGE=p2p`` (``engine/parallel/p2p_exchange.py``): the group's equal-split all-to-all and
+    all-gather pulled over peer memory move NCCL's bytes exactly, eager and replayed from a CUDA graph, and a MoE
+    layer's ``static`` dispatch through them equals the all-reduce dispatch (float32: bit-equal at two ranks)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_exchange_rank, args=(r, init_method, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        report = q.get(timeout=180)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert report["exchange"], "the two GPUs' group fell back to NCCL for the exchange (see the rank logs)"
+    assert all(a and b for _, _, a, b in report["eager"]), report
+    assert report["graph"] == [True, True, True], report
+    assert report["layer"] == (0.0, 0.0), report
 
 
 def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
@@ -292,6 +391,10 @@ def test_moe_ep2_gives_tp1_tokens_and_expert_load_with_idle_experts(workers, pro
 
     ref, got = generate(one, prompts), generate(ep, prompts)
     assert_same_greedy(ref, got, TIE_TOL["float32"], "tiny Qwen3-MoE float32, TP=2 EP=2 vs TP=1")
+    static = workers["moe_tp2_ep2_static"]
+    assert "expert-parallel exchange: over peer memory" in open(static.log_path, errors="replace").read()
+    got = generate(static, prompts)
+    assert_same_greedy(ref, got, TIE_TOL["float32"], "tiny Qwen3-MoE float32, EP=2 static over peer memory vs TP=1")
     routed = 2 * sum(n + NEW_TOKENS - 1 for n in PROMPT_LENS) + 2  # top-2, plus the first request's token
     for layer in ("0", "2"):
         assert sum(v for (lay, _), v in _expert_tokens(ep).items() if lay == layer) == routed
