@@ -78,6 +78,41 @@ def _graph(fn: Callable[[], Any], comm) -> Callable[[], Any]:
     return g.replay
 
 
+def _breakdown(comm, exchange, per_rank: int, x, weights, ids, iters: int) -> dict:
+    """The static exchange's parts, each alone in a CUDA graph (microseconds): the packing kernel, the rows' all-to-all
+    and the blocks' all-gather over peer memory and over NCCL, the partials' sum, and one pull of the rows' bytes from
+    the peer's buffer (the link's rate for this copy)."""
+    from kvship.engine.parallel.ep_dispatch import pack, row_bytes, unpack
+
+    n, k, h = comm.size, ids.shape[1], x.shape[1]
+    per = -(-x.shape[0] // n)
+    rb = row_bytes(k, h, x.dtype)
+    send = torch.empty((n * per, rb), dtype=torch.uint8, device=x.device)
+    recv = torch.empty_like(send)
+    block = torch.empty((per, h), dtype=x.dtype, device=x.device)
+    whole = torch.empty((n * per, h), dtype=x.dtype, device=x.device)
+    back = torch.randn((n * per, h), device=x.device).to(x.dtype)
+    p = pack(x, weights, ids, n, comm.rank, per_rank)
+    res = {"rows_bytes": send.numel()}
+
+    def timed(name: str, fn: Callable[[], Any]) -> None:
+        res[name] = _timer(_graph(fn, comm), iters, True, comm) * 1e6
+
+    timed("part_pack_us", lambda: pack(x, weights, ids, n, comm.rank, per_rank, out=send))
+    timed("part_unpack_us", lambda: unpack(p, back, x.dtype))
+    for tag, ex in (("p2p", exchange), ("nccl", None)):
+        if tag == "p2p" and ex is None:
+            continue
+        comm.exchange = ex
+        timed(f"part_a2a_{tag}_us", lambda: comm.all_to_all(recv, send))
+        timed(f"part_gather_{tag}_us", lambda: comm.all_gather_into(whole, block))
+    comm.exchange = exchange
+    if exchange is not None:
+        peer = exchange.peers[(comm.rank + 1) % n][: send.numel()]
+        timed("part_pull_us", lambda: recv.view(-1).copy_(peer))
+    return res
+
+
 def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
     from kvship.engine.distributed.groups import init_distributed
     from kvship.engine.distributed.topology import Topology
@@ -131,6 +166,8 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
                 )
             comm.exchange = exchange
             row["peer_exchange"] = exchange is not None
+            if cuda:
+                row.update(_breakdown(comm, exchange, layer.num_local_experts, x, weights, ids, args.iters))
             # bytes a rank sends to the others: rows + meta out, partials back, its block to all (static); a ring
             # all-reduce's reduce-scatter + all-gather
             per, others, row_b = -(-m // args.ep_size), args.ep_size - 1, h * x.element_size()
@@ -188,6 +225,28 @@ def _table(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
             f"{r['static_bytes_sent'] / max(1, r['all_reduce_bytes_sent']):.2f} |"
         )
     lines += ["", f"peer-memory exchange: {'yes' if rows and rows[0].get('peer_exchange') else 'no (NCCL)'}"]
+    if cuda and rows and "part_pack_us" in rows[0]:
+        lines += [
+            "",
+            "The exchange's parts, each alone in a CUDA graph (us; GB/s on the rows' bytes, `rows` = N*P send rows):",
+            "",
+            "| M | rows MB | pack | all-to-all p2p | all-to-all NCCL | all-gather p2p | all-gather NCCL | sum partials "
+            "| one pull of the rows from the peer |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            mb = r["rows_bytes"] / 1e6
+
+            def cell(key: str, bw: bool = True) -> str:
+                if key not in r:
+                    return "-"
+                return f"{r[key]:.0f}" + (f" ({r['rows_bytes'] / (r[key] * 1e-6) / 1e9:.0f} GB/s)" if bw else "")
+
+            lines.append(
+                f"| {r['m']} | {mb:.1f} | {cell('part_pack_us', False)} | {cell('part_a2a_p2p_us')} | "
+                f"{cell('part_a2a_nccl_us')} | {cell('part_gather_p2p_us', False)} | {cell('part_gather_nccl_us', False)} "
+                f"| {cell('part_unpack_us', False)} | {cell('part_pull_us')} |"
+            )
     lines += ["", "| M | " + " | ".join(SETTINGS) + " | max diff vs all_reduce |", "|---" * (len(SETTINGS) + 2) + "|"]
     for r in rows:
         base = r["all_reduce_us"]

@@ -247,6 +247,11 @@ class Communicator(ABC):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def send_buffer(self, rows: int, row_bytes: int) -> Optional[torch.Tensor]:
+        """Where to build the rows of the next equal-split ``all_to_all`` (uint8 ``[rows, row_bytes]``): the
+        peer-memory exchange's own buffer where it would take them (no copy in), else None (any tensor)."""
+        return None
+
     def enable_peer_exchange(self, device: torch.device) -> bool:
         """Collective: move this group's equal-split all-to-alls and all-gathers to peer GPU memory where the
         backend can (the MoE ``static`` dispatch's exchange, docs/parallel.md "Dispatch"); whether it did."""
@@ -294,6 +299,11 @@ class NcclCommunicator(Communicator):
         if self.exchange is None and self.peer_memory and ENV.EP_EXCHANGE == "p2p":
             self.exchange = P2PExchange.create(self.device_group, device, self.size, agree=self.min_int)
         return self.exchange is not None
+
+    def send_buffer(self, rows: int, row_bytes: int) -> Optional[torch.Tensor]:
+        if self.exchange is None or rows * row_bytes > self.exchange.capacity or (rows * row_bytes) % self.size:
+            return None
+        return self.exchange.buffer[: rows * row_bytes].view(rows, row_bytes)
 
     @_collective
     def all_to_all(

@@ -39,12 +39,14 @@ within float32 rounding at more, and more accurate in bfloat16.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from kvship.engine.distributed.communicator import Communicator, RankLost
+from kvship.engine.parallel.ep_pack import pack_rows, sum_partials
 
 
 @dataclass
@@ -64,22 +66,34 @@ def block(m: int, n: int, rank: int) -> tuple[int, int, int]:
     return min(rank * per, m), min((rank + 1) * per, m), per
 
 
-def pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n: int, rank: int, per_rank: int) -> Packed:
+def use_kernels(x: torch.Tensor) -> bool:
+    """The byte moving of ``pack`` / ``unpack`` by the Triton kernels of ``ep_pack`` (CUDA; the interpreter in
+    tests), else by torch ops."""
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def pack(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    n: int,
+    rank: int,
+    per_rank: int,
+    out: Optional[torch.Tensor] = None,
+    kernels: Optional[bool] = None,
+) -> Packed:
     """Step 1 (module docstring): this rank's tokens, their rows placed by destination with a device prefix sum.
     ``ids`` are the experts' (physical) ids, ``per_rank`` experts on each rank (rank ``d`` holds
-    ``[d*per_rank, (d+1)*per_rank)``)."""
+    ``[d*per_rank, (d+1)*per_rank)``).  ``out``: uint8 ``[n*per, row bytes]`` to pack into (the peer-memory
+    exchange's own buffer); ``kernels``: force the Triton or the torch path (default ``use_kernels``)."""
     m, hidden = x.shape
     k = ids.shape[1]
     lo, hi, per = block(m, n, rank)
     rows = hi - lo
     dev = x.device
     # the block padded to ``per`` tokens: a padded token routes nowhere
-    xb = x.new_zeros((per + 1, hidden))  # + one zero row that empty send rows read
-    xb[:rows] = x[lo:hi]
     idb = torch.full((per, k), -1, dtype=torch.int64, device=dev)
     idb[:rows] = ids[lo:hi].long()
-    wb = torch.zeros((per, k), dtype=torch.float32, device=dev)
-    wb[:rows] = weights[lo:hi].float()
     owner = torch.where(idb >= 0, idb.div(per_rank, rounding_mode="floor"), -1)  # [per, k]
     ranks = torch.arange(n, device=dev)
     on = owner.unsqueeze(1) == ranks.view(1, n, 1)  # [per, n, k]: pair j of token t lives on rank d
@@ -91,6 +105,19 @@ def pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n: int, rank
     inv = torch.full((2 * n * per,), per * n, dtype=torch.int64, device=dev)
     inv.scatter_(0, target.reshape(-1), pair.reshape(-1))
     inv = inv[: n * per]  # send row -> its (t, d) pair, or per*n: empty
+    row = target.clamp(max=n * per - 1)
+    if use_kernels(x) if kernels is None else kernels:
+        send = (
+            out
+            if out is not None
+            else torch.empty((n * per, row_bytes(k, hidden, x.dtype)), dtype=torch.uint8, device=dev)
+        )
+        pack_rows(send, x, ids, weights, inv, lo, per, per_rank, n)
+        return Packed(m, per, send, row, hit)
+    xb = x.new_zeros((per + 1, hidden))  # + one zero row that empty send rows read
+    xb[:rows] = x[lo:hi]
+    wb = torch.zeros((per, k), dtype=torch.float32, device=dev)
+    wb[:rows] = weights[lo:hi].float()
     send_x = xb.index_select(0, inv.div(n, rounding_mode="floor"))  # empty rows read the zero row ``per``
     local = torch.where(on, idb.unsqueeze(1) - ranks.view(1, n, 1) * per_rank, -1)  # [per, n, k]
     meta = torch.cat([local.float(), wb.unsqueeze(1).expand(per, n, k)], dim=-1).reshape(per * n, 2 * k)
@@ -101,7 +128,11 @@ def pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n: int, rank
     pad = row_bytes(k, hidden, x.dtype) - 8 * k - hidden * x.element_size()
     if pad:  # keep every row's start 8-byte aligned, so both parts view back in place
         parts.append(torch.zeros((n * per, pad), dtype=torch.uint8, device=dev))
-    return Packed(m, per, torch.cat(parts, dim=1), target.clamp(max=n * per - 1), hit)
+    send = torch.cat(parts, dim=1)
+    if out is not None:
+        out.copy_(send)
+        send = out
+    return Packed(m, per, send, row, hit)
 
 
 def row_bytes(k: int, hidden: int, dtype: torch.dtype) -> int:
@@ -121,8 +152,10 @@ def split_rows(
     return rows, meta[:, k:].contiguous(), meta[:, :k].to(torch.int32)
 
 
-def unpack(p: Packed, back: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def unpack(p: Packed, back: torch.Tensor, dtype: torch.dtype, kernels: Optional[bool] = None) -> torch.Tensor:
     """Step 4's sum: the token block ``[per, H]`` from the returned partials ``back [n*per, H]``."""
+    if use_kernels(back) if kernels is None else kernels:
+        return sum_partials(back, p.row, p.hit, dtype)
     parts = back.index_select(0, p.row.reshape(-1)).view(p.row.shape[0], p.row.shape[1], -1)  # [per, n, H]
     parts = torch.where(p.hit.unsqueeze(-1), parts.float(), 0.0)
     return parts.sum(1).to(dtype)
@@ -148,7 +181,12 @@ class StaticDispatch:
 
     # the stages, each returning the state the next one takes; ``async_op`` leaves the collective running
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, async_op: bool = False) -> tuple:
-        p = pack(x, weights, ids, self.comm.size, self.comm.rank, self.per_rank)
+        n, k = self.comm.size, ids.shape[1]
+        per = -(-x.shape[0] // n)
+        # packed straight into the peer-memory exchange's buffer where there is one (not for overlapped
+        # micro-batches: the second would overwrite the first's rows while they may still be in flight)
+        out = None if async_op else self.comm.send_buffer(n * per, row_bytes(k, x.shape[1], x.dtype))
+        p = pack(x, weights, ids, n, self.comm.rank, self.per_rank, out=out)
         recv = torch.empty_like(p.send)
         work = self.comm.all_to_all(recv, p.send, async_op=async_op)
         return p, recv, (ids.shape[1], x.shape[1], x.dtype), [work] if async_op else []

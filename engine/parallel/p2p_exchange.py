@@ -74,7 +74,8 @@ class P2PExchange:
         chunk = src.numel() // self.size
         if src.numel() != dst.numel() or chunk * self.size != src.numel():
             raise ValueError(f"all_to_all over peer memory needs equal splits: {src.numel()} -> {dst.numel()} bytes")
-        self.buffer[: src.numel()].copy_(src)
+        if src.data_ptr() != self.buffer.data_ptr():  # else packed in place (``send_buffer``)
+            self.buffer[: src.numel()].copy_(src)
         self.handle.barrier(channel=0)
         mine = slice(self.rank * chunk, (self.rank + 1) * chunk)
         for step in range(self.size):  # every rank starts with another peer: the reads spread over the links
