@@ -98,7 +98,9 @@ def pack(
     ranks = torch.arange(n, device=dev)
     on = owner.unsqueeze(1) == ranks.view(1, n, 1)  # [per, n, k]: pair j of token t lives on rank d
     hit = on.any(-1)  # [per, n]
-    slot = hit.long().cumsum(0) - 1  # the token's place among the rank's tokens (device prefix sum)
+    # the token's place among the rank's tokens (device prefix sum), scanned along the innermost dim: CUDA scans
+    # an outer dim of ``[per, n]`` with one thread per column, ``per`` steps in a row (220 us at 4096 tokens)
+    slot = hit.t().contiguous().long().cumsum(1).t() - 1
     pair = torch.arange(per * n, device=dev).view(per, n)  # (t, d) -> t*n + d
     # every (token, rank) a distinct target: hits at d*per + slot, misses past the buffer (never sent)
     target = torch.where(hit, ranks.view(1, n) * per + slot, n * per + pair)
