@@ -65,7 +65,7 @@ EP_EXCHANGE_PATHS = ("p2p", "nccl")
 
 
 def _ep_exchange(raw: str) -> str:
-    v = raw.strip().lower() or "p2p"
+    v = raw.strip().lower() or "nccl"
     if v not in EP_EXCHANGE_PATHS:
         raise ValueError(f"expected one of {', '.join(EP_EXCHANGE_PATHS)}")
     return v
@@ -153,7 +153,8 @@ class _Env:
         "KVSHIP_SPLIT_VERIFY",
         _bool,
         True,
-        "speculative verify of few draft tokens on the split-KV kernel (CUDA; docs/speculative.md)",
+        "speculative verify of few draft tokens on the split-KV kernel (CUDA; docs/speculative.md); for MLA "
+        "models also the split-KV absorbed extend of verify rounds and short extends (docs/deepseek.md)",
     )
     FUSE_ROPE_KV_STORE = Knob(
         "KVSHIP_FUSE_ROPE_KV_STORE", _bool, True, "RoPE and the KV-cache store in one kernel on CUDA"
@@ -175,10 +176,10 @@ class _Env:
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",
         _ep_exchange,
-        "p2p",
-        "the MoE static dispatch's exchange (--ep-dispatch static): p2p (equal-split all-to-alls and all-gathers "
-        "pulled over peer GPU memory, NCCL for larger tensors and wherever a rank cannot map peer memory) or nccl; "
-        'docs/parallel.md, "Dispatch"',
+        "nccl",
+        "the MoE static dispatch's exchange (--ep-dispatch static): nccl, or p2p (equal-split all-to-alls and "
+        "all-gathers pulled over peer GPU memory, NCCL for larger tensors and wherever a rank cannot map peer "
+        'memory; measured no faster than NCCL on two H200s, so off by default); docs/parallel.md, "Dispatch"',
     )
     HICACHE_LOAD_AHEAD = Knob(
         "KVSHIP_HICACHE_LOAD_AHEAD",

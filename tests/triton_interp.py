@@ -23,10 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SELECTIONS = {
     "tests/test_mla_triton.py": "test_mla_triton",
     "tests/test_mla_graph.py": "test_mla_graph and not interpreter",
+    "tests/test_mla_verify_split.py": "test_mla_verify_split and not interpreter",
     "tests/test_deepseek_extend_switch.py": "test_deepseek_extend_switch and triton and not interpreter",
     "tests/test_deepseek_fp8_kv.py": "test_deepseek_fp8_kv and triton and not interpreter",
     "tests/test_hicache_kernel_io.py": "test_hicache_kernel_io and not interpreter",
     "tests/test_moe_route_kernel.py": "test_moe_route_kernel and not interpreter",
+    "tests/test_ep_pack.py": "test_ep_pack and not interpreter",
 }
 # the file whose interpreter test asks for a file's cases, where that is another file
 ASKED_BY = {"tests/test_mla_triton.py": "tests/test_deepseek.py"}

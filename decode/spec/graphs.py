@@ -8,7 +8,9 @@ the trees' positions and tree mask from their parent slots (``tree_build``'s
 Triton kernel; a replay copies only the parents).  The graph's attention
 is our Triton extend kernel with tree masks (``TritonExtendMeta``; at most
 ``SPLIT_VERIFY_MAX_TOKENS`` tokens run the split-KV verify kernel unless
-``KVSHIP_SPLIT_VERIFY=0``, docs/speculative.md), whose
+``KVSHIP_SPLIT_VERIFY=0``, docs/speculative.md; an MLA target's backend splits
+its absorbed kernel by the graph size, into scratch it allocates in
+``init_verify_cuda_graph_state``, docs/deepseek.md), whose
 per-step tensors are static buffers refreshed before each replay; padding
 requests use request row 0 with no prefix and write their K/V into slot 0,
 which the KV pool reserves for padding.
@@ -85,6 +87,8 @@ class VerifyGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=dev)
         t0 = time.perf_counter()
+        # fixed buffers the backend's verify attention captures against (the triton MLA backend's split scratch)
+        runner.attn_backend.init_verify_cuda_graph_state(self.max_bs, k)
         # MoE targets: padding rows (KV slot 0) stay out of the expert load
         rows = count_rows_by_slot(runner.model, self.out_cache_loc)
         with torch.inference_mode(), rows, collector_paused(), runner.graph_capture():

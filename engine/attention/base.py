@@ -169,6 +169,11 @@ class AttentionBackend(ABC):
     ) -> None:
         """Refresh the fixed buffers in place before replaying the graph for ``bs``."""
 
+    def init_verify_cuda_graph_state(self, max_bs: int, tokens_per_request: int) -> None:
+        """Allocate fixed buffers for the speculative verify graphs (kvship.decode.spec.graphs: up to ``max_bs``
+        requests of ``tokens_per_request`` draft tokens each), once, before they are captured; most backends need
+        none (the triton MLA backend's split-KV verify does)."""
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Sequence length written into padded rows of a replayed batch."""
         return 1

@@ -9,7 +9,8 @@
   and one contiguous part of its context, loads each latent row ONCE for all those heads, and keeps an online
   softmax: scores ``q_c . c + q_pe . k_pe`` (two MMAs), values ``c`` (the row's first ``R`` columns).  It
   writes its normalised partial output and log-sum-exp.
-* Stage 2, grid ``(B, H)``: merges the parts by their log-sum-exp.
+* Stage 2, grid ``(B, H)``: merges the parts by their log-sum-exp (``_mla_merge_splits``, which the split-KV
+  absorbed extend shares).
 
 Returns ``[B, H, R]`` in ``q``'s dtype; the model applies ``W_UV`` after it.  Accumulation is float32.
 An FP8 latent pool (``--kv-cache-dtype fp8_e4m3``) is read as ``float(e4m3) * kv_scale``, the layer's scale
@@ -20,7 +21,8 @@ Parts past a short request's length are empty (log-sum-exp ``-inf``) and weigh n
 ``MLATritonBackend`` (``--attention-backend triton`` for MLA models) runs decode through it, and extends
 through the kernels of kvship.engine.attention.mla_triton_extend: prefill / prefix-cached extends decompressed
 (``kv_b_proj`` of the request's latent rows as one GEMM, then a causal flash kernel), verify and draft extends
-absorbed over the latent pool (tree masks for TARGET_VERIFY).
+absorbed over the latent pool (tree masks for TARGET_VERIFY); absorbed extends of at most
+``SPLIT_EXTEND_MAX_EXT`` new tokens per request split the prefix over several programs (``MLAExtendSplits``).
 
 Splits and CUDA graphs (``MLADecodeSplits``): a decode batch that pads to a CUDA-graph size
 (``AttentionContext.cuda_graph_bs``, given also when graphs are off) splits its contexts by
@@ -29,8 +31,17 @@ length -- so an eager step and a replayed graph of the same batch run the very s
 captured once holds for every context length.  Larger batches split by their longest context
 (``decode_splits``).  Under graphs the partial outputs / log-sum-exps live in scratch allocated once
 (``init_cuda_graph_state``) and the kernels read ``req_pool_indices`` / ``seq_lens`` straight from the graph
-runner's static buffers: replay refreshes nothing.  Only DECODE is captured; the speculative verify graphs
-(kvship.decode.spec.graphs) hand ``forward_extend`` the Triton extend metadata (``TritonExtendMeta``) itself.
+runner's static buffers: replay refreshes nothing.  Only DECODE is captured through these hooks; the
+speculative verify graphs (kvship.decode.spec.graphs) hand ``forward_extend`` the Triton extend metadata
+(``TritonExtendMeta``) over their own static buffers.
+
+Splits of the absorbed extend (``MLAExtendSplits``) follow the same rule: ``graph_extend_splits`` of the padded
+batch size, the longest extend (tokens per request), the head count and the SM count -- the absorbed kernel's
+``(request, row block, head block)`` programs times the splits fill the SMs -- never a context length, each
+program finding its chunk from the device-side lengths.  A verify graph (``TritonExtendMeta``: its request count
+is the graph size) takes that count and the static scratch ``init_verify_cuda_graph_state`` allocates for the
+largest verify graph; an eager verify round of a batch that pads to a graph size takes the same count (its own
+scratch, made at the first layer), so eager and replayed rounds run the same kernels.
 """
 
 from __future__ import annotations
@@ -42,9 +53,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.common.envs import ENV
 from kvship.engine.attention.base import AttentionContext
 from kvship.engine.attention.mla import Decompress, MLALayerSpec, MLATorchBackend
-from kvship.engine.attention.mla_triton_extend import dot_precision, mla_extend_absorbed, mla_extend_decompressed
+from kvship.engine.attention.mla_triton_extend import (
+    _mla_merge_splits,
+    absorbed_programs,
+    dot_precision,
+    mla_extend_absorbed,
+    mla_extend_decompressed,
+    split_scratch_size,
+)
 from kvship.engine.attention.triton_backend import TritonExtendMeta, extend_meta
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -130,28 +149,6 @@ def _mla_decode_part(
     part = (b.to(tl.int64) * num_heads + heads.to(tl.int64)) * NUM_SPLITS + s
     tl.store(O_PART + part[:, None] * R + offs_r[None, :], out, mask=hmask[:, None] & rmask[None, :])
     tl.store(LSE_PART + part, lse, mask=hmask)
-
-
-@triton.jit
-def _mla_decode_merge(
-    O_PART,
-    LSE_PART,
-    OUT,
-    R: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    bh = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_r = tl.arange(0, BLOCK_R)
-    lse = tl.load(LSE_PART + bh * NUM_SPLITS + offs_s)
-    m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
-    parts = tl.load(
-        O_PART + (bh * NUM_SPLITS + offs_s)[:, None] * R + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0
-    )
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(OUT + bh * R + offs_r, out.to(OUT.dtype.element_ty), mask=offs_r < R)
 
 
 def mla_decode(
@@ -252,7 +249,7 @@ def mla_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _mla_decode_merge[(bs * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=block_r)
+    _mla_merge_splits[(bs * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=block_r)
     return out
 
 
@@ -275,6 +272,27 @@ def graph_decode_splits(bs: int, num_heads: int, num_sms: int) -> int:
     are empty (log-sum-exp ``-inf``) and weigh nothing in the merge.  (Not tuned on a GPU yet.)"""
     programs = max(1, bs * triton.cdiv(num_heads, DECODE_BLOCK_H))
     return min(triton.next_power_of_2(triton.cdiv(max(num_sms, 1), programs)), MAX_GRAPH_SPLITS)
+
+
+# absorbed extends (verify rounds, draft extends, short turns) of at most this many new tokens per request take
+# the split-KV absorbed kernel where the split rule gives it more than one split; longer extends have programs
+# enough in the single pass (one per 16 (token, head) rows), so they keep it
+SPLIT_EXTEND_MAX_EXT = 16
+
+
+def graph_extend_splits(bs: int, max_ext: int, num_heads: int, num_sms: int) -> int:
+    """``mla_extend_absorbed``'s ``num_splits`` for ``bs`` requests (the CUDA-graph size a batch pads to) of at
+    most ``max_ext`` new tokens: enough ``(request, row block, head block, split)`` programs for one per SM,
+    rounded up to a power of two, at most ``MAX_GRAPH_SPLITS`` -- ``graph_decode_splits``' rule over the absorbed
+    kernel's programs (``absorbed_programs``), and 2 where the programs outnumber the SMs by at most 4x: on an
+    H200 two splits ran 3.9-4x faster than the single pass there (DeepSeek-V3's 128 heads at batch 8, 4 or 8
+    tokens; docs/deepseek.md, "Split count of the absorbed extend"), and the cap keeps the scratch under
+    ``8 x SMs`` programs' partials.  No context length enters, so a captured verify graph holds for any; chunks
+    past a short context are empty and weigh nothing in the merge."""
+    sms = max(num_sms, 1)
+    programs = max(1, absorbed_programs(bs, num_heads, max_ext))
+    splits = min(triton.next_power_of_2(triton.cdiv(sms, programs)), MAX_GRAPH_SPLITS)
+    return 2 if splits == 1 and programs <= 4 * sms else splits
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -351,6 +369,67 @@ class MLADecodeSplits:
         return MLADecodeMeta(self.graph_splits(bs), self._scratch)
 
 
+class MLAExtendSplits:
+    """The split count of every absorbed extend and the scratch the verify graphs capture against.
+
+    Invariant (as ``MLADecodeSplits``'): an extend of ``bs <= max(ctx.cuda_graph_bs)`` requests with at most
+    ``SPLIT_EXTEND_MAX_EXT`` new tokens each takes ``graph_extend_splits`` of the size ``bs`` pads to and its
+    longest extend, eager or captured, so an eager verify round and a replayed verify graph of the same batch
+    (trees padded to the graphs' size) run the same kernels; a larger batch also caps it by its longest context
+    (``decode_splits``: one split per ``TOKENS_PER_SPLIT`` tokens).  One split: the single-pass kernel.
+    ``enabled`` False (``KVSHIP_SPLIT_VERIFY=0``): always one."""
+
+    def __init__(self, ctx: AttentionContext, decode: MLADecodeSplits, enabled: bool = True):
+        self.decode = decode  # the graph sizes, the padding rule, the SM count
+        self.num_heads = ctx.num_heads
+        self.row_width = ctx.head_dim  # a partial output row holds kv_lora_rank values, never more
+        self.device = ctx.device
+        self.enabled = enabled
+        self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def graph_splits(self, bs: int, max_ext: int) -> int:
+        """The splits of ``bs`` requests of at most ``max_ext`` new tokens by the graph rule (no context length)."""
+        if not self.enabled or not 1 <= max_ext <= SPLIT_EXTEND_MAX_EXT:
+            return 1
+        return graph_extend_splits(self.decode.padded_bs(bs), max_ext, self.num_heads, self.decode.num_sms)
+
+    def num_splits(self, bs: int, max_ext: int, seq_lens_cpu: Sequence[int]) -> int:
+        """The splits of an eager extend (``seq_lens_cpu`` read only past the graphs)."""
+        splits = self.graph_splits(bs, max_ext)
+        if splits == 1 or self.decode.graph_stable(bs):
+            return splits
+        return min(splits, decode_splits(max(seq_lens_cpu, default=1), MAX_GRAPH_SPLITS))
+
+    def init_graph_scratch(self, max_bs: int, tokens_per_request: int) -> None:
+        """Static scratch for verify graphs of up to ``max_bs`` requests of ``tokens_per_request`` tokens (each
+        size at its own split count), allocated once; none where no such graph splits."""
+        need = (0, 0)
+        for b in range(1, max_bs + 1):
+            padded = self.decode.padded_bs(b)
+            splits = self.graph_splits(padded, tokens_per_request)
+            if splits > 1:
+                size = split_scratch_size(padded * tokens_per_request, self.num_heads, splits, self.row_width)
+                need = max(need, size)
+        self._scratch = None
+        if need[0]:
+            self._scratch = (
+                torch.empty(need[0], dtype=torch.float32, device=self.device),
+                torch.empty(need[1], dtype=torch.float32, device=self.device),
+            )
+
+    def graph_scratch(
+        self, tokens: int, num_heads: int, splits: int, kv_lora_rank: int
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The static scratch where it holds a forward of ``tokens`` x ``num_heads`` x ``splits``; else None (the
+        kernel allocates its own: a graph captured so keeps it in its memory pool)."""
+        if self._scratch is None:
+            return None
+        n_out, n_lse = split_scratch_size(tokens, num_heads, splits, kv_lora_rank)
+        if self._scratch[0].numel() < n_out or self._scratch[1].numel() < n_lse:
+            return None
+        return self._scratch
+
+
 @dataclass
 class MLAExtendMeta:
     """Per-step tensors of the Triton MLA extends (shared by every layer of the forward)."""
@@ -358,6 +437,9 @@ class MLAExtendMeta:
     ext: TritonExtendMeta  # prefix / extend lengths, query starts, tree masks
     kv_starts: torch.Tensor  # [bs] int32: where request b's rows start in the packed decompressed K / V
     kv_slots: torch.Tensor  # [sum(seq_lens)] int64: every request's slots, prefix then new (position order)
+    # the absorbed kernel's splits (MLAExtendSplits; 1: single pass) and its scratch, made at the first layer
+    num_splits: int = 1
+    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def mla_extend_meta(fb: ForwardBatch) -> MLAExtendMeta:
@@ -381,7 +463,8 @@ def mla_extend_meta(fb: ForwardBatch) -> MLAExtendMeta:
 class MLATritonBackend(MLATorchBackend):
     """``--attention-backend triton`` for MLA models: decode through ``mla_decode`` (split-KV over the latent
     pool; CUDA graphs of decode: module docstring), extends through ``mla_extend_decompressed`` (prefill,
-    prefix-cached extends) and ``mla_extend_absorbed`` (verify with its tree masks, draft extends)."""
+    prefix-cached extends) and ``mla_extend_absorbed`` (verify with its tree masks, draft extends; split-KV for
+    short extends, ``MLAExtendSplits``)."""
 
     supports_cuda_graph = True
     # decode steps may run ``mla_prep.mla_decode_prep`` (norm, rotary, latent store in one kernel) and hand
@@ -391,6 +474,7 @@ class MLATritonBackend(MLATorchBackend):
     def __init__(self, ctx: AttentionContext):
         super().__init__(ctx)
         self.splits = MLADecodeSplits(ctx)
+        self.extend_splits = MLAExtendSplits(ctx, self.splits, enabled=ENV.SPLIT_VERIFY)
         # this step's metadata (an eager step's, a capture's, or the verify graphs' TritonExtendMeta)
         self.forward_metadata: Optional[object] = None
 
@@ -402,6 +486,7 @@ class MLATritonBackend(MLATorchBackend):
             meta = MLADecodeMeta(self.splits.num_splits(fb.batch_size, fb.seq_lens_cpu))
         else:
             meta = mla_extend_meta(fb)
+            meta.num_splits = self.extend_splits.num_splits(fb.batch_size, meta.ext.max_extend_len, fb.seq_lens_cpu)
         self.forward_metadata = meta
         fb.attn_metadata = meta
 
@@ -433,14 +518,33 @@ class MLATritonBackend(MLATorchBackend):
         )
 
     def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):
-        """Absorbed: ``q [T, H, latent_dim]`` -> ``[T, H, kv_lora_rank]`` (causal, or the verify tree masks)."""
+        """Absorbed: ``q [T, H, latent_dim]`` -> ``[T, H, kv_lora_rank]`` (causal, or the verify tree masks);
+        split-KV where ``MLAExtendSplits`` gives more than one split."""
         fb = forward_batch
         meta = self.forward_metadata
-        # an eager step's MLAExtendMeta, or the verify graphs' TritonExtendMeta over their static buffers
-        e = meta if isinstance(meta, TritonExtendMeta) else meta.ext  # type: ignore[union-attr]
         buf = self._store(fb, layer, k, save_kv_cache)
+        qv = q.view(-1, layer.num_heads, layer.latent_dim).contiguous()
+        scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if isinstance(meta, TritonExtendMeta):
+            # the verify graphs' metadata over their static buffers: splits by the graph size (its request count)
+            # and the static scratch of init_verify_cuda_graph_state
+            e = meta
+            splits = self.extend_splits.graph_splits(int(e.prefix_lens.shape[0]), e.max_extend_len)
+            if splits > 1:
+                scratch = self.extend_splits.graph_scratch(qv.shape[0], layer.num_heads, splits, layer.kv_lora_rank)
+        else:
+            e = meta.ext  # type: ignore[union-attr]
+            splits = meta.num_splits  # type: ignore[union-attr]
+            if splits > 1:
+                if meta.scratch is None:  # type: ignore[union-attr]
+                    n_out, n_lse = split_scratch_size(qv.shape[0], layer.num_heads, splits, layer.kv_lora_rank)
+                    meta.scratch = (  # type: ignore[union-attr]
+                        torch.empty(n_out, dtype=torch.float32, device=qv.device),
+                        torch.empty(n_lse, dtype=torch.float32, device=qv.device),
+                    )
+                scratch = meta.scratch  # type: ignore[union-attr]
         return mla_extend_absorbed(
-            q.view(-1, layer.num_heads, layer.latent_dim).contiguous(),
+            qv,
             buf,
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
@@ -453,6 +557,8 @@ class MLATritonBackend(MLATorchBackend):
             tree_mask=e.custom_mask,
             mask_starts=e.mask_starts,
             kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
+            num_splits=splits,
+            scratch=scratch,
         )
 
     def forward_extend_decompressed(
@@ -491,9 +597,14 @@ class MLATritonBackend(MLATorchBackend):
             kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
         )
 
-    # --- CUDA graphs (decode only) -------------------------------------------
+    # --- CUDA graphs (decode; the speculative verify graphs bring their own metadata) ---------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.splits.init_graph_scratch(max_bs)
+
+    def init_verify_cuda_graph_state(self, max_bs: int, tokens_per_request: int) -> None:
+        """The split-KV absorbed kernel's static scratch for verify graphs of up to ``max_bs`` requests of
+        ``tokens_per_request`` tokens (kvship.decode.spec.graphs calls it before capturing)."""
+        self.extend_splits.init_graph_scratch(max_bs, tokens_per_request)
 
     def init_forward_metadata_capture_cuda_graph(
         self,

@@ -12,7 +12,18 @@ otherwise; docs/deepseek.md, "FP8 latent cache").
 * ``mla_extend_absorbed`` (verify, draft extends): queries ``[T, H, R + P]`` (``[q_nope @ W_UK | q_pe]``) over
   the latent rows (keys: the whole row; values: its first ``R`` columns) -> ``[T, H, R]``; ``W_UV`` after it.
   Grid ``(B, ceil(max_ext / BLOCK_M), ceil(H / BLOCK_H))``: one program's rows are ``BLOCK_M`` tokens times
-  ``BLOCK_H`` heads, which share every latent row it loads (as in the split-KV decode).
+  ``BLOCK_H`` heads, which share every latent row it loads (as in the split-KV decode).  With ``num_splits > 1``
+  it runs split-KV instead (below).
+* Split-KV absorbed extend (``mla_extend_absorbed(..., num_splits=S)``, S a power of two > 1; verify rounds and
+  other short extends, where the single pass has too few programs for a long prefix).  Stage 1
+  (``_mla_extend_absorbed_part``), grid ``(ceil(max_ext / BLOCK_M) * ceil(H / BLOCK_H), S, B)``: the same rows
+  as the single pass, over one contiguous chunk of the request's ``prefix_lens[b] + ext_lens[b]`` positions
+  (chunk ``s`` of ``ceil(len / S)``, computed in the kernel from the device-side lengths, so a captured graph
+  holds for any context; chunks past a short request's end are empty), the new tokens under the same causal /
+  tree-mask visibility; it writes each (token, head) row's normalised partial output and log-sum-exp in
+  float32 (``-inf`` where the chunk holds nothing the row may see: such a part weighs nothing, never NaN).
+  Stage 2 (``_mla_merge_splits``, the decode's merge, grid ``(T * H,)``) merges them by log-sum-exp.  Products
+  in the queries' dtype with float32 accumulators, ``kv_scale`` on the scores and the output (as the decode).
 * ``mla_extend_decompressed`` (prefill and prefix-cached extends): queries ``[T, H, d_nope + P]`` over per-head
   keys ``[k_nope | k_pe]`` and values ``v``: ``k_nope`` / ``v`` ``[S, H, d]`` are ``kv_b_proj`` of the requests'
   latent rows, packed per request from ``kv_starts[b]`` (prefix then new, in position order); ``k_pe`` (shared
@@ -134,6 +145,130 @@ def _mla_extend_absorbed_kernel(
 
 
 @triton.jit
+def _mla_extend_absorbed_part(
+    Q,
+    KV,
+    O_PART,
+    LSE_PART,
+    R2T,
+    RPI,
+    PRE,
+    EXT,
+    QST,
+    MASK,
+    MST,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_r2t,
+    scale,
+    kv_scale,
+    num_heads,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # stage 1 of the split-KV absorbed extend (module docstring): the single pass's rows (BLOCK_M new tokens x
+    # BLOCK_H heads) over chunk s of the request's positions; the (row block, head block) programs of one chunk
+    # are adjacent in launch order, so they read its latent rows while they are in L2
+    num_hb = tl.cdiv(num_heads, BLOCK_H)
+    mb = tl.program_id(0) // num_hb
+    hb = tl.program_id(0) % num_hb
+    s = tl.program_id(1)
+    b = tl.program_id(2)
+    ext = tl.load(EXT + b).to(tl.int32)
+    if mb * BLOCK_M >= ext:
+        return
+    pre = tl.load(PRE + b).to(tl.int32)
+    q0 = tl.load(QST + b).to(tl.int64)
+    row = tl.load(RPI + b).to(tl.int64)
+    mask_start = tl.load(MST + b).to(tl.int64)  # a placeholder's first value without a mask: never used
+
+    rows = tl.arange(0, BLOCK_M * BLOCK_H)
+    offs_m = mb * BLOCK_M + rows // BLOCK_H  # each row's new token
+    h = (hb * BLOCK_H + rows % BLOCK_H).to(tl.int64)  # and head
+    mmask = (offs_m < ext) & (h < num_heads)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    rmask = offs_r < R
+    pmask = offs_p < P
+    q_base = Q + (q0 + offs_m[:, None]).to(tl.int64) * stride_qt + h[:, None] * stride_qh
+    # products in the queries' dtype (bf16 tensor cores on a GPU; float32 stays float32), fp32 accumulators
+    q_c = tl.load(q_base + offs_r[None, :], mask=mmask[:, None] & rmask[None, :], other=0.0)
+    q_p = tl.load(q_base + R + offs_p[None, :], mask=mmask[:, None] & pmask[None, :], other=0.0)
+
+    # chunk s of the request's positions (the same chunks for every row block); causal: no key past this
+    # block's last query; a tree may look anywhere among its own tokens
+    per = tl.cdiv(pre + ext, NUM_SPLITS)
+    start = s * per
+    last = pre + ext if HAS_MASK else pre + tl.minimum(ext, (mb + 1) * BLOCK_M)
+    end = tl.minimum(start + per, last)
+    m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < end
+        slot = tl.load(R2T + row * stride_r2t + pos, mask=nmask, other=0).to(tl.int64)
+        kv_row = KV + slot[:, None] * stride_kv
+        # the stored row (model dtype, or e4m3: exact in the queries' dtype); the layer's dequantization scale
+        # multiplies the scores and the output instead of every element
+        c = tl.load(kv_row + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0).to(q_c.dtype)
+        pe = tl.load(kv_row + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0).to(q_c.dtype)
+        qk = tl.dot(q_c, tl.trans(c), input_precision=DOT_PREC) + tl.dot(q_p, tl.trans(pe), input_precision=DOT_PREC)
+        ok = _visible(pos, pre, offs_m, ext, MASK, mask_start, HAS_MASK) & nmask[None, :] & mmask[:, None]
+        qk = tl.where(ok, qk * (scale * kv_scale), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stays empty, not NaN
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc * kv_scale / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = ((q0 + offs_m).to(tl.int64) * num_heads + h) * NUM_SPLITS + s
+    tl.store(O_PART + part[:, None] * R + offs_r[None, :], out, mask=mmask[:, None] & rmask[None, :])
+    tl.store(LSE_PART + part, lse, mask=mmask)
+
+
+@triton.jit
+def _mla_merge_splits(
+    O_PART,
+    LSE_PART,
+    OUT,
+    R: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Stage 2 of the split-KV decode and absorbed extend, one program per (query, head) row ``bh``: its
+    ``NUM_SPLITS`` normalised parts (``O_PART [rows, NUM_SPLITS, R]``) weighted by their log-sum-exps into
+    ``OUT [rows, R]``.  Empty parts (``-inf``) weigh nothing; a row with no part at all gets zeros, not NaN."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_r = tl.arange(0, BLOCK_R)
+    lse = tl.load(LSE_PART + bh * NUM_SPLITS + offs_s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every part empty: no -inf - -inf
+    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+    parts = tl.load(
+        O_PART + (bh * NUM_SPLITS + offs_s)[:, None] * R + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0
+    )
+    den = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + bh * R + offs_r, out.to(OUT.dtype.element_ty), mask=offs_r < R)
+
+
+@triton.jit
 def _mla_extend_decompressed_kernel(
     Q,
     KN,
@@ -244,6 +379,28 @@ def _latent_rows(latent: torch.Tensor, dim: int) -> torch.Tensor:
     return kv
 
 
+def absorbed_tiles(num_heads: int, max_ext: int, max_rows: int = 16) -> tuple[int, int]:
+    """``(block_m, block_h)`` of ``mla_extend_absorbed``'s programs (single pass and split alike): heads per
+    program all of them up to 16; tokens per program enough for 16 rows (``tl.dot``'s minimum), up to
+    ``max_rows`` rows, no more than the longest extend needs."""
+    block_h = min(triton.next_power_of_2(num_heads), 16)
+    block_m = max(16 // block_h, min(triton.next_power_of_2(max(max_ext, 1)), max(max_rows // block_h, 1)))
+    return block_m, block_h
+
+
+def absorbed_programs(bs: int, num_heads: int, max_ext: int, max_rows: int = 16) -> int:
+    """``(request, row block, head block)`` programs of ``mla_extend_absorbed`` for ``bs`` requests of at most
+    ``max_ext`` new tokens (each split multiplies them)."""
+    block_m, block_h = absorbed_tiles(num_heads, max_ext, max_rows)
+    return bs * triton.cdiv(max(max_ext, 1), block_m) * triton.cdiv(num_heads, block_h)
+
+
+def split_scratch_size(tokens: int, num_heads: int, num_splits: int, kv_lora_rank: int) -> tuple[int, int]:
+    """Float32 values of the split-KV absorbed extend's scratch: partial outputs, log-sum-exps."""
+    parts = tokens * num_heads * num_splits
+    return parts * kv_lora_rank, parts
+
+
 def _check_lens(q: torch.Tensor, ext_lens: torch.Tensor, prefix_lens: torch.Tensor, q_starts: torch.Tensor) -> int:
     bs = ext_lens.shape[0]
     if prefix_lens.shape[0] != bs or q_starts.shape[0] != bs:
@@ -267,15 +424,24 @@ def mla_extend_absorbed(
     max_rows: int = 16,
     block_n: int = 32,
     kv_scale: float = 1.0,
+    num_splits: int = 1,
+    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Absorbed extend / tree verify (module docstring): ``[T, H, kv_lora_rank]`` in ``q``'s dtype.
     ``max_rows`` (a power of two) bounds the (token, head) rows of one program: 16 by default, the decode
     kernel's tile (16 rows of ``kv_lora_rank`` float32 accumulators); not tuned on a GPU yet.  ``kv_scale``: the
-    layer's dequantization scale (module docstring)."""
+    layer's dequantization scale (module docstring).
+
+    ``num_splits``: 1 runs the single-pass kernel; a power of two > 1 the split-KV kernel and its merge (module
+    docstring).  ``scratch``: preallocated flat float32 buffers for the split path's partial outputs and
+    log-sum-exps (at least ``split_scratch_size(T, H, num_splits, kv_lora_rank)`` values each), so that a CUDA
+    graph allocates none of its own; None: allocated here.  Unused with one split."""
     t, num_heads, dim = q.shape
     r, p = kv_lora_rank, dim - kv_lora_rank
     if p <= 0:
         raise ValueError(f"queries of {dim} values leave no rope dims after kv_lora_rank {r}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     kv = _latent_rows(latent, dim)
     bs = _check_lens(q, ext_lens, prefix_lens, q_starts)
     if (tree_mask is None) != (mask_starts is None):
@@ -284,26 +450,73 @@ def mla_extend_absorbed(
     if bs == 0 or t == 0 or max_ext == 0:
         return out
     has_mask = tree_mask is not None
-    # heads per program: all of them up to 16; tokens per program: enough for 16 rows (tl.dot's minimum), up to
-    # max_rows rows, no more than the longest extend needs
-    block_h = min(triton.next_power_of_2(num_heads), 16)
-    block_m = max(16 // block_h, min(triton.next_power_of_2(max_ext), max(max_rows // block_h, 1)))
-    grid = (bs, triton.cdiv(max_ext, block_m), triton.cdiv(num_heads, block_h))
-    _mla_extend_absorbed_kernel[grid](
+    block_m, block_h = absorbed_tiles(num_heads, max_ext, max_rows)
+    row_blocks, head_blocks = triton.cdiv(max_ext, block_m), triton.cdiv(num_heads, block_h)
+    mask_args = (
+        tree_mask if has_mask else q,  # unread without a mask
+        mask_starts if has_mask else q_starts,
+    )
+    if num_splits == 1:
+        _mla_extend_absorbed_kernel[(bs, row_blocks, head_blocks)](
+            q,
+            kv,
+            out,
+            req_to_token,
+            req_pool_indices,
+            prefix_lens,
+            ext_lens,
+            q_starts,
+            *mask_args,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv.stride(0),
+            req_to_token.stride(0),
+            scale,
+            float(kv_scale),
+            num_heads,
+            R=r,
+            P=p,
+            HAS_MASK=has_mask,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            BLOCK_R=_dot_block(r),
+            BLOCK_P=_dot_block(p),
+            DOT_PREC=dot_precision(q.dtype),
+        )
+        return out
+
+    n_out, n_lse = split_scratch_size(t, num_heads, num_splits, r)
+    if scratch is None:
+        o_part = torch.empty(n_out, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(n_lse, dtype=torch.float32, device=q.device)
+    else:
+        o_flat, lse_flat = scratch
+        if o_flat.dtype != torch.float32 or lse_flat.dtype != torch.float32:
+            raise ValueError("the split extend's scratch buffers must be float32")
+        if o_flat.numel() < n_out or lse_flat.numel() < n_lse:
+            raise ValueError(
+                f"split extend scratch of {o_flat.numel()} / {lse_flat.numel()} values is short of {n_out} / {n_lse} "
+                f"({t} tokens x {num_heads} heads x {num_splits} splits)"
+            )
+        o_part, lse_part = o_flat.reshape(-1)[:n_out], lse_flat.reshape(-1)[:n_lse]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _mla_extend_absorbed_part[(row_blocks * head_blocks, num_splits, bs)](
         q,
         kv,
-        out,
+        o_part,
+        lse_part,
         req_to_token,
         req_pool_indices,
         prefix_lens,
         ext_lens,
         q_starts,
-        tree_mask if has_mask else q,  # unread without a mask
-        mask_starts if has_mask else q_starts,
+        *mask_args,
         q.stride(0),
         q.stride(1),
-        out.stride(0),
-        out.stride(1),
         kv.stride(0),
         req_to_token.stride(0),
         scale,
@@ -312,6 +525,7 @@ def mla_extend_absorbed(
         R=r,
         P=p,
         HAS_MASK=has_mask,
+        NUM_SPLITS=num_splits,
         BLOCK_M=block_m,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
@@ -319,6 +533,7 @@ def mla_extend_absorbed(
         BLOCK_P=_dot_block(p),
         DOT_PREC=dot_precision(q.dtype),
     )
+    _mla_merge_splits[(t * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=_dot_block(r))
     return out
 
 

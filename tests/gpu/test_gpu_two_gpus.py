@@ -71,9 +71,12 @@ WORKERS = {
     "llama_bf16_tp2": ("llama", "bfloat16", ["--tp-size", "2"]),
     "moe_tp1": ("qwen3_moe", "float32", []),
     "moe_tp2_ep2": ("qwen3_moe", "float32", ["--tp-size", "2", "--ep-size", "2"]),
-    # the static dispatch, its exchange over peer memory (the default), in decode and prefill graphs
+    # the static dispatch, its exchange over peer memory (KVSHIP_EP_EXCHANGE=p2p: ``PEER_EXCHANGE``), in decode and
+    # prefill graphs
     "moe_tp2_ep2_static": ("qwen3_moe", "float32", ["--tp-size", "2", "--ep-size", "2", "--ep-dispatch", "static"]),
 }
+
+PEER_EXCHANGE = {"moe_tp2_ep2_static": {"KVSHIP_EP_EXCHANGE": "p2p"}}  # worker name -> more environment
 
 
 # --- dummy weights on the GPUs (in this process, before any worker starts) ----------------------------
@@ -315,9 +318,9 @@ def workers(tmp_path_factory) -> dict:
             ["--model-path", paths[model], "--dtype", dtype, *COMMON, *extra],
             timeout=300,
             keep_log=True,
-            env=FP32_ENV if dtype == "float32" else None,
+            env={**(FP32_ENV if dtype == "float32" else {}), **PEER_EXCHANGE.get(name, {})} or None,
         )
-        for model, dtype, extra in WORKERS.values()
+        for name, (model, dtype, extra) in WORKERS.items()
     ]
     with contextlib.ExitStack() as stack:
         yield dict(zip(WORKERS, enter_together(stack, managers)))
