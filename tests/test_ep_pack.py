@@ -75,4 +75,19 @@ def test_ep_pack_kernel_cases_pass_in_the_triton_interpreter(request):
     if torch.cuda.is_available():
         pytest.skip("CUDA runs the kernel cases directly")
     pytest.importorskip("triton")
-    interpreter_outcomes(request, "tests/test_ep_pack.py").check(passed=36)
+    interpreter_outcomes(request, "tests/test_ep_pack.py").check(passed=38)
+
+
+@needs_triton
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_ep_pack_local_ids_kernel_equals_the_torch_form(id_dtype):
+    """``local_expert_ids``: a rank's own experts as local ids, every other id (and an absent -1) as -1."""
+    from kvship.engine.parallel.ep_pack import local_expert_ids
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, 16, (37, 3), generator=g).to(id_dtype).to(DEV)
+    for start, n in ((0, 4), (4, 4), (12, 4), (0, 16)):
+        got, ref = local_expert_ids(ids, start, n, kernels=True), local_expert_ids(ids, start, n, kernels=False)
+        assert got.dtype == ref.dtype == torch.int32 and torch.equal(got, ref), (start, n)
+        assert ((got >= -1) & (got < n)).all()
+    assert local_expert_ids(ids[:0], 0, 4, kernels=True).shape == (0, 3)

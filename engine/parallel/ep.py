@@ -60,6 +60,7 @@ from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import Shard
 from kvship.engine.loaders.lazy import Loaded
 from kvship.engine.parallel.ep_dispatch import StaticDispatch
+from kvship.engine.parallel.ep_pack import local_expert_ids
 from kvship.engine.parallel.tbo import overlap_all_reduce, overlap_static
 
 EP_DISPATCHES = ("all_reduce", "static", "all_to_all")
@@ -189,9 +190,7 @@ class ParallelFusedMoE(FusedMoE):
 
     def _run_global(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the layer over ``x`` routed by (physical) expert ids: the pairs it holds."""
-        local = ids - self.expert_start
-        local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-        return self._run_local(runner, x, weights, local)
+        return self._run_local(runner, x, weights, local_expert_ids(ids, self.expert_start, self.num_local_experts))
 
     def _all_to_all(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n = self.tp.size
