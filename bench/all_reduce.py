@@ -33,7 +33,7 @@ import torch
 
 DEFAULT_SIZES = [2 << 10, 8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20,
                  16 << 20, 32 << 20]  # fmt: skip
-PATHS = ("nccl", "one_shot", "two_shot")
+PATHS = ("nccl", "push", "one_shot", "two_shot")  # push: up to push_all_reduce.MAX_BYTES
 
 
 def _graph_time(fn: Callable[[], Any], calls: int, rounds: int, line_up: Callable[[], None]) -> float:
@@ -79,7 +79,7 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
         return int(t.item())
 
     top = max(args.sizes)
-    p2p = P2PAllReduce.create(group, dev, args.tp_size, agree, thresholds=(top, top))
+    p2p = P2PAllReduce.create(group, dev, args.tp_size, agree, thresholds=(top, top), push_max=1 << 20)
     flag = torch.zeros(1, device=dev)
 
     def line_up() -> None:
@@ -97,6 +97,8 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
         row: dict[str, Any] = {"bytes": nbytes}
         for path in PATHS:
             if path != "nccl" and p2p is None:
+                continue
+            if path == "push" and (p2p.push is None or nbytes > p2p.push_max):
                 continue
             t = x.clone()
             if path == "nccl":
@@ -161,21 +163,30 @@ def _table(res: dict) -> str:
         f"tp {res['tp_size']}, bf16, {res['calls']} all-reduces per CUDA graph; GPU0->GPU1 copy "
         f"{res.get('copy_GBps', 0):.0f} GB/s; peer memory: {'yes' if res['p2p'] else 'no (NCCL only)'}",
         "",
-        "| bytes | nccl us | one-shot us | two-shot us | best x nccl | one-shot = nccl bits | two-shot = nccl bits "
-        "| max diff (1s / 2s) | same bits on every rank |",
+        "| bytes | nccl us | push us | one-shot us | two-shot us | best x nccl | push / one-shot / two-shot = nccl "
+        "bits | max diff (1s / 2s) | same bits on every rank |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "one_shot_us" not in r:
             lines.append(
-                f"| {r['bytes']} | {r['nccl_us']:.1f} | - | - | 1.00 | - | - | - | {r['nccl_same_on_every_rank']} |"
+                f"| {r['bytes']} | {r['nccl_us']:.1f} | - | - | - | 1.00 | - | - | {r['nccl_same_on_every_rank']} |"
             )
             continue
-        best = min(r["one_shot_us"], r["two_shot_us"])
-        same = r["nccl_same_on_every_rank"] and r["one_shot_same_on_every_rank"] and r["two_shot_same_on_every_rank"]
+        push = "push_us" in r
+        best = min(r["one_shot_us"], r["two_shot_us"], r["push_us"] if push else float("inf"))
+        paths = ("push", "one_shot", "two_shot") if push else ("one_shot", "two_shot")
+        same = r["nccl_same_on_every_rank"] and all(r[f"{p}_same_on_every_rank"] for p in paths)
+        bits = " / ".join(
+            str(r[f"{p}_bit_equal_nccl"]) if f"{p}_us" in r else "-" for p in ("push", "one_shot", "two_shot")
+        )
         lines.append(
-            f"| {r['bytes']} | {r['nccl_us']:.1f} | {r['one_shot_us']:.1f} | {r['two_shot_us']:.1f} "
-            f"| {r['nccl_us'] / best:.2f} | {r['one_shot_bit_equal_nccl']} | {r['two_shot_bit_equal_nccl']} "
+            f"| {r['bytes']} | {r['nccl_us']:.1f} | {r['push_us']:.1f} | "
+            if push
+            else f"| {r['bytes']} | {r['nccl_us']:.1f} | - | "
+        )
+        lines[-1] += (
+            f"{r['one_shot_us']:.1f} | {r['two_shot_us']:.1f} | {r['nccl_us'] / best:.2f} | {bits} "
             f"| {r['one_shot_max_diff']:.3g} / {r['two_shot_max_diff']:.3g} | {same} |"
         )
     if res.get("thresholds"):

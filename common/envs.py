@@ -34,6 +34,13 @@ def _opt_int(raw: str) -> Optional[int]:
     return int(raw) if raw.strip() else None
 
 
+def _nonneg_int(raw: str) -> int:
+    v = int(raw.strip() or "0")
+    if v < 0:
+        raise ValueError("expected a whole number >= 0")
+    return v
+
+
 def _nonneg_float(raw: str) -> float:
     v = float(raw)
     if not v >= 0:  # also refuses nan
@@ -172,6 +179,14 @@ class _Env:
         "tensor-parallel all-reduce: p2p (one-shot / two-shot over peer GPU memory for tensors up to the measured "
         "thresholds, NCCL above and wherever a rank cannot map peer memory) or nccl (NCCL for every size); "
         'docs/parallel.md, "The all-reduce"',
+    )
+    TP_ALLREDUCE_PUSH_MAX = Knob(
+        "KVSHIP_TP_ALLREDUCE_PUSH_MAX",
+        _nonneg_int,
+        0,
+        "with KVSHIP_TP_ALLREDUCE=p2p: tensors up to this many bytes (at most 32768) take the push kernel, which "
+        "writes into every peer's buffer and raises a flag there instead of meeting at a barrier; 0 (default): off "
+        'until measured better on the GPU pairs; docs/parallel.md, "The all-reduce"',
     )
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",

@@ -134,7 +134,9 @@ def init_distributed(topology: Topology, url: str, device: torch.device, timeout
     if isinstance(tp, NcclCommunicator):  # the TP all-reduce's small-tensor path (docs/parallel.md)
         mode = tp_all_reduce_mode(topology, ENV.TP_ALLREDUCE)
         tp.peer_memory = tp_all_reduce_mode(topology, "p2p") == "p2p"  # one host: its ranks can map each other
-        tp.p2p = P2PAllReduce.create(tp.device_group, device, tp.size, agree=tp.min_int, mode=mode)
+        tp.p2p = P2PAllReduce.create(
+            tp.device_group, device, tp.size, agree=tp.min_int, mode=mode, push_max=ENV.TP_ALLREDUCE_PUSH_MAX
+        )
     return ProcessGroups(topology, world, tp, pp, ep, pp_ids)
 
 

@@ -31,6 +31,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvship.engine.parallel.push_all_reduce import MAX_BYTES as PUSH_MAX_BYTES
+from kvship.engine.parallel.push_all_reduce import PushAllReduce
+from kvship.engine.parallel.push_all_reduce import buffer_bytes as push_buffer_bytes
+
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,6 +65,8 @@ class P2PAllReduce:
         self.max_bytes = max(self.one_shot_max, self.two_shot_max)
         self.fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         self.dtypes: tuple[torch.dtype, ...] = DTYPES  # narrowed by the self-check to what the kernels take
+        self.push: Optional[PushAllReduce] = None  # the push kernel (``push_all_reduce``), where enabled
+        self.push_max = 0  # bytes up to which it takes the tensors
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -74,13 +80,18 @@ class P2PAllReduce:
         )
 
     def all_reduce_(self, t: torch.Tensor, path: Optional[str] = None) -> torch.Tensor:
-        """``path``: ``one_shot`` or ``two_shot`` to force one (benchmarks); by default the size picks."""
+        """``path``: ``push``, ``one_shot`` or ``two_shot`` to force one (benchmarks); by default the size picks."""
         flat = t.view(-1)
         nbytes = flat.numel() * flat.element_size()
         staged = self.buffer[:nbytes].view(t.dtype)
         if path is None:
-            path = "one_shot" if nbytes <= self.one_shot_max else "two_shot"
-        if path == "one_shot":
+            if nbytes <= self.push_max and self.push is not None:
+                path = "push"
+            else:
+                path = "one_shot" if nbytes <= self.one_shot_max else "two_shot"
+        if path == "push":
+            self.push.all_reduce_(t)
+        elif path == "one_shot":
             if self.fused_copy:  # the copy into the buffer happens inside the kernel: one launch
                 torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
             else:
@@ -100,6 +111,7 @@ class P2PAllReduce:
         agree: Callable[[int], int],
         mode: str = "p2p",
         thresholds: Optional[tuple[int, int]] = None,
+        push_max: int = 0,
     ) -> Optional["P2PAllReduce"]:
         """The group's peer-memory all-reduce, or None for NCCL.  ``agree(ok)`` is the minimum of ``ok`` over the
         ranks (host group), so a rank that cannot map peer memory takes every rank back to NCCL."""
@@ -127,6 +139,8 @@ class P2PAllReduce:
         if not agree(int(made is not None)):
             logger.info("tensor-parallel all-reduce: NCCL (%s)", reason or "a peer cannot use peer-to-peer memory")
             return None
+        if push_max > 0:
+            made._enable_push(device_group, size, device, agree, min(push_max, PUSH_MAX_BYTES))
         logger.info(
             "tensor-parallel all-reduce: one-shot over peer memory up to %d bytes, two-shot up to %d, NCCL above "
             "and for other dtypes (peer memory takes %s)",
@@ -135,6 +149,41 @@ class P2PAllReduce:
             ", ".join(str(d).removeprefix("torch.") for d in made.dtypes),
         )
         return made
+
+    def _enable_push(
+        self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int], push_max: int
+    ) -> None:
+        """The push kernel for tensors up to ``push_max`` bytes (collective), kept only where every rank maps the
+        buffer and gets exact known sums from it in every dtype the other paths take."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        push, reason = None, ""
+        try:
+            buffer = symm_mem.empty(push_buffer_bytes(size), dtype=torch.uint8, device=device)
+            buffer.zero_()  # no flag a peer could take for a call of this epoch
+            handle = symm_mem.rendezvous(buffer, device_group.group_name)
+            torch.cuda.synchronize(device)
+            push = PushAllReduce(list(handle.buffer_ptrs), dist.get_rank(device_group), device)
+            push.buffer = buffer  # kept alive with the group
+        except Exception as e:  # noqa: BLE001 - the other paths stay
+            push, reason = None, f"{type(e).__name__}: {e}"
+        if not agree(int(push is not None)):  # every rank's buffer zeroed and mapped before anyone pushes
+            logger.info("tensor-parallel all-reduce: no push kernel (%s)", reason or "a peer could not map it")
+            return
+        ramp = torch.arange(2048, device=device, dtype=torch.float32) % 7
+        rank = dist.get_rank(device_group)
+        ok = True
+        for dtype in self.dtypes:
+            t = (ramp + (rank + 1)).to(dtype)
+            push.all_reduce_(t)
+            ok = ok and torch.equal(t.float(), ramp * size + size * (size + 1) / 2)
+        torch.cuda.synchronize(device)
+        if agree(int(ok)):
+            self.push, self.push_max = push, push_max
+            logger.info("tensor-parallel all-reduce: the push kernel up to %d bytes", push_max)
+        else:
+            logger.info("tensor-parallel all-reduce: no push kernel (its self-check failed)")
 
     def _self_check(self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int]) -> None:
         """Every rank contributes a ramp plus rank+1 (small integers, exact in every dtype): the sums must be
