@@ -498,6 +498,25 @@ def test_p2p_all_reduce_is_the_default_and_its_knob_refuses_other_values(monkeyp
         assert 0 < one_shot_max <= two_shot_max
 
 
+def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(monkeypatch):
+    """The push all-reduce (``engine/parallel/push_all_reduce.py``) measured faster than the one-shot kernel up to
+    16 KiB on two H200s: that is its default limit; 0 turns it off, a negative size is refused; it never takes more
+    than one program's 32 KiB, and its buffer holds the flags and two parities of a slot per rank."""
+    from kvship.common.envs import ENV
+    from kvship.engine.parallel.push_all_reduce import FLAG_BYTES, MAX_BYTES, PushAllReduce, buffer_bytes
+
+    monkeypatch.delenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", raising=False)
+    assert ENV.TP_ALLREDUCE_PUSH_MAX == 16384
+    monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "0")
+    assert ENV.TP_ALLREDUCE_PUSH_MAX == 0
+    monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "-1")
+    with pytest.raises(ValueError, match="KVSHIP_TP_ALLREDUCE_PUSH_MAX='-1'"):
+        ENV.TP_ALLREDUCE_PUSH_MAX
+    assert MAX_BYTES == 32768 and FLAG_BYTES >= 8 * 8 and buffer_bytes(2) == FLAG_BYTES + 2 * 2 * MAX_BYTES
+    assert PushAllReduce.fits(torch.empty(8192, dtype=torch.bfloat16))
+    assert not PushAllReduce.fits(torch.empty(8193, dtype=torch.float32))
+
+
 def test_a_tp_group_spanning_nodes_keeps_nccl_and_unmeasured_sizes_get_smaller_one_shot_limits():
     """Peer GPU memory maps only within a host: a TP group over two nodes takes NCCL without trying (no
     rendezvous that could hang), one inside a node keeps the asked mode.  Group sizes the bench has not measured

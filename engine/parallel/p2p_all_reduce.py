@@ -7,6 +7,9 @@ a quarter of a TP=2 batch-1 step.  Here every rank's tensor goes into a buffer
 the other ranks can read (PyTorch symmetric memory: CUDA IPC mappings of one
 allocation per rank) and one kernel does the rest:
 
+* **push** (up to ``push_max`` bytes, ``KVSHIP_TP_ALLREDUCE_PUSH_MAX``): our own
+  kernel (``push_all_reduce``) writes into the peers' buffers and raises a flag
+  there, no barrier round trip;
 * **one-shot** (up to ``one_shot_max`` bytes): the kernel copies this rank's
   tensor into its buffer, meets the peers at a device-side barrier and sums
   every rank's copy in rank order: one read of each peer's bytes, no ring
