@@ -45,6 +45,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # bench/all_reduce.py on two NVLink H200s (docs/parallel.md, "The all-reduce": one-shot wins to 1 MiB, two-shot
 # from 2 to 16 MiB, 32 MiB ties NCCL).  Group sizes not measured yet: ``thresholds_for``.
 THRESHOLDS = {2: (1 << 20, 16 << 20)}
+# group sizes the push kernel runs at: measured and tested on two GPUs only (the kernel takes up to 8 ranks; larger
+# groups keep the one-shot kernel until bench/all_reduce.py and the two-GPU test have run on such a machine)
+PUSH_GROUP_SIZES = (2,)
 
 
 def thresholds_for(size: int) -> tuple[int, int]:
@@ -142,7 +145,7 @@ class P2PAllReduce:
         if not agree(int(made is not None)):
             logger.info("tensor-parallel all-reduce: NCCL (%s)", reason or "a peer cannot use peer-to-peer memory")
             return None
-        if push_max > 0:
+        if push_max > 0 and size in PUSH_GROUP_SIZES:
             made._enable_push(device_group, size, device, agree, min(push_max, PUSH_MAX_BYTES))
         logger.info(
             "tensor-parallel all-reduce: one-shot over peer memory up to %d bytes, two-shot up to %d, NCCL above "
