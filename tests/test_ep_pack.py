@@ -82,7 +82,7 @@ def test_ep_pack_kernel_cases_pass_in_the_triton_interpreter(request):
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_ep_pack_local_ids_kernel_equals_the_torch_form(id_dtype):
     """``local_expert_ids``: a rank's own experts as local ids, every other id (and an absent -1) as -1."""
-    from kvship.engine.parallel.ep_pack import local_expert_ids
+    from kvship.engine.parallel.ep import local_expert_ids
 
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(-1, 16, (37, 3), generator=g).to(id_dtype).to(DEV)

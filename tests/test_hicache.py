@@ -129,6 +129,22 @@ def test_partial_host_match_splits_the_host_node_and_load_back_respects_max_toke
     check_consistent(cache, alloc, host)
 
 
+def test_settle_loads_waits_for_a_load_ahead_and_unlocks_its_pages():
+    """A decode short of KV first settles the started load-aheads (``settle_loads``, engine/scheduler/decode.py):
+    their locked pages become evictable, so a lone running request is not aborted for pages a copy holds."""
+    cache, alloc, kv, host = make_tiered(ps=2, pages=8, host_pages=8)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    cached(cache, alloc, kv, a)
+    cache.evict(8)
+    assert not cache.settle_loads()  # nothing in flight
+    assert cache.load_ahead(cache.match_prefix(a + [0]), max_tokens=100)
+    assert cache.loads_in_flight() and cache.protected_size() == 8 and cache.evictable_size() == 0
+    assert cache.settle_loads()
+    assert not cache.loads_in_flight() and cache.protected_size() == 0 and cache.evictable_size() == 8
+    assert not cache.settle_loads()
+    check_consistent(cache, alloc, host)
+
+
 def test_pages_a_load_back_writes_are_not_evicted_until_its_copies_are_done():
     """A load-back locks the device pages it fills from the moment it is queued: an eviction in between (a
     request that did not fit after its load-back was queued) cannot hand them to another request while the

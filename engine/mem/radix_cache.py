@@ -203,6 +203,12 @@ class BasePrefixCache(ABC):
         """Load-backs hold locked device pages (``poll_loads`` has not seen them done)."""
         return False
 
+    def settle_loads(self) -> bool:
+        """Wait for every started load-ahead and unlock its path (blocking): what a scheduler short of KV does
+        before it retracts or aborts a request, since the pages those copies fill cannot be evicted until they are
+        done.  Whether any path was unlocked."""
+        return False
+
     def lock_cost(self, match: MatchResult) -> int:
         """Evictable device tokens that locking ``match``'s path takes out of reach (a load-back locks it at
         once: ``load_back`` / ``load_ahead``'s ``max_tokens`` should leave room for them)."""
@@ -749,6 +755,15 @@ class RadixCache(BasePrefixCache):
 
     def loads_in_flight(self) -> bool:
         return bool(self._ahead or self._queued)
+
+    def settle_loads(self) -> bool:
+        if not self._ahead:
+            return False
+        before = len(self._ahead)
+        for loads, _ in self._ahead:
+            loads.finish()  # the copies are written (CUDA: the current stream is ordered after them)
+        self.poll_loads()
+        return len(self._ahead) < before
 
     def lock_cost(self, match: MatchResult) -> int:
         node, n = match.last_node, 0

@@ -46,7 +46,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvship.engine.distributed.communicator import Communicator, RankLost
-from kvship.engine.parallel.ep_pack import pack_rows, sum_partials
 
 
 @dataclass
@@ -114,6 +113,8 @@ def pack(
             if out is not None
             else torch.empty((n * per, row_bytes(k, hidden, x.dtype)), dtype=torch.uint8, device=dev)
         )
+        from kvship.engine.parallel.ep_pack import pack_rows  # Triton: CUDA (and the interpreter in tests)
+
         pack_rows(send, x, ids, weights, inv, lo, per, per_rank, n)
         return Packed(m, per, send, row, hit)
     xb = x.new_zeros((per + 1, hidden))  # + one zero row that empty send rows read
@@ -157,6 +158,8 @@ def split_rows(
 def unpack(p: Packed, back: torch.Tensor, dtype: torch.dtype, kernels: Optional[bool] = None) -> torch.Tensor:
     """Step 4's sum: the token block ``[per, H]`` from the returned partials ``back [n*per, H]``."""
     if use_kernels(back) if kernels is None else kernels:
+        from kvship.engine.parallel.ep_pack import sum_partials
+
         return sum_partials(back, p.row, p.hit, dtype)
     parts = back.index_select(0, p.row.reshape(-1)).view(p.row.shape[0], p.row.shape[1], -1)  # [per, n, H]
     parts = torch.where(p.hit.unsqueeze(-1), parts.float(), 0.0)

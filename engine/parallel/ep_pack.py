@@ -14,8 +14,8 @@ over ``[N*P, H]`` byte rows:
   ``hit[t, d]`` of the returned partial ``back[row[t, d]]``, in rank order in
   float32, cast once.
 
-Both match the torch reference in ``ep_dispatch`` (the CPU path) bit for bit.  ``local_expert_ids`` maps a
-rank's routed ids to its local ones (the ``all_reduce`` dispatch's absent pairs) in one launch.
+Both match the torch reference in ``ep_dispatch`` (the CPU path) bit for bit.  ``local_ids`` maps a rank's
+routed ids to its local ones (the ``all_reduce`` dispatch's absent pairs) in one launch.
 """
 
 from __future__ import annotations
@@ -93,15 +93,8 @@ def _local_ids_kernel(IDS, OUT, numel, start, num_local, BLOCK: tl.constexpr):
     tl.store(OUT + offs, tl.where((local >= 0) & (local < num_local), local, -1), mask=m)
 
 
-def local_expert_ids(ids: torch.Tensor, start: int, num_local: int, kernels: bool | None = None) -> torch.Tensor:
-    """``ids [M, k]`` (global or physical expert ids) as ids local to a rank holding ``[start, start + num_local)``,
-    ``-1`` (absent) for every other expert: int32.  One launch on CUDA (the torch form is five small kernels, a
-    fifth of the extra kernels of an expert-parallel decode step at batch 1); torch ops elsewhere."""
-    if kernels is None:
-        kernels = ids.is_cuda
-    if not kernels:
-        local = ids - start
-        return torch.where((local >= 0) & (local < num_local), local, -1).to(torch.int32)
+def local_ids(ids: torch.Tensor, start: int, num_local: int) -> torch.Tensor:
+    """``kvship.engine.parallel.ep.local_expert_ids`` in one launch."""
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     numel = ids.numel()
     if numel:

@@ -30,13 +30,12 @@ over the host group) and a self-check against known sums runs before use.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from kvship.engine.parallel.push_all_reduce import MAX_BYTES as PUSH_MAX_BYTES
-from kvship.engine.parallel.push_all_reduce import PushAllReduce
-from kvship.engine.parallel.push_all_reduce import buffer_bytes as push_buffer_bytes
+if TYPE_CHECKING:  # the push kernel imports Triton: only where a group enables it (CUDA)
+    from kvship.engine.parallel.push_all_reduce import PushAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class P2PAllReduce:
         self.max_bytes = max(self.one_shot_max, self.two_shot_max)
         self.fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         self.dtypes: tuple[torch.dtype, ...] = DTYPES  # narrowed by the self-check to what the kernels take
-        self.push: Optional[PushAllReduce] = None  # the push kernel (``push_all_reduce``), where enabled
+        self.push: Optional["PushAllReduce"] = None  # the push kernel (``push_all_reduce``), where enabled
         self.push_max = 0  # bytes up to which it takes the tensors
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -146,7 +145,7 @@ class P2PAllReduce:
             logger.info("tensor-parallel all-reduce: NCCL (%s)", reason or "a peer cannot use peer-to-peer memory")
             return None
         if push_max > 0 and size in PUSH_GROUP_SIZES:
-            made._enable_push(device_group, size, device, agree, min(push_max, PUSH_MAX_BYTES))
+            made._enable_push(device_group, size, device, agree, push_max)
         logger.info(
             "tensor-parallel all-reduce: one-shot over peer memory up to %d bytes, two-shot up to %d, NCCL above "
             "and for other dtypes (peer memory takes %s)",
@@ -164,6 +163,10 @@ class P2PAllReduce:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        from kvship.engine.parallel.push_all_reduce import MAX_BYTES, PushAllReduce
+        from kvship.engine.parallel.push_all_reduce import buffer_bytes as push_buffer_bytes
+
+        push_max = min(push_max, MAX_BYTES)
         push, reason = None, ""
         try:
             buffer = symm_mem.empty(push_buffer_bytes(size), dtype=torch.uint8, device=device)

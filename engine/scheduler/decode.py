@@ -46,6 +46,8 @@ class DecodeBatcher:
         while q.running:
             if kv.shortfall_after_evict(kv.decode_need(q.running)) <= 0:
                 break
+            if kv.cache.settle_loads():  # load-aheads' locked pages: once written they can be evicted, try again
+                continue
             if busy:
                 raise RuntimeError("a decode with requests in flight would retract: process them first")
             self.retract_one()
