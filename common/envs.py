@@ -48,34 +48,24 @@ def _nonneg_float(raw: str) -> float:
     return v
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser taking one of ``choices`` (case and spaces ignored; empty: the first, the default)."""
+
+    def parse(raw: str) -> str:
+        v = raw.strip().lower() or choices[0]
+        if v not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return v
+
+    return parse
+
+
 MLA_EXTEND_PATHS = ("auto", "absorbed", "decompressed")
-
-
-def _mla_extend_path(raw: str) -> str:
-    v = raw.strip().lower() or "auto"
-    if v not in MLA_EXTEND_PATHS:
-        raise ValueError(f"expected one of {', '.join(MLA_EXTEND_PATHS)}")
-    return v
-
-
 TP_ALLREDUCE_PATHS = ("p2p", "nccl")
-
-
-def _tp_allreduce(raw: str) -> str:
-    v = raw.strip().lower() or "p2p"
-    if v not in TP_ALLREDUCE_PATHS:
-        raise ValueError(f"expected one of {', '.join(TP_ALLREDUCE_PATHS)}")
-    return v
-
-
-EP_EXCHANGE_PATHS = ("p2p", "nccl")
-
-
-def _ep_exchange(raw: str) -> str:
-    v = raw.strip().lower() or "nccl"
-    if v not in EP_EXCHANGE_PATHS:
-        raise ValueError(f"expected one of {', '.join(EP_EXCHANGE_PATHS)}")
-    return v
+EP_EXCHANGE_PATHS = ("nccl", "p2p")
+_mla_extend_path = _one_of(MLA_EXTEND_PATHS)
+_tp_allreduce = _one_of(TP_ALLREDUCE_PATHS)
+_ep_exchange = _one_of(EP_EXCHANGE_PATHS)
 
 
 @dataclass(frozen=True)
