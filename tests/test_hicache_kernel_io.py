@@ -212,8 +212,8 @@ def test_io_backend_auto_is_kernel_on_cuda_and_copy_elsewhere_and_unknown_names_
     assert resolve_io_backend("auto", torch.device("cpu")) == "copy"
     assert resolve_io_backend("auto", torch.device("cuda", 0)) == "kernel"
     assert resolve_io_backend("copy", torch.device("cuda", 0)) == "copy"
-    with pytest.raises(ValueError, match="unknown host KV tier I/O backend 'dma'"):
-        resolve_io_backend("dma", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown host KV tier I/O backend 'nvme'"):
+        resolve_io_backend("nvme", torch.device("cpu"))
 
 
 @pytest.mark.skipif(TRITON_HERE, reason="Triton can run here: nothing to refuse")

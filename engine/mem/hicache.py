@@ -41,7 +41,8 @@ forward's stream wait for that event, so the request waits only for the
 layers it reaches, the first one first.  On CPU ``wait`` blocks until the
 copy thread has written the layer.
 
-Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA; docs/cache.md, "Copies"): no copy thread runs.
+Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA, and ``dma``, the same with the copy engines
+moving the pages instead of a kernel; docs/cache.md, "Copies"): no copy thread runs.
 ``start_loads`` launches one ``page_copy.copy_pages`` kernel per layer on the side stream (after the forward
 stream's work so far), reading the pinned host pool in place, and records each layer's event; a write-back is
 the same kernel on the current stream, writing the pinned host pool in place.  It does not wait for the loads
@@ -92,12 +93,15 @@ from typing import Any, Optional
 
 import torch
 
+from kvship.engine.mem import dma_copy
 from kvship.engine.mem.mla_pool import MLAKVPool
 from kvship.engine.mem.pools import KVPool, TokenToKVPoolAllocator
 
 GIB = 1 << 30
 WRITE_POLICIES = ("write_back", "write_through")  # --hicache-write-policy (docs/cache.md, "Tiers")
-IO_BACKENDS = ("auto", "kernel", "copy")  # --hicache-io-backend (docs/cache.md, "Copies")
+IO_BACKENDS = ("auto", "kernel", "dma", "copy")  # --hicache-io-backend (docs/cache.md, "Copies")
+# the backends that copy in place from the scheduler thread (no copy thread, host pages held per load ticket)
+IN_PLACE_BACKENDS = ("kernel", "dma")
 
 
 def layer_buffers(pool) -> list[list[torch.Tensor]]:
@@ -211,10 +215,21 @@ def _copy_rows(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx, page_size
 
 def copy_pages(*args, **kwargs) -> None:
     """``kvship.engine.mem.page_copy.copy_pages`` (Triton), imported on first use: a worker without Triton runs
-    the copy backend and never needs it."""
+    the copy or dma backend and never needs it."""
     from kvship.engine.mem.page_copy import copy_pages as kernel
 
     kernel(*args, **kwargs)
+
+
+def _copy_in_place(io_backend: str, device, dsts, dst_idx: torch.Tensor, srcs, src_idx: torch.Tensor, rows: int):
+    """One in-place copy of pages (``rows`` per page) between the pools on ``device``: ``kernel`` launches
+    ``copy_pages`` with the indices (int64 CPU) moved to the device, ``dma`` hands the copy engines one batch
+    (``dma_copy``)."""
+    if io_backend == "dma":
+        dma_copy.copy_pages(dsts, dst_idx, srcs, src_idx, rows)
+        return
+    idx = _to_device(torch.stack([dst_idx, src_idx]), device)
+    copy_pages(dsts, idx[0], srcs, idx[1], rows)
 
 
 def _to_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -233,40 +248,46 @@ def resolve_io_backend(io_backend: str, device: torch.device) -> str:
     return io_backend
 
 
-def _check_kernel_io(device_pool, host_pool: "HostKVPool") -> None:
-    """Refuse ``--hicache-io-backend kernel`` at startup where its kernel cannot run: buffers it cannot address,
-    or a device / Triton that cannot reach pinned host memory (one page copied there and back and compared)."""
+def _check_in_place_io(io_backend: str, device_pool, host_pool: "HostKVPool") -> None:
+    """Refuse ``--hicache-io-backend kernel`` / ``dma`` at startup where it cannot run: buffers it cannot address,
+    or a device / Triton / CUDA runtime that cannot move pinned host memory (one page copied there and back and
+    compared)."""
     bufs = [b for bufs in layer_buffers(device_pool) for b in bufs] + [b for bufs in host_pool.layers for b in bufs]
     if not all(b.is_contiguous() and b.dim() >= 2 for b in bufs):
-        raise ValueError("--hicache-io-backend kernel needs contiguous KV buffers; use --hicache-io-backend copy")
+        raise ValueError(
+            f"--hicache-io-backend {io_backend} needs contiguous KV buffers; use --hicache-io-backend copy"
+        )
     try:
         dev = device_pool.device
         probe = torch.arange(2 * 64, dtype=torch.int32).view(2, 64)
         host = probe.pin_memory() if dev.type == "cuda" else probe.clone()
         on_dev = torch.zeros_like(probe, device=dev)
-        one = torch.ones(1, dtype=torch.int64, device=dev)
-        copy_pages([on_dev], one, [host], one, 1)
+        one = torch.ones(1, dtype=torch.int64)
+        _copy_in_place(io_backend, dev, [on_dev], one, [host], one, 1)
         back = torch.zeros_like(probe).pin_memory() if dev.type == "cuda" else torch.zeros_like(probe)
-        copy_pages([back], one - 1, [on_dev], one, 1)
+        _copy_in_place(io_backend, dev, [back], one - 1, [on_dev], one, 1)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         ok = torch.equal(back[0], probe[1]) and torch.equal(on_dev[1].cpu(), probe[1])
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the refusal's reason
         raise ValueError(
-            f"--hicache-io-backend kernel cannot copy between host and device memory here ({e}); "
+            f"--hicache-io-backend {io_backend} cannot copy between host and device memory here ({e}); "
             "use --hicache-io-backend copy"
         ) from e
     if not ok:
         raise ValueError(
-            "--hicache-io-backend kernel copied wrong bytes in its startup check; use --hicache-io-backend copy"
+            f"--hicache-io-backend {io_backend} copied wrong bytes in its startup check; use --hicache-io-backend copy"
         )
 
 
 class LayerLoads:
     """One started batch of host -> device copies, ready layer by layer (see the module docstring)."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int, device: torch.device):
+    def __init__(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int, device: torch.device, io: str = "copy"
+    ):
         self.pairs = pairs  # (host slots, device slots), int64 CPU
+        self.io = io  # the tier's I/O backend: ``dma`` batches are issued by the copy thread (``run``)
         self.num_layers = num_layers
         self.cuda = device.type == "cuda"
         self._ready = [threading.Event() for _ in range(num_layers)]  # the copy thread wrote (CPU) / queued it
@@ -304,7 +325,12 @@ class LayerLoads:
         self.finished = True  # the current stream is ordered after every copy (CPU: they are written)
 
     def run(self, pool: "HostKVPool", device_pool, stream) -> None:
-        """The copy thread's part: every layer in order, marking each ready."""
+        """The copy thread's part: every layer in order, marking each ready.  ``dma``: the copy engines' batches
+        are issued here (``launch``), off the scheduler thread: building and handing over the descriptors costs
+        host time per page run, which the scheduler thread does not pay."""
+        if self.io == "dma":
+            self.launch(pool, device_pool, stream, "dma")
+            return
         try:
             if stream is not None:
                 stream.wait_event(self.after)
@@ -357,10 +383,11 @@ class LayerLoads:
             return hp, dp, True
         return host, dst, False
 
-    def launch(self, pool: "HostKVPool", device_pool, stream) -> None:
-        """The kernel I/O path (``--hicache-io-backend kernel``), on the caller's thread: one ``copy_pages``
-        launch per layer on ``stream`` (after ``self.after``), reading the pinned host pool in place, each
-        layer's event recorded after its launch.  Only launches: nothing here waits for the device."""
+    def launch(self, pool: "HostKVPool", device_pool, stream, io_backend: str = "kernel") -> None:
+        """The in-place I/O path (``--hicache-io-backend kernel`` / ``dma``), on the caller's thread: per layer one
+        ``copy_pages`` launch (or one copy-engine batch) on ``stream`` (after ``self.after``), reading the pinned
+        host pool in place, each layer's event recorded after it.  Only launches: nothing here waits for the
+        device."""
         try:
             ps = pool.page_size
             host, dst, paged = self._indices(ps)
@@ -368,9 +395,15 @@ class LayerLoads:
             if stream is not None:
                 stream.wait_event(self.after)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                idx = _to_device(torch.stack([host, dst]), device_pool.device)
+                if io_backend == "dma":
+                    idx = torch.stack([host, dst])
+                else:
+                    idx = _to_device(torch.stack([host, dst]), device_pool.device)
                 for layer in range(self.num_layers):
-                    copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
+                    if io_backend == "dma":
+                        dma_copy.copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
+                    else:
+                        copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
                     if stream is not None:
                         self._events[layer] = stream.record_event()
                     self._ready[layer].set()
@@ -482,8 +515,9 @@ class HostTier:
         self.io_backend = resolve_io_backend(io_backend, device_pool.device)
         self.device_pool = device_pool
         self.pool = HostKVPool(device_pool, num_slots)
-        if self.io_backend == "kernel":
-            _check_kernel_io(device_pool, self.pool)
+        self._in_place = self.io_backend in IN_PLACE_BACKENDS
+        if self._in_place:
+            _check_in_place_io(self.io_backend, device_pool, self.pool)
         self._last_write = None  # kernel I/O on CUDA: an event after the last write-back's launches
         self.allocator = TokenToKVPoolAllocator(self.pool.num_slots, device_pool.page_size)
         self.device = device_pool.device
@@ -518,8 +552,8 @@ class HostTier:
         scheduler does not wait (module docstring, "Ordering rules").  Device slots that a load-back not yet
         finished is still writing are first waited for (``drain``)."""
         self._check()
-        if self.io_backend == "kernel":
-            return self._write_back_kernel(gpu_slots)
+        if self._in_place:
+            return self._write_back_in_place(gpu_slots)
         if self._loading_into(gpu_slots):
             self.drain()
         n = int(gpu_slots.numel())
@@ -555,8 +589,9 @@ class HostTier:
         self.pages_written += n // self.pool.page_size
         return host_slots
 
-    def _write_back_kernel(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """``write_back`` by ``copy_pages`` on the current stream, straight into the pinned host pool.  It does
+    def _write_back_in_place(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """``write_back`` by ``copy_pages`` (or the copy engines) in the current stream's order, straight into the
+        pinned host pool.  It does
         not wait for the load-backs running beside it: the device pages it reads are none they write (the radix
         cache keeps a page locked until its load is done) and the host pages it writes are none they read
         (those come back from ``_held`` once their loads are done).  Only when the pool is short while such
@@ -576,10 +611,9 @@ class HostTier:
         gp, hp = _pages(gpu_slots, ps), _pages(host_slots, ps)
         paged = gp is not None and hp is not None
         src, dst = (gp, hp) if paged else (gpu_slots, host_slots)
-        idx = _to_device(torch.stack([src, dst]), self.device)
         dev_bufs = [b for bufs in layer_buffers(self.device_pool) for b in bufs]
         host_bufs = [b for bufs in self.pool.layers for b in bufs]
-        copy_pages(host_bufs, idx[1], dev_bufs, idx[0], ps if paged else 1)
+        _copy_in_place(self.io_backend, self.device, host_bufs, dst, dev_bufs, src, ps if paged else 1)
         if self.device.type == "cuda":
             self._last_write = torch.cuda.current_stream(self.device).record_event()
         self.bytes_written += n * bytes_per_token(self.device_pool)
@@ -649,13 +683,13 @@ class HostTier:
         """Start the queued load-backs on the copy thread; their ``LayerLoads`` (None when none were queued)."""
         if not self._queued:
             return None
-        loads = LayerLoads(self._queued, self.pool.num_layers, self.device)
+        loads = LayerLoads(self._queued, self.pool.num_layers, self.device, self.io_backend)
         self._queued = []
         self._running = loads
         self._started.append((loads, self._tickets))
-        if self.io_backend == "kernel":
-            loads.launch(self.pool, self.device_pool, self._copier.stream)
-        else:
+        if self.io_backend == "kernel":  # launches cost the scheduler thread little: no copy thread
+            loads.launch(self.pool, self.device_pool, self._copier.stream, self.io_backend)
+        else:  # copy, and dma's batches (issued in order by the copy thread, in place like kernel's launches)
             self._copier.submit(loads)
         # host slots freed while these loads were queued: every copy handed to the thread from now on runs
         # after these loads have read them
@@ -677,7 +711,7 @@ class HostTier:
     def free(self, host_slots: torch.Tensor) -> None:
         """Return host pages; while load-backs are queued (not yet handed to the copy thread) they may read
         them, so the pages return when those loads start (kernel I/O: once they are done)."""
-        if self.io_backend == "kernel":
+        if self._in_place:
             self._release_held()
             if self._queued or self.load_state(self._tickets) != "done":
                 self._held.append((self._tickets, host_slots))

@@ -17,8 +17,8 @@ from kvship.engine.mem.hicache import HostTier
 from kvship.engine.mem.pools import KVPool
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
-# both I/O backends (--hicache-io-backend; docs/cache.md, "Copies"): kernel is the default on CUDA
-io_backends = pytest.mark.parametrize("io", ["kernel", "copy"])
+# every I/O backend (--hicache-io-backend; docs/cache.md, "Copies"): kernel is the default on CUDA
+io_backends = pytest.mark.parametrize("io", ["kernel", "dma", "copy"])
 
 
 @io_backends
