@@ -103,17 +103,37 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
         order = iter(range(args.requests))
         reqs: list[dict] = []
 
+        async def one(i: int) -> None:
+            rec = await stream_generate(http, url, docs[i % args.docs] + news[i], 1)
+            reqs.append(
+                {
+                    "ttft_s": rec["times"][0] - rec["t0"],
+                    "window": (rec["t0"], rec["times"][0]),
+                    "cached": int(rec["meta"].get("cached_tokens", 0)),
+                }
+            )
+
         async def client() -> None:
             for i in order:
-                rec = await stream_generate(http, url, docs[i % args.docs] + news[i], 1)
-                reqs.append({"ttft_s": rec["times"][0] - rec["t0"], "cached": int(rec["meta"].get("cached_tokens", 0))})
+                await one(i)
+
+        async def paced() -> None:  # --rate: request i is sent at start + i / rate, whatever the others do
+            t = time.perf_counter()
+            sent = []
+            for i in range(args.requests):
+                await asyncio.sleep(max(0.0, t + i / args.rate - time.perf_counter()))
+                sent.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*sent)
 
         side = [asyncio.create_task(unrelated()) for _ in range(args.beside)]
         await asyncio.sleep(args.settle_s)  # the unrelated requests are decoding before the workload starts
         before = await server_info(http, url)
         try:
             start = time.perf_counter()
-            await asyncio.gather(*(client() for _ in range(args.concurrency)))
+            if args.rate:
+                await paced()
+            else:
+                await asyncio.gather(*(client() for _ in range(args.concurrency)))
             end = time.perf_counter()
             after = await server_info(http, url)
         finally:
@@ -123,6 +143,10 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
         phases.done("workload", f"{len(reqs)} requests")
     in_run = [g for rec in beside if rec.get("times") for g in gaps(rec) if start <= g[0] and g[1] <= end]
     per_token = [g[2] for g in in_run for _ in range(g[3])]
+    # the unrelated tokens that arrived while a request waited for its first token (its load-back, with the tier,
+    # and its extend): "while load-backs run"
+    windows = sorted(r["window"] for r in reqs)
+    during = [g for g in in_run if any(w0 < g[1] and g[0] < w1 for w0, w1 in windows)]
     ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
     load = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("host_bytes_loaded", "host_load_ahead_tokens")}
     return {
@@ -130,6 +154,9 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
         "decode_p50_ms": ms(token_pct(in_run, 0.5)),
         "decode_mean_ms": ms(statistics.fmean(per_token)) if per_token else None,
         "decode_tokens": len(per_token),
+        "decode_during_p50_ms": ms(token_pct(during, 0.5)),
+        "decode_during_mean_ms": ms(statistics.fmean([g[2] for g in during for _ in range(g[3])])) if during else None,
+        "decode_during_tokens": sum(g[3] for g in during),
         "ttft_p50_ms": ms(pct([r["ttft_s"] for r in reqs], 0.5)),
         "ttft_p90_ms": ms(pct([r["ttft_s"] for r in reqs], 0.9)),
         "cached_share": round(sum(r["cached"] for r in reqs) / (len(reqs) * (args.doc_tokens + args.new_tokens)), 4),
@@ -167,22 +194,29 @@ def markdown(res: dict[str, Any]) -> str:
         f"# Decode beside host-tier load-backs ({res['model']} on {a['device']})",
         "",
         f"{res['machine']}; {res['when']}.  {a['docs']} documents of {a['doc_tokens']} tokens; {a['requests']} "
-        f"requests (document + {a['new_tokens']} ids, 1 token), {a['concurrency']} in flight; {a['beside']} "
+        f"requests (document + {a['new_tokens']} ids, 1 token), "
+        f"{str(a.get('rate')) + ' a second' if a.get('rate') else str(a['concurrency']) + ' in flight'}; {a['beside']} "
         f"unrelated requests of {a['decode_prompt']} + {a['decode_tokens']} tokens beside; page {a['page_size']}; "
         f"`KVSHIP_HICACHE_LOAD_AHEAD={a['load_ahead']}` for load_ahead.",
         "",
-        "| config | decode ms/tok p50 | mean | x gpu_hits (p50 / mean) | alone p50 | request TTFT p50 ms | p90 | "
-        "cached share | load-back GB | GB/s over the run | tokens loaded ahead | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | decode ms/tok p50 | mean | x gpu_hits (p50 / mean) | during loads p50 / mean (x gpu_hits) | "
+        "alone p50 | request TTFT p50 ms | p90 | cached share | load-back GB | GB/s over the run | "
+        "tokens loaded ahead | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = res["gpu_hits"]
     for name in [c for c in CONFIGS if c in res]:
         r = res[name]
         rp = r["decode_p50_ms"] / base["decode_p50_ms"] if r["decode_p50_ms"] and base["decode_p50_ms"] else None
         rm = r["decode_mean_ms"] / base["decode_mean_ms"] if r["decode_mean_ms"] and base["decode_mean_ms"] else None
+        dp, dm = r.get("decode_during_p50_ms"), r.get("decode_during_mean_ms")
+        bp, bm = base.get("decode_during_p50_ms"), base.get("decode_during_mean_ms")
+        xdp = dp / bp if dp and bp else None
+        xdm = dm / bm if dm and bm else None
         lines.append(
             f"| {name} | {na(r['decode_p50_ms'])} | {na(r['decode_mean_ms'])} | {na(rp, '{:.3f}')} / "
-            f"{na(rm, '{:.3f}')} | {na(r['decode_alone_p50_ms'])} | {na(r['ttft_p50_ms'], '{:.1f}')} | "
+            f"{na(rm, '{:.3f}')} | {na(dp)} / {na(dm)} ({na(xdp, '{:.3f}')} / {na(xdm, '{:.3f}')}) | "
+            f"{na(r['decode_alone_p50_ms'])} | {na(r['ttft_p50_ms'], '{:.1f}')} | "
             f"{na(r['ttft_p90_ms'], '{:.1f}')} | {r['cached_share']:.1%} | {r['load_back_gb']} | "
             f"{r['load_back_gb_per_s']} | {r['load_ahead_tokens']} | {r['wall_s']:.1f} |"
         )
@@ -196,7 +230,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=None, help="tokens a document has (4096; tiny 256)")
     ap.add_argument("--new-tokens", type=int, default=16, help="fresh ids after the document in each request")
     ap.add_argument("--requests", type=int, default=None, help="requests of the timed workload (384; tiny 48)")
-    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight (closed loop; without --rate)")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="requests per second, sent on a fixed clock whatever the server does "
+        "(every config then runs the same extends per second: their decode compares like for like); 0 = closed loop",
+    )
     ap.add_argument("--beside", type=int, default=4, help="unrelated decoding requests")
     ap.add_argument("--decode-prompt", type=int, default=None, help="their prompt ids (128; tiny 32)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="their output tokens (2048; tiny 128)")
