@@ -53,6 +53,32 @@ class Gemv:
     def __init__(self, device: torch.device) -> None:
         self.w = torch.randn(28672, 4096, dtype=torch.bfloat16, device=device)
         self.x = torch.randn(4096, dtype=torch.bfloat16, device=device)
+        # a decode step's round trip through the host: inputs copied in, outputs copied out, the host waits
+        self.h_in = torch.zeros(2048, dtype=torch.int32, pin_memory=True)
+        self.d_in = torch.zeros(2048, dtype=torch.int32, device=device)
+        self.h_out = torch.zeros(2048, dtype=torch.int32, pin_memory=True)
+
+    def step_ms(self, steps: int = 20, gemvs: int = 8, zero_copy: bool = False) -> float:
+        """Host ms per stand-in decode step: a small pinned host -> device copy, ``gemvs`` GEMVs, a small
+        device -> host copy, the host waiting for it (what a scheduler does each step).  ``zero_copy``: the two
+        small copies by a one-program kernel reading / writing the pinned buffers in place (no copy engine)."""
+        from kvship.engine.mem.page_copy import copy_pages
+
+        one = torch.zeros(1, dtype=torch.int64, device=self.w.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if zero_copy:
+                copy_pages([self.d_in.view(1, -1)], one, [self.h_in.view(1, -1)], one, 1, programs=1)
+            else:
+                self.d_in.copy_(self.h_in, non_blocking=True)
+            for _ in range(gemvs):
+                torch.mv(self.w, self.x)
+            if zero_copy:
+                copy_pages([self.h_out.view(1, -1)], one, [self.d_in.view(1, -1)], one, 1, programs=1)
+            else:
+                self.h_out.copy_(self.d_in, non_blocking=True)
+            torch.cuda.current_stream().record_event().synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3
 
     def per_call_ms(self, calls: int = 40) -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -73,7 +99,28 @@ def interference(gemv: Gemv, start_copy, device: torch.device, rounds: int = 3) 
         start_copy()
         during = min(during, gemv.per_call_ms())
         _sync(device)
-    return {"gemv_ms_alone": alone, "gemv_ms_during_copy": during, "slowdown": during / alone}
+    steps = {}
+    for zc in (False, True):
+        step_alone = min(gemv.step_ms(zero_copy=zc) for _ in range(rounds))
+        step_during = float("inf")
+        for _ in range(rounds):
+            _sync(device)
+            start_copy()
+            step_during = min(step_during, gemv.step_ms(zero_copy=zc))
+            _sync(device)
+        steps["zc_" if zc else ""] = (step_alone, step_during)
+    (step_alone, step_during), (zc_alone, zc_during) = steps[""], steps["zc_"]
+    return {
+        "gemv_ms_alone": alone,
+        "gemv_ms_during_copy": during,
+        "slowdown": during / alone,
+        "step_ms_alone": step_alone,
+        "step_ms_during_copy": step_during,
+        "step_slowdown": step_during / step_alone,
+        "zero_copy_step_ms_alone": zc_alone,
+        "zero_copy_step_ms_during_copy": zc_during,
+        "zero_copy_step_slowdown": zc_during / zc_alone,
+    }
 
 
 def main() -> None:
@@ -87,7 +134,9 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=1024, help="pages loaded back per run")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(
-        "--io-backends", default=None, help="comma list of kernel, dma, copy (default: all three on CUDA, copy and dma elsewhere)"
+        "--io-backends",
+        default=None,
+        help="comma list of kernel, dma, copy (default: all three on CUDA, copy and dma elsewhere)",
     )
     p.add_argument("--interference", action="store_true", help="CUDA: GEMV slowdown while load-backs run")
     p.add_argument("--sweep", action="store_true", help="CUDA: copy_pages programs x block grid")
