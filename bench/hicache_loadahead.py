@@ -148,7 +148,9 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
     windows = sorted(r["window"] for r in reqs)
     during = [g for g in in_run if any(w0 < g[1] and g[0] < w1 for w0, w1 in windows)]
     ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
-    load = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("host_bytes_loaded", "host_load_ahead_tokens")}
+    counted = ("host_bytes_loaded", "host_load_ahead_tokens", "host_bytes_written", "extend_steps", "decode_steps",
+               "num_retracted", "generation_tokens")  # fmt: skip
+    load = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in counted}
     return {
         "decode_alone_p50_ms": ms(token_pct(gaps(alone), 0.5)),
         "decode_p50_ms": ms(token_pct(in_run, 0.5)),
@@ -164,6 +166,7 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
         "load_back_gb": round(load["host_bytes_loaded"] / 1e9, 4),
         "load_back_gb_per_s": round(load["host_bytes_loaded"] / 1e9 / (end - start), 2),
         "load_ahead_tokens": load["host_load_ahead_tokens"],
+        "server_counters": load,  # the worker's own counts over the workload window
     }
 
 
