@@ -151,6 +151,9 @@ def main() -> None:
         action="store_true",
         help="CUDA: copy_pages with 1-16 programs x 1-8 warps, scattered and contiguous host pages",
     )
+    p.add_argument(
+        "--runs", type=int, default=0, help="pages in this many contiguous runs on both sides (0: scattered pages)"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", ""))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -160,8 +163,14 @@ def main() -> None:
     kv = KVPool(args.pool_pages * ps, ps, torch.bfloat16, args.kv_heads, args.head_dim, args.layers, args.device)
     gen = torch.Generator().manual_seed(0)
     pages = torch.randperm(args.pool_pages - 1, generator=gen)[: args.pages] + 1  # page 0 unused
+    if args.runs:  # --runs R: host and device pages in R contiguous runs (the copy engines' descriptors)
+        pages = torch.cat([torch.arange(len(c)) + 1 + i * (args.pool_pages // args.runs)
+                           for i, c in enumerate(torch.arange(args.pages).chunk(args.runs))])  # fmt: skip
     src = (pages[:, None] * ps + torch.arange(ps)).flatten()
-    dst = (torch.randperm(args.pool_pages - 1, generator=gen)[: args.pages] + 1)[:, None] * ps + torch.arange(ps)
+    dst_pages = torch.randperm(args.pool_pages - 1, generator=gen)[: args.pages] + 1
+    if args.runs:
+        dst_pages = pages.flip(0).view(args.runs, -1).flip(1).flatten() if args.pages % args.runs == 0 else pages
+    dst = dst_pages[:, None] * ps + torch.arange(ps)
     dst = dst.flatten()
     nbytes = src.numel() * bytes_per_token(kv)
     gb = nbytes / 1e9
