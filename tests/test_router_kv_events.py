@@ -244,7 +244,19 @@ async def test_router_index_equals_every_workers_cache_after_a_run_with_eviction
                 for w in workers
             )
 
-        assert await _until(agree)
+        if not await _until(agree, timeout=40.0):  # a loaded CI box: say what differs, for the next reader
+            report = []
+            for w in workers:
+                mine, theirs = index.pages(w.url), {int(h): t for h, t in snaps[w.url]["pages"]}
+                diff = {
+                    h: (mine.get(h), theirs.get(h)) for h in set(mine) | set(theirs) if mine.get(h) != theirs.get(h)
+                }
+                report.append(
+                    f"{w.url}: synced={index.synced(w.url)} index seq={index.state[w.url].seq} "
+                    f"snapshot seq={snaps[w.url]['seq']} resyncs={index.state[w.url].resyncs} "
+                    f"pages {len(mine)} vs {len(theirs)}, {len(diff)} differ: {list(diff.items())[:8]}"
+                )
+            pytest.fail("the router's index never matched the workers' snapshots:\n" + "\n".join(report))
         for w in workers:
             tiers = list(index.pages(w.url).values())
             assert "host" in tiers  # the device pool overflowed: pages were evicted to host memory
