@@ -41,8 +41,7 @@ forward's stream wait for that event, so the request waits only for the
 layers it reaches, the first one first.  On CPU ``wait`` blocks until the
 copy thread has written the layer.
 
-Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA, and ``dma``, the same with the copy engines
-moving the pages instead of a kernel; docs/cache.md, "Copies"): no copy thread runs.
+Kernel I/O (``--hicache-io-backend kernel``, the default on CUDA; docs/cache.md, "Copies"): no copy thread runs.
 ``start_loads`` launches one ``page_copy.copy_pages`` kernel per layer on the side stream (after the forward
 stream's work so far), reading the pinned host pool in place, and records each layer's event; a write-back is
 the same kernel on the current stream, writing the pinned host pool in place.  It does not wait for the loads
@@ -50,6 +49,12 @@ beside it: host slots a started or queued load may still read are held (``_held`
 load is ``settled``, and only a write-back that finds the pool short while slots are held orders the current
 stream behind the loads (``drain``: stream waits only) and takes them.  The rules below hold with "handed to the
 copy thread" read as "launched".  ``sync_writes`` waits for the last write-back's event.
+
+Copy-engine I/O (``--hicache-io-backend dma``) is kernel I/O with ``dma_copy.copy_pages`` (one batch of copy-engine
+descriptors per layer) in place of the kernel, except that the copy thread issues the load-backs' batches
+(``LayerLoads.run``): handing the engines their descriptors takes driver time per page run, which the scheduler
+thread should not spend.  Write-backs are issued on the scheduler thread in the current stream's order, as kernel
+I/O's are.
 
 Tickets: ``load_back`` returns one per queued copy; ``load_state(ticket)`` says whether it is queued, started
 (its ``LayerLoads``) or done, whoever started it.  A started batch is ``settled`` once ``finish`` ran (the
@@ -100,7 +105,8 @@ from kvship.engine.mem.pools import KVPool, TokenToKVPoolAllocator
 GIB = 1 << 30
 WRITE_POLICIES = ("write_back", "write_through")  # --hicache-write-policy (docs/cache.md, "Tiers")
 IO_BACKENDS = ("auto", "kernel", "dma", "copy")  # --hicache-io-backend (docs/cache.md, "Copies")
-# the backends that copy in place from the scheduler thread (no copy thread, host pages held per load ticket)
+# the backends that copy in place between the pinned host pool and the device pool (no staging; host pages held
+# per load ticket; write-backs in the current stream's order)
 IN_PLACE_BACKENDS = ("kernel", "dma")
 
 
@@ -395,15 +401,12 @@ class LayerLoads:
             if stream is not None:
                 stream.wait_event(self.after)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if io_backend == "dma":
-                    idx = torch.stack([host, dst])
-                else:
-                    idx = _to_device(torch.stack([host, dst]), device_pool.device)
+                idx = torch.stack([host, dst])  # the copy engines take host page numbers, the kernel device ones
+                copy = dma_copy.copy_pages if io_backend == "dma" else copy_pages
+                if io_backend != "dma":
+                    idx = _to_device(idx, device_pool.device)
                 for layer in range(self.num_layers):
-                    if io_backend == "dma":
-                        dma_copy.copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
-                    else:
-                        copy_pages(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
+                    copy(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
                     if stream is not None:
                         self._events[layer] = stream.record_event()
                     self._ready[layer].set()
@@ -591,8 +594,7 @@ class HostTier:
 
     def _write_back_in_place(self, gpu_slots: torch.Tensor) -> Optional[torch.Tensor]:
         """``write_back`` by ``copy_pages`` (or the copy engines) in the current stream's order, straight into the
-        pinned host pool.  It does
-        not wait for the load-backs running beside it: the device pages it reads are none they write (the radix
+        pinned host pool.  It does not wait for the load-backs running beside it: the device pages it reads are none they write (the radix
         cache keeps a page locked until its load is done) and the host pages it writes are none they read
         (those come back from ``_held`` once their loads are done).  Only when the pool is short while such
         pages wait does the current stream wait for the loads (``drain``: stream waits only), then take them."""
