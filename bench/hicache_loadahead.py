@@ -67,7 +67,7 @@ def worker_argv(args: argparse.Namespace, config: str, model: str, port: int) ->
     argv = [sys.executable, "-m", "kvship.app.cli", "serve", "--model-path", model, "--load-format", "dummy",
             "--device", args.device, "--dtype", args.dtype, "--page-size", str(ps),
             "--max-total-tokens", str(pool), "--max-running-requests", str(args.beside + args.concurrency + 2),
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+            "--host", "127.0.0.1", "--port", str(port), "--enable-step-timing"]  # fmt: skip
     if config != "gpu_hits":  # a host tier that holds every document
         argv += ["--hicache-ratio", str(round(1.25 * args.docs * doc_pages / pool + 0.05, 2))]
     if config.endswith("_dma"):
@@ -167,6 +167,11 @@ async def drive(url: str, args: argparse.Namespace, phases: Phases) -> dict[str,
         "load_back_gb_per_s": round(load["host_bytes_loaded"] / 1e9 / (end - start), 2),
         "load_ahead_tokens": load["host_load_ahead_tokens"],
         "server_counters": load,  # the worker's own counts over the workload window
+        # the scheduler's host seconds per step phase over the window (--enable-step-timing; recv includes idle)
+        "step_phase_s": {
+            k: round(v - before.get("step_phase_s", {}).get(k, 0.0), 4)
+            for k, v in after.get("step_phase_s", {}).items()
+        },
     }
 
 

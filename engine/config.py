@@ -288,6 +288,12 @@ class ServerArgs:
         'docs/gpu.md, "Prefill graphs"); 0 = eager',
     )
     disable_overlap_schedule: bool = opt(False, "Do not overlap CPU scheduling with GPU work")
+    enable_step_timing: bool = opt(
+        False,
+        "Time the scheduler's steps by phase (host seconds of recv / schedule / launch / sample / process / flush / "
+        "end_step, recv including its idle wait) and report the totals in /get_server_info (step_phase_s, "
+        "step_phase_calls) and /metrics (kvship:scheduler_phase_seconds_total); docs/observability.md",
+    )
     num_threads: Optional[int] = opt(None, "CPU: torch intra-op threads (default: torch's choice)")
 
     # Role

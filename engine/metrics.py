@@ -8,6 +8,8 @@ Series (all labelled ``model_name``):
   ``kvship:inter_token_latency_seconds``, ``kvship:e2e_request_latency_seconds``,
   ``kvship:spec_accept_length`` (speculative decoding: each finished
   request's tokens per verify round; docs/speculative.md)
+* counter ``kvship:scheduler_phase_seconds_total{phase}`` (``--enable-step-timing``: the
+  scheduler's host seconds per step phase, read at scrape time)
 * gauges read from the scheduler at scrape time:
   ``kvship:num_running_reqs``, ``kvship:num_queue_reqs``,
   ``kvship:kv_total_slots``, ``kvship:kv_free_slots``, ``kvship:token_usage``
@@ -37,7 +39,7 @@ import logging
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvship.common.events import Event, EventBus, KVTransferFinished
@@ -69,7 +71,7 @@ class _SchedulerCollector(Collector):
         self._stats_fn = stats_fn
         self._model = model_name
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable:
         try:
             stats = self._stats_fn() or {}
         except Exception as e:  # a scrape must never fail because the engine is down
@@ -84,6 +86,16 @@ class _SchedulerCollector(Collector):
             if value is not None:
                 g.add_metric([self._model], float(value))
             yield g
+        phases = stats.get("step_phase_s")
+        if isinstance(phases, dict):  # --enable-step-timing
+            c = CounterMetricFamily(
+                "kvship:scheduler_phase_seconds",
+                "Host seconds the scheduler spent in each step phase (--enable-step-timing)",
+                labels=["model_name", "phase"],
+            )
+            for phase, seconds in sorted(phases.items()):
+                c.add_metric([self._model, phase], float(seconds))
+            yield c
 
 
 def _label_value(v: str) -> str:

@@ -97,6 +97,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--cuda-graph-bs",), "cuda_graph_bs", "list"),
     (("--prefill-graph-max-tokens",), "prefill_graph_max_tokens", "value"),
     (("--disable-overlap-schedule", "--no-disable-overlap-schedule"), "disable_overlap_schedule", "switch"),
+    (("--enable-step-timing", "--no-enable-step-timing"), "enable_step_timing", "switch"),
     (("--num-threads",), "num_threads", "value"),
     (("--mode",), "mode", "value"),
     (("--revision",), "revision", "value"),

@@ -70,3 +70,33 @@ def test_the_overlapped_loop_times_its_chained_steps(monkeypatch):
     assert names.count("launch") >= 5 and names.count("process") >= names.count("launch") - 1
     assert all(ev.start <= ev.end for ev in got)
     assert all(len(out.tokens(f"r{i}")) == 6 for i in range(2))
+
+
+def test_step_timing_totals_reach_the_stats_and_metrics_only_with_the_flag():
+    """``--enable-step-timing``: the scheduler's own subscriber sums host seconds and calls per phase into its
+    stats (/get_server_info) and /metrics; without the flag neither has them and no phase is timed."""
+    from kvship.engine.metrics import EngineMetrics
+
+    plain, _, _ = make()
+    plain.submit(GenerateRequest("a", prompt(8, 1), greedy(3)))
+    run(plain)
+    assert not plain.events.phases and "step_phase_s" not in plain.get_stats()
+    assert "scheduler_phase" not in EngineMetrics("m", plain.get_stats).render().decode()
+
+    sched, _, out = make(enable_step_timing=True)
+    assert sched.events.phases
+    sched.submit(GenerateRequest("b", prompt(8, 2), greedy(3)))
+    run(sched)
+    st = sched.get_stats()
+    secs, calls = st["step_phase_s"], st["step_phase_calls"]
+    assert calls["launch"] == 3 and calls["process"] == 3  # the prompt's forward and 2 decode steps
+    assert calls["recv"] >= 3 and calls["end_step"] == calls["recv"] - 1  # the snapshot is taken inside end_step
+    assert all(v >= 0.0 for v in secs.values()) and set(secs) == set(calls)
+    text = EngineMetrics("m", sched.get_stats).render().decode()
+    line = next(
+        x
+        for x in text.splitlines()
+        if x.startswith('kvship:scheduler_phase_seconds_total{model_name="m",phase="launch"}')
+    )
+    assert float(line.split()[-1]) == secs["launch"]
+    assert len(out.tokens("b")) == 3

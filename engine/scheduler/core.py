@@ -92,6 +92,22 @@ OutputSink = Callable[[list[TokenChunk]], None]
 _GRAMMAR_POLL_S = 0.002  # how long recv blocks while only grammar compiles are pending
 
 
+class PhaseTotals:
+    """Host seconds and calls per scheduler step phase (``--enable-step-timing``): a ``StepPhase`` subscriber.
+    Written on the scheduler thread only; ``snapshot`` copies are read by others."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, event: StepPhase) -> None:
+        self.seconds[event.phase] = self.seconds.get(event.phase, 0.0) + (event.end - event.start)
+        self.calls[event.phase] = self.calls.get(event.phase, 0) + 1
+
+    def snapshot(self) -> dict:
+        return {"step_phase_s": {k: round(v, 6) for k, v in self.seconds.items()}, "step_phase_calls": dict(self.calls)}
+
+
 def overlap_enabled(server_args: ServerArgs, device: torch.device) -> bool:
     """Overlap runs on CUDA unless disabled; elsewhere only when ``KVSHIP_FORCE_OVERLAP_SCHEDULE=1``."""
     if server_args.disable_overlap_schedule:
@@ -117,6 +133,11 @@ class Scheduler:
         self.server_args = server_args
         # typed events of each request's life (kvship.common.events): tracing, metrics and benchmarks listen
         self.events: EventBus = events or EventBus()
+        # --enable-step-timing: host seconds per step phase, in the stats (docs/observability.md)
+        self.phase_totals: Optional[PhaseTotals] = None
+        if server_args.enable_step_timing:
+            self.phase_totals = PhaseTotals()
+            self.events.subscribe(self.phase_totals.add, (StepPhase,))
         # one rank, or a rank of a multi-rank worker: chosen here, fixed after (kvship.engine.scheduler.io)
         self.io: SchedulerIO = io or LocalIO()
         self.runner = model_runner
@@ -729,4 +750,5 @@ class Scheduler:
             **self.role.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self.pipeline.stats() if self.pipeline is not None else {}),
+            **(self.phase_totals.snapshot() if self.phase_totals is not None else {}),
         }
