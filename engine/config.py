@@ -159,7 +159,8 @@ class ServerArgs:
         "auto",
         "Host KV tier copies: kernel (one page-gather kernel per layer reads / writes the pinned host pool in "
         "place; no copy thread), dma (the same copies by the GPU's copy engines, one batched call per layer; no "
-        "SMs taken; CUDA runtime >= 12.8), copy (a copy thread gathers on the host and copies through a staging "
+        "SMs taken, but driver time per run of consecutive pages: for pools whose pages come in long runs; CUDA "
+        "runtime >= 12.8), copy (a copy thread gathers on the host and copies through a staging "
         "buffer); auto = kernel on CUDA, copy elsewhere (docs/cache.md)",
         choices=("auto", "kernel", "dma", "copy"),
     )
