@@ -2,7 +2,7 @@
 
 The one list the operator (CRD descriptions, autoscaling validation), the
 examples and the docs take metric names from.  ``kvship.engine.metrics``
-exports exactly these (tests/test_metrics_names.py renders a worker's
+exports exactly these (tests/test_operator_metrics.py renders a worker's
 registry and checks both ways), so renaming a series means renaming it here
 and there together.
 
@@ -55,7 +55,12 @@ KV_TRANSFER_HISTOGRAMS = (
 KV_TRANSFER_FAILURES = "kvship:kv_transfer_failures"
 KV_TRANSFER_METRICS = KV_TRANSFER_HISTOGRAMS + (KV_TRANSFER_FAILURES + "_total",)
 
-WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS + KV_TRANSFER_METRICS
+# Workers started with --enable-step-timing only: the scheduler's host seconds per step phase (label ``phase``;
+# docs/observability.md)
+SCHEDULER_PHASE_SECONDS = "kvship:scheduler_phase_seconds"
+STEP_TIMING_METRICS = (SCHEDULER_PHASE_SECONDS + "_total",)
+
+WORKER_METRICS = GAUGES + COUNTERS + HISTOGRAMS + MOE_METRICS + KV_TRANSFER_METRICS + STEP_TIMING_METRICS
 
 # What the examples and the CRD's description use to autoscale decode workers.
 AUTOSCALING_EXAMPLE = NUM_RUNNING_REQS

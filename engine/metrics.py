@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvship.common import metrics_names
 from kvship.common.events import Event, EventBus, KVTransferFinished
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class _SchedulerCollector(Collector):
         phases = stats.get("step_phase_s")
         if isinstance(phases, dict):  # --enable-step-timing
             c = CounterMetricFamily(
-                "kvship:scheduler_phase_seconds",
+                metrics_names.SCHEDULER_PHASE_SECONDS,
                 "Host seconds the scheduler spent in each step phase (--enable-step-timing)",
                 labels=["model_name", "phase"],
             )

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(glob.glob(str(ROOT / "examples" / "*.yaml")))
 IMAGES = Images(worker="reg/worker:1", router="reg/router:1")
 STATS = {"running": 3, "waiting": 1, "total_slots": 100, "free_slots": 40, "cache_hit_rate": 0.5}
+STATS["step_phase_s"] = {"launch": 0.25}  # a worker with --enable-step-timing: its phase counter too
 
 
 def exported_series() -> set[str]:
