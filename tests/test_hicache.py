@@ -544,3 +544,39 @@ def test_a_multi_rank_tier_counts_a_load_done_only_once_finished_never_by_its_ow
         cache.poll_loads()
         assert not cache.loads_in_flight() and cache.protected_size() == 0
         check_consistent(cache, alloc, host)
+
+
+def check_host_io_round_trip(tiny_llama_dir, io: str, device: str) -> None:
+    """A scheduler whose host tier copies with ``io`` (``--hicache-io-backend``): a session's pages pushed to the
+    host tier by others come back for its next turn, which gives a cold request's greedy tokens and counts the
+    host hit; then both pools go back to full (tests/test_hicache_kernel_io.py, tests/test_hicache_dma_io.py)."""
+    g = torch.Generator().manual_seed(21)
+    rand = lambda n: torch.randint(3, 384, (n,), generator=g).tolist()  # noqa: E731
+    kw = dict(device=device, page_size=4, max_total_tokens=192)
+    sched, _, out = _sched(tiny_llama_dir, hicache_ratio=3.0, hicache_io_backend=io, **kw)
+    assert sched.cache.host.io_backend == io
+    first = rand(90)
+    sched.submit(_gen("t1", first, 6))
+    _drain(sched)
+    for i in range(3):  # other sessions push the first one's pages to the host tier
+        sched.submit(_gen(f"other{i}", rand(110), 6))
+        _drain(sched)
+    turn2 = first + out.tokens("t1") + rand(8)
+    assert sched.cache.match_prefix(turn2[:-1]).host_len >= 80
+    sched.submit(_gen("t2", turn2, 10))
+    _drain(sched)
+    assert out.finished("t2")[0].cached_tokens >= 88
+    st = sched.get_stats()
+    assert st["host_hit_tokens"] >= 80 and st["host_bytes_loaded"] > 0 and st["host_bytes_written"] > 0
+
+    cold, _, cold_out = _sched(tiny_llama_dir, disable_radix_cache=True, **kw)
+    cold.submit(_gen("t2", turn2, 10))
+    _drain(cold)
+    assert out.tokens("t2") == cold_out.tokens("t2")
+
+    cache = sched.cache
+    check_consistent(cache, sched.allocator, cache.host)
+    cache.evict(st["total_slots"])
+    cache.evict_host(st["host_total_slots"])
+    assert sched.allocator.available_size() == sched.allocator.total_slots
+    assert cache.host.available_size() == cache.host.total_slots

@@ -74,7 +74,7 @@ def _push_all_reduce_kernel(
     for r in tl.static_range(N):
         if r != rank:
             flag = (mine + r * 8).to(tl.pointer_type(tl.int64))
-            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:  # spin until peer r's slot is in
                 pass
     tl.debug_barrier()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
