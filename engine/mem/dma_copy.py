@@ -185,11 +185,19 @@ def _location(buf: torch.Tensor) -> tuple[int, int]:
     return _LOC_HOST, 0
 
 
-def copy_pages(dsts: Sequence[torch.Tensor], dst_pages, srcs: Sequence[torch.Tensor], src_pages, page_rows: int) -> int:
+def copy_pages(
+    dsts: Sequence[torch.Tensor],
+    dst_pages,
+    srcs: Sequence[torch.Tensor],
+    src_pages,
+    page_rows: int,
+    runs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+) -> int:
     """Page ``src_pages[i]`` of every ``srcs[j]`` into page ``dst_pages[i]`` of ``dsts[j]`` (page numbers on the
     host: int64 tensors or arrays); returns the descriptors issued.  On CUDA (either side on the device; the
     host side pinned) one batched copy-engine call on the current stream, returning at once; on CPU, memmoves."""
-    runs = page_runs(_host_array(dst_pages), _host_array(src_pages))
+    if runs is None:  # ``runs``: ``page_runs`` of these pages, computed once by a caller copying every layer
+        runs = page_runs(_host_array(dst_pages), _host_array(src_pages))
     dst, src, nbytes = descriptors(dsts, srcs, runs, page_rows)
     if dst.size == 0:
         return 0

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import queue
 import threading
 from typing import Any, Optional
@@ -402,9 +403,11 @@ class LayerLoads:
                 stream.wait_event(self.after)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 idx = torch.stack([host, dst])  # the copy engines take host page numbers, the kernel device ones
-                copy = dma_copy.copy_pages if io_backend == "dma" else copy_pages
-                if io_backend != "dma":
-                    idx = _to_device(idx, device_pool.device)
+                if io_backend == "dma":
+                    runs = dma_copy.page_runs(dst.numpy(), host.numpy())  # the same for every layer: once
+                    copy = functools.partial(dma_copy.copy_pages, runs=runs)
+                else:
+                    idx, copy = _to_device(idx, device_pool.device), copy_pages
                 for layer in range(self.num_layers):
                     copy(dev_layers[layer], idx[1], pool.layers[layer], idx[0], ps if paged else 1)
                     if stream is not None:
