@@ -46,6 +46,10 @@ def cluster(tiny_llama_dir):
         "cpu",
         "--max-total-tokens",
         "8192",
+        # 4 at once: a decode worker's 20 streams of a burst run in waves, so it stays busy long after its
+        # first tokens and the watcher's polls of a busy worker on a loaded machine land inside the burst
+        "--max-running-requests",
+        "4",
         "--policy",
         "round_robin",
     ]
@@ -86,8 +90,8 @@ def test_kvship_local_client_key_is_required_by_the_router_and_the_workers_take_
 
 
 async def test_decode_worker_sigkilled_mid_burst_streams_complete_and_the_worker_comes_back(cluster):
-    # long enough that the watcher, polling a busy worker on a loaded machine, sees it mid-burst (64 was not,
-    # once, in a CI run: the watcher's 20 polls all fell before 64 tokens or after the end)
+    # long enough that the watcher, polling a busy worker on a loaded machine, sees it mid-burst (with all 20
+    # streams running at once, twice in CI the watcher's ~20 polls all fell before 64 tokens or after the end)
     bodies = _bodies(N_STREAMS, max_new=128)
     decode = cluster.workers("decode")
     victim = decode[0]
@@ -102,7 +106,7 @@ async def test_decode_worker_sigkilled_mid_burst_streams_complete_and_the_worker
             old_pid,
             victim,
             "x-kvship-decode",
-            busy_tokens=64,
+            busy_tokens=2 * 128,  # two streams' worth, with the other waves still to run
             victim_auth=cluster.worker_headers["authorization"],
         )
         resumed = await check_burst(c, cluster.url, bodies, results)
