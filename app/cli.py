@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "router": ("kvship.router.cli", "run the OpenAI-compatible router"),
     "local": ("kvship.app.local", "run router + prefill + decode workers on this machine"),
     "operator": ("kvship.operator.cli", "run the Kubernetes operator"),
+    "mooncake-master": ("kvship.app.mooncake_master", "run the Mooncake Store master of the shared KV tier"),
 }
 
 

@@ -51,6 +51,11 @@ WORKER_OWNED = frozenset(
         "speculative_eagle_topk",
         "speculative_num_draft_tokens",
         "kv_transfer_secret_file",
+        # the shared KV tier's store: the volume is mounted, the master run, by the operator (spec.hicache)
+        "hicache_storage",
+        "hicache_storage_path",
+        "hicache_storage_master",
+        "hicache_storage_metadata",
         "kv_transfer_insecure",
         # a worker spanning nodes is a group the operator starts as one (docs/parallel.md); a pod alone cannot be one
         "nnodes",
@@ -114,6 +119,10 @@ FIELD_OF = {
     "speculative_num_steps": "decode.speculative.numSteps",
     "speculative_eagle_topk": "decode.speculative.topk",
     "speculative_num_draft_tokens": "decode.speculative.numDraftTokens",
+    "hicache_storage": "hicache.storage",
+    "hicache_storage_path": "hicache.volumeClaim (storage file)",
+    "hicache_storage_master": "hicache.mooncakeMaster (storage mooncake)",
+    "hicache_storage_metadata": "hicache.storage (mooncake: the workers' P2P handshake)",
     "policy": "router.policy",
     "prefill_policy": "router.prefillPolicy",
     "decode_policy": "router.decodePolicy",

@@ -198,6 +198,7 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
         errors.append("spec.kvTransfer.rdmaResource: needs backend mooncake or nixl (backend is tcp)")
     if kv.ipc_lock and kv.backend == "tcp":
         errors.append("spec.kvTransfer.ipcLock: only RDMA (mooncake or nixl) pins memory; remove it with tcp")
+    errors.extend(hicache_errors(spec))
     svc = spec.router.service
     if svc.node_port is not None and svc.type == "ClusterIP":
         errors.append("spec.router.service.nodePort: needs type NodePort or LoadBalancer (type is ClusterIP)")
@@ -205,6 +206,45 @@ def cross_field_errors(spec: InferenceServiceSpec) -> list[str]:
         if spec.model.uri[len("pvc://") :].split("/", 1)[0] == spec.model.cache_volume_claim:
             errors.append("spec.model.cacheVolumeClaim: must differ from the claim in model.uri")
     return errors
+
+
+def hicache_errors(spec: InferenceServiceSpec) -> list[str]:
+    """The shared KV tier's fields (the CRD's rules, also checked here, where no API server evaluates them), and
+    a ``--no-enable-kv-events`` that would blind a ``kv_events`` router."""
+    hc, errors = spec.hicache, []
+    if hc.storage == "file" and not hc.volume_claim:
+        errors.append("spec.hicache.volumeClaim: required with storage file (a ReadWriteMany claim)")
+    if hc.volume_claim and hc.storage != "file":
+        errors.append(f"spec.hicache.volumeClaim: used by storage file only (storage is {hc.storage})")
+    if hc.mooncake_master:
+        if hc.storage != "mooncake":
+            errors.append(f"spec.hicache.mooncakeMaster: used by storage mooncake only (storage is {hc.storage})")
+        elif not 1 <= int(hc.mooncake_master.rsplit(":", 1)[1]) <= 65535:
+            errors.append(f"spec.hicache.mooncakeMaster: {hc.mooncake_master!r} has no port in 1-65535")
+    unified = spec.prefill.replicas == 0
+    for role in ("unified",) if unified else ("prefill", "decode"):
+        if not routes_by_kv_events(spec, role):
+            continue
+        r = spec.decode if role != "prefill" else spec.prefill
+        for where, args in (
+            ("spec.engine.extraArgs", spec.engine.extra_args),
+            (f"spec.{role}.extraArgs", r.extra_args),
+        ):
+            if "--no-enable-kv-events" in args:
+                errors.append(
+                    f"{where}: --no-enable-kv-events, but the router routes the {role} workers by policy kv_events, "
+                    "which reads their KV events"
+                )
+    return errors
+
+
+def routes_by_kv_events(spec: InferenceServiceSpec, role: str) -> bool:
+    """Whether the router chooses ``role``'s workers (prefill, decode or unified) by policy ``kv_events``: the
+    operator then turns the workers' KV events on (``--enable-kv-events``; docs/cache.md, "Routing on KV
+    events")."""
+    rt = spec.router
+    policy = {"prefill": rt.prefill_policy, "decode": rt.decode_policy}.get(role) or rt.policy
+    return policy == "kv_events"
 
 
 def slo_mode(spec: InferenceServiceSpec) -> bool:
@@ -277,7 +317,11 @@ def image_errors(spec: InferenceServiceSpec, allowed_prefixes: tuple[str, ...]) 
     if not allowed_prefixes:
         return []
     errors = []
-    for path, image in (("spec.engine.image", spec.engine.image), ("spec.router.image", spec.router.image)):
+    for path, image in (
+        ("spec.engine.image", spec.engine.image),
+        ("spec.router.image", spec.router.image),
+        ("spec.hicache.master.image", spec.hicache.master.image),
+    ):
         if image and not image.startswith(tuple(allowed_prefixes)):
             errors.append(
                 f"{path}: {image!r} is not allowed by this operator (images must start with one of: "

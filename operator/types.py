@@ -31,6 +31,10 @@ KV_CACHE_DTYPES = DTYPES + ("fp8_e4m3",)
 QUANTIZATIONS = ("compressed-tensors", "fp8", "unquantized")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
+# --hicache-storage: the shared KV tier (docs/cache.md)
+HICACHE_STORAGES = ("none", "file", "mooncake")
+# where a storage: file volume is mounted in every worker (--hicache-storage-path)
+KV_STORE_MOUNT = "/kv-store"
 SPEC_ALGORITHMS = ("eagle", "eagle3", "ngram", "draft")
 AUTOSCALING_MODES = ("hpa", "slo")
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
@@ -383,6 +387,55 @@ class KvTransfer:
 
 
 @dataclass(frozen=True)
+class MooncakeMasterSpec:
+    """The Mooncake Store master pod the operator runs for hicache.storage mooncake (docs/operator.md,
+    "Shared KV tier")."""
+
+    image: Optional[str] = api_field(
+        "Image whose mooncake package ships mooncake_master, run as `kvship mooncake-master` (default: the worker "
+        "image; its CUDA variant has the package)."
+    )
+    port: int = api_field(
+        "The master's RPC port (the workers' --hicache-storage-master).", 50051, minimum=1, maximum=65535
+    )
+    resources: dict[str, Any] = api_field("Container resources of the master.", {}, kube="resources")
+    node_selector: dict[str, str] = api_field("Node labels the master pod must run on.", {})
+    tolerations: list[dict[str, Any]] = api_field("Taints the master pod tolerates.", [], kube="tolerations")
+
+
+@dataclass(frozen=True)
+class HiCacheSpec:
+    """The workers' shared KV tier (docs/cache.md, "Shared tier"): prefix pages a worker evicts are written to a
+    store every worker of the service reads, so a prefix computed on one worker is a cache hit on the others.
+    The host-memory tier is a worker flag (--hicache-size-gb in extraArgs)."""
+
+    __cel__ = (
+        ("self.storage == 'file' || !has(self.volumeClaim)", "volumeClaim is used by storage file only"),
+        ("self.storage != 'file' || has(self.volumeClaim)", "storage file needs volumeClaim"),
+        ("self.storage == 'mooncake' || !has(self.mooncakeMaster)", "mooncakeMaster is used by storage mooncake only"),
+    )
+
+    storage: str = api_field(
+        "none; file (a shared volume: volumeClaim); mooncake (Mooncake Store: each worker lends it memory, a "
+        "mooncake_master pod the operator runs keeps the index, or the one mooncakeMaster names).",
+        "none",
+        enum=HICACHE_STORAGES,
+    )
+    volume_claim: Optional[str] = api_field(
+        f"storage file: an existing ReadWriteMany PersistentVolumeClaim every worker mounts at {KV_STORE_MOUNT}.",
+        pattern=DNS_LABEL,
+    )
+    mooncake_master: Optional[str] = api_field(
+        "storage mooncake: HOST:PORT of a mooncake_master you run; absent, the operator runs one (master).",
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}$",
+        hint="must be HOST:PORT",
+    )
+    master: MooncakeMasterSpec = api_field(
+        "storage mooncake without mooncakeMaster: the master pod the operator runs.", MooncakeMasterSpec
+    )
+
+
+@dataclass(frozen=True)
 class RouterServiceSpec:
     """The Service in front of the router: what clients call."""
 
@@ -409,7 +462,7 @@ class RouterSpec:
     policy: str = api_field(
         "How a worker is chosen: cache_aware (prefix-cache affinity with load balancing), "
         "round_robin, random, shortest_queue, power_of_two, bucket (prompt-length buckets) or kv_events (a "
-        "global prefix index from the workers' KV events; workers need --enable-kv-events).",
+        "global prefix index from the workers' KV events; the operator adds --enable-kv-events to those workers).",
         DEFAULT_POLICY,
         enum=POLICY_NAMES,
     )
@@ -499,6 +552,9 @@ class InferenceServiceSpec:
     decode: DecodeSpec = api_field("Decode workers (unified workers when prefill.replicas is 0).", DecodeSpec)
     router: RouterSpec = api_field("The router in front of the workers.", RouterSpec)
     kv_transfer: KvTransfer = api_field("KV cache transfer between prefill and decode workers.", KvTransfer)
+    hicache: HiCacheSpec = api_field(
+        "The workers' shared KV tier (off by default); with mooncake the operator runs its master.", HiCacheSpec
+    )
     slo: Optional[SloTargets] = api_field(
         "Targets for the live latency figures (status.slo); sets the SLOMet condition."
     )

@@ -418,6 +418,57 @@ def test_pd_service_gets_prefill_decode_router_and_autoscaler(cluster):
     assert "replicas" not in decode["spec"] or decode["spec"]["replicas"] >= 1
 
 
+def test_a_mooncake_store_gets_its_master_and_turning_it_off_removes_it(cluster, tmp_path):
+    kube, kubectl, _ = cluster
+    body = {
+        "apiVersion": "kvship.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "kvstore", "namespace": NS},
+        "spec": {"model": {"uri": "builtin:smollm2"}, "hicache": {"storage": "mooncake"}},
+    }
+    (tmp_path / "kvstore.json").write_text(json.dumps(body))
+    kubectl("apply", "--validate=false", "-f", str(tmp_path / "kvstore.json"))
+
+    def store_objects() -> dict[str, dict]:
+        out = {}
+        for api, plural in (
+            ("apps/v1", "deployments"),
+            ("v1", "services"),
+            ("networking.k8s.io/v1", "networkpolicies"),
+        ):
+            obj = kube.get(api, plural, NS, "kvstore-mooncake-master")
+            if obj is not None:
+                out[plural] = obj
+        return out
+
+    made = wait_for(lambda: len(store_objects()) == 3 and store_objects(), 30, "the master's three objects")
+    assert made["deployments"]["metadata"]["ownerReferences"][0]["name"] == "kvstore"
+    worker = wait_for(lambda: deployments(kube, "kvstore").get("kvstore-worker"), 30, "the worker Deployment")
+    args = worker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--hicache-storage-master") + 1] == f"kvstore-mooncake-master.{NS}.svc:50051"
+    kubectl(
+        "patch",
+        "kvsvc",
+        "kvstore",
+        "-n",
+        NS,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"hicache": {"storage": "none"}}}),
+    )
+    wait_for(lambda: not store_objects(), 30, "the master's objects to be pruned")
+
+    def plain_worker():
+        dep = deployments(kube, "kvstore")["kvstore-worker"]
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        return not [a for a in args if a.startswith("--hicache")]
+
+    wait_for(plain_worker, 30, "the worker's store flags to go")
+    kubectl("delete", "kvsvc", "kvstore", "-n", NS)
+    wait_for(lambda: not deployments(kube, "kvstore"), 30, "the children to be garbage-collected")
+
+
 def test_operator_restart_changes_and_duplicates_nothing(cluster):
     kube, _, op = cluster
     wait_for(lambda: phase(kube, "smollm2") == "Ready", 30, "phase Ready")

@@ -526,12 +526,16 @@ def make_page_store(server_args) -> KVPageStore:
     if kind == "file":
         return FilePageStore(server_args.hicache_storage_path or "", size)
     if kind == "mooncake":
+        from kvship.engine.disagg.base import advertise_host
+
         master = server_args.hicache_storage_master or ""
         return MooncakePageStore(
             master,
             mooncake_metadata_url(master, server_args.hicache_storage_metadata),
             size,
-            local_hostname=server_args.host if server_args.host not in ("0.0.0.0", "::", "") else "127.0.0.1",
+            # what the other workers' store clients reach this one's segment at: for a wildcard bind the pod IP
+            # the operator sets (KVSHIP_ADVERTISE_HOST), never 127.0.0.1, which is each pod's own loopback
+            local_hostname=advertise_host(server_args.host),
         )
     raise StoreError(f"unknown --hicache-storage {kind!r} (choose from {STORAGE_BACKENDS})")
 

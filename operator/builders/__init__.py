@@ -16,6 +16,8 @@ Children (unified mode has ``worker`` instead of ``prefill`` + ``decode``)::
     HPA              <name>-<role>   when the role has autoscaling (worker roles: not in slo mode)
     PDB              <name>-<role>   when the role can have 2+ pods
     NetworkPolicy    <name>-worker, <name>-router   unless spec.networkPolicy.enabled is false
+    Deployment       <name>-mooncake-master (+ Service, + NetworkPolicy)   spec.hicache.storage mooncake
+                     without a mooncakeMaster of the user's (builders/store.py)
 
 The Secrets (``<name>-kv-transfer``, ``<name>-worker-key``, ``<name>-admin-key``) are not built here: their
 values are random and made once (kvship.operator.credentials); the pods only refer to them by name.
@@ -42,6 +44,7 @@ from kvship.operator.builders.extras import autoscaler, config_map, disruption_b
 from kvship.operator.builders.groups import LWS_API_VERSION, LWS_KIND, group_workloads, grouped
 from kvship.operator.builders.network import network_policies
 from kvship.operator.builders.router import router_args, router_deployment, router_rbac, router_service
+from kvship.operator.builders.store import master_deployment, master_service, runs_master
 from kvship.operator.builders.workers import role_spec, worker_args, worker_deployment, worker_service
 from kvship.operator.revision import compute_revision
 from kvship.operator.spec import ServiceConfig, slo_mode
@@ -93,6 +96,8 @@ def build_children(
     out += network_policies(cfg, network)
     out += [worker_service(cfg, role) for role in worker_roles(cfg)]
     out.append(router_service(cfg))
+    if runs_master(cfg):  # before the workers: they connect to it as they start
+        out += [master_service(cfg), master_deployment(cfg, images)]
     out += workloads
     # groups are scaled by their spec (autoscaling is refused for them) and have no per-pod PDB
     scaled = [(role, role_spec(cfg, role)) for role in worker_roles(cfg) if not grouped(cfg, role)]

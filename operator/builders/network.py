@@ -8,7 +8,11 @@
   operator's namespace when it runs in another one) and from ``spec.networkPolicy.workerHttpFrom``.
 
 Unified workers in groups (``nodesPerReplica`` > 1) also let in every port from the service's worker pods (the
-group's rendezvous and collectives).
+group's rendezvous and collectives), and so do unified workers sharing a Mooncake KV store (``spec.hicache``:
+each reads pages from the others' segments, on ports chosen at run time).
+
+``<name>-mooncake-master`` (``spec.hicache.storage: mooncake`` with the operator's master) lets in the master's
+RPC port from this service's worker pods only: Mooncake does not authenticate it.
 
 ``<name>-router`` selects the router pods and lets anyone reach the router port: it is the endpoint.
 
@@ -32,6 +36,7 @@ from kvship.operator.builders.common import (
     role_selector,
 )
 from kvship.operator.builders.groups import any_grouped
+from kvship.operator.builders.store import MASTER_ROLE, runs_master
 from kvship.operator.spec import ServiceConfig
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -73,10 +78,23 @@ def network_policies(cfg: ServiceConfig, network: Network) -> list[dict[str, Any
     ingress: list[dict[str, Any]] = []
     if not cfg.unified:
         ingress.append({"from": [{"podSelector": _pods_of(cfg, ["prefill", "decode"])}]})
-    elif any_grouped(cfg):  # a worker group's pods reach each other on every port (rendezvous, gloo / NCCL)
+    elif any_grouped(cfg) or cfg.spec.hicache.storage == "mooncake":
+        # a worker group's pods reach each other on every port (rendezvous, gloo / NCCL), and so do the clients
+        # of one Mooncake store (page reads from each other's segments)
         ingress.append({"from": [{"podSelector": _pods_of(cfg, workers)}]})
     ingress.append({"from": http_from, "ports": [{"protocol": "TCP", "port": WORKER_PORT}]})
-    return [
+    policies = []
+    if runs_master(cfg):
+        rpc = [{"protocol": "TCP", "port": cfg.spec.hicache.master.port}]
+        policies.append(
+            _policy(
+                cfg,
+                child_name(cfg, MASTER_ROLE),
+                {"matchLabels": role_selector(cfg, MASTER_ROLE)},
+                [{"from": [{"podSelector": _pods_of(cfg, workers)}], "ports": rpc}],
+            )
+        )
+    return policies + [
         _policy(cfg, child_name(cfg, "unified"), _pods_of(cfg, workers), ingress),
         _policy(
             cfg,

@@ -26,7 +26,15 @@ from kvship.operator.builders.common import (
 from kvship.operator.builders.credentials import KV_SECRET_FILE, kv_secret_mount, kv_secret_volume, worker_key_env
 from kvship.operator.builders.groups import grouped
 from kvship.operator.builders.model import CACHE_DIR, cache_on_node, cache_size, cache_volume, plan_models
-from kvship.operator.spec import EAGLE_ALGORITHMS, GPU, ServiceConfig, role_kv_cache_dtype, role_quantization
+from kvship.operator.builders.store import storage_args, storage_volume
+from kvship.operator.spec import (
+    EAGLE_ALGORITHMS,
+    GPU,
+    ServiceConfig,
+    role_kv_cache_dtype,
+    role_quantization,
+    routes_by_kv_events,
+)
 from kvship.operator.types import WorkerRole
 
 # `kvship serve` flags not yet in every engine build; emitted only when the feature is asked for.
@@ -111,6 +119,9 @@ def worker_args(cfg: ServiceConfig, role: str, model_path: str | None, draft_pat
             args += [SPEC_FLAGS["steps"], str(sp.num_steps)]
         args += [SPEC_FLAGS["topk"], str(sp.topk), SPEC_FLAGS["tokens"], str(sp.num_draft_tokens)]
     args += common.tracing_args(spec)
+    if routes_by_kv_events(spec, role):  # the router's index is fed by these workers' events
+        args.append("--enable-kv-events")
+    args += storage_args(cfg)
     return args + list(eng.extra_args) + list(r.extra_args)
 
 
@@ -206,6 +217,9 @@ def worker_deployment(
     if ships_kv(cfg, role):
         container["volumeMounts"].append(kv_secret_mount())
         volumes.append(kv_secret_volume(cfg))
+    store_volumes, store_mounts = storage_volume(cfg)
+    container["volumeMounts"] += store_mounts
+    volumes += store_volumes
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "securityContext": common.pod_security_context(),
