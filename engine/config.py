@@ -187,6 +187,11 @@ class ServerArgs:
     hicache_storage_bandwidth_mb: float = opt(
         0.0, "--hicache-storage: MiB/s cap on reads and (separately) writes; over it pages are recomputed (0: no cap)"
     )
+    hicache_storage_prefetch_mb: float = opt(
+        256.0,
+        "--hicache-storage: MiB of host memory for pages read ahead from the store while their requests wait "
+        "(0: read at admission only)",
+    )
     schedule_policy: str = opt(
         "lpm", "Waiting-queue order: lpm = longest prefix match first, fcfs", choices=("lpm", "fcfs")
     )
@@ -510,6 +515,8 @@ class ServerArgs:
                 raise ValueError("--hicache-storage mooncake needs --hicache-storage-master HOST:PORT")
             if self.hicache_storage_size_gb <= 0 or self.hicache_storage_bandwidth_mb < 0:
                 raise ValueError("--hicache-storage-size-gb must be > 0 and --hicache-storage-bandwidth-mb >= 0")
+            if self.hicache_storage_prefetch_mb < 0:
+                raise ValueError("--hicache-storage-prefetch-mb must be >= 0 (0: no read-ahead)")
         if self.enable_kv_events and self.disable_radix_cache:
             raise ValueError("--enable-kv-events needs the radix cache (it publishes what the cache holds)")
         if not 0.0 < self.mem_fraction_static < 1.0:

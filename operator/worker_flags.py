@@ -70,6 +70,7 @@ WORKER_FLAGS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--hicache-storage-metadata",), "hicache_storage_metadata", "value"),
     (("--hicache-storage-size-gb",), "hicache_storage_size_gb", "value"),
     (("--hicache-storage-bandwidth-mb",), "hicache_storage_bandwidth_mb", "value"),
+    (("--hicache-storage-prefetch-mb",), "hicache_storage_prefetch_mb", "value"),
     (("--schedule-policy",), "schedule_policy", "value"),
     (("--tp-size",), "tp_size", "value"),
     (("--pp-size",), "pp_size", "value"),

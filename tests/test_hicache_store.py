@@ -46,12 +46,16 @@ class RaisingStore(KVPageStore):
         raise OSError("store unreachable")
 
 
-def make_cache(store: KVPageStore, ps=2, pages=16, host_pages=0, namespace="fp/tp1pp1r0", bandwidth=0.0):
+def make_cache(
+    store: KVPageStore, ps=2, pages=16, host_pages=0, namespace="fp/tp1pp1r0", bandwidth=0.0, prefetch_pages=0
+):
     kv = KVPool(pages * ps, ps, torch.float32, 1, 2, 2, "cpu")
     alloc = TokenToKVPoolAllocator(kv.num_slots, ps)
     rtt = ReqToTokenPool(size=8, max_context_len=pages * ps, device="cpu")
     host = HostTier(kv, host_pages * ps) if host_pages else None
-    tier = StorageTier(store, kv, namespace, bandwidth=bandwidth)
+    page_bytes = 2 * 2 * ps * 1 * 2 * 4  # K and V, two layers, ps rows of one head x 2 dims, float32
+    tier = StorageTier(store, kv, namespace, bandwidth=bandwidth, prefetch_bytes=prefetch_pages * page_bytes)
+    assert tier.page_bytes == page_bytes
     return RadixCache(rtt, alloc, ps, host, None, tier), alloc, kv, tier
 
 
@@ -178,6 +182,120 @@ def test_read_bandwidth_cap_stops_the_load_and_the_rest_is_recomputed(tmp_path):
     assert m.length == 4 and read_tokens(b_kv, m.indices) == tokens[:4]
 
 
+# --- read-ahead of queued prompts ------------------------------------------------------------------------------------
+
+
+class CountingStore(KVPageStore):
+    """Another store's pages, counting the calls (what admission asked the backend for)."""
+
+    name = "counting"
+
+    def __init__(self, inner: KVPageStore):
+        self.inner, self.gets, self.exists_calls = inner, 0, 0
+
+    def exists(self, keys):
+        self.exists_calls += 1
+        return self.inner.exists(keys)
+
+    def get(self, key):
+        self.gets += 1
+        return self.inner.get(key)
+
+    def put(self, key, value):
+        self.inner.put(key, value)
+
+
+def _stored(tmp_path, tokens) -> str:
+    """A store directory holding ``tokens``' pages (written by a cache that evicted them)."""
+    root = str(tmp_path / "kv")
+    a, a_alloc, a_kv, a_tier = make_cache(FilePageStore(root, 1 << 20))
+    cached(a, a_alloc, a_kv, tokens)
+    a.evict(len(tokens))
+    a_tier.flush()
+    assert a_tier.stats()["storage_bytes_written"] == len(tokens) // 2 * a_tier.page_bytes
+    return root
+
+
+def test_a_queued_prompts_pages_are_read_ahead_and_its_admission_asks_the_store_nothing(tmp_path):
+    tokens = list(range(110, 126))  # 8 pages
+    root = _stored(tmp_path, tokens)
+    store = CountingStore(FilePageStore(root, 1 << 20))
+    b, b_alloc, b_kv, b_tier = make_cache(store, prefetch_pages=16)
+    cached(b, b_alloc, b_kv, tokens[:4])  # b holds the first 2 pages: only the other 6 are read ahead
+    assert b.prefetch(tokens + [1])
+    b_tier.flush_prefetch()
+    assert b_tier.staged_pages() == 6 and store.gets == 6
+    calls = (store.gets, store.exists_calls)
+    m = b.load_back(b.match_prefix(tokens + [1]), max_tokens=100)
+    assert (store.gets, store.exists_calls) == calls  # every page came from the staging area
+    assert m.length == 16 and read_tokens(b_kv, m.indices) == tokens
+    assert b_kv.v_buffer[1][m.indices, 0, 1].long().tolist() == [-(t + 1000) for t in tokens]
+    st = b_tier.stats()
+    assert st["storage_prefetched_pages"] == 6 and st["storage_prefetch_hit_pages"] == 6
+    assert st["storage_staged_pages"] == 0 and st["storage_hit_tokens"] == 12  # loaded pages leave the staging
+    assert not b.prefetch(tokens)  # everything is held now: nothing to read
+    b.evict(b_alloc.total_slots)
+    assert b_alloc.available_size() == b_alloc.total_slots
+    b_tier.close()
+
+
+def test_read_ahead_is_bounded_and_admission_reads_the_rest(tmp_path):
+    tokens = list(range(130, 146))
+    store = CountingStore(FilePageStore(_stored(tmp_path, tokens), 1 << 20))
+    b, _, b_kv, b_tier = make_cache(store, prefetch_pages=3)
+    assert b_tier.staged_cap == 3
+    assert b.prefetch(tokens)
+    b_tier.flush_prefetch()
+    assert b_tier.staged_pages() == 3 and store.gets == 3
+    m = b.load_back(b.match_prefix(tokens), max_tokens=100)
+    assert m.length == 16 and read_tokens(b_kv, m.indices) == tokens
+    assert store.gets == 3 + 5 and b_tier.stats()["storage_prefetch_hit_pages"] == 3
+    # two prompts' read-aheads over the cap: the oldest staged pages go first
+    other = list(range(150, 158))
+    c, _, c_kv, c_tier = make_cache(FilePageStore(_stored(tmp_path / "2", tokens + other), 1 << 20), prefetch_pages=4)
+    c.prefetch(tokens[:8])
+    c.prefetch(tokens + other)  # its first 4 pages: tokens[:8] again (staged already) -> nothing new beyond the cap
+    c.prefetch(other)
+    c_tier.flush_prefetch()
+    assert c_tier.staged_pages() == 4
+    c_tier.close()
+    b_tier.close()
+
+
+def test_read_ahead_stops_at_a_damaged_page_and_a_failing_store_only_costs_it(tmp_path):
+    from kvship.engine.mem.hicache_events import page_hashes
+
+    tokens = list(range(170, 182))
+    root = _stored(tmp_path, tokens)
+    b, _, b_kv, b_tier = make_cache(FilePageStore(root, 1 << 20), prefetch_pages=16)
+    third = b_tier.key(page_hashes(tokens, 2)[2]).rsplit("/", 1)[1] + ".kv"
+    path = next(os.path.join(d, third) for d, _, names in os.walk(root) if third in names)
+    with open(path, "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff\xfe")
+    b.prefetch(tokens)
+    b_tier.flush_prefetch()
+    assert b_tier.staged_pages() == 2  # the two before it
+    m = b.load_back(b.match_prefix(tokens), 100)
+    assert m.length == 4 and read_tokens(b_kv, m.indices) == tokens[:4]
+    b_tier.close()
+    raising = RaisingStore()
+    c, _, _, c_tier = make_cache(raising, prefetch_pages=16)
+    assert c.prefetch(tokens)
+    c_tier.flush_prefetch()
+    assert c_tier.staged_pages() == 0 and c_tier.stats()["storage_errors"] == 1
+    assert c.load_back(c.match_prefix(tokens), 100).length == 0
+    c_tier.close()
+
+
+def test_without_a_staging_area_nothing_is_read_ahead(tmp_path):
+    tokens = list(range(190, 198))
+    store = CountingStore(FilePageStore(_stored(tmp_path, tokens), 1 << 20))
+    b, _, _, b_tier = make_cache(store)
+    assert b_tier._reader is None and not b.prefetch(tokens) and store.gets == 0
+    assert b.load_back(b.match_prefix(tokens), 100).length == 8
+
+
 # --- two workers sharing a directory (tiny random llama, CPU) --------------------------------------------------------
 
 
@@ -237,6 +355,26 @@ def test_two_workers_share_a_file_store_one_writes_the_other_hits(tiny_llama_dir
     assert out.tokens("t2") == cold_tokens
     st = b.get_stats()
     assert st["storage_hit_tokens"] == fin.cached_tokens and st["free_slots"] == st["total_slots"]
+
+
+def test_a_queued_turn_is_read_ahead_and_admitted_from_the_staging_area(tiny_llama_dir, two_turns):
+    store, turn2, cold_tokens = two_turns
+    b, _, out = _sched(
+        tiny_llama_dir, page_size=4, max_total_tokens=256, hicache_storage="file", hicache_storage_path=store
+    )
+    b.submit(_gen("t2", turn2, 10))
+    b.recv()  # queued (as behind a running step on a busy worker): its pages are read ahead while it waits
+    assert [r.rid for r in b.waiting] == ["t2"]
+    b.cache.storage.flush_prefetch()
+    staged = b.cache.storage.stats()["storage_staged_pages"]
+    assert staged >= 100 // 4
+    _drain(b)
+    fin = out.finished("t2")[0]
+    assert out.tokens("t2") == cold_tokens
+    st = b.get_stats()
+    assert st["storage_prefetch_hit_pages"] == staged and st["storage_staged_pages"] == 0
+    assert st["storage_hit_tokens"] == fin.cached_tokens == staged * 4
+    assert st["free_slots"] == st["total_slots"]
 
 
 def test_a_worker_whose_store_fails_recomputes_and_gives_the_same_tokens(tiny_llama_dir, two_turns):

@@ -27,7 +27,17 @@ worker or on any other worker of the same model.
 * **Threads.**  Writes are gathered from the pools on the scheduler thread
   (the slots are freed right after) and put by one writer thread through a
   bounded queue (a full queue skips the write).  Reads run on the scheduler
-  thread at admission, like the host tier's load-back.
+  thread at admission, like the host tier's load-back, except for the pages
+  already read ahead.
+* **Prefetch.**  When a request joins the waiting queue, the radix cache hands
+  the store the hashes of its pages past what the worker holds
+  (``prefetch``); a reader thread asks the store which it has and reads the
+  leading ones into a bounded staging area in host memory
+  (``--hicache-storage-prefetch-mb``; the oldest staged pages go first when it
+  is full).  At admission ``lookup`` and ``load`` take staged pages without a
+  store call (a staged page leaves the staging area when it is loaded), and
+  read only the rest.  A prefetch that finds its queue full is dropped: the
+  pages are then read at admission, as without prefetch.
 
 ``KVPageStore`` is the backend contract; ``FilePageStore`` (one file per page
 in a directory, a shared volume for several workers) and
@@ -38,6 +48,7 @@ two backends.  ``StorageTier`` is what the radix cache talks to.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -274,17 +285,19 @@ class ByteBudget:
         self.clock = clock
         self.tokens = self.burst
         self.t = clock()
+        self._lock = threading.Lock()  # the scheduler and the prefetch thread both read
 
     def take(self, n: int) -> bool:
         if self.rate <= 0:
             return True
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
-        self.t = now
-        if self.tokens < n:
-            return False
-        self.tokens -= n
-        return True
+        with self._lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+            self.t = now
+            if self.tokens < n:
+                return False
+            self.tokens -= n
+            return True
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -296,7 +309,8 @@ class StorageTier:
 
     ``namespace``: the key prefix (fingerprint + shard); ``bandwidth``: bytes/s per direction (0: no cap);
     ``agree``: the smallest of an int over every rank of a multi-rank worker (identity for one rank), so
-    all ranks load the same pages and keep scheduling the same slots.
+    all ranks load the same pages and keep scheduling the same slots; ``prefetch_bytes``: the staging area of
+    pages read ahead for queued requests (0: no prefetch, no reader thread).
     """
 
     def __init__(
@@ -308,6 +322,8 @@ class StorageTier:
         agree: Optional[Callable[[int], int]] = None,
         queue_pages: int = 256,
         known_keys: int = 1 << 16,
+        prefetch_bytes: int = 0,
+        prefetch_jobs: int = 64,
     ):
         self.store = store
         self.pool = device_pool
@@ -340,6 +356,17 @@ class StorageTier:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kvship-hicache-store", daemon=True)
         self._writer.start()
+        # read-ahead: key -> payload, oldest first, at most ``prefetch_bytes`` (whole pages)
+        self._staged: OrderedDict[str, bytes] = OrderedDict()
+        self.staged_cap = int(prefetch_bytes) // self.page_bytes if self.page_bytes else 0
+        self.prefetched = 0  # pages read ahead
+        self.prefetch_hits = 0  # pages loaded from the staging area
+        self.prefetch_dropped = 0  # prefetches that found the queue full
+        self._reader: Optional[threading.Thread] = None
+        if self.staged_cap > 0:
+            self._prefetch_q: queue.Queue = queue.Queue(maxsize=prefetch_jobs)
+            self._reader = threading.Thread(target=self._prefetch_loop, name="kvship-hicache-prefetch", daemon=True)
+            self._reader.start()
 
     # --- keys / values ---------------------------------------------------------------------------------------------
     def key(self, page_hash: int) -> str:
@@ -432,19 +459,93 @@ class StorageTier:
         """Wait until every queued write reached the store (or failed)."""
         self._queue.join()
 
+    # --- read-ahead (queued requests) ------------------------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[int]) -> bool:
+        """Read the pages ``hashes`` (a prompt's pages past what the worker holds, in order) into the staging area
+        in the background; False when prefetch is off or its queue is full (the pages are read at admission)."""
+        if self._reader is None or not hashes or self._closed:
+            return False
+        try:
+            self._prefetch_q.put_nowait([self.key(h) for h in hashes[: self.staged_cap]])
+            return True
+        except queue.Full:
+            with self._lock:
+                self.prefetch_dropped += 1
+            return False
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            keys = self._prefetch_q.get()
+            try:
+                if keys is None:
+                    return
+                self._read_ahead(keys)
+            except Exception as e:  # a failing store costs the read-ahead only
+                self._error("prefetch", e)
+            finally:
+                self._prefetch_q.task_done()
+
+    def _read_ahead(self, keys: list[str]) -> None:
+        """Stage the leading pages of ``keys`` the store holds; stops at the first miss, damaged page or the read
+        bandwidth cap."""
+        with self._lock:
+            todo = [i for i, k in enumerate(keys) if k not in self._staged]
+        if not todo:
+            return
+        present = self.store.exists([keys[i] for i in todo])
+        for i, ok in zip(todo, present):
+            if not ok:
+                return
+            key = keys[i]
+            with self._lock:
+                if key in self._staged:
+                    continue
+            if not self.read_budget.take(self.page_bytes):
+                return
+            payload = self._unpack(self.store.get(key))
+            if payload is None:
+                return
+            with self._lock:
+                self._staged[key] = payload
+                self._staged.move_to_end(key)
+                while len(self._staged) > self.staged_cap:
+                    self._staged.popitem(last=False)
+                self.prefetched += 1
+
+    def _take_staged(self, key: str) -> Optional[bytes]:
+        with self._lock:
+            payload = self._staged.pop(key, None)
+            if payload is not None:
+                self.prefetch_hits += 1
+            return payload
+
+    def staged_pages(self) -> int:
+        with self._lock:
+            return len(self._staged)
+
+    def flush_prefetch(self) -> None:
+        """Wait until every queued read-ahead is done (tests)."""
+        if self._reader is not None:
+            self._prefetch_q.join()
+
     # --- reads (prefix match) --------------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> int:
-        """How many leading pages of ``hashes`` the store holds (capped by the read bandwidth), agreed by all ranks."""
-        n = 0
-        if hashes:
+        """How many leading pages of ``hashes`` are staged or in the store (the store's capped by the read
+        bandwidth), agreed by all ranks."""
+        keys = [self.key(h) for h in hashes]
+        with self._lock:
+            staged = 0
+            while staged < len(keys) and keys[staged] in self._staged:
+                staged += 1
+        n = staged
+        if n < len(keys):
             try:
-                present = self.store.exists([self.key(h) for h in hashes])
-                while n < len(hashes) and present[n]:
+                present = self.store.exists(keys[n:])
+                while n < len(keys) and present[n - staged]:
                     n += 1
             except Exception as e:
                 self._error("lookup", e)
-                n = 0
-        k = 0
+        k = staged  # staged pages were paid for when they were read ahead
         while k < n and self.read_budget.take(self.page_bytes):
             k += 1
         return self.agree(k)
@@ -457,11 +558,13 @@ class StorageTier:
         payloads = []
         for h in hashes:
             key = self.key(h)
-            try:
-                p = self._unpack(self.store.get(key))
-            except Exception as e:
-                self._error("read", e)
-                p = None
+            p = self._take_staged(key)
+            if p is None:
+                try:
+                    p = self._unpack(self.store.get(key))
+                except Exception as e:
+                    self._error("read", e)
+                    p = None
             if p is None:
                 break
             payloads.append(p)
@@ -489,6 +592,7 @@ class StorageTier:
     def stats(self) -> dict:
         with self._lock:
             written, errors = self.bytes_written, self.errors
+            prefetch = (self.prefetched, self.prefetch_hits, self.prefetch_dropped, len(self._staged))
         return {
             "storage_backend": self.store.name,
             "storage_hit_tokens": self.hit_tokens,
@@ -496,6 +600,10 @@ class StorageTier:
             "storage_bytes_written": written,
             "storage_writes_skipped": self.writes_skipped,
             "storage_errors": errors,
+            "storage_prefetched_pages": prefetch[0],
+            "storage_prefetch_hit_pages": prefetch[1],
+            "storage_prefetch_dropped": prefetch[2],
+            "storage_staged_pages": prefetch[3],
         }
 
     def close(self) -> None:
@@ -504,6 +612,12 @@ class StorageTier:
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=10)
+        if self._reader is not None:
+            with contextlib.suppress(queue.Full):
+                self._prefetch_q.put(None, timeout=10)
+            self._reader.join(timeout=10)
+        with self._lock:
+            self._staged.clear()
         try:
             self.store.close()
         except Exception as e:
@@ -552,4 +666,5 @@ def storage_tier_for(server_args, model_runner) -> Optional[StorageTier]:
         storage_namespace(server_args, model_runner),
         bandwidth=server_args.hicache_storage_bandwidth_mb * MIB,
         agree=agree,
+        prefetch_bytes=int(server_args.hicache_storage_prefetch_mb * MIB),
     )

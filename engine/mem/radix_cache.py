@@ -183,6 +183,12 @@ class BasePrefixCache(ABC):
         """A shared tier is attached: ``load_back`` may extend a match with no host part."""
         return False
 
+    def prefetch(self, key: Sequence[int]) -> bool:
+        """Have the shared tier read ahead the pages of ``key`` (a queued prompt) past what this cache holds, so
+        that its admission finds them in host memory (docs/cache.md, "Shared tier").  True when a read-ahead
+        was queued."""
+        return False
+
     def load_ahead(self, match: MatchResult, max_tokens: int) -> bool:
         """Start loading up to ``max_tokens`` of ``match``'s host part now, on its own (docs/cache.md,
         "Load-ahead"): True when copies started.  Until they are done the loaded path is locked and
@@ -708,6 +714,29 @@ class RadixCache(BasePrefixCache):
     @property
     def consults_storage(self) -> bool:
         return self.storage is not None
+
+    def prefetch(self, key: Sequence[int]) -> bool:
+        if self.storage is None:
+            return False
+        key = self._aligned(key)
+        held = self._held_pages(key)
+        if held * self.page_size >= len(key):
+            return False
+        return self.storage.prefetch(page_hashes(key, self.page_size)[held:])
+
+    def _held_pages(self, key: list[int]) -> int:
+        """Whole pages of ``key`` the tree holds on any tier (a read-only walk: no touch, no split)."""
+        node, n = self.root, 0
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            m = self._match_len(child.key, key)
+            n += m
+            if m < len(child.key):
+                break
+            node, key = child, key[m:]
+        return n // self.page_size
 
     def take_loads(self) -> Optional[Any]:
         if self.host is None:

@@ -583,8 +583,11 @@ class Scheduler:
             self.enqueue(req)
 
     def enqueue(self, req: Req) -> None:
-        """Put a registered request at the back of the waiting queue."""
+        """Put a registered request at the back of the waiting queue (and have the shared KV tier, if any, read
+        its prefix pages ahead while it waits)."""
         self.waiting.append(req)
+        if self.cache.consults_storage:
+            self.cache.prefetch(req.fill_ids[:-1])  # admission matches all but the last token
 
     # ------------------------------------------------------------ finishing
     def emit(self, req: Req) -> None:
