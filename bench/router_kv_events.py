@@ -17,9 +17,11 @@ same workload once per policy, each time to fresh workers:
 
 * ``--routers N`` runs N router replicas with the same policy over the same
   workers (as a Deployment of N router pods behind one Service) and a
-  tenant's turns alternate between them: each ``cache_aware`` replica sees
-  only the turns sent through it, each ``kv_events`` replica follows every
-  worker's events.
+  tenant's turns alternate between them (``--router-choice random``: each turn
+  goes to a replica drawn at random, the same draws for every policy, as a
+  Service spreads new connections): each ``cache_aware`` replica sees only the
+  turns sent through it, each ``kv_events`` replica follows every worker's
+  events.
 
 Reports, per policy, the share of prompt tokens served from cache (sum of the
 replies' ``meta_info.cached_tokens`` over the sum of ``prompt_tokens``), the
@@ -283,6 +285,15 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
         [[rng.randrange(LOW, HIGH) for _ in range(args.user_tokens)] for _ in range(args.turns)]
         for _ in range(conversations)
     ]
+    # which router replica each turn goes to (the same for every policy: its own generator)
+    pick = random.Random(args.seed + 1000)
+    replica = [
+        [
+            (i + t) % len(router_urls) if args.router_choice == "alternate" else pick.randrange(len(router_urls))
+            for t in range(args.turns)
+        ]
+        for i in range(conversations)
+    ]
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as client:
         # one request per worker straight to it: first-forward costs stay out of the measured turns
@@ -299,7 +310,7 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
             prev_worker = None
             for t in range(args.turns):
                 prompt = history + users[i][t]
-                url = router_urls[(i + t) % len(router_urls)]  # replicas behind one Service: turns alternate
+                url = router_urls[replica[i][t]]  # replicas behind one Service
                 async with sem:
                     try:
                         event, ttft, worker = await one_turn(client, url, prompt, args.max_new_tokens)
@@ -347,13 +358,16 @@ def read_predictions(res: Result, text: str) -> None:
 
 def report(results: list[Result], args, load: tuple[float, float]) -> str:
     by = {r.policy: r for r in results}
+    how = (
+        "a tenant's turns alternate between them" if args.router_choice == "alternate" else "each turn to one at random"
+    )
     lines = [
         f"Machine: {args.machine}; load average {load[0]:.1f} before, {load[1]:.1f} after.",
         f"{args.workers} CPU workers (tiny 2-layer llama), {args.pool_tokens}-token device pool each, page size {PAGE}, "
         f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.sessions} sessions x {args.turns} turns "
         f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
         f"at most {args.concurrency} in flight; streamed token-id /generate through {args.routers} router "
-        f"replica(s) (a tenant's turns alternate between them); fresh workers per policy.",
+        f"replica(s) ({how}); fresh workers per policy.",
         "",
         "| policy | requests | errors | prompt tokens | cached share % | cached share, turns >= 2 % | "
         "TTFT p50 ms | TTFT p90 ms | tenant moved worker | first turns per worker | wall s |",
@@ -410,6 +424,12 @@ def main() -> None:
         type=int,
         default=1,
         help="router replicas (same policy, same workers); turns alternate between them",
+    )
+    p.add_argument(
+        "--router-choice",
+        choices=("alternate", "random"),
+        default="alternate",
+        help="with --routers > 1: a tenant's turns alternate between the replicas, or each goes to one at random",
     )
     p.add_argument("--settle-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=7)

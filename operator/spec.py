@@ -222,13 +222,13 @@ def hicache_errors(spec: InferenceServiceSpec) -> list[str]:
         elif not 1 <= int(hc.mooncake_master.rsplit(":", 1)[1]) <= 65535:
             errors.append(f"spec.hicache.mooncakeMaster: {hc.mooncake_master!r} has no port in 1-65535")
     unified = spec.prefill.replicas == 0
-    for role in ("unified",) if unified else ("prefill", "decode"):
+    # (role, the spec block its workers take): unified workers are described by the decode block
+    for role, block in (("unified", "decode"),) if unified else (("prefill", "prefill"), ("decode", "decode")):
         if not routes_by_kv_events(spec, role):
             continue
-        r = spec.decode if role != "prefill" else spec.prefill
         for where, args in (
             ("spec.engine.extraArgs", spec.engine.extra_args),
-            (f"spec.{role}.extraArgs", r.extra_args),
+            (f"spec.{block}.extraArgs", getattr(spec, block).extra_args),
         ):
             if "--no-enable-kv-events" in args:
                 errors.append(

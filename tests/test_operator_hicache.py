@@ -199,6 +199,10 @@ def test_the_spec_refuses_what_the_tier_cannot_run_with_the_field_to_change():
             "spec": dict(PD, prefill=dict(PD["prefill"], extraArgs=["--no-enable-kv-events"])),
         }
     )
+    assert errors(dict(UNIFIED, router={"policy": "kv_events"}, decode={"extraArgs": ["--no-enable-kv-events"]})) == [
+        "spec.decode.extraArgs: --no-enable-kv-events, but the router routes the unified workers by policy "
+        "kv_events, which reads their KV events"
+    ]
     # the master's image is held to the operator's allowed prefixes like the others
     spec = dict(
         UNIFIED, engine={"image": "reg.io/w:1"}, hicache={"storage": "mooncake", "master": {"image": "evil.io/m:1"}}
