@@ -269,7 +269,7 @@ def test_the_master_pods_argv_runs_the_real_master_and_a_workers_store_flags_rea
         assert proc.wait(10) is not None
 
 
-def test_a_pod_without_the_master_binary_exits_with_the_reason(tmp_path, monkeypatch):
+def test_a_pod_without_the_master_binary_exits_with_the_reason(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(tmp_path))
     (tmp_path / "mooncake").mkdir()
     (tmp_path / "mooncake" / "__init__.py").write_text("")  # a mooncake package without the binary
