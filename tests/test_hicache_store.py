@@ -296,6 +296,66 @@ def test_without_a_staging_area_nothing_is_read_ahead(tmp_path):
     assert b.load_back(b.match_prefix(tokens), 100).length == 8
 
 
+# --- a backend that connects late (a Mooncake master down or not started yet) ----------------------------------------
+
+
+def test_a_store_that_is_not_there_yet_is_a_miss_until_it_connects(tmp_path):
+    import threading
+
+    from kvship.engine.mem.hicache_store import ReconnectingStore
+
+    tokens = list(range(200, 208))
+    root = _stored(tmp_path, tokens)
+    attempts, up = [], threading.Event()
+
+    def connect():
+        attempts.append(time.monotonic())
+        if not up.is_set():
+            raise StoreError("master not answering")
+        return FilePageStore(root, 1 << 20)
+
+    store = ReconnectingStore("late", connect, retry_s=0.05, max_retry_s=0.2)
+    b, b_alloc, b_kv, b_tier = make_cache(store)
+    assert not store.wait_connected(0.3) and len(attempts) >= 2  # retried, backing off
+    # meanwhile: every page a miss, every write a counted failure, the cache whole
+    assert b.load_back(b.match_prefix(tokens), 100).length == 0
+    cached(b, b_alloc, b_kv, list(range(300, 304)))
+    b.evict(4)
+    b_tier.flush()
+    st = b_tier.stats()
+    assert st["storage_connected"] is False and st["storage_errors"] == 2 and st["storage_bytes_written"] == 0
+    assert b_alloc.available_size() == b_alloc.total_slots
+    up.set()
+    assert store.wait_connected(5)
+    m = b.load_back(b.match_prefix(tokens), 100)
+    assert m.length == 8 and read_tokens(b_kv, m.indices) == tokens
+    assert b_tier.stats()["storage_connected"] is True
+    n = len(attempts)
+    b_tier.close()
+    time.sleep(0.3)
+    assert len(attempts) == n  # no retries once connected (and closed)
+
+
+def test_closing_a_store_that_never_connected_stops_its_retries():
+    from kvship.engine.mem.hicache_store import ReconnectingStore
+
+    attempts = []
+
+    def connect():
+        attempts.append(1)
+        raise StoreError("master not answering")
+
+    store = ReconnectingStore("never", connect, retry_s=0.02, max_retry_s=0.02)
+    time.sleep(0.2)
+    store.close()
+    n = len(attempts)
+    assert n >= 2
+    time.sleep(0.2)
+    assert len(attempts) == n and not store.connected
+    with pytest.raises(StoreError, match="not connected yet"):
+        store.put("k", b"v")
+
+
 # --- two workers sharing a directory (tiny random llama, CPU) --------------------------------------------------------
 
 

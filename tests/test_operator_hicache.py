@@ -257,7 +257,8 @@ def test_the_master_pods_argv_runs_the_real_master_and_a_workers_store_flags_rea
         args = ServerArgs.from_cli_args(server_parser().parse_args(worker_argv))
         # the pod IP the operator gives the worker (KVSHIP_ADVERTISE_HOST): what the other workers read it at
         monkeypatch.setenv("KVSHIP_ADVERTISE_HOST", "127.0.0.1")
-        store = make_page_store(args)
+        store = make_page_store(args)  # connects in the background: a worker never waits for its store
+        assert store.wait_connected(60), "the store never connected to the master"
         try:
             store.put("page-1", b"\x01" * 4096)
             assert store.exists(["page-1", "page-2"]) == [True, False]

@@ -264,6 +264,78 @@ class MooncakePageStore(KVPageStore):
         self._store.close()
 
 
+class ReconnectingStore(KVPageStore):
+    """A store whose backend connects in the background (a Mooncake client's set-up blocks for about 90 s when
+    its master does not answer): until ``connect`` succeeds every page is a miss and every write fails (counted
+    by the tier; the pages are recomputed), and a thread retries ``connect``, first at once, then every
+    ``retry_s`` seconds, doubling to ``max_retry_s``.  A worker thus starts, and serves, without its store and
+    takes the store up once it answers: a store failure costs recompute, never the worker (docs/cache.md,
+    "Shared tier")."""
+
+    def __init__(self, name: str, connect: Callable[[], KVPageStore], retry_s: float = 5.0, max_retry_s: float = 60.0):
+        self.name = name
+        self._connect = connect
+        self._store: Optional[KVPageStore] = None
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._lock = threading.Lock()  # the store is taken up or closed, never both at once
+        self._thread = threading.Thread(
+            target=self._run, args=(retry_s, max_retry_s), name="kvship-hicache-connect", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    def wait_connected(self, timeout: Optional[float] = None) -> bool:
+        return self._connected.wait(timeout)
+
+    def _run(self, delay: float, max_delay: float) -> None:
+        wait = 0.0
+        while not self._stop.wait(wait):
+            try:
+                store = self._connect()
+            except StoreError as e:
+                if wait == 0.0:
+                    logger.warning("KV store (%s) unavailable: %s; retrying every %.0f s or more", self.name, e, delay)
+                wait = delay if wait == 0.0 else min(2 * wait, max_delay)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    store.close()
+                    return
+                self._store = store
+            self._connected.set()
+            logger.info("KV store (%s) connected", self.name)
+            return
+
+    def _backend(self) -> KVPageStore:
+        store = self._store
+        if store is None:
+            raise StoreError(f"the {self.name} store is not connected yet")
+        return store
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        store = self._store
+        return [False] * len(keys) if store is None else store.exists(keys)
+
+    def get(self, key: str) -> Optional[bytes]:
+        store = self._store
+        return None if store is None else store.get(key)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._backend().put(key, value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop.set()
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+        self._thread.join(timeout=1.0)  # a set-up in progress may block longer: the thread closes its store
+
+
 def mooncake_metadata_url(master: str, metadata: Optional[str]) -> str:
     """The metadata service: ``metadata`` when given, else the master host's HTTP metadata server on 8080
     (``mooncake_master --enable_http_metadata_server``'s default port)."""
@@ -600,6 +672,7 @@ class StorageTier:
             "storage_bytes_written": written,
             "storage_writes_skipped": self.writes_skipped,
             "storage_errors": errors,
+            "storage_connected": bool(getattr(self.store, "connected", True)),
             "storage_prefetched_pages": prefetch[0],
             "storage_prefetch_hit_pages": prefetch[1],
             "storage_prefetch_dropped": prefetch[2],
@@ -642,15 +715,15 @@ def make_page_store(server_args) -> KVPageStore:
     if kind == "mooncake":
         from kvship.engine.disagg.base import advertise_host
 
+        _import_mooncake_store()  # a missing package is a set-up error; a master that does not answer is not
         master = server_args.hicache_storage_master or ""
-        return MooncakePageStore(
-            master,
-            mooncake_metadata_url(master, server_args.hicache_storage_metadata),
-            size,
-            # what the other workers' store clients reach this one's segment at: for a wildcard bind the pod IP
-            # the operator sets (KVSHIP_ADVERTISE_HOST), never 127.0.0.1, which is each pod's own loopback
-            local_hostname=advertise_host(server_args.host),
-        )
+        if not master or ":" not in master:
+            raise StoreError("--hicache-storage mooncake needs --hicache-storage-master HOST:PORT (mooncake_master)")
+        metadata = mooncake_metadata_url(master, server_args.hicache_storage_metadata)
+        # what the other workers' store clients reach this one's segment at: for a wildcard bind the pod IP the
+        # operator sets (KVSHIP_ADVERTISE_HOST), never 127.0.0.1, which is each pod's own loopback
+        local = advertise_host(server_args.host)
+        return ReconnectingStore("mooncake", lambda: MooncakePageStore(master, metadata, size, local_hostname=local))
     raise StoreError(f"unknown --hicache-storage {kind!r} (choose from {STORAGE_BACKENDS})")
 
 
