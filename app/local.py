@@ -383,6 +383,8 @@ class LocalDeployment:
                 backend,
                 *role_worker_args(worker_args, role),
             ]
+            if cfg.policy == "kv_events" and "--enable-kv-events" not in worker_args:
+                base.append("--enable-kv-events")  # the router's prefix index reads the workers' KV events
             if tp_size != _flag_int(worker_args, "--tp-size", 1):  # after the pass-through flags: it overrides
                 base += ["--tp-size", str(tp_size)]
             if pp_size != _flag_int(worker_args, "--pp-size", 1):

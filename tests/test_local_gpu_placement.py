@@ -107,3 +107,16 @@ def test_children_argv_have_no_gpu_flag_on_cpu(tmp_path):
     dep = LocalDeployment(cfg, worker_argv(flags), "tcp", str(tmp_path), worker_gpus(cfg, flags, "cpu"))
     assert all("--base-gpu-id" not in w.argv for w in dep.workers)
     assert dep.gpus_of == {}
+
+
+def test_a_kv_events_router_gets_workers_that_publish_their_events(tmp_path):
+    from kvship.app.local import LocalDeployment, worker_argv
+
+    for args, on in ((["--policy", "kv_events"], True), (["--policy", "cache_aware"], False), ([], False)):
+        cfg, flags = _config(["--device", "cpu", *args])
+        dep = LocalDeployment(cfg, worker_argv(flags), "tcp", str(tmp_path))
+        assert all(("--enable-kv-events" in w.argv) == on for w in dep.workers), args
+        assert dep.router.argv[dep.router.argv.index("--policy") + 1] == cfg.policy
+    cfg, flags = _config(["--device", "cpu", "--policy", "kv_events", "--enable-kv-events"])
+    dep = LocalDeployment(cfg, worker_argv(flags), "tcp", str(tmp_path))
+    assert all(w.argv.count("--enable-kv-events") == 1 for w in dep.workers)
