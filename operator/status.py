@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvship.operator.builders.common import child_name, deployment_name, worker_roles
+from kvship.operator.builders.store import MASTER_ROLE, runs_master
 from kvship.operator.groups import role_workload
 from kvship.operator.rollout import RolloutPlan, SyncSummary, revision_sets
 from kvship.operator.router_client import RouterView
@@ -331,6 +332,9 @@ def compute_status(
         "url": url,
         "observedGeneration": generation,
     }
+    if runs_master(cfg):  # informational: the workers serve without it (docs/operator.md, "Shared KV tier")
+        master = role_state(MASTER_ROLE, role_workload(children, child_name(cfg, MASTER_ROLE)))
+        out["storeMaster"] = master.as_status()
     if rev is not None:
         out["revision"] = rev
         out["revisions"] = revisions_status(children, rev, router, previous_status.get("revisions") or [])

@@ -636,6 +636,10 @@ class InferenceServiceStatus:
     prefill: RoleStatus = api_field("Prefill workers (0/0 in unified mode).", RoleStatus)
     decode: RoleStatus = api_field("Decode (or unified) workers.", RoleStatus)
     router: RoleStatus = api_field("Router pods.", RoleStatus)
+    store_master: Optional[RoleStatus] = api_field(
+        "The Mooncake master the operator runs for spec.hicache.storage mooncake (absent otherwise). It is not "
+        "part of Ready: without it the workers serve and recompute what the store would have held."
+    )
     url: Optional[str] = api_field("Base URL of the router's OpenAI-compatible API.")
     revision: Optional[str] = api_field("Revision of the current spec (hash of what must match across P and D).")
     revisions: list[RevisionStatus] = api_field(

@@ -446,6 +446,12 @@ def test_a_mooncake_store_gets_its_master_and_turning_it_off_removes_it(cluster,
     worker = wait_for(lambda: deployments(kube, "kvstore").get("kvstore-worker"), 30, "the worker Deployment")
     args = worker["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--hicache-storage-master") + 1] == f"kvstore-mooncake-master.{NS}.svc:50051"
+    mark_ready(kube, "kvstore")
+    wait_for(
+        lambda: ((service(kube, "kvstore") or {}).get("status") or {}).get("storeMaster", {}).get("ready") == "1/1",
+        30,
+        "status.storeMaster 1/1",
+    )
     kubectl(
         "patch",
         "kvsvc",

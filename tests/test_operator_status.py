@@ -193,3 +193,18 @@ def test_load_balancer_ingress_becomes_the_url():
     svc = {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}}
     st = compute_status(body, parse_service(body), [], [], children(service_obj=svc), now=T0)
     assert st["url"] == "http://203.0.113.7:80"
+
+
+def test_the_store_master_is_reported_apart_from_ready():
+    spec = dict(UNIFIED, hicache={"storage": "mooncake"})
+    body = service(spec)
+    workers = (deployment("svc-worker", 1, 1), deployment("svc-router", 1, 1))
+    st = compute_status(body, parse_service(body), [], [], children(*workers), now=T0)
+    assert st["phase"] == "Ready"  # the workers serve without their store: not part of Ready
+    assert st["storeMaster"] == {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0, "ready": "0/0"}
+    st = compute_status(
+        body, parse_service(body), [], [], children(*workers, deployment("svc-mooncake-master", 1, 1)), now=T0
+    )
+    assert st["storeMaster"]["ready"] == "1/1" and st["phase"] == "Ready"
+    plain = service(UNIFIED)
+    assert "storeMaster" not in compute_status(plain, parse_service(plain), [], [], children(*workers), now=T0)
