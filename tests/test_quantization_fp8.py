@@ -60,14 +60,25 @@ def _qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
 
 
+def _block(qc: dict):
+    """The weight block ``[rows, columns]`` of a block format (``fp8``'s ``weight_block_size``, compressed-tensors'
+    ``block_structure``), else None."""
+    if qc.get("weight_block_size"):
+        return qc["weight_block_size"]
+    for group in (qc.get("config_groups") or {}).values():
+        if (group.get("weights") or {}).get("strategy") == "block":
+            return group["weights"]["block_structure"]
+    return None
+
+
 def _act_qdq(x: torch.Tensor, qc: dict, input_scale, token_parts: int = 1) -> torch.Tensor:
     """The activations as the format quantises them at run time; ``token_parts``: a per-token scale is taken
     over each of that many equal column parts (a row-parallel layer's ranks)."""
     x = x.float()
     if input_scale is not None:  # static per-tensor
         return _qdq(x, input_scale)
-    if qc.get("weight_block_size") or token_parts > 1:
-        g = qc["weight_block_size"][1] if qc.get("weight_block_size") else x.shape[-1] // token_parts
+    if _block(qc) or token_parts > 1:
+        g = _block(qc)[1] if _block(qc) else x.shape[-1] // token_parts
         groups = x.unflatten(-1, (x.shape[-1] // g, g))
         scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
         return _qdq(groups, scale).flatten(-2)
@@ -103,9 +114,9 @@ def _reference_model(path: str, tp: int = 1):
         w = tensors.get(f"{name}.weight")
         if w is None or w.dtype != torch.float8_e4m3fn:
             continue
-        if f"{name}.weight_scale_inv" in tensors:
-            s = tensors[f"{name}.weight_scale_inv"]
-            b0, b1 = qc["weight_block_size"]
+        if _block(qc):  # fp8 names the block scales weight_scale_inv, compressed-tensors weight_scale
+            s = tensors.get(f"{name}.weight_scale_inv", tensors.get(f"{name}.weight_scale"))
+            b0, b1 = _block(qc)
             full = s.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[: w.shape[0], : w.shape[1]]
         else:
             s = tensors[f"{name}.weight_scale"].float()
@@ -182,7 +193,7 @@ def test_tp2_over_gloo_equals_tp1_for_block_and_static_formats(sources, tmp_path
     for fmt, path in paths.items():
         tp1 = _engine_run(_runner(path))
         logits = torch.from_numpy(tp2[fmt]["logits"])
-        if fmt in ("fp8_block", "fp8_tensor_static", "ct_tensor_static"):
+        if fmt in ("fp8_block", "ct_block", "fp8_tensor_static", "ct_tensor_static"):
             assert tp2[fmt]["greedy"] == tp1["greedy"], fmt
             assert torch.allclose(logits, tp1["logits"], atol=1e-4), fmt
         else:
@@ -268,8 +279,56 @@ def _cfg(**qc) -> dict:
             "unsupported KV cache scheme",
         ),
         ({"quant_method": "awq", "bits": 4}, r"'awq'.*supported: \['compressed-tensors', 'fp8'"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]},
+                        "input_activations": {
+                            "type": "float",
+                            "num_bits": 8,
+                            "strategy": "group",
+                            "group_size": 64,
+                            "dynamic": True,
+                        },
+                    }
+                },
+            },
+            "need activation groups of group_size 128, got 64",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128]},
+                        "input_activations": {
+                            "type": "float",
+                            "num_bits": 8,
+                            "strategy": "group",
+                            "group_size": 128,
+                            "dynamic": True,
+                        },
+                    }
+                },
+            },
+            r"need block_structure \[rows, columns\], got \[128\]",
+        ),
     ],
-    ids=["block_static", "e5m2", "ct_int8", "ct_weight_only", "ignored_layer", "ct_kv_cache", "awq"],
+    ids=[
+        "block_static",
+        "e5m2",
+        "ct_int8",
+        "ct_weight_only",
+        "ignored_layer",
+        "ct_kv_cache",
+        "awq",
+        "ct_block_group_size",
+        "ct_block_structure",
+    ],
 )
 def test_formats_kvship_does_not_read_are_refused_at_startup(qc, match):
     with pytest.raises(ValueError, match=match):
@@ -338,7 +397,7 @@ def test_dummy_loader_makes_fp8_weights_of_every_format_the_same_at_every_tp_ran
     whole = load_model(mc, "dummy", "cpu", seed=5)
     down = whole.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.float8_e4m3fn and down.weight.float().abs().max() > 100
-    scale = down.weight_scale_inv if fmt == "fp8_block" else down.weight_scale
+    scale = down.weight_scale_inv if fmt in ("fp8_block", "ct_block") else down.weight_scale
     assert scale.unique().numel() == 1 and hasattr(down, "input_scale") == fmt.endswith("_static")
     from test_quantization import _forward_without_kv
 

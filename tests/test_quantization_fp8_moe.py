@@ -49,7 +49,11 @@ GROUP = 128
 def moe_paths(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("fp8moe")
     src = build_tiny_moe(str(d / "src"), "qwen3_moe", seed=SEED, **DIMS)
-    return {"src": src, "block": write_fp8_checkpoint(src, str(d / "block"), "fp8_block")}
+    return {
+        "src": src,
+        "block": write_fp8_checkpoint(src, str(d / "block"), "fp8_block"),
+        "ct_block": write_fp8_checkpoint(src, str(d / "ct_block"), "ct_block"),
+    }
 
 
 def _args(path: str, tp: int = 1, ep: int = 1) -> ServerArgs:
@@ -266,3 +270,17 @@ def test_dummy_loader_makes_fp8_experts_with_an_unquantized_router(tmp_path):
     rank1 = load_model(mc, "dummy", "cpu", seed=5, tp=GlooCommunicator(rank=1, size=2), ep=(2, "all_reduce"))
     held = rank1.model.layers[0].mlp.experts
     assert torch.equal(held.w13_weight.float(), mlp.experts.w13_weight.float()[2:])
+
+
+def test_a_compressed_tensors_block_checkpoint_loads_the_same_model_as_fp8_block(moe_paths):
+    """llm-compressor's FP8_BLOCK (compressed-tensors, ``strategy: block``, block scales named ``weight_scale``)
+    holds the same e4m3 weights and scales as the ``fp8`` block format, experts included: the engine loads the
+    same model from both (logits bit-equal)."""
+    runs = {}
+    for fmt in ("block", "ct_block"):
+        runner = ModelRunner(_args(moe_paths[fmt]))
+        m = runner.model.model.layers[0].mlp.experts
+        assert m.w13_weight.dtype == torch.float8_e4m3fn and m.w13_weight_scale_inv.shape == (8, 4, 2)
+        runs[fmt] = _engine_run(runner)
+    assert runs["ct_block"]["greedy"] == runs["block"]["greedy"]
+    assert torch.equal(runs["ct_block"]["logits"], runs["block"]["logits"])

@@ -63,5 +63,10 @@ def _lazy(f, name: str) -> CheckpointSlice:
 @register_loader("safetensors")
 class SafetensorsLoader(ModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig, seed: int = 0, lazy: bool = False) -> None:
+        from kvship.engine.layers.quantization import quant_method_for
+
         files = safetensors_files(model_config.model_path)
-        fill_from_checkpoint(model, iterate_safetensors(files, lazy), _tensor_count(files), "Loading safetensors")
+        # a format's own tensor names -> the parameters they fill (compressed-tensors block scales)
+        rename = quant_method_for(model_config).checkpoint_name
+        tensors = ((rename(name), t) for name, t in iterate_safetensors(files, lazy))
+        fill_from_checkpoint(model, tensors, _tensor_count(files), "Loading safetensors")

@@ -118,6 +118,12 @@ class QuantMethod(ABC):
             return param.narrow(0, start // block, -(-size // block))
         return param.narrow(0, start, size)
 
+    def checkpoint_name(self, name: str) -> str:
+        """The name checkpoint tensor ``name`` (a full name, ``model.layers.0.self_attn.q_proj.weight_scale``)
+        is loaded under: a format that stores a tensor under another name than the parameter it fills renames it
+        here (the safetensors loader asks for every tensor).  Default: unchanged."""
+        return name
+
     def tensor_kind(self, name: str) -> str:
         """How checkpoint tensor ``name`` (a parameter's name) splits: ``"weight"``, ``"bias"``,
         ``"channel_scale"`` (one per output row), ``"block_scale"`` (one per ``weight_block``) or

@@ -54,7 +54,8 @@ _SCALE_KINDS = (("weight_scale_inv", "block_scale"), ("weight_scale", "channel_s
 _SUPPORTED = (
     "fp8: weight_block_size [bn, bk] with activation_scheme 'dynamic', or per-tensor / per-channel weight_scale "
     "with activation_scheme 'dynamic' or 'static'; compressed-tensors: float 8-bit weights with strategy "
-    "'channel' and dynamic 'token' activations, or 'tensor' weights with static 'tensor' activations"
+    "'channel' and dynamic 'token' activations, 'tensor' weights with static 'tensor' activations, or 'block' "
+    "weights (block_structure [rows, columns]) with dynamic 'group' activations of group_size columns"
 )
 
 
@@ -68,6 +69,9 @@ class Fp8Scheme:
     activation: str
     block: Optional[tuple[int, int]] = None
     quantize_at_load: bool = False
+    # the checkpoint's name of a block weight's scales (the parameter is ``weight_scale_inv`` whatever the format:
+    # ``fp8`` stores them so, compressed-tensors as ``weight_scale``; the same multiplier, q * scale)
+    block_scale_key: str = "weight_scale_inv"
 
     @property
     def scale_name(self) -> str:
@@ -135,6 +139,17 @@ def _parse_compressed_tensors(qc: dict) -> Fp8Scheme:
         return Fp8Scheme("channel", "token")
     if wkey == ("float", 8, "tensor") and akey == ("float", 8, "tensor", False):
         return Fp8Scheme("channel", "static")
+    if wkey == ("float", 8, "block") and akey == ("float", 8, "group", True):
+        block = w.get("block_structure")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
+            raise ValueError(f"compressed-tensors block weights need block_structure [rows, columns], got {block!r}")
+        bn, bk = int(block[0]), int(block[1])
+        if a.get("group_size") != bk:
+            raise ValueError(
+                f"compressed-tensors block weights of {bk} columns need activation groups of group_size {bk}, got "
+                f"{a.get('group_size')!r} (the FP8 kernels scale each weight block by its activation group)"
+            )
+        return Fp8Scheme("block", "group", (bn, bk), block_scale_key="weight_scale")
     raise ValueError(f"unsupported compressed-tensors scheme: weights {wkey}, input activations {akey}; {_SUPPORTED}")
 
 
@@ -230,6 +245,13 @@ class Fp8Method(QuantMethod):
         if s.quantize_at_load:
             for name, shape in scales.items():
                 layer.register_buffer(name, torch.empty(*shape, dtype=torch.float32), persistent=False)
+
+    def checkpoint_name(self, name: str) -> str:
+        """compressed-tensors block scales (``...weight_scale``) fill the ``weight_scale_inv`` parameters."""
+        key = self.scheme.block_scale_key
+        if self.scheme.weight == "block" and key != "weight_scale_inv" and name.endswith("." + key):
+            return name[: -len(key)] + "weight_scale_inv"
+        return name
 
     def tensor_kind(self, name: str) -> str:
         for suffix, kind in _SCALE_KINDS:

@@ -19,6 +19,10 @@ them); each expert's gate/up/down is quantized like a dense projection.  Formats
   (``weight_scale [out, 1]``), dynamic per-token activations.
 * ``ct_tensor_static``: compressed-tensors, per-tensor weights and static
   per-tensor activations (``weight_scale [1]``, ``input_scale [1]``).
+* ``ct_block``: compressed-tensors, weights in 128x128 blocks
+  (``strategy: block``, ``block_structure: [128, 128]``, ``weight_scale`` per
+  block), dynamic activations per token and group of 128 columns (llm-compressor's
+  ``FP8_BLOCK``).
 
 Static ``input_scale``s are calibrated: the unquantised model (transformers)
 runs ``calibration_ids`` and each projection's scale is the largest
@@ -43,7 +47,7 @@ from safetensors.torch import save_file
 
 from kvship.engine.layers.quantization import fp8_math as fm
 
-FORMATS = ("fp8_block", "fp8_channel", "fp8_tensor_static", "ct_channel", "ct_tensor_static")
+FORMATS = ("fp8_block", "fp8_channel", "fp8_tensor_static", "ct_channel", "ct_tensor_static", "ct_block")
 BLOCK = (128, 128)
 DEFAULT_CALIBRATION = list(range(1, 65))
 
@@ -55,13 +59,17 @@ def quantization_config(fmt: str) -> dict:
     if fmt in ("fp8_channel", "fp8_tensor_static"):
         act = "dynamic" if fmt == "fp8_channel" else "static"
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": act}
-    if fmt in ("ct_channel", "ct_tensor_static"):
+    if fmt in ("ct_channel", "ct_tensor_static", "ct_block"):
         channel = fmt == "ct_channel"
         spec = dict(num_bits=8, type="float", symmetric=True, group_size=None, block_structure=None)
-        weights = dict(spec, strategy="channel" if channel else "tensor", dynamic=False, observer="minmax")
-        acts = dict(
-            spec, strategy="token" if channel else "tensor", dynamic=channel, observer=None if channel else "minmax"
-        )
+        if fmt == "ct_block":
+            weights = dict(spec, strategy="block", block_structure=list(BLOCK), dynamic=False, observer="minmax")
+            acts = dict(spec, strategy="group", group_size=BLOCK[1], dynamic=True, observer=None)
+        else:
+            weights = dict(spec, strategy="channel" if channel else "tensor", dynamic=False, observer="minmax")
+            acts = dict(
+                spec, strategy="token" if channel else "tensor", dynamic=channel, observer=None if channel else "minmax"
+            )
         return {
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
@@ -83,9 +91,9 @@ def is_quantized_weight(name: str) -> bool:
 def quantize_weight(name: str, w: torch.Tensor, fmt: str, input_amax: Optional[float] = None) -> dict:
     """The checkpoint tensors of weight ``name`` (``...proj.weight``) in format ``fmt``."""
     base = name.removesuffix(".weight")
-    if fmt == "fp8_block":
+    if fmt in ("fp8_block", "ct_block"):
         q, s = fm.quantize_blocks(w, BLOCK)
-        return {name: q, f"{base}.weight_scale_inv": s}
+        return {name: q, f"{base}.weight_scale_inv" if fmt == "fp8_block" else f"{base}.weight_scale": s}
     if fmt in ("fp8_channel", "ct_channel"):
         q, s = fm.quantize_channel(w)
         return {name: q, f"{base}.weight_scale": s if fmt == "fp8_channel" else s[:, None].contiguous()}
