@@ -204,10 +204,12 @@ def gemv_sweep(args, weights: list) -> dict[str, Any]:
             t = timed({"gemv": cfg})
             if t < best_t:
                 best, best_t = cfg, t
-        for bn, bk, w in itertools.product((2, 4, 8, 16), (64, 128, 256, 512), (4, 8)):
-            if triton.next_power_of_2(k) * bn * bk // (32 * w) > 128:  # float32 accumulators per thread: spills
+        # the down kernel: experts as a padded tile axis (DOWN_UNROLL 0), or unrolled into one accumulator (1)
+        for unroll, bn, bk, w in itertools.product((0, 1), (2, 4, 8, 16), (64, 128, 256, 512), (4, 8)):
+            lanes = 1 if unroll else triton.next_power_of_2(k)
+            if lanes * bn * bk // (32 * w) > 128:  # float32 accumulators per thread: spills
                 continue
-            cfg = dict(best, DOWN_BLOCK_N=bn, DOWN_BLOCK_K=bk, down_num_warps=w)
+            cfg = dict(best, DOWN_BLOCK_N=bn, DOWN_BLOCK_K=bk, down_num_warps=w, DOWN_UNROLL=unroll)
             t = timed({"gemv": cfg})
             if t < best_t:
                 best, best_t = cfg, t

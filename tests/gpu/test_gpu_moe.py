@@ -91,10 +91,12 @@ def test_fused_routing_kernel_equals_select_experts(m, e, k, renormalize):
 
 
 @cuda_or_interpreter
+@pytest.mark.parametrize("unroll", [0, 1], ids=["down_padded", "down_unrolled"])
 @pytest.mark.parametrize("m,e,k", [(1, 8, 2), (2, 16, 8), (3, 6, 4), (1, 128, 8), (2, 16, 6)])
-def test_gemv_path_equals_the_aligned_path_with_absent_experts(m, e, k):
+def test_gemv_path_equals_the_aligned_path_with_absent_experts(m, e, k, unroll):
     """The alignment-free GEMV kernels (decode batches of a few pairs) give the aligned GEMMs' output, also
-    with ids of -1 (experts on another rank under expert parallelism) that add nothing."""
+    with ids of -1 (experts on another rank under expert parallelism) that add nothing; both down kernels (the
+    experts as a padded tile axis, or unrolled into one accumulator: ``DOWN_UNROLL``)."""
     from kvship.engine.layers.moe.kernel_config import GEMV_CONFIG, default_config
     from kvship.engine.layers.moe.triton_moe import fused_experts
 
@@ -102,7 +104,7 @@ def test_gemv_path_equals_the_aligned_path_with_absent_experts(m, e, k):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x, w13, w2, weights, ids = _problem(m, e, k, 256 if dev.type == "cuda" else 64, 96, dtype, dev, seed=e + k)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    gemv = {"gemv": dict(GEMV_CONFIG, BLOCK_K=64, DOWN_BLOCK_K=64)}
+    gemv = {"gemv": dict(GEMV_CONFIG, BLOCK_K=64, DOWN_BLOCK_K=64, DOWN_UNROLL=unroll)}
     for absent in (False, True):
         if absent:
             ids = torch.where(torch.arange(ids.numel(), device=dev).view(ids.shape) % 3 == 0, -1, ids)

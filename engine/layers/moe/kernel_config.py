@@ -59,8 +59,8 @@ def load_table(num_experts: int, intermediate_size: int, dtype: torch.dtype, dev
 
 
 def _parse(cfg: dict) -> dict:
-    if "gemv" in cfg:
-        return {"gemv": {k: int(cfg["gemv"][k]) for k in GEMV_KEYS}}
+    if "gemv" in cfg:  # keys a table predates take their defaults (DOWN_UNROLL: the padded kernel)
+        return {"gemv": {k: int(cfg["gemv"].get(k, GEMV_CONFIG[k])) for k in GEMV_KEYS}}
     out: dict = {k: int(cfg[k]) for k in KEYS}
     if "down" in cfg:
         out["down"] = {k: int(v) for k, v in cfg["down"].items() if k in DOWN_KEYS}
@@ -87,8 +87,16 @@ def default_config(m: int, num_experts: int, top_k: int) -> dict:
 # aligned GEMMs (which read each active expert once) win; chosen with ``bench/moe_layer.py --gemv-sweep``.
 # Without a tuned table: GEMV_CONFIG (the H100's best at M = 1 for E=128, I=768, top-8) up to this many pairs.
 GEMV_MAX_PAIRS = 16
+# DOWN_UNROLL 1: the down GEMVs' experts unrolled into one accumulator (``_down_sum_gemv_unrolled_kernel``)
 GEMV_CONFIG = dict(
-    BLOCK_N=8, BLOCK_K=128, num_warps=8, num_stages=4, DOWN_BLOCK_N=8, DOWN_BLOCK_K=512, down_num_warps=8
+    BLOCK_N=8,
+    BLOCK_K=128,
+    num_warps=8,
+    num_stages=4,
+    DOWN_BLOCK_N=8,
+    DOWN_BLOCK_K=512,
+    down_num_warps=8,
+    DOWN_UNROLL=0,
 )
 GEMV_KEYS = tuple(GEMV_CONFIG)
 

@@ -417,6 +417,54 @@ def _down_sum_gemv_kernel(
 
 
 @triton.jit
+def _down_sum_gemv_unrolled_kernel(
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    y_ptr,
+    num_experts,
+    hidden_size,
+    inter_size,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_ym,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # ``_down_sum_gemv_kernel`` with the token's experts unrolled (``tl.static_range``) into one [BLOCK_N, BLOCK_K]
+    # float32 accumulator: no padding of TOP_K to a power of two (top-6 models) and an eighth of the accumulator
+    # registers at top-8; each expert's loads are still issued back to back in one block (``DOWN_UNROLL`` 1)
+    m = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden_size
+    rows = offs_n[:, None].to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(inter_size, BLOCK_K)):
+        kk = k0 * BLOCK_K + offs_k
+        mask_k = kk < inter_size
+        for j in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + m * TOP_K + j).to(tl.int64)
+            # absent (another rank's expert): adds nothing, and neither its row nor its weights are read
+            ek = expert + tl.zeros((BLOCK_K,), dtype=tl.int64)  # the id over the columns (a block mask)
+            take = mask_k & (ek >= 0) & (ek < num_experts)
+            route_w = tl.load(weights_ptr + m * TOP_K + j)
+            expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0)
+            a = tl.load(h_ptr + (m * TOP_K + j) * stride_hm + kk, mask=take, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + expert * stride_we + rows + kk[None, :], mask=mask_n[:, None] & take[None, :], other=0.0
+            ).to(tl.float32)
+            acc += w * (a * route_w)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     sorted_ids_ptr,
@@ -783,12 +831,25 @@ def _fused_experts_gemv(
         USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    _down_sum_gemv_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
+    args = (
         h, w2, ids, weights, y, num_experts, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"],
-        num_warps=g["down_num_warps"], num_stages=g["num_stages"], USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
+    grid = (m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))
+    launch = dict(num_warps=g["down_num_warps"], num_stages=g["num_stages"], USE_PDL=pdl, launch_pdl=pdl)
+    if g.get("DOWN_UNROLL", 0):
+        _down_sum_gemv_unrolled_kernel[grid](
+            *args, TOP_K=top_k, BLOCK_N=g["DOWN_BLOCK_N"], BLOCK_K=g["DOWN_BLOCK_K"], **launch
+        )
+    else:
+        _down_sum_gemv_kernel[grid](
+            *args,
+            TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k),
+            BLOCK_N=g["DOWN_BLOCK_N"],
+            BLOCK_K=g["DOWN_BLOCK_K"],
+            **launch,
+        )
     return y
 
 
