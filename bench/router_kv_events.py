@@ -31,7 +31,9 @@ for ``kv_events`` the routers' predicted against actual cached tokens per
 request (their ``kvship_router_kv_*`` metrics); then the difference in points
 and the TTFT ratio.  docs/cache.md, "Routing on KV events".
 
-    nice -n 19 .venv/bin/python bench/router_kv_events.py [--routers 2]
+    nice -n 19 .venv/bin/python bench/router_kv_events.py [--routers 2 [--router-choice random]] [--seeds 1 2 3 4]
+
+``--seeds`` repeats the comparison per seed and ends with the per-seed differences and their mean.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -433,6 +436,14 @@ def main() -> None:
     )
     p.add_argument("--settle-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run the whole comparison once per seed (fresh workers each time) and end with the per-seed differences "
+        "and their mean (overrides --seed)",
+    )
     p.add_argument("--policies", nargs="+", default=["cache_aware", "kv_events"])
     p.add_argument(
         "--kv-events-load-tokens",
@@ -443,22 +454,51 @@ def main() -> None:
     )
     p.add_argument("--machine", default=f"{os.cpu_count()}-core CPU box ({platform.machine()}), no GPU")
     args = p.parse_args()
-    load0 = os.getloadavg()[0]
-    results = []
+    runs: list[tuple[str, str, list[str]]] = []
+    for policy in args.policies:
+        if policy == "kv_events" and args.kv_events_load_tokens:
+            for v in args.kv_events_load_tokens:
+                runs.append((f"kv_events (load {v:g})", policy, ["--kv-events-load-tokens", str(v)]))
+        else:
+            runs.append((policy, policy, []))
+    by_seed: dict[int, list[Result]] = {}
     with tempfile.TemporaryDirectory(prefix="kvbench-model-") as model_dir:
         build_model(model_dir)
-        runs: list[tuple[str, str, list[str]]] = []
-        for policy in args.policies:
-            if policy == "kv_events" and args.kv_events_load_tokens:
-                for v in args.kv_events_load_tokens:
-                    runs.append((f"kv_events (load {v:g})", policy, ["--kv-events-load-tokens", str(v)]))
-            else:
-                runs.append((policy, policy, []))
-        for label, policy, extra in runs:
-            with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls):
-                results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args)))
-            print(f"{label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
-    print(report(results, args, (load0, os.getloadavg()[0])))
+        for seed in args.seeds or [args.seed]:
+            args.seed = seed
+            load0 = os.getloadavg()[0]
+            results = []
+            for label, policy, extra in runs:
+                with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls):
+                    results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args)))
+                print(f"seed {seed}, {label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
+            by_seed[seed] = results
+            if args.seeds:
+                print(f"\n## seed {seed}\n")
+            print(report(results, args, (load0, os.getloadavg()[0])), flush=True)
+    if args.seeds:
+        print("\n" + seed_summary(by_seed))
+
+
+def seed_summary(by_seed: dict[int, list[Result]]) -> str:
+    """Mean cached share per policy over the seeds, and each policy's per-seed difference from cache_aware."""
+    seeds = sorted(by_seed)
+    policies = [r.policy for r in by_seed[seeds[0]]]
+    share = {p: [next(r for r in by_seed[s] if r.policy == p).share() for s in seeds] for p in policies}
+    lines = [
+        f"## {len(seeds)} seeds ({', '.join(map(str, seeds))})",
+        "",
+        "| policy | cached share % per seed | mean | points vs cache_aware per seed | mean points |",
+        "|---|---|---|---|---|",
+    ]
+    base = share.get("cache_aware")
+    for p in policies:
+        diffs = [a - b for a, b in zip(share[p], base)] if base is not None and p != "cache_aware" else None
+        lines.append(
+            f"| {p} | {' / '.join(f'{v:.1f}' for v in share[p])} | {statistics.mean(share[p]):.1f} | "
+            + (f"{' / '.join(f'{d:+.1f}' for d in diffs)} | {statistics.mean(diffs):+.1f} |" if diffs else "- | - |")
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
