@@ -176,6 +176,11 @@ def _scenario(backend: str, k: int, a: int, b: int, abort_rank, kill_prefill, la
                 time.sleep(0.01)
         if abort_rank is not None:
             receivers[abort_rank].abort("client went away")
+            # the abort travels to the prefill ranks on its own: let it arrive before the pages are sent (CI once
+            # saw a tiny CPU send finish first, the other decode rank then complete and the sender succeed)
+            deadline = time.monotonic() + 10
+            while not all(s.poll() == KVPoll.Failed for s in senders) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if kill_prefill is not None:  # that rank's process is gone: its connections close
             prefill[kill_prefill].close()
         if layerwise:
