@@ -118,11 +118,37 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
             sec = torch.tensor([_graph_time(fn, args.calls, args.rounds, line_up)], device=dev)
             dist.all_reduce(sec, op=dist.ReduceOp.MAX)
             row[f"{path}_us"] = float(sec.item()) * 1e6
+        if "push_us" in row and n % args.hidden == 0:
+            _time_norm(row, p2p, x.view(-1, args.hidden), args, line_up, dev)
         rows.append(row)
     dist.barrier()
     if rank == 0:
         out.put({"p2p": p2p is not None, "rows": rows})
     dist.destroy_process_group()
+
+
+def _time_norm(row: dict, p2p: Any, x: torch.Tensor, args: argparse.Namespace, line_up: Callable, dev) -> None:
+    """The push all-reduce followed by the next block's residual add and RMSNorm: the norm kernel after it
+    (``split``) against the push kernel that runs both (``fused``, ``all_reduce_rmsnorm_``); bit equality."""
+    import torch.distributed as dist
+
+    from kvship.engine.layers.fused_ops_cuda import rmsnorm
+
+    gen = torch.Generator(device=dev).manual_seed(7)  # the same residual and weight on every rank
+    res = torch.randn(x.shape, generator=gen, device=dev).to(torch.bfloat16)
+    weight = (torch.rand(x.shape[-1], generator=gen, device=dev) + 0.5).to(torch.bfloat16)
+    y, r = p2p.push.all_reduce_rmsnorm_(x, res, weight, 1e-5)
+    want_y, want_r = rmsnorm(p2p.all_reduce_(x.clone(), "push"), weight, 1e-5, res)
+    row["push_norm_bit_equal"] = bool(torch.equal(y, want_y) and torch.equal(r, want_r))
+    work = x.clone()
+    fns = {
+        "split": lambda: rmsnorm(p2p.all_reduce_(work, "push"), weight, 1e-5, res),
+        "fused": lambda: p2p.push.all_reduce_rmsnorm_(work, res, weight, 1e-5),
+    }
+    for name, fn in fns.items():
+        sec = torch.tensor([_graph_time(fn, args.calls, args.rounds, line_up)], device=dev)
+        dist.all_reduce(sec, op=dist.ReduceOp.MAX)
+        row[f"push_norm_{name}_us"] = float(sec.item()) * 1e6
 
 
 def _copy_rate() -> float:
@@ -191,6 +217,20 @@ def _table(res: dict) -> str:
         )
     if res.get("thresholds"):
         lines += ["", f"implied thresholds: {res['thresholds']}"]
+    normed = [r for r in res["rows"] if "push_norm_fused_us" in r]
+    if normed:
+        lines += [
+            "",
+            f"push all-reduce then residual add + RMSNorm over rows of {res['hidden']}:",
+            "",
+            "| bytes | push, then norm kernel us | push with the norm inside us | split / fused | fused = split bits |",
+            "|---|---|---|---|---|",
+        ]
+        for r in normed:
+            lines.append(
+                f"| {r['bytes']} | {r['push_norm_split_us']:.1f} | {r['push_norm_fused_us']:.1f} | "
+                f"{r['push_norm_split_us'] / r['push_norm_fused_us']:.2f} | {r['push_norm_bit_equal']} |"
+            )
     return "\n".join(lines)
 
 
@@ -201,6 +241,7 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=2)
     ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="bytes (bf16 elements x 2)")
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--hidden", type=int, default=4096, help="row width of the push + RMSNorm timing")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -222,7 +263,7 @@ def main() -> None:
         for p in procs:
             if p.is_alive():
                 p.kill()
-    res = {"tp_size": args.tp_size, "calls": args.calls, **got, "copy_GBps": _copy_rate() / 1e9,
+    res = {"tp_size": args.tp_size, "calls": args.calls, "hidden": args.hidden, **got, "copy_GBps": _copy_rate() / 1e9,
            "thresholds": _thresholds(got["rows"])}  # fmt: skip
     res["gpu"] = torch.cuda.get_device_name(0)
     md = _table(res)

@@ -179,6 +179,13 @@ class _Env:
         "than the one-shot kernel up to 16 KiB on two H200s, tied at 32 KiB); 0 turns it off; docs/parallel.md, "
         '"The all-reduce"',
     )
+    TP_ALLREDUCE_NORM = Knob(
+        "KVSHIP_TP_ALLREDUCE_NORM",
+        _bool,
+        True,
+        "where the push kernel takes a row-parallel layer's output, the next block's residual add and RMSNorm run "
+        'in the same kernel (no norm kernel after the all-reduce); docs/parallel.md, "The all-reduce"',
+    )
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",
         _ep_exchange,

@@ -127,6 +127,14 @@ class Communicator(ABC):
         work = dist.all_reduce(t, group=self.device_group, async_op=async_op)
         return work if async_op else t
 
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The all-reduce of ``x`` fused with the RMSNorm that follows it: ``(rmsnorm(sum + residual) * weight, sum
+        + residual)`` as new tensors, rounded as ``all_reduce`` then ``RMSNorm(sum, residual)`` round them; or
+        None where this backend has no kernel for it (the caller then all-reduces and norms apart)."""
+        return None
+
     @_collective
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on every rank -> ``[..., size * n]``, rank order along the last dim."""
@@ -326,6 +334,17 @@ class NcclCommunicator(Communicator):
             if self.exchange.fits(out, t) and out.numel() == t.numel() * self.size:
                 return self.exchange.all_gather_(out, t)
         return super().all_gather_into(out, t, async_op)
+
+    @_collective
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        p2p = self.p2p
+        if p2p is None or p2p.push is None or not p2p.push_norm or x.numel() * x.element_size() > p2p.push_max:
+            return None
+        if not (x.is_cuda and x.device == p2p.buffer.device and p2p.push.fits_norm(x, residual, weight)):
+            return None
+        return p2p.push.all_reduce_rmsnorm_(x, residual, weight, eps)
 
     @_collective
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:

@@ -85,6 +85,12 @@ def rmsnorm_row(xv, wv, n_cols, eps):
     return wv.to(tl.float32) * h.to(tl.float32)
 
 
+def rmsnorm_warps(block: int) -> int:
+    """The warps of a program normalising one row of ``block`` (a power of two) columns; a kernel that must round
+    as ``rmsnorm`` does (the push all-reduce's norm) reduces its rows with the same count."""
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
     """``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given (new tensors)."""
     shape = x.shape
@@ -96,7 +102,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    warps = rmsnorm_warps(block)
     pdl = use_pdl(x)
     if residual is None:
         if rows:

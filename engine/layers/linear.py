@@ -16,7 +16,7 @@ a loader fills them.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -99,19 +99,29 @@ class Linear(nn.Module):
         sums the ranks' partial outputs."""
         return y
 
+    @property
+    def reduce_comm(self) -> Optional[Any]:
+        """The communicator whose all-reduce ``reduce`` runs (a row-parallel layer's), or None: a caller that takes
+        ``forward_partial``'s output owes it that all-reduce (``rmsnorm.norm_then_linear``'s ``pending``)."""
+        return None
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without ``reduce``: this rank's partial output of a row-parallel layer."""
+        return self.quant_method.apply(self, x)
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-def gated_linear(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def gated_linear(layer: Linear, act: nn.Module, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """``layer(act(x))`` for a gated activation over ``x = gate || up``; where the layer's method has a kernel
     for it (unquantized: on CUDA at batch 1) the SiLU-and-mul is computed inside the matmul's input (one kernel,
-    no activation tensor)."""
+    no activation tensor).  ``reduce=False``: ``forward_partial``'s output (the caller owes the all-reduce)."""
     if getattr(act, "is_silu", False):
         y = layer.quant_method.apply_silu_mul_input(layer, x)
         if y is not None:
-            return layer.reduce(y)
-    return layer(act(x))
+            return layer.reduce(y) if reduce else y
+    return layer(act(x)) if reduce else layer.forward_partial(act(x))
 
 
 class StackedLinear(Linear):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -35,14 +35,32 @@ class RMSNorm(nn.Module):
 
 
 def norm_then_linear(
-    norm: nn.Module, layer: Linear, x: torch.Tensor, residual: Optional[torch.Tensor], keep_normed: bool = False
+    norm: nn.Module,
+    layer: Linear,
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    keep_normed: bool = False,
+    pending: Optional[Any] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A pre-norm block's entry: ``h = norm(x + residual)`` (``norm(x)`` on the first layer, ``residual``
     None), then ``layer(h)``; returns ``(layer(h), x + residual, h if keep_normed)``.  Where the layer's
     quantization method has a kernel for it (``apply_norm_input``; unquantized: on CUDA at batch-1-sized decode,
     ``skinny_gemm_cuda.norm_linear``) one GEMV kernel computes the RMSNorm in its input (no norm kernel, no
-    normalised tensor unless asked); elsewhere the norm layer and then the linear layer."""
-    if type(norm).forward is RMSNorm.forward:
+    normalised tensor unless asked); elsewhere the norm layer and then the linear layer.
+
+    ``pending``: the communicator whose all-reduce ``x`` still owes (a row-parallel layer's
+    ``forward_partial``).  Where it has a kernel that all-reduces and norms in one (``all_reduce_rmsnorm``: the
+    push kernel, docs/parallel.md, "The all-reduce") that runs; elsewhere ``x`` is all-reduced first."""
+    is_rmsnorm = type(norm).forward is RMSNorm.forward
+    if pending is not None:
+        fused = None
+        if residual is not None and is_rmsnorm:
+            fused = pending.all_reduce_rmsnorm(x, residual, norm.weight, norm.eps)
+        if fused is not None:
+            h, residual_out = fused
+            return layer(h), residual_out, h if keep_normed else None
+        x = pending.all_reduce(x)
+    if is_rmsnorm:
         fused = layer.quant_method.apply_norm_input(layer, x, residual, norm.weight, norm.eps, keep_normed)
         if fused is not None:
             y, residual_out, normed = fused

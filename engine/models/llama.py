@@ -16,7 +16,7 @@ weight-holding layer gets the model's quantization method
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -69,9 +69,13 @@ class LlamaAttention(nn.Module):
         residual: Optional[torch.Tensor],
         norm: RMSNorm,
         forward_batch: ForwardBatch,
+        pending: Optional[Any] = None,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's input norm (``norm`` over ``hidden + residual``) and attention: ``(output, residual)``."""
-        qkv, residual, _ = norm_then_linear(norm, self.qkv_proj, hidden, residual)
+        """The block's input norm (``norm`` over ``hidden + residual``) and attention: ``(output, residual)``.
+        ``pending``: the all-reduce ``hidden`` still owes (``norm_then_linear``); ``defer``: the output is
+        ``o_proj``'s partial sum, its all-reduce left to the caller (``o_proj.reduce_comm``)."""
+        qkv, residual, _ = norm_then_linear(norm, self.qkv_proj, hidden, residual, pending=pending)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -84,7 +88,7 @@ class LlamaAttention(nn.Module):
             forward_batch,
             (self.q_norm, self.k_norm) if self.qk_norm else None,
         )
-        return self.o_proj(out), residual
+        return (self.o_proj.forward_partial(out) if defer else self.o_proj(out)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -107,12 +111,20 @@ class LlamaMLP(nn.Module):
         # down_proj(act(gate) * up): one kernel on CUDA at batch 1 (the activation inside the GEMV's input)
         return gated_linear(self.down_proj, self.act, self.gate_up_proj(x))
 
+    # ``forward_normed`` takes an input that still owes an all-reduce and can leave its own output's to the caller
+    takes_pending = True
+
     def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, pending: Optional[Any] = None, defer: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and the new residual (``rmsnorm.norm_then_linear``)."""
-        gate_up, residual, _ = norm_then_linear(norm, self.gate_up_proj, x, residual)
-        return gated_linear(self.down_proj, self.act, gate_up), residual
+        """``forward(norm(x + residual))`` and the new residual (``rmsnorm.norm_then_linear``, ``pending`` as
+        there); ``defer``: the output is ``down_proj``'s partial sum (``down_proj.reduce_comm`` owed)."""
+        gate_up, residual, _ = norm_then_linear(norm, self.gate_up_proj, x, residual, pending=pending)
+        return gated_linear(self.down_proj, self.act, gate_up, reduce=not defer), residual
+
+    def output_comm(self) -> Optional[Any]:
+        """The all-reduce ``forward_normed(defer=True)`` leaves to the caller: ``down_proj``'s (row-parallel)."""
+        return self.down_proj.reduce_comm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,11 +145,35 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
+    # the input may still owe a row-parallel layer's all-reduce (``pending``; ``LlamaModel.run_layers``)
+    takes_pending = True
+
+    def output_comm(self) -> Optional[Any]:
+        """The communicator whose all-reduce this layer's output can leave to the next layer (``defer``): the
+        MLP's (``output_comm``: a row-parallel ``down_proj``, an ``all_reduce`` expert dispatch); None where the
+        output is always whole (one rank, other dispatches, MLPs that take no ``pending``)."""
+        return self.mlp.output_comm() if getattr(self.mlp, "takes_pending", False) else None
+
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+        pending: Optional[Any] = None,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, forward_batch)
-        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+        """``(hidden, residual)`` out; ``pending``: the all-reduce ``hidden`` still owes; ``defer``: leave this
+        layer's own output's (``output_comm``) to the caller.  Under tensor parallelism the attention's
+        all-reduce always meets the MLP's norm here, so the push kernel runs both (docs/parallel.md)."""
+        takes = getattr(self.mlp, "takes_pending", False)
+        o_comm = self.self_attn.o_proj.reduce_comm if takes else None
+        hidden, residual = self.self_attn(
+            positions, hidden, residual, self.input_layernorm, forward_batch, pending=pending, defer=o_comm is not None
+        )
+        if not takes:
+            return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual, pending=o_comm, defer=defer)
 
 
 class AbsentLayer(nn.Module):
@@ -210,8 +246,17 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = stage_input
         aux = []
+        pending = None  # the all-reduce the previous layer left to this one (LlamaDecoderLayer.forward's ``defer``)
         for i in range(part.start, part.end):
-            hidden, residual = self.layers[i](positions, hidden, residual, forward_batch)
+            layer = self.layers[i]
+            if getattr(layer, "takes_pending", False):
+                comm = layer.output_comm()
+                nxt = self.layers[i + 1] if i + 1 < part.end else None
+                defer = comm is not None and i not in aux_layers and getattr(nxt, "takes_pending", False)
+                hidden, residual = layer(positions, hidden, residual, forward_batch, pending=pending, defer=defer)
+                pending = comm if defer else None
+            else:
+                hidden, residual = layer(positions, hidden, residual, forward_batch)
             if i in aux_layers:
                 aux.append(hidden + residual)
         return hidden, residual, aux

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -73,12 +73,28 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._experts(x, self.gate(x))
 
+    # as LlamaMLP: the input may owe an all-reduce, the output's may be left to the caller (LlamaDecoderLayer)
+    takes_pending = True
+
+    def output_comm(self) -> Optional[Any]:
+        """The all-reduce ``forward_normed(defer=True)`` leaves to the caller: the experts' (their ``all_reduce``
+        dispatch); None with a shared expert (its own MLP's output is summed apart) or another dispatch."""
+        return None if self.has_shared_expert else self.experts.reduce_comm
+
     def forward_normed(
-        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        pending: Optional[Any] = None,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x + residual))`` and the new residual: the norm runs inside the router's GEMV at
-        batch-1-sized decode (``rmsnorm.norm_then_linear``), which also hands the experts the normalised rows."""
-        logits, residual, h = norm_then_linear(norm, self.gate, x, residual, keep_normed=True)
+        batch-1-sized decode (``rmsnorm.norm_then_linear``, ``pending`` as there), which also hands the experts the
+        normalised rows.  ``defer`` (only where ``output_comm`` is not None): the experts' partial sum."""
+        logits, residual, h = norm_then_linear(norm, self.gate, x, residual, keep_normed=True, pending=pending)
+        if defer:
+            return self.experts.forward_partial(h, logits), residual
         return self._experts(h, logits), residual
 
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,18 @@ class ParallelFusedMoE(FusedMoE):
             return overlap_all_reduce(self.tp, compute, x, weights, ids)
         return self.tp.all_reduce(compute(x, weights, ids))
 
+    @property
+    def reduce_comm(self) -> Optional[Communicator]:
+        """The ``all_reduce`` dispatch (without two-batch overlap) ends with the TP group's all-reduce, which
+        ``forward_partial`` leaves to the caller (the next block's norm runs it with its own: docs/parallel.md)."""
+        return self.tp if self.dispatch == "all_reduce" and not self.two_batch_overlap else None
+
+    def forward_partial(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.reduce_comm is None:
+            raise ValueError(f"the {self.dispatch} dispatch has no partial output to leave to the caller")
+        runner, weights, ids = self.route(x, router_logits)
+        return self._run_global(runner, x, weights, ids)
+
     def _run_local(self, runner: Any, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """This rank's experts over ``x`` routed by local ids (``-1``: absent), weighted: ``[M, H]``."""
         # the kernel configs of the whole layer (docs/parallel.md, "Expert parallelism": tuned tables)

@@ -197,6 +197,10 @@ class RowParallelLinear(Linear):
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(y)
 
+    @property
+    def reduce_comm(self) -> Communicator:
+        return self.tp
+
 
 def _load_vocab_rows(layer: nn.Module, param: nn.Parameter, loaded: Loaded, shard_id: object, start: int, real: int):
     """Rows ``[start, start + real)`` of a vocabulary-sized checkpoint tensor into ``param``'s first rows; the

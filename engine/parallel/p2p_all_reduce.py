@@ -72,6 +72,7 @@ class P2PAllReduce:
         self.dtypes: tuple[torch.dtype, ...] = DTYPES  # narrowed by the self-check to what the kernels take
         self.push: Optional["PushAllReduce"] = None  # the push kernel (``push_all_reduce``), where enabled
         self.push_max = 0  # bytes up to which it takes the tensors
+        self.push_norm = False  # the push kernel also runs the next RMSNorm (``all_reduce_rmsnorm``)
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -191,8 +192,33 @@ class P2PAllReduce:
         if agree(int(ok)):
             self.push, self.push_max = push, push_max
             logger.info("tensor-parallel all-reduce: the push kernel up to %d bytes", push_max)
+            self._enable_push_norm(rank, device, agree)
         else:
             logger.info("tensor-parallel all-reduce: no push kernel (its self-check failed)")
+
+    def _enable_push_norm(self, rank: int, device: torch.device, agree: Callable[[int], int]) -> None:
+        """The push kernel's all-reduce-then-RMSNorm (``KVSHIP_TP_ALLREDUCE_NORM``), kept where every rank's
+        result equals its own all-reduce followed by the norm kernel, bit for bit (collective)."""
+        from kvship.common.envs import ENV
+        from kvship.engine.layers.fused_ops_cuda import rmsnorm
+
+        if not ENV.TP_ALLREDUCE_NORM:
+            return
+        ok = True
+        for dtype in (d for d in self.dtypes if d != torch.float32):
+            g = torch.Generator(device=device).manual_seed(7 + rank)
+            x = torch.randn(2, 1024, device=device, generator=g).to(dtype)
+            res = torch.randn(2, 1024, device=device, generator=g).to(dtype)
+            w = (torch.rand(1024, device=device, generator=g) + 0.5).to(dtype)
+            y, res_out = self.push.all_reduce_rmsnorm_(x, res, w, 1e-6)
+            want_y, want_res = rmsnorm(self.push.all_reduce_(x.clone()), w, 1e-6, res)
+            ok = ok and torch.equal(y, want_y) and torch.equal(res_out, want_res)
+        torch.cuda.synchronize(device)
+        self.push_norm = bool(agree(int(ok)))
+        logger.info(
+            "tensor-parallel all-reduce: the push kernel %s the next RMSNorm",
+            "runs" if self.push_norm else "does not run (its self-check failed)",
+        )
 
     def _self_check(self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int]) -> None:
         """Every rank contributes a ramp plus rank+1 (small integers, exact in every dtype): the sums must be

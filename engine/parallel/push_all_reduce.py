@@ -25,6 +25,12 @@ it received in rank order in float32: one link crossing before the sum.
   float32, and rounds once, so all ranks hold the same bits (at two ranks the
   one rounding of ``a + b`` NCCL makes).
 
+``all_reduce_rmsnorm_`` is the same exchange followed, in the same program, by
+what the next block's input norm would do with the sum: ``x + residual``
+(rounded to the activation dtype, the new residual) and its RMSNorm, rounded as
+``fused_ops_cuda.rmsnorm`` rounds them.  A TP decode step then has no norm
+kernel after its all-reduces (docs/parallel.md, "The all-reduce").
+
 A rank whose peer never arrives spins (as a barrier would); the worker's group
 timeout is then the watchdog.
 """
@@ -35,8 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_ops_cuda import rmsnorm_row, rmsnorm_warps
+
 MAX_BYTES = 32 << 10  # one program's tensor: batch 8 x hidden 2048 or batch 4 x hidden 4096 in bf16
 FLAG_BYTES = 256  # the flags at the start of a buffer: one int64 per rank (8 ranks), padded
+# the all-reduce-and-RMSNorm kernel's largest tensor: its program walks the rows one after another, which beat the
+# push kernel then the norm kernel at one row of 4096 bf16 (5.5 vs 7.4 us) and lost at two (9.2 vs 8.3 us) on two
+# H200s (docs/parallel.md, "The all-reduce")
+NORM_MAX_BYTES = 8 << 10
 
 
 @triton.jit
@@ -87,6 +99,67 @@ def _push_all_reduce_kernel(
     tl.store(X + offs, acc.to(X.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _push_all_reduce_norm_kernel(
+    X,  # [rows, n_cols]: this rank's partial sums (left as they are)
+    RES,  # [rows, n_cols]: the residual stream
+    W,  # [n_cols]: the norm's weight
+    Y,  # [rows, n_cols] out: rmsnorm(sum + residual)
+    RES_OUT,  # [rows, n_cols] out: sum + residual
+    PEERS,
+    EPOCH,
+    rows,
+    n_cols,
+    eps,
+    rank,
+    N: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    FLAG_BYTES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n_cols
+    epoch = tl.load(EPOCH) + 1
+    tl.store(EPOCH, epoch)
+    parity = epoch % 2
+    slot = FLAG_BYTES + (parity * N + rank) * SLOT_BYTES
+    for row in range(rows):  # this rank's rows into its slot of every peer's buffer
+        x = tl.load(X + row * n_cols + offs, mask=m, other=0.0)
+        for r in tl.static_range(N):
+            if r != rank:
+                base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
+                dst = (base + slot).to(tl.pointer_type(X.dtype.element_ty))
+                tl.store(dst + row * n_cols + offs, x, mask=m)
+    tl.debug_barrier()
+    for r in tl.static_range(N):
+        if r != rank:
+            base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
+            flag = (base + rank * 8).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
+    for r in tl.static_range(N):
+        if r != rank:
+            flag = (mine + r * 8).to(tl.pointer_type(tl.int64))
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+                pass
+    tl.debug_barrier()
+    w = tl.load(W + offs, mask=m, other=0.0)
+    for row in range(rows):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(N):  # rank order, as the plain kernel sums
+            if r == rank:
+                acc += tl.load(X + row * n_cols + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                src = (mine + FLAG_BYTES + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(X.dtype.element_ty))
+                acc += tl.load(src + row * n_cols + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
+        total = acc.to(X.dtype.element_ty)  # the all-reduce's result, rounded as the plain kernel stores it
+        rv = tl.load(RES + row * n_cols + offs, mask=m, other=0.0)
+        xv = (total.to(tl.float32) + rv.to(tl.float32)).to(total.dtype)  # as the norm kernel adds a residual
+        tl.store(RES_OUT + row * n_cols + offs, xv, mask=m)
+        out = rmsnorm_row(xv, w, n_cols, eps)
+        tl.store(Y + row * n_cols + offs, out.to(Y.dtype.element_ty), mask=m)
+
+
 def buffer_bytes(size: int) -> int:
     """One rank's buffer: the flags, then two parities of a slot per rank."""
     return FLAG_BYTES + 2 * size * MAX_BYTES
@@ -115,3 +188,33 @@ class PushAllReduce:
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
         return t
+
+    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``all_reduce_rmsnorm_`` takes these: contiguous rows of one dtype within one slot, the norm's
+        weight in that dtype (the norm kernel's output dtype is then the rows')."""
+        return (
+            x.numel() * x.element_size() <= NORM_MAX_BYTES
+            and x.dim() >= 1
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and residual.shape == x.shape
+            and residual.dtype == x.dtype == weight.dtype
+            and weight.shape == (x.shape[-1],)
+            and weight.is_contiguous()
+        )
+
+    def all_reduce_rmsnorm_(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(sum + residual), sum + residual)`` with ``sum`` the all-reduce of ``x`` (new tensors; ``x``
+        itself is left as it was).  Bit-equal to ``all_reduce_`` then ``fused_ops_cuda.rmsnorm``."""
+        n = x.shape[-1]
+        rows = x.numel() // n
+        y = torch.empty_like(x)
+        res_out = torch.empty_like(x)
+        block = triton.next_power_of_2(n)
+        _push_all_reduce_norm_kernel[(1,)](
+            x, residual, weight, y, res_out, self.peers, self.epoch, rows, n, float(eps), self.rank,
+            N=self.size, SLOT_BYTES=MAX_BYTES, FLAG_BYTES=FLAG_BYTES, BLOCK=block, num_warps=rmsnorm_warps(block),
+        )  # fmt: skip
+        return y, res_out

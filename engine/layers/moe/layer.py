@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -186,6 +186,16 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         runner, weights, ids = self.route(x, router_logits)
         return self.quant_method.apply_moe(self, runner, x, weights, ids)
+
+    @property
+    def reduce_comm(self) -> Optional[Any]:
+        """The communicator whose all-reduce ``forward`` ends with, where ``forward_partial`` can leave it to the
+        caller (``Linear.reduce_comm``); None here: one rank holds the whole layer."""
+        return None
+
+    def forward_partial(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """``forward`` without its closing all-reduce (the whole output here)."""
+        return self.forward(x, router_logits)
 
     def extra_repr(self) -> str:
         held = ""
