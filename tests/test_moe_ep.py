@@ -388,6 +388,22 @@ def test_every_ep_size_dividing_tp4_gives_the_whole_layer_on_every_rank():
             assert (torch.from_numpy(out) - want).abs().max().item() < ATOL, (rank, ep, dispatch)
 
 
+def test_a_table_tuned_for_decode_only_leaves_larger_batches_to_the_defaults():
+    """The H200 tables hold one batch-1 GEMV entry (``bench/moe_layer.py --gemv-sweep --write-table --m 1``):
+    batch 1 and 2 take it; prefill-sized batches take ``default_config`` as without a table, never the GEMV."""
+    from kvship.engine.layers.moe.kernel_config import GEMV_CONFIG, default_config, get_config, load_table
+
+    h200 = "NVIDIA H200"
+    for experts, inter in ((64, 1408), (128, 768)):
+        table = load_table(experts, inter, torch.bfloat16, h200)
+        assert set(table) == {1} and "gemv" in table[1], table
+        assert get_config(1, experts, inter, 8, torch.bfloat16, h200) == table[1]
+        assert get_config(2, experts, inter, 8, torch.bfloat16, h200) == table[1]
+        assert get_config(4096, experts, inter, 8, torch.bfloat16, h200) == default_config(4096, experts, 8)
+        assert get_config(3, experts, inter, 4, torch.bfloat16, h200) == {"gemv": dict(GEMV_CONFIG)}
+    assert table[1]["gemv"] != GEMV_CONFIG  # the H200's own blocks, not the defaults
+
+
 def test_a_ranks_experts_use_the_whole_layers_kernel_configs():
     """Under EP a rank's E/N experts carry the whole layer's load per expert, so ``ParallelFusedMoE`` asks its
     runner for the configs tuned for the model's expert count (``config_experts``): on the H100 the E=128 table

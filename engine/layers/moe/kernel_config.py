@@ -104,10 +104,11 @@ GEMV_KEYS = tuple(GEMV_CONFIG)
 def get_config(
     m: int, num_experts: int, intermediate_size: int, top_k: int, dtype: torch.dtype, device_name: str
 ) -> dict:
-    """The config for ``m`` tokens: the tuned table's nearest entry (aligned GEMMs or ``{"gemv": ...}``), else
-    the GEMV kernels for at most ``GEMV_MAX_PAIRS`` pairs and ``default_config`` above."""
+    """The config for ``m`` tokens: the tuned table's nearest entry (aligned GEMMs or ``{"gemv": ...}``) where
+    ``m`` is at most twice the largest ``M`` it tuned, else the GEMV kernels for at most ``GEMV_MAX_PAIRS`` pairs
+    and ``default_config`` above (a table tuned for decode alone, ``--m 1``, says nothing about prefill)."""
     table = load_table(num_experts, intermediate_size, dtype, device_name)
-    if table:
+    if table and m <= 2 * max(table):
         return table[min(table, key=lambda k: abs(k - m))]
     if m * top_k <= GEMV_MAX_PAIRS:
         return {"gemv": dict(GEMV_CONFIG)}
