@@ -174,7 +174,7 @@ class _Env:
         "KVSHIP_TP_ALLREDUCE_PUSH_MAX",
         _nonneg_int,
         16384,
-        "with KVSHIP_TP_ALLREDUCE=p2p: tensors up to this many bytes (at most 32768) take the push kernel, which "
+        "with KVSHIP_TP_ALLREDUCE=p2p: tensors up to this many bytes (at most 1048576) take the push kernel, which "
         "writes into every peer's buffer and raises a flag there instead of meeting at a barrier (measured faster "
         "than the one-shot kernel up to 16 KiB on two H200s, tied at 32 KiB); 0 turns it off; docs/parallel.md, "
         '"The all-reduce"',

@@ -21,10 +21,12 @@ from kvship.engine.layers.fused_ops_cuda import rmsnorm
 from kvship.engine.parallel import push_all_reduce as pa
 
 N, ROWS, HIDDEN, ROUNDS = 2, 3, 96, 3
+CHUNKED = [(5, 4096 + 123), (70, 4096)]  # (rows, hidden) in bf16: above one program's 32 KiB
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)  # no OpenMP pool in the parent: a forked rank's first parallel op would deadlock on it
     bufs = [torch.zeros(pa.buffer_bytes(N), dtype=torch.uint8).share_memory_() for _ in range(N)]
     ptrs = [b.data_ptr() for b in bufs]
     g = torch.Generator().manual_seed(0)
@@ -32,9 +34,13 @@ def main() -> None:
     res = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     w = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16)
 
+    # chunked sizes: 6 programs of one step (42 KiB), 24 programs of 3 steps, the last one partial (573 KiB)
+    big = [[torch.randn(rows, cols, generator=g).to(torch.bfloat16) for rows, cols in CHUNKED] for _ in range(N)]
+
     def rank_main(rank: int, q) -> None:
         ar = pa.PushAllReduce(ptrs, rank, torch.device("cpu"))
         out = []
+        chunked = []
         for i in range(ROUNDS):
             x = xs[rank][i]
             plain = ar.all_reduce_(x.clone())
@@ -47,7 +53,9 @@ def main() -> None:
                     "input_kept": bool(torch.equal(x, xs[rank][i])),
                 }
             )
-        q.put((rank, out, int(ar.epoch.item())))
+            for j, x in enumerate(big[rank]):  # between the small calls: the counters of programs > 0 advance alone
+                chunked.append(ar.all_reduce_(x.clone()).float().flatten()[::97].tolist())
+        q.put((rank, out, ar.epoch.tolist(), chunked))
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -56,12 +64,14 @@ def main() -> None:
         p.start()
     got = {}
     for _ in range(N):
-        rank, out, epoch = q.get(timeout=300)
-        got[rank] = {"rounds": out, "epoch": epoch}
+        rank, out, epoch, chunked = q.get(timeout=600)
+        got[rank] = {"rounds": out, "epoch": epoch, "chunked": chunked}
     for p in procs:
         p.join(30)
     want = [(xs[0][i].float() + xs[1][i].float()).flatten().tolist() for i in range(ROUNDS)]
-    print(json.dumps({"ranks": got, "float_sums": want}))
+    want_chunked = [(big[0][j].float() + big[1][j].float()).flatten()[::97].tolist() for j in range(len(CHUNKED))]
+    shapes = [pa.launch_shape(rows * cols, 2) for rows, cols in CHUNKED]
+    print(json.dumps({"ranks": got, "float_sums": want, "chunked_float_sums": want_chunked * ROUNDS, "shapes": shapes}))
 
 
 if __name__ == "__main__":

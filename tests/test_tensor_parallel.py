@@ -501,9 +501,17 @@ def test_p2p_all_reduce_is_the_default_and_its_knob_refuses_other_values(monkeyp
 def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(monkeypatch):
     """The push all-reduce (``engine/parallel/push_all_reduce.py``) measured faster than the one-shot kernel up to
     16 KiB on two H200s: that is its default limit; 0 turns it off, a negative size is refused; it never takes more
-    than one program's 32 KiB, and its buffer holds the flags and two parities of a slot per rank."""
+    than 1 MiB, one program up to 32 KiB and up to 32 chunks above; its buffer holds the flags of every (program,
+    rank) and two parities of a slot per rank."""
     from kvship.common.envs import ENV
-    from kvship.engine.parallel.push_all_reduce import FLAG_BYTES, MAX_BYTES, PushAllReduce, buffer_bytes
+    from kvship.engine.parallel.push_all_reduce import (
+        FLAG_BYTES,
+        MAX_BYTES,
+        MAX_PROGRAMS,
+        PushAllReduce,
+        buffer_bytes,
+        launch_shape,
+    )
 
     monkeypatch.delenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", raising=False)
     assert ENV.TP_ALLREDUCE_PUSH_MAX == 16384
@@ -512,9 +520,14 @@ def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(
     monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "-1")
     with pytest.raises(ValueError, match="KVSHIP_TP_ALLREDUCE_PUSH_MAX='-1'"):
         ENV.TP_ALLREDUCE_PUSH_MAX
-    assert MAX_BYTES == 32768 and FLAG_BYTES >= 8 * 8 and buffer_bytes(2) == FLAG_BYTES + 2 * 2 * MAX_BYTES
-    assert PushAllReduce.fits(torch.empty(8192, dtype=torch.bfloat16))
-    assert not PushAllReduce.fits(torch.empty(8193, dtype=torch.float32))
+    assert MAX_BYTES == 1 << 20 and FLAG_BYTES >= MAX_PROGRAMS * 8 * 8 and buffer_bytes(2) == FLAG_BYTES + 4 * MAX_BYTES
+    assert PushAllReduce.fits(torch.empty(512 << 10, dtype=torch.bfloat16))
+    assert not PushAllReduce.fits(torch.empty((256 << 10) + 1, dtype=torch.float32))
+    assert launch_shape(4096, 2) == (1, 4096, 1)  # batch 1 of hidden 4096: one program
+    assert launch_shape(16384, 2) == (1, 16384, 1)  # 32 KiB: still one
+    assert launch_shape(64 * 4096, 2) == (32, 4096, 2)  # batch 64: 32 programs of two 8 KiB steps
+    programs, block, steps = launch_shape(5000 * 7, 2)
+    assert programs * block * steps >= 35000 > (programs - 1) * block * steps and programs <= MAX_PROGRAMS
 
 
 def test_a_tp_group_spanning_nodes_keeps_nccl_and_unmeasured_sizes_get_smaller_one_shot_limits():

@@ -3,8 +3,9 @@
 
 * The kernels (``engine/parallel/push_all_reduce.py``) on CPU under the Triton interpreter, two forked ranks
   over shared memory (tests/push_kernel_ranks.py): the push all-reduce gives both ranks the same sum, within
-  one rounding of the float32 sum, over three calls (both slot parities); the fused kernel's normed rows and
-  new residual equal the plain all-reduce followed by the norm kernel, bit for bit, and leave the input alone.
+  one rounding of the float32 sum, over three calls (both slot parities), in one program and chunked over 6 and
+  24 programs with counters of their own; the fused kernel's normed rows and new residual equal the plain
+  all-reduce followed by the norm kernel, bit for bit, and leave the input alone.
 * The model's plumbing on a real gloo TP=2 group: a Llama decoder leaves ``o_proj``'s and ``down_proj``'s
   all-reduces to the norm that follows them (``Communicator.all_reduce_rmsnorm``), 2 x layers - 1 of them a
   forward, and the logits and greedy tokens equal those of the unfused path exactly.  MoE blocks at EP=2 (the
@@ -42,7 +43,14 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     r0, r1 = report["ranks"]["0"], report["ranks"]["1"]
-    assert r0["epoch"] == r1["epoch"] == 6  # three plain and three fused calls each, counted on the device
+    # program 0: three plain, three fused and six chunked calls; programs 1-5 ran in the six chunked calls, 6-23 in
+    # the three of 24 programs
+    assert report["shapes"] == [[6, 4096, 1], [24, 4096, 3]], report["shapes"]
+    assert r0["epoch"] == r1["epoch"] == [12] + [6] * 5 + [3] * 18 + [0] * 8, r0["epoch"]
+    for a, b, ref in zip(r0["chunked"], r1["chunked"], report["chunked_float_sums"]):
+        assert a == b, "the chunked kernel left the ranks with different sums"
+        got, ref = torch.tensor(a), torch.tensor(ref)
+        assert ((got - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(2**-6)).all()
     for i, want in enumerate(report["float_sums"]):
         a, b = r0["rounds"][i], r1["rounds"][i]
         assert a["sum"] == b["sum"], f"round {i}: the ranks hold different sums"

@@ -19,8 +19,14 @@ it received in rank order in float32: one link crossing before the sum.
   reaches call ``e + 2`` (the same slots) only after it saw every peer's flag of
   call ``e + 1``, which a peer raises only after its call ``e`` (which read those
   slots) has finished: no write overtakes a read.
-* One program moves and sums the whole tensor (up to ``MAX_BYTES``): the latency
-  path of decode; larger tensors take the other paths.
+* **Programs.**  Up to ``ONE_PROGRAM_BYTES`` one program moves and sums the whole
+  tensor (the latency path of decode).  Above, up to ``MAX_PROGRAMS`` programs
+  each take a chunk: program ``j`` writes its chunk, raises its own flag and waits
+  only for the peers' flags of program ``j``, so no program waits for another's
+  bytes and the chunks cross the link side by side.  Each program keeps its own
+  call counter and flags (``EPOCH[j]``; flag ``(j, r)``): program ``j`` runs in
+  every call of more than ``j`` chunks, the same calls on every rank, so its
+  counters agree across ranks as the single program's do.
 * Deterministic: every rank sums rank 0's slot first, then rank 1's, ..., in
   float32, and rounds once, so all ranks hold the same bits (at two ranks the
   one rounding of ``a + b`` NCCL makes).
@@ -43,8 +49,12 @@ import triton.language as tl
 
 from kvship.engine.layers.fused_ops_cuda import rmsnorm_row, rmsnorm_warps
 
-MAX_BYTES = 32 << 10  # one program's tensor: batch 8 x hidden 2048 or batch 4 x hidden 4096 in bf16
-FLAG_BYTES = 256  # the flags at the start of a buffer: one int64 per rank (8 ranks), padded
+ONE_PROGRAM_BYTES = 32 << 10  # one program's tensor: batch 8 x hidden 2048 or batch 4 x hidden 4096 in bf16
+MAX_BYTES = 1 << 20  # the largest tensor (batch 128 x hidden 4096 in bf16): the chunked kernel's
+MAX_PROGRAMS = 32  # chunks of a tensor above ONE_PROGRAM_BYTES
+CHUNK_BLOCK = 4096  # elements a chunk's program moves a step
+MAX_RANKS = 8
+FLAG_BYTES = MAX_PROGRAMS * MAX_RANKS * 8  # the flags at the start of a buffer: int64 (program, rank)
 # the all-reduce-and-RMSNorm kernel's largest tensor: its program walks the rows one after another, which beat the
 # push kernel then the norm kernel at one row of 4096 bf16 (5.5 vs 7.4 us) and lost at two (9.2 vs 8.3 us) on two
 # H200s (docs/parallel.md, "The all-reduce")
@@ -55,48 +65,56 @@ NORM_MAX_BYTES = 8 << 10
 def _push_all_reduce_kernel(
     X,
     PEERS,  # int64 [N]: every rank's buffer address, mapped into this process
-    EPOCH,  # int64 [1]: this rank's call counter
+    EPOCH,  # int64 [MAX_PROGRAMS]: this rank's call counter of each program
     numel,
     rank,
     N: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
     FLAG_BYTES: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # elements a step
+    STEPS: tl.constexpr,  # steps of a program: its chunk is BLOCK * STEPS elements
 ):
-    offs = tl.arange(0, BLOCK)
-    m = offs < numel
-    epoch = tl.load(EPOCH) + 1
-    tl.store(EPOCH, epoch)
+    pid = tl.program_id(0)
+    epoch = tl.load(EPOCH + pid) + 1
+    tl.store(EPOCH + pid, epoch)
     parity = epoch % 2
-    x = tl.load(X + offs, mask=m, other=0.0)
-    # this rank's tensor into slot (parity, rank) of every peer's buffer
+    lo = pid * (BLOCK * STEPS)
+    offs = tl.arange(0, BLOCK)
+    # this rank's chunk into slot (parity, rank) of every peer's buffer
     slot = FLAG_BYTES + (parity * N + rank) * SLOT_BYTES
-    for r in tl.static_range(N):
-        if r != rank:
-            base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
-            dst = (base + slot).to(tl.pointer_type(X.dtype.element_ty))
-            tl.store(dst + offs, x, mask=m)
+    for step in tl.static_range(STEPS):
+        idx = lo + step * BLOCK + offs
+        m = idx < numel
+        x = tl.load(X + idx, mask=m, other=0.0)
+        for r in tl.static_range(N):
+            if r != rank:
+                base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
+                dst = (base + slot).to(tl.pointer_type(X.dtype.element_ty))
+                tl.store(dst + idx, x, mask=m)
     tl.debug_barrier()  # every thread's writes issued before the flag goes up
     for r in tl.static_range(N):
         if r != rank:
             base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
-            flag = (base + rank * 8).to(tl.pointer_type(tl.int64))
+            flag = (base + (pid * N + rank) * 8).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
     for r in tl.static_range(N):
         if r != rank:
-            flag = (mine + r * 8).to(tl.pointer_type(tl.int64))
-            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:  # spin until peer r's slot is in
+            flag = (mine + (pid * N + r) * 8).to(tl.pointer_type(tl.int64))
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:  # spin until peer r's chunk is in
                 pass
     tl.debug_barrier()
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for r in tl.static_range(N):
-        if r == rank:
-            acc += x.to(tl.float32)
-        else:
-            src = (mine + FLAG_BYTES + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(X.dtype.element_ty))
-            acc += tl.load(src + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
-    tl.store(X + offs, acc.to(X.dtype.element_ty), mask=m)
+    for step in tl.static_range(STEPS):
+        idx = lo + step * BLOCK + offs
+        m = idx < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(N):
+            if r == rank:
+                acc += tl.load(X + idx, mask=m, other=0.0).to(tl.float32)
+            else:
+                src = (mine + FLAG_BYTES + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(X.dtype.element_ty))
+                acc += tl.load(src + idx, mask=m, other=0.0, volatile=True).to(tl.float32)
+        tl.store(X + idx, acc.to(X.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -165,15 +183,28 @@ def buffer_bytes(size: int) -> int:
     return FLAG_BYTES + 2 * size * MAX_BYTES
 
 
+def launch_shape(numel: int, element_size: int) -> tuple[int, int, int]:
+    """``(programs, BLOCK, STEPS)`` of the push kernel for a tensor of ``numel`` elements: one program over the
+    whole tensor up to ``ONE_PROGRAM_BYTES``, else up to ``MAX_PROGRAMS`` chunks of ``STEPS`` blocks of
+    ``CHUNK_BLOCK`` elements."""
+    if numel * element_size <= ONE_PROGRAM_BYTES:
+        return 1, triton.next_power_of_2(max(numel, 16)), 1
+    blocks = triton.cdiv(numel, CHUNK_BLOCK)
+    steps = triton.cdiv(blocks, MAX_PROGRAMS)
+    return triton.cdiv(blocks, steps), CHUNK_BLOCK, steps
+
+
 class PushAllReduce:
     """The push all-reduce of one group over ``buffer`` (this rank's symmetric allocation, zeroed before any peer
     writes into it) whose every rank's address is in ``peers``."""
 
     def __init__(self, peers: list[int], rank: int, device: torch.device) -> None:
+        if len(peers) > MAX_RANKS:
+            raise ValueError(f"the push all-reduce takes up to {MAX_RANKS} ranks, not {len(peers)}")
         self.size = len(peers)
         self.rank = rank
         self.peers = torch.tensor(peers, dtype=torch.int64, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
 
     @staticmethod
     def fits(t: torch.Tensor) -> bool:
@@ -181,10 +212,10 @@ class PushAllReduce:
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.view(-1)
-        block = triton.next_power_of_2(max(flat.numel(), 16))
-        _push_all_reduce_kernel[(1,)](
+        programs, block, steps = launch_shape(flat.numel(), flat.element_size())
+        _push_all_reduce_kernel[(programs,)](
             flat, self.peers, self.epoch, flat.numel(), self.rank,
-            N=self.size, SLOT_BYTES=MAX_BYTES, FLAG_BYTES=FLAG_BYTES, BLOCK=block,
+            N=self.size, SLOT_BYTES=MAX_BYTES, FLAG_BYTES=FLAG_BYTES, BLOCK=block, STEPS=steps,
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
         return t
