@@ -173,11 +173,11 @@ class _Env:
     TP_ALLREDUCE_PUSH_MAX = Knob(
         "KVSHIP_TP_ALLREDUCE_PUSH_MAX",
         _nonneg_int,
-        16384,
+        1 << 20,
         "with KVSHIP_TP_ALLREDUCE=p2p: tensors up to this many bytes (at most 1048576) take the push kernel, which "
-        "writes into every peer's buffer and raises a flag there instead of meeting at a barrier (measured faster "
-        "than the one-shot kernel up to 16 KiB on two H200s, tied at 32 KiB); 0 turns it off; docs/parallel.md, "
-        '"The all-reduce"',
+        "writes into every peer's buffer and raises a flag there instead of meeting at a barrier (one program up to "
+        "16 KiB, up to 32 chunks above; measured faster than one-shot, two-shot and NCCL from 2 KiB to 1 MiB on two "
+        'H200s); 0 turns it off; docs/parallel.md, "The all-reduce"',
     )
     TP_ALLREDUCE_NORM = Knob(
         "KVSHIP_TP_ALLREDUCE_NORM",

@@ -500,8 +500,8 @@ def test_p2p_all_reduce_is_the_default_and_its_knob_refuses_other_values(monkeyp
 
 def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(monkeypatch):
     """The push all-reduce (``engine/parallel/push_all_reduce.py``) measured faster than the one-shot kernel up to
-    16 KiB on two H200s: that is its default limit; 0 turns it off, a negative size is refused; it never takes more
-    than 1 MiB, one program up to 32 KiB and up to 32 chunks above; its buffer holds the flags of every (program,
+    1 MiB on two H200s: that is its default limit; 0 turns it off, a negative size is refused; it never takes more
+    than 1 MiB, one program up to 16 KiB and up to 32 chunks above; its buffer holds the flags of every (program,
     rank) and two parities of a slot per rank."""
     from kvship.common.envs import ENV
     from kvship.engine.parallel.push_all_reduce import (
@@ -514,7 +514,7 @@ def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(
     )
 
     monkeypatch.delenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", raising=False)
-    assert ENV.TP_ALLREDUCE_PUSH_MAX == 16384
+    assert ENV.TP_ALLREDUCE_PUSH_MAX == 1 << 20
     monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "0")
     assert ENV.TP_ALLREDUCE_PUSH_MAX == 0
     monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "-1")
@@ -524,7 +524,8 @@ def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(
     assert PushAllReduce.fits(torch.empty(512 << 10, dtype=torch.bfloat16))
     assert not PushAllReduce.fits(torch.empty((256 << 10) + 1, dtype=torch.float32))
     assert launch_shape(4096, 2) == (1, 4096, 1)  # batch 1 of hidden 4096: one program
-    assert launch_shape(16384, 2) == (1, 16384, 1)  # 32 KiB: still one
+    assert launch_shape(8192, 2) == (1, 8192, 1)  # 16 KiB: still one
+    assert launch_shape(16384, 2) == (4, 4096, 1)  # 32 KiB: four chunks
     assert launch_shape(64 * 4096, 2) == (32, 4096, 2)  # batch 64: 32 programs of two 8 KiB steps
     programs, block, steps = launch_shape(5000 * 7, 2)
     assert programs * block * steps >= 35000 > (programs - 1) * block * steps and programs <= MAX_PROGRAMS

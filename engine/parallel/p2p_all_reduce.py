@@ -181,13 +181,16 @@ class P2PAllReduce:
         if not agree(int(push is not None)):  # every rank's buffer zeroed and mapped before anyone pushes
             logger.info("tensor-parallel all-reduce: no push kernel (%s)", reason or "a peer could not map it")
             return
-        ramp = torch.arange(2048, device=device, dtype=torch.float32) % 7
         rank = dist.get_rank(device_group)
         ok = True
-        for dtype in self.dtypes:
-            t = (ramp + (rank + 1)).to(dtype)
-            push.all_reduce_(t)
-            ok = ok and torch.equal(t.float(), ramp * size + size * (size + 1) / 2)
+        for n in (2048, 40000):  # one program, then chunks (the last one partial)
+            ramp = torch.arange(n, device=device, dtype=torch.float32) % 7
+            for dtype in self.dtypes:
+                if n * torch.finfo(dtype).bits // 8 > push_max:
+                    continue
+                t = (ramp + (rank + 1)).to(dtype)
+                push.all_reduce_(t)
+                ok = ok and torch.equal(t.float(), ramp * size + size * (size + 1) / 2)
         torch.cuda.synchronize(device)
         if agree(int(ok)):
             self.push, self.push_max = push, push_max

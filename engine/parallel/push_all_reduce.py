@@ -49,7 +49,9 @@ import triton.language as tl
 
 from kvship.engine.layers.fused_ops_cuda import rmsnorm_row, rmsnorm_warps
 
-ONE_PROGRAM_BYTES = 32 << 10  # one program's tensor: batch 8 x hidden 2048 or batch 4 x hidden 4096 in bf16
+# one program's tensor (batch 2 of hidden 4096 in bf16); at 32 KiB one program took 8.5 us against one-shot's 7.7
+# and 64 KiB in 16 chunks 5.8 us on two H200s (docs/parallel.md, "The all-reduce")
+ONE_PROGRAM_BYTES = 16 << 10
 MAX_BYTES = 1 << 20  # the largest tensor (batch 128 x hidden 4096 in bf16): the chunked kernel's
 MAX_PROGRAMS = 32  # chunks of a tensor above ONE_PROGRAM_BYTES
 CHUNK_BLOCK = 4096  # elements a chunk's program moves a step
