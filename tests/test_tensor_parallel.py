@@ -527,6 +527,8 @@ def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(
     assert launch_shape(8192, 2) == (1, 8192, 1)  # 16 KiB: still one
     assert launch_shape(16384, 2) == (4, 4096, 1)  # 32 KiB: four chunks
     assert launch_shape(64 * 4096, 2) == (32, 4096, 2)  # batch 64: 32 programs of two 8 KiB steps
+    with pytest.raises(ValueError, match="takes up to 1048576 bytes"):
+        launch_shape((MAX_BYTES // 2) + 4096, 2)
     programs, block, steps = launch_shape(5000 * 7, 2)
     assert programs * block * steps >= 35000 > (programs - 1) * block * steps and programs <= MAX_PROGRAMS
 

@@ -24,9 +24,12 @@ it received in rank order in float32: one link crossing before the sum.
   each take a chunk: program ``j`` writes its chunk, raises its own flag and waits
   only for the peers' flags of program ``j``, so no program waits for another's
   bytes and the chunks cross the link side by side.  Each program keeps its own
-  call counter and flags (``EPOCH[j]``; flag ``(j, r)``): program ``j`` runs in
-  every call of more than ``j`` chunks, the same calls on every rank, so its
-  counters agree across ranks as the single program's do.
+  call counter, flags and part of every slot (``EPOCH[j]``; flag ``(j, r)``;
+  bytes ``[j * SUB_BYTES, (j + 1) * SUB_BYTES)`` of a slot, whatever the chunk
+  size of the call): program ``j`` runs in every call of more than ``j`` chunks,
+  the same calls on every rank, so its counters agree across ranks, and the
+  two-slot argument above holds program by program even when consecutive calls
+  cut their tensors differently.
 * Deterministic: every rank sums rank 0's slot first, then rank 1's, ..., in
   float32, and rounds once, so all ranks hold the same bits (at two ranks the
   one rounding of ``a + b`` NCCL makes).
@@ -56,6 +59,7 @@ MAX_BYTES = 1 << 20  # the largest tensor (batch 128 x hidden 4096 in bf16): the
 MAX_PROGRAMS = 32  # chunks of a tensor above ONE_PROGRAM_BYTES
 CHUNK_BLOCK = 4096  # elements a chunk's program moves a step
 MAX_RANKS = 8
+SUB_BYTES = MAX_BYTES // MAX_PROGRAMS  # program j's part of a slot (the single program's and the norm kernel's: 0)
 FLAG_BYTES = MAX_PROGRAMS * MAX_RANKS * 8  # the flags at the start of a buffer: int64 (program, rank)
 # the all-reduce-and-RMSNorm kernel's largest tensor: its program walks the rows one after another, which beat the
 # push kernel then the norm kernel at one row of 4096 bf16 (5.5 vs 7.4 us) and lost at two (9.2 vs 8.3 us) on two
@@ -72,6 +76,7 @@ def _push_all_reduce_kernel(
     rank,
     N: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
+    SUB_BYTES: tl.constexpr,  # a program's part of a slot: program j only ever writes part j
     FLAG_BYTES: tl.constexpr,
     BLOCK: tl.constexpr,  # elements a step
     STEPS: tl.constexpr,  # steps of a program: its chunk is BLOCK * STEPS elements
@@ -82,8 +87,8 @@ def _push_all_reduce_kernel(
     parity = epoch % 2
     lo = pid * (BLOCK * STEPS)
     offs = tl.arange(0, BLOCK)
-    # this rank's chunk into slot (parity, rank) of every peer's buffer
-    slot = FLAG_BYTES + (parity * N + rank) * SLOT_BYTES
+    # this rank's chunk into part pid of slot (parity, rank) of every peer's buffer
+    slot = FLAG_BYTES + (parity * N + rank) * SLOT_BYTES + pid * SUB_BYTES
     for step in tl.static_range(STEPS):
         idx = lo + step * BLOCK + offs
         m = idx < numel
@@ -92,7 +97,7 @@ def _push_all_reduce_kernel(
             if r != rank:
                 base = tl.load(PEERS + r).to(tl.pointer_type(tl.int8))
                 dst = (base + slot).to(tl.pointer_type(X.dtype.element_ty))
-                tl.store(dst + idx, x, mask=m)
+                tl.store(dst + (idx - lo), x, mask=m)
     tl.debug_barrier()  # every thread's writes issued before the flag goes up
     for r in tl.static_range(N):
         if r != rank:
@@ -114,8 +119,9 @@ def _push_all_reduce_kernel(
             if r == rank:
                 acc += tl.load(X + idx, mask=m, other=0.0).to(tl.float32)
             else:
-                src = (mine + FLAG_BYTES + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(X.dtype.element_ty))
-                acc += tl.load(src + idx, mask=m, other=0.0, volatile=True).to(tl.float32)
+                part = FLAG_BYTES + (parity * N + r) * SLOT_BYTES + pid * SUB_BYTES
+                src = (mine + part).to(tl.pointer_type(X.dtype.element_ty))
+                acc += tl.load(src + (idx - lo), mask=m, other=0.0, volatile=True).to(tl.float32)
         tl.store(X + idx, acc.to(X.dtype.element_ty), mask=m)
 
 
@@ -193,6 +199,8 @@ def launch_shape(numel: int, element_size: int) -> tuple[int, int, int]:
         return 1, triton.next_power_of_2(max(numel, 16)), 1
     blocks = triton.cdiv(numel, CHUNK_BLOCK)
     steps = triton.cdiv(blocks, MAX_PROGRAMS)
+    if CHUNK_BLOCK * steps * element_size > SUB_BYTES:
+        raise ValueError(f"the push all-reduce takes up to {MAX_BYTES} bytes, not {numel * element_size}")
     return triton.cdiv(blocks, steps), CHUNK_BLOCK, steps
 
 
@@ -217,7 +225,7 @@ class PushAllReduce:
         programs, block, steps = launch_shape(flat.numel(), flat.element_size())
         _push_all_reduce_kernel[(programs,)](
             flat, self.peers, self.epoch, flat.numel(), self.rank,
-            N=self.size, SLOT_BYTES=MAX_BYTES, FLAG_BYTES=FLAG_BYTES, BLOCK=block, STEPS=steps,
+            N=self.size, SLOT_BYTES=MAX_BYTES, SUB_BYTES=SUB_BYTES, FLAG_BYTES=FLAG_BYTES, BLOCK=block, STEPS=steps,
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
         return t
