@@ -112,6 +112,22 @@ CASES = {
 }
 
 
+def test_the_fused_norm_kernel_refuses_more_than_its_part_of_a_slot():
+    """Its one program writes part 0 of a slot; a larger tensor would overwrite parts that chunked calls' other
+    programs own (a peer may still be summing them), so it is refused before anything is written."""
+    from kvship.engine.parallel import push_all_reduce as pa
+
+    buf = torch.zeros(pa.buffer_bytes(1), dtype=torch.uint8)
+    ar = pa.PushAllReduce([buf.data_ptr()], 0, torch.device("cpu"))
+    rows = pa.SUB_BYTES // (2 * 96) + 1
+    x = torch.ones(rows, 96, dtype=torch.bfloat16)
+    w = torch.ones(96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm inside takes up to"):
+        ar.all_reduce_rmsnorm_(x, x.clone(), w, 1e-6)
+    assert not ar.fits_norm(x, x, w)
+    assert int(buf.count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("model", list(CASES))
 def test_tp2_row_parallel_all_reduces_meet_the_next_norm_and_change_nothing(tmp_path, model):
     ep_size, want_calls = CASES[model]

@@ -248,7 +248,11 @@ class PushAllReduce:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rmsnorm(sum + residual), sum + residual)`` with ``sum`` the all-reduce of ``x`` (new tensors; ``x``
-        itself is left as it was).  Bit-equal to ``all_reduce_`` then ``fused_ops_cuda.rmsnorm``."""
+        itself is left as it was).  Bit-equal to ``all_reduce_`` then ``fused_ops_cuda.rmsnorm``.  Its one program
+        writes part 0 of a slot, so it takes at most ``SUB_BYTES`` (the product sends it ``NORM_MAX_BYTES``)."""
+        if x.numel() * x.element_size() > SUB_BYTES:
+            raise ValueError(f"the push all-reduce with the norm inside takes up to {SUB_BYTES} bytes, not "
+                             f"{x.numel() * x.element_size()}")  # fmt: skip
         n = x.shape[-1]
         rows = x.numel() // n
         y = torch.empty_like(x)
