@@ -186,26 +186,6 @@ class _Env:
         "where the push kernel takes a row-parallel layer's output, the next block's residual add and RMSNorm run "
         'in the same kernel (no norm kernel after the all-reduce); docs/parallel.md, "The all-reduce"',
     )
-    L2_PREFETCH = Knob(
-        "KVSHIP_L2_PREFETCH",
-        _bool,
-        False,
-        "decode steps of up to 16 rows prefetch the next GEMVs' weights into L2 on a side stream while a layer's "
-        'latency-bound kernels (norms, all-reduce, RoPE, attention) run (Hopper); docs/gpu.md, "Weight prefetch '
-        'into L2"',
-    )
-    L2_PREFETCH_NORM_MB = Knob(
-        "KVSHIP_L2_PREFETCH_NORM_MB",
-        _nonneg_float,
-        16.0,
-        "with KVSHIP_L2_PREFETCH: MiB of weights prefetched while a norm (and the all-reduce it meets) runs",
-    )
-    L2_PREFETCH_ATTN_MB = Knob(
-        "KVSHIP_L2_PREFETCH_ATTN_MB",
-        _nonneg_float,
-        32.0,
-        "with KVSHIP_L2_PREFETCH: MiB of weights prefetched while RoPE and decode attention run",
-    )
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",
         _ep_exchange,

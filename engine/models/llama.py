@@ -25,7 +25,6 @@ from kvship.engine.forward_batch import ForwardBatch, LogitsOutput, StageOutput
 from kvship.engine.layers.activation import GatedActivation
 from kvship.engine.layers.attention import Attention
 from kvship.engine.layers.embedding import LMHead, VocabEmbedding
-from kvship.engine.layers.l2_prefetch import MAX_ROWS, plan_windows, prefetchable, prefetcher_for, window_budgets
 from kvship.engine.layers.linear import Linear, StackedLinear, gated_linear
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
@@ -72,15 +71,11 @@ class LlamaAttention(nn.Module):
         forward_batch: ForwardBatch,
         pending: Optional[Any] = None,
         defer: bool = False,
-        prefetch: Optional[tuple[Any, list]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's input norm (``norm`` over ``hidden + residual``) and attention: ``(output, residual)``.
         ``pending``: the all-reduce ``hidden`` still owes (``norm_then_linear``); ``defer``: the output is
-        ``o_proj``'s partial sum, its all-reduce left to the caller (``o_proj.reduce_comm``); ``prefetch``:
-        ``(prefetcher, regions)`` to bring into L2 while RoPE and attention run (``kvship.engine.layers.l2_prefetch``)."""
+        ``o_proj``'s partial sum, its all-reduce left to the caller (``o_proj.reduce_comm``)."""
         qkv, residual, _ = norm_then_linear(norm, self.qkv_proj, hidden, residual, pending=pending)
-        if prefetch is not None:
-            prefetch[0].issue(prefetch[1])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -149,23 +144,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self._prefetch_plan: Optional[list] = None
-
-    def prefetch_plan(self) -> list:
-        """The regions this layer prefetches into L2 during its three latency-bound windows: the input norm (and
-        the all-reduce it meets), RoPE and attention, the post-attention norm (and its all-reduce); each
-        window takes the weights read after it (``l2_prefetch.plan_windows``).  Computed once, after loading."""
-        if self._prefetch_plan is None:
-            norm_b, attn_b = window_budgets()
-            attn, mlp = self.self_attn, self.mlp
-            weights = [
-                prefetchable(getattr(attn.qkv_proj, "weight", None)),
-                prefetchable(getattr(attn.o_proj, "weight", None)),
-                prefetchable(getattr(getattr(mlp, "gate_up_proj", None), "weight", None)),
-                prefetchable(getattr(getattr(mlp, "down_proj", None), "weight", None)),
-            ]
-            self._prefetch_plan = plan_windows(weights, [(0, norm_b), (1, attn_b), (2, norm_b)])
-        return self._prefetch_plan
 
     # the input may still owe a row-parallel layer's all-reduce (``pending``; ``LlamaModel.run_layers``)
     takes_pending = True
@@ -184,29 +162,15 @@ class LlamaDecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
         pending: Optional[Any] = None,
         defer: bool = False,
-        prefetcher: Optional[Any] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` out; ``pending``: the all-reduce ``hidden`` still owes; ``defer``: leave this
         layer's own output's (``output_comm``) to the caller.  Under tensor parallelism the attention's
-        all-reduce always meets the MLP's norm here, so the push kernel runs both (docs/parallel.md).
-        ``prefetcher``: an ``L2Prefetcher`` for this step (small decode batches; ``prefetch_plan``)."""
+        all-reduce always meets the MLP's norm here, so the push kernel runs both (docs/parallel.md)."""
         takes = getattr(self.mlp, "takes_pending", False)
         o_comm = self.self_attn.o_proj.reduce_comm if takes else None
-        plan = self.prefetch_plan() if prefetcher is not None else None
-        if plan is not None:
-            prefetcher.issue(plan[0])
         hidden, residual = self.self_attn(
-            positions,
-            hidden,
-            residual,
-            self.input_layernorm,
-            forward_batch,
-            pending=pending,
-            defer=o_comm is not None,
-            prefetch=(prefetcher, plan[1]) if plan is not None else None,
+            positions, hidden, residual, self.input_layernorm, forward_batch, pending=pending, defer=o_comm is not None
         )
-        if plan is not None:
-            prefetcher.issue(plan[2])
         if not takes:
             return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual, pending=o_comm, defer=defer)
@@ -283,32 +247,19 @@ class LlamaModel(nn.Module):
             hidden, residual = stage_input
         aux = []
         pending = None  # the all-reduce the previous layer left to this one (LlamaDecoderLayer.forward's ``defer``)
-        pf = self.prefetcher(hidden)
         for i in range(part.start, part.end):
             layer = self.layers[i]
             if getattr(layer, "takes_pending", False):
                 comm = layer.output_comm()
                 nxt = self.layers[i + 1] if i + 1 < part.end else None
                 defer = comm is not None and i not in aux_layers and getattr(nxt, "takes_pending", False)
-                hidden, residual = layer(
-                    positions, hidden, residual, forward_batch, pending=pending, defer=defer, prefetcher=pf
-                )
+                hidden, residual = layer(positions, hidden, residual, forward_batch, pending=pending, defer=defer)
                 pending = comm if defer else None
             else:
                 hidden, residual = layer(positions, hidden, residual, forward_batch)
             if i in aux_layers:
                 aux.append(hidden + residual)
-        if pf is not None:
-            pf.join()
         return hidden, residual, aux
-
-    _prefetcher: Any = False  # unresolved
-
-    def prefetcher(self, hidden: torch.Tensor) -> Optional[Any]:
-        """The device's L2 prefetcher for a forward of ``hidden``'s rows: small batches only; resolved once."""
-        if self._prefetcher is False:
-            self._prefetcher = prefetcher_for(hidden.device)
-        return self._prefetcher if hidden.shape[0] <= MAX_ROWS else None
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

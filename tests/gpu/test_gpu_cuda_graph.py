@@ -207,30 +207,3 @@ def test_capture_survives_garbage_whose_finalizer_is_capture_unsafe(model_path, 
     assert CudaFinalizer.ran >= len(runner.cuda_graph_runner.graphs) and gc.isenabled()
     assert greedy_batch(runner, kv_driver, 3, steps=8) == want
     _release(runner)
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_l2_prefetch_keeps_greedy_tokens(model_path, kv_driver, monkeypatch, graphs):
-    """The L2 weight prefetch (``KVSHIP_L2_PREFETCH=1``) runs on a side stream beside every small decode step,
-    captured into the graphs and joined before each capture ends; it reads no value into the computation, so
-    64 greedy steps at batch 1, 3 and 17 (17 > 16 rows: no prefetch) equal those without it, and the
-    prefetcher really was used (Hopper; elsewhere it resolves to None and the test only checks equality)."""
-    monkeypatch.setenv("KVSHIP_L2_PREFETCH", "0")
-    plain = make_runner(model_path, "triton", graphs=graphs)
-    want = {bs: greedy_batch(plain, kv_driver, bs) for bs in (1, 3, 17)}
-    _release(plain)
-    monkeypatch.setenv("KVSHIP_L2_PREFETCH", "1")
-    from kvship.engine.layers import l2_prefetch
-
-    l2_prefetch._PREFETCHERS.clear()
-    runner = make_runner(model_path, "triton", graphs=graphs)
-    model = runner.model.model
-    for bs in (1, 3, 17):
-        assert greedy_batch(runner, kv_driver, bs) == want[bs], f"bs {bs}: prefetch changed a token"
-    pf = model._prefetcher
-    if torch.cuda.get_device_capability()[0] >= 9:
-        assert pf is not None and not pf.forked
-        plan = model.layers[0].prefetch_plan()
-        assert sum(n for _, _, n in plan[1]) > 0
-    _release(runner)
-    l2_prefetch._PREFETCHERS.clear()
