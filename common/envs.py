@@ -231,7 +231,7 @@ class _Env:
         "KVSHIP_FLASHINFER_TRITON_DECODE_BS",
         _opt_str,
         None,
-        "decode batch sizes ('lo-hi') on our one-kernel Triton decode",
+        "decode batch sizes ('lo-hi') of the flashinfer backend on our Triton split-KV decode",
     )
     MOONCAKE_MAX_BATCH = Knob("KVSHIP_MOONCAKE_MAX_BATCH", int, 1024, "descriptors per Mooncake batch transfer")
     NIXL_PROGRESS_THREAD = Knob("KVSHIP_NIXL_PROGRESS_THREAD", _bool, False, "NIXL's own UCX progress thread")

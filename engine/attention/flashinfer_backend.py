@@ -9,8 +9,8 @@ device-to-host sync.
 
 Per step (``init_forward_metadata``), planned once and reused by every layer:
 * decode of a batch whose graph size is in ``TRITON_DECODE_BS``: our Triton
-  split-KV kernel with the merge inside (``triton_ops.decode_attention`` with
-  counters; nothing to plan: it reads ``req_to_token`` / ``seq_lens`` on the GPU);
+  split-KV kernel and its merge kernel (``triton_ops.decode_attention``; nothing
+  to plan: it reads ``req_to_token`` / ``seq_lens`` on the GPU);
 * other decode batches: ``BatchDecodeWithPagedKVCacheWrapper`` over each
   request's pages (tensor-core kernels when ``num_heads / num_kv_heads >= 4``,
   except for graph sizes in ``CUDA_CORE_DECODE_BS``; planned without KV split
@@ -85,8 +85,10 @@ CUDA_CORE_DECODE_BS = "2-16"
 # decode planned without splitting a request's KV across thread blocks (FlashInfer's disable_split_kv: no
 # merge kernel, less parallelism for long contexts; ENV.FLASHINFER_NO_SPLIT_BS)
 NO_SPLIT_DECODE_BS = "none"
-# decode on our Triton split-KV kernel with the merge folded in (one kernel a layer, no host plan) instead of
-# FlashInfer's decode + merge kernels (ENV.FLASHINFER_TRITON_DECODE_BS)
+# decode on our Triton split-KV kernel and its merge kernel (no host plan) instead of FlashInfer's decode + merge
+# kernels (ENV.FLASHINFER_TRITON_DECODE_BS).  The merge runs as a second kernel: under PDL it launches while the
+# splits finish, and two kernels measured 1.3-2.0x faster than the merge folded into the split kernel at 1-8
+# requests (docs/benchmarks.md, session 31)
 TRITON_DECODE_BS = "1-8"
 
 
@@ -167,7 +169,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.cuda_core_decode_bs = _bs_range(ENV.FLASHINFER_CUDA_CORE_DECODE_BS, CUDA_CORE_DECODE_BS)
         self.no_split_decode_bs = _bs_range(ENV.FLASHINFER_NO_SPLIT_BS, NO_SPLIT_DECODE_BS)
         self.triton_decode_bs = _bs_range(ENV.FLASHINFER_TRITON_DECODE_BS, TRITON_DECODE_BS)
-        self.triton_splits = DecodeSplits(ctx, fused_merge=True)
+        self.triton_splits = DecodeSplits(ctx)
         self.workspace = workspace_buffer(self.device)
         # eager decode: one wrapper per kernel kind (tensor cores or not), made on first use
         self._decode_wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -406,7 +408,6 @@ class FlashInferAttnBackend(AttentionBackend):
                 meta.mid_lse,
                 meta.num_splits,
                 layer.scaling,
-                counters=meta.counters,
                 k_scale=fb.kv_pool.k_scales[layer.layer_id],
                 v_scale=fb.kv_pool.v_scales[layer.layer_id],
             )

@@ -51,25 +51,20 @@ class TritonDecodeMeta:
     num_splits: int
     mid_out: torch.Tensor  # [bs, H, MAX_KV_SPLITS, D] float32
     mid_lse: torch.Tensor  # [bs, H, MAX_KV_SPLITS] float32
-    counters: Optional[torch.Tensor] = None  # int32 zeros: merge inside the split kernel (decode_attention)
 
 
 class DecodeSplits:
     """Split counts and scratch buffers of the Triton split-KV decode kernel, for any backend that runs it.
 
     Splits follow the CUDA-graph size a batch pads to (graphs on or off), so an eager step and a replayed
-    graph of the same batch run the very same kernels: identical results.  ``fused_merge`` hands the kernel
-    a persistent zeroed counter buffer (the kernel leaves it zeroed), so the merge runs in the same kernel.
+    graph of the same batch run the very same kernels: identical results.
     """
 
-    def __init__(self, ctx: AttentionContext, fused_merge: bool = False):
+    def __init__(self, ctx: AttentionContext):
         self.num_kv_heads, self.num_heads, self.head_dim = ctx.num_kv_heads, ctx.num_heads, ctx.head_dim
         self.device = ctx.device
         self.num_sms = _device_sm_count(self.device)
-        self.max_bs = ctx.max_running_requests
         self.graph_sizes = ctx.cuda_graph_bs
-        self.fused_merge = fused_merge
-        self._counters: Optional[torch.Tensor] = None
         self._cg: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def padded_bs(self, bs: int) -> int:
@@ -86,26 +81,17 @@ class DecodeSplits:
         mid_lse = torch.empty((bs, self.num_heads, MAX_KV_SPLITS), dtype=torch.float32, device=self.device)
         return mid_out, mid_lse
 
-    def counters(self, bs: int) -> Optional[torch.Tensor]:
-        if not self.fused_merge:
-            return None
-        need = max(bs, self.max_bs, max(self.graph_sizes, default=0)) * self.num_kv_heads
-        if self._counters is None or self._counters.numel() < need:
-            self._counters = torch.zeros(need, dtype=torch.int32, device=self.device)
-        return self._counters
-
     def eager_meta(self, bs: int) -> TritonDecodeMeta:
         mid_out, mid_lse = self.scratch(bs)
-        return TritonDecodeMeta(self.num_splits(bs), mid_out, mid_lse, self.counters(bs))
+        return TritonDecodeMeta(self.num_splits(bs), mid_out, mid_lse)
 
     def init_graph_scratch(self, max_bs: int) -> None:
         self._cg = self.scratch(max_bs)
-        self.counters(max_bs)
 
     def graph_meta(self, bs: int) -> TritonDecodeMeta:
         if self._cg is None:
             raise RuntimeError("init_cuda_graph_state must run before capturing")
-        return TritonDecodeMeta(self.num_splits(bs), self._cg[0][:bs], self._cg[1][:bs], self.counters(bs))
+        return TritonDecodeMeta(self.num_splits(bs), self._cg[0][:bs], self._cg[1][:bs])
 
 
 @dataclass
@@ -326,7 +312,6 @@ class TritonAttnBackend(AttentionBackend):
             meta.mid_lse,
             meta.num_splits,
             layer.scaling,
-            counters=meta.counters,
             k_scale=fb.kv_pool.k_scales[layer.layer_id],
             v_scale=fb.kv_pool.v_scales[layer.layer_id],
         )

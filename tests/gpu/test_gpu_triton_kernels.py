@@ -110,12 +110,10 @@ def test_kv_indices_kernel_lists_the_pages_of_each_request(dev, page_size):
     assert got[len(want) :] == [-7, -7, -7], "kernel wrote past the last request's pages"
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("group,head_dim", [(2, 64), (4, 128), (3, 64)])
 @pytest.mark.parametrize("num_splits", [1, 5, 16])
-def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits, fused_merge):
-    """Split-KV decode, with the merge as a second kernel or folded into the first (the last program of each
-    request and KV head merges); the fused form leaves its arrival counters at zero, ready for the next call."""
+def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits):
+    """Split-KV decode: the split kernel, then the merge kernel."""
     from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention
 
     dtype = _dtype(dev)
@@ -130,34 +128,18 @@ def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits
     o = torch.full_like(q, float("nan"))
     mid_o = torch.empty(bs, h, MAX_KV_SPLITS, head_dim, dtype=torch.float32, device=dev)
     mid_l = torch.empty(bs, h, MAX_KV_SPLITS, dtype=torch.float32, device=dev)
-    counters = torch.zeros(bs * hkv + 3, dtype=torch.int32, device=dev) if fused_merge else None
-    for _ in range(2 if fused_merge else 1):  # a second call finds the counters reset
-        o.fill_(float("nan"))
-        decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            o,
-            r2t,
-            pool_idx,
-            torch.tensor(lens, device=dev),
-            mid_o,
-            mid_l,
-            num_splits,
-            1.0 / math.sqrt(head_dim),
-            counters=counters,
-        )
-        for i, n in enumerate(lens):
-            slots = r2t[i, :n].long()
-            ref = _ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], None)
-            assert _rel(o[i : i + 1], ref) < _tol(dtype), f"request {i} (len {n})"
-        if counters is not None:
-            assert int(counters.abs().sum()) == 0, "arrival counters were not reset"
+    decode_attention(
+        q, k_buf, v_buf, o, r2t, pool_idx, torch.tensor(lens, device=dev), mid_o, mid_l, num_splits,
+        1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    for i, n in enumerate(lens):
+        slots = r2t[i, :n].long()
+        ref = _ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], None)
+        assert _rel(o[i : i + 1], ref) < _tol(dtype), f"request {i} (len {n})"
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8, fused_merge):
+def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8):
     """Stage 1's tile choices (keys a step, warps, pipeline stages) each match
     the float64 reference on a bf16/fp32 pool and an FP8 pool (read as ``e4m3 * scale``), lengths that end
     mid-step included; the default tile run twice gives the same bits; an unknown launch key is refused."""
@@ -182,13 +164,9 @@ def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8, fused_merge):
         o = torch.full_like(q, float("nan"))
         mid_o = torch.empty(bs, h, MAX_KV_SPLITS, head_dim, dtype=torch.float32, device=dev)
         mid_l = torch.empty(bs, h, MAX_KV_SPLITS, dtype=torch.float32, device=dev)
-        counters = torch.zeros(bs * hkv, dtype=torch.int32, device=dev) if fused_merge else None
         decode_attention(
-            q, k_buf, v_buf, o, r2t, pool_idx, seq, mid_o, mid_l, 3, 0.125, counters=counters, launch=launch,
-            **scales,
+            q, k_buf, v_buf, o, r2t, pool_idx, seq, mid_o, mid_l, 3, 0.125, launch=launch, **scales,
         )  # fmt: skip
-        if counters is not None:
-            assert int(counters.abs().sum()) == 0, "arrival counters were not reset"
         return o
 
     kf = k_buf.float() * scales.get("k_scale", 1.0)

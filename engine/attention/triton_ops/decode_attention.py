@@ -12,12 +12,12 @@ any context length: each split simply covers ``ceil(seq_len / num_splits)``
 positions.  ``mid_out`` / ``mid_lse`` are scratch buffers sized for the most
 splits; under graphs they are allocated once.
 
-With a ``counters`` buffer (``[>= bs * num_kv_heads]`` int32, zero, left zero
-after every call) stage 2 is folded into stage 1: each program publishes its
-partial result, bumps its ``(request, KV head)`` counter, and the program that
-arrives last merges the splits of that KV head's query heads.  One kernel per
-layer instead of two: at batch 1 the decode attention of a layer is then
-mostly one kernel's latency.
+Two kernels, not one: folding the merge into stage 1 (the last program of a
+request's KV head merging that head's splits behind an atomic counter) measured
+1.3-2.0x slower at 1-8 requests on an H200 than stage 2 launched under PDL while
+stage 1's programs finish (docs/benchmarks.md, session 31), and was removed.
+``merge_splits`` serves the tree verify kernel (``verify_attention``), which
+merges a row's prefix splits before its draft tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+# splits a merge loads at once: one round trip to L2 per MERGE_CHUNK splits instead of one per split
+MERGE_CHUNK = 4
+
+
 @triton.jit
 def merge_splits(
     mid_out,
@@ -58,28 +62,38 @@ def merge_splits(
     stride_lh,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr = MERGE_CHUNK,
 ):
     """Row ``b``'s split partials of ``heads`` as (max, sum of weights, weighted sum of outputs): the output is
-    ``acc / l``; more keys merge in as online softmax does. Reads past L1 (``.cg``): other programs wrote them."""
+    ``acc / l``; more keys merge in as online softmax does. Reads past L1 (``.cg``): other programs wrote them.
+    ``CHUNK`` splits a step, loaded as one ``[heads, CHUNK, dim]`` tile: at batch 1 the merge is a chain of
+    dependent L2 round trips, so fewer, wider steps shorten it."""
     m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_H], tl.float32)
     acc_all = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for sp in range(0, num_splits):
+    offs_c = tl.arange(0, CHUNK)
+    for s0 in range(0, num_splits, CHUNK):
+        sp = s0 + offs_c
+        hs_mask = h_mask[:, None] & (sp < num_splits)[None, :]
         lse_s = tl.load(
-            mid_lse + b * stride_lb + heads * stride_lh + sp, mask=h_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        o_s = tl.load(
-            mid_out + b * stride_mb + heads[:, None] * stride_mh + sp * stride_ms + offs_d[None, :],
-            mask=hd_mask,
-            other=0.0,
+            mid_lse + b * stride_lb + heads[:, None] * stride_lh + sp[None, :],
+            mask=hs_mask,
+            other=float("-inf"),
             cache_modifier=".cg",
         )
-        m_new = tl.maximum(m_all, lse_s)
+        o_s = tl.load(
+            mid_out + b * stride_mb + heads[:, None, None] * stride_mh + sp[None, :, None] * stride_ms
+            + offs_d[None, None, :],
+            mask=hs_mask[:, :, None] & hd_mask[:, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_all, tl.max(lse_s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_all - m_ref)
-        w = tl.exp(lse_s - m_ref)
-        l_all = l_all * alpha + w
-        acc_all = acc_all * alpha[:, None] + o_s * w[:, None]
+        w = tl.exp(lse_s - m_ref[:, None])
+        l_all = l_all * alpha + tl.sum(w, 1)
+        acc_all = acc_all * alpha[:, None] + tl.sum(o_s * w[:, :, None], 1)
         m_all = m_new
     return m_all, l_all, acc_all
 
@@ -109,18 +123,12 @@ def _decode_stage1(
     stride_lb,
     stride_lh,
     num_splits,
-    o,
-    counters,
-    stride_ob,
-    stride_oh,
-    num_kv_heads,
     min_split_len,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
@@ -184,25 +192,6 @@ def _decode_stage1(
         mask=h_mask[:, None] & d_mask[None, :],
     )
     tl.store(mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-    if FUSED_MERGE:
-        # every thread's partial is written (barrier), then one release/acquire bump of the counter; the program
-        # that sees num_splits - 1 is the last one and merges (reading the partials from L2: .cg)
-        tl.debug_barrier()
-        cnt_ptr = counters + b * num_kv_heads + kvh
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            hd_mask = h_mask[:, None] & d_mask[None, :]
-            m_all, l_all, acc_all = merge_splits(
-                mid_out, mid_lse, b, heads, h_mask, offs_d, hd_mask, num_splits,
-                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D,
-            )  # fmt: skip
-            res = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
-            tl.store(
-                o + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                res.to(o.dtype.element_ty),
-                mask=hd_mask,
-            )
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next layer
 
 
 @triton.jit
@@ -258,7 +247,6 @@ def decode_attention(
     mid_lse: torch.Tensor,
     num_splits: int,
     sm_scale: float,
-    counters: "torch.Tensor | None" = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     launch: "dict | None" = None,
@@ -269,23 +257,17 @@ def decode_attention(
     (last dim contiguous); ``mid_out`` ``[>=bs, H, >=num_splits, D]`` float32;
     ``mid_lse`` ``[>=bs, H, >=num_splits]`` float32.  Request ``b`` attends to
     positions ``0..seq_lens[b]-1`` whose slots are
-    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.  With ``counters``
-    (int32 zeros, ``>= bs * Hkv``) the merge runs inside the one kernel.
+    ``req_to_token[req_pool_indices[b], :seq_lens[b]]``.
     An FP8 pool (``float8_e4m3fn`` buffers) is read as ``e4m3 * k_scale`` /
     ``e4m3 * v_scale`` (docs/quantization.md, "FP8 KV cache").  ``launch`` overrides stage 1's tile
     (:func:`stage1_tile`'s keys; bench/kv_fp8.py ``--sweep``).
     """
     bs, num_heads, head_dim = q.shape
-    num_kv_heads = k_buf.shape[1]
-    if counters is not None and counters.numel() < bs * num_kv_heads:
-        raise ValueError(f"decode_attention: {counters.numel()} counters for {bs} requests x {num_kv_heads} KV heads")
     launch_stage1(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale, o, counters,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale,
         k_scale=k_scale, v_scale=v_scale, launch=launch,
     )  # fmt: skip
     pdl = use_pdl(q)
-    if counters is not None:
-        return o
     _decode_stage2[(bs, num_heads)](
         mid_out,
         mid_lse,
@@ -338,14 +320,12 @@ def launch_stage1(
     mid_lse: torch.Tensor,
     num_splits: int,
     sm_scale: float,
-    o: torch.Tensor,
-    counters: "torch.Tensor | None" = None,
     min_split_len: int = 1,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     launch: "dict | None" = None,
 ) -> None:
-    """Stage 1 over ``q.shape[0]`` rows (with ``counters``: the merge too, into ``o``). A row's splits cover at
+    """Stage 1 over ``q.shape[0]`` rows, into ``mid_out`` / ``mid_lse``. A row's splits cover at
     least ``min_split_len`` positions each (1: ``ceil(seq_len / num_splits)``, the decode layout)."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -382,18 +362,12 @@ def launch_stage1(
         mid_lse.stride(0),
         mid_lse.stride(1),
         num_splits,
-        o,
-        counters if counters is not None else seq_lens,
-        o.stride(0),
-        o.stride(1),
-        num_kv_heads,
         min_split_len,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=tile["block_n"],
-        FUSED_MERGE=counters is not None,
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
         USE_PDL=pdl,

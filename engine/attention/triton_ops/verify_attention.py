@@ -159,7 +159,7 @@ def verify_attention(
         return o
     num_splits = VERIFY_KV_SPLITS
     launch_stage1(
-        q, k_buf, v_buf, req_to_token, tok_rows, tok_prefix, mid_out, mid_lse, num_splits, sm_scale, o,
+        q, k_buf, v_buf, req_to_token, tok_rows, tok_prefix, mid_out, mid_lse, num_splits, sm_scale,
         min_split_len=MIN_SPLIT_LEN, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _verify_merge[(n, num_kv_heads)](
