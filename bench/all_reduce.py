@@ -120,6 +120,8 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
             dist.all_reduce(sec, op=dist.ReduceOp.MAX)
             row[f"{path}_us"] = float(sec.item()) * 1e6
         # the norm kernel is one program over part 0 of a slot: up to SUB_BYTES (push_all_reduce.py)
+        if "push_us" in row and p2p.push.fits_sentinel(x):
+            _time_sentinel(row, p2p, x, args, line_up, dev)
         if "push_us" in row and n % args.hidden == 0 and nbytes <= SUB_BYTES:
             _time_norm(row, p2p, x.view(-1, args.hidden), args, line_up, dev)
         rows.append(row)
@@ -127,6 +129,31 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
     if rank == 0:
         out.put({"p2p": p2p is not None, "rows": rows})
     dist.destroy_process_group()
+
+
+def _time_sentinel(row: dict, p2p: Any, x: torch.Tensor, args: argparse.Namespace, line_up: Callable, dev) -> None:
+    """The sentinel exchange (``all_reduce_sentinel_``, no flag) against the push kernel, plain and with the next
+    RMSNorm inside (one row of ``--hidden`` where the size is one): bit equality with the push kernel's."""
+    import torch.distributed as dist
+
+    got = p2p.all_reduce_(x.clone(), "sentinel")
+    row["sentinel_bit_equal_push"] = bool(torch.equal(got, p2p.all_reduce_(x.clone(), "push")))
+    work = x.clone()
+    fns = {"sentinel": lambda: p2p.all_reduce_(work, "sentinel")}
+    if x.numel() % args.hidden == 0 and x.numel() * x.element_size() <= 8192:
+        rows = x.view(-1, args.hidden)
+        gen = torch.Generator(device=dev).manual_seed(7)
+        res = torch.randn(rows.shape, generator=gen, device=dev).to(torch.bfloat16)
+        weight = (torch.rand(rows.shape[-1], generator=gen, device=dev) + 0.5).to(torch.bfloat16)
+        a = p2p.push.all_reduce_sentinel_rmsnorm_(rows, res, weight, 1e-5)
+        b = p2p.push.all_reduce_rmsnorm_(rows, res, weight, 1e-5)
+        row["sentinel_norm_bit_equal_push"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+        wrows = work.view(-1, args.hidden)
+        fns["sentinel_norm"] = lambda: p2p.push.all_reduce_sentinel_rmsnorm_(wrows, res, weight, 1e-5)
+    for name, fn in fns.items():
+        sec = torch.tensor([_graph_time(fn, args.calls, args.rounds, line_up)], device=dev)
+        dist.all_reduce(sec, op=dist.ReduceOp.MAX)
+        row[f"{name}_us"] = float(sec.item()) * 1e6
 
 
 def _time_norm(row: dict, p2p: Any, x: torch.Tensor, args: argparse.Namespace, line_up: Callable, dev) -> None:
@@ -219,6 +246,26 @@ def _table(res: dict) -> str:
         )
     if res.get("thresholds"):
         lines += ["", f"implied thresholds: {res['thresholds']}"]
+    sent = [r for r in res["rows"] if "sentinel_us" in r]
+    if sent:
+        lines += [
+            "",
+            "the sentinel exchange (no flag) against the push kernel:",
+            "",
+            "| bytes | push us | sentinel us | push / sentinel | = push bits | push + norm inside us | sentinel + norm "
+            "inside us | = push bits |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sent:
+            norm = (
+                f"{r['push_norm_fused_us']:.1f} | {r['sentinel_norm_us']:.1f} | {r['sentinel_norm_bit_equal_push']}"
+                if "sentinel_norm_us" in r and "push_norm_fused_us" in r
+                else "- | - | -"
+            )
+            lines.append(
+                f"| {r['bytes']} | {r['push_us']:.1f} | {r['sentinel_us']:.1f} | {r['push_us'] / r['sentinel_us']:.2f} "
+                f"| {r['sentinel_bit_equal_push']} | {norm} |"
+            )
     normed = [r for r in res["rows"] if "push_norm_fused_us" in r]
     if normed:
         lines += [

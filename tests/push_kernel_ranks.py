@@ -27,7 +27,9 @@ CHUNKED = [(5, 4096 + 123), (70, 4096)]  # (rows, hidden) in bf16: above one pro
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)  # no OpenMP pool in the parent: a forked rank's first parallel op would deadlock on it
-    bufs = [torch.zeros(pa.buffer_bytes(N), dtype=torch.uint8).share_memory_() for _ in range(N)]
+    bufs = [torch.empty(pa.buffer_bytes(N), dtype=torch.uint8).share_memory_() for _ in range(N)]
+    for b in bufs:
+        pa.init_buffer(b, N)
     ptrs = [b.data_ptr() for b in bufs]
     g = torch.Generator().manual_seed(0)
     xs = [[torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(ROUNDS)] for _ in range(N)]
@@ -46,16 +48,36 @@ def main() -> None:
             plain = ar.all_reduce_(x.clone())
             y, res_out = ar.all_reduce_rmsnorm_(x, res, w, 1e-6)
             want_y, want_res = rmsnorm(plain, w, 1e-6, res)
+            sent = ar.all_reduce_sentinel_(x.clone())
+            sy, sres = ar.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
+            s32 = ar.all_reduce_sentinel_(x.float())  # 4-byte values
             out.append(
                 {
                     "sum": plain.float().flatten().tolist(),
                     "fused_equal": bool(torch.equal(y, want_y) and torch.equal(res_out, want_res)),
                     "input_kept": bool(torch.equal(x, xs[rank][i])),
+                    "sentinel_equal": bool(torch.equal(sent, plain)),
+                    "sentinel_norm_equal": bool(torch.equal(sy, want_y) and torch.equal(sres, want_res)),
+                    "sentinel_f32": s32.flatten().tolist(),
                 }
             )
             for j, x in enumerate(big[rank]):  # between the small calls: the counters of programs > 0 advance alone
                 chunked.append(ar.all_reduce_(x.clone()).float().flatten()[::97].tolist())
-        q.put((rank, out, ar.epoch.tolist(), chunked))
+        # a value whose bits are the sentinel (a NaN) travels as another NaN: the sum is NaN there, on both ranks
+        nan = xs[rank][0].clone()
+        nan.view(torch.int16)[0, 0] = -1
+        got_nan = ar.all_reduce_sentinel_(nan)
+        nan_ok = bool(torch.isnan(got_nan[0, 0]) and torch.equal(got_nan[1:], ar.all_reduce_(xs[rank][0].clone())[1:]))
+        freed = bool(bufs[rank][pa.sentinel_region(N) :].eq(0xFF).all())  # every sentinel slot free again
+        q.put(
+            (
+                rank,
+                out,
+                ar.epoch.tolist(),
+                chunked,
+                {"nan_ok": nan_ok, "freed": freed, "sentinel_epoch": int(ar.sentinel_epoch.item())},
+            )
+        )
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -64,8 +86,8 @@ def main() -> None:
         p.start()
     got = {}
     for _ in range(N):
-        rank, out, epoch, chunked = q.get(timeout=600)
-        got[rank] = {"rounds": out, "epoch": epoch, "chunked": chunked}
+        rank, out, epoch, chunked, sentinel = q.get(timeout=600)
+        got[rank] = {"rounds": out, "epoch": epoch, "chunked": chunked, "sentinel": sentinel}
     for p in procs:
         p.join(30)
     want = [(xs[0][i].float() + xs[1][i].float()).flatten().tolist() for i in range(ROUNDS)]

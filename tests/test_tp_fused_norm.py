@@ -43,10 +43,10 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     r0, r1 = report["ranks"]["0"], report["ranks"]["1"]
-    # program 0: three plain, three fused and six chunked calls; programs 1-5 ran in the six chunked calls, 6-23 in
-    # the three of 24 programs
+    # program 0: three plain, three fused, six chunked calls and the NaN check's plain one; programs 1-5 ran in the
+    # six chunked calls, 6-23 in the three of 24 programs
     assert report["shapes"] == [[6, 4096, 1], [24, 4096, 3]], report["shapes"]
-    assert r0["epoch"] == r1["epoch"] == [12] + [6] * 5 + [3] * 18 + [0] * 8, r0["epoch"]
+    assert r0["epoch"] == r1["epoch"] == [13] + [6] * 5 + [3] * 18 + [0] * 8, r0["epoch"]
     for a, b, ref in zip(r0["chunked"], r1["chunked"], report["chunked_float_sums"]):
         assert a == b, "the chunked kernel left the ranks with different sums"
         got, ref = torch.tensor(a), torch.tensor(ref)
@@ -59,6 +59,13 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
         assert ((got - ref).abs() <= ulp).all(), f"round {i}: {(got - ref).abs().max()}"
         assert a["fused_equal"] and b["fused_equal"], f"round {i}: fused norm differs from all-reduce + norm"
         assert a["input_kept"] and b["input_kept"]
+        # the sentinel exchange: the push kernel's sum and fused norm, bit for bit, in 2- and 4-byte values
+        assert a["sentinel_equal"] and b["sentinel_equal"], f"round {i}: sentinel sum differs"
+        assert a["sentinel_norm_equal"] and b["sentinel_norm_equal"], f"round {i}: sentinel norm differs"
+        assert a["sentinel_f32"] == b["sentinel_f32"] == want, f"round {i}: float32 sentinel sum"
+    for r in (r0, r1):
+        # 3 rounds x 3 sentinel calls + the NaN call: both parities over and over, every slot freed after
+        assert r["sentinel"] == {"nan_ok": True, "freed": True, "sentinel_epoch": 3 * len(report["float_sums"]) + 1}
 
 
 def _fused_vs_plain(groups, path: str, ep_size: int) -> dict:

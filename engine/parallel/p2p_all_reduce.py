@@ -9,7 +9,9 @@ allocation per rank) and one kernel does the rest:
 
 * **push** (up to ``push_max`` bytes, ``KVSHIP_TP_ALLREDUCE_PUSH_MAX``): our own
   kernel (``push_all_reduce``) writes into the peers' buffers and raises a flag
-  there, no barrier round trip;
+  there, no barrier round trip; with ``KVSHIP_TP_ALLREDUCE_SENTINEL`` tensors up
+  to 16 KiB skip the flag too (the written bits are their own signal:
+  ``PushAllReduce.all_reduce_sentinel_``);
 * **one-shot** (up to ``one_shot_max`` bytes): the kernel copies this rank's
   tensor into its buffer, meets the peers at a device-side barrier and sums
   every rank's copy in rank order: one read of each peer's bytes, no ring
@@ -73,6 +75,7 @@ class P2PAllReduce:
         self.push: Optional["PushAllReduce"] = None  # the push kernel (``push_all_reduce``), where enabled
         self.push_max = 0  # bytes up to which it takes the tensors
         self.push_norm = False  # the push kernel also runs the next RMSNorm (``all_reduce_rmsnorm``)
+        self.sentinel = False  # tensors the sentinel exchange takes go through it (``all_reduce_sentinel_``)
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -86,16 +89,19 @@ class P2PAllReduce:
         )
 
     def all_reduce_(self, t: torch.Tensor, path: Optional[str] = None) -> torch.Tensor:
-        """``path``: ``push``, ``one_shot`` or ``two_shot`` to force one (benchmarks); by default the size picks."""
+        """``path``: ``sentinel``, ``push``, ``one_shot`` or ``two_shot`` to force one (benchmarks); by default
+        the size picks."""
         flat = t.view(-1)
         nbytes = flat.numel() * flat.element_size()
         staged = self.buffer[:nbytes].view(t.dtype)
         if path is None:
             if nbytes <= self.push_max and self.push is not None:
-                path = "push"
+                path = "sentinel" if self.sentinel and self.push.fits_sentinel(flat) else "push"
             else:
                 path = "one_shot" if nbytes <= self.one_shot_max else "two_shot"
-        if path == "push":
+        if path == "sentinel":
+            self.push.all_reduce_sentinel_(t)
+        elif path == "push":
             self.push.all_reduce_(t)
         elif path == "one_shot":
             if self.fused_copy:  # the copy into the buffer happens inside the kernel: one launch
@@ -164,14 +170,14 @@ class P2PAllReduce:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kvship.engine.parallel.push_all_reduce import MAX_BYTES, PushAllReduce
+        from kvship.engine.parallel.push_all_reduce import MAX_BYTES, PushAllReduce, init_buffer
         from kvship.engine.parallel.push_all_reduce import buffer_bytes as push_buffer_bytes
 
         push_max = min(push_max, MAX_BYTES)
         push, reason = None, ""
         try:
             buffer = symm_mem.empty(push_buffer_bytes(size), dtype=torch.uint8, device=device)
-            buffer.zero_()  # no flag a peer could take for a call of this epoch
+            init_buffer(buffer, size)  # no flag a peer could take for a call of this epoch, every sentinel slot free
             handle = symm_mem.rendezvous(buffer, device_group.group_name)
             torch.cuda.synchronize(device)
             push = PushAllReduce(list(handle.buffer_ptrs), dist.get_rank(device_group), device)
@@ -196,6 +202,7 @@ class P2PAllReduce:
             self.push, self.push_max = push, push_max
             logger.info("tensor-parallel all-reduce: the push kernel up to %d bytes", push_max)
             self._enable_push_norm(rank, device, agree)
+            self._enable_sentinel(rank, size, device, agree)
         else:
             logger.info("tensor-parallel all-reduce: no push kernel (its self-check failed)")
 
@@ -221,6 +228,33 @@ class P2PAllReduce:
         logger.info(
             "tensor-parallel all-reduce: the push kernel %s the next RMSNorm",
             "runs" if self.push_norm else "does not run (its self-check failed)",
+        )
+
+    def _enable_sentinel(self, rank: int, size: int, device: torch.device, agree: Callable[[int], int]) -> None:
+        """The sentinel exchange for the push kernel's small tensors (``KVSHIP_TP_ALLREDUCE_SENTINEL``), kept where
+        every rank's sums equal the push kernel's bit for bit, over both slot parities, with the norm inside too
+        where that runs (collective)."""
+        from kvship.common.envs import ENV
+
+        if not ENV.TP_ALLREDUCE_SENTINEL:
+            return
+        ok = True
+        for i in range(4):  # both parities, twice
+            for dtype in self.dtypes:
+                g = torch.Generator(device=device).manual_seed(11 + 97 * rank + i)
+                x = torch.randn(2, 1024, device=device, generator=g).to(dtype)
+                ok = ok and torch.equal(self.push.all_reduce_sentinel_(x.clone()), self.push.all_reduce_(x.clone()))
+                if self.push_norm and dtype != torch.float32:
+                    res = torch.randn(2, 1024, device=device, generator=g).to(dtype)
+                    w = (torch.rand(1024, device=device, generator=g) + 0.5).to(dtype)
+                    got = self.push.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
+                    want = self.push.all_reduce_rmsnorm_(x, res, w, 1e-6)
+                    ok = ok and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        torch.cuda.synchronize(device)
+        self.sentinel = bool(agree(int(ok)))
+        logger.info(
+            "tensor-parallel all-reduce: the sentinel exchange %s",
+            "takes tensors up to 16 KiB" if self.sentinel else "is off (its self-check failed)",
         )
 
     def _self_check(self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int]) -> None:

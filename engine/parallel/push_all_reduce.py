@@ -65,6 +65,10 @@ FLAG_BYTES = MAX_PROGRAMS * MAX_RANKS * 8  # the flags at the start of a buffer:
 # push kernel then the norm kernel at one row of 4096 bf16 (5.5 vs 7.4 us) and lost at two (9.2 vs 8.3 us) on two
 # H200s (docs/parallel.md, "The all-reduce")
 NORM_MAX_BYTES = 8 << 10
+# the sentinel exchange (``all_reduce_sentinel_``): tensors up to one program's, in their own region after the
+# flags and slots, two parities of a slot per rank; every byte of a free slot is 0xFF
+SENTINEL_MAX_BYTES = ONE_PROGRAM_BYTES
+SENTINEL_SLOT_BYTES = SENTINEL_MAX_BYTES
 
 
 @triton.jit
@@ -186,9 +190,123 @@ def _push_all_reduce_norm_kernel(
         tl.store(Y + row * n_cols + offs, out.to(Y.dtype.element_ty), mask=m)
 
 
-def buffer_bytes(size: int) -> int:
-    """One rank's buffer: the flags, then two parities of a slot per rank."""
+@triton.jit
+def _sentinel_send(x, PEERS, base_off, rank, offs, m, N: tl.constexpr, ITYPE: tl.constexpr):
+    """Write ``x``'s bits into slot ``base_off + rank`` of every peer; a value whose bits are the sentinel (all
+    ones: a NaN) goes as another NaN, so a slot holds the sentinel only while it is free."""
+    bits = x.to(ITYPE, bitcast=True)
+    bits = tl.where(bits == -1, (1 << (ITYPE.primitive_bitwidth - 1)) - 1, bits)  # sign bit off: still a NaN
+    for r in tl.static_range(N):
+        if r != rank:
+            dst = (tl.load(PEERS + r).to(tl.pointer_type(tl.int8)) + base_off).to(tl.pointer_type(ITYPE))
+            tl.store(dst + offs, bits, mask=m)
+
+
+@triton.jit
+def _sentinel_take(src, offs, m, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
+    """Spin on local ``src`` until every element of ``offs`` holds a value (not the sentinel), return them as
+    ``DTYPE`` in float32 and free the slot (the sentinel back)."""
+    v = tl.load(src + offs, mask=m, other=0, volatile=True)
+    while tl.sum(((v == -1) & m).to(tl.int32), axis=0) > 0:
+        v = tl.load(src + offs, mask=m, other=0, volatile=True)
+    tl.store(src + offs, tl.full(offs.shape, -1, ITYPE), mask=m)
+    return v.to(DTYPE, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _sentinel_all_reduce_kernel(
+    X,
+    PEERS,
+    EPOCH,  # int64: this rank's count of sentinel calls (the slot parity)
+    numel,
+    rank,
+    N: tl.constexpr,
+    REGION: tl.constexpr,  # byte offset of the sentinel slots in a buffer
+    SLOT_BYTES: tl.constexpr,
+    ITYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    epoch = tl.load(EPOCH) + 1
+    tl.store(EPOCH, epoch)
+    parity = epoch % 2
+    offs = tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(X + offs, mask=m, other=0.0)
+    _sentinel_send(x, PEERS, REGION + (parity * N + rank) * SLOT_BYTES, rank, offs, m, N, ITYPE)
+    mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(N):  # rank order, as the push kernel sums
+        if r == rank:
+            acc += x.to(tl.float32)
+        else:
+            src = (mine + REGION + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(ITYPE))
+            acc += _sentinel_take(src, offs, m, X.dtype.element_ty, ITYPE)
+    tl.store(X + offs, acc.to(X.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sentinel_all_reduce_norm_kernel(
+    X,
+    RES,
+    W,
+    Y,
+    RES_OUT,
+    PEERS,
+    EPOCH,
+    rows,
+    n_cols,
+    eps,
+    rank,
+    N: tl.constexpr,
+    REGION: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    ITYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n_cols
+    epoch = tl.load(EPOCH) + 1
+    tl.store(EPOCH, epoch)
+    parity = epoch % 2
+    for row in range(rows):
+        x = tl.load(X + row * n_cols + offs, mask=m, other=0.0)
+        _sentinel_send(
+            x, PEERS, REGION + (parity * N + rank) * SLOT_BYTES + row * n_cols * X.dtype.element_ty.primitive_bitwidth // 8,
+            rank, offs, m, N, ITYPE,
+        )  # fmt: skip
+    mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
+    w = tl.load(W + offs, mask=m, other=0.0)
+    for row in range(rows):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(N):
+            if r == rank:
+                acc += tl.load(X + row * n_cols + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                src = (mine + REGION + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(ITYPE)) + row * n_cols
+                acc += _sentinel_take(src, offs, m, X.dtype.element_ty, ITYPE)
+        total = acc.to(X.dtype.element_ty)
+        rv = tl.load(RES + row * n_cols + offs, mask=m, other=0.0)
+        xv = (total.to(tl.float32) + rv.to(tl.float32)).to(total.dtype)
+        tl.store(RES_OUT + row * n_cols + offs, xv, mask=m)
+        out = rmsnorm_row(xv, w, n_cols, eps)
+        tl.store(Y + row * n_cols + offs, out.to(Y.dtype.element_ty), mask=m)
+
+
+def sentinel_region(size: int) -> int:
+    """Byte offset of the sentinel slots in a rank's buffer (after the push kernels' flags and slots)."""
     return FLAG_BYTES + 2 * size * MAX_BYTES
+
+
+def buffer_bytes(size: int) -> int:
+    """One rank's buffer: the flags, two parities of a slot per rank, then the sentinel slots (two parities per
+    rank); ``init_buffer`` gives it its first contents."""
+    return sentinel_region(size) + 2 * size * SENTINEL_SLOT_BYTES
+
+
+def init_buffer(buffer: torch.Tensor, size: int) -> None:
+    """A fresh buffer: flags and slots zero, every sentinel slot free (0xFF bytes)."""
+    buffer.zero_()
+    buffer[sentinel_region(size) :].fill_(0xFF)
 
 
 def launch_shape(numel: int, element_size: int) -> tuple[int, int, int]:
@@ -215,6 +333,7 @@ class PushAllReduce:
         self.rank = rank
         self.peers = torch.tensor(peers, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        self.sentinel_epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
     @staticmethod
     def fits(t: torch.Tensor) -> bool:
@@ -229,6 +348,47 @@ class PushAllReduce:
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
         return t
+
+    @staticmethod
+    def fits_sentinel(t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() <= SENTINEL_MAX_BYTES and t.element_size() in (2, 4)
+
+    def all_reduce_sentinel_(self, t: torch.Tensor) -> torch.Tensor:
+        """The same sum as ``all_reduce_`` without flags: each rank writes its tensor's bits into its slot of
+        every peer's sentinel region and spins until its own slots hold no sentinel (all-ones bits), then frees
+        them.  No release store, no flag, no counter across ranks: one link crossing and the data is its own
+        signal.  A value whose bits are the sentinel is a NaN and travels as another NaN (sums with a NaN are
+        NaN either way).  Two parities: a rank writes a parity again only after its peers freed it (they read it
+        one call of this kind before it finished the next).  Tensors up to ``SENTINEL_MAX_BYTES``."""
+        flat = t.view(-1)
+        if not self.fits_sentinel(flat):
+            raise ValueError(f"the sentinel all-reduce takes up to {SENTINEL_MAX_BYTES} bytes of 2- or 4-byte values")
+        block = triton.next_power_of_2(max(flat.numel(), 16))
+        _sentinel_all_reduce_kernel[(1,)](
+            flat, self.peers, self.sentinel_epoch, flat.numel(), self.rank,
+            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES,
+            ITYPE=tl.int16 if flat.element_size() == 2 else tl.int32, BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
+        )  # fmt: skip
+        return t
+
+    def all_reduce_sentinel_rmsnorm_(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``all_reduce_rmsnorm_`` over the sentinel exchange (``all_reduce_sentinel_``); bit-equal to it."""
+        if not self.fits_sentinel(x) or x.numel() * x.element_size() > NORM_MAX_BYTES:
+            raise ValueError(f"the sentinel all-reduce with the norm inside takes up to {NORM_MAX_BYTES} bytes")
+        n = x.shape[-1]
+        rows = x.numel() // n
+        y = torch.empty_like(x)
+        res_out = torch.empty_like(x)
+        block = triton.next_power_of_2(n)
+        _sentinel_all_reduce_norm_kernel[(1,)](
+            x, residual, weight, y, res_out, self.peers, self.sentinel_epoch, rows, n, float(eps), self.rank,
+            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES,
+            ITYPE=tl.int16 if x.element_size() == 2 else tl.int32, BLOCK=block, num_warps=rmsnorm_warps(block),
+        )  # fmt: skip
+        return y, res_out
 
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``all_reduce_rmsnorm_`` takes these: contiguous rows of one dtype within one slot, the norm's

@@ -130,19 +130,22 @@ def test_dummy_llama3_8b_loads_in_seconds_on_one_gpu(tmp_path):
 
 
 # --- workers ---------------------------------------------------------------------------------------
-def _p2p_rank(rank: int, init_method: str, out) -> None:
+def _p2p_rank(rank: int, init_method: str, out, sentinel: bool = False) -> None:
     """One rank of ``test_p2p_all_reduce_...``: the group's one-shot all-reduce against NCCL's, eager and in a
-    CUDA graph; rank 0 reports."""
+    CUDA graph; with ``sentinel`` the small tensors take the sentinel exchange, and one row's all-reduce with the
+    next RMSNorm inside replays from a graph as the all-reduce then the norm kernel; rank 0 reports."""
     import torch.distributed as dist
 
     from kvship.engine.distributed.groups import init_distributed
     from kvship.engine.distributed.topology import Topology
+    from kvship.engine.layers.fused_ops_cuda import rmsnorm
 
     os.environ["KVSHIP_TP_ALLREDUCE"] = "p2p"  # the default, said here so a caller's environment cannot turn it off
+    os.environ["KVSHIP_TP_ALLREDUCE_SENTINEL"] = "1" if sentinel else "0"
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     tp = init_distributed(Topology(tp_size=2, rank=rank), init_method, dev, timeout_s=120).tp
-    report = {"p2p": tp.p2p is not None, "eager": [], "graph": None}
+    report = {"p2p": tp.p2p is not None, "sentinel": bool(tp.p2p and tp.p2p.sentinel), "eager": [], "graph": None}
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     # 256 x 4096 bf16 (2 MiB) is past one-shot's range: two-shot
     for rows, dtype in (
@@ -172,6 +175,33 @@ def _p2p_rank(rank: int, init_method: str, out) -> None:
         dist.all_reduce(ref, group=tp.device_group)
         same.append(torch.equal(work, ref))
     report["graph"] = same
+    # one row (8 KiB: the push kernel, or the sentinel exchange) and its norm, twelve replays (both parities)
+    row, res = (
+        torch.zeros(1, 4096, device=dev, dtype=torch.bfloat16),
+        torch.zeros(1, 4096, device=dev, dtype=torch.bfloat16),
+    )
+    w = (torch.rand(4096, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+    tp.all_reduce(row.clone())
+    torch.cuda.synchronize(dev)
+    g1 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        summed = tp.all_reduce(row.clone())
+        fused = tp.all_reduce_rmsnorm(row, res, w, 1e-6)
+    small = []
+    for _ in range(12):
+        fresh = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16, generator=g)
+        row.copy_(fresh)
+        res.copy_(torch.randn(1, 4096, device=dev, dtype=torch.bfloat16, generator=g))
+        g1.replay()
+        ref = fresh.clone()
+        dist.all_reduce(ref, group=tp.device_group)
+        ok = torch.equal(summed, ref)
+        if fused is not None:
+            want_y, want_res = rmsnorm(ref, w, 1e-6, res)
+            ok = ok and torch.equal(fused[0], want_y) and torch.equal(fused[1], want_res)
+        small.append(ok)
+    report["small_graph"] = small
+    report["fused_norm"] = fused is not None
     dist.destroy_process_group()
     if rank == 0:
         out.put(report)
@@ -274,10 +304,13 @@ def test_peer_exchange_equals_nccl_eager_and_in_cuda_graphs():
     assert report["layer"] == (0.0, 0.0), report
 
 
-def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
+@pytest.mark.parametrize("sentinel", [False, True])
+def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs(sentinel):
     """With ``KVSHIP_TP_ALLREDUCE=p2p`` the TP group's small all-reduces go over peer memory
-    (``engine/parallel/p2p_all_reduce.py``): at two ranks the one-shot and two-shot sums are NCCL's bit for bit (one
-    rounding of a + b), eager and replayed from a CUDA graph."""
+    (``engine/parallel/p2p_all_reduce.py``): at two ranks the push, one-shot and two-shot sums are NCCL's bit for
+    bit (one rounding of a + b), eager and replayed from a CUDA graph; with ``KVSHIP_TP_ALLREDUCE_SENTINEL=1`` the
+    tensors up to 16 KiB take the sentinel exchange (its self-check passed) with the same bits, and a row's
+    all-reduce with the norm inside replays twelve times as NCCL's sum then the norm kernel."""
     import multiprocessing as mp
     import socket
 
@@ -286,7 +319,7 @@ def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_p2p_rank, args=(r, init_method, q)) for r in range(2)]
+    procs = [ctx.Process(target=_p2p_rank, args=(r, init_method, q, sentinel)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -299,6 +332,8 @@ def test_p2p_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
     assert report["p2p"], "the two H100s' group fell back to NCCL for small all-reduces (see the rank logs)"
     assert all(ok for _, _, ok in report["eager"]), report
     assert report["graph"] == [True, True, True], report
+    assert report["sentinel"] == sentinel, report
+    assert report["small_graph"] == [True] * 12 and report["fused_norm"], report
 
 
 @pytest.fixture(scope="module")
