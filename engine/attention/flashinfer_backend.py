@@ -87,7 +87,7 @@ CUDA_CORE_DECODE_BS = "2-16"
 NO_SPLIT_DECODE_BS = "none"
 # decode on our Triton split-KV kernel and its merge kernel (no host plan) instead of FlashInfer's decode + merge
 # kernels (ENV.FLASHINFER_TRITON_DECODE_BS).  The merge runs as a second kernel: under PDL it launches while the
-# splits finish, and two kernels measured 1.3-2.0x faster than the merge folded into the split kernel at 1-8
+# splits finish, and two kernels measured 1.05-2.0x faster than the merge folded into the split kernel at 1-8
 # requests (docs/benchmarks.md, session 31)
 TRITON_DECODE_BS = "1-8"
 

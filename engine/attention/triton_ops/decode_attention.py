@@ -14,7 +14,7 @@ splits; under graphs they are allocated once.
 
 Two kernels, not one: folding the merge into stage 1 (the last program of a
 request's KV head merging that head's splits behind an atomic counter) measured
-1.3-2.0x slower at 1-8 requests on an H200 than stage 2 launched under PDL while
+1.05-2.0x slower at 1-8 requests on an H200 than stage 2 launched under PDL while
 stage 1's programs finish (docs/benchmarks.md, session 31), and was removed.
 ``merge_splits`` serves the tree verify kernel (``verify_attention``), which
 merges a row's prefix splits before its draft tokens.
