@@ -190,10 +190,19 @@ class _Env:
         "KVSHIP_TP_ALLREDUCE_SENTINEL",
         _bool,
         True,
-        "with the push kernel: tensors up to 16 KiB go without a flag; each rank writes its bits into its slot of "
-        "every peer and spins until its own slots hold no all-ones pattern (the free mark), then frees them (8 KiB: "
-        "3.8 us against the push kernel's 5.2 on two H200s; a startup self-check against the push kernel keeps it or "
-        'turns it off); 0 turns it off; docs/parallel.md, "The all-reduce"',
+        "with the push kernel: tensors up to KVSHIP_TP_ALLREDUCE_SENTINEL_MAX bytes go without a flag; each rank "
+        "writes its bits into its slot of every peer and spins until its own slots hold no all-ones pattern (the "
+        "free mark), then frees them (8 KiB: 3.8 us against the push kernel's 5.2 on two H200s; a startup "
+        'self-check against the push kernel keeps it or turns it off); 0 turns it off; docs/parallel.md, "The '
+        'all-reduce"',
+    )
+    TP_ALLREDUCE_SENTINEL_MAX = Knob(
+        "KVSHIP_TP_ALLREDUCE_SENTINEL_MAX",
+        _nonneg_int,
+        16 << 10,
+        "with KVSHIP_TP_ALLREDUCE_SENTINEL: the largest tensor in bytes that goes without a flag (at most 1048576 "
+        "and the push kernel's limit; above 16 KiB it is cut into programs as the push kernel cuts; measured up "
+        'to 16 KiB so far); docs/parallel.md, "The all-reduce"',
     )
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",

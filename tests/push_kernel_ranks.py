@@ -62,7 +62,12 @@ def main() -> None:
                 }
             )
             for j, x in enumerate(big[rank]):  # between the small calls: the counters of programs > 0 advance alone
-                chunked.append(ar.all_reduce_(x.clone()).float().flatten()[::97].tolist())
+                pushed = ar.all_reduce_(x.clone())
+                chunked.append(pushed.float().flatten()[::97].tolist())
+                # the sentinel exchange cut the same way: the push kernel's bits
+                out[-1].setdefault("sentinel_chunked_equal", []).append(
+                    bool(torch.equal(ar.all_reduce_sentinel_(x.clone()), pushed))
+                )
         # a value whose bits are the sentinel (a NaN) travels as another NaN: the sum is NaN there, on both ranks
         nan = xs[rank][0].clone()
         nan.view(torch.int16)[0, 0] = -1
@@ -75,7 +80,7 @@ def main() -> None:
                 out,
                 ar.epoch.tolist(),
                 chunked,
-                {"nan_ok": nan_ok, "freed": freed, "sentinel_epoch": int(ar.sentinel_epoch.item())},
+                {"nan_ok": nan_ok, "freed": freed, "sentinel_epoch": ar.sentinel_epoch.tolist()},
             )
         )
 

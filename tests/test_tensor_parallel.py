@@ -520,9 +520,9 @@ def test_the_push_kernel_takes_small_tensors_by_default_and_its_knob_is_checked(
     monkeypatch.setenv("KVSHIP_TP_ALLREDUCE_PUSH_MAX", "-1")
     with pytest.raises(ValueError, match="KVSHIP_TP_ALLREDUCE_PUSH_MAX='-1'"):
         ENV.TP_ALLREDUCE_PUSH_MAX
-    # flags, two parities of a 1 MiB slot per rank, then two parities of a 16 KiB sentinel slot per rank
+    # flags, two parities of a 1 MiB slot per rank, then two parities of a 1 MiB sentinel slot per rank
     assert MAX_BYTES == 1 << 20 and FLAG_BYTES >= MAX_PROGRAMS * 8 * 8
-    assert buffer_bytes(2) == FLAG_BYTES + 4 * MAX_BYTES + 4 * (16 << 10)
+    assert buffer_bytes(2) == FLAG_BYTES + 4 * MAX_BYTES + 4 * MAX_BYTES
     assert PushAllReduce.fits(torch.empty(512 << 10, dtype=torch.bfloat16))
     assert not PushAllReduce.fits(torch.empty((256 << 10) + 1, dtype=torch.float32))
     assert launch_shape(4096, 2) == (1, 4096, 1)  # batch 1 of hidden 4096: one program

@@ -63,9 +63,11 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
         assert a["sentinel_equal"] and b["sentinel_equal"], f"round {i}: sentinel sum differs"
         assert a["sentinel_norm_equal"] and b["sentinel_norm_equal"], f"round {i}: sentinel norm differs"
         assert a["sentinel_f32"] == b["sentinel_f32"] == want, f"round {i}: float32 sentinel sum"
+        assert a["sentinel_chunked_equal"] == b["sentinel_chunked_equal"] == [True, True], f"round {i}: chunked"
     for r in (r0, r1):
-        # 3 rounds x 3 sentinel calls + the NaN call: both parities over and over, every slot freed after
-        assert r["sentinel"] == {"nan_ok": True, "freed": True, "sentinel_epoch": 3 * len(report["float_sums"]) + 1}
+        # program 0: 3 rounds x (3 one-program calls + 2 chunked) + the NaN call; programs 1-5 the 6 chunked calls,
+        # 6-23 the 3 of 24 programs: both parities over and over, every slot part freed after
+        assert r["sentinel"] == {"nan_ok": True, "freed": True, "sentinel_epoch": [16] + [6] * 5 + [3] * 18 + [0] * 8}
 
 
 def _fused_vs_plain(groups, path: str, ep_size: int) -> dict:

@@ -344,7 +344,7 @@ class NcclCommunicator(Communicator):
             return None
         if not (x.is_cuda and x.device == p2p.buffer.device and p2p.push.fits_norm(x, residual, weight)):
             return None
-        if p2p.sentinel:
+        if x.numel() * x.element_size() <= p2p.sentinel_max:
             return p2p.push.all_reduce_sentinel_rmsnorm_(x, residual, weight, eps)
         return p2p.push.all_reduce_rmsnorm_(x, residual, weight, eps)
 

@@ -10,8 +10,8 @@ allocation per rank) and one kernel does the rest:
 * **push** (up to ``push_max`` bytes, ``KVSHIP_TP_ALLREDUCE_PUSH_MAX``): our own
   kernel (``push_all_reduce``) writes into the peers' buffers and raises a flag
   there, no barrier round trip; with ``KVSHIP_TP_ALLREDUCE_SENTINEL`` tensors up
-  to 16 KiB skip the flag too (the written bits are their own signal:
-  ``PushAllReduce.all_reduce_sentinel_``);
+  to ``KVSHIP_TP_ALLREDUCE_SENTINEL_MAX`` bytes skip the flag too (the written
+  bits are their own signal: ``PushAllReduce.all_reduce_sentinel_``);
 * **one-shot** (up to ``one_shot_max`` bytes): the kernel copies this rank's
   tensor into its buffer, meets the peers at a device-side barrier and sums
   every rank's copy in rank order: one read of each peer's bytes, no ring
@@ -75,7 +75,7 @@ class P2PAllReduce:
         self.push: Optional["PushAllReduce"] = None  # the push kernel (``push_all_reduce``), where enabled
         self.push_max = 0  # bytes up to which it takes the tensors
         self.push_norm = False  # the push kernel also runs the next RMSNorm (``all_reduce_rmsnorm``)
-        self.sentinel = False  # tensors the sentinel exchange takes go through it (``all_reduce_sentinel_``)
+        self.sentinel_max = 0  # bytes up to which tensors take the sentinel exchange (``all_reduce_sentinel_``)
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -96,7 +96,7 @@ class P2PAllReduce:
         staged = self.buffer[:nbytes].view(t.dtype)
         if path is None:
             if nbytes <= self.push_max and self.push is not None:
-                path = "sentinel" if self.sentinel and self.push.fits_sentinel(flat) else "push"
+                path = "sentinel" if nbytes <= self.sentinel_max and self.push.fits_sentinel(flat) else "push"
             else:
                 path = "one_shot" if nbytes <= self.one_shot_max else "two_shot"
         if path == "sentinel":
@@ -231,30 +231,36 @@ class P2PAllReduce:
         )
 
     def _enable_sentinel(self, rank: int, size: int, device: torch.device, agree: Callable[[int], int]) -> None:
-        """The sentinel exchange for the push kernel's small tensors (``KVSHIP_TP_ALLREDUCE_SENTINEL``), kept where
-        every rank's sums equal the push kernel's bit for bit, over both slot parities, with the norm inside too
-        where that runs (collective)."""
+        """The sentinel exchange for the push kernel's tensors up to ``KVSHIP_TP_ALLREDUCE_SENTINEL_MAX`` bytes
+        (``KVSHIP_TP_ALLREDUCE_SENTINEL``), kept where every rank's sums equal the push kernel's bit for bit, over
+        both slot parities, in one program and chunked, with the norm inside too where that runs (collective)."""
         from kvship.common.envs import ENV
+        from kvship.engine.parallel.push_all_reduce import SENTINEL_MAX_BYTES
 
         if not ENV.TP_ALLREDUCE_SENTINEL:
             return
+        limit = min(ENV.TP_ALLREDUCE_SENTINEL_MAX, SENTINEL_MAX_BYTES, self.push_max)
         ok = True
         for i in range(4):  # both parities, twice
             for dtype in self.dtypes:
                 g = torch.Generator(device=device).manual_seed(11 + 97 * rank + i)
-                x = torch.randn(2, 1024, device=device, generator=g).to(dtype)
-                ok = ok and torch.equal(self.push.all_reduce_sentinel_(x.clone()), self.push.all_reduce_(x.clone()))
+                for n in (2048, 40000):  # one program, then chunks (the last one partial)
+                    if n * torch.finfo(dtype).bits // 8 > limit:
+                        continue
+                    x = torch.randn(n, device=device, generator=g).to(dtype)
+                    ok = ok and torch.equal(self.push.all_reduce_sentinel_(x.clone()), self.push.all_reduce_(x.clone()))
                 if self.push_norm and dtype != torch.float32:
+                    x = torch.randn(2, 1024, device=device, generator=g).to(dtype)
                     res = torch.randn(2, 1024, device=device, generator=g).to(dtype)
                     w = (torch.rand(1024, device=device, generator=g) + 0.5).to(dtype)
                     got = self.push.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
                     want = self.push.all_reduce_rmsnorm_(x, res, w, 1e-6)
                     ok = ok and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         torch.cuda.synchronize(device)
-        self.sentinel = bool(agree(int(ok)))
+        self.sentinel_max = limit if agree(int(ok)) else 0
         logger.info(
             "tensor-parallel all-reduce: the sentinel exchange %s",
-            "takes tensors up to 16 KiB" if self.sentinel else "is off (its self-check failed)",
+            f"takes tensors up to {limit} bytes" if self.sentinel_max else "is off (its self-check failed)",
         )
 
     def _self_check(self, device_group: Any, size: int, device: torch.device, agree: Callable[[int], int]) -> None:

@@ -65,9 +65,10 @@ FLAG_BYTES = MAX_PROGRAMS * MAX_RANKS * 8  # the flags at the start of a buffer:
 # push kernel then the norm kernel at one row of 4096 bf16 (5.5 vs 7.4 us) and lost at two (9.2 vs 8.3 us) on two
 # H200s (docs/parallel.md, "The all-reduce")
 NORM_MAX_BYTES = 8 << 10
-# the sentinel exchange (``all_reduce_sentinel_``): tensors up to one program's, in their own region after the
-# flags and slots, two parities of a slot per rank; every byte of a free slot is 0xFF
-SENTINEL_MAX_BYTES = ONE_PROGRAM_BYTES
+# the sentinel exchange (``all_reduce_sentinel_``): tensors up to MAX_BYTES, cut into programs as the push kernel
+# cuts them, in their own region after the flags and slots, two parities of a slot per rank; every byte of a free
+# slot is 0xFF
+SENTINEL_MAX_BYTES = MAX_BYTES
 SENTINEL_SLOT_BYTES = SENTINEL_MAX_BYTES
 
 
@@ -217,31 +218,41 @@ def _sentinel_take(src, offs, m, DTYPE: tl.constexpr, ITYPE: tl.constexpr):
 def _sentinel_all_reduce_kernel(
     X,
     PEERS,
-    EPOCH,  # int64: this rank's count of sentinel calls (the slot parity)
+    EPOCH,  # int64 [MAX_PROGRAMS]: this rank's count of sentinel calls of each program (its slot parity)
     numel,
     rank,
     N: tl.constexpr,
     REGION: tl.constexpr,  # byte offset of the sentinel slots in a buffer
     SLOT_BYTES: tl.constexpr,
+    SUB_BYTES: tl.constexpr,  # a program's part of a slot: program j only ever writes part j
     ITYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
-    epoch = tl.load(EPOCH) + 1
-    tl.store(EPOCH, epoch)
+    pid = tl.program_id(0)
+    epoch = tl.load(EPOCH + pid) + 1
+    tl.store(EPOCH + pid, epoch)
     parity = epoch % 2
+    lo = pid * (BLOCK * STEPS)
     offs = tl.arange(0, BLOCK)
-    m = offs < numel
-    x = tl.load(X + offs, mask=m, other=0.0)
-    _sentinel_send(x, PEERS, REGION + (parity * N + rank) * SLOT_BYTES, rank, offs, m, N, ITYPE)
+    for step in tl.static_range(STEPS):
+        idx = lo + step * BLOCK + offs
+        m = idx < numel
+        x = tl.load(X + idx, mask=m, other=0.0)
+        part = REGION + (parity * N + rank) * SLOT_BYTES + pid * SUB_BYTES
+        _sentinel_send(x, PEERS, part, rank, idx - lo, m, N, ITYPE)
     mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for r in tl.static_range(N):  # rank order, as the push kernel sums
-        if r == rank:
-            acc += x.to(tl.float32)
-        else:
-            src = (mine + REGION + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(ITYPE))
-            acc += _sentinel_take(src, offs, m, X.dtype.element_ty, ITYPE)
-    tl.store(X + offs, acc.to(X.dtype.element_ty), mask=m)
+    for step in tl.static_range(STEPS):
+        idx = lo + step * BLOCK + offs
+        m = idx < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(N):  # rank order, as the push kernel sums
+            if r == rank:
+                acc += tl.load(X + idx, mask=m, other=0.0).to(tl.float32)
+            else:
+                src = (mine + REGION + (parity * N + r) * SLOT_BYTES + pid * SUB_BYTES).to(tl.pointer_type(ITYPE))
+                acc += _sentinel_take(src, idx - lo, m, X.dtype.element_ty, ITYPE)
+        tl.store(X + idx, acc.to(X.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -333,7 +344,7 @@ class PushAllReduce:
         self.rank = rank
         self.peers = torch.tensor(peers, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
-        self.sentinel_epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sentinel_epoch = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
 
     @staticmethod
     def fits(t: torch.Tensor) -> bool:
@@ -358,16 +369,18 @@ class PushAllReduce:
         every peer's sentinel region and spins until its own slots hold no sentinel (all-ones bits), then frees
         them.  No release store, no flag, no counter across ranks: one link crossing and the data is its own
         signal.  A value whose bits are the sentinel is a NaN and travels as another NaN (sums with a NaN are
-        NaN either way).  Two parities: a rank writes a parity again only after its peers freed it (they read it
-        one call of this kind before it finished the next).  Tensors up to ``SENTINEL_MAX_BYTES``."""
+        NaN either way).  Cut into programs as ``all_reduce_`` cuts (``launch_shape``): program ``j`` keeps its
+        own call counter and part ``j`` of a slot, two parities each, and writes a parity of its part again only
+        after its peers' program ``j`` read and freed it (they did so one call of that program before they could
+        read this rank's next one).  Tensors up to ``SENTINEL_MAX_BYTES``."""
         flat = t.view(-1)
         if not self.fits_sentinel(flat):
             raise ValueError(f"the sentinel all-reduce takes up to {SENTINEL_MAX_BYTES} bytes of 2- or 4-byte values")
-        block = triton.next_power_of_2(max(flat.numel(), 16))
-        _sentinel_all_reduce_kernel[(1,)](
+        programs, block, steps = launch_shape(flat.numel(), flat.element_size())
+        _sentinel_all_reduce_kernel[(programs,)](
             flat, self.peers, self.sentinel_epoch, flat.numel(), self.rank,
-            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES,
-            ITYPE=tl.int16 if flat.element_size() == 2 else tl.int32, BLOCK=block,
+            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES, SUB_BYTES=SUB_BYTES,
+            ITYPE=tl.int16 if flat.element_size() == 2 else tl.int32, BLOCK=block, STEPS=steps,
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
         return t

@@ -145,7 +145,7 @@ def _p2p_rank(rank: int, init_method: str, out, sentinel: bool = False) -> None:
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     tp = init_distributed(Topology(tp_size=2, rank=rank), init_method, dev, timeout_s=120).tp
-    report = {"p2p": tp.p2p is not None, "sentinel": bool(tp.p2p and tp.p2p.sentinel), "eager": [], "graph": None}
+    report = {"p2p": tp.p2p is not None, "sentinel": bool(tp.p2p and tp.p2p.sentinel_max), "eager": [], "graph": None}
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     # 256 x 4096 bf16 (2 MiB) is past one-shot's range: two-shot
     for rows, dtype in (
