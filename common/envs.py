@@ -201,8 +201,9 @@ class _Env:
         _nonneg_int,
         16 << 10,
         "with KVSHIP_TP_ALLREDUCE_SENTINEL: the largest tensor in bytes that goes without a flag (at most 1048576 "
-        "and the push kernel's limit; above 16 KiB it is cut into programs as the push kernel cuts; measured up "
-        'to 16 KiB so far); docs/parallel.md, "The all-reduce"',
+        "and the push kernel's limit; above 16 KiB it is cut into programs as the push kernel cuts, and the "
+        "all-reduce with the next RMSNorm inside takes whole batches of rows up to it; measured up to 16 KiB so "
+        'far); docs/parallel.md, "The all-reduce"',
     )
     EP_EXCHANGE = Knob(
         "KVSHIP_EP_EXCHANGE",

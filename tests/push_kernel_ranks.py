@@ -36,6 +36,8 @@ def main() -> None:
     res = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     w = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16)
 
+    wide = [[torch.randn(40, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(ROUNDS)] for _ in range(N)]
+    wide_res = torch.randn(40, HIDDEN, generator=g).to(torch.bfloat16)
     # chunked sizes: 6 programs of one step (42 KiB), 24 programs of 3 steps, the last one partial (573 KiB)
     big = [[torch.randn(rows, cols, generator=g).to(torch.bfloat16) for rows, cols in CHUNKED] for _ in range(N)]
 
@@ -51,6 +53,10 @@ def main() -> None:
             sent = ar.all_reduce_sentinel_(x.clone())
             sy, sres = ar.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
             s32 = ar.all_reduce_sentinel_(x.float())  # 4-byte values
+            # 40 rows: 20 programs of two rows each, against the push all-reduce then the norm kernel
+            many = wide[rank][i]
+            my, mres = ar.all_reduce_sentinel_rmsnorm_(many, wide_res, w, 1e-6)
+            want_my, want_mres = rmsnorm(ar.all_reduce_(many.clone()), w, 1e-6, wide_res)
             out.append(
                 {
                     "sum": plain.float().flatten().tolist(),
@@ -59,6 +65,7 @@ def main() -> None:
                     "sentinel_equal": bool(torch.equal(sent, plain)),
                     "sentinel_norm_equal": bool(torch.equal(sy, want_y) and torch.equal(sres, want_res)),
                     "sentinel_f32": s32.flatten().tolist(),
+                    "sentinel_rows_equal": bool(torch.equal(my, want_my) and torch.equal(mres, want_mres)),
                 }
             )
             for j, x in enumerate(big[rank]):  # between the small calls: the counters of programs > 0 advance alone

@@ -43,10 +43,10 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     r0, r1 = report["ranks"]["0"], report["ranks"]["1"]
-    # program 0: three plain, three fused, six chunked calls and the NaN check's plain one; programs 1-5 ran in the
-    # six chunked calls, 6-23 in the three of 24 programs
+    # program 0: three plain, three fused, three references of the 40-row norm (7.5 KiB: one program), six chunked
+    # calls and the NaN check's plain one; programs 1-5 ran in the six chunked calls, 6-23 in the three of 24
     assert report["shapes"] == [[6, 4096, 1], [24, 4096, 3]], report["shapes"]
-    assert r0["epoch"] == r1["epoch"] == [13] + [6] * 5 + [3] * 18 + [0] * 8, r0["epoch"]
+    assert r0["epoch"] == r1["epoch"] == [16] + [6] * 5 + [3] * 18 + [0] * 8, r0["epoch"]
     for a, b, ref in zip(r0["chunked"], r1["chunked"], report["chunked_float_sums"]):
         assert a == b, "the chunked kernel left the ranks with different sums"
         got, ref = torch.tensor(a), torch.tensor(ref)
@@ -64,10 +64,12 @@ def test_push_kernels_sum_alike_on_both_ranks_and_the_fused_norm_equals_all_redu
         assert a["sentinel_norm_equal"] and b["sentinel_norm_equal"], f"round {i}: sentinel norm differs"
         assert a["sentinel_f32"] == b["sentinel_f32"] == want, f"round {i}: float32 sentinel sum"
         assert a["sentinel_chunked_equal"] == b["sentinel_chunked_equal"] == [True, True], f"round {i}: chunked"
+        assert a["sentinel_rows_equal"] and b["sentinel_rows_equal"], f"round {i}: 40 rows with the norm inside"
     for r in (r0, r1):
-        # program 0: 3 rounds x (3 one-program calls + 2 chunked) + the NaN call; programs 1-5 the 6 chunked calls,
-        # 6-23 the 3 of 24 programs: both parities over and over, every slot part freed after
-        assert r["sentinel"] == {"nan_ok": True, "freed": True, "sentinel_epoch": [16] + [6] * 5 + [3] * 18 + [0] * 8}
+        # a round: one-program sum (program 0), the 3-row norm (programs 0-2), the float32 sum (0), the 40-row norm
+        # (0-19), two chunked sums (0-5, 0-23); then the NaN call (0): both parities over and over, every part freed
+        epochs = [3 * 6 + 1] + [3 * 4] * 2 + [3 * 3] * 3 + [3 * 2] * 14 + [3] * 4 + [0] * 8
+        assert r["sentinel"] == {"nan_ok": True, "freed": True, "sentinel_epoch": epochs}
 
 
 def _fused_vs_plain(groups, path: str, ep_size: int) -> dict:

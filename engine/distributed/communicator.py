@@ -340,13 +340,14 @@ class NcclCommunicator(Communicator):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         p2p = self.p2p
-        if p2p is None or p2p.push is None or not p2p.push_norm or x.numel() * x.element_size() > p2p.push_max:
+        if p2p is None or p2p.push is None or not p2p.push_norm or not x.is_cuda or x.device != p2p.buffer.device:
             return None
-        if not (x.is_cuda and x.device == p2p.buffer.device and p2p.push.fits_norm(x, residual, weight)):
-            return None
-        if x.numel() * x.element_size() <= p2p.sentinel_max:
+        nbytes = x.numel() * x.element_size()
+        if nbytes <= p2p.sentinel_norm_max and p2p.push.fits_sentinel_norm(x, residual, weight):
             return p2p.push.all_reduce_sentinel_rmsnorm_(x, residual, weight, eps)
-        return p2p.push.all_reduce_rmsnorm_(x, residual, weight, eps)
+        if nbytes <= p2p.push_max and p2p.push.fits_norm(x, residual, weight):
+            return p2p.push.all_reduce_rmsnorm_(x, residual, weight, eps)
+        return None
 
     @_collective
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:

@@ -76,6 +76,7 @@ class P2PAllReduce:
         self.push_max = 0  # bytes up to which it takes the tensors
         self.push_norm = False  # the push kernel also runs the next RMSNorm (``all_reduce_rmsnorm``)
         self.sentinel_max = 0  # bytes up to which tensors take the sentinel exchange (``all_reduce_sentinel_``)
+        self.sentinel_norm_max = 0  # bytes up to which the all-reduce with the norm inside takes it
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -235,11 +236,14 @@ class P2PAllReduce:
         (``KVSHIP_TP_ALLREDUCE_SENTINEL``), kept where every rank's sums equal the push kernel's bit for bit, over
         both slot parities, in one program and chunked, with the norm inside too where that runs (collective)."""
         from kvship.common.envs import ENV
-        from kvship.engine.parallel.push_all_reduce import SENTINEL_MAX_BYTES
+        from kvship.engine.layers.fused_ops_cuda import rmsnorm
+        from kvship.engine.parallel.push_all_reduce import NORM_MAX_BYTES, ONE_PROGRAM_BYTES, SENTINEL_MAX_BYTES
 
         if not ENV.TP_ALLREDUCE_SENTINEL:
             return
         limit = min(ENV.TP_ALLREDUCE_SENTINEL_MAX, SENTINEL_MAX_BYTES, self.push_max)
+        # the norm inside: one row as the push kernel's (measured) at the default limit; the raised limit's rows
+        norm_limit = NORM_MAX_BYTES if limit <= ONE_PROGRAM_BYTES else limit
         ok = True
         for i in range(4):  # both parities, twice
             for dtype in self.dtypes:
@@ -250,14 +254,18 @@ class P2PAllReduce:
                     x = torch.randn(n, device=device, generator=g).to(dtype)
                     ok = ok and torch.equal(self.push.all_reduce_sentinel_(x.clone()), self.push.all_reduce_(x.clone()))
                 if self.push_norm and dtype != torch.float32:
-                    x = torch.randn(2, 1024, device=device, generator=g).to(dtype)
-                    res = torch.randn(2, 1024, device=device, generator=g).to(dtype)
-                    w = (torch.rand(1024, device=device, generator=g) + 0.5).to(dtype)
-                    got = self.push.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
-                    want = self.push.all_reduce_rmsnorm_(x, res, w, 1e-6)
-                    ok = ok and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                    for rows in (2, 40):  # a program a row; two rows a program (40 > 32 programs)
+                        if rows * 1024 * 2 > norm_limit:
+                            continue
+                        x = torch.randn(rows, 1024, device=device, generator=g).to(dtype)
+                        res = torch.randn(rows, 1024, device=device, generator=g).to(dtype)
+                        w = (torch.rand(1024, device=device, generator=g) + 0.5).to(dtype)
+                        got = self.push.all_reduce_sentinel_rmsnorm_(x, res, w, 1e-6)
+                        want = rmsnorm(self.push.all_reduce_(x.clone()), w, 1e-6, res)
+                        ok = ok and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         torch.cuda.synchronize(device)
         self.sentinel_max = limit if agree(int(ok)) else 0
+        self.sentinel_norm_max = norm_limit if self.sentinel_max and self.push_norm else 0
         logger.info(
             "tensor-parallel all-reduce: the sentinel exchange %s",
             f"takes tensors up to {limit} bytes" if self.sentinel_max else "is off (its self-check failed)",

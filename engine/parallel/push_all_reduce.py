@@ -266,41 +266,58 @@ def _sentinel_all_reduce_norm_kernel(
     EPOCH,
     rows,
     n_cols,
+    rows_per_program,
     eps,
     rank,
     N: tl.constexpr,
     REGION: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
+    SUB_BYTES: tl.constexpr,
     ITYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # program pid: rows [pid * rows_per_program, ...) through part pid of a slot, its own call counter
+    pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < n_cols
-    epoch = tl.load(EPOCH) + 1
-    tl.store(EPOCH, epoch)
+    epoch = tl.load(EPOCH + pid) + 1
+    tl.store(EPOCH + pid, epoch)
     parity = epoch % 2
-    for row in range(rows):
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, rows)
+    for row in range(first, last):
         x = tl.load(X + row * n_cols + offs, mask=m, other=0.0)
-        _sentinel_send(
-            x, PEERS, REGION + (parity * N + rank) * SLOT_BYTES + row * n_cols * X.dtype.element_ty.primitive_bitwidth // 8,
-            rank, offs, m, N, ITYPE,
-        )  # fmt: skip
+        part = (REGION + (parity * N + rank) * SLOT_BYTES + pid * SUB_BYTES
+                + (row - first) * n_cols * (X.dtype.element_ty.primitive_bitwidth // 8))  # fmt: skip
+        _sentinel_send(x, PEERS, part, rank, offs, m, N, ITYPE)
     mine = tl.load(PEERS + rank).to(tl.pointer_type(tl.int8))
     w = tl.load(W + offs, mask=m, other=0.0)
-    for row in range(rows):
+    for row in range(first, last):
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for r in tl.static_range(N):
             if r == rank:
                 acc += tl.load(X + row * n_cols + offs, mask=m, other=0.0).to(tl.float32)
             else:
-                src = (mine + REGION + (parity * N + r) * SLOT_BYTES).to(tl.pointer_type(ITYPE)) + row * n_cols
-                acc += _sentinel_take(src, offs, m, X.dtype.element_ty, ITYPE)
+                part = (mine + REGION + (parity * N + r) * SLOT_BYTES + pid * SUB_BYTES).to(tl.pointer_type(ITYPE))
+                acc += _sentinel_take(part + (row - first) * n_cols, offs, m, X.dtype.element_ty, ITYPE)
         total = acc.to(X.dtype.element_ty)
         rv = tl.load(RES + row * n_cols + offs, mask=m, other=0.0)
         xv = (total.to(tl.float32) + rv.to(tl.float32)).to(total.dtype)
         tl.store(RES_OUT + row * n_cols + offs, xv, mask=m)
         out = rmsnorm_row(xv, w, n_cols, eps)
         tl.store(Y + row * n_cols + offs, out.to(Y.dtype.element_ty), mask=m)
+
+
+def sentinel_norm_shape(rows: int, n_cols: int, element_size: int) -> tuple[int, int]:
+    """``(programs, rows per program)`` of the sentinel all-reduce with the norm inside: one row a program up to
+    ``MAX_PROGRAMS`` rows, then as few more a program as fit; ValueError where the rows do not fit the parts."""
+    per = max(1, triton.cdiv(rows, MAX_PROGRAMS))
+    if per * n_cols * element_size > SUB_BYTES:
+        raise ValueError(
+            f"the sentinel all-reduce with the norm inside takes up to {SUB_BYTES} bytes of rows a program, not "
+            f"{per} rows of {n_cols} x {element_size} bytes"
+        )
+    return triton.cdiv(rows, per), per
 
 
 def sentinel_region(size: int) -> int:
@@ -385,20 +402,47 @@ class PushAllReduce:
         )  # fmt: skip
         return t
 
+    def fits_sentinel_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``all_reduce_sentinel_rmsnorm_`` takes these: ``fits_norm``'s layout rules, up to
+        ``SENTINEL_MAX_BYTES``, rows that ``sentinel_norm_shape`` can place."""
+        if x.dim() < 1 or x.numel() == 0 or x.element_size() not in (2, 4):
+            return False
+        if x.numel() * x.element_size() > SENTINEL_MAX_BYTES:
+            return False
+        n = x.shape[-1]
+        try:
+            sentinel_norm_shape(x.numel() // n, n, x.element_size())
+        except ValueError:
+            return False
+        return (
+            x.is_contiguous()
+            and residual.is_contiguous()
+            and residual.shape == x.shape
+            and residual.dtype == x.dtype == weight.dtype
+            and weight.shape == (n,)
+            and weight.is_contiguous()
+        )
+
     def all_reduce_sentinel_rmsnorm_(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``all_reduce_rmsnorm_`` over the sentinel exchange (``all_reduce_sentinel_``); bit-equal to it."""
-        if not self.fits_sentinel(x) or x.numel() * x.element_size() > NORM_MAX_BYTES:
-            raise ValueError(f"the sentinel all-reduce with the norm inside takes up to {NORM_MAX_BYTES} bytes")
+        """``all_reduce_rmsnorm_`` over the sentinel exchange (``all_reduce_sentinel_``), bit-equal to it: one row
+        a program (its own counter and part of a slot) up to ``MAX_PROGRAMS`` rows, more rows a program above
+        (``sentinel_norm_shape``), so rows are exchanged and normalised side by side."""
+        if not self.fits_sentinel_norm(x, residual, weight):
+            raise ValueError(
+                f"the sentinel all-reduce with the norm inside takes contiguous rows of 2- or 4-byte values, up to "
+                f"{SENTINEL_MAX_BYTES} bytes and {SUB_BYTES} bytes of rows a program"
+            )
         n = x.shape[-1]
         rows = x.numel() // n
+        programs, per = sentinel_norm_shape(rows, n, x.element_size())
         y = torch.empty_like(x)
         res_out = torch.empty_like(x)
         block = triton.next_power_of_2(n)
-        _sentinel_all_reduce_norm_kernel[(1,)](
-            x, residual, weight, y, res_out, self.peers, self.sentinel_epoch, rows, n, float(eps), self.rank,
-            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES,
+        _sentinel_all_reduce_norm_kernel[(programs,)](
+            x, residual, weight, y, res_out, self.peers, self.sentinel_epoch, rows, n, per, float(eps), self.rank,
+            N=self.size, REGION=sentinel_region(self.size), SLOT_BYTES=SENTINEL_SLOT_BYTES, SUB_BYTES=SUB_BYTES,
             ITYPE=tl.int16 if x.element_size() == 2 else tl.int32, BLOCK=block, num_warps=rmsnorm_warps(block),
         )  # fmt: skip
         return y, res_out
