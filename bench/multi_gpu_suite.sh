@@ -25,6 +25,10 @@
 #              PP_ARGS: more bench/pp.py flags (e.g. "--batch 256")
 #   tp_http    bench/pp.py --vs "--tp-size N": TP over /generate vs one GPU (batch 64, batch 1), all-reduce
 #              KVSHIP_TP_ALLREDUCE=$TP_ALLREDUCE (default p2p)
+#   sentinel_ar    bench/all_reduce.py at 8 KiB-1 MiB: the sentinel exchange (plain, and with the norm inside
+#              against the push kernel then the norm kernel) beside the push kernel
+#   sentinel_http  bench/pp.py TP over /generate, the --vs worker again with KVSHIP_TP_ALLREDUCE_SENTINEL_MAX=1048576
+#   sentinel_ep    the EP decode loops (batch 1, 128) with KVSHIP_TP_ALLREDUCE_SENTINEL_MAX=1048576, beside one GPU
 #   pd         bench/pd_ttft.py: prefill on GPU 0, decode on GPU 1 (nixl, mooncake) beside unified; KV GB/s
 #              against the GPU0->GPU1 copy bandwidth; token-for-token check
 #   pd_whole   the same over nixl at 4096 tokens, layer-wise send against the whole-request send (after the
@@ -87,6 +91,13 @@ part eplb 120 python3 bench/eplb.py --device cuda --ep-size "$N" --experts 128 -
 part pp 360 python3 bench/pp.py --vs-env "${PP_ENV:-KVSHIP_PP_CHAIN=0}" ${PP_ARGS:-} --json /tmp/res/pp/pp.json
 part tp_http 200 env KVSHIP_TP_ALLREDUCE=${TP_ALLREDUCE:-p2p} python3 bench/pp.py --vs "--tp-size $N" --batch 64 \
   --json /tmp/res/tp_http/tp_http.json
+part sentinel_ar 90 python3 bench/all_reduce.py --tp-size "$N" --sizes 8192 16384 65536 524288 1048576 \
+  --out /tmp/res/sentinel_ar
+part sentinel_http 260 python3 bench/pp.py --vs "--tp-size $N" --vs-env KVSHIP_TP_ALLREDUCE_SENTINEL_MAX=1048576 \
+  --batch 64 --json /tmp/res/sentinel_http/tp_http.json
+part sentinel_ep 200 env KVSHIP_TP_ALLREDUCE_SENTINEL_MAX=1048576 python3 bench/decode_latency.py \
+  --shape qwen3-30b-a3b --tp-size "$N" --ep-size "$N" --batch-sizes 1,128 --modes graph --skip-hf \
+  --out /tmp/res/sentinel_ep
 part pd 240 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --backend mooncake \
   --prompt-len 512 4096 --repeats 3 --warmup 1 --check-tokens 32 --out /tmp/res/pd
 part pd_whole 150 python3 bench/pd_ttft.py --device cuda --shape llama3-8b --backend nixl --prompt-len 4096 \
