@@ -73,6 +73,16 @@ SENTINEL_SLOT_BYTES = SENTINEL_MAX_BYTES
 
 
 @triton.jit
+def _program_call(EPOCH, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """This program's next call: ``(pid, epoch, slot parity, first element, block offsets)``; bumps its counter
+    in ``EPOCH`` (per program, so replayed graphs count and calls cut into other chunk counts keep agreeing)."""
+    pid = tl.program_id(0)
+    epoch = tl.load(EPOCH + pid) + 1
+    tl.store(EPOCH + pid, epoch)
+    return pid, epoch, epoch % 2, pid * (BLOCK * STEPS), tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _push_all_reduce_kernel(
     X,
     PEERS,  # int64 [N]: every rank's buffer address, mapped into this process
@@ -86,12 +96,7 @@ def _push_all_reduce_kernel(
     BLOCK: tl.constexpr,  # elements a step
     STEPS: tl.constexpr,  # steps of a program: its chunk is BLOCK * STEPS elements
 ):
-    pid = tl.program_id(0)
-    epoch = tl.load(EPOCH + pid) + 1
-    tl.store(EPOCH + pid, epoch)
-    parity = epoch % 2
-    lo = pid * (BLOCK * STEPS)
-    offs = tl.arange(0, BLOCK)
+    pid, epoch, parity, lo, offs = _program_call(EPOCH, BLOCK, STEPS)
     # this rank's chunk into part pid of slot (parity, rank) of every peer's buffer
     slot = FLAG_BYTES + (parity * N + rank) * SLOT_BYTES + pid * SUB_BYTES
     for step in tl.static_range(STEPS):
@@ -229,12 +234,7 @@ def _sentinel_all_reduce_kernel(
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    epoch = tl.load(EPOCH + pid) + 1
-    tl.store(EPOCH + pid, epoch)
-    parity = epoch % 2
-    lo = pid * (BLOCK * STEPS)
-    offs = tl.arange(0, BLOCK)
+    pid, epoch, parity, lo, offs = _program_call(EPOCH, BLOCK, STEPS)
     for step in tl.static_range(STEPS):
         idx = lo + step * BLOCK + offs
         m = idx < numel
@@ -277,12 +277,8 @@ def _sentinel_all_reduce_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     # program pid: rows [pid * rows_per_program, ...) through part pid of a slot, its own call counter
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
+    pid, epoch, parity, _, offs = _program_call(EPOCH, BLOCK, 1)
     m = offs < n_cols
-    epoch = tl.load(EPOCH + pid) + 1
-    tl.store(EPOCH + pid, epoch)
-    parity = epoch % 2
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, rows)
     for row in range(first, last):
