@@ -239,6 +239,7 @@ class Result:
     predicted_sum: float = 0.0
     actual_sum: float = 0.0
     error_sum: float = 0.0
+    lost: dict = field(default_factory=dict)  # placement (contained/spread) -> returning prompts every worker lost
 
     def share(self, min_turn: int = 1) -> float:
         pairs = [(p, c) for p, c, t in zip(self.prompt, self.cached, self.turn) if t >= min_turn]
@@ -357,6 +358,8 @@ def read_predictions(res: Result, text: str) -> None:
                 res.error_sum += s.value
             elif s.name == "kvship_router_kv_predicted_cached_tokens_sum":
                 res.predicted_sum += s.value
+            elif s.name == "kvship_router_kv_lost_prompts_total":
+                res.lost[s.labels["placement"]] = res.lost.get(s.labels["placement"], 0) + int(s.value)
 
 
 def report(results: list[Result], args, load: tuple[float, float]) -> str:
@@ -389,7 +392,9 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
                 f"\n{r.policy}: predicted vs actual cached tokens over {n} requests compared: "
                 + ", ".join(f"{k} {100 * r.predictions.get(k, 0) / n:.0f}%" for k in ("exact", "under", "over"))
                 + f"; mean predicted {r.predicted_sum / max(1, len(r.prompt)):.1f}, mean actual "
-                f"{r.actual_sum / n:.1f}, mean |error| {r.error_sum / n:.1f} tokens."
+                f"{r.actual_sum / n:.1f}, mean |error| {r.error_sum / n:.1f} tokens; returning prompts every "
+                f"worker had lost: {r.lost.get('contained', 0)} sent to the pool losing the most pages, "
+                f"{r.lost.get('spread', 0)} by the tie rule."
             )
     c = by.get("cache_aware")
     for k in results:
@@ -452,15 +457,28 @@ def main() -> None:
         default=[],
         help="run kv_events once per value of the router's --kv-events-load-tokens (default: the router's default)",
     )
+    p.add_argument(
+        "--contain-thrash",
+        choices=("on", "off", "both"),
+        default="both",
+        help="kv_events with the router's --kv-events-contain-thrash on, off, or once each (docs/cache.md, "
+        "'Thrash containment')",
+    )
     p.add_argument("--machine", default=f"{os.cpu_count()}-core CPU box ({platform.machine()}), no GPU")
     args = p.parse_args()
     runs: list[tuple[str, str, list[str]]] = []
+    contain = {"on": [True], "off": [False], "both": [False, True]}[args.contain_thrash]
     for policy in args.policies:
-        if policy == "kv_events" and args.kv_events_load_tokens:
-            for v in args.kv_events_load_tokens:
-                runs.append((f"kv_events (load {v:g})", policy, ["--kv-events-load-tokens", str(v)]))
-        else:
+        if policy != "kv_events":
             runs.append((policy, policy, []))
+            continue
+        loads = [(f"load {v:g}", ["--kv-events-load-tokens", str(v)]) for v in args.kv_events_load_tokens] or [("", [])]
+        for on in contain:
+            for load_label, load_args in loads:
+                notes = [n for n in (load_label, "" if on else "no containment") if n]
+                label = "kv_events" + (f" ({', '.join(notes)})" if notes else "")
+                flag = "--kv-events-contain-thrash" if on else "--no-kv-events-contain-thrash"
+                runs.append((label, policy, load_args + [flag]))
     by_seed: dict[int, list[Result]] = {}
     with tempfile.TemporaryDirectory(prefix="kvbench-model-") as model_dir:
         build_model(model_dir)

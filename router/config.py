@@ -116,6 +116,11 @@ class RouterConfig:
         "kv_events: cached prompt tokens one in-flight request on a worker offsets in its score (0: load only "
         "breaks ties and the balance thresholds apply)",
     )
+    kv_events_contain_thrash: bool = opt(
+        True,
+        "kv_events: a returning prompt that every worker has lost goes to the worker that lost the most KV pages "
+        "lately, so the pools that still hold their conversations keep them (docs/cache.md, 'Thrash containment')",
+    )
     session_affinity: bool = opt(
         True,
         "A request's session key (body 'session_id', header x-session-id, else the OpenAI 'user' field) pins it "

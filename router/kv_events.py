@@ -26,7 +26,10 @@ Data flow::
   (``--kv-events-load-tokens``) is 0 by default, so the longest cached prefix wins and load only breaks ties.
   Ties: the worker sent the fewest distinct prompt tokens (``cache_aware``'s tree size: its KV demand),
   then the least loaded, then the fewest pages held (most free KV), then at random.  When no worker holds
-  any page of the prompt the same tie rule picks.  A worker whose feed is not synced is scored from the
+  any page of the prompt the same tie rule picks, except for a *returning* prompt (``cache_aware``'s tree
+  would route it by affinity) that every worker holds at most ``--cache-threshold`` of: with
+  ``--kv-events-contain-thrash`` it goes to the worker whose ``removed`` events lost the most pages lately
+  (thrash containment: docs/cache.md).  A worker whose feed is not synced is scored from the
   approximate tree of ``cache_aware`` (what the router sent it) instead.  The router has no tokenizer: text
   prompts (chat, text completions and ``/generate`` text, batches) are routed by the ``cache_aware`` rule on
   the approximate tree.
@@ -61,6 +64,9 @@ STREAM_IDLE_S = 10.0  # a stream with no event for this long ends and is reopene
 RETRY_S = (0.2, 5.0)  # reconnect backoff: first delay, largest delay
 EVENTS_OFF_RETRY_S = 30.0  # a worker answering 404 (started without --enable-kv-events) is asked again after this
 SUPERVISE_S = 0.5  # how often the subscriber compares its feeds with the registry
+# thrash containment: a worker's recent page losses decay by 1/LOSS_WINDOW per token-id prompt routed, so they
+# count roughly the losses of the last LOSS_WINDOW routings
+LOSS_WINDOW = 64
 
 
 @dataclass
@@ -85,6 +91,8 @@ class PrefixIndex:
         self._held: dict[str, set[int]] = {}
         self.state: dict[str, FeedState] = {}
         self.evicted_pages = 0
+        # per worker: pages its ``removed`` events took off every tier (not a demotion to host), since it joined
+        self.lost: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -136,8 +144,9 @@ class PrefixIndex:
                 for h in e.hashes:
                     self._store(h, url, e.tier)  # type: ignore[arg-type]
             else:
-                for h in e.hashes:
-                    self._remove(h, url, e.tier)
+                gone = sum(self._remove(h, url, e.tier) for h in e.hashes)
+                if gone:
+                    self.lost[url] = self.lost.get(url, 0) + gone
             state.seq = e.seq
         return True
 
@@ -151,6 +160,7 @@ class PrefixIndex:
         self._drop_worker_pages(url)
         self._held.pop(url, None)
         self.state.pop(url, None)
+        self.lost.pop(url, None)
 
     def _store(self, h: int, url: str, tier: str) -> None:
         entry = self._pages.get(h)
@@ -166,20 +176,21 @@ class PrefixIndex:
                 self._held[u].discard(old)
             self.evicted_pages += 1
 
-    def _remove(self, h: int, url: str, tier: Optional[str] = None) -> None:
-        """``url`` no longer holds page ``h`` on ``tier`` (None: on any tier)."""
+    def _remove(self, h: int, url: str, tier: Optional[str] = None) -> bool:
+        """``url`` no longer holds page ``h`` on ``tier`` (None: on any tier); True when it now holds it on none."""
         entry = self._pages.get(h)
         if entry is None or url not in entry:
-            return
+            return False
         if tier is not None:
             left = entry[url] & ~TIER_BIT[tier]
             if left:
                 entry[url] = left
-                return
+                return False
         del entry[url]
         self._held[url].discard(h)
         if not entry:
             del self._pages[h]
+        return True
 
     def _drop_worker_pages(self, url: str) -> None:
         for h in list(self._held.get(url, ())):
@@ -437,6 +448,8 @@ class KVEventsPolicy(Policy):
         self.index = PrefixIndex(config.kv_index_max_pages)
         self.fallback = CacheAwarePolicy(config, metrics)
         self._last: Optional[tuple[int, KVPrediction]] = None  # (id of the request, its prediction)
+        self.recent_losses: dict[str, float] = {}  # worker URL -> pages lost lately (decayed; ``_age_losses``)
+        self._losses_seen: dict[str, int] = {}  # worker URL -> ``index.lost`` when last aged
 
     def predict(
         self, worker: Worker, ids: list[int], text: str, hashes: dict[int, list[int]]
@@ -468,6 +481,7 @@ class KVEventsPolicy(Policy):
             and max_load > self.config.balance_rel_threshold * min_load
         )
         hashes: dict[int, list[int]] = {}
+        self._age_losses(workers)
         if imbalanced:
             least = min(loads)
             pool = [w for w in workers if w.in_flight == least]
@@ -480,6 +494,8 @@ class KVEventsPolicy(Policy):
                 scored.append((score - self.config.kv_events_load_tokens * w.in_flight, cached, from_index, w))
             best = max(s[0] for s in scored)
             _, cached, from_index, chosen = self._tie_break([s for s in scored if s[0] == best])
+            if self._lost(scored, len(ids)) and self._returning(workers, text):
+                _, cached, from_index, chosen = self._contain(scored, (best, cached, from_index, chosen))
         self.fallback.tree(chosen).insert(text)
         source = "index" if from_index else "tree"
         if self.metrics is not None:
@@ -491,6 +507,43 @@ class KVEventsPolicy(Policy):
         """The prediction of the ``select`` that just routed ``request`` (once; None for a text prompt)."""
         last, self._last = self._last, None
         return last[1] if last is not None and last[0] == id(request) else None
+
+    def _age_losses(self, workers: Sequence[Worker]) -> None:
+        """Decay every worker's recent page losses by one routing and add those its events reported since."""
+        keep = 1.0 - 1.0 / LOSS_WINDOW
+        for w in workers:
+            lost = self.index.lost.get(w.url, 0)
+            seen = self._losses_seen.get(w.url, 0)
+            fresh = lost - seen if lost >= seen else lost  # the counter restarted: the worker rejoined
+            self._losses_seen[w.url] = lost
+            self.recent_losses[w.url] = self.recent_losses.get(w.url, 0.0) * keep + fresh
+
+    def _lost(self, scored: list[tuple[float, int, bool, Worker]], prompt_len: int) -> bool:
+        """Whether every worker (all followed by the index) holds at most ``--cache-threshold`` of the prompt:
+        none would be chosen for its cache by ``cache_aware``'s rule."""
+        return all(s[2] for s in scored) and max(s[1] for s in scored) <= self.config.cache_threshold * prompt_len
+
+    def _returning(self, workers: Sequence[Worker], text: str) -> bool:
+        """Whether ``cache_aware``'s tree of what was sent would route ``text`` by affinity: a prompt that came
+        back (a conversation's next turn, a shared prefix) rather than a new one."""
+        if not text:
+            return False
+        matched = max(self.fallback.tree(w).match(text) for w in workers)
+        return matched > 0 and matched / len(text) > self.config.cache_threshold
+
+    def _contain(
+        self, scored: list[tuple[float, int, bool, Worker]], chosen: tuple[float, int, bool, Worker]
+    ) -> tuple[float, int, bool, Worker]:
+        """Where a returning prompt goes that every worker has (mostly) lost: with ``--kv-events-contain-thrash``,
+        the worker that lost the most pages lately (its pool is the one thrashing: the prompt's pages push out
+        what is going anyway there, not the conversations the other pools still hold), else ``chosen``."""
+        most = max(self.recent_losses.get(s[3].url, 0.0) for s in scored)
+        contained = self.config.kv_events_contain_thrash and most > 0
+        if contained:
+            chosen = self._tie_break([s for s in scored if self.recent_losses.get(s[3].url, 0.0) == most])
+        if self.metrics is not None:
+            self.metrics.kv_lost_prompts.labels("contained" if contained else "spread").inc()
+        return chosen
 
     def _tie_break(self, tied: list[tuple[float, int, bool, Worker]]) -> tuple[float, int, bool, Worker]:
         """Among equal scores (and for a prompt no worker holds): the worker sent the fewest distinct prompt
@@ -511,3 +564,5 @@ class KVEventsPolicy(Policy):
     def on_worker_removed(self, worker: Worker) -> None:
         self.fallback.on_worker_removed(worker)
         self.index.forget(worker.url)
+        self.recent_losses.pop(worker.url, None)
+        self._losses_seen.pop(worker.url, None)

@@ -95,6 +95,13 @@ class RouterMetrics:
             ["source", "outcome"],
             registry=r,
         )
+        self.kv_lost_prompts = Counter(
+            "kvship_router_kv_lost_prompts",
+            "kv_events: returning prompts that every worker had lost, by where they went (contained: the worker "
+            "that lost the most KV pages lately; spread: the usual tie rule)",
+            ["placement"],
+            registry=r,
+        )
         self.kv_index_pages = Gauge(
             "kvship_router_kv_index_pages", "kv_events: page hashes in the router's prefix index", registry=r
         )

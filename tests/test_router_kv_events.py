@@ -112,6 +112,72 @@ def test_policy_keeps_the_longest_cached_prefix_under_load_until_the_balance_thr
     a.in_flight = 0
 
 
+def test_index_counts_pages_a_worker_lost_from_every_tier_not_demotions():
+    index = PrefixIndex(max_pages=100)
+    index.reset("a", {"seq": 0, "page_size": PAGE, "pages": [[1, "gpu"], [2, "gpu"], [3, "host"]]})
+    index.apply("a", [_ev(1, "stored", [1, 2], "host")])  # write-through copies: 1 and 2 on both tiers
+    index.apply("a", [_ev(2, "removed", [1, 2], "gpu")])  # GPU evictions that leave the host copies: no loss
+    assert index.lost.get("a", 0) == 0 and index.pages("a") == {1: "host", 2: "host", 3: "host"}
+    index.apply("a", [_ev(3, "removed", [1, 3], "host"), _ev(4, "removed", [99])])  # 99: never held
+    assert index.lost["a"] == 2 and index.pages("a") == {2: "host"}
+    index.forget("a")
+    assert "a" not in index.lost
+
+
+def test_a_returning_prompt_every_worker_lost_goes_to_the_worker_losing_the_most_pages():
+    a, b, c = (Worker(url=f"http://w{i}", role="unified", breaker=CircuitBreaker(5, 30)) for i in range(3))
+    conv = list(range(100, 140))  # a conversation's first turn (10 pages)
+    later = conv + list(range(140, 148))  # its next turn
+
+    def run(contain: bool) -> tuple[Worker, Worker, KVEventsPolicy, RouterMetrics]:
+        metrics = RouterMetrics()
+        p = create_policy("kv_events", RouterConfig(kv_events_contain_thrash=contain), metrics)
+        assert isinstance(p, KVEventsPolicy)
+        for w in (a, b, c):
+            p.index.reset(w.url, {"seq": 0, "page_size": PAGE, "pages": []})
+        first = p.select([a, b, c], _gen_request(conv))  # held nowhere: the tie rule picks
+        h = page_hashes(conv, PAGE)
+        p.index.apply(first.url, [_ev(1, "stored", h, "gpu")])
+        # the worker that got it loses it; another worker, c or b, loses more pages of other prompts
+        p.index.apply(first.url, [_ev(2, "removed", h)])
+        other = b if first is c else c
+        p.fallback.tree(other).insert("x" * 10)  # it was sent a little: the tie rule would not pick it
+        p.index.apply(other.url, [_ev(1, "stored", range(500, 530), "gpu"), _ev(2, "removed", range(500, 530))])
+        return first, other, p, metrics
+
+    first, other, policy, metrics = run(contain=True)
+    assert set(policy.recent_losses.values()) == {0.0}  # the losses count from the next routing
+    assert policy.select([a, b, c], _gen_request(later)) is other  # lost everywhere: to the thrashing pool
+    assert metrics.kv_lost_prompts.labels("contained")._value.get() == 1
+    # mostly lost (the worker kept its first 3 pages: 12 of 48 tokens, at most --cache-threshold): contained too
+    h = page_hashes(conv, PAGE)
+    policy.index.apply(first.url, [_ev(3, "stored", h[:3], "gpu")])
+    assert policy.select([a, b, c], _gen_request(later)) is other
+    assert metrics.kv_lost_prompts.labels("contained")._value.get() == 2
+    # held again (40 of 48 tokens): the cached prefix wins, nothing is counted as lost
+    policy.index.apply(first.url, [_ev(4, "stored", h[3:], "gpu")])
+    assert policy.select([a, b, c], _gen_request(later)) is first
+    assert metrics.kv_lost_prompts.labels("contained")._value.get() == 2
+    policy.index.apply(first.url, [_ev(5, "removed", h)])
+    # a new prompt (nothing the tree of what was sent matches) keeps the tie rule: the worker sent the fewest
+    # tokens (the third one: nothing yet), not the thrashing pool
+    (third,) = [w for w in (a, b, c) if w not in (first, other)]
+    assert policy.select([a, b, c], _gen_request(list(range(700, 740)))) is third
+    # the losses fade: LOSS_WINDOW routings later without new losses they are a small share of what they were
+    before = policy.recent_losses[other.url]
+    for i in range(64):
+        policy.select([a, b, c], _gen_request(list(range(1000 + 40 * i, 1040 + 40 * i))))
+    assert policy.recent_losses[other.url] < 0.4 * before
+
+    first, other, policy, metrics = run(contain=False)
+    # without containment the tie rule decides: the least KV demand (the tree of what was sent: the third
+    # worker, sent nothing), not the thrashing ``other``
+    (third,) = [w for w in (a, b, c) if w not in (first, other)]
+    assert policy.select([a, b, c], _gen_request(later)) is third
+    assert metrics.kv_lost_prompts.labels("spread")._value.get() == 1
+    assert metrics.kv_lost_prompts.labels("contained")._value.get() == 0
+
+
 def test_prediction_reads_the_workers_cached_tokens_from_a_split_stream_and_counts_the_outcome():
     metrics = RouterMetrics()
     events = [
