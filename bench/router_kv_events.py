@@ -28,8 +28,11 @@ replies' ``meta_info.cached_tokens`` over the sum of ``prompt_tokens``), the
 same for returning turns only (turn >= 2), TTFT p50/p90 (first streamed event,
 through the router) and how often a tenant's turn moved to another worker;
 for ``kv_events`` the routers' predicted against actual cached tokens per
-request (their ``kvship_router_kv_*`` metrics); then the difference in points
-and the TTFT ratio.  docs/cache.md, "Routing on KV events".
+request and the returning prompts every worker had lost (their
+``kvship_router_kv_*`` metrics); then the difference in points and the TTFT
+ratio.  ``--contain-thrash both`` (the default) runs ``kv_events`` once with
+the router's ``--no-kv-events-contain-thrash`` and once with it on.
+docs/cache.md, "Routing on KV events" and "Thrash containment".
 
     nice -n 19 .venv/bin/python bench/router_kv_events.py [--routers 2 [--router-choice random]] [--seeds 1 2 3 4]
 
