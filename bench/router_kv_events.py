@@ -34,6 +34,12 @@ ratio.  ``--contain-thrash both`` (the default) runs ``kv_events`` once with
 the router's ``--no-kv-events-contain-thrash`` and once with it on.
 docs/cache.md, "Routing on KV events" and "Thrash containment".
 
+* ``--think-ms T`` pauses each user between a reply and the next turn
+  (0.5-1.5x T, the same pauses for every policy; no slot held meanwhile);
+  ``--plans 3,3,6 ...`` adds runs with every conversation's worker fixed in
+  advance (conversations per worker), sent straight to the workers without a
+  router: placements chosen knowing the workload, to set the policies against.
+
     nice -n 19 .venv/bin/python bench/router_kv_events.py [--routers 2 [--router-choice random]] [--seeds 1 2 3 4]
 
 ``--seeds`` repeats the comparison per seed and ends with the per-seed differences and their mean.
@@ -260,7 +266,7 @@ async def one_turn(client: aiohttp.ClientSession, url: str, ids: list[int], max_
     t0 = time.perf_counter()
     ttft = None
     last: Optional[dict] = None
-    async with client.post(url + "/generate", json=body) as r:
+    async with client.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
         worker = r.headers.get("x-kvship-worker", "")
@@ -282,7 +288,23 @@ async def one_turn(client: aiohttp.ClientSession, url: str, ids: list[int], max_
     return last, ttft, worker
 
 
-async def run_workload(router_urls: list[str], worker_urls: list[str], policy: str, args) -> Result:
+def plan_order(counts: list[int]) -> list[int]:
+    """The worker of each conversation under ``--plans`` counts (conversations per worker): round robin over the
+    workers with conversations left, so the first turns in flight spread as a router's would."""
+    left, order = list(counts), []
+    while any(left):
+        for w, n in enumerate(left):
+            if n:
+                order.append(w)
+                left[w] -= 1
+    return order
+
+
+async def run_workload(
+    router_urls: list[str], worker_urls: list[str], policy: str, args, plan: Optional[list[int]] = None
+) -> Result:
+    """The workload through the routers, or with ``plan`` (a worker index per conversation) straight to the
+    workers: a placement fixed in advance, no router."""
     res = Result(policy)
     rng = random.Random(args.seed)
     systems = [[rng.randrange(LOW, HIGH) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
@@ -315,12 +337,16 @@ async def run_workload(router_urls: list[str], worker_urls: list[str], policy: s
         async def tenant(i: int) -> None:
             history = list(systems[i % args.tenants])
             prev_worker = None
+            think = random.Random(args.seed * 7919 + i)  # the same pauses for every policy
             for t in range(args.turns):
+                if t and args.think_ms > 0:  # the user reads the reply and types (no slot held meanwhile)
+                    await asyncio.sleep(args.think_ms * think.uniform(0.5, 1.5) / 1000)
                 prompt = history + users[i][t]
-                url = router_urls[replica[i][t]]  # replicas behind one Service
+                url = router_urls[replica[i][t]] if plan is None else worker_urls[plan[i]]  # replicas behind a Service
                 async with sem:
                     try:
                         event, ttft, worker = await one_turn(client, url, prompt, args.max_new_tokens)
+                        worker = worker or url
                     except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                         print(f"{policy}: tenant {i} turn {t + 1}: {e}", file=sys.stderr)
                         res.errors += 1
@@ -375,7 +401,9 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
         f"{args.workers} CPU workers (tiny 2-layer llama), {args.pool_tokens}-token device pool each, page size {PAGE}, "
         f"host tier {args.hicache_ratio:g}x, --enable-kv-events; {args.tenants} tenants x {args.sessions} sessions x {args.turns} turns "
         f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
-        f"at most {args.concurrency} in flight; streamed token-id /generate through {args.routers} router "
+        f"at most {args.concurrency} in flight"
+        + (f", {args.think_ms:g} ms think time between turns" if args.think_ms > 0 else "")
+        + "; streamed token-id /generate through {args.routers} router "
         f"replica(s) ({how}); fresh workers per policy.",
         "",
         "| policy | requests | errors | prompt tokens | cached share % | cached share, turns >= 2 % | "
@@ -442,6 +470,13 @@ def main() -> None:
         default="alternate",
         help="with --routers > 1: a tenant's turns alternate between the replicas, or each goes to one at random",
     )
+    p.add_argument(
+        "--think-ms",
+        type=float,
+        default=0.0,
+        help="a user's pause between a reply and the next turn (uniform in 0.5-1.5x this, outside the concurrency "
+        "limit); 0: the next turn is sent as the reply ends",
+    )
     p.add_argument("--settle-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
@@ -467,13 +502,22 @@ def main() -> None:
         help="kv_events with the router's --kv-events-contain-thrash on, off, or once each (docs/cache.md, "
         "'Thrash containment')",
     )
+    p.add_argument(
+        "--plans",
+        nargs="+",
+        default=[],
+        metavar="N,N,...",
+        help="also run the workload with each conversation's worker fixed in advance, straight to the workers (no "
+        "router): conversations per worker, e.g. 3,3,6 (a placement chosen knowing the whole workload, to "
+        "compare the policies with)",
+    )
     p.add_argument("--machine", default=f"{os.cpu_count()}-core CPU box ({platform.machine()}), no GPU")
     args = p.parse_args()
-    runs: list[tuple[str, str, list[str]]] = []
+    runs: list[tuple[str, str, list[str], Optional[list[int]]]] = []
     contain = {"on": [True], "off": [False], "both": [False, True]}[args.contain_thrash]
     for policy in args.policies:
         if policy != "kv_events":
-            runs.append((policy, policy, []))
+            runs.append((policy, policy, [], None))
             continue
         loads = [(f"load {v:g}", ["--kv-events-load-tokens", str(v)]) for v in args.kv_events_load_tokens] or [("", [])]
         for on in contain:
@@ -481,7 +525,14 @@ def main() -> None:
                 notes = [n for n in (load_label, "" if on else "no containment") if n]
                 label = "kv_events" + (f" ({', '.join(notes)})" if notes else "")
                 flag = "--kv-events-contain-thrash" if on else "--no-kv-events-contain-thrash"
-                runs.append((label, policy, load_args + [flag]))
+                runs.append((label, policy, load_args + [flag], None))
+    for spec in args.plans:
+        counts = [int(n) for n in spec.split(",")]
+        if len(counts) != args.workers or sum(counts) != args.tenants * args.sessions or min(counts) < 0:
+            p.error(
+                f"--plans {spec}: {args.workers} counts adding up to the {args.tenants * args.sessions} conversations"
+            )
+        runs.append((f"plan {'/'.join(map(str, counts))}", "cache_aware", [], plan_order(counts)))
     by_seed: dict[int, list[Result]] = {}
     with tempfile.TemporaryDirectory(prefix="kvbench-model-") as model_dir:
         build_model(model_dir)
@@ -489,9 +540,9 @@ def main() -> None:
             args.seed = seed
             load0 = os.getloadavg()[0]
             results = []
-            for label, policy, extra in runs:
+            for label, policy, extra, plan in runs:
                 with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls):
-                    results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args)))
+                    results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args, plan)))
                 print(f"seed {seed}, {label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
             by_seed[seed] = results
             if args.seeds:
