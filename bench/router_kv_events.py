@@ -30,8 +30,9 @@ through the router) and how often a tenant's turn moved to another worker;
 for ``kv_events`` the routers' predicted against actual cached tokens per
 request and the returning prompts every worker had lost (their
 ``kvship_router_kv_*`` metrics); then the difference in points and the TTFT
-ratio.  ``--contain-thrash both`` (the default) runs ``kv_events`` once with
-the router's ``--no-kv-events-contain-thrash`` and once with it on.
+ratio.  ``--contain-thrash both`` runs ``kv_events`` once with the router's
+``--no-kv-events-contain-thrash`` and once with it on (default: on only);
+``--pending both`` (the default) the same for ``--kv-events-pending``.
 docs/cache.md, "Routing on KV events" and "Thrash containment".
 
 * ``--think-ms T`` pauses each user between a reply and the next turn
@@ -498,9 +499,16 @@ def main() -> None:
     p.add_argument(
         "--contain-thrash",
         choices=("on", "off", "both"),
-        default="both",
+        default="on",
         help="kv_events with the router's --kv-events-contain-thrash on, off, or once each (docs/cache.md, "
         "'Thrash containment')",
+    )
+    p.add_argument(
+        "--pending",
+        choices=("on", "off", "both"),
+        default="both",
+        help="kv_events with the router's --kv-events-pending on, off, or once each (docs/cache.md, 'Pages on "
+        "their way')",
     )
     p.add_argument(
         "--plans",
@@ -515,17 +523,22 @@ def main() -> None:
     args = p.parse_args()
     runs: list[tuple[str, str, list[str], Optional[list[int]]]] = []
     contain = {"on": [True], "off": [False], "both": [False, True]}[args.contain_thrash]
+    pending = {"on": [True], "off": [False], "both": [False, True]}[args.pending]
     for policy in args.policies:
         if policy != "kv_events":
             runs.append((policy, policy, [], None))
             continue
         loads = [(f"load {v:g}", ["--kv-events-load-tokens", str(v)]) for v in args.kv_events_load_tokens] or [("", [])]
         for on in contain:
-            for load_label, load_args in loads:
-                notes = [n for n in (load_label, "" if on else "no containment") if n]
-                label = "kv_events" + (f" ({', '.join(notes)})" if notes else "")
-                flag = "--kv-events-contain-thrash" if on else "--no-kv-events-contain-thrash"
-                runs.append((label, policy, load_args + [flag], None))
+            for pend in pending:
+                for load_label, load_args in loads:
+                    notes = [n for n in (load_label, "" if on else "no containment", "" if pend else "no pending") if n]
+                    label = "kv_events" + (f" ({', '.join(notes)})" if notes else "")
+                    flags = [
+                        "--kv-events-contain-thrash" if on else "--no-kv-events-contain-thrash",
+                        "--kv-events-pending" if pend else "--no-kv-events-pending",
+                    ]
+                    runs.append((label, policy, load_args + flags, None))
     for spec in args.plans:
         counts = [int(n) for n in spec.split(",")]
         if len(counts) != args.workers or sum(counts) != args.tenants * args.sessions or min(counts) < 0:

@@ -121,6 +121,12 @@ class RouterConfig:
         "kv_events: a returning prompt that every worker has lost goes to the worker that lost the most KV pages "
         "lately, so the pools that still hold their conversations keep them (docs/cache.md, 'Thrash containment')",
     )
+    kv_events_pending: bool = opt(
+        True,
+        "kv_events: the pages of a prompt just routed to a worker count as that worker's until its events report "
+        "them stored (or removed), the reply ends, or 10 s pass, so prompts sharing a prefix that arrive together "
+        "follow the first one (docs/cache.md, 'Pages on their way')",
+    )
     session_affinity: bool = opt(
         True,
         "A request's session key (body 'session_id', header x-session-id, else the OpenAI 'user' field) pins it "

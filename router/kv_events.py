@@ -29,7 +29,9 @@ Data flow::
   any page of the prompt the same tie rule picks, except for a *returning* prompt (``cache_aware``'s tree
   would route it by affinity) that every worker holds at most ``--cache-threshold`` of: with
   ``--kv-events-contain-thrash`` it goes to the worker whose ``removed`` events lost the most pages lately
-  (thrash containment: docs/cache.md).  A worker whose feed is not synced is scored from the
+  (thrash containment: docs/cache.md).  With ``--kv-events-pending`` the pages of each prompt routed count as
+  its worker's (gpu tier) until that worker's events report them, its reply ends (+1 s) or 10 s pass
+  (``PrefixIndex.expect``: docs/cache.md, "Pages on their way").  A worker whose feed is not synced is scored from the
   approximate tree of ``cache_aware`` (what the router sent it) instead.  The router has no tokenizer: text
   prompts (chat, text completions and ``/generate`` text, batches) are routed by the ``cache_aware`` rule on
   the approximate tree.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -67,6 +70,11 @@ SUPERVISE_S = 0.5  # how often the subscriber compares its feeds with the regist
 # thrash containment: a worker's recent page losses decay by 1/LOSS_WINDOW per token-id prompt routed, so they
 # count roughly the losses of the last LOSS_WINDOW routings
 LOSS_WINDOW = 64
+# pages on their way (``PrefixIndex.expect``): how long a routed prompt's pages count as its worker's before that
+# worker's events report them, how long after its reply ended, and at most how many per worker
+PENDING_S = 10.0
+PENDING_AFTER_REPLY_S = 1.0
+MAX_PENDING_PAGES = 1 << 15
 
 
 @dataclass
@@ -93,6 +101,8 @@ class PrefixIndex:
         self.evicted_pages = 0
         # per worker: pages its ``removed`` events took off every tier (not a demotion to host), since it joined
         self.lost: dict[str, int] = {}
+        # per worker: pages on their way (``expect``): hash -> deadline (``time.monotonic``), oldest first
+        self.pending: dict[str, OrderedDict[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -140,6 +150,10 @@ class PrefixIndex:
             if e.seq != state.seq + 1:
                 state.synced = False
                 return False
+            waiting = self.pending.get(url)
+            if waiting:  # the worker told: its own word replaces the expectation, either way
+                for h in e.hashes:
+                    waiting.pop(h, None)
             if e.kind == "stored":
                 for h in e.hashes:
                     self._store(h, url, e.tier)  # type: ignore[arg-type]
@@ -161,6 +175,33 @@ class PrefixIndex:
         self._held.pop(url, None)
         self.state.pop(url, None)
         self.lost.pop(url, None)
+        self.pending.pop(url, None)
+
+    def expect(self, url: str, hashes: Sequence[int], now: Optional[float] = None) -> None:
+        """A prompt of ``hashes`` was just routed to ``url``: until its events report those pages (stored or
+        removed) or ``PENDING_S`` pass, ``prefix`` counts the ones ``url`` does not hold yet as held on its gpu
+        tier (the request is computing them there).  At most ``MAX_PENDING_PAGES`` per worker, oldest dropped."""
+        deadline = (time.monotonic() if now is None else now) + PENDING_S
+        waiting = self.pending.setdefault(url, OrderedDict())
+        held = self._held.get(url, ())
+        for h in hashes:
+            if h in held:
+                continue
+            waiting[h] = deadline
+            waiting.move_to_end(h)
+        while len(waiting) > MAX_PENDING_PAGES:
+            waiting.popitem(last=False)
+
+    def settle(self, url: str, hashes: Sequence[int], now: Optional[float] = None) -> None:
+        """The reply of a request routed with ``expect(url, hashes)`` ended: its pages stop counting
+        ``PENDING_AFTER_REPLY_S`` from now unless the events report them sooner (they are on their way)."""
+        waiting = self.pending.get(url)
+        if not waiting:
+            return
+        deadline = (time.monotonic() if now is None else now) + PENDING_AFTER_REPLY_S
+        for h in hashes:
+            if h in waiting and waiting[h] > deadline:
+                waiting[h] = deadline
 
     def _store(self, h: int, url: str, tier: str) -> None:
         entry = self._pages.get(h)
@@ -197,15 +238,24 @@ class PrefixIndex:
             self._remove(h, url)
 
     # -- lookups -------------------------------------------------------------
-    def prefix(self, url: str, hashes: Sequence[int]) -> tuple[int, int]:
-        """(gpu pages, host pages) of the longest leading run of ``hashes`` that ``url`` holds; the matched
-        pages become the most recently used."""
+    def prefix(self, url: str, hashes: Sequence[int], now: Optional[float] = None) -> tuple[int, int]:
+        """(gpu pages, host pages) of the longest leading run of ``hashes`` that ``url`` holds, pages on their
+        way there (``expect``) counted on its gpu tier; the matched pages become the most recently used."""
         gpu = host = 0
+        waiting = self.pending.get(url)
+        t = (time.monotonic() if now is None else now) if waiting else 0.0
         for h in hashes:
             entry = self._pages.get(h)
             tiers = entry.get(url) if entry is not None else None
             if tiers is None:
-                break
+                deadline = waiting.get(h) if waiting else None
+                if deadline is None:
+                    break
+                if deadline < t:
+                    del waiting[h]  # type: ignore[union-attr]
+                    break
+                gpu += 1
+                continue
             self._pages.move_to_end(h)
             if tiers & TIER_BIT["gpu"]:
                 gpu += 1
@@ -391,6 +441,8 @@ class KVPrediction:
     source: str  # "index" (the worker's KV events) or "tree" (the approximate tree: its feed was behind)
     actual: Optional[int] = None
     _tail: bytes = field(default=b"", repr=False)
+    # called when the reply ended well: the prompt's pages on their way stop counting soon (``PrefixIndex.settle``)
+    on_end: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     def feed(self, chunk: bytes) -> None:
         """One piece of an SSE reply; the last ``cached_tokens`` of its ``data:`` events is kept."""
@@ -420,6 +472,9 @@ class KVPrediction:
 
     def finish(self, metrics: Optional[RouterMetrics], worker_url: str) -> None:
         """Record predicted against actual (a reply from another worker, resumed or retried, is not counted)."""
+        if self.on_end is not None:
+            self.on_end()
+            self.on_end = None
         if metrics is None or self.actual is None or worker_url != self.worker:
             return
         diff = self.actual - self.tokens
@@ -500,7 +555,15 @@ class KVEventsPolicy(Policy):
         source = "index" if from_index else "tree"
         if self.metrics is not None:
             self.metrics.kv_predicted_cached_tokens.labels(source).observe(cached)
-        self._last = (id(request), KVPrediction(chosen.url, cached, source))
+        prediction = KVPrediction(chosen.url, cached, source)
+        if self.config.kv_events_pending and self.index.synced(chosen.url):
+            ps = self.index.page_size(chosen.url)
+            if ps not in hashes:
+                hashes[ps] = page_hashes(ids, ps)
+            url, pages = chosen.url, hashes[ps]
+            self.index.expect(url, pages)
+            prediction.on_end = lambda: self.index.settle(url, pages)
+        self._last = (id(request), prediction)
         return chosen
 
     def take_prediction(self, request: RoutingRequest) -> Optional[KVPrediction]:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 
 import aiohttp
 import httpx
@@ -59,7 +60,8 @@ def test_index_applies_events_in_order_refuses_a_gap_and_keeps_at_most_its_page_
 
 
 def test_policy_routes_to_the_longest_cached_prefix_weighted_by_tier_and_load():
-    cfg = RouterConfig(kv_events_host_weight=0.5, kv_events_load_tokens=8)
+    # pages on their way off: the same prompt is routed again and again here, each time as the index says
+    cfg = RouterConfig(kv_events_host_weight=0.5, kv_events_load_tokens=8, kv_events_pending=False)
     policy = create_policy("kv_events", cfg)
     assert isinstance(policy, KVEventsPolicy)
     a, b, c = (Worker(url=f"http://w{i}", role="unified", breaker=CircuitBreaker(5, 30)) for i in range(3))
@@ -131,7 +133,8 @@ def test_a_returning_prompt_every_worker_lost_goes_to_the_worker_losing_the_most
 
     def run(contain: bool) -> tuple[Worker, Worker, KVEventsPolicy, RouterMetrics]:
         metrics = RouterMetrics()
-        p = create_policy("kv_events", RouterConfig(kv_events_contain_thrash=contain), metrics)
+        # pages on their way off: every prompt here is new or lost, which is what containment is about
+        p = create_policy("kv_events", RouterConfig(kv_events_contain_thrash=contain, kv_events_pending=False), metrics)
         assert isinstance(p, KVEventsPolicy)
         for w in (a, b, c):
             p.index.reset(w.url, {"seq": 0, "page_size": PAGE, "pages": []})
@@ -176,6 +179,54 @@ def test_a_returning_prompt_every_worker_lost_goes_to_the_worker_losing_the_most
     assert policy.select([a, b, c], _gen_request(later)) is third
     assert metrics.kv_lost_prompts.labels("spread")._value.get() == 1
     assert metrics.kv_lost_prompts.labels("contained")._value.get() == 0
+
+
+def test_pages_on_their_way_count_as_the_workers_until_its_events_or_the_reply_or_time_say_otherwise(monkeypatch):
+    a, b, c = (Worker(url=f"http://w{i}", role="unified", breaker=CircuitBreaker(5, 30)) for i in range(3))
+    system = list(range(100, 132))  # a tenant's system prompt: 8 pages
+    s1, s2, s3 = (system + list(range(200 + 10 * i, 208 + 10 * i)) for i in range(3))  # three sessions of it
+
+    def policy(pending: bool) -> KVEventsPolicy:
+        p = create_policy("kv_events", RouterConfig(kv_events_pending=pending), RouterMetrics())
+        assert isinstance(p, KVEventsPolicy)
+        for w in (a, b, c):
+            p.index.reset(w.url, {"seq": 0, "page_size": PAGE, "pages": []})
+        return p
+
+    # the sessions arrive together, before any event: without pages on their way the index knows nothing, so the
+    # tie rule spreads them; with them, the second and third follow the first, predicted to hit the system prompt
+    off = policy(False)
+    assert len({off.select([a, b, c], _gen_request(s)).url for s in (s1, s2, s3)}) == 3
+    p = policy(True)
+    first = p.select([a, b, c], _gen_request(s1))
+    req2 = _gen_request(s2)
+    assert p.select([a, b, c], req2) is first
+    pred = p.take_prediction(req2)
+    assert pred is not None and pred.tokens == 32 and pred.source == "index"
+    assert p.select([a, b, c], _gen_request(s3)) is first
+    h1, h2 = page_hashes(s1, PAGE), page_hashes(s2, PAGE)
+    assert set(p.index.pending[first.url]) == set(h1) | set(h2) | set(page_hashes(s3, PAGE))
+    # the worker's events replace the expectation: stored pages leave it (the index holds them now), and so does
+    # a page reported removed
+    p.index.apply(first.url, [_ev(1, "stored", h1, "gpu"), _ev(2, "removed", h2[8:9])])
+    waiting = p.index.pending[first.url]
+    assert not set(h1) & set(waiting) and h2[8] not in waiting and h2[9] in waiting
+    assert p.index.prefix(first.url, h2) == (8, 0)  # the run stops at the page reported removed
+    # the reply of session 2 ended: its pages count for PENDING_AFTER_REPLY_S more, then not at all
+    pred.finish(None, first.url)
+    now = time.monotonic()
+    assert p.index.prefix(first.url, h2[:8] + h2[9:], now) == (9, 0)
+    assert p.index.prefix(first.url, h2[:8] + h2[9:], now + 1.5) == (8, 0) and h2[9] not in waiting
+    # without events or a reply they count PENDING_S at most
+    h3 = page_hashes(s3, PAGE)
+    assert p.index.prefix(first.url, h3, now) == (10, 0)
+    assert p.index.prefix(first.url, h3, now + 11) == (8, 0)
+    # at most MAX_PENDING_PAGES per worker, the oldest dropped; a worker that leaves takes its expectations along
+    monkeypatch.setattr("kvship.router.kv_events.MAX_PENDING_PAGES", 4)
+    p.index.expect(b.url, [1, 2, 3, 4, 5, 6])
+    assert list(p.index.pending[b.url]) == [3, 4, 5, 6]
+    p.index.forget(b.url)
+    assert b.url not in p.index.pending
 
 
 def test_prediction_reads_the_workers_cached_tokens_from_a_split_stream_and_counts_the_outcome():
