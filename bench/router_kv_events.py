@@ -26,7 +26,9 @@ same workload once per policy, each time to fresh workers:
 Reports, per policy, the share of prompt tokens served from cache (sum of the
 replies' ``meta_info.cached_tokens`` over the sum of ``prompt_tokens``), the
 same for returning turns only (turn >= 2), TTFT p50/p90 (first streamed event,
-through the router) and how often a tenant's turn moved to another worker;
+through the router), how often a tenant's turn moved to another worker and
+the CPU seconds the routers and the workers spent while the turns ran (every
+process shares this box's cores, so a router's CPU is the workers' loss);
 for ``kv_events`` the routers' predicted against actual cached tokens per
 request and the returning prompts every worker had lost (their
 ``kvship_router_kv_*`` metrics); then the difference in points and the TTFT
@@ -193,10 +195,24 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
         time.sleep(0.3)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of processes ``pids`` and their waited-for children so far (Linux ``/proc``; 0 where
+    it cannot be read)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Iterator[tuple[list[str], list[str]]]:
+def cluster(
+    model_dir: str, policy: str, router_extra: list[str], args
+) -> Iterator[tuple[list[str], list[str], list[int], list[int]]]:
     """Fresh workers and ``--routers`` routers with ``policy`` (+ ``router_extra`` flags), each following every
-    worker; yields (router URLs, worker URLs); stops them all."""
+    worker; yields (router URLs, worker URLs, router pids, worker pids); stops them all."""
     worker_args = [
         "--model-path", model_dir,
         "--served-model-name", "tiny",
@@ -224,7 +240,7 @@ def cluster(model_dir: str, policy: str, router_extra: list[str], args) -> Itera
         ]
         procs += routers
         wait_healthy(routers, 60)
-        yield [r.url for r in routers], urls
+        yield [r.url for r in routers], urls, [r.popen.pid for r in routers], [w.popen.pid for w in workers]
     finally:
         for p in procs:
             p.stop()
@@ -250,6 +266,9 @@ class Result:
     actual_sum: float = 0.0
     error_sum: float = 0.0
     lost: dict = field(default_factory=dict)  # placement (contained/spread) -> returning prompts every worker lost
+    # CPU seconds the routers and the workers spent while the turns ran (this box's cores are shared by all)
+    router_cpu_s: float = 0.0
+    worker_cpu_s: float = 0.0
 
     def share(self, min_turn: int = 1) -> float:
         pairs = [(p, c) for p, c, t in zip(self.prompt, self.cached, self.turn) if t >= min_turn]
@@ -302,7 +321,12 @@ def plan_order(counts: list[int]) -> list[int]:
 
 
 async def run_workload(
-    router_urls: list[str], worker_urls: list[str], policy: str, args, plan: Optional[list[int]] = None
+    router_urls: list[str],
+    worker_urls: list[str],
+    policy: str,
+    args,
+    plan: Optional[list[int]] = None,
+    pids: tuple[list[int], list[int]] = ([], []),
 ) -> Result:
     """The workload through the routers, or with ``plan`` (a worker index per conversation) straight to the
     workers: a placement fixed in advance, no router."""
@@ -364,9 +388,11 @@ async def run_workload(
                 prev_worker = worker
                 history = prompt + list(event["output_ids"])
 
+        cpu0 = [cpu_seconds(p) for p in pids]
         t0 = time.perf_counter()
         await asyncio.gather(*(tenant(i) for i in range(conversations)))
         res.wall_s = time.perf_counter() - t0
+        res.router_cpu_s, res.worker_cpu_s = (cpu_seconds(p) - c for p, c in zip(pids, cpu0))
         for r in router_urls:
             async with client.get(r + "/metrics", headers={"Authorization": f"Bearer {KEY}"}) as resp:
                 assert resp.status == 200, await resp.text()
@@ -404,18 +430,19 @@ def report(results: list[Result], args, load: tuple[float, float]) -> str:
         f"({args.system_tokens} system + {args.user_tokens} user ids per turn, {args.max_new_tokens} new tokens), "
         f"at most {args.concurrency} in flight"
         + (f", {args.think_ms:g} ms think time between turns" if args.think_ms > 0 else "")
-        + "; streamed token-id /generate through {args.routers} router "
+        + f"; streamed token-id /generate through {args.routers} router "
         f"replica(s) ({how}); fresh workers per policy.",
         "",
         "| policy | requests | errors | prompt tokens | cached share % | cached share, turns >= 2 % | "
-        "TTFT p50 ms | TTFT p90 ms | tenant moved worker | first turns per worker | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 ms | TTFT p90 ms | tenant moved worker | first turns per worker | wall s | CPU s, routers / workers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.policy} | {len(r.prompt)} | {r.errors} | {sum(r.prompt)} | {r.share():.1f} | {r.share(2):.1f} | "
             f"{r.ttft_ms(0.5):.1f} | {r.ttft_ms(0.9):.1f} | {r.moves} | "
-            f"{'/'.join(str(n) for n in sorted(r.first.values(), reverse=True))} | {r.wall_s:.1f} |"
+            f"{'/'.join(str(n) for n in sorted(r.first.values(), reverse=True))} | {r.wall_s:.1f} | "
+            f"{r.router_cpu_s:.2f} / {r.worker_cpu_s:.2f} |"
         )
     for r in results:
         n = sum(r.predictions.values())
@@ -554,8 +581,10 @@ def main() -> None:
             load0 = os.getloadavg()[0]
             results = []
             for label, policy, extra, plan in runs:
-                with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls):
-                    results.append(asyncio.run(run_workload(router_urls, worker_urls, label, args, plan)))
+                with cluster(model_dir, policy, extra, args) as (router_urls, worker_urls, rpids, wpids):
+                    results.append(
+                        asyncio.run(run_workload(router_urls, worker_urls, label, args, plan, (rpids, wpids)))
+                    )
                 print(f"seed {seed}, {label}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
             by_seed[seed] = results
             if args.seeds:
