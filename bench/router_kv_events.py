@@ -523,20 +523,18 @@ def main() -> None:
         default=[],
         help="run kv_events once per value of the router's --kv-events-load-tokens (default: the router's default)",
     )
-    p.add_argument(
-        "--contain-thrash",
-        choices=("on", "off", "both"),
-        default="on",
-        help="kv_events with the router's --kv-events-contain-thrash on, off, or once each (docs/cache.md, "
-        "'Thrash containment')",
-    )
-    p.add_argument(
-        "--pending",
-        choices=("on", "off", "both"),
-        default="both",
-        help="kv_events with the router's --kv-events-pending on, off, or once each (docs/cache.md, 'Pages on "
-        "their way')",
-    )
+    # kv_events with one of the router's switches on, off, or once each
+    for flag, default, section in (
+        ("contain-thrash", "on", "Thrash containment"),
+        ("pending", "both", "Pages on their way"),
+    ):
+        router_flag = "--kv-events-" + flag
+        p.add_argument(
+            "--" + flag,
+            choices=("on", "off", "both"),
+            default=default,
+            help=f"kv_events with the router's {router_flag} on, off, or once each (docs/cache.md, '{section}')",
+        )
     p.add_argument(
         "--plans",
         nargs="+",
@@ -549,8 +547,8 @@ def main() -> None:
     p.add_argument("--machine", default=f"{os.cpu_count()}-core CPU box ({platform.machine()}), no GPU")
     args = p.parse_args()
     runs: list[tuple[str, str, list[str], Optional[list[int]]]] = []
-    contain = {"on": [True], "off": [False], "both": [False, True]}[args.contain_thrash]
-    pending = {"on": [True], "off": [False], "both": [False, True]}[args.pending]
+    switch = {"on": [True], "off": [False], "both": [False, True]}
+    contain, pending = switch[args.contain_thrash], switch[args.pending]
     for policy in args.policies:
         if policy != "kv_events":
             runs.append((policy, policy, [], None))
