@@ -138,15 +138,16 @@ def test_triton_decode_kernel_matches_reference(dev, group, head_dim, num_splits
         assert _rel(o[i : i + 1], ref) < _tol(dtype), f"request {i} (len {n})"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_fp8", [False, True])
-def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8):
-    """Stage 1's tile choices (keys a step, warps, pipeline stages) each match
+def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8, head_dim):
+    """Stage 1's tile choices (keys a step, warps, pipeline stages, a register cap) each match
     the float64 reference on a bf16/fp32 pool and an FP8 pool (read as ``e4m3 * scale``), lengths that end
     mid-step included; the default tile run twice gives the same bits; an unknown launch key is refused."""
     from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention
 
     dtype = _dtype(dev)
-    hkv, group, head_dim = 4, 4, 64
+    hkv, group = 4, 4  # head dim 128 takes the default register cap on an FP8 pool (stage1_tile)
     h = hkv * group
     k_buf, v_buf = _pool(dev, dtype, slots=900, hkv=hkv, d=head_dim)
     scales = {}
@@ -177,7 +178,14 @@ def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8):
     ]
     base = run(None)
     assert torch.equal(run(None), base)
-    for launch in (None, {"num_stages": 2}, {"block_n": 32, "num_warps": 8}, {"block_n": 16, "num_stages": 1}):
+    tiles = (
+        None,
+        {"num_stages": 2},
+        {"block_n": 32, "num_warps": 8},
+        {"block_n": 16, "num_stages": 1},
+        {"maxnreg": 168},
+    )
+    for launch in tiles:
         got = base if launch is None else run(launch)
         for i, ref in enumerate(refs):
             assert _rel(got[i : i + 1], ref) < _tol(dtype), f"{launch}: request {i} (len {lens[i]})"

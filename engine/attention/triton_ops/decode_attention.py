@@ -30,6 +30,8 @@ from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter
 
 MAX_KV_SPLITS = 16
+# stage 1's register cap on an FP8 pool at head dim 128 (``stage1_tile``; H200, docs/benchmarks.md, session 34)
+REG_CAP_FP8 = 168
 
 
 def num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -291,10 +293,18 @@ def decode_attention(
 
 
 def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Stage 1's default tile: keys a step (``block_n``), warps and software-pipeline stages.  Three stages on a
-    bf16/fp16 pool (measured 1.16x faster than two at 32 requests x 8k context on an H200; docs/benchmarks.md,
-    session 21); on an FP8 pool of a bf16 model 128 keys a step, three stages and ``dot_f16`` (the fastest of
-    the session-25 sweep: 220 us a layer against 265 us for the best bf16-product tile), else two stages.
+    """Stage 1's default tile: keys a step (``block_n``), warps, software-pipeline stages and a cap on the
+    registers a thread may take (``maxnreg``).  Three stages on a bf16/fp16 pool (measured 1.16x faster than two
+    at 32 requests x 8k context on an H200; docs/benchmarks.md, session 21); on an FP8 pool of a bf16 model 128
+    keys a step, three stages and ``dot_f16`` (the fastest of the session-25 sweep: 220 us a layer against 265 us
+    for the best bf16-product tile), else two stages.
+
+    ``maxnreg`` (an FP8 pool, head dim 128, bf16 queries): left to itself the compiler gave the FP8 tile 200
+    registers a thread (the bf16 tile 106), so 2 programs an SM; the kernel then issued an instruction every 2.3
+    cycles on each scheduler with half the DRAM bandwidth idle (Nsight Compute).  Capped at 168 (3 programs an
+    SM) it took 197 us a layer at 32 x 8k in a CUDA graph instead of 220, and no longer at 1 to 8 requests.
+    A cap of 128 on the bf16 tile gained 6% at 32 x 8k but lost 19% at 8 x 2k, so bf16 keeps the compiler's
+    choice (None) (docs/benchmarks.md, session 34).
 
     ``dot_f16`` (FP8 pools of a bf16 model): the queries, keys, values and probabilities enter the tensor-core
     products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16
@@ -303,10 +313,10 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     below it.
     docs/quantization.md, "FP8 KV cache"."""
     if not kv_fp8:
-        return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3}
+        return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3, "maxnreg": None}
     f16 = q_dtype == torch.bfloat16
     return {"block_n": 32 if block_d >= 256 else (128 if f16 else 64), "num_warps": 4, "num_stages": 3 if f16 else 2,
-            "dot_f16": f16}  # fmt: skip
+            "dot_f16": f16, "maxnreg": REG_CAP_FP8 if f16 and block_d == 128 else None}  # fmt: skip
 
 
 def launch_stage1(
@@ -370,6 +380,7 @@ def launch_stage1(
         BLOCK_N=tile["block_n"],
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
+        maxnreg=tile["maxnreg"],
         USE_PDL=pdl,
         KV_FP8=kv_fp8,
         DOT_F16=bool(tile.get("dot_f16", False)),
