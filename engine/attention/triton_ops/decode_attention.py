@@ -302,7 +302,8 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     ``maxnreg`` (an FP8 pool, head dim 128, bf16 queries): left to itself the compiler gave the FP8 tile 200
     registers a thread (the bf16 tile 106), so 2 programs an SM; the kernel then issued an instruction every 2.3
     cycles on each scheduler with half the DRAM bandwidth idle (Nsight Compute).  Capped at 168 (3 programs an
-    SM) it took 197 us a layer at 32 x 8k in a CUDA graph instead of 220, and no longer at 1 to 8 requests.
+    SM) it took 197 us a layer at 32 x 8k in a CUDA graph instead of 220, and no longer than before at 1 to 8
+    requests.
     A cap of 128 on the bf16 tile gained 6% at 32 x 8k but lost 19% at 8 x 2k, so bf16 keeps the compiler's
     choice (None) (docs/benchmarks.md, session 34).
 
