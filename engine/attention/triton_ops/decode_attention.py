@@ -158,6 +158,9 @@ def _decode_stage1(
     )
     if DOT_F16:  # an FP8 pool: e4m3 -> fp16 is one conversion per pair of values (stage1_tile)
         qv = qv.to(tl.float16)
+    # scores in base 2 (log2(e) folded into their scale), the values' scale applied once at the end: 2-7% faster
+    # than exp and a scale a step (H200, docs/benchmarks.md, session 34)
+    score_scale = sm_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -171,23 +174,23 @@ def _decode_stage1(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         slot = tl.load(r2t_row + offs_n, mask=n_mask, other=0).to(tl.int64)
         kb = tl.load(k_base + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
-        s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * sm_scale
+        s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * score_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         # the values' load stays after the scores: issued before them it measured 1.7x slower on an FP8 pool
         vb = tl.load(v_base + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
-        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the sums (v)
+        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the output (v)
             vb = vb.to(qv.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32) * v_scale
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
     has = end > start
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(has & (l_i > 0), m_i + tl.log(safe_l), float("-inf"))
+    out = acc * (v_scale / safe_l)[:, None]
+    lse = tl.where(has & (l_i > 0), m_i * 0.6931471805599453 + tl.log(safe_l), float("-inf"))  # natural log
     tl.store(
         mid_out + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
         out,
