@@ -128,11 +128,13 @@ def triton_decode_sweep(runner: ModelRunner, fb, iters: int) -> list[dict]:
     kv_bytes = sum(fb.seq_lens_cpu) * hk * d * 2 * kbuf.element_size()
     rows = []
     fp8 = kbuf.dtype == torch.float8_e4m3fn
+    # products on an FP8 pool: in the model dtype, in fp16, in fp16 with the pages read as int32 words
+    products = ({"dot_f16": False}, {"dot_f16": True}, {"dot_f16": True, "words": True}) if fp8 else ({},)
     tiles = [
-        {"block_n": n, "num_warps": w, "num_stages": st, **({"dot_f16": f16} if fp8 else {})}
+        {"block_n": n, "num_warps": w, "num_stages": st, **prod}
         for n in (32, 64, 128)
         for w, st in ((4, 2), (4, 3), (8, 2), (8, 3))
-        for f16 in ((False, True) if fp8 else (False,))
+        for prod in products
     ]
     for cfg in tiles:
         for splits in (4, 8, 16):

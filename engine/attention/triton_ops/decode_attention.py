@@ -22,6 +22,8 @@ merges a row's prefix splits before its draft tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -101,6 +103,41 @@ def merge_splits(
 
 
 @triton.jit
+def _e4m3_byte_to_f16(byte):
+    """One e4m3 value (the low byte of an int32) as fp16, exactly, with integer operations: its sign, exponent
+    and mantissa bits placed in fp16's fields give the value times 2^-8 (the exponent biases are 7 and 15),
+    subnormals included.  For Triton's interpreter, which has no PTX; e4m3's NaN (0x7F) comes out as 480."""
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    return (bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PTX: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D // 4]`` tile of int32 words, four e4m3 values each (the first in the low byte), as the
+    ``[BLOCK_N, BLOCK_D]`` fp16 tile they hold.  Loaded as words, the tile is converted where it was loaded, then
+    reaches the tensor cores through ``ldmatrix`` as a bf16 tile does; loaded as e4m3, the compiler reads it back
+    from shared memory about a byte an instruction in the operands' layout (``stage1_tile``'s ``words``).
+    ``PTX``: the GPU's pair conversion (compute capability 8.9 and later); else integer operations."""
+    if PTX:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        e0 = _e4m3_byte_to_f16(w & 0xFF)
+        e1 = _e4m3_byte_to_f16((w >> 8) & 0xFF)
+        e2 = _e4m3_byte_to_f16((w >> 16) & 0xFF)
+        e3 = _e4m3_byte_to_f16((w >> 24) & 0xFF)
+    # [n, w, j, k] holds byte 2k + j of word w... ordered so that the flattened last two dims run e0, e1, e2, e3
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _decode_stage1(
     q,
     k_buf,
@@ -134,6 +171,8 @@ def _decode_stage1(
     USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
+    WORDS: tl.constexpr,  # FP8 pool read as int32 words (k_buf / v_buf and their strides in words)
+    PTX_CVT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,23 +204,39 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     offs_b = tl.arange(0, BLOCK_N)
-    k_base = k_buf + kvh * stride_kh + offs_d[None, :]
-    v_base = v_buf + kvh * stride_vh + offs_d[None, :]
+    if WORDS:
+        offs_w = tl.arange(0, BLOCK_D // 4)
+        w_mask = offs_w < HEAD_DIM // 4
+        k_base = k_buf + kvh * stride_kh + offs_w[None, :]
+        v_base = v_buf + kvh * stride_vh + offs_w[None, :]
+    else:
+        k_base = k_buf + kvh * stride_kh + offs_d[None, :]
+        v_base = v_buf + kvh * stride_vh + offs_d[None, :]
     r2t_row = req_to_token + row * stride_r2t
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_b
         n_mask = offs_n < end
         kv_mask = n_mask[:, None] & d_mask[None, :]
         slot = tl.load(r2t_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kb = tl.load(k_base + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
+        if WORDS:
+            kw = tl.load(k_base + slot[:, None] * stride_kt, mask=n_mask[:, None] & w_mask[None, :], other=0)
+            kb = _e4m3_words_to_f16(kw, BLOCK_N, BLOCK_D, PTX_CVT)
+        else:
+            kb = tl.load(k_base + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
         s = tl.dot(qv, tl.trans(kb).to(qv.dtype)).to(tl.float32) * score_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         # the values' load stays after the scores: issued before them it measured 1.7x slower on an FP8 pool
-        vb = tl.load(v_base + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
-        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the output (v)
+        if WORDS:
+            vw = tl.load(v_base + slot[:, None] * stride_vt, mask=n_mask[:, None] & w_mask[None, :], other=0)
+            vb = _e4m3_words_to_f16(vw, BLOCK_N, BLOCK_D, PTX_CVT)
+        else:
+            vb = tl.load(v_base + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
+        if WORDS:
+            vb = vb.to(qv.dtype)
+        elif KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the output (v)
             vb = vb.to(qv.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -310,6 +365,11 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     A cap of 128 on the bf16 tile gained 6% at 32 x 8k but lost 19% at 8 x 2k, so bf16 keeps the compiler's
     choice (None) (docs/benchmarks.md, session 34).
 
+    ``words`` (FP8 pools with ``dot_f16``; off until a GPU has measured it): the pages are read as int32 words and
+    converted where they are loaded (``_e4m3_words_to_f16``).  Compiled for sm_90 by the device's Triton
+    (3.6.0), the loop then reads shared memory with 79 LDS and 24 LDSM instructions instead of 231 and 8, and
+    the kernel needs 128 registers instead of 254 (docs/benchmarks.md, session 34: static counts, no timing).
+
     ``dot_f16`` (FP8 pools of a bf16 model): the queries, keys, values and probabilities enter the tensor-core
     products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16
     is the GPU's one-instruction conversion while e4m3 -> bf16 goes through more, and fp16 keeps more of a
@@ -317,10 +377,32 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     below it.
     docs/quantization.md, "FP8 KV cache"."""
     if not kv_fp8:
-        return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3, "maxnreg": None}
+        return {"block_n": 32 if block_d >= 256 else 64, "num_warps": 4, "num_stages": 3, "maxnreg": None,
+                "words": False}  # fmt: skip
     f16 = q_dtype == torch.bfloat16
     return {"block_n": 32 if block_d >= 256 else (128 if f16 else 64), "num_warps": 4, "num_stages": 3 if f16 else 2,
-            "dot_f16": f16, "maxnreg": REG_CAP_FP8 if f16 and block_d == 128 else None}  # fmt: skip
+            "dot_f16": f16, "maxnreg": REG_CAP_FP8 if f16 and block_d == 128 else None, "words": False}  # fmt: skip
+
+
+def _words_apply(k_buf: torch.Tensor, v_buf: torch.Tensor, tile: dict) -> bool:
+    """Whether ``words`` can read this pool: an FP8 pool with fp16 products whose rows are whole words (head dim
+    a multiple of 4, contiguous, every stride a multiple of 4 bytes)."""
+    return (
+        k_buf.dtype == torch.float8_e4m3fn
+        and bool(tile.get("dot_f16"))
+        and all(t.shape[-1] % 4 == 0 and t.stride(-1) == 1 and all(x % 4 == 0 for x in t.stride()[:-1])
+                for t in (k_buf, v_buf))
+    )  # fmt: skip
+
+
+def _ptx_cvt_e4m3(t: torch.Tensor) -> bool:
+    """Whether ``_e4m3_words_to_f16``'s PTX runs for tensors like ``t``: CUDA at compute capability 8.9 or later,
+    not Triton's interpreter."""
+    return (
+        t.is_cuda
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and torch.cuda.get_device_capability(t.device) >= (8, 9)
+    )
 
 
 def launch_stage1(
@@ -352,6 +434,9 @@ def launch_stage1(
         raise ValueError(f"decode_attention: unknown launch keys {sorted(unknown)}; known: {sorted(tile)}")
     tile.update(launch or {})
     pdl = use_pdl(q)
+    words = bool(tile["words"]) and _words_apply(k_buf, v_buf, tile)
+    if words:  # the FP8 pool's bytes as int32 words (their strides in words too)
+        k_buf, v_buf = k_buf.view(torch.int32), v_buf.view(torch.int32)
     _decode_stage1[(rows, num_kv_heads, num_splits)](
         q,
         k_buf,
@@ -388,5 +473,7 @@ def launch_stage1(
         USE_PDL=pdl,
         KV_FP8=kv_fp8,
         DOT_F16=bool(tile.get("dot_f16", False)),
+        WORDS=words,
+        PTX_CVT=words and _ptx_cvt_e4m3(q),
         launch_pdl=pdl,
     )
