@@ -133,7 +133,7 @@ def _e4m3_words_to_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PTX: tl.
         e1 = _e4m3_byte_to_f16((w >> 8) & 0xFF)
         e2 = _e4m3_byte_to_f16((w >> 16) & 0xFF)
         e3 = _e4m3_byte_to_f16((w >> 24) & 0xFF)
-    # [n, w, j, k] holds byte 2k + j of word w... ordered so that the flattened last two dims run e0, e1, e2, e3
+    # [n, w, j, k] holds byte 2j + k of word w, so the flattened last two dims run e0, e1, e2, e3
     return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_D))
 
 
@@ -234,9 +234,7 @@ def _decode_stage1(
             vb = _e4m3_words_to_f16(vw, BLOCK_N, BLOCK_D, PTX_CVT)
         else:
             vb = tl.load(v_base + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
-        if WORDS:
-            vb = vb.to(qv.dtype)
-        elif KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the output (v)
+        if KV_FP8:  # e4m3 is exact in the model dtype; the scales multiply the scores (k) and the output (v)
             vb = vb.to(qv.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
