@@ -3,7 +3,8 @@
 Triton compiles a kernel for any target it ships a backend for, and its NVIDIA backend carries ``ptxas``,
 ``nvdisasm`` and ``cuobjdump``.  This compiles stage 1 of ``decode_attention`` (the Llama-3.1-8B attention
 shape: 4 query heads per KV head, head dim 128) for ``--arch`` (default 90, Hopper) at each tile of
-``--tiles``, on an FP8 pool read as e4m3 and as int32 words (``stage1_tile``'s ``words``) and on a bf16 pool,
+``--tiles``, on an FP8 pool read as e4m3 and as int32 words (``stage1_tile``'s ``words``: both tiles, the keys'
+or the values' only) and on a bf16 pool (``--pools``),
 and prints per variant: registers a thread, stack bytes (spills) and the count of each shared-memory, conversion
 and tensor-core opcode in the SASS.  Counts are static (instructions in the code, not executed), so they say how
 the compiler lowered a loop, not how fast it runs; Nsight Compute and the timing benchmarks (bench/kv_layout.py,
@@ -47,10 +48,12 @@ POINTERS = {
 def compile_stage1(
     pool: str, block_n: int, warps: int, stages: int, maxnreg: Optional[int], arch: int
 ) -> "triton.compiler.CompiledKernel":
-    """Stage 1 for ``pool`` in ``("e4m3", "words", "bf16")``, pointers and strides 16-aligned as at run time."""
+    """Stage 1 for ``pool`` in ``("e4m3", "words", "words_k", "words_v", "bf16")`` (``words_k`` / ``words_v``: only
+    the keys / values read as words), pointers and strides 16-aligned as at run time."""
     fn = da._decode_stage1
     names = fn.arg_names
-    kv = {"e4m3": "*fp8e4nv", "words": "*i32", "bf16": "*bf16"}[pool]
+    wk, wv = pool in ("words", "words_k"), pool in ("words", "words_v")
+    fp8 = pool != "bf16"
     consts = dict(
         GROUP=4,
         HEAD_DIM=128,
@@ -58,12 +61,14 @@ def compile_stage1(
         BLOCK_D=128,
         BLOCK_N=block_n,
         USE_PDL=arch >= 90,
-        KV_FP8=pool != "bf16",
-        DOT_F16=pool != "bf16",
-        WORDS=pool == "words",
-        PTX_CVT=pool == "words",
+        KV_FP8=fp8,
+        DOT_F16=fp8,
+        WORDS_K=wk,
+        WORDS_V=wv,
+        PTX_CVT=wk or wv,
     )
-    ptrs = {**POINTERS, "k_buf": kv, "v_buf": kv}
+    pool_ptr = {True: "*i32", False: "*fp8e4nv" if fp8 else "*bf16"}
+    ptrs = {**POINTERS, "k_buf": pool_ptr[wk], "v_buf": pool_ptr[wv]}
     sig: dict[str, str] = {}
     for n in names:
         if n in consts:
@@ -112,12 +117,13 @@ def main() -> None:
         default="128:4:3:168,128:4:3:none,64:4:3:none",
         help="block_n:warps:stages:maxnreg, comma-separated (maxnreg 'none': the compiler's choice)",
     )
+    ap.add_argument("--pools", default="e4m3,words,words_k,words_v,bf16", help="pool variants, comma-separated")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = []
     for tile in args.tiles.split(","):
         bn, w, st, mr = tile.split(":")
-        for pool in ("e4m3", "words", "bf16"):
+        for pool in args.pools.split(","):
             k = compile_stage1(pool, int(bn), int(w), int(st), None if mr == "none" else int(mr), args.arch)
             row = {
                 "pool": pool,

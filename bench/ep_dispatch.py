@@ -17,6 +17,13 @@ processes (NCCL on N GPUs, else gloo on CPU) build the same MoE layer
   replays (as decode runs them; both are capture-safe) and eager; the
   overlapped ones eager (that is where the product runs them).
 
+With ``--libraries`` (GPUs; issue 33 asks for the libraries to be measured before our own kernels): the same
+exchange through **mooncake.ep** (the Mooncake wheel's DeepEP-style low-latency ``Buffer``: each rank dispatches
+its block of ``P`` tokens, one copy per (token, remote expert), the experts are the identity, ``combine`` returns
+each token's weighted sum, then the blocks' all-gather as in ``static``), eager and, where it captures, in a CUDA
+graph, checked against the tokens themselves (the routing weights sum to 1); and whether **NIXL's EP**
+(``nixl_ep``) imports here.  A library that cannot run says why in the results instead of a time.
+
 Every setting's output is checked against ``all_reduce``'s first.  On CPU the
 figures say nothing about GPUs (gloo over loopback, the torch expert loop);
 they show the bench runs.  Writes ``ep_dispatch_ep<N>.json`` / ``.md`` to
@@ -113,6 +120,65 @@ def _breakdown(comm, exchange, per_rank: int, x, weights, ids, iters: int) -> di
     return res
 
 
+def _libraries(comm, x, weights, ids, num_experts: int, iters: int) -> dict:
+    """mooncake.ep's dispatch + combine over this rank's block, then the all-gather (module docstring); NIXL EP's
+    import.  Keys ``mooncake_*`` and ``nixl_ep_*``; a failure is recorded as ``*_error``, never raised."""
+    import torch.distributed as dist
+
+    res: dict[str, Any] = {}
+    try:
+        import nixl_ep  # noqa: F401
+
+        res["nixl_ep_import"] = "ok"
+    except Exception as e:  # the wheel ships builds for some torch versions only
+        res["nixl_ep_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        from mooncake.mooncake_ep_buffer import Buffer
+    except Exception as e:
+        res["mooncake_error"] = f"import: {type(e).__name__}: {e}"[:300]
+        return res
+    n, r = comm.size, comm.rank
+    m, h = x.shape
+    per = max(1, -(-m // n))
+    lo, hi = min(r * per, m), min((r + 1) * per, m)
+    xb, ib = x[lo:hi].contiguous(), ids[lo:hi].to(torch.int64).contiguous()
+    wb = weights[lo:hi].float().contiguous()
+    active = torch.ones(n, dtype=torch.int32, device=x.device)
+    block = torch.zeros((per, h), dtype=x.dtype, device=x.device)
+    whole = torch.empty((n * per, h), dtype=x.dtype, device=x.device)
+    timeout_us = 10_000_000
+    try:
+        buf = Buffer(comm.device_group or dist.group.WORLD, Buffer.get_ep_buffer_size_hint(per, h, n, num_experts))
+        res["mooncake_path"] = "python fallback" if buf._use_fallback else "native kernels"
+    except Exception as e:
+        res["mooncake_error"] = f"Buffer: {type(e).__name__}: {e}"[:300]
+        return res
+
+    def call() -> torch.Tensor:
+        recv, _count, handle, _event, _hook = buf.dispatch(xb, ib, active, per, num_experts, timeout_us, False)
+        got, _event, _hook = buf.combine(recv, ib, wb, active, timeout_us, handle)
+        block[: hi - lo].copy_(got)
+        comm.all_gather_into(whole, block)
+        return whole
+
+    try:
+        got = call()
+        torch.cuda.synchronize()
+        res["mooncake_max_diff_vs_x"] = float((got[:m].float() - x.float()).abs().max())
+        res["mooncake_us"] = _timer(call, iters, True, comm) * 1e6
+    except Exception as e:
+        res["mooncake_error"] = f"run: {type(e).__name__}: {e}"[:300]
+        return res
+    per_rank_experts = num_experts // n
+    remote = int((ib // per_rank_experts != r).sum())  # the (token, expert) copies that leave this rank
+    res["mooncake_bytes_sent"] = 2 * remote * h * x.element_size() + (n - 1) * per * h * x.element_size()
+    try:
+        res["mooncake_graph_us"] = _timer(_graph(call, comm), iters, True, comm) * 1e6
+    except Exception as e:
+        res["mooncake_graph_error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
 def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> None:
     from kvship.engine.distributed.groups import init_distributed
     from kvship.engine.distributed.topology import Topology
@@ -168,6 +234,8 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, out: Any) -> No
             row["peer_exchange"] = exchange is not None
             if cuda:
                 row.update(_breakdown(comm, exchange, layer.num_local_experts, x, weights, ids, args.iters))
+            if cuda and args.libraries:
+                row.update(_libraries(comm, x, weights, ids, e, args.iters))
             # bytes a rank sends to the others: rows + meta out, partials back, its block to all (static); a ring
             # all-reduce's reduce-scatter + all-gather
             per, others, row_b = -(-m // args.ep_size), args.ep_size - 1, h * x.element_size()
@@ -247,6 +315,24 @@ def _table(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
                 f"{cell('part_a2a_nccl_us')} | {cell('part_gather_p2p_us', False)} | {cell('part_gather_nccl_us', False)} "
                 f"| {cell('part_unpack_us', False)} | {cell('part_pull_us')} |"
             )
+    if rows and any(k.startswith(("mooncake", "nixl_ep")) for k in rows[0]):
+        lines += [
+            "",
+            "Libraries (the same tokens; us, GB/s = bytes a rank sends / time; max |diff| against the tokens):",
+            "",
+        ]
+        for r in rows:
+            if "mooncake_us" in r:
+                bw = r["mooncake_bytes_sent"] / (r["mooncake_us"] * 1e-6) / 1e9
+                graph = (f"graph {r['mooncake_graph_us']:.0f} us" if "mooncake_graph_us" in r
+                         else f"no graph: {r.get('mooncake_graph_error', '')[:120]}")  # fmt: skip
+                lines.append(
+                    f"- M {r['m']}: mooncake.ep ({r['mooncake_path']}) {r['mooncake_us']:.0f} us ({bw:.1f} GB/s), "
+                    f"{graph}; static {r['comm_static_us']:.0f} us; max diff {r['mooncake_max_diff_vs_x']:.2e}"
+                )
+            else:
+                lines.append(f"- M {r['m']}: mooncake.ep: {r.get('mooncake_error', '?')}")
+        lines.append(f"- NIXL EP: {rows[0].get('nixl_ep_import') or rows[0].get('nixl_ep_error', '?')}")
     lines += ["", "| M | " + " | ".join(SETTINGS) + " | max diff vs all_reduce |", "|---" * (len(SETTINGS) + 2) + "|"]
     for r in rows:
         base = r["all_reduce_us"]
@@ -274,6 +360,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[4096])
     ap.add_argument("--iters", type=int, default=None, help="timed calls per setting (default 20 GPU, 3 CPU)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs are visible")
+    ap.add_argument("--libraries", action="store_true", help="also mooncake.ep and NIXL EP (GPUs; module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu

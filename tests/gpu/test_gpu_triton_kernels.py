@@ -195,13 +195,17 @@ def test_triton_decode_tiles_agree_with_the_reference(dev, kv_fp8, head_dim):
             assert _rel(got[i : i + 1], ref) < max(_tol(dtype), 2e-3), f"dot_f16: request {i} (len {lens[i]})"
         # the pages read as int32 words and converted as loaded (PTX on a GPU, integer operations under the
         # interpreter): the same values, so within the same rounding of the fp16 products
-        for launch in ({"dot_f16": True, "words": True}, {"dot_f16": True, "words": True, "block_n": 32}):
+        # (only the keys or only the values as words too)
+        words = ({"dot_f16": True, "words": w} for w in (True, "k", "v"))
+        for launch in (*words, {"dot_f16": True, "words": True, "block_n": 32}):
             got_w = run(launch)
             for i, ref in enumerate(refs):
                 assert _rel(got_w[i : i + 1], ref) < max(_tol(dtype), 2e-3), f"{launch}: request {i} (len {lens[i]})"
             assert (got_w.float() - got.float()).abs().max().item() < 2e-3
     with pytest.raises(ValueError, match="unknown launch keys"):
         run({"kv_heads": 3})
+    with pytest.raises(ValueError, match="'words' takes"):
+        run({"words": "kv"})
 
 
 @pytest.mark.parametrize("group,head_dim", [(2, 64), (4, 128)])

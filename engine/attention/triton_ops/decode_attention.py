@@ -171,7 +171,8 @@ def _decode_stage1(
     USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
-    WORDS: tl.constexpr,  # FP8 pool read as int32 words (k_buf / v_buf and their strides in words)
+    WORDS_K: tl.constexpr,  # FP8 keys read as int32 words (k_buf and its strides in words)
+    WORDS_V: tl.constexpr,  # FP8 values read as int32 words (v_buf and its strides in words)
     PTX_CVT: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -204,13 +205,15 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     offs_b = tl.arange(0, BLOCK_N)
-    if WORDS:
-        offs_w = tl.arange(0, BLOCK_D // 4)
-        w_mask = offs_w < HEAD_DIM // 4
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    w_mask = offs_w < HEAD_DIM // 4
+    if WORDS_K:
         k_base = k_buf + kvh * stride_kh + offs_w[None, :]
-        v_base = v_buf + kvh * stride_vh + offs_w[None, :]
     else:
         k_base = k_buf + kvh * stride_kh + offs_d[None, :]
+    if WORDS_V:
+        v_base = v_buf + kvh * stride_vh + offs_w[None, :]
+    else:
         v_base = v_buf + kvh * stride_vh + offs_d[None, :]
     r2t_row = req_to_token + row * stride_r2t
     for n0 in range(start, end, BLOCK_N):
@@ -218,7 +221,7 @@ def _decode_stage1(
         n_mask = offs_n < end
         kv_mask = n_mask[:, None] & d_mask[None, :]
         slot = tl.load(r2t_row + offs_n, mask=n_mask, other=0).to(tl.int64)
-        if WORDS:
+        if WORDS_K:
             kw = tl.load(k_base + slot[:, None] * stride_kt, mask=n_mask[:, None] & w_mask[None, :], other=0)
             kb = _e4m3_words_to_f16(kw, BLOCK_N, BLOCK_D, PTX_CVT)
         else:
@@ -229,7 +232,7 @@ def _decode_stage1(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         # the values' load stays after the scores: issued before them it measured 1.7x slower on an FP8 pool
-        if WORDS:
+        if WORDS_V:
             vw = tl.load(v_base + slot[:, None] * stride_vt, mask=n_mask[:, None] & w_mask[None, :], other=0)
             vb = _e4m3_words_to_f16(vw, BLOCK_N, BLOCK_D, PTX_CVT)
         else:
@@ -363,10 +366,10 @@ def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat1
     A cap of 128 on the bf16 tile gained 6% at 32 x 8k but lost 19% at 8 x 2k, so bf16 keeps the compiler's
     choice (None) (docs/benchmarks.md, session 34).
 
-    ``words`` (FP8 pools with ``dot_f16``; off until a GPU has measured it): the pages are read as int32 words and
-    converted where they are loaded (``_e4m3_words_to_f16``).  Compiled for sm_90 by the device's Triton
-    (3.6.0), the loop then reads shared memory with 79 LDS and 24 LDSM instructions instead of 231 and 8, and
-    the kernel needs 128 registers instead of 254 (docs/benchmarks.md, session 34: static counts, no timing).
+    ``words`` (FP8 pools with ``dot_f16``; ``True``, ``"k"`` or ``"v"``: both tiles, the keys' or the values'):
+    the pages are read as int32 words and converted where they are loaded (``_e4m3_words_to_f16``).  Off: timed
+    on an H200 it was slower for the values and both (208-215 us a layer at 32 x 8k against 192), 1-2% faster
+    for the keys alone at 32 x 8k and 64 x 2k and equal below (docs/benchmarks.md, session 35).
 
     ``dot_f16`` (FP8 pools of a bf16 model): the queries, keys, values and probabilities enter the tensor-core
     products as fp16, not bf16 (a float32 model keeps float32).  Every e4m3 value is exact in both; e4m3 -> fp16
@@ -432,9 +435,16 @@ def launch_stage1(
         raise ValueError(f"decode_attention: unknown launch keys {sorted(unknown)}; known: {sorted(tile)}")
     tile.update(launch or {})
     pdl = use_pdl(q)
-    words = bool(tile["words"]) and _words_apply(k_buf, v_buf, tile)
-    if words:  # the FP8 pool's bytes as int32 words (their strides in words too)
-        k_buf, v_buf = k_buf.view(torch.int32), v_buf.view(torch.int32)
+    words = tile["words"]
+    if words not in (False, True, "k", "v"):
+        raise ValueError(f"decode_attention: launch key 'words' takes false, true, 'k' or 'v', not {words!r}")
+    words = bool(words) and _words_apply(k_buf, v_buf, tile)
+    words_k = words and tile["words"] in (True, "k")
+    words_v = words and tile["words"] in (True, "v")
+    if words_k:  # the FP8 pool's bytes as int32 words (their strides in words too)
+        k_buf = k_buf.view(torch.int32)
+    if words_v:
+        v_buf = v_buf.view(torch.int32)
     _decode_stage1[(rows, num_kv_heads, num_splits)](
         q,
         k_buf,
@@ -471,7 +481,8 @@ def launch_stage1(
         USE_PDL=pdl,
         KV_FP8=kv_fp8,
         DOT_F16=bool(tile.get("dot_f16", False)),
-        WORDS=words,
+        WORDS_K=words_k,
+        WORDS_V=words_v,
         PTX_CVT=words and _ptx_cvt_e4m3(q),
         launch_pdl=pdl,
     )
