@@ -389,19 +389,31 @@ def test_every_ep_size_dividing_tp4_gives_the_whole_layer_on_every_rank():
 
 
 def test_a_table_tuned_for_decode_only_leaves_larger_batches_to_the_defaults():
-    """The H200 tables hold one batch-1 GEMV entry (``bench/moe_layer.py --gemv-sweep --write-table --m 1``):
-    batch 1 and 2 take it; prefill-sized batches take ``default_config`` as without a table, never the GEMV."""
+    """A table is consulted up to twice its largest tuned batch.  The H200's V2-Lite table holds one batch-1 GEMV
+    entry (``bench/moe_layer.py --gemv-sweep --write-table --m 1``): batch 1 and 2 take it, larger batches the
+    untuned choice.  Its Qwen3-30B-A3B table also has the decode batches 4-256 (``bench/moe_tune.py``, session
+    35): a batch takes the nearest entry up to 512 tokens, and prefill-sized batches ``default_config``, never a
+    GEMV."""
     from kvship.engine.layers.moe.kernel_config import GEMV_CONFIG, default_config, get_config, load_table
 
     h200 = "NVIDIA H200"
-    for experts, inter in ((64, 1408), (128, 768)):
-        table = load_table(experts, inter, torch.bfloat16, h200)
-        assert set(table) == {1} and "gemv" in table[1], table
-        assert get_config(1, experts, inter, 8, torch.bfloat16, h200) == table[1]
-        assert get_config(2, experts, inter, 8, torch.bfloat16, h200) == table[1]
-        assert get_config(4096, experts, inter, 8, torch.bfloat16, h200) == default_config(4096, experts, 8)
-        assert get_config(3, experts, inter, 4, torch.bfloat16, h200) == {"gemv": dict(GEMV_CONFIG)}
+    table = load_table(64, 1408, torch.bfloat16, h200)
+    assert set(table) == {1} and "gemv" in table[1], table
+    assert get_config(1, 64, 1408, 6, torch.bfloat16, h200) == table[1]
+    assert get_config(2, 64, 1408, 6, torch.bfloat16, h200) == table[1]
+    assert get_config(4096, 64, 1408, 6, torch.bfloat16, h200) == default_config(4096, 64, 6)
+    assert get_config(3, 64, 1408, 4, torch.bfloat16, h200) == {"gemv": dict(GEMV_CONFIG)}
     assert table[1]["gemv"] != GEMV_CONFIG  # the H200's own blocks, not the defaults
+
+    table = load_table(128, 768, torch.bfloat16, h200)
+    assert {1, 4, 8, 16, 32, 64, 128, 256} <= set(table) and max(table) == 256, table
+    assert get_config(1, 128, 768, 8, torch.bfloat16, h200) == table[1] and "gemv" in table[1]
+    assert get_config(2, 128, 768, 8, torch.bfloat16, h200) == table[1]
+    assert get_config(3, 128, 768, 8, torch.bfloat16, h200) == table[4]
+    assert get_config(100, 128, 768, 8, torch.bfloat16, h200) == table[128]
+    assert get_config(512, 128, 768, 8, torch.bfloat16, h200) == table[256]
+    for m in (513, 4096):
+        assert get_config(m, 128, 768, 8, torch.bfloat16, h200) == default_config(m, 128, 8)
 
 
 def test_a_ranks_experts_use_the_whole_layers_kernel_configs():

@@ -33,20 +33,24 @@ def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of the module docstring.  A pair whose id is negative (``-1``: an expert another rank holds,
+    under expert parallelism) is left out: it is in no run and not counted, so kernels never read it."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
     size = padded_size(n, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + (block_m - 1)) // block_m * block_m
+    # absent pairs take the key num_experts: they sort after every run and are scattered past the end
+    key = torch.where(flat >= 0, flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + (block_m - 1)) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    order = torch.sort(flat, stable=True).indices
-    expert_of = flat[order]
+    starts = torch.cat([ends - padded, ends.new_full((1,), size)])  # the absent pairs' "run": past the end
+    order = torch.sort(key, stable=True).indices
+    expert_of = key[order]
     first_of = torch.cumsum(counts, 0) - counts  # index in ``order`` of each expert's first pair
     dest = starts[expert_of] + torch.arange(n, device=dev) - first_of[expert_of]
-    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids = torch.full((size + n,), n, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, size, block_m, device=dev)
     expert_ids = torch.searchsorted(ends, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+    return sorted_ids[:size], expert_ids, ends[-1:].to(torch.int32)

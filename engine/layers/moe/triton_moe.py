@@ -17,6 +17,9 @@ Steps for ``x [M, H]`` routed to ``k`` experts per token (``n = M * k`` pairs):
    weight into ``out [n, H]``.
 4. ``_topk_sum_kernel``: each token's ``k`` rows of ``out`` summed in float32.
 
+A pair whose id is ``-1`` (``absent``: an expert another rank holds) is in no run: steps 1-3 never touch it
+and step 4 skips its row.
+
 Routing (``TritonMoERunner.select_experts``): ``moe.topk_triton.route``, softmax
 -> top-k -> renormalise and the expert-load count in one program per token
 (``topk.select_experts``'s contract; ties go to the lower expert id).
@@ -501,7 +504,7 @@ def _align_kernel(
         eid = tl.minimum(eid, num_experts - 1)
         tl.store(expert_ids_ptr + idx, eid, mask=idx < padded_len // BLOCK_M)
     tl.debug_barrier()  # the padding fill above lands before the scatter below
-    tl.store(sorted_ids_ptr + dest, pairs, mask=pmask)
+    tl.store(sorted_ids_ptr + dest, pairs, mask=pmask & (ids >= 0))  # an absent pair (id -1) is in no run
     tl.store(ntp_ptr, total)
 
 
@@ -598,10 +601,11 @@ def _align_scatter_kernel(
         jids = tl.load(ids_ptr + js, mask=js < num_pairs, other=-1)
         same = (jids[None, :] == ids[:, None]) & (js[None, :] < pairs[:, None])
         rank += tl.sum(same.to(tl.int32), axis=1)
-    e = tl.where(pmask, ids, 0)
-    start = tl.load(meta_ptr + e, mask=pmask, other=0)
-    before = tl.load(prefix_ptr + chunk * num_experts + e, mask=pmask, other=0)
-    tl.store(sorted_ids_ptr + start + before + rank, pairs, mask=pmask)
+    present = pmask & (ids >= 0)  # an absent pair (id -1) is in no run
+    e = tl.where(present, ids, 0)
+    start = tl.load(meta_ptr + e, mask=present, other=0)
+    before = tl.load(prefix_ptr + chunk * num_experts + e, mask=present, other=0)
+    tl.store(sorted_ids_ptr + start + before + rank, pairs, mask=present)
     # This program's share of the blocks: expert_ids and the padding entries (= num_pairs).  The padding
     # slots (past an expert's pairs in its run, and past the last run) are exactly the slots no pair is
     # scattered to, so no program's fill can race with any program's scatter.
@@ -684,15 +688,32 @@ def align_block_size(
 
 
 @triton.jit
-def _topk_sum_kernel(in_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # out[m, cols] = sum_j in[m * TOP_K + j, cols], accumulated in float32
+def _topk_sum_kernel(in_ptr, out_ptr, ids_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ABSENT: tl.constexpr):
+    # out[m, cols] = sum_j in[m * TOP_K + j, cols], accumulated in float32; with ABSENT the rows of pairs whose
+    # id is negative (no GEMM wrote them) are skipped
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(in_ptr + (m * TOP_K + j).to(tl.int64) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        val = tl.load(in_ptr + (m * TOP_K + j).to(tl.int64) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        if ABSENT:  # an unwritten row may hold anything, NaN included: selected away, not multiplied
+            val = tl.where(tl.load(ids_ptr + m * TOP_K + j) >= 0, val, 0.0)
+        acc += val
     tl.store(out_ptr + m.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def topk_sum(out: torch.Tensor, topk_ids: torch.Tensor, absent: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's ``k`` rows of the per-pair output ``out [M * k, H]`` summed in float32 (``_topk_sum_kernel``);
+    with ``absent``, the rows of pairs with a negative id are left out (nothing wrote them)."""
+    m, k = topk_ids.shape
+    hidden = out.shape[1]
+    y = torch.empty(m, hidden, dtype=dtype, device=out.device)
+    ids = topk_ids.reshape(-1)
+    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](
+        out, y, ids, hidden, TOP_K=k, BLOCK=1024, ABSENT=absent, num_warps=4
+    )
+    return y
 
 
 def _weight_desc(w: torch.Tensor, shape: tuple, block: tuple):
@@ -754,9 +775,10 @@ def fused_experts(
     is keyed by ``config_experts`` where given (expert parallelism: the model's expert count; a rank's experts
     carry the load per expert of the whole layer, so the whole layer's tuned tiles fit them) and by ``E`` else.
 
-    ``absent`` (expert parallelism): ids of ``-1`` become a sentinel expert ``E`` that sorts last; its
-    run is cut off ``num_tokens_post_padded``, so both GEMMs skip it, and its rows of the per-pair output
-    stay zero.  No host sync: CUDA-graph safe like the rest.
+    ``absent`` (expert parallelism): pairs with an id of ``-1`` are in no run of the alignment (its kernels
+    leave them out), so neither GEMM reads or writes them, and the top-k sum skips their rows of the per-pair
+    output.  No extra kernel, no host sync: CUDA-graph safe like the rest (until session 35 they went to a
+    sentinel expert cut off afterwards: nine small torch kernels a layer, docs/benchmarks.md, session 35).
     """
     m, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -772,13 +794,7 @@ def fused_experts(
         return _fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, cfg["gemv"])
     bm, bn, bk, gm = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if absent:
-        topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
-        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts + 1)
-        n_absent = (topk_ids == num_experts).sum()
-        ntp = (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
-    else:
-        sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)
+    sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts)  # absent pairs: in no run
     n = m * top_k
     padded = sorted_ids.numel()
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
@@ -791,7 +807,7 @@ def fused_experts(
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, ONE_DOT=bool(cfg.get("one_dot")),
         TMA=bool(w13_tma), PERSISTENT=persistent, **launch,
     )  # fmt: skip
-    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # an absent pair's row stays unwritten
     weights = topk_weights.reshape(-1).float().contiguous()
     down = {**cfg, **cfg.get("down", {})}  # the down GEMM may override N/K tiles, warps and stages
     bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
@@ -804,9 +820,7 @@ def fused_experts(
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, TMA=bool(w2_tma), PERSISTENT=persistent,
         **launch,
     )  # fmt: skip
-    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return y
+    return topk_sum(out, topk_ids, absent, x.dtype)
 
 
 def _fused_experts_gemv(

@@ -49,8 +49,8 @@ from kvship.engine.layers.moe.kernel_config import GEMV_MAX_PAIRS
 from kvship.engine.layers.moe.triton_moe import (
     _block_coords,
     _grid,
-    _topk_sum_kernel,
     align_block_size,
+    topk_sum,
 )
 
 FP8_MAX = 448.0
@@ -490,25 +490,20 @@ def _check(x, w13, w13_scale, w2, w2_scale, block) -> None:
         raise ValueError("expert weights must be contiguous in their last dim")
 
 
-def _align(topk_ids: torch.Tensor, bm: int, num_experts: int, absent: bool):
-    """The pairs sorted and padded per expert in blocks of ``bm`` (``align_block_size``); with ``absent``, ids of
-    ``-1`` go to a sentinel expert sorted last whose blocks are cut off ``num_tokens_post_padded``."""
-    if not absent:
-        return align_block_size(topk_ids, bm, num_experts)
-    topk_ids = torch.where(topk_ids < 0, num_experts, topk_ids)
-    sorted_ids, expert_ids, ntp = align_block_size(topk_ids, bm, num_experts + 1)
-    n_absent = (topk_ids == num_experts).sum()
-    return sorted_ids, expert_ids, (ntp - (n_absent + bm - 1) // bm * bm).to(torch.int32)
+def _align(topk_ids: torch.Tensor, bm: int, num_experts: int):
+    """The pairs sorted and padded per expert in blocks of ``bm`` (``align_block_size``; ids of ``-1``, absent,
+    are in no run)."""
+    return align_block_size(topk_ids, bm, num_experts)
 
 
-def _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, block_rows, absent):
+def _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, topk_ids, cfg, group, block_rows, absent):
     """The aligned down GEMM over the quantised ``silu(g) * u`` rows ``hq`` (scales ``hs`` per row and K-block of
     ``group``; weight scales ``s2`` with ``s2_strides`` (expert, row block, K-block) and ``block_rows`` rows a
     scale), each pair's row times its routing weight, then every token's ``top_k`` rows summed in fp32."""
     sorted_ids, expert_ids, ntp = aligned
-    (m, hidden), (n, inter), padded = x.shape, hq.shape, sorted_ids.numel()
+    (_, hidden), (n, inter), padded = x.shape, hq.shape, sorted_ids.numel()
     bm, bn_down, persistent = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], bool(cfg.get("persistent"))
-    out = (torch.zeros if absent else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # an absent pair's row stays unwritten
     _down_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(hidden, bn_down), persistent, x.device)](
         hq, hs, w2, s2, out, weights, sorted_ids, expert_ids, ntp, n, padded, hidden, inter,
         hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
@@ -516,9 +511,7 @@ def _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, g
         GROUP_SIZE_M=cfg["GROUP_SIZE_M"], PERSISTENT=persistent, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
-    y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    _topk_sum_kernel[(m, triton.cdiv(hidden, 1024))](out, y, hidden, TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return y
+    return topk_sum(out, topk_ids, absent, x.dtype)
 
 
 def fused_experts_fp8(
@@ -572,7 +565,7 @@ def fused_experts_fp8(
     bm, gm = cfg["BLOCK_SIZE_M"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     persistent = bool(cfg.get("persistent"))
-    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts, absent)
+    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts)
     n = m * top_k
     padded = sorted_ids.numel()
     hq = torch.empty(n, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -585,7 +578,7 @@ def fused_experts_fp8(
     )  # fmt: skip
     s2_strides = (s2.stride(0), s2.stride(1), s2.stride(2))
     aligned = (sorted_ids, expert_ids, ntp)
-    return _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, bn, absent)
+    return _down_and_sum(hq, hs, w2, s2, s2_strides, weights, aligned, x, topk_ids, cfg, group, bn, absent)
 
 
 # --- per-channel / per-tensor experts ---------------------------------------------------------------------------
@@ -663,7 +656,7 @@ def fused_experts_fp8_channel(
     bm, gm = cfg["BLOCK_SIZE_M"], cfg["GROUP_SIZE_M"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     persistent = bool(cfg.get("persistent"))
-    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts, absent)
+    sorted_ids, expert_ids, ntp = _align(topk_ids, bm, num_experts)
     padded = sorted_ids.numel()
     h = (torch.zeros if absent else torch.empty)(n, inter, dtype=torch.float32, device=x.device)
     _gate_up_fp8_kernel[_grid(triton.cdiv(padded, bm) * triton.cdiv(inter, group), persistent, x.device)](
@@ -680,4 +673,4 @@ def fused_experts_fp8_channel(
     s_a = s_a.expand(-1, triton.cdiv(inter, group)).contiguous()
     s2_strides = (s2.stride(0), s2.stride(1), 0)  # one scale per row, the same for every K-block
     aligned = (sorted_ids, expert_ids, ntp)
-    return _down_and_sum(hq, s_a, w2, s2, s2_strides, weights, aligned, x, top_k, cfg, group, 1, absent)
+    return _down_and_sum(hq, s_a, w2, s2, s2_strides, weights, aligned, x, topk_ids, cfg, group, 1, absent)
