@@ -29,6 +29,7 @@ SELECTIONS = {
     "tests/test_hicache_kernel_io.py": "test_hicache_kernel_io and not interpreter",
     "tests/test_moe_route_kernel.py": "test_moe_route_kernel and not interpreter",
     "tests/test_ep_pack.py": "test_ep_pack and not interpreter",
+    "tests/test_moe_absent.py": "test_moe_absent and triton and not interpreter",
 }
 # the file whose interpreter test asks for a file's cases, where that is another file
 ASKED_BY = {"tests/test_mla_triton.py": "tests/test_deepseek.py"}

@@ -74,51 +74,6 @@ def test_chunked_align_equals_the_torch_align(monkeypatch, n, e, block_m, chunk,
     _assert_same(triton_moe._align_chunked(ids, block_m, e, chunk), want)
 
 
-def _check_absent_layout(out, ids: torch.Tensor, block_m: int, e: int) -> None:
-    """What the alignment must hold for ids with absent pairs (-1), whichever path made it: every present pair
-    exactly once, in its expert's run, in pair order; no absent pair anywhere; runs padded from the present
-    pairs' counts only."""
-    sorted_ids, expert_ids, ntp = (t.cpu() for t in out)
-    flat = ids.reshape(-1).cpu().long()
-    n = flat.numel()
-    present = flat >= 0
-    counts = torch.bincount(flat[present], minlength=e)
-    padded = (counts + block_m - 1) // block_m * block_m
-    assert ntp.item() == padded.sum().item()
-    used = sorted_ids[: ntp.item()]
-    pairs = used[used < n].long()
-    assert torch.equal(pairs.sort().values, torch.nonzero(present).flatten())
-    start = 0
-    for ex in range(e):
-        run = used[start : start + padded[ex]]
-        got = run[run < n].long()
-        assert torch.equal(got, torch.nonzero(flat == ex).flatten()), ex
-        blocks = expert_ids[start // block_m : (start + padded[ex]) // block_m]
-        assert bool((blocks == ex).all()), ex
-        start += padded[ex].item()
-
-
-@pytest.mark.parametrize(
-    "n,e,block_m,chunk",
-    [(40, 8, 16, 256), (300, 128, 64, 64), (1000, 60, 16, 128), (999, 7, 4, 32)],
-)
-@pytest.mark.parametrize("absent_every", [3, 1])
-def test_align_leaves_absent_pairs_out(monkeypatch, n, e, block_m, chunk, absent_every):
-    """Expert parallelism marks other ranks' pairs -1: the torch align, the one-program kernel and the chunked
-    kernels leave them out of every run (``absent_every`` 1: every pair absent, a rank with no work)."""
-    ids = _ids(n, e, "uniform", seed=n * e)
-    ids = torch.where(torch.arange(n, device=ids.device) % absent_every == 0, -1, ids)
-    want = moe_align_block_size(ids, block_m, e)
-    _check_absent_layout(want, ids, block_m, e)
-    _poisoned_empty(monkeypatch)
-    _assert_same(triton_moe._align_chunked(ids, block_m, e, chunk), want)
-    if n * triton_moe.triton.next_power_of_2(max(e, 16)) <= triton_moe._ALIGN_MAX_CELLS:
-        got = triton_moe.align_block_size(ids, block_m, e)  # the one-program kernel
-        blocks = want[2].item() // block_m
-        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
-        assert torch.equal(got[1][:blocks], want[1][:blocks])
-
-
 @pytest.mark.parametrize("m,k", [(40, 8), (500, 4)])
 @pytest.mark.parametrize("e,block_m", [(128, 16), (60, 64), (256, 128), (2048, 16)])
 def test_align_block_size_picks_a_path_with_the_torch_outputs(monkeypatch, m, k, e, block_m):
