@@ -146,6 +146,14 @@ class _Env:
         True,
         "programmatic dependent launch for our Triton kernels (Hopper and later; 0 turns it off)",
     )
+    SIDE_STREAM_TOKENS = Knob(
+        "KVSHIP_SIDE_STREAM_TOKENS",
+        _nonneg_int,
+        16,
+        "CUDA: forwards of at most this many tokens run a layer's independent branches on two streams (the shared "
+        "experts beside the router and the routed experts; MLA's absorbed query beside its norm/rotary/store "
+        'kernel), in CUDA graphs too; 0 turns it off; docs/deepseek.md, "Two streams"',
+    )
     SPLIT_VERIFY = Knob(
         "KVSHIP_SPLIT_VERIFY",
         _bool,

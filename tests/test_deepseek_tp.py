@@ -90,7 +90,19 @@ def _run(runner, groups=None) -> dict:
         "free": (st["free_slots"], st["total_slots"]),
         "heads": runner.model.model.layers[0].self_attn.num_heads,
         "latent_rows": tuple(runner.kv_pool.get_latent_buffer(0).shape[1:]),
+        "moe_sums": _moe_sums(runner.model),
     }
+
+
+def _moe_sums(model) -> tuple[bool, bool]:
+    """How the first DeepSeekMoE layer adds its shared and routed experts: (as two collective-free branches,
+    all-reduced once after the sum)."""
+    from kvship.engine.layers.side_stream import partials_comm
+    from kvship.engine.models.deepseek import DeepseekMoE
+
+    moe = next(m for m in model.modules() if isinstance(m, DeepseekMoE))
+    apart, comm = partials_comm(moe.shared_experts, moe.experts)
+    return apart, comm is not None
 
 
 def _rank_main(rank: int, init_method: str, paths: dict, out) -> None:
@@ -165,3 +177,23 @@ def test_deepseek_rotary_table_is_rebuilt_after_a_meta_device_build():
     rot.to_empty(device="cpu")
     rot.rebuild_table_()
     assert torch.equal(rot.cos_sin_cache, ref.cos_sin_cache)
+
+
+# setting -> how the shared and routed experts are summed: the all_reduce dispatch leaves both as partial sums
+# (one all-reduce after adding them; docs/deepseek.md, "Two streams"); the all_to_all dispatch keeps its own
+# exchanges, so its shared MLP keeps its all-reduce
+MOE_SUMS = {
+    "tp2": (True, True),
+    "tp2_v2lite": (True, True),
+    "ep2": (True, True),
+    "ep2_a2a": (False, True),
+    "tp2_dummy": (True, True),
+}
+
+
+def test_shared_and_routed_experts_are_summed_before_one_all_reduce(ranks, single):
+    for (model, fmt), ref in single.items():
+        assert ref["moe_sums"] == (True, False), (model, fmt)  # one process: no collective at all
+    for setting, want in MOE_SUMS.items():
+        for rank, r in enumerate(ranks):
+            assert tuple(r[setting]["moe_sums"]) == want, (setting, rank)

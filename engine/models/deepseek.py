@@ -61,6 +61,7 @@ from kvship.engine.layers.moe.topk import count_routed
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import RMSNorm, norm_then_linear
 from kvship.engine.layers.rotary import RotaryEmbedding
+from kvship.engine.layers.side_stream import beside, partials_comm, side_stream_limit
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from kvship.engine.models.moe import MoEForCausalLM
@@ -198,6 +199,7 @@ class MLAAttention(nn.Module):
         self.mla = mla
         self.q_lora = mla.q_lora_rank is not None
         self.q_width = mla.q_lora_rank if self.q_lora else h * mla.qk_head_dim
+        self.side_stream_tokens = side_stream_limit()
         self.fused_qkv_a_proj = StackedLinear(
             config.hidden_size,
             {"q": self.q_width, "kv_a": mla.latent_dim},
@@ -324,22 +326,32 @@ class MLAAttention(nn.Module):
         if fb.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
             fb.kv_ready(layer)
         rotary = self._rotary[0]
-        mla_decode_prep(
-            q,
-            kv_a,
-            positions,
-            rotary.cos_sin_cache,
-            self.kv_a_layernorm.weight,
-            self.kv_a_layernorm.eps,
-            fb.kv_pool.get_latent_buffer(layer),
-            fb.out_cache_loc,
-            fb.kv_pool.latent_scale(layer),
-            rotary.interleave,
-            m.qk_nope_head_dim,
-        )
         w = self._kv_b_weight(q.dtype).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        # [H, T, R] from one batched GEMM over the heads; the kernel reads it as [T, H, R] through its strides
-        q_lat = torch.bmm(q[..., : m.qk_nope_head_dim].transpose(0, 1), w[:, : m.qk_nope_head_dim]).transpose(0, 1)
+
+        def prep() -> None:  # rotates q_pe in place; the GEMM beside it reads only q_nope
+            mla_decode_prep(
+                q,
+                kv_a,
+                positions,
+                rotary.cos_sin_cache,
+                self.kv_a_layernorm.weight,
+                self.kv_a_layernorm.eps,
+                fb.kv_pool.get_latent_buffer(layer),
+                fb.out_cache_loc,
+                fb.kv_pool.latent_scale(layer),
+                rotary.interleave,
+                m.qk_nope_head_dim,
+            )
+
+        # [H, T, R] from one batched GEMM over the heads, on a side stream beside the prep kernel (docs/deepseek.md,
+        # "Two streams"); the attention kernel reads it as [T, H, R] through its strides
+        q_lat, _ = beside(
+            lambda: torch.bmm(q[..., : m.qk_nope_head_dim].transpose(0, 1), w[:, : m.qk_nope_head_dim]),
+            prep,
+            q,
+            self.side_stream_tokens,
+        )
+        q_lat = q_lat.transpose(0, 1)
         q_pe = q[..., m.qk_nope_head_dim :]
         if fb.forward_mode.is_decode():
             o = fb.attn_backend.forward_decode_prepped(q_lat, q_pe, self.spec, fb)
@@ -449,10 +461,25 @@ class DeepseekMoE(nn.Module):
         if self.has_shared:
             width = moe.shared_expert_intermediate_size
             self.shared_experts = LlamaMLP(replace(config, intermediate_size=width))
+        self.side_stream_tokens = side_stream_limit()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        return out + self.shared_experts(x) if self.has_shared else out
+        if not self.has_shared:
+            return self.experts(x, self.gate(x))
+        # tensor parallelism replaces the modules after construction: asked at the first forward
+        apart, comm = partials_comm(self.shared_experts, self.experts)
+        if not apart:  # a dispatch that exchanges rows keeps its own collectives
+            return self.experts(x, self.gate(x)) + self.shared_experts(x)
+        # the shared experts on a side stream beside the router and the routed experts (docs/deepseek.md,
+        # "Two streams"); under TP both leave partial sums, added and all-reduced once
+        shared, out = beside(
+            lambda: self.shared_experts.forward_partial(x),
+            lambda: self.experts.forward_partial(x, self.gate(x)),
+            x,
+            self.side_stream_tokens,
+        )
+        out = out + shared
+        return comm.all_reduce(out) if comm is not None else out
 
     def forward_normed(
         self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor

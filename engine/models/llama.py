@@ -111,6 +111,10 @@ class LlamaMLP(nn.Module):
         # down_proj(act(gate) * up): one kernel on CUDA at batch 1 (the activation inside the GEMV's input)
         return gated_linear(self.down_proj, self.act, self.gate_up_proj(x))
 
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without ``down_proj``'s all-reduce: this rank's partial output (``output_comm`` owed)."""
+        return gated_linear(self.down_proj, self.act, self.gate_up_proj(x), reduce=False)
+
     # ``forward_normed`` takes an input that still owes an all-reduce and can leave its own output's to the caller
     takes_pending = True
 

@@ -30,6 +30,7 @@ from kvship.engine.layers.linear import Linear
 from kvship.engine.layers.moe.layer import FusedMoE
 from kvship.engine.layers.quantization import quant_method_for
 from kvship.engine.layers.rmsnorm import norm_then_linear
+from kvship.engine.layers.side_stream import beside, partials_comm, side_stream_limit
 from kvship.engine.mem.kv_scales import KV_SCALE_SUFFIXES
 from kvship.engine.model_config import ModelConfig
 from kvship.engine.models.llama import LlamaForCausalLM, LlamaMLP
@@ -69,6 +70,7 @@ class SparseMoeBlock(nn.Module):
         if self.has_shared_expert:
             self.shared_expert = LlamaMLP(replace(config, intermediate_size=moe.shared_expert_intermediate_size))
             self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dt)
+        self.side_stream_tokens = side_stream_limit()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._experts(x, self.gate(x))
@@ -98,10 +100,21 @@ class SparseMoeBlock(nn.Module):
         return self._experts(h, logits), residual
 
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, logits)
-        if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if not self.has_shared_expert:
+            return self.experts(x, logits)
+        apart, comm = partials_comm(self.shared_expert, self.experts)
+        if not apart:  # a dispatch that exchanges rows keeps its own collectives
+            return self.experts(x, logits) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        # the gated shared expert on a side stream beside the routed experts (docs/deepseek.md, "Two streams");
+        # under TP both leave partial sums (the gate scales each row: it commutes with the sum), all-reduced once
+        shared, out = beside(
+            lambda: torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_partial(x),
+            lambda: self.experts.forward_partial(x, logits),
+            x,
+            self.side_stream_tokens,
+        )
+        out = out + shared
+        return comm.all_reduce(out) if comm is not None else out
 
 
 @register_model("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")

@@ -104,6 +104,40 @@ def test_deepseek_triton_decode_graphs_replay_the_eager_tokens(ds_path, kv_drive
     _release(graph_runner, eager_runner)
 
 
+def _decode_logits(runner, driver_cls, bs: int) -> torch.Tensor:
+    """The logits of a greedy decode of ``bs`` requests, every step: ``[STEPS, bs, V]`` (float32, on the host)."""
+    gen = torch.Generator().manual_seed(900 + bs)
+    d = driver_cls(runner)
+    reqs = [d.new() for _ in range(bs)]
+    prompts = [torch.randint(3, 384, (7 + 29 * i,), generator=gen).tolist() for i in range(bs)]
+    logits = d.extend(reqs, prompts)
+    steps = []
+    for _ in range(STEPS):
+        logits = d.decode(reqs, logits.argmax(-1).tolist())
+        steps.append(logits.float().cpu())
+    for r in reqs:
+        d.free(r)
+    return torch.stack(steps)
+
+
+def test_side_streams_give_the_one_stream_logits_bit_for_bit(ds_path, kv_driver, monkeypatch):
+    """The shared experts beside the routed ones and MLA's absorbed query beside its prep kernel, on two streams
+    (docs/deepseek.md, "Two streams"), in graphs and eagerly: the same kernels on the same inputs, so the decode
+    logits equal those of one stream exactly."""
+    from kvship.engine.model_runner import ModelRunner
+
+    got = {}
+    for tokens in (0, 16):
+        monkeypatch.setenv("KVSHIP_SIDE_STREAM_TOKENS", str(tokens))
+        for graphs in (True, False):
+            runner = ModelRunner(_args(ds_path, "triton", graphs=graphs))
+            got[tokens, graphs] = [_decode_logits(runner, kv_driver, bs) for bs in (1, 3, 8)]
+            _release(runner)
+    for graphs in (True, False):
+        for bs, one, two in zip((1, 3, 8), got[0, graphs], got[16, graphs]):
+            assert torch.equal(one, two), f"graphs={graphs} bs {bs}: max |diff| {(one - two).abs().max()}"
+
+
 def test_deepseek_torch_native_decodes_eagerly(ds_path):
     from kvship.engine.model_runner import ModelRunner
 

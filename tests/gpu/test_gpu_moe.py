@@ -241,6 +241,51 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
     torch.cuda.empty_cache()
 
 
+@requires_cuda
+def test_shared_expert_on_a_side_stream_gives_the_one_stream_tokens(tmp_path, kv_driver, monkeypatch):
+    """Qwen2-MoE's gated shared expert beside the routed experts on a second stream (docs/deepseek.md, "Two
+    streams"), captured in the decode and prefill graphs: the same kernels on the same inputs, so the same greedy
+    tokens as graphs captured on one stream, at batches 1, 3 (padded to 4) and 16."""
+    from moe_fixtures import build_tiny_moe
+
+    from kvship.engine.config import ServerArgs
+    from kvship.engine.model_runner import ModelRunner
+
+    path = build_tiny_moe(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=31)
+
+    def greedy(tokens: int) -> dict[int, list[list[int]]]:
+        monkeypatch.setenv("KVSHIP_SIDE_STREAM_TOKENS", str(tokens))
+        r = ModelRunner(
+            ServerArgs(
+                model_path=path, device="cuda", dtype="bfloat16", attention_backend="triton",
+                max_total_tokens=8192, max_running_requests=16, context_length=512,
+                cuda_graph_bs=[1, 2, 4, 8, 16], cuda_graph_max_bs=16,
+            )
+        )  # fmt: skip
+        assert r.cuda_graph_runner is not None
+        got = {}
+        for bs in (1, 3, 16):
+            d = kv_driver(r)
+            reqs = [d.new() for _ in range(bs)]
+            gen = torch.Generator().manual_seed(bs)
+            logits = d.extend(reqs, [torch.randint(3, 380, (5 + 3 * j,), generator=gen).tolist() for j in range(bs)])
+            out: list[list[int]] = [[] for _ in range(bs)]
+            for _ in range(24):
+                toks = logits.argmax(-1).tolist()
+                for o, t in zip(out, toks):
+                    o.append(t)
+                logits = d.decode(reqs, toks)
+            for q in reqs:
+                d.free(q)
+            got[bs] = out
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
+        return got
+
+    assert greedy(16) == greedy(0)
+
+
 @cuda_or_interpreter
 @pytest.mark.parametrize("m,e,k,inter", [(5, 8, 2, 96), (33, 16, 4, 80), (64, 6, 3, 64)])
 def test_one_dot_gate_up_equals_the_two_dot_kernel(m, e, k, inter):
