@@ -129,9 +129,17 @@ def gemv_sweep(m: int, args, fp8: list) -> list[dict]:
     ok = [r for r in rows if "us" in r]
     best = min(ok, key=lambda r: r["us"]) if ok else base
     best = {kk: best[kk] for kk in base}
+    for unroll in (2, 4):  # gate/up K-blocks an iteration
+        for bn in (4, 8, 16):
+            for st in (2, 3, 4):
+                run({**best, "K_UNROLL": unroll, "BLOCK_N": bn, "num_stages": st})
+    ok = [r for r in rows if "us" in r]
+    best = min(ok, key=lambda r: r["us"]) if ok else best
+    best = {kk: best[kk] for kk in base}
     for dbn in (2, 4, 8, 16):
         for dw in (2, 4, 8):
-            run({**best, "DOWN_BLOCK_N": dbn, "down_num_warps": dw})
+            for du in (1, 2, 3):  # down K-blocks an iteration
+                run({**best, "DOWN_BLOCK_N": dbn, "down_num_warps": dw, "DOWN_K_UNROLL": du})
     rows.sort(key=lambda r: r.get("us", float("inf")))
     return rows
 

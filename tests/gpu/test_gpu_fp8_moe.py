@@ -118,6 +118,22 @@ def test_fp8_moe_kernels_match_the_reference_on_a_tiny_shape(m, kind):
 
 
 @cuda_or_interpreter
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_fp8_moe_gemv_unrolled_over_k_blocks_equals_one_block_an_iteration(m, unroll):
+    """The gate/up and down GEMVs taking ``K_UNROLL`` / ``DOWN_K_UNROLL`` K-blocks an iteration add them in the
+    same order: bit for bit the one-block loops' output, also where the block count (H = 320: 3 blocks, I = 256:
+    2, the last of H partial) is not a multiple of the unroll."""
+    from kvship.engine.layers.moe.triton_moe_fp8 import GEMV_CONFIG_FP8
+
+    args = _problem(m, 8, 2, 320, 256, kernel_device(), seed=10 + m)
+    one = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=1, DOWN_K_UNROLL=1)})
+    many = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=unroll, DOWN_K_UNROLL=unroll)})
+    assert torch.equal(one, many)
+    assert _rel(many, _ref(args)) < TOL
+
+
+@cuda_or_interpreter
 @pytest.mark.parametrize("kind", ["gemv", "aligned", "persistent"])
 def test_fp8_moe_absent_experts_add_nothing(kind):
     """Expert parallelism: ids of -1 (another rank's expert) add nothing, in every kernel form."""

@@ -28,7 +28,11 @@ Steps for ``M`` tokens and ``n = M * k`` (token, expert) pairs:
   ``silu(g) * u`` stored in fp32) and ``_down_sum_gemv_fp8_kernel`` (one program
   per token and ``BLOCK_N`` output columns: it quantises its token's ``k``
   activation rows per group, dequantises the down weights and sums the ``k``
-  weighted rows in fp32): no alignment, no per-pair output.
+  weighted rows in fp32): no alignment, no per-pair output.  The quantisation
+  and both GEMVs launch under programmatic dependent launch on Hopper
+  (``fused_dispatch.use_pdl``).  Quantising the row inside the gate/up GEMV
+  instead (each program its groups' scales) was measured 1.7x slower at one
+  token on an H200 (docs/quantization.md, "MoE experts").
 
 Ids outside ``[0, E)`` (``-1``: another rank's expert under expert parallelism,
 ``absent=True``) add nothing.  Every launch grid depends on ``M`` only and no
@@ -45,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
 from kvship.engine.layers.moe.kernel_config import GEMV_MAX_PAIRS
 from kvship.engine.layers.moe.triton_moe import (
     _block_coords,
@@ -71,10 +77,13 @@ def _group_scale(amax):
 
 
 @triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, cols, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr):
+def _quant_groups_kernel(
+    x_ptr, q_ptr, s_ptr, cols, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr, USE_PDL: tl.constexpr
+):
     # one program per (row, group of GROUP columns): s = max(amax, 1e-10) / 448, q = e4m3(x / s)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    pdl_enter(USE_PDL)
     offs = g * GROUP + tl.arange(0, GROUP)
     mask = offs < cols
     v = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
@@ -90,7 +99,10 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
     if m:
-        _quant_groups_kernel[(m, s.shape[1])](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group)
+        pdl = use_pdl(x)
+        _quant_groups_kernel[(m, s.shape[1])](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group, USE_PDL=pdl, launch_pdl=pdl
+        )
     return q, s
 
 
@@ -362,9 +374,13 @@ def _gate_up_gemv_fp8_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    K_UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # one (token, expert) pair x BLOCK_N columns of gate and up; weights dequantised per K-block in the kernel
+    # one (token, expert) pair x BLOCK_N columns of gate and up; weights dequantised per K-block in the kernel,
+    # K_UNROLL blocks an iteration (more bytes in flight; the blocks still added in order)
     pair = tl.program_id(0)
+    pdl_enter(USE_PDL)  # the expert id comes from the routing kernel, the activations from the quantisation
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):  # absent: its row is never read
         return
@@ -379,17 +395,20 @@ def _gate_up_gemv_fp8_kernel(
     x_ptrs = xq_ptr + row * stride_xm + offs_k
     acc_g = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(hidden_size, GROUP)):
-        mask_k = offs_k < hidden_size - k0 * GROUP
-        a = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32) * tl.load(xs_ptr + row * stride_xsm + k0)
-        m2 = mask_n[:, None] & mask_k[None, :]
-        g_s = tl.load(gs_ptrs + k0 * stride_wsk, mask=mask_n, other=0.0)
-        u_s = tl.load(us_ptrs + k0 * stride_wsk, mask=mask_n, other=0.0)
-        acc_g += tl.load(g_ptrs, mask=m2, other=0.0).to(tl.float32) * g_s[:, None] * a[None, :]
-        acc_u += tl.load(u_ptrs, mask=m2, other=0.0).to(tl.float32) * u_s[:, None] * a[None, :]
-        x_ptrs += GROUP
-        g_ptrs += GROUP
-        u_ptrs += GROUP
+    n_groups = tl.cdiv(hidden_size, GROUP)
+    for k0 in range(0, tl.cdiv(n_groups, K_UNROLL)):
+        for j in tl.static_range(K_UNROLL):
+            kg = k0 * K_UNROLL + j
+            mask_k = offs_k < hidden_size - kg * GROUP  # all False past the last block: it adds zeros
+            ks = tl.minimum(kg, n_groups - 1)  # the scales' block, a real one past the last
+            a = tl.load(x_ptrs + kg * GROUP, mask=mask_k, other=0.0).to(tl.float32) * tl.load(
+                xs_ptr + row * stride_xsm + ks
+            )
+            m2 = mask_n[:, None] & mask_k[None, :]
+            g_s = tl.load(gs_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
+            u_s = tl.load(us_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
+            acc_g += tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * g_s[:, None] * a[None, :]
+            acc_u += tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * u_s[:, None] * a[None, :]
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, g * tl.sigmoid(g) * u, mask=mask_n)
@@ -418,10 +437,14 @@ def _down_sum_gemv_fp8_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    K_UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one token x BLOCK_N output columns: its TOP_K activation rows (fp32) quantised per group here (every
-    # program of the token computes the same scales), the TOP_K experts' down weights dequantised, weighted sum
+    # program of the token computes the same scales), the TOP_K experts' down weights dequantised, weighted sum;
+    # K_UNROLL K-blocks an iteration (added in order)
     m = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden_size
     offs_k = tl.arange(0, GROUP)
@@ -440,24 +463,29 @@ def _down_sum_gemv_fp8_kernel(
     ws_ptrs = ws_ptr + expert[:, None] * stride_wse + (offs_n // BLOCK_ROWS)[None, :] * stride_wsn
     row_ok = present[:, None, None] & mask_n[None, :, None]
     acc = tl.zeros((TOP_K_P2, BLOCK_N, GROUP), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(inter_size, GROUP)):
-        mask_k = offs_k < inter_size - k0 * GROUP
-        h = tl.load(h_ptrs, mask=present[:, None] & mask_k[None, :], other=0.0)
-        s = _group_scale(tl.max(tl.abs(h), axis=1))
-        a = _quantize(h, s[:, None]).to(tl.float32) * s[:, None]
-        w_s = tl.load(ws_ptrs + k0 * stride_wsk, mask=present[:, None] & mask_n[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=row_ok & mask_k[None, None, :], other=0.0).to(tl.float32)
-        acc += w * w_s[:, :, None] * a[:, None, :]
-        h_ptrs += GROUP
-        w_ptrs += GROUP
+    n_groups = tl.cdiv(inter_size, GROUP)
+    for k0 in range(0, tl.cdiv(n_groups, K_UNROLL)):
+        for j in tl.static_range(K_UNROLL):
+            kg = k0 * K_UNROLL + j
+            mask_k = offs_k < inter_size - kg * GROUP  # all False past the last block: it adds zeros
+            ks = tl.minimum(kg, n_groups - 1)
+            h = tl.load(h_ptrs + kg * GROUP, mask=present[:, None] & mask_k[None, :], other=0.0)
+            s = _group_scale(tl.max(tl.abs(h), axis=1))
+            a = _quantize(h, s[:, None]).to(tl.float32) * s[:, None]
+            w_s = tl.load(ws_ptrs + ks * stride_wsk, mask=present[:, None] & mask_n[None, :], other=0.0)
+            w = tl.load(w_ptrs + kg * GROUP, mask=row_ok & mask_k[None, None, :], other=0.0).to(tl.float32)
+            acc += w * w_s[:, :, None] * a[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * route_w[:, None], axis=0)
     tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 # --- launch -------------------------------------------------------------------------------------------------
-# bench/fp8_moe.py --gemv-sweep 1 on an H200 (session 25): 26.6 us at one token against 29.3 us for the first
-# config (BLOCK_N=8, num_warps=4, num_stages=4, DOWN_BLOCK_N=8), Qwen3-30B-A3B layer
-GEMV_CONFIG_FP8 = dict(BLOCK_N=8, num_warps=8, num_stages=2, DOWN_BLOCK_N=4, down_num_warps=8)
+# bench/fp8_moe.py --gemv-sweep 1 on an H200, Qwen3-30B-A3B layer at one token (docs/quantization.md, "MoE
+# experts"): 21.3 us with two K-blocks an iteration in both GEMVs (session 36; 26.6 us for session 25's
+# one-block loops without PDL)
+GEMV_CONFIG_FP8 = dict(
+    BLOCK_N=16, num_warps=8, num_stages=3, DOWN_BLOCK_N=8, down_num_warps=8, K_UNROLL=2, DOWN_K_UNROLL=2
+)
 
 
 def default_config_fp8(m: int, num_experts: int, top_k: int) -> dict:
@@ -544,22 +572,23 @@ def fused_experts_fp8(
     xq, xs = quantize_groups(x, group)
     weights = topk_weights.reshape(-1).float().contiguous()
     s13, s2 = w13_scale.float(), w2_scale.float()
-    if "gemv" in cfg:
+    if "gemv" in cfg:  # the decode chain's kernels launch under PDL (fused_dispatch), as the bf16 GEMVs
         g = cfg["gemv"]
+        pdl = use_pdl(x)
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(m * top_k, inter, dtype=torch.float32, device=x.device)
         _gate_up_gemv_fp8_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
             xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
             xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-            h.stride(0), BLOCK_N=g["BLOCK_N"], GROUP=group, BLOCK_ROWS=bn,
-            num_warps=g["num_warps"], num_stages=g["num_stages"],
+            h.stride(0), BLOCK_N=g["BLOCK_N"], GROUP=group, BLOCK_ROWS=bn, K_UNROLL=g.get("K_UNROLL", 1), USE_PDL=pdl,
+            num_warps=g["num_warps"], num_stages=g["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
         y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
         _down_sum_gemv_fp8_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
             h, w2, s2, ids, weights, y, num_experts, hidden, inter, h.stride(0),
             w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
             TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=g["DOWN_BLOCK_N"], GROUP=group,
-            BLOCK_ROWS=bn, num_warps=g["down_num_warps"], num_stages=g["num_stages"],
+            BLOCK_ROWS=bn, K_UNROLL=g.get("DOWN_K_UNROLL", 1), USE_PDL=pdl, num_warps=g["down_num_warps"], num_stages=g["num_stages"], launch_pdl=pdl,
         )  # fmt: skip
         return y
     bm, gm = cfg["BLOCK_SIZE_M"], cfg["GROUP_SIZE_M"]
