@@ -107,6 +107,48 @@ def test_router_logits_kernel_equals_the_float32_linear(m, e, hidden, dtype):
     assert router_logits(big, w) is None and router_logits(x, w.to(torch.bfloat16)) is None
 
 
+@needs_triton
+@pytest.mark.parametrize("m,e,hidden,dtype", [(1, 64, 2048, torch.bfloat16), (3, 60, 300, torch.float32),
+                                              (4, 256, 512, torch.bfloat16), (2, 8, 64, torch.float16)])  # fmt: skip
+def test_normed_router_logits_equal_the_norm_then_the_float32_linear(m, e, hidden, dtype):
+    """``router_logits_normed`` (the residual add, the RMSNorm and the router's logits in one kernel) against
+    ``RMSNorm(x, residual)`` then ``F.linear(h.float(), w)``: the new residual bit for bit on CUDA, the normalised
+    rows within a rounding step or two (the sum of squares in another order), the logits within float32 rounding
+    of the products of the rows it returns."""
+    from kvship.engine.layers.moe.topk_triton import NORMED_MAX_ROWS, router_logits_normed
+    from kvship.engine.layers.rmsnorm import RMSNorm
+
+    g = torch.Generator().manual_seed(m * e + 1)
+    x = torch.randn((m, hidden), generator=g).to(dtype).to(DEV)
+    r = torch.randn((m, hidden), generator=g).to(dtype).to(DEV)
+    w = torch.randn((e, hidden), generator=g).to(DEV)
+    norm = RMSNorm(hidden, 1e-6, dtype).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+    got = router_logits_normed(x, r, norm.weight, norm.eps, w)
+    assert got is not None
+    logits, h, res = got
+    sum_ref = (x.float() + r.float()).to(dtype)
+    # one rounding step of the dtype (relative); Triton's interpreter truncates to bf16 / fp16 where the GPU rounds
+    # to nearest, so there each rounding may be a step off
+    step = {torch.float32: 1.2e-7, torch.bfloat16: 7.9e-3, torch.float16: 9.8e-4}[dtype]
+    if DEV == "cuda":
+        assert torch.equal(res, sum_ref)
+    else:
+        assert ((res.float() - sum_ref.float()).abs() <= step * sum_ref.float().abs()).all()
+    var = res.float().pow(2).mean(-1, keepdim=True)  # the norm of the sum the kernel returned
+    h_ref = (norm.weight.float() * (res.float() * torch.rsqrt(var + norm.eps)).to(dtype).float()).to(dtype)
+    steps = 2 if DEV == "cuda" else 3
+    assert ((h.float() - h_ref.float()).abs() <= steps * step * h_ref.float().abs() + 1e-6).all()
+    want = torch.nn.functional.linear(h.float(), w)
+    assert logits.dtype == torch.float32 and logits.shape == (m, e)
+    assert torch.allclose(logits.cpu(), want.cpu(), rtol=1e-5, atol=1e-5 * hidden**0.5)
+    # outside what it takes: None (the caller norms apart)
+    big = torch.zeros((NORMED_MAX_ROWS + 1, hidden), dtype=dtype, device=DEV)
+    assert router_logits_normed(big, big, norm.weight, norm.eps, w) is None
+    assert router_logits_normed(x, r, norm.weight, norm.eps, w.to(torch.bfloat16)) is None
+
+
 def test_fits_takes_whole_groups_and_at_most_max_experts():
     from kvship.engine.layers.moe import topk_triton as tt
 
@@ -120,4 +162,4 @@ def test_fits_takes_whole_groups_and_at_most_max_experts():
 def test_route_kernel_cases_pass_in_the_triton_interpreter(request):
     """This file's kernel cases in the session's Triton-interpreter child (tests/triton_interp.py)."""
     pytest.importorskip("triton")
-    interpreter_outcomes(request, "tests/test_moe_route_kernel.py").check(passed=18)
+    interpreter_outcomes(request, "tests/test_moe_route_kernel.py").check(passed=22)

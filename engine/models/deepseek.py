@@ -382,6 +382,16 @@ class DeepseekRouter(nn.Module):
         logits = fused.router_logits(x, self.weight) if fused is not None else None
         return logits if logits is not None else torch.nn.functional.linear(x.float(), self.weight)
 
+    def normed_logits(
+        self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(forward(h), h, x + residual)`` for ``h = norm(x + residual)`` from one kernel where there is one (CUDA,
+        an RMSNorm, the smallest decode batches: ``topk_triton.router_logits_normed``); None elsewhere."""
+        fused = cuda_moe_route(x)
+        if fused is None or residual is None or type(norm).forward is not RMSNorm.forward:
+            return None
+        return fused.router_logits_normed(x, residual, norm.weight, norm.eps, self.weight)
+
     def select(
         self, logits: torch.Tensor, counts: Optional[torch.Tensor] = None, rows_slots: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,18 +473,23 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = LlamaMLP(replace(config, intermediate_size=width))
         self.side_stream_tokens = side_stream_limit()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer over ``x``; ``logits``: the router's, where they were computed already."""
+
+        def router() -> torch.Tensor:
+            return logits if logits is not None else self.gate(x)
+
         if not self.has_shared:
-            return self.experts(x, self.gate(x))
+            return self.experts(x, router())
         # tensor parallelism replaces the modules after construction: asked at the first forward
         apart, comm = partials_comm(self.shared_experts, self.experts)
         if not apart:  # a dispatch that exchanges rows keeps its own collectives
-            return self.experts(x, self.gate(x)) + self.shared_experts(x)
+            return self.experts(x, router()) + self.shared_experts(x)
         # the shared experts on a side stream beside the router and the routed experts (docs/deepseek.md,
         # "Two streams"); under TP both leave partial sums, added and all-reduced once
         shared, out = beside(
             lambda: self.shared_experts.forward_partial(x),
-            lambda: self.experts.forward_partial(x, self.gate(x)),
+            lambda: self.experts.forward_partial(x, router()),
             x,
             self.side_stream_tokens,
         )
@@ -484,7 +499,12 @@ class DeepseekMoE(nn.Module):
     def forward_normed(
         self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and the new residual."""
+        """``forward(norm(x + residual))`` and the new residual; at the smallest decode batches on CUDA the norm
+        and the router's logits are one kernel (``DeepseekRouter.normed_logits``)."""
+        fused = self.gate.normed_logits(norm, x, residual)
+        if fused is not None:
+            logits, h, residual = fused
+            return self.forward(h, logits), residual
         h, residual = norm(x, residual)
         return self.forward(h), residual
 

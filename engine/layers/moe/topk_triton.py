@@ -183,6 +183,99 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tenso
     return out
 
 
+@triton.jit
+def _router_logits_norm_kernel(
+    X,
+    R,
+    NW,
+    W,
+    OUT,
+    H_OUT,
+    R_OUT,
+    m,
+    num_experts,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # the block's residual add and RMSNorm over whole rows in one tile (rounded as _rmsnorm_kernel rounds: the sum
+    # to the rows' dtype, the normalised row to it, times the weight in float32, to it), then BLOCK_E experts'
+    # float32 logits of the normalised rows; program 0 also stores the normalised rows and the new residual
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    ex = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < hidden
+    dt = X.dtype.element_ty
+    # the router's and the norm's weights stream in before the wait on the previous kernel (they never depend on it)
+    w = tl.load(W + ex[:, None].to(tl.int64) * stride_w + ks[None, :], mask=(ex[:, None] < num_experts) & k_ok[None, :],
+                other=0.0)  # fmt: skip
+    nw = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    mk = row_ok[:, None] & k_ok[None, :]
+    xv = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=mk, other=0.0)
+    rv = tl.load(R + rows[:, None] * stride_r + ks[None, :], mask=mk, other=0.0)
+    sv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+    s32 = sv.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s32 * s32, axis=1) / hidden + eps)
+    hv = (nw[None, :] * (s32 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+    if pid == 0:
+        tl.store(R_OUT + rows[:, None] * hidden + ks[None, :], sv, mask=mk)
+        tl.store(H_OUT + rows[:, None] * hidden + ks[None, :], hv, mask=mk)
+    acc = tl.sum(hv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(OUT + rows[:, None] * num_experts + ex[None, :], acc, mask=row_ok[:, None] & (ex[None, :] < num_experts))
+
+
+# the most rows ``router_logits_normed`` takes, and the most elements of its tile of whole rows (larger decode
+# batches and wider rows norm apart)
+NORMED_MAX_ROWS = 4
+NORMED_MAX_TILE = 16384
+
+
+def router_logits_normed(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The pre-MoE block's ``h = RMSNorm(x + residual)`` and the router's float32 logits of ``h`` in one kernel:
+    ``(logits [M, E], h, x + residual)``, new tensors, for decode batches of at most ``NORMED_MAX_ROWS`` rows;
+    None for larger batches or layouts it does not take (the caller norms apart).  ``h`` and the sum are rounded
+    as the RMSNorm kernel rounds them; its sum of squares runs in another order (``h`` within one rounding step
+    of the RMSNorm kernel's), the logits as ``router_logits``'s."""
+    m, hidden = x.shape
+    if (
+        m == 0
+        or m > NORMED_MAX_ROWS
+        or residual.shape != x.shape
+        or residual.dtype != x.dtype
+        or x.stride(-1) != 1
+        or residual.stride(-1) != 1
+        or weight.stride(-1) != 1
+        or weight.dtype != torch.float32
+        or norm_weight.shape != (hidden,)
+        or not norm_weight.is_contiguous()
+    ):
+        return None
+    block_m, block_k = max(triton.next_power_of_2(m), 2), triton.next_power_of_2(hidden)
+    if block_m * block_k > NORMED_MAX_TILE:
+        return None
+    e = weight.shape[0]
+    out = torch.empty((m, e), dtype=torch.float32, device=x.device)
+    h = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+    res = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
+    _router_logits_norm_kernel[(triton.cdiv(e, 2),)](
+        x, residual, norm_weight, weight, out, h, res, m, e, hidden, float(eps), x.stride(0), residual.stride(0),
+        weight.stride(0), BLOCK_M=block_m, BLOCK_E=2, BLOCK_K=block_k, USE_PDL=pdl, num_warps=8, launch_pdl=pdl,
+    )  # fmt: skip
+    return out, h, res
+
+
 def route(
     logits: torch.Tensor,
     top_k: int,
