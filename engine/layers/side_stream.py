@@ -14,7 +14,7 @@ their partial sums, summed and all-reduced once after the join), since two colle
 two streams could run in different orders on different ranks.  Memory: the side branch's tensors come
 from the side stream's pool; they are read on the current stream only after the join, and the side
 stream's next work waits for the current stream first, so a block is never reused while a read of it
-is pending.  On CPU, or above ``KVSHIP_SIDE_STREAM_TOKENS`` tokens (0: always), the branches run one
+is pending.  On CPU, above ``KVSHIP_SIDE_STREAM_TOKENS`` tokens, or with it 0, the branches run one
 after the other on the current stream.
 """
 
