@@ -119,7 +119,7 @@ CASES = {
     "llama": (1, 5),  # o_proj x 3, down_proj of layers 0 and 1
     "qwen3": (1, 5),
     "qwen3_moe": (2, 5),  # sparse, dense, sparse: every block's output left to the next norm
-    "qwen2_moe": (2, 4),  # layer 1's shared expert keeps its block's all-reduce: o_proj x 3 + layer 0's down_proj
+    "qwen2_moe": (2, 5),  # layer 1's shared and routed experts: partial sums added, their all-reduce left to the norm
 }
 
 

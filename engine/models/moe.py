@@ -80,8 +80,11 @@ class SparseMoeBlock(nn.Module):
 
     def output_comm(self) -> Optional[Any]:
         """The all-reduce ``forward_normed(defer=True)`` leaves to the caller: the experts' (their ``all_reduce``
-        dispatch); None with a shared expert (its own MLP's output is summed apart) or another dispatch."""
-        return None if self.has_shared_expert else self.experts.reduce_comm
+        dispatch), with a shared expert the one that sums both partial outputs; None for another dispatch."""
+        if not self.has_shared_expert:
+            return self.experts.reduce_comm
+        apart, comm = partials_comm(self.shared_expert, self.experts)
+        return comm if apart else None
 
     def forward_normed(
         self,
@@ -95,11 +98,13 @@ class SparseMoeBlock(nn.Module):
         batch-1-sized decode (``rmsnorm.norm_then_linear``, ``pending`` as there), which also hands the experts the
         normalised rows.  ``defer`` (only where ``output_comm`` is not None): the experts' partial sum."""
         logits, residual, h = norm_then_linear(norm, self.gate, x, residual, keep_normed=True, pending=pending)
-        if defer:
+        if defer and not self.has_shared_expert:
             return self.experts.forward_partial(h, logits), residual
-        return self._experts(h, logits), residual
+        return self._experts(h, logits, reduce=not defer), residual
 
-    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The routed experts plus the gated shared expert; ``reduce=False`` (only where ``output_comm`` is not
+        None): the sum of the two partial outputs, its all-reduce left to the caller."""
         if not self.has_shared_expert:
             return self.experts(x, logits)
         apart, comm = partials_comm(self.shared_expert, self.experts)
@@ -114,7 +119,7 @@ class SparseMoeBlock(nn.Module):
             self.side_stream_tokens,
         )
         out = out + shared
-        return comm.all_reduce(out) if comm is not None else out
+        return comm.all_reduce(out) if comm is not None and reduce else out
 
 
 @register_model("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
