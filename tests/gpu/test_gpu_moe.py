@@ -170,6 +170,22 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(m):
             assert torch.equal(out, layer(x, logits)), f"replay {seed} differs from eager"
 
 
+def _greedy_moe(d, bs: int) -> list[list[int]]:
+    """24 greedy decode steps of ``bs`` seeded prompts (5, 8, 11, ... tokens) through the KV driver ``d``."""
+    reqs = [d.new() for _ in range(bs)]
+    gen = torch.Generator().manual_seed(bs)
+    logits = d.extend(reqs, [torch.randint(3, 380, (5 + 3 * j,), generator=gen).tolist() for j in range(bs)])
+    out: list[list[int]] = [[] for _ in range(bs)]
+    for _ in range(24):
+        toks = logits.argmax(-1).tolist()
+        for o, t in zip(out, toks):
+            o.append(t)
+        logits = d.decode(reqs, toks)
+    for q in reqs:
+        d.free(q)
+    return out
+
+
 @requires_cuda
 def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver, monkeypatch, request):
     """Graphs (prefill and decode) with programmatic dependent launch on (the default on Hopper) against eager
@@ -207,19 +223,7 @@ def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_d
 
     def greedy(r: ModelRunner, bs: int) -> list[list[int]]:
         pdl("1" if r.cuda_graph_runner is not None else "0")
-        d = kv_driver(r)
-        reqs = [d.new() for _ in range(bs)]
-        gen = torch.Generator().manual_seed(bs)
-        logits = d.extend(reqs, [torch.randint(3, 380, (5 + 3 * j,), generator=gen).tolist() for j in range(bs)])
-        out: list[list[int]] = [[] for _ in range(bs)]
-        for _ in range(24):
-            toks = logits.argmax(-1).tolist()
-            for o, t in zip(out, toks):
-                o.append(t)
-            logits = d.decode(reqs, toks)
-        for q in reqs:
-            d.free(q)
-        return out
+        return _greedy_moe(kv_driver(r), bs)
 
     pdl("1")  # captured with PDL
     graph_runner = runner(True)
@@ -265,19 +269,7 @@ def test_shared_expert_on_a_side_stream_gives_the_one_stream_tokens(tmp_path, kv
         assert r.cuda_graph_runner is not None
         got = {}
         for bs in (1, 3, 16):
-            d = kv_driver(r)
-            reqs = [d.new() for _ in range(bs)]
-            gen = torch.Generator().manual_seed(bs)
-            logits = d.extend(reqs, [torch.randint(3, 380, (5 + 3 * j,), generator=gen).tolist() for j in range(bs)])
-            out: list[list[int]] = [[] for _ in range(bs)]
-            for _ in range(24):
-                toks = logits.argmax(-1).tolist()
-                for o, t in zip(out, toks):
-                    o.append(t)
-                logits = d.decode(reqs, toks)
-            for q in reqs:
-                d.free(q)
-            got[bs] = out
+            got[bs] = _greedy_moe(kv_driver(r), bs)
         del r
         gc.collect()
         torch.cuda.empty_cache()
