@@ -283,11 +283,14 @@ def mla_decode_kernel(
 def mla_decode_sweep(q, pool, r2t, fb, r: int, scale: float, read: int, bw: float) -> list[dict[str, Any]]:
     """``mla_decode`` launch configs at this batch (tiles over the context, warps, pipeline stages, splits),
     fastest first: where the backend's defaults stand (docs/deepseek.md)."""
+    import triton
+
     from kvship.engine.attention import mla_triton as mt
 
     latent = pool.get_latent_buffer(0)
     rows = []
-    for splits in (4, 8, 16):
+    few = q.shape[0] * triton.cdiv(q.shape[1], mt.DECODE_BLOCK_H) < 8  # few programs a split: try more splits
+    for splits in (4, 8, 16, 32, 64) if few else (4, 8, 16):
         for block_n in (16, 32, 64):
             for warps in (4, 8):
                 for stages in (1, 2, 3):

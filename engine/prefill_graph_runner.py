@@ -93,7 +93,9 @@ class _SplitPoint:
         layer: "AttentionLayerSpec",
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        out_group: int = 0,
     ) -> torch.Tensor:
+        # (``out_group`` concerns decode steps only: an extend's output is model-dtype rows)
         r, t = self.runner, self.tokens
         if self.probe:
             r.ensure_buffers(q, k, v)

@@ -404,3 +404,27 @@ def test_dummy_loader_makes_fp8_weights_of_every_format_the_same_at_every_tp_ran
     assert torch.isfinite(_forward_without_kv(whole, torch.tensor([3, 4, 5]))).all()
     rank1 = load_model(mc, "dummy", "cpu", seed=5, tp=GlooCommunicator(rank=1, size=2))
     assert torch.equal(rank1.model.layers[0].mlp.down_proj.weight.float(), down.weight.float()[:, 128:])
+
+
+def test_a_block_linear_takes_an_input_its_producer_quantized():
+    """``QuantizedInput``: a block-128 layer's product of an input quantized per 128-group by the kernel that made
+    it (the decode attention's merge on a GPU) equals its product of the unquantized rows; off CUDA nothing
+    offers to hand it one (``input_group`` 0)."""
+    from kvship.engine.layers.linear import Linear
+    from kvship.engine.layers.quantization import fp8_math as fm
+    from kvship.engine.layers.quantization.base import QuantizedInput
+    from kvship.engine.layers.quantization.fp8 import Fp8CheckpointMethod, parse_scheme
+
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    layer = Linear(256, 64, quant_method=Fp8CheckpointMethod(parse_scheme("fp8", qc)))
+    gen = torch.Generator().manual_seed(3)
+    w, ws = fm.quantize_blocks(torch.randn(64, 256, generator=gen) * 0.05, (128, 128))
+    layer.weight.data.copy_(w)
+    layer.weight_scale_inv.data.copy_(ws)
+    x = torch.randn(3, 256, generator=gen)
+    g = x.view(3, 2, 128)
+    scales = g.abs().amax(-1).clamp(min=1e-10) / 448.0
+    q = fm.to_fp8(g, scales[..., None]).view(3, 256)
+    y = layer(QuantizedInput(q, scales, torch.float32))
+    assert torch.equal(y, layer(x))
+    assert layer.quant_method.input_group(layer) == 0

@@ -269,3 +269,44 @@ def test_the_shared_rmsnorm_row_is_the_torch_norm():
     s = x + res
     assert torch.equal(r, s)
     assert torch.allclose(h, w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_attention_quant_is_the_decode_then_the_group_quantization_bit_for_bit(fk, kv_fp8):
+    """The decode merge kernel that stores o_proj's FP8 input (``decode_attention_quant``, one 128-column group a
+    head) gives the bytes and scales of ``decode_attention`` followed by ``quantize_act`` per 128-group; on a
+    bf16 and an FP8 KV pool."""
+    from kvship.engine.attention.triton_ops import decode_attention as da
+
+    gen = torch.Generator().manual_seed(6)
+    hkv, h, d, slots = 2, 4, 128, 96
+    k_buf = torch.randn(slots, hkv, d, generator=gen).to(torch.bfloat16)
+    v_buf = (torch.randn(slots, hkv, d, generator=gen) * 3).to(torch.bfloat16)
+    scales = {}
+    if kv_fp8:
+        k_buf, v_buf = k_buf.to(fm.FP8), v_buf.to(fm.FP8)
+        scales = {"k_scale": 0.5, "v_scale": 1.5}
+    lens = [5, 40]
+    bs = len(lens)
+    r2t = torch.zeros(bs, 64, dtype=torch.int32)
+    r2t[0, :5] = torch.arange(1, 6)
+    r2t[1, :40] = torch.randperm(slots - 8, generator=gen)[:40].to(torch.int32) + 8
+    seq = torch.tensor(lens)
+    q = torch.randn(bs, h, d, generator=gen).to(torch.bfloat16)
+    args = (r2t, torch.arange(bs), seq)
+
+    def scratch():
+        return (
+            torch.empty(bs, h, da.MAX_KV_SPLITS, d, dtype=torch.float32),
+            torch.empty(bs, h, da.MAX_KV_SPLITS, dtype=torch.float32),
+        )
+
+    o = torch.full_like(q, float("nan"))
+    da.decode_attention(q, k_buf, v_buf, o, *args, *scratch(), 4, d**-0.5, **scales)
+    q_ref, s_ref = fk.quantize_act(o.view(bs, h * d), fk.ACT_GROUP, 128)
+    oq, os_ = da.decode_attention_quant(q, k_buf, v_buf, *args, *scratch(), 4, d**-0.5, **scales)
+    assert oq.shape == (bs, h * d) and os_.shape == (bs, h)
+    assert torch.equal(oq.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(os_, s_ref)
+    with pytest.raises(ValueError, match="head dim of 128"):
+        da.decode_attention_quant(q[..., :64].contiguous(), k_buf[..., :64], v_buf[..., :64], *args, *scratch(), 4, 1.0)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -110,12 +110,34 @@ class AttentionBackend(ABC):
         layer: AttentionLayerSpec,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        out_group: int = 0,
     ) -> torch.Tensor:
+        """Attention of the batch's new tokens; ``out_group`` (``QuantMethod.input_group`` of the projection that
+        follows): a decode step may return its output as that projection's ``QuantizedInput`` instead
+        (``forward_decode_quant``), where the backend has such a kernel."""
         if forward_batch.kv_ready is not None:  # host-tier pages loading back (docs/cache.md, "Load-back")
             forward_batch.kv_ready(layer.layer_id)
         if forward_batch.forward_mode.is_decode():
+            if out_group:
+                out = self.forward_decode_quant(q, k, v, layer, forward_batch, save_kv_cache, out_group)
+                if out is not None:
+                    return out
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode_quant(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        group: int,
+    ) -> Optional[Any]:
+        """``forward_decode`` with its output quantized per ``group`` columns by the attention's own last kernel
+        (a ``QuantizedInput``), or None: this backend has no such kernel (the caller runs ``forward_decode``)."""
+        return None
 
     @abstractmethod
     def forward_extend(

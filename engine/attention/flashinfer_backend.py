@@ -67,9 +67,10 @@ from kvship.engine.attention.triton_backend import (
     TritonExtendMeta,
     extend_meta,
     run_extend,
+    run_triton_decode,
     store_new_kv,
+    triton_decode_quant,
 )
-from kvship.engine.attention.triton_ops.decode_attention import decode_attention
 from kvship.engine.attention.triton_ops.kv_indices import build_kv_indices
 from kvship.engine.attention.triton_ops.kv_store import store_kv
 from kvship.engine.attention.triton_ops.merge_state import merge_state
@@ -394,27 +395,19 @@ class FlashInferAttnBackend(AttentionBackend):
             store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
         h, d = layer.num_heads, layer.head_dim
         if isinstance(meta, TritonDecodeMeta):
-            qh = q.view(-1, h, d)
-            out = torch.empty_like(qh)
-            decode_attention(
-                qh,
-                fb.kv_pool.get_key_buffer(layer.layer_id),
-                fb.kv_pool.get_value_buffer(layer.layer_id),
-                out,
-                fb.req_to_token_pool.req_to_token,
-                fb.req_pool_indices,
-                fb.seq_lens,
-                meta.mid_out,
-                meta.mid_lse,
-                meta.num_splits,
-                layer.scaling,
-                k_scale=fb.kv_pool.k_scales[layer.layer_id],
-                v_scale=fb.kv_pool.v_scales[layer.layer_id],
-            )
-            return out.view(-1, h * d)
+            return run_triton_decode(q, layer, fb, meta)  # type: ignore[return-value]
         cache = self._paged_cache(fb, layer.layer_id)
         out = meta.wrapper.run(q.view(-1, h, d), cache, **self._kv_scales(fb, layer.layer_id))
         return out.view(-1, h * d)
+
+    def forward_decode_quant(self, q, k, v, layer, forward_batch, save_kv_cache, group):
+        """Where this step decodes with the Triton split-KV kernel (small batches): its merge stores o_proj's
+        FP8 input (``triton_decode_quant``); FlashInfer's own decode returns rows (None here)."""
+        meta = self.forward_metadata
+        if not isinstance(meta, TritonDecodeMeta):
+            return None
+        self._check_layer(layer)
+        return triton_decode_quant(meta, q, k, v, layer, forward_batch, save_kv_cache, group)
 
     # --- CUDA graphs -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

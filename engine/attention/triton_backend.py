@@ -35,7 +35,13 @@ from kvship.engine.attention.base import (
     AttentionLayerSpec,
     register_attention_backend,
 )
-from kvship.engine.attention.triton_ops.decode_attention import MAX_KV_SPLITS, decode_attention, num_kv_splits
+from kvship.engine.attention.triton_ops.decode_attention import (
+    ACT_GROUP_SIZE,
+    MAX_KV_SPLITS,
+    decode_attention,
+    decode_attention_quant,
+    num_kv_splits,
+)
 from kvship.engine.attention.triton_ops.extend_attention import extend_attention
 from kvship.engine.attention.triton_ops.kv_store import quantize_new_kv, store_kv
 from kvship.engine.attention.triton_ops.verify_attention import (
@@ -44,6 +50,7 @@ from kvship.engine.attention.triton_ops.verify_attention import (
     verify_attention,
 )
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.layers.quantization.base import QuantizedInput
 
 
 @dataclass
@@ -51,6 +58,58 @@ class TritonDecodeMeta:
     num_splits: int
     mid_out: torch.Tensor  # [bs, H, MAX_KV_SPLITS, D] float32
     mid_lse: torch.Tensor  # [bs, H, MAX_KV_SPLITS] float32
+
+
+def quant_decode_takes(q: torch.Tensor, layer: AttentionLayerSpec, group: int) -> bool:
+    """Whether the decode merge can store this layer's output quantized per ``group`` columns (one group a head
+    of 128, on CUDA)."""
+    return group == ACT_GROUP_SIZE and layer.head_dim == group and q.is_cuda
+
+
+def run_triton_decode(
+    q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, meta: TritonDecodeMeta, group: int = 0
+) -> Optional[torch.Tensor | QuantizedInput]:
+    """The split-KV decode of ``q`` over this layer's pool (the new keys and values stored already): rows
+    ``[T, H * D]`` in ``q``'s dtype; with ``group``, o_proj's ``QuantizedInput`` from the merge kernel
+    (``decode_attention_quant``: 128-column groups of 128-dim heads, on CUDA), or None where it does not take
+    them (before anything runs)."""
+    h, d = layer.num_heads, layer.head_dim
+    if group and not quant_decode_takes(q, layer, group):
+        return None
+    qh = q.view(-1, h, d)
+    pool = fb.kv_pool
+    args = (
+        pool.get_key_buffer(layer.layer_id),
+        pool.get_value_buffer(layer.layer_id),
+    )
+    rest = (
+        fb.req_to_token_pool.req_to_token,
+        fb.req_pool_indices,
+        fb.seq_lens,
+        meta.mid_out,
+        meta.mid_lse,
+        meta.num_splits,
+        layer.scaling,
+    )
+    scales = dict(k_scale=pool.k_scales[layer.layer_id], v_scale=pool.v_scales[layer.layer_id])
+    if group:
+        return QuantizedInput(*decode_attention_quant(qh, *args, *rest, **scales), q.dtype)
+    out = torch.empty_like(qh)
+    decode_attention(qh, *args, out, *rest, **scales)
+    return out.view(-1, h * d)
+
+
+def triton_decode_quant(
+    meta: TritonDecodeMeta, q, k, v, layer: AttentionLayerSpec, fb: ForwardBatch, save_kv_cache: bool, group: int
+) -> Optional[QuantizedInput]:
+    """``AttentionBackend.forward_decode_quant`` of a backend whose decode runs ``run_triton_decode`` with
+    ``meta``: the new keys and values stored, then the quantized output; None (nothing run) where it is not
+    taken."""
+    if not quant_decode_takes(q, layer, group):
+        return None
+    if save_kv_cache:
+        store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
+    return run_triton_decode(q, layer, fb, meta, group)  # type: ignore[return-value]
 
 
 class DecodeSplits:
@@ -294,28 +353,13 @@ class TritonAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         fb = forward_batch
-        meta: TritonDecodeMeta = self.forward_metadata  # type: ignore[assignment]
         if save_kv_cache:
             store_kv(fb.kv_pool, layer.layer_id, fb.out_cache_loc, k, v)
-        h, d = layer.num_heads, layer.head_dim
-        qh = q.view(-1, h, d)
-        out = torch.empty_like(qh)
-        decode_attention(
-            qh,
-            fb.kv_pool.get_key_buffer(layer.layer_id),
-            fb.kv_pool.get_value_buffer(layer.layer_id),
-            out,
-            fb.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            meta.mid_out,
-            meta.mid_lse,
-            meta.num_splits,
-            layer.scaling,
-            k_scale=fb.kv_pool.k_scales[layer.layer_id],
-            v_scale=fb.kv_pool.v_scales[layer.layer_id],
-        )
-        return out.view(-1, h * d)
+        return run_triton_decode(q, layer, fb, self.forward_metadata)  # type: ignore[arg-type, return-value]
+
+    def forward_decode_quant(self, q, k, v, layer, forward_batch, save_kv_cache, group):
+        """The merge kernel stores the output as o_proj's FP8 input (``run_triton_decode`` with ``group``)."""
+        return triton_decode_quant(self.forward_metadata, q, k, v, layer, forward_batch, save_kv_cache, group)
 
     # --- CUDA graphs -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -46,9 +46,11 @@ class Attention(nn.Module):
         v: torch.Tensor,
         forward_batch: ForwardBatch,
         qk_norm: Optional[tuple[nn.Module, nn.Module]] = None,
+        out_group: int = 0,
     ) -> torch.Tensor:
         """RoPE on ``q [T, H, D]`` / ``k [T, Hkv, D]``, then attention with ``v [T, Hkv, D]``; ``qk_norm``
-        (Qwen3's per-head ``RMSNorm`` of q and of k) normalises them before the rotation.
+        (Qwen3's per-head ``RMSNorm`` of q and of k) normalises them before the rotation; ``out_group``: the
+        output may come as the next projection's ``QuantizedInput`` (``AttentionBackend.forward``).
 
         On CUDA with the plain KV pool, one kernel normalises (``qk_norm``) and
         rotates q and k and writes the new keys and values into this layer's
@@ -89,7 +91,7 @@ class Attention(nn.Module):
             if stored and fb.forward_mode.is_decode()
             else v.reshape(-1, s.num_kv_heads * s.head_dim).contiguous()
         )
-        out = fb.attn_backend.forward(qf, kf, vf, s, fb, not stored)
+        out = fb.attn_backend.forward(qf, kf, vf, s, fb, not stored, out_group)
         if fb.layer_done is not None:
             fb.layer_done(s.layer_id)
         return out

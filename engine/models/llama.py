@@ -87,6 +87,8 @@ class LlamaAttention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
             forward_batch,
             (self.q_norm, self.k_norm) if self.qk_norm else None,
+            # a decode step may hand o_proj its input already quantized (block-128 FP8: docs/quantization.md)
+            self.o_proj.quant_method.input_group(self.o_proj),
         )
         return (self.o_proj.forward_partial(out) if defer else self.o_proj(out)), residual
 

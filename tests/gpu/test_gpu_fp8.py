@@ -259,13 +259,13 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _runner(path: str, graphs: bool) -> ModelRunner:
+def _runner(path: str, graphs: bool, backend: str = "triton") -> ModelRunner:
     return ModelRunner(
         ServerArgs(
             model_path=path,
             device="cuda",
             dtype="bfloat16",
-            attention_backend="triton",
+            attention_backend=backend,
             max_total_tokens=4096,
             max_running_requests=32,
             context_length=512,
@@ -370,3 +370,70 @@ def test_cuda_graph_decode_of_an_fp8_model_equals_eager(checkpoints, fmt):
         assert cgr.replays > before, "decode steps did not replay graphs"
         _assert_close_steps(got, want, unquantized[bs], f"{fmt} bs {bs}: graph vs eager")
     _release(graph)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_attention_quant_is_the_decode_then_the_quantization_bit_for_bit(fk, kv_fp8):
+    """The decode merge that stores o_proj's FP8 input (one 128-group a head) against ``decode_attention`` then
+    ``quantize_act``, bf16 on the GPU: the same e4m3 bytes and scales."""
+    from kvship.engine.attention.triton_ops import decode_attention as da
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    hkv, h, d, slots, bs = 8, 32, 128, 4096, 5
+    k_buf = torch.randn(slots, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+    v_buf = (torch.randn(slots, hkv, d, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    scales = {}
+    if kv_fp8:
+        k_buf, v_buf = k_buf.to(fm.FP8), v_buf.to(fm.FP8)
+        scales = {"k_scale": 0.5, "v_scale": 1.5}
+    lens = torch.tensor([1, 17, 300, 511, 800], device="cuda")
+    r2t = torch.randperm(slots - 1, generator=gen, device="cuda")[: bs * 800].view(bs, 800).to(torch.int32) + 1
+    q = torch.randn(bs, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+    args = (r2t, torch.arange(bs, device="cuda"), lens)
+
+    def scratch():
+        return (
+            torch.empty(bs, h, da.MAX_KV_SPLITS, d, dtype=torch.float32, device="cuda"),
+            torch.empty(bs, h, da.MAX_KV_SPLITS, dtype=torch.float32, device="cuda"),
+        )
+
+    o = torch.full_like(q, float("nan"))
+    da.decode_attention(q, k_buf, v_buf, o, *args, *scratch(), 8, d**-0.5, **scales)
+    q_ref, s_ref = fk.quantize_act(o.view(bs, h * d), fk.ACT_GROUP, 128)
+    oq, os_ = da.decode_attention_quant(q, k_buf, v_buf, *args, *scratch(), 8, d**-0.5, **scales)
+    assert torch.equal(oq.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(os_, s_ref)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_block_fp8_decode_with_the_quantized_attention_output_gives_the_same_logits(tmp_path, monkeypatch, backend):
+    """A block-128 model with 128-dim heads: the decode steps (eager and CUDA graphs) whose attention merge hands
+    o_proj its FP8 input give bit-equal logits to the steps that quantize it in a kernel of their own; the
+    flashinfer backend takes it where it decodes with the Triton split-KV kernel (small batches)."""
+    from kvship.engine.attention import triton_backend as tb
+    from kvship.engine.layers.quantization.fp8 import Fp8Method
+
+    dims = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    src = build_tiny_model(str(tmp_path / "src"), "llama", seed=33, **dims)
+    dst = str(tmp_path / "block")
+    write_fp8_checkpoint(src, dst, "fp8_block")
+    calls = []
+    quant = tb.decode_attention_quant
+    monkeypatch.setattr(tb, "decode_attention_quant", lambda *a, **kw: calls.append(1) or quant(*a, **kw))
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Fp8Method, "input_group", lambda self, layer: 0)
+        for graphs in (False, True):
+            calls.clear()
+            runner = _runner(dst, graphs=graphs, backend=backend)
+            prompts = _prompts(runner, 3)
+            runs[fused, graphs] = _steps(runner, prompts, steps=10)
+            assert bool(calls) == fused, f"fused={fused} graphs={graphs}: {len(calls)} quantized decodes"
+            _release(runner)
+    for graphs in (False, True):
+        got, fed = runs[True, graphs]
+        want, want_fed = runs[False, graphs]
+        assert fed == want_fed
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"graphs={graphs}: step {i} logits differ"

@@ -30,6 +30,10 @@ import triton.language as tl
 
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter
+from kvship.engine.layers.quantization.fp8_kernels import _scale_of, _to_e4m3
+
+# the activation group a quantized decode output takes (one head of 128 columns: block-128 FP8 checkpoints)
+ACT_GROUP_SIZE = 128
 
 MAX_KV_SPLITS = 16
 # stage 1's register cap on an FP8 pool at head dim 128 (``stage1_tile``; H200, docs/benchmarks.md, session 34)
@@ -268,11 +272,15 @@ def _decode_stage2(
     stride_lh,
     stride_ob,
     stride_oh,
+    oq,
+    os,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
+    # QUANT: the output row is stored as the next projection's FP8 input instead (``decode_attention_quant``)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl_enter(USE_PDL)
@@ -293,7 +301,15 @@ def _decode_stage2(
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0, denom, 1.0)
     out = tl.sum(part * w[:, None], 0) / denom
-    tl.store(o + b * stride_ob + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
+    if QUANT:
+        # one 128-column group of the o_proj input: the head's row rounded to the model dtype, then quantized as
+        # fp8_kernels.quantize_act quantizes a group (its scale from the group's amax; masked columns are 0)
+        v = tl.where(d_mask, out.to(o.dtype.element_ty).to(tl.float32), 0.0)
+        sc = _scale_of(tl.max(tl.abs(v), 0))
+        tl.store(oq + b * stride_ob + h * HEAD_DIM + offs_d, _to_e4m3(v, sc), mask=d_mask)
+        tl.store(os + b * tl.num_programs(1) + h, sc)
+    else:
+        tl.store(o + b * stride_ob + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
 
 
 def decode_attention(
@@ -341,6 +357,8 @@ def decode_attention(
         mid_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        o,
+        o,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
@@ -349,6 +367,59 @@ def decode_attention(
         launch_pdl=pdl,
     )
     return o
+
+
+def decode_attention_quant(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    num_splits: int,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention`` whose merge stores the output as the FP8 input of a block-128 projection (o_proj):
+    e4m3 ``[bs, H * D]`` and float32 scales ``[bs, H]``, one 128-column group per head (``D`` must be 128),
+    bit-equal to ``decode_attention`` followed by ``fp8_kernels.quantize_act(..., ACT_GROUP, 128)``: the
+    o_proj's quantization kernel is gone (docs/quantization.md, "GPU kernels")."""
+    bs, num_heads, head_dim = q.shape
+    if head_dim != ACT_GROUP_SIZE:
+        raise ValueError(f"a quantized decode output takes a head dim of {ACT_GROUP_SIZE}, got {head_dim}")
+    launch_stage1(
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    oq = torch.empty((bs, num_heads * head_dim), dtype=torch.float8_e4m3fn, device=q.device)
+    os_ = torch.empty((bs, num_heads), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
+    _decode_stage2[(bs, num_heads)](
+        mid_out,
+        mid_lse,
+        q,
+        num_splits,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        oq.stride(0),
+        head_dim,
+        oq,
+        os_,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
+        num_warps=4,
+        USE_PDL=pdl,
+        QUANT=True,
+        launch_pdl=pdl,
+    )
+    return oq, os_
 
 
 def stage1_tile(block_d: int, kv_fp8: bool, q_dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -31,6 +31,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvship.engine.model_config import ModelConfig
 
 WeightLoader = Callable[..., None]
+
+
+class QuantizedInput(NamedTuple):
+    """A linear layer's input already quantized by the kernel that produced it (``QuantMethod.input_group``):
+    e4m3 ``q [M, K]``, float32 ``scales [M, K / group]`` (one per row and group of columns), and ``dtype``, the
+    model dtype the unquantized rows had (the product's output dtype)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,12 @@ class QuantMethod(ABC):
     def apply_silu_mul_input(self, layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``apply(layer, silu(g) * u)`` for ``x = g || u`` in one kernel, or None (the caller composes)."""
         return None
+
+    def input_group(self, layer: nn.Module) -> int:
+        """The column group by which a producer kernel may hand linear ``layer`` its input quantized (a
+        ``QuantizedInput`` to ``apply``, bit-equal to the method quantizing it itself), or 0: ``apply`` takes
+        only model-dtype rows."""
+        return 0
 
     def apply_norm_input(
         self,

@@ -35,6 +35,7 @@ from torch import nn
 from kvship.engine.layers.fused_dispatch import cuda_fp8_kernels
 from kvship.engine.layers.quantization import fp8_math as fm
 from kvship.engine.layers.quantization.base import (
+    QuantizedInput,
     QuantMethod,
     Shard,
     WeightLoader,
@@ -314,7 +315,18 @@ class Fp8Method(QuantMethod):
             return fm.qdq_tokens(x)
         return fm.qdq_static(x, layer.input_scale.amax())
 
+    def input_group(self, layer: nn.Module) -> int:
+        """128 for a block-128 layer with per-group activations (its decode input may come quantized from the
+        attention's merge kernel: ``decode_attention_quant``), where the GPU kernels run; else 0."""
+        s = self.scheme
+        w = getattr(layer, "weight", None)
+        if w is None or w.dtype != fm.FP8 or cuda_fp8_kernels(w) is None:
+            return 0
+        return s.block[1] if s.weight == "block" and s.activation == "group" and s.block[1] == 128 else 0
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, QuantizedInput):
+            return self._apply_quantized(layer, x)
         if layer.weight.dtype != fm.FP8:  # the LM head
             return dense_linear(x, layer.weight, layer.bias)
         kernels = cuda_fp8_kernels(x)
@@ -323,6 +335,17 @@ class Fp8Method(QuantMethod):
             if y is not None:
                 return y
         return fm.qdq_linear(self.quantize_input(layer, x), self.dequantized_weight(layer), layer.bias, x.dtype)
+
+    def _apply_quantized(self, layer: nn.Module, x: QuantizedInput) -> torch.Tensor:
+        """``apply`` of an input a producer quantized by ``input_group`` (the product of the kernels; the reference
+        of its dequantized values where they do not run)."""
+        kernels = cuda_fp8_kernels(x.q)
+        if kernels is not None:
+            w, ws, act, block, group, static = self._kernel_args(kernels, layer)
+            return kernels.fp8_linear_q(x.q, x.scales, w, ws, act, block, group, layer.bias, x.dtype)
+        g = x.q.shape[1] // x.scales.shape[1]
+        deq = (x.q.float().view(x.q.shape[0], -1, g) * x.scales[..., None]).view(x.q.shape)
+        return fm.qdq_linear(deq, self.dequantized_weight(layer), layer.bias, x.dtype)
 
     def _kernel_args(self, kernels, layer: nn.Module) -> tuple:
         """``(weight, weight scales, activation code, block, group, static input scale)`` for the GPU kernels."""
