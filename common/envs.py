@@ -154,6 +154,14 @@ class _Env:
         "experts beside the router and the routed experts; MLA's absorbed query beside its norm/rotary/store "
         'kernel), in CUDA graphs too; 0 turns it off; docs/deepseek.md, "Two streams"',
     )
+    MLA_MERGE_UV_TOKENS = Knob(
+        "KVSHIP_MLA_MERGE_UV_TOKENS",
+        _nonneg_int,
+        0,
+        "CUDA, MLA decode steps of at most this many requests: the split-KV merge kernel also applies W_UV (one "
+        "kernel for the merge and cuBLAS's batched GEMM); 0 (the default until measured faster) turns it off; "
+        'docs/deepseek.md, "Decode step"',
+    )
     SPLIT_VERIFY = Knob(
         "KVSHIP_SPLIT_VERIFY",
         _bool,

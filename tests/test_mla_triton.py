@@ -78,6 +78,31 @@ def test_mla_decode_with_q_pe_apart_equals_the_joined_queries():
     assert torch.equal(joined.cpu(), apart.cpu())
 
 
+def test_mla_decode_with_w_uv_applies_it_in_the_merge():
+    """``w_uv=``: the merge kernel applies W_UV (``_mla_merge_uv``) and gives the plain decode's rows times it,
+    float32 sums in another order (1e-5), with two and one splits and V not a multiple of the program's rows;
+    a W_UV of the wrong shape is refused."""
+    from kvship.engine.attention.mla_triton import mla_decode
+
+    g = torch.Generator().manual_seed(8)
+    heads, r, p, v = 3, 32, 8, 20
+    lens = torch.tensor([6, 33])
+    r2t = torch.arange(1, 1 + 2 * 40, dtype=torch.int32).view(2, 40)
+    buf = torch.randn((100, 1, r + p), generator=g)
+    q = torch.randn((2, heads, r + p), generator=g)
+    w_kv = torch.randn((heads, 16 + v, r), generator=g)
+    w_uv = w_kv[:, 16:]  # a slice of the heads' stacked W_UK / W_UV rows, as the model passes it
+    args = [t.to(DEVICE) for t in (buf, r2t, torch.tensor([1, 0]), lens)]
+    for splits in (2, 1):
+        plain = mla_decode(q.to(DEVICE), *args, r, 0.3, num_splits=splits)
+        got = mla_decode(q.to(DEVICE), *args, r, 0.3, num_splits=splits, w_uv=w_uv.to(DEVICE))
+        want = torch.einsum("thr,hvr->thv", plain.cpu(), w_uv)
+        assert got.shape == (2, heads, v)
+        assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="w_uv must be"):
+        mla_decode(q.to(DEVICE), *args, r, 0.3, num_splits=2, w_uv=w_uv[:2].to(DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -201,7 +226,7 @@ def _verify_step(runner, drv, reqs, trees, masks):
     return logits
 
 
-def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
+def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver, monkeypatch):
     """A tiny DeepSeek-V3 through the model runner: ``--attention-backend triton`` gives the torch_native
     backend's logits at the extends (decompressed kernel the first time; over a cached prefix the second time the
     model's extend switch picks the path, the same for both backends), every decode
@@ -214,10 +239,16 @@ def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
 
     path = build_tiny_deepseek(str(tmp_path), "v3_yarn_grouped", seed=30, num_hidden_layers=LAYERS)
     runs = {}
-    for backend in ("torch_native", "triton"):
+    for backend in ("torch_native", "triton", "triton_merge_uv"):
+        # the third: W_UV inside the decode merge kernel (KVSHIP_MLA_MERGE_UV_TOKENS)
+        monkeypatch.setenv("KVSHIP_MLA_MERGE_UV_TOKENS", "16" if backend == "triton_merge_uv" else "0")
         # float32 on CUDA too (its default is bfloat16): the 1e-4 below is a float32 tolerance
         sa = ServerArgs(
-            model_path=path, device=DEVICE, dtype="float32", max_total_tokens=256, attention_backend=backend
+            model_path=path,
+            device=DEVICE,
+            dtype="float32",
+            max_total_tokens=256,
+            attention_backend=backend.removesuffix("_merge_uv"),
         )
         runner = ModelRunner(sa)
         drv = kv_driver(runner)
@@ -229,13 +260,14 @@ def test_triton_mla_backend_decodes_like_the_torch_backend(tmp_path, kv_driver):
         tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         chain = torch.ones(3, 3, dtype=torch.bool).tril()
         runs[backend].append(_verify_step(runner, drv, reqs, [[11, 12, 13, 14], [21, 22, 23]], [tree, chain]))
-        if backend == "triton":
+        if backend != "torch_native":
             assert isinstance(runner.attn_backend, MLATritonBackend)
     # float32: 1e-4 on CPU; on an H200 the two backends' float32 logits were 3.9e-4 apart (FMA contraction in the
     # kernels, another summation order), so 1e-3 there
     tol = 1e-4 if DEVICE == "cpu" else 1e-3
-    for a, b in zip(runs["torch_native"], runs["triton"]):
-        assert (a - b).abs().max().item() < tol
+    for name in ("triton", "triton_merge_uv"):
+        for a, b in zip(runs["torch_native"], runs[name]):
+            assert (a - b).abs().max().item() < tol, name
 
 
 def _packed_batch(g, pres, exts, dim, rows=(4, 1, 6)):

@@ -60,12 +60,15 @@ from kvship.engine.attention.mla_triton_extend import (
     _mla_merge_splits,
     absorbed_programs,
     dot_precision,
+    merged_row,
     mla_extend_absorbed,
     mla_extend_decompressed,
     split_scratch_size,
 )
 from kvship.engine.attention.triton_backend import TritonExtendMeta, extend_meta
 from kvship.engine.forward_batch import ForwardBatch, ForwardMode
+from kvship.engine.layers.fused_dispatch import use_pdl
+from kvship.engine.layers.fused_ops_cuda import pdl_enter
 
 # heads one decode program takes (``mla_decode``'s ``block_h``): the split count counts programs by it
 DECODE_BLOCK_H = 16
@@ -151,6 +154,49 @@ def _mla_decode_part(
     tl.store(LSE_PART + part, lse, mask=hmask)
 
 
+# value rows of W_UV one merge-and-project program takes (``_mla_merge_uv``)
+MERGE_UV_BLOCK_V = 16
+
+
+@triton.jit
+def _mla_merge_uv(
+    O_PART,
+    LSE_PART,
+    W,
+    OUT,
+    num_heads,
+    stride_wh,
+    stride_wv,
+    stride_ob,
+    stride_oh,
+    R: tl.constexpr,
+    V: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Stage 2 with ``W_UV`` after it, one program per (request, head) row ``bh`` and ``BLOCK_V`` value rows: the
+    row's parts merged as ``_mla_merge_splits`` merges them and rounded to the output dtype as it stores them,
+    then ``W_UV[h] [V, R]``'s rows times that row (float32 sums), stored as ``OUT [B, H, V]``.  The weight rows
+    are loaded before the wait on the attention kernel (PDL): they never depend on it."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    b = bh // num_heads
+    h = bh % num_heads
+    v_ok = offs_v < V
+    w = tl.load(
+        W + h * stride_wh + offs_v[:, None].to(tl.int64) * stride_wv + offs_r[None, :],
+        mask=v_ok[:, None] & (offs_r < R)[None, :],
+        other=0.0,
+    )
+    pdl_enter(USE_PDL)
+    o = merged_row(O_PART, LSE_PART, bh, R, NUM_SPLITS, BLOCK_R).to(OUT.dtype.element_ty).to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_v, y.to(OUT.dtype.element_ty), mask=v_ok)
+
+
 def mla_decode(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -167,8 +213,13 @@ def mla_decode(
     num_warps: int = 4,
     num_stages: int = 2,
     q_pe: Optional[torch.Tensor] = None,
+    w_uv: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode (module docstring): ``[B, H, kv_lora_rank]`` in ``q``'s dtype.
+
+    ``w_uv``: the heads' ``W_UV`` as ``[H, V, kv_lora_rank]`` (rows contiguous): the merge kernel applies it
+    (``_mla_merge_uv``) and the result is ``[B, H, V]``, the merged rows rounded to ``q``'s dtype first as the
+    plain merge stores them, then float32 sums (in another order than a GEMM's).
 
     ``q_pe``: the rope part of the queries ``[B, H, P]`` as its own tensor; ``q`` is then ``[B, H, R]`` (the
     absorbed ``q_nope``).  Either may be a strided view (rows contiguous): nothing is copied to join them.
@@ -215,7 +266,11 @@ def mla_decode(
             )
         o_part = o_flat.reshape(-1)[: parts * r].view(bs, num_heads, num_splits, r)
         lse_part = lse_flat.reshape(-1)[:parts].view(bs, num_heads, num_splits)
-    out = torch.empty((bs, num_heads, r), dtype=q.dtype, device=q.device)
+    if w_uv is not None and (
+        w_uv.dim() != 3 or w_uv.shape[0] != num_heads or w_uv.shape[2] != r or w_uv.stride(2) != 1
+    ):
+        raise ValueError(f"w_uv must be [{num_heads}, V, {r}] with contiguous rows, got {tuple(w_uv.shape)}")
+    out = torch.empty((bs, num_heads, r if w_uv is None else w_uv.shape[1]), dtype=q.dtype, device=q.device)
     if bs == 0:
         return out
     block_r, block_p = triton.next_power_of_2(r), max(triton.next_power_of_2(p), 16)
@@ -249,7 +304,16 @@ def mla_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _mla_merge_splits[(bs * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=block_r)
+    if w_uv is None:
+        _mla_merge_splits[(bs * num_heads,)](o_part, lse_part, out, R=r, NUM_SPLITS=num_splits, BLOCK_R=block_r)
+        return out
+    v = w_uv.shape[1]
+    pdl = use_pdl(q)
+    _mla_merge_uv[(bs * num_heads, triton.cdiv(v, MERGE_UV_BLOCK_V))](
+        o_part, lse_part, w_uv, out, num_heads, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+        R=r, V=v, NUM_SPLITS=num_splits, BLOCK_R=block_r, BLOCK_V=MERGE_UV_BLOCK_V, USE_PDL=pdl, num_warps=8,
+        launch_pdl=pdl,
+    )  # fmt: skip
     return out
 
 
@@ -497,10 +561,16 @@ class MLATritonBackend(MLATorchBackend):
         return self.forward_decode_prepped(qv[..., : layer.kv_lora_rank], qv[..., layer.kv_lora_rank :], layer, fb)
 
     def forward_decode_prepped(
-        self, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: MLALayerSpec, forward_batch: ForwardBatch
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        layer: MLALayerSpec,
+        forward_batch: ForwardBatch,
+        w_uv: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Decode after ``mla_decode_prep`` stored the new latent rows: ``q_lat [B, H, R]`` and ``q_pe [B, H, P]``
-        (strided views, rows contiguous) -> ``[B, H, R]``."""
+        (strided views, rows contiguous) -> ``[B, H, R]``; with ``w_uv [H, V, R]`` the merge applies it:
+        ``[B, H, V]`` (``mla_decode``)."""
         fb = forward_batch
         meta: MLADecodeMeta = self.forward_metadata  # type: ignore[assignment]
         return mla_decode(
@@ -515,6 +585,7 @@ class MLATritonBackend(MLATorchBackend):
             scratch=meta.scratch,
             kv_scale=fb.kv_pool.latent_scale(layer.layer_id),
             q_pe=q_pe,
+            w_uv=w_uv,
         )
 
     def forward_extend(self, q, k, v, layer: MLALayerSpec, forward_batch: ForwardBatch, save_kv_cache=True):

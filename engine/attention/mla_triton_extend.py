@@ -254,6 +254,15 @@ def _mla_merge_splits(
     ``NUM_SPLITS`` normalised parts (``O_PART [rows, NUM_SPLITS, R]``) weighted by their log-sum-exps into
     ``OUT [rows, R]``.  Empty parts (``-inf``) weigh nothing; a row with no part at all gets zeros, not NaN."""
     bh = tl.program_id(0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    out = merged_row(O_PART, LSE_PART, bh, R, NUM_SPLITS, BLOCK_R)
+    tl.store(OUT + bh * R + offs_r, out.to(OUT.dtype.element_ty), mask=offs_r < R)
+
+
+@triton.jit
+def merged_row(O_PART, LSE_PART, bh, R: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row ``bh``'s ``NUM_SPLITS`` parts merged by their log-sum-exps: float32 ``[BLOCK_R]`` (``_mla_merge_splits``,
+    which stores it in the output dtype; columns past ``R`` are 0)."""
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_r = tl.arange(0, BLOCK_R)
     lse = tl.load(LSE_PART + bh * NUM_SPLITS + offs_s)
@@ -264,8 +273,7 @@ def _mla_merge_splits(
         O_PART + (bh * NUM_SPLITS + offs_s)[:, None] * R + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0
     )
     den = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + bh * R + offs_r, out.to(OUT.dtype.element_ty), mask=offs_r < R)
+    return tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
 
 
 @triton.jit

@@ -200,6 +200,8 @@ class MLAAttention(nn.Module):
         self.q_lora = mla.q_lora_rank is not None
         self.q_width = mla.q_lora_rank if self.q_lora else h * mla.qk_head_dim
         self.side_stream_tokens = side_stream_limit()
+        # decode steps of at most this many requests apply W_UV inside the attention's merge kernel (0: off)
+        self.merge_uv_tokens = ENV.MLA_MERGE_UV_TOKENS
         self.fused_qkv_a_proj = StackedLinear(
             config.hidden_size,
             {"q": self.q_width, "kv_a": mla.latent_dim},
@@ -353,11 +355,15 @@ class MLAAttention(nn.Module):
         )
         q_lat = q_lat.transpose(0, 1)
         q_pe = q[..., m.qk_nope_head_dim :]
-        if fb.forward_mode.is_decode():
-            o = fb.attn_backend.forward_decode_prepped(q_lat, q_pe, self.spec, fb)
-        else:  # the new rows are stored: the absorbed extend reads them from the pool
-            o = fb.attn_backend.forward_extend(torch.cat([q_lat, q_pe], dim=-1), None, None, self.spec, fb, False)
-        out = torch.einsum("thr,hvr->thv", o, w[:, m.qk_nope_head_dim :])
+        w_uv = w[:, m.qk_nope_head_dim :]
+        if fb.forward_mode.is_decode() and q.shape[0] <= self.merge_uv_tokens:  # W_UV inside the merge kernel
+            out = fb.attn_backend.forward_decode_prepped(q_lat, q_pe, self.spec, fb, w_uv=w_uv)
+        else:
+            if fb.forward_mode.is_decode():
+                o = fb.attn_backend.forward_decode_prepped(q_lat, q_pe, self.spec, fb)
+            else:  # the new rows are stored: the absorbed extend reads them from the pool
+                o = fb.attn_backend.forward_extend(torch.cat([q_lat, q_pe], dim=-1), None, None, self.spec, fb, False)
+            out = torch.einsum("thr,hvr->thv", o, w_uv)
         if fb.layer_done is not None:
             fb.layer_done(layer)
         return self.o_proj(out.reshape(-1, h * m.v_head_dim))

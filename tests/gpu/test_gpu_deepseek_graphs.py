@@ -83,10 +83,13 @@ def _release(*objs) -> None:
     torch.cuda.empty_cache()
 
 
-def test_deepseek_triton_decode_graphs_replay_the_eager_tokens(ds_path, kv_driver):
+@pytest.mark.parametrize("merge_uv", ["0", "16"], ids=["einsum_uv", "merge_uv"])
+def test_deepseek_triton_decode_graphs_replay_the_eager_tokens(ds_path, kv_driver, monkeypatch, merge_uv):
+    # merge_uv: W_UV inside the decode merge kernel (KVSHIP_MLA_MERGE_UV_TOKENS), captured in the graphs too
     from kvship.engine.attention.mla_triton import MLATritonBackend
     from kvship.engine.model_runner import ModelRunner
 
+    monkeypatch.setenv("KVSHIP_MLA_MERGE_UV_TOKENS", merge_uv)
     graph_runner = ModelRunner(_args(ds_path, "triton", graphs=True))
     assert isinstance(graph_runner.attn_backend, MLATritonBackend)
     cgr = graph_runner.cuda_graph_runner
