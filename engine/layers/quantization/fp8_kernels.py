@@ -37,8 +37,10 @@ Kernels:
 ``fp8_linear`` picks the path; it returns None for what these kernels do not
 take (the caller then runs the reference).  Every launch is asynchronous and
 allocation-only on the host side: no synchronisation, safe inside CUDA-graph
-capture.  Only imported on CUDA (``fused_dispatch.cuda_fp8_kernels``); the
-kernels also run under Triton's interpreter on CPU tensors (tests).
+capture.  The model reaches it on CUDA only (``fused_dispatch.cuda_fp8_kernels``);
+the split-KV decode imports its quantization helpers (``_scale_of``, ``_to_e4m3``)
+for ``decode_attention_quant``; the kernels also run under Triton's interpreter on
+CPU tensors (tests).
 """
 
 from __future__ import annotations
