@@ -189,7 +189,9 @@ def _greedy_moe(d, bs: int) -> list[list[int]]:
 @requires_cuda
 def test_moe_model_cuda_graph_decode_equals_eager_token_for_token(tmp_path, kv_driver, monkeypatch, request):
     """Graphs (prefill and decode) with programmatic dependent launch on (the default on Hopper) against eager
-    steps with it off: the same tokens, and the same expert load."""
+    steps with it off: the same tokens, and the same expert load.  (With PDL off a batch-1 step may take the
+    norm-inside-the-GEMV kernel, which rounds the normalised row at another point; this model has no near-tie
+    there.  Qwen2-MoE's tiny model has one at step 10: docs/benchmarks.md, session 37.)"""
     from moe_fixtures import build_tiny_moe
 
     from kvship.engine.config import ServerArgs
