@@ -282,16 +282,16 @@ class HeldLayer:
         self.done_at: Optional[float] = None
         real = type(self.backend).forward
 
-        def forward(q, k, v, spec, fb, save_kv_cache=True):
+        def forward(q, k, v, spec, fb, save_kv_cache=True, out_group=0):
             if spec.layer_id != layer or fb.layer_done is None or self.held.is_set():
-                return real(self.backend, q, k, v, spec, fb, save_kv_cache)
+                return real(self.backend, q, k, v, spec, fb, save_kv_cache, out_group)
             self.held.set()
             if while_held is not None:
                 self.result = while_held()
             self.release.wait(30)
             if fail:
                 raise RuntimeError("injected failure in the last layer")
-            out = real(self.backend, q, k, v, spec, fb, save_kv_cache)
+            out = real(self.backend, q, k, v, spec, fb, save_kv_cache, out_group)
             self.done_at = time.time()
             return out
 
