@@ -68,14 +68,11 @@ def quant_decode_takes(q: torch.Tensor, layer: AttentionLayerSpec, group: int) -
 
 def run_triton_decode(
     q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, meta: TritonDecodeMeta, group: int = 0
-) -> Optional[torch.Tensor | QuantizedInput]:
+) -> torch.Tensor | QuantizedInput:
     """The split-KV decode of ``q`` over this layer's pool (the new keys and values stored already): rows
-    ``[T, H * D]`` in ``q``'s dtype; with ``group``, o_proj's ``QuantizedInput`` from the merge kernel
-    (``decode_attention_quant``: 128-column groups of 128-dim heads, on CUDA), or None where it does not take
-    them (before anything runs)."""
+    ``[T, H * D]`` in ``q``'s dtype; with ``group`` (``quant_decode_takes`` checked), o_proj's ``QuantizedInput``
+    from the merge kernel (``decode_attention_quant``)."""
     h, d = layer.num_heads, layer.head_dim
-    if group and not quant_decode_takes(q, layer, group):
-        return None
     qh = q.view(-1, h, d)
     pool = fb.kv_pool
     args = (

@@ -344,29 +344,31 @@ def decode_attention(
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, num_splits, sm_scale,
         k_scale=k_scale, v_scale=v_scale, launch=launch,
     )  # fmt: skip
+    _launch_stage2(mid_out, mid_lse, num_splits, q, o.stride(0), o.stride(1), o)
+    return o
+
+
+def _launch_stage2(
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    num_splits: int,
+    q: torch.Tensor,
+    stride_ob: int,
+    stride_oh: int,
+    o: torch.Tensor,
+    oq: "torch.Tensor | None" = None,
+    os_: "torch.Tensor | None" = None,
+) -> None:
+    """The merge of ``q``'s rows' splits into ``o`` (model dtype), or with ``oq`` into e4m3 ``oq`` and its
+    per-head scales ``os_`` (``o`` then only gives the dtype the rows are rounded to)."""
+    bs, num_heads, head_dim = q.shape
     pdl = use_pdl(q)
     _decode_stage2[(bs, num_heads)](
-        mid_out,
-        mid_lse,
-        o,
-        num_splits,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        o.stride(0),
-        o.stride(1),
-        o,
-        o,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
-        num_warps=4,
-        USE_PDL=pdl,
-        launch_pdl=pdl,
-    )
-    return o
+        mid_out, mid_lse, o, num_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), stride_ob, stride_oh, o if oq is None else oq, o if os_ is None else os_,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
+        num_warps=4, USE_PDL=pdl, QUANT=oq is not None, launch_pdl=pdl,
+    )  # fmt: skip
 
 
 def decode_attention_quant(
@@ -396,29 +398,7 @@ def decode_attention_quant(
     )  # fmt: skip
     oq = torch.empty((bs, num_heads * head_dim), dtype=torch.float8_e4m3fn, device=q.device)
     os_ = torch.empty((bs, num_heads), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q)
-    _decode_stage2[(bs, num_heads)](
-        mid_out,
-        mid_lse,
-        q,
-        num_splits,
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        oq.stride(0),
-        head_dim,
-        oq,
-        os_,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS),
-        num_warps=4,
-        USE_PDL=pdl,
-        QUANT=True,
-        launch_pdl=pdl,
-    )
+    _launch_stage2(mid_out, mid_lse, num_splits, q, oq.stride(0), head_dim, q, oq, os_)
     return oq, os_
 
 
