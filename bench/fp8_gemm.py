@@ -8,7 +8,8 @@ For every projection (q/k/v 4096->6144, o 4096->4096, gate/up 4096->28672, down 
   each timed inside a CUDA graph of back-to-back calls that rotate over enough weight copies that L2 holds none
   of them; bytes = weight bytes + scale bytes, as GB/s and as a fraction of the measured copy bandwidth
   (bytes read + written of a large device copy, ``decode_latency.copy_bandwidth``);
-* ``--sweep``: every candidate decode config of the FP8 kernels per (shape, M, format), the best printed as a
+* ``--sweep``: every candidate decode config of the FP8 kernels per (shape, M, format) (``--sweep swap``: the
+  default and the tiles with the weight rows as the MMA's left operand only), the best printed as a
   ``TUNED`` entry for ``fp8_kernels.py``;
 * prefill rows M in ``--gemm-ms`` (default 256,1024,4096,8192): bf16 ``F.linear``, FP8 per-channel
   (quantize + ``torch._scaled_mm`` row-wise, and the Triton GEMM), FP8 block-128 (quantize + the product's
@@ -19,6 +20,7 @@ For every projection (q/k/v 4096->6144, o 4096->4096, gate/up 4096->28672, down 
 Writes ``fp8_gemm.json`` and ``fp8_gemm.md`` under ``--out``.
 
     python bench/fp8_gemm.py --out /tmp/out --sweep        # on a GPU
+    python bench/fp8_gemm.py --out /tmp/out --gemm-ms "" --sweep swap   # the swapped decode tiles only
 """
 
 from __future__ import annotations
@@ -67,10 +69,34 @@ def _gemv_time(fn: Callable[[int], Any], copies: int) -> float:
     return graph_time(fn, calls=max(copies, 16))
 
 
-def candidates(m: int) -> list[fk.Fp8Config]:
+def swap_candidates(m: int) -> list[fk.Fp8Config]:
+    """The tiles with the weight rows as the MMA's left operand (``Fp8Config.swap``): 64 or 128 weight rows a
+    program (Hopper's warpgroup MMA takes 64-row left operands), the activation rows as its right operand."""
+    bm = min(max(fk.bucket(m), 16), 64)
+    out = []
+    for bn, warps in ((64, 4), (128, 4), (128, 8)):
+        for split in (1, 2, 4):
+            for dot in (True, False):
+                out.append(
+                    fk.Fp8Config(
+                        "mma", bm, bn, 128, num_warps=warps, num_stages=4, fp8_dot=dot, split_k=split, swap=True
+                    )
+                )
+    out.append(fk.Fp8Config("mma", bm, 64, 128, num_warps=4, num_stages=6, fp8_dot=True, split_k=4, swap=True))
+    return out
+
+
+def candidates(m: int, which: str = "all") -> list[fk.Fp8Config]:
     """Decode configs worth timing at ``m`` rows: the skinny tensor-core tiles over weight rows per program,
-    pipeline stages and K split (more programs in flight for narrow or long-K projections), and one CUDA-core
-    GEMV for reference (measured 2-9x slower on an H200, docs/quantization.md)."""
+    pipeline stages and K split (more programs in flight for narrow or long-K projections), one CUDA-core
+    GEMV for reference (measured 2-9x slower on an H200, docs/quantization.md), and the swapped tiles.
+    ``which="swap"``: the default config and the swapped tiles only."""
+    if which == "swap":
+        return [fk.pick_config(m, 4096, 4096, fk.ACT_GROUP)] + swap_candidates(m)
+    return _plain_candidates(m) + swap_candidates(m)
+
+
+def _plain_candidates(m: int) -> list[fk.Fp8Config]:
     if m > fk.GEMV_MAX_M:  # decode batches past the skinny tiles (fk.mid_config's regime)
         bm = min(fk.bucket(m), 64)
         out = [fk.Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=4)]
@@ -91,7 +117,7 @@ def candidates(m: int) -> list[fk.Fp8Config]:
     return out
 
 
-def gemv_rows(ms: list[int], hbm: float, sweep: bool) -> tuple[list[dict], list[str]]:
+def gemv_rows(ms: list[int], hbm: float, sweep: str) -> tuple[list[dict], list[str]]:
     rows, tuned = [], []
     for name, (n, k) in SHAPES.items():
         bf_w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(2 * n * k))]
@@ -133,6 +159,16 @@ def gemv_rows(ms: list[int], hbm: float, sweep: bool) -> tuple[list[dict], list[
 
                     tg = _gemv_time(gemm, len(ws))
                     row[f"{f}_gemm_us"] = tg * 1e6
+                xq, xs = fk.quantize_act(x, act, 128)
+
+                def run_q(i, ws=ws, block=block, act=act, xq=xq, xs=xs):  # the matmul alone, input quantized
+                    q, s = ws[i % len(ws)]
+                    return fk.launch_q(xq, xs, q, s, act, block, 128, None, x.dtype, fk.pick_config(m, n, k, act))
+
+                if m <= fk.MID_MAX_M:
+                    tq = _gemv_time(run_q, len(ws))
+                    row[f"{f}_mm_us"] = tq * 1e6
+                    row[f"{f}_mm_pct_bw"] = 100 * nbytes / tq / hbm
                 t = _gemv_time(run, len(ws))
                 row[f"{f}_us"] = t * 1e6
                 row[f"{f}_gbs"] = nbytes / t / 1e9
@@ -140,7 +176,7 @@ def gemv_rows(ms: list[int], hbm: float, sweep: bool) -> tuple[list[dict], list[
                 row[f"{f}_speedup_vs_bf16"] = row["bf16_best_us"] / row[f"{f}_us"]
                 if sweep:
                     best = None
-                    for cfg in candidates(m):
+                    for cfg in candidates(m, sweep):
                         try:
                             tc = _gemv_time(lambda i, cfg=cfg: run(i, cfg), len(ws))
                         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
@@ -164,6 +200,8 @@ def _fmt_gemv(r: dict) -> str:
     parts = [f"{r['shape']:8s} M={r['m']:<3d} bf16 {r['bf16_best_us']:7.1f}us ({r['bf16_cublas_pct_bw']:4.0f}% cuBLAS)"]
     for f in FORMATS:
         s = f" | {f} {r[f + '_us']:7.1f}us {r[f + '_pct_bw']:4.0f}% x{r[f + '_speedup_vs_bf16']:.2f}"
+        if f + "_mm_us" in r:
+            s += f" (matmul alone {r[f + '_mm_us']:.1f}us {r[f + '_mm_pct_bw']:.0f}%)"
         if f + "_gemm_us" in r:
             s += f" (prefill path {r[f + '_gemm_us']:.1f}us)"
         if f + "_best_us" in r:
@@ -278,7 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gemv-ms", default="1,2,4,8,16")
     ap.add_argument("--gemm-ms", default="256,1024,4096,8192")
-    ap.add_argument("--sweep", action="store_true", help="time every candidate decode config")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        default="",
+        choices=["", "all", "swap"],
+        help="time every candidate decode config (swap: the default and the swapped tiles only)",
+    )
     ap.add_argument(
         "--gemm-configs",
         default="128x128x8x4,128x128x8x3,128x128x4x3,64x128x4x4,256x128x8x3,128x256x8x3,64x256x4x3,128x128x4x4",

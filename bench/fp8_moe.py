@@ -122,6 +122,9 @@ def gemv_sweep(m: int, args, fp8: list) -> list[dict]:
         return row
 
     base = dict(GEMV_CONFIG_FP8)
+    for mbn, mw, mst in ((64, 4, 3), (64, 4, 4), (64, 4, 6), (64, 8, 4), (128, 4, 4), (128, 8, 4), (128, 8, 3)):
+        run({**base, "MMA_BLOCK_N": mbn, "mma_num_warps": mw, "mma_num_stages": mst})  # gate/up on the tensor cores
+    base["MMA_BLOCK_N"] = 0
     for bn in (4, 8, 16, 32):
         for w in (2, 4, 8):
             for st in (2, 3, 4):

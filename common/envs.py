@@ -140,6 +140,23 @@ class _Env:
         "FP8 linear layers: decode batches up to this many rows take the mid-size tensor-core tiles (16: off, "
         "the prefill path from 17 rows; docs/quantization.md)",
     )
+    FP8_SWAP_MAX_M = Knob(
+        "KVSHIP_FP8_SWAP_MAX_M",
+        _nonneg_int,
+        16,
+        "FP8 linear layers: decode batches up to this many rows take tensor-core tiles with the weight rows as "
+        "the MMA's left operand (e4m3 products); 0: none, the activation rows as the left operand, as before "
+        "session 38; docs/quantization.md",
+    )
+    FP8_MOE_GATE_UP_MMA = Knob(
+        "KVSHIP_FP8_MOE_GATE_UP_MMA",
+        _nonneg_int,
+        64,
+        "Block-FP8 MoE decode (the GEMV path): the gate/up product on the tensor cores with this many weight rows "
+        "a program (64 or 128; the weight rows as the MMA's left operand); 0: the CUDA-core GEMV of before "
+        "session 38; "
+        'docs/quantization.md, "MoE experts"',
+    )
     PDL = Knob(
         "KVSHIP_PDL",
         _bool,
@@ -159,8 +176,8 @@ class _Env:
         _nonneg_int,
         0,
         "CUDA, MLA decode steps of at most this many requests: the split-KV merge kernel also applies W_UV (one "
-        "kernel for the merge and cuBLAS's batched GEMM); 0 (the default until measured faster) turns it off; "
-        'docs/deepseek.md, "Decode step"',
+        "kernel for the merge and cuBLAS's batched GEMM); 0 (the default: not faster on an H200, session 38) "
+        'turns it off; docs/deepseek.md, "Decode step"',
     )
     SPLIT_VERIFY = Knob(
         "KVSHIP_SPLIT_VERIFY",

@@ -133,6 +133,11 @@ def test_chunked_per_token_quantization_of_a_silu_row_is_the_composed_ops(fk):
         ("block", "group", 4, ("mma", 16, 32, 128, False, dict(split_k=2))),
         ("channel", "token", 5, ("mma", 16, 32, 64, False, dict(split_k=3))),
         ("channel", "static", 1, ("mma", 16, 32, 64, True, dict(split_k=4))),
+        # the weight rows as the MMA's left operand (accumulators transposed after the K loop)
+        ("block", "group", 1, ("mma", 16, 64, 128, True, dict(split_k=2, swap=True))),
+        ("block", "group", 3, ("mma", 16, 64, 128, False, dict(swap=True))),
+        ("channel", "token", 5, ("mma", 16, 64, 64, False, dict(split_k=3, swap=True))),
+        ("channel", "static", 2, ("mma", 16, 64, 64, True, dict(swap=True))),
     ],
 )
 def test_decode_kernels_match_reference(fk, fmt, act, m, cfg):

@@ -168,6 +168,10 @@ CONFIGS = {
     "gemm_fp8": ("mma", 128, 128, 128, False, True),
     "mma_split4": ("mma", 16, 32, 128, False, False, dict(split_k=4)),
     "mma_split3": ("mma", 16, 64, 128, False, False, dict(split_k=3)),
+    # the weight rows as the MMA's left operand
+    "swap_fp8_split4": ("mma", 16, 64, 128, False, True, dict(split_k=4, swap=True)),
+    "swap_fp16": ("mma", 16, 128, 128, False, False, dict(swap=True)),
+    "swap_fp8_mid": ("mma", 64, 64, 128, False, True, dict(split_k=2, swap=True)),
 }
 
 
@@ -175,12 +179,12 @@ CONFIGS = {
 @pytest.mark.parametrize("fmt,act", FORMAT_ACTS)
 def test_each_kernel_config_matches_the_reference(fk, name, fmt, act):
     kind, bm, bn, bk, preq, fp8_dot, *extra = CONFIGS[name]
+    more = extra[0] if extra else {}
     m = min(bm, 4) if kind == "gemv" else (13 if bm == 16 else 200)
     n, k = 512, 1024
     q, s, w_deq, block = _weights(n, k, fmt, seed=3)
     x = _acts(m, k, seed=4)
     static = (x.float().abs().amax() / 448).reshape(1) if act == "static" else None
-    more = extra[0] if extra else {}
     cfg = fk.Fp8Config(
         kind, bm, bn, bk, num_warps=8 if bm >= 64 else 4, num_stages=3, preq=preq, fp8_dot=fp8_dot, **more
     )

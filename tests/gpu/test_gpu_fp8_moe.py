@@ -99,7 +99,9 @@ def _configs(m: int):
     aligned = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     return {
         "default": None,
-        "gemv": {"gemv": dict(GEMV_CONFIG_FP8)},
+        "gemv": {"gemv": dict(GEMV_CONFIG_FP8, MMA_BLOCK_N=0)},
+        # the gate/up product on the tensor cores (weight rows as the MMA's left operand)
+        "gemv_mma": {"gemv": dict(GEMV_CONFIG_FP8, MMA_BLOCK_N=64)},
         "aligned": aligned,
         "persistent": dict(aligned, persistent=True, GROUP_SIZE_M=4),
     }
@@ -107,7 +109,7 @@ def _configs(m: int):
 
 @cuda_or_interpreter
 @pytest.mark.parametrize("m", [0, 1, 5])
-@pytest.mark.parametrize("kind", ["default", "gemv", "aligned", "persistent"])
+@pytest.mark.parametrize("kind", ["default", "gemv", "gemv_mma", "aligned", "persistent"])
 def test_fp8_moe_kernels_match_the_reference_on_a_tiny_shape(m, kind):
     # H = 192: a partial last K-block of x and of w13's columns, a partial last row block of w2
     args = _problem(m, 8, 2, 192, 256, kernel_device(), seed=m)
@@ -127,14 +129,14 @@ def test_fp8_moe_gemv_unrolled_over_k_blocks_equals_one_block_an_iteration(m, un
     from kvship.engine.layers.moe.triton_moe_fp8 import GEMV_CONFIG_FP8
 
     args = _problem(m, 8, 2, 320, 256, kernel_device(), seed=10 + m)
-    one = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=1, DOWN_K_UNROLL=1)})
-    many = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=unroll, DOWN_K_UNROLL=unroll)})
+    one = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=1, DOWN_K_UNROLL=1, MMA_BLOCK_N=0)})
+    many = _run(args, config={"gemv": dict(GEMV_CONFIG_FP8, K_UNROLL=unroll, DOWN_K_UNROLL=unroll, MMA_BLOCK_N=0)})
     assert torch.equal(one, many)
     assert _rel(many, _ref(args)) < TOL
 
 
 @cuda_or_interpreter
-@pytest.mark.parametrize("kind", ["gemv", "aligned", "persistent"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv_mma", "aligned", "persistent"])
 def test_fp8_moe_absent_experts_add_nothing(kind):
     """Expert parallelism: ids of -1 (another rank's expert) add nothing, in every kernel form."""
     args = _problem(5, 8, 2, 128, 128, kernel_device(), seed=4)
@@ -153,6 +155,15 @@ def test_fp8_moe_at_the_qwen3_30b_a3b_shape_matches_the_reference(m):
     if m >= 16:  # the persistent and non-persistent aligned forms agree too
         cfg = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
         assert _rel(_run(args, config=cfg), out) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 2])
+def test_fp8_moe_gate_up_on_the_tensor_cores_matches_the_reference_at_the_qwen3_30b_a3b_shape(m):
+    args = _problem(m, 128, 8, 2048, 768, torch.device("cuda"), seed=20 + m)
+    out = _run(args, config=_configs(m)["gemv_mma"])
+    assert _rel(out, _ref(args)) < TOL
+    assert _rel(out, _run(args, config=_configs(m)["gemv"])) < TOL
 
 
 @requires_cuda

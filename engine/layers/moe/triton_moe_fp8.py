@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvship.common.envs import ENV
 from kvship.engine.layers.fused_dispatch import use_pdl
 from kvship.engine.layers.fused_ops_cuda import pdl_enter
 from kvship.engine.layers.moe.kernel_config import GEMV_MAX_PAIRS
@@ -415,6 +416,70 @@ def _gate_up_gemv_fp8_kernel(
 
 
 @triton.jit
+def _gate_up_mma_fp8_kernel(
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    ids_ptr,
+    h_ptr,
+    num_experts,
+    inter_size,
+    hidden_size,
+    top_k: tl.constexpr,
+    stride_xm,
+    stride_xsm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_hm,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # _gate_up_gemv_fp8_kernel's product on the tensor cores: one (token, expert) pair x BLOCK_N rows of gate and
+    # of up, the weight rows as the MMA's left operand (BLOCK_N >= 64: Hopper's warpgroup MMA on the e4m3 values,
+    # no widening), the pair's quantised row as the right one (padded to BLOCK_M rows of zeros).  Each K-block's
+    # product leaves the tensor cores and is scaled by its weight block's and the row's group scale, then added
+    # in fp32.  BLOCK_N rows lie in one weight row block on both halves (the caller checks inter_size).
+    pair = tl.program_id(0)
+    pdl_enter(USE_PDL)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):  # absent: its row is never read
+        return
+    row = (pair // top_k).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter_size
+    offs_k = tl.arange(0, GROUP)
+    rm = tl.arange(0, BLOCK_M)
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    gs_ptr = ws_ptr + expert * stride_wse + (n0 // BLOCK_ROWS) * stride_wsn
+    us_ptr = ws_ptr + expert * stride_wse + ((n0 + inter_size) // BLOCK_ROWS) * stride_wsn
+    x_ptrs = xq_ptr + row * stride_xm + rm[:, None] * 0 + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kg in range(0, tl.cdiv(hidden_size, GROUP)):
+        mask_k = offs_k < hidden_size - kg * GROUP
+        xt = tl.load(x_ptrs + kg * GROUP, mask=(rm == 0)[:, None] & mask_k[None, :], other=0.0)
+        xsc = tl.load(xs_ptr + row * stride_xsm + kg)
+        m2 = mask_n[:, None] & mask_k[None, :]
+        wg = tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0)
+        wu = tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0)
+        acc_g += tl.dot(wg, tl.trans(xt)) * (tl.load(gs_ptr + kg * stride_wsk) * xsc)
+        acc_u += tl.dot(wu, tl.trans(xt)) * (tl.load(us_ptr + kg * stride_wsk) * xsc)
+    first = (rm == 0)[None, :]
+    g = tl.sum(tl.where(first, acc_g, 0.0), axis=1)
+    u = tl.sum(tl.where(first, acc_u, 0.0), axis=1)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, g * tl.sigmoid(g) * u, mask=mask_n)
+
+
+@triton.jit
 def _down_sum_gemv_fp8_kernel(
     h_ptr,
     w_ptr,
@@ -482,10 +547,13 @@ def _down_sum_gemv_fp8_kernel(
 # --- launch -------------------------------------------------------------------------------------------------
 # bench/fp8_moe.py --gemv-sweep 1 on an H200, Qwen3-30B-A3B layer at one token (docs/quantization.md, "MoE
 # experts"): 21.3 us with two K-blocks an iteration in both GEMVs (session 36; 26.6 us for session 25's
-# one-block loops without PDL)
+# one-block loops without PDL); session 38: the gate/up product on the tensor cores (MMA_BLOCK_N=64,
+# _gate_up_mma_fp8_kernel), 21.1 -> 20.2-20.4 us at one token and 37.8-38.0 -> 33.5-34.4 at two
+# (KVSHIP_FP8_MOE_GATE_UP_MMA=0: the CUDA-core GEMV)
 GEMV_CONFIG_FP8 = dict(
-    BLOCK_N=16, num_warps=8, num_stages=3, DOWN_BLOCK_N=8, down_num_warps=8, K_UNROLL=2, DOWN_K_UNROLL=2
-)
+    BLOCK_N=16, num_warps=8, num_stages=3, DOWN_BLOCK_N=8, down_num_warps=8, K_UNROLL=2, DOWN_K_UNROLL=2,
+    MMA_BLOCK_N=ENV.FP8_MOE_GATE_UP_MMA,
+)  # fmt: skip
 
 
 def default_config_fp8(m: int, num_experts: int, top_k: int) -> dict:
@@ -577,12 +645,21 @@ def fused_experts_fp8(
         pdl = use_pdl(x)
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(m * top_k, inter, dtype=torch.float32, device=x.device)
-        _gate_up_gemv_fp8_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
-            xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
-            xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-            h.stride(0), BLOCK_N=g["BLOCK_N"], GROUP=group, BLOCK_ROWS=bn, K_UNROLL=g.get("K_UNROLL", 1), USE_PDL=pdl,
-            num_warps=g["num_warps"], num_stages=g["num_stages"], launch_pdl=pdl,
-        )  # fmt: skip
+        mma_bn = g.get("MMA_BLOCK_N", 0)
+        if mma_bn and inter % mma_bn == 0 and bn % mma_bn == 0:  # the gate/up product on the tensor cores
+            _gate_up_mma_fp8_kernel[(m * top_k, inter // mma_bn)](
+                xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
+                xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+                s13.stride(2), h.stride(0), BLOCK_N=mma_bn, BLOCK_M=16, GROUP=group, BLOCK_ROWS=bn, USE_PDL=pdl,
+                num_warps=g.get("mma_num_warps", 4), num_stages=g.get("mma_num_stages", 4), launch_pdl=pdl,
+            )  # fmt: skip
+        else:
+            _gate_up_gemv_fp8_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
+                xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
+                xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+                h.stride(0), BLOCK_N=g["BLOCK_N"], GROUP=group, BLOCK_ROWS=bn, K_UNROLL=g.get("K_UNROLL", 1), USE_PDL=pdl,
+                num_warps=g["num_warps"], num_stages=g["num_stages"], launch_pdl=pdl,
+            )  # fmt: skip
         y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
         _down_sum_gemv_fp8_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
             h, w2, s2, ids, weights, y, num_experts, hidden, inter, h.stride(0),

@@ -45,6 +45,7 @@ CPU tensors (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -69,6 +70,7 @@ GEMV_MAX_M = 16
 # the prefill tiles leave most SMs idle there, e.g. 32 programs for o_proj at 64 rows); more rows: the GEMM.
 # ``KVSHIP_FP8_MID_MAX_M`` overrides it (16: off; benchmarks compare both in one run)
 MID_MAX_M = ENV.FP8_MID_MAX_M
+SWAP_MAX_M = ENV.FP8_SWAP_MAX_M
 
 
 # --- arithmetic shared by the kernels ----------------------------------------------------------------
@@ -468,6 +470,7 @@ def _fp8_mm_kernel(
     GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
     FIXUP: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):
     # a: e4m3 [M, K] with scales as_ (ACT: per group [M, K/G], per token [M], static scalar); b: e4m3 [N, K] with
     # bs (WBLOCK: [N/WBN, K/G] blocks, else [N] rows).  Per-group activations or block weights: a scale changes
@@ -478,6 +481,10 @@ def _fp8_mm_kernel(
     # bias on s == 0) at ``c + s * stride_cs``.  FIXUP: then it counts itself in at ``counters[pid]``; the
     # tile's last program adds the SPLIT_K partials in split order into ``y`` and sets the count back to 0
     # (the next launch, or graph replay, finds it 0).  Else ``_splitk_sum_kernel`` adds them.
+    # SWAP: the products are taken as ``w x^T`` (the weight rows are the MMA's left operand, ``[BLOCK_N,
+    # BLOCK_M]`` accumulators) and transposed once after the K loop: with BLOCK_N >= 64 weight rows a decode tile
+    # fits Hopper's warpgroup MMA, whose left operand must be 64 rows tall, instead of padding a few activation
+    # rows to 16 for the warp-level MMA.
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -499,7 +506,10 @@ def _fp8_mm_kernel(
     k_lo = pid_s * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
     pdl_enter(USE_PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + rk) < K
         at = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -508,15 +518,26 @@ def _fp8_mm_kernel(
             at = at.to(tl.float16)
             bt = bt.to(tl.float16)
         if ACT == 0 or WBLOCK or FP8_DOT:  # e4m3 MMAs: each K step's sum leaves the tensor cores (fp32 adds)
-            part = tl.dot(at, tl.trans(bt))
+            if SWAP:
+                part = tl.dot(bt, tl.trans(at))
+            else:
+                part = tl.dot(at, tl.trans(bt))
             g = k0 // G
             if ACT == 0:
-                part = part * tl.load(as_ + rm * stride_asm + g * stride_asg, mask=m_ok, other=0.0)[:, None]
+                sa = tl.load(as_ + rm * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
+                if SWAP:
+                    part = part * sa[None, :]
+                else:
+                    part = part * sa[:, None]
             if WBLOCK:
                 part = part * tl.load(bs_row + g * stride_bsg)
             acc += part
+        elif SWAP:
+            acc = tl.dot(bt, tl.trans(at), acc)
         else:
             acc = tl.dot(at, tl.trans(bt), acc)
+    if SWAP:
+        acc = tl.trans(acc)
     if ACT == 1:
         acc = acc * tl.load(as_ + rm * stride_asm, mask=m_ok, other=0.0)[:, None]
     elif ACT == 2:
@@ -569,6 +590,8 @@ class Fp8Config:
     #: mma: K split over that many programs per tile, partials summed by a second kernel (long-K decode
     #: projections: more programs in flight)
     split_k: int = 1
+    #: mma: the weight rows as the MMA's left operand (``_fp8_mm_kernel``'s SWAP)
+    swap: bool = False
 
 
 def bucket(m: int) -> int:
@@ -593,8 +616,14 @@ def default_config(m: int, n: int, k: int, act: int) -> Fp8Config:
     norm / SiLU-and-mul before it: ``norm_quant``, ``quantize_act(silu=True)``).  A projection narrower than
     16384 rows (the 8B qkv, o and down_proj: 64-96 tiles for 132 SMs) splits K four ways over programs so that
     enough weight bytes are in flight (H200 sweep, 2026-11-29: o_proj 14.3 -> 11.7 us, qkv 15.8 -> 13.9 us,
-    block-128 down_proj 22 us; docs/quantization.md)."""
+    block-128 down_proj 22 us; docs/quantization.md).  Up to ``SWAP_MAX_M`` rows (the default: 16) the weight rows are the
+    MMA's left operand, so that a tile is one 64-row warpgroup MMA on the e4m3 values (no widening to fp16);
+    on an H200 (session 38) a swapped tile was the best of 20 tilings at 23 of 24 (projection, M, format) cells
+    of the 8B shapes (this one at 14; the others differ in stages or K split), and a batch-1 block-128 decode
+    step went 2.916 -> 2.872 ms."""
     split = 4 if n < 16384 else 1
+    if m <= SWAP_MAX_M:
+        return Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, fp8_dot=True, split_k=split, swap=True)
     return Fp8Config("mma", 16, 64, 128, num_warps=4, num_stages=4, split_k=split)
 
 
@@ -610,6 +639,8 @@ def mid_config(m: int, n: int, k: int, act: int) -> Fp8Config:
         bn, split = 128, 1
     else:
         bn, split = 64, (4 if m <= 64 else 2)
+    if m <= SWAP_MAX_M:  # the weight rows as the MMA's left operand (default_config's tiles)
+        return Fp8Config("mma", bm, bn, 128, num_warps=4, num_stages=4, fp8_dot=True, split_k=split, swap=True)
     return Fp8Config("mma", bm, bn, 128, num_warps=4, num_stages=4, fp8_dot=bm >= 64, split_k=split)
 
 
@@ -640,9 +671,7 @@ def _fit(cfg: Fp8Config, act: int, block: Optional[tuple[int, int]], group: int)
         bn = min(bn, block[0])
     if (bk, bn) == (cfg.block_k, cfg.block_n):
         return cfg
-    return Fp8Config(
-        cfg.kind, cfg.block_m, bn, bk, cfg.num_warps, cfg.num_stages, cfg.preq, cfg.fp8_dot, cfg.group_m, cfg.split_k,
-    )  # fmt: skip
+    return dataclasses.replace(cfg, block_n=bn, block_k=bk)
 
 
 def _scale_strides(act: int, s: torch.Tensor) -> tuple[int, int]:
@@ -690,7 +719,7 @@ def launch_q(
     """``launch`` on an input already quantized (``quantize_act``'s layout: e4m3 ``xq [M, K]`` and its scales
     ``xs``); a GEMV ``cfg`` runs as its ``preq`` form."""
     if cfg.kind == "gemv" and not cfg.preq:
-        cfg = Fp8Config(cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, True)
+        cfg = dataclasses.replace(cfg, preq=True)
     return _launch(xq, xs, w, wscale, act, block, group, bias, out_dtype, cfg)
 
 
@@ -729,7 +758,7 @@ def _launch(xin, xs, w, wscale, act, block, group, bias, out_dtype, cfg) -> torc
         _fp8_mm_kernel[(tiles, split)](
             xin, xs, w, wscale, b, c, m, n, k, xin.stride(0), ssm, ssg, w.stride(0), wsn, wsg, n, m * n,
             y, counters if counters is not None else wscale, FP8_DOT=cfg.fp8_dot, SPLIT_K=split,
-            GROUP_M=cfg.group_m, FIXUP=counters is not None, **common,
+            GROUP_M=cfg.group_m, FIXUP=counters is not None, SWAP=cfg.swap, **common,
         )  # fmt: skip
         if split > 1 and counters is None:
             blk = 1024
