@@ -377,77 +377,17 @@ def _gate_up_gemv_fp8_kernel(
     BLOCK_ROWS: tl.constexpr,
     K_UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr,
+    MMA_M: tl.constexpr = 0,
 ):
     # one (token, expert) pair x BLOCK_N columns of gate and up; weights dequantised per K-block in the kernel,
-    # K_UNROLL blocks an iteration (more bytes in flight; the blocks still added in order)
+    # K_UNROLL blocks an iteration (more bytes in flight; the blocks still added in order).
+    # MMA_M > 0: the product on the tensor cores instead, the BLOCK_N weight rows as the MMA's left operand
+    # (BLOCK_N >= 64: Hopper's warpgroup MMA on the e4m3 values, no widening), the pair's quantised row as the
+    # right one (padded with zero rows to MMA_M); each K-block's product leaves the tensor cores, is scaled by
+    # its weight block's and the row's group scale and added in fp32.  BLOCK_N rows then lie in one weight row
+    # block on both halves (the caller checks inter_size); K_UNROLL is not used.
     pair = tl.program_id(0)
     pdl_enter(USE_PDL)  # the expert id comes from the routing kernel, the activations from the quantisation
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if (expert < 0) | (expert >= num_experts):  # absent: its row is never read
-        return
-    row = (pair // top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < inter_size
-    offs_k = tl.arange(0, GROUP)
-    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + inter_size * stride_wn
-    gs_ptrs = ws_ptr + expert * stride_wse + (offs_n // BLOCK_ROWS) * stride_wsn
-    us_ptrs = ws_ptr + expert * stride_wse + ((offs_n + inter_size) // BLOCK_ROWS) * stride_wsn
-    x_ptrs = xq_ptr + row * stride_xm + offs_k
-    acc_g = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
-    n_groups = tl.cdiv(hidden_size, GROUP)
-    for k0 in range(0, tl.cdiv(n_groups, K_UNROLL)):
-        for j in tl.static_range(K_UNROLL):
-            kg = k0 * K_UNROLL + j
-            mask_k = offs_k < hidden_size - kg * GROUP  # all False past the last block: it adds zeros
-            ks = tl.minimum(kg, n_groups - 1)  # the scales' block, a real one past the last
-            a = tl.load(x_ptrs + kg * GROUP, mask=mask_k, other=0.0).to(tl.float32) * tl.load(
-                xs_ptr + row * stride_xsm + ks
-            )
-            m2 = mask_n[:, None] & mask_k[None, :]
-            g_s = tl.load(gs_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
-            u_s = tl.load(us_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
-            acc_g += tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * g_s[:, None] * a[None, :]
-            acc_u += tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * u_s[:, None] * a[None, :]
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, g * tl.sigmoid(g) * u, mask=mask_n)
-
-
-@triton.jit
-def _gate_up_mma_fp8_kernel(
-    xq_ptr,
-    xs_ptr,
-    w_ptr,
-    ws_ptr,
-    ids_ptr,
-    h_ptr,
-    num_experts,
-    inter_size,
-    hidden_size,
-    top_k: tl.constexpr,
-    stride_xm,
-    stride_xsm,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_wsk,
-    stride_hm,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # _gate_up_gemv_fp8_kernel's product on the tensor cores: one (token, expert) pair x BLOCK_N rows of gate and
-    # of up, the weight rows as the MMA's left operand (BLOCK_N >= 64: Hopper's warpgroup MMA on the e4m3 values,
-    # no widening), the pair's quantised row as the right one (padded to BLOCK_M rows of zeros).  Each K-block's
-    # product leaves the tensor cores and is scaled by its weight block's and the row's group scale, then added
-    # in fp32.  BLOCK_N rows lie in one weight row block on both halves (the caller checks inter_size).
-    pair = tl.program_id(0)
-    pdl_enter(USE_PDL)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):  # absent: its row is never read
         return
@@ -456,26 +396,49 @@ def _gate_up_mma_fp8_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter_size
     offs_k = tl.arange(0, GROUP)
-    rm = tl.arange(0, BLOCK_M)
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + inter_size * stride_wn
-    gs_ptr = ws_ptr + expert * stride_wse + (n0 // BLOCK_ROWS) * stride_wsn
-    us_ptr = ws_ptr + expert * stride_wse + ((n0 + inter_size) // BLOCK_ROWS) * stride_wsn
-    x_ptrs = xq_ptr + row * stride_xm + rm[:, None] * 0 + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kg in range(0, tl.cdiv(hidden_size, GROUP)):
-        mask_k = offs_k < hidden_size - kg * GROUP
-        xt = tl.load(x_ptrs + kg * GROUP, mask=(rm == 0)[:, None] & mask_k[None, :], other=0.0)
-        xsc = tl.load(xs_ptr + row * stride_xsm + kg)
-        m2 = mask_n[:, None] & mask_k[None, :]
-        wg = tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0)
-        wu = tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0)
-        acc_g += tl.dot(wg, tl.trans(xt)) * (tl.load(gs_ptr + kg * stride_wsk) * xsc)
-        acc_u += tl.dot(wu, tl.trans(xt)) * (tl.load(us_ptr + kg * stride_wsk) * xsc)
-    first = (rm == 0)[None, :]
-    g = tl.sum(tl.where(first, acc_g, 0.0), axis=1)
-    u = tl.sum(tl.where(first, acc_u, 0.0), axis=1)
+    if MMA_M > 0:
+        rm = tl.arange(0, MMA_M)
+        gs_ptr = ws_ptr + expert * stride_wse + (n0 // BLOCK_ROWS) * stride_wsn
+        us_ptr = ws_ptr + expert * stride_wse + ((n0 + inter_size) // BLOCK_ROWS) * stride_wsn
+        xm_ptrs = xq_ptr + row * stride_xm + rm[:, None] * 0 + offs_k[None, :]
+        mma_g = tl.zeros((BLOCK_N, MMA_M), dtype=tl.float32)
+        mma_u = tl.zeros((BLOCK_N, MMA_M), dtype=tl.float32)
+        for kg in range(0, tl.cdiv(hidden_size, GROUP)):
+            mask_k = offs_k < hidden_size - kg * GROUP
+            xt = tl.load(xm_ptrs + kg * GROUP, mask=(rm == 0)[:, None] & mask_k[None, :], other=0.0)
+            xsc = tl.load(xs_ptr + row * stride_xsm + kg)
+            m2 = mask_n[:, None] & mask_k[None, :]
+            wg = tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0)
+            wu = tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0)
+            mma_g += tl.dot(wg, tl.trans(xt)) * (tl.load(gs_ptr + kg * stride_wsk) * xsc)
+            mma_u += tl.dot(wu, tl.trans(xt)) * (tl.load(us_ptr + kg * stride_wsk) * xsc)
+        first = (rm == 0)[None, :]
+        g = tl.sum(tl.where(first, mma_g, 0.0), axis=1)
+        u = tl.sum(tl.where(first, mma_u, 0.0), axis=1)
+    else:
+        gs_ptrs = ws_ptr + expert * stride_wse + (offs_n // BLOCK_ROWS) * stride_wsn
+        us_ptrs = ws_ptr + expert * stride_wse + ((offs_n + inter_size) // BLOCK_ROWS) * stride_wsn
+        x_ptrs = xq_ptr + row * stride_xm + offs_k
+        acc_g = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+        n_groups = tl.cdiv(hidden_size, GROUP)
+        for k0 in range(0, tl.cdiv(n_groups, K_UNROLL)):
+            for j in tl.static_range(K_UNROLL):
+                kg = k0 * K_UNROLL + j
+                mask_k = offs_k < hidden_size - kg * GROUP  # all False past the last block: it adds zeros
+                ks = tl.minimum(kg, n_groups - 1)  # the scales' block, a real one past the last
+                a = tl.load(x_ptrs + kg * GROUP, mask=mask_k, other=0.0).to(tl.float32) * tl.load(
+                    xs_ptr + row * stride_xsm + ks
+                )
+                m2 = mask_n[:, None] & mask_k[None, :]
+                g_s = tl.load(gs_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
+                u_s = tl.load(us_ptrs + ks * stride_wsk, mask=mask_n, other=0.0)
+                acc_g += tl.load(g_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * g_s[:, None] * a[None, :]
+                acc_u += tl.load(u_ptrs + kg * GROUP, mask=m2, other=0.0).to(tl.float32) * u_s[:, None] * a[None, :]
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
     tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, g * tl.sigmoid(g) * u, mask=mask_n)
 
 
@@ -548,7 +511,7 @@ def _down_sum_gemv_fp8_kernel(
 # bench/fp8_moe.py --gemv-sweep 1 on an H200, Qwen3-30B-A3B layer at one token (docs/quantization.md, "MoE
 # experts"): 21.3 us with two K-blocks an iteration in both GEMVs (session 36; 26.6 us for session 25's
 # one-block loops without PDL); session 38: the gate/up product on the tensor cores (MMA_BLOCK_N=64,
-# _gate_up_mma_fp8_kernel), 21.1 -> 20.2-20.4 us at one token and 37.8-38.0 -> 33.5-34.4 at two
+# _gate_up_gemv_fp8_kernel's MMA_M form), 21.1 -> 20.2-20.4 us at one token and 37.8-38.0 -> 33.5-34.4 at two
 # (KVSHIP_FP8_MOE_GATE_UP_MMA=0: the CUDA-core GEMV)
 GEMV_CONFIG_FP8 = dict(
     BLOCK_N=16, num_warps=8, num_stages=3, DOWN_BLOCK_N=8, down_num_warps=8, K_UNROLL=2, DOWN_K_UNROLL=2,
@@ -646,20 +609,16 @@ def fused_experts_fp8(
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(m * top_k, inter, dtype=torch.float32, device=x.device)
         mma_bn = g.get("MMA_BLOCK_N", 0)
-        if mma_bn and inter % mma_bn == 0 and bn % mma_bn == 0:  # the gate/up product on the tensor cores
-            _gate_up_mma_fp8_kernel[(m * top_k, inter // mma_bn)](
-                xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
-                xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-                s13.stride(2), h.stride(0), BLOCK_N=mma_bn, BLOCK_M=16, GROUP=group, BLOCK_ROWS=bn, USE_PDL=pdl,
-                num_warps=g.get("mma_num_warps", 4), num_stages=g.get("mma_num_stages", 4), launch_pdl=pdl,
-            )  # fmt: skip
-        else:
-            _gate_up_gemv_fp8_kernel[(m * top_k, triton.cdiv(inter, g["BLOCK_N"]))](
-                xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
-                xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
-                h.stride(0), BLOCK_N=g["BLOCK_N"], GROUP=group, BLOCK_ROWS=bn, K_UNROLL=g.get("K_UNROLL", 1), USE_PDL=pdl,
-                num_warps=g["num_warps"], num_stages=g["num_stages"], launch_pdl=pdl,
-            )  # fmt: skip
+        mma = bool(mma_bn) and inter % mma_bn == 0 and bn % mma_bn == 0  # the gate/up product on the tensor cores
+        bn_gu = mma_bn if mma else g["BLOCK_N"]
+        _gate_up_gemv_fp8_kernel[(m * top_k, triton.cdiv(inter, bn_gu))](
+            xq, xs, w13, s13, ids, h, num_experts, inter, hidden, top_k,
+            xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2),
+            h.stride(0), BLOCK_N=bn_gu, GROUP=group, BLOCK_ROWS=bn, K_UNROLL=g.get("K_UNROLL", 1), USE_PDL=pdl,
+            MMA_M=16 if mma else 0, launch_pdl=pdl,
+            num_warps=g.get("mma_num_warps", 4) if mma else g["num_warps"],
+            num_stages=g.get("mma_num_stages", 4) if mma else g["num_stages"],
+        )  # fmt: skip
         y = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
         _down_sum_gemv_fp8_kernel[(m, triton.cdiv(hidden, g["DOWN_BLOCK_N"]))](
             h, w2, s2, ids, weights, y, num_experts, hidden, inter, h.stride(0),

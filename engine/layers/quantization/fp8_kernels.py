@@ -616,9 +616,9 @@ def default_config(m: int, n: int, k: int, act: int) -> Fp8Config:
     norm / SiLU-and-mul before it: ``norm_quant``, ``quantize_act(silu=True)``).  A projection narrower than
     16384 rows (the 8B qkv, o and down_proj: 64-96 tiles for 132 SMs) splits K four ways over programs so that
     enough weight bytes are in flight (H200 sweep, 2026-11-29: o_proj 14.3 -> 11.7 us, qkv 15.8 -> 13.9 us,
-    block-128 down_proj 22 us; docs/quantization.md).  Up to ``SWAP_MAX_M`` rows (the default: 16) the weight rows are the
-    MMA's left operand, so that a tile is one 64-row warpgroup MMA on the e4m3 values (no widening to fp16);
-    on an H200 (session 38) a swapped tile was the best of 20 tilings at 23 of 24 (projection, M, format) cells
+    block-128 down_proj 22 us; docs/quantization.md).  Up to ``SWAP_MAX_M`` rows (the default: 16) the weight
+    rows are the MMA's left operand, so that a tile is one 64-row warpgroup MMA on the e4m3 values (no widening
+    to fp16); on an H200 (session 38) a swapped tile was the best of 20 tilings at 23 of 24 (projection, M, format) cells
     of the 8B shapes (this one at 14; the others differ in stages or K split), and a batch-1 block-128 decode
     step went 2.916 -> 2.872 ms."""
     split = 4 if n < 16384 else 1
